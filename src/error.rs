@@ -1,0 +1,217 @@
+//! The crate-wide error type: one enum with structured variants grouped by area, and the
+//! [`Result`] alias. Variants carry what a user needs to act: the op, the tensor name, the
+//! shapes, the split states, the file and the field.
+
+use std::path::PathBuf;
+
+/// Shapes in errors are printed in ggml order, `[ne0, ne1, ne2, ne3]`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Shape(pub [usize; 4]);
+
+impl std::fmt::Debug for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ne = self.0;
+        write!(f, "[{}, {}, {}, {}]", ne[0], ne[1], ne[2], ne[3])
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // ---- graph building -------------------------------------------------------------
+    /// Two operands of an op have shapes the op cannot combine.
+    #[error("{op}: shapes do not match: {lhs} and {rhs} ({reason})")]
+    ShapeMismatch {
+        op: &'static str,
+        lhs: Shape,
+        rhs: Shape,
+        reason: String,
+    },
+    /// An operand has a dtype the op does not take.
+    #[error("{op}: operand `{operand}` has dtype {got}, expected {expected}")]
+    DTypeMismatch {
+        op: &'static str,
+        operand: String,
+        expected: String,
+        got: String,
+    },
+    /// An op's parameters are invalid (axis out of range, bad permutation, ...).
+    #[error("{op}: {reason}")]
+    InvalidOp { op: &'static str, reason: String },
+    /// A tensor id does not belong to the graph.
+    #[error("tensor id {id} is not in this graph (graph has {len} tensors)")]
+    UnknownTensor { id: usize, len: usize },
+
+    // ---- backends ---------------------------------------------------------------------
+    /// The backend has no kernel for this op with these operand types and layouts.
+    #[error("{backend}: op {op} on node `{node}` is not supported ({detail})")]
+    UnsupportedOp {
+        backend: String,
+        op: String,
+        node: String,
+        detail: String,
+    },
+    /// A tensor has no storage where the backend needs it (a leaf with neither a buffer nor data).
+    #[error("tensor `{tensor}` has no storage: {reason}")]
+    NoStorage { tensor: String, reason: String },
+    /// A tensor lives in a buffer this backend cannot read.
+    #[error(
+        "{backend}: tensor `{tensor}` lives in buffer type {buffer_type}, which this backend cannot use"
+    )]
+    IncompatibleBuffer {
+        backend: String,
+        tensor: String,
+        buffer_type: String,
+    },
+    /// A device string or device failure.
+    #[error("device {device}: {reason}")]
+    Device { device: String, reason: String },
+    /// The crate was built without the `cuda` feature.
+    #[error("CUDA support is not compiled in: rebuild with `--features cuda`")]
+    CudaNotCompiled,
+
+    // ---- memory -----------------------------------------------------------------------
+    /// A read or write falls outside a tensor or a buffer.
+    #[error("{what}: {size} bytes at offset {offset} do not fit in {capacity} bytes")]
+    OutOfBounds {
+        what: String,
+        offset: usize,
+        size: usize,
+        capacity: usize,
+    },
+    /// A buffer is smaller than what must be placed in it.
+    #[error("{what}: buffer of {available} bytes is too small, {needed} bytes needed")]
+    BufferTooSmall {
+        what: String,
+        needed: usize,
+        available: usize,
+    },
+    /// An allocation failed or exceeds the buffer type's maximum.
+    #[error("{buffer_type}: cannot allocate {size} bytes: {reason}")]
+    AllocFailed {
+        buffer_type: String,
+        size: usize,
+        reason: String,
+    },
+
+    // ---- split states and the meta backend --------------------------------------------
+    /// A split state is invalid for its tensor.
+    #[error("split state of tensor `{tensor}`: {reason}")]
+    InvalidSplit { tensor: String, reason: String },
+    /// No rule accepts this combination of source states.
+    #[error("op {op} on node `{node}`: no rule for source states {states}: {reason}")]
+    NoSplitRule {
+        op: String,
+        node: String,
+        states: String,
+        reason: String,
+    },
+    /// `explicit` mode: a conversion the plan did not ask for would be needed.
+    #[error(
+        "explicit mode: node `{node}` ({op}) needs source `{source_name}` as {to} but it is {from}; \
+         this would insert {conversion}"
+    )]
+    UnrequestedCommunication {
+        node: String,
+        op: String,
+        source_name: String,
+        from: String,
+        to: String,
+        conversion: String,
+    },
+
+    // ---- collectives ------------------------------------------------------------------
+    /// A collective failed on this rank, or another rank failed and this one was released.
+    #[error("collective {collective} on rank {rank} of {world}: {reason}")]
+    Collective {
+        collective: &'static str,
+        rank: usize,
+        world: usize,
+        reason: String,
+    },
+
+    // ---- files and models -------------------------------------------------------------
+    /// An I/O error on a named file.
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file's contents are malformed; `field` names what was being read.
+    #[error("{path}: malformed {field}: {reason}")]
+    Format {
+        path: PathBuf,
+        field: String,
+        reason: String,
+    },
+    /// A model is missing something it needs or has something it cannot use.
+    #[error("model {model}: {reason}")]
+    Model { model: String, reason: String },
+
+    /// Anything else, with a sentence that says what.
+    #[error("{0}")]
+    Msg(String),
+}
+
+impl Error {
+    pub fn msg(s: impl Into<String>) -> Self {
+        Error::Msg(s.into())
+    }
+
+    pub fn invalid_op(op: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidOp {
+            op,
+            reason: reason.into(),
+        }
+    }
+
+    pub fn shape(
+        op: &'static str,
+        lhs: [usize; 4],
+        rhs: [usize; 4],
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::ShapeMismatch {
+            op,
+            lhs: Shape(lhs),
+            rhs: Shape(rhs),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn format(
+        path: impl Into<PathBuf>,
+        field: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::Format {
+            path: path.into(),
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `bail!("...")` returns `Err(Error::Msg(format!(...)))`.
+#[macro_export]
+macro_rules! bail {
+    ($($arg:tt)*) => {
+        return Err($crate::Error::Msg(format!($($arg)*)))
+    };
+}

@@ -3,9 +3,21 @@
 //! The crate follows ggml-backend's ladder (registry, device, buffer type, buffer, backend,
 //! event) and the ggml meta backend's split states. See `ARCHITECTURE.md` for the code map.
 
+pub mod alloc;
+pub mod backend;
+pub mod buffer;
 pub mod cpu;
+pub mod cuda;
 pub mod dtype;
 pub mod error;
+pub mod graph;
+pub mod op;
+pub mod tensor;
 
+pub use backend::{Backend, Device, parse_devices};
+pub use buffer::{Buffer, BufferType, Storage};
 pub use dtype::DType;
 pub use error::{Error, Result, Shape};
+pub use graph::{Graph, TensorId};
+pub use op::Op;
+pub use tensor::Layout;

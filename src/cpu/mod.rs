@@ -1,8 +1,22 @@
 //! The CPU backend: 1..16 logical devices on one host, each with its own thread pool, aligned
 //! host buffers, and kernels per op family.
 
+pub mod backend;
+pub mod buffer;
+pub mod convert;
+pub mod device;
+pub mod matmul;
+mod ops;
 pub mod pool;
 pub mod view;
 
+pub use backend::CpuBackend;
+pub use buffer::{CpuBuffer, CpuBufferType};
+pub use device::{CpuDevice, CpuOptions, CpuRegistry, parse_cpu_spec, parse_cpu_spec_with};
 pub use pool::{Barrier, ThreadPool};
 pub use view::{ComputeParams, TensorView, split_range};
+
+/// Row conversions shared with the matmul kernels.
+pub(crate) mod ops_support {
+    pub(crate) use super::ops::read_row_f32;
+}

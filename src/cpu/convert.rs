@@ -1,0 +1,114 @@
+//! Row conversions between storage dtypes and f32 used by the op kernels: no allocation, half
+//! types through the `half` crate's slice conversions (hardware F16C where present), quantized
+//! blocks per ggml's layouts (see `dtype.rs`), unaligned reads allowed.
+
+use crate::DType;
+use crate::dtype::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+/// Convert one packed row of `dtype` (`src.len() == dtype.row_size(out.len())`) to f32.
+pub fn row_to_f32(dtype: DType, src: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    debug_assert_eq!(src.len(), dtype.row_size(n));
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::I32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32;
+            }
+        }
+        DType::F16 => {
+            if src.as_ptr() as usize % 2 == 0 {
+                // SAFETY: aligned for f16 (checked), length n * 2 bytes (asserted by the caller's
+                // contract), every bit pattern is a valid f16.
+                let h = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f16>(), n) };
+                h.convert_to_f32_slice(out);
+            } else {
+                for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::Q8_0 => {
+            for (b, o) in src.chunks_exact(34).zip(out.chunks_exact_mut(QK)) {
+                // SAFETY: the chunk holds exactly one block; read_unaligned copies it.
+                let blk: BlockQ8_0 = unsafe { b.as_ptr().cast::<BlockQ8_0>().read_unaligned() };
+                let d = blk.d.to_f32();
+                for (y, &q) in o.iter_mut().zip(&blk.qs) {
+                    *y = q as f32 * d;
+                }
+            }
+        }
+        DType::Q4_0 => {
+            for (b, o) in src.chunks_exact(18).zip(out.chunks_exact_mut(QK)) {
+                // SAFETY: as above.
+                let blk: BlockQ4_0 = unsafe { b.as_ptr().cast::<BlockQ4_0>().read_unaligned() };
+                let d = blk.d.to_f32();
+                for j in 0..QK / 2 {
+                    o[j] = ((blk.qs[j] & 15) as i32 - 8) as f32 * d;
+                    o[j + QK / 2] = ((blk.qs[j] >> 4) as i32 - 8) as f32 * d;
+                }
+            }
+        }
+        DType::Q4_1 => {
+            for (b, o) in src.chunks_exact(20).zip(out.chunks_exact_mut(QK)) {
+                // SAFETY: as above.
+                let blk: BlockQ4_1 = unsafe { b.as_ptr().cast::<BlockQ4_1>().read_unaligned() };
+                let (d, m) = (blk.d.to_f32(), blk.m.to_f32());
+                for j in 0..QK / 2 {
+                    o[j] = (blk.qs[j] & 15) as f32 * d + m;
+                    o[j + QK / 2] = (blk.qs[j] >> 4) as f32 * d + m;
+                }
+            }
+        }
+    }
+}
+
+/// Convert f32 values into one packed row of `dtype` (`dst.len() == dtype.row_size(src.len())`).
+pub fn row_from_f32(dtype: DType, src: &[f32], dst: &mut [u8]) {
+    debug_assert_eq!(dst.len(), dtype.row_size(src.len()));
+    match dtype {
+        DType::F32 => {
+            for (c, &v) in dst.chunks_exact_mut(4).zip(src) {
+                c.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::I32 => {
+            for (c, &v) in dst.chunks_exact_mut(4).zip(src) {
+                c.copy_from_slice(&(v as i32).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            if dst.as_ptr() as usize % 2 == 0 {
+                // SAFETY: aligned for f16 (checked), exactly src.len() halves long.
+                let h = unsafe {
+                    std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f16>(), src.len())
+                };
+                h.convert_from_f32_slice(src);
+            } else {
+                for (c, &v) in dst.chunks_exact_mut(2).zip(src) {
+                    c.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+            }
+        }
+        DType::BF16 => {
+            for (c, &v) in dst.chunks_exact_mut(2).zip(src) {
+                c.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+            }
+        }
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            // Quantizing is rare on the hot path (casts); the reference is exact to ggml's.
+            let _ = crate::dtype::row_from_f32(dtype, src, dst);
+        }
+    }
+}

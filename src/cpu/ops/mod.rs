@@ -1,0 +1,176 @@
+//! CPU kernels by op family, and the one place that fans an `Op` out to them: `supports`
+//! (which operand types and layouts each kernel takes), `work_size` (scratch bytes) and
+//! `forward` (run one node on one thread of the pool).
+//!
+//! Every kernel splits its output by `(ith, nth)` so threads write disjoint bytes, reads its
+//! inputs through their strides, and converts half types through f32.
+
+mod attn;
+mod copy;
+mod elementwise;
+mod norm;
+mod rope;
+mod rows;
+
+use super::matmul;
+use super::view::{ComputeParams, TensorView};
+use crate::DType;
+use crate::op::Op;
+
+type Support = Result<(), String>;
+
+fn need(cond: bool, why: impl FnOnce() -> String) -> Support {
+    if cond { Ok(()) } else { Err(why()) }
+}
+
+fn float(t: &TensorView, what: &str) -> Support {
+    need(t.dtype.is_float(), || {
+        format!("{what} has dtype {}, kernels take f32, f16, bf16", t.dtype)
+    })
+}
+
+/// Whether a kernel computes `op` with these operands.
+pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
+    match op {
+        Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => Ok(()),
+        Op::MulMat => matmul::supports(&src[0], &src[1], dst),
+        Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Swiglu => {
+            for (i, s) in src.iter().enumerate() {
+                float(s, &format!("source {i}"))?;
+            }
+            float(dst, "the output")
+        }
+        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::Mean => {
+            float(&src[0], "the input")
+        }
+        Op::SoftMax { .. } => {
+            float(&src[0], "the input")?;
+            need(dst.dtype == DType::F32 || dst.dtype == src[0].dtype, || {
+                "output dtype".into()
+            })
+        }
+        Op::Argmax => need(src[0].dtype == DType::F32, || "argmax takes f32".into()),
+        Op::Rope(_) => need(matches!(src[0].dtype, DType::F32 | DType::F16), || {
+            format!("rope takes f32 or f16, not {}", src[0].dtype)
+        }),
+        Op::GetRows => need(
+            src[0].rows_contiguous() || !src[0].dtype.is_quantized(),
+            || "quantized tables need packed rows".into(),
+        ),
+        Op::SetRows => need(dst.dtype.is_float(), || {
+            format!("set_rows into {} is not supported", dst.dtype)
+        }),
+        Op::Cont | Op::Cpy => copy::supports(&src[0], dst),
+        Op::Concat { .. } => need(
+            src[0].dtype == src[1].dtype && src[0].dtype == dst.dtype,
+            || "concat operands must share a dtype".into(),
+        ),
+        Op::FlashAttn { .. } => attn::supports(src),
+    }
+}
+
+/// Scratch bytes the node needs on `nth` threads.
+pub fn work_size(op: &Op, dst: &TensorView, src: &[TensorView], nth: usize, exact: bool) -> usize {
+    match op {
+        Op::MulMat => matmul::work_size(&src[0], &src[1], dst, nth, exact),
+        Op::FlashAttn { .. } => attn::work_size(src, nth),
+        _ => copy::row_scratch(src, dst, nth),
+    }
+}
+
+/// Run one node on thread `p.ith` of `p.nth`.
+pub fn forward(p: &ComputeParams, op: &Op, dst: &TensorView, src: &[TensorView]) {
+    match *op {
+        Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => {}
+        Op::MulMat => matmul::forward(p, &src[0], &src[1], dst),
+        Op::Binary(b) => elementwise::binary(p, b, dst, &src[0], &src[1]),
+        Op::Scale { scale, bias } => elementwise::map(p, dst, &src[0], |x| x * scale + bias),
+        Op::Clamp { min, max } => elementwise::map(p, dst, &src[0], |x| x.clamp(min, max)),
+        Op::Unary(u) => elementwise::unary(p, u, dst, &src[0]),
+        Op::Swiglu => elementwise::swiglu(p, dst, src),
+        Op::RmsNorm { eps } => norm::rms_norm(p, dst, &src[0], eps),
+        Op::Norm { eps } => norm::norm(p, dst, &src[0], eps),
+        Op::SoftMax { scale } => norm::soft_max(p, dst, &src[0], src.get(1), scale),
+        Op::SumRows => norm::sum_rows(p, dst, &src[0], false),
+        Op::Mean => norm::sum_rows(p, dst, &src[0], true),
+        Op::Argmax => norm::argmax(p, dst, &src[0]),
+        Op::Rope(params) => rope::rope(p, dst, &src[0], &src[1], &params),
+        Op::GetRows => rows::get_rows(p, dst, &src[0], &src[1]),
+        Op::SetRows => rows::set_rows(p, dst, &src[1], &src[2]),
+        Op::Cont => copy::cont(p, dst, &src[0]),
+        Op::Cpy => copy::cpy(p, dst, &src[0]),
+        Op::Concat { dim } => copy::concat(p, dst, &src[0], &src[1], dim),
+        Op::FlashAttn { scale } => attn::flash_attn(p, dst, src, scale),
+    }
+}
+
+/// Decompose a row index of a tensor with extents `ne` into `(i1, i2, i3)`.
+#[inline(always)]
+pub(crate) fn unravel_row(r: usize, ne: &[usize; 4]) -> (usize, usize, usize) {
+    let i1 = r % ne[1];
+    let i2 = (r / ne[1]) % ne[2];
+    let i3 = r / (ne[1] * ne[2]);
+    (i1, i2, i3)
+}
+
+/// Read row `(i1, i2, i3)` of a float or quantized tensor into f32 (`out.len() == ne[0]`);
+/// `scratch` holds a packed copy when elements are strided.
+///
+/// # Safety
+/// The row indices are in range and the tensor's bytes are readable.
+pub(crate) unsafe fn read_row_f32(
+    t: &TensorView,
+    i1: usize,
+    i2: usize,
+    i3: usize,
+    out: &mut [f32],
+) {
+    let n = t.ne[0];
+    // SAFETY: the caller keeps the indices in range; reads stay within the row.
+    unsafe {
+        let base = t.row_ptr(i1, i2, i3);
+        if t.dtype == DType::F32 && t.rows_contiguous() {
+            std::ptr::copy_nonoverlapping(base.cast::<f32>(), out.as_mut_ptr(), n);
+        } else if t.rows_contiguous() || t.dtype.is_quantized() {
+            let bytes = std::slice::from_raw_parts(base, t.dtype.row_size(n));
+            super::convert::row_to_f32(t.dtype, bytes, out);
+        } else {
+            for (i0, o) in out.iter_mut().enumerate() {
+                *o = t.get_f32(i0, i1, i2, i3);
+            }
+        }
+    }
+}
+
+/// Write f32 values into row `(i1, i2, i3)` of a float or quantized tensor.
+///
+/// # Safety
+/// The row indices are in range and this thread owns the row.
+pub(crate) unsafe fn write_row_f32(t: &TensorView, i1: usize, i2: usize, i3: usize, v: &[f32]) {
+    // SAFETY: the caller keeps the indices in range and owns the row.
+    unsafe {
+        let base = t.row_ptr(i1, i2, i3);
+        if t.dtype == DType::F32 && t.rows_contiguous() {
+            std::ptr::copy_nonoverlapping(v.as_ptr(), base.cast::<f32>(), v.len());
+        } else if t.rows_contiguous() || t.dtype.is_quantized() {
+            let bytes = std::slice::from_raw_parts_mut(base, t.dtype.row_size(v.len()));
+            super::convert::row_from_f32(t.dtype, v, bytes);
+        } else {
+            for (i0, &x) in v.iter().enumerate() {
+                t.set_f32(i0, i1, i2, i3, x);
+            }
+        }
+    }
+}
+
+/// This thread's f32 scratch row of `len` floats inside the node's work memory (one slot per
+/// thread).
+///
+/// # Safety
+/// The node's `work_size` reserved at least `nth * len` floats.
+pub(crate) unsafe fn thread_scratch<'a>(p: &ComputeParams, len: usize) -> &'a mut [f32] {
+    debug_assert!(p.wsize >= p.nth * len * 4);
+    // SAFETY: each thread takes a disjoint slot of the reserved work memory; 64-byte alignment
+    // of wdata and 4-byte slots keep f32 alignment.
+    unsafe { std::slice::from_raw_parts_mut(p.wdata.cast::<f32>().add(p.ith * len), len) }
+}

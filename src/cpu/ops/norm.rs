@@ -1,0 +1,109 @@
+//! Row-wise kernels (reduce dimension 0): `rms_norm`, `norm`, `soft_max` with mask and scale,
+//! `sum_rows`/`mean`, `argmax`. Sums accumulate in f64 as ggml's CPU backend does for norms
+//! (`ggml_float`), so long rows do not drift.
+
+use super::{read_row_f32, thread_scratch, unravel_row, write_row_f32};
+use crate::cpu::view::{ComputeParams, TensorView};
+
+/// Run `f(row_in_f32, i1, i2, i3)` over this thread's rows of `dst`, with the input row of `a`
+/// converted to f32 in scratch; with `write_back`, `f` leaves the output row in the same
+/// buffer and it is written to `dst` (same shape as `a`); otherwise `f` writes `dst` itself.
+fn for_rows(
+    p: &ComputeParams,
+    dst: &TensorView,
+    a: &TensorView,
+    write_back: bool,
+    mut f: impl FnMut(&mut [f32], usize, usize, usize),
+) {
+    // SAFETY: the node's work_size reserved nth rows of max(ne0) floats.
+    let buf = unsafe { thread_scratch(p, a.ne[0].max(dst.ne[0])) };
+    let ne = a.ne;
+    for r in p.range(a.nrows()) {
+        let (i1, i2, i3) = unravel_row(r, &ne);
+        let row = &mut buf[..a.ne[0]];
+        // SAFETY: rows in range (r < nrows); this thread owns dst row (i1, i2, i3).
+        unsafe { read_row_f32(a, i1, i2, i3, row) };
+        f(row, i1, i2, i3);
+        if write_back {
+            // SAFETY: as above.
+            unsafe { write_row_f32(dst, i1, i2, i3, row) };
+        }
+    }
+}
+
+pub fn rms_norm(p: &ComputeParams, dst: &TensorView, a: &TensorView, eps: f32) {
+    for_rows(p, dst, a, true, |row, _, _, _| {
+        let n = row.len().max(1) as f64;
+        let ss: f64 = row.iter().map(|&x| (x as f64) * (x as f64)).sum();
+        let s = (1.0 / (ss / n + eps as f64).sqrt()) as f32;
+        row.iter_mut().for_each(|x| *x *= s);
+    });
+}
+
+pub fn norm(p: &ComputeParams, dst: &TensorView, a: &TensorView, eps: f32) {
+    for_rows(p, dst, a, true, |row, _, _, _| {
+        let n = row.len().max(1) as f64;
+        let mean = row.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let var = row.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        let s = 1.0 / (var + eps as f64).sqrt();
+        row.iter_mut()
+            .for_each(|x| *x = ((*x as f64 - mean) * s) as f32);
+    });
+}
+
+pub fn soft_max(
+    p: &ComputeParams,
+    dst: &TensorView,
+    a: &TensorView,
+    mask: Option<&TensorView>,
+    scale: f32,
+) {
+    for_rows(p, dst, a, true, |row, i1, i2, i3| {
+        for (i0, x) in row.iter_mut().enumerate() {
+            *x *= scale;
+            if let Some(m) = mask {
+                // SAFETY: the builder checked mask.ne1 >= ne1 and that dims 2, 3 broadcast.
+                *x += unsafe { m.get_f32(i0, i1, i2 % m.ne[2], i3 % m.ne[3]) };
+            }
+        }
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            // Every position masked: no valid distribution; emit zeros rather than NaN.
+            row.iter_mut().for_each(|x| *x = 0.0);
+            return;
+        }
+        let mut sum = 0f64;
+        for x in row.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        row.iter_mut().for_each(|x| *x *= inv);
+    });
+}
+
+pub fn sum_rows(p: &ComputeParams, dst: &TensorView, a: &TensorView, mean: bool) {
+    for_rows(p, dst, a, false, |row, i1, i2, i3| {
+        let s: f64 = row.iter().map(|&x| x as f64).sum();
+        let v = if mean { s / row.len() as f64 } else { s };
+        // SAFETY: dst is [1, ne1, ne2, ne3]; this thread owns this row.
+        unsafe { dst.set_f32(0, i1, i2, i3, v as f32) };
+    });
+}
+
+pub fn argmax(p: &ComputeParams, dst: &TensorView, a: &TensorView) {
+    for_rows(p, dst, a, false, |row, i1, _, _| {
+        let mut best = 0usize;
+        for (i, &x) in row.iter().enumerate() {
+            if x > row[best] {
+                best = i;
+            }
+        }
+        // SAFETY: dst is I32 [ne1]; this thread owns element i1.
+        unsafe {
+            dst.ptr(i1, 0, 0, 0)
+                .cast::<i32>()
+                .write_unaligned(best as i32)
+        };
+    });
+}

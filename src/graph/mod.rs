@@ -1,0 +1,353 @@
+//! The tensor graph: an arena of nodes in creation order (which is a topological order), each
+//! with a layout, a typed `Op`, its sources, a name, flags, and optionally bound storage or
+//! inline input bytes. Builder methods (in `build.rs`) check shapes and dtypes and return an
+//! error naming the op and both shapes.
+//!
+//! Views (`reshape`, `view`, `permute`, `transpose`) and the ops that write into an existing
+//! tensor (`cpy`, `set_rows`) record `view_src`, the root node that owns the bytes, and
+//! `view_offs`, the byte offset into it; only roots are allocated.
+
+mod build;
+
+use crate::buffer::Storage;
+use crate::op::Op;
+use crate::tensor::Layout;
+use crate::{DType, Error, Result};
+use smallvec::SmallVec;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+/// Index of a node in its graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId(pub u32);
+
+impl TensorId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// Node flags.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Flags(u8);
+
+impl Flags {
+    pub const INPUT: Flags = Flags(1);
+    pub const OUTPUT: Flags = Flags(2);
+    pub const WEIGHT: Flags = Flags(4);
+
+    pub fn contains(self, f: Flags) -> bool {
+        self.0 & f.0 == f.0
+    }
+}
+
+impl std::ops::BitOr for Flags {
+    type Output = Flags;
+    fn bitor(self, o: Flags) -> Flags {
+        Flags(self.0 | o.0)
+    }
+}
+
+/// One tensor of a graph.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub layout: Layout,
+    pub op: Op,
+    pub src: SmallVec<[TensorId; 4]>,
+    /// The root whose bytes this node uses (views, and ops writing into a source).
+    pub view_src: Option<TensorId>,
+    /// Byte offset of this node's first element inside the root's bytes.
+    pub view_offs: usize,
+    pub name: String,
+    pub flags: Flags,
+    /// Where a root's bytes are: bound by the user (weights, caches, inputs) or by an allocator.
+    pub storage: Option<Storage>,
+    /// Inline bytes for a leaf, copied into its storage before the graph runs.
+    pub data: Option<Arc<[u8]>>,
+}
+
+impl Node {
+    pub fn dtype(&self) -> DType {
+        self.layout.dtype
+    }
+    pub fn ne(&self) -> [usize; 4] {
+        self.layout.ne
+    }
+    pub fn is_leaf(&self) -> bool {
+        matches!(self.op, Op::Leaf)
+    }
+}
+
+/// An arena of nodes. Node `i`'s sources all have indices below `i`.
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    nodes: Vec<Node>,
+}
+
+impl Graph {
+    pub fn new() -> Self {
+        Graph::default()
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn ids(&self) -> impl Iterator<Item = TensorId> + use<> {
+        (0..self.nodes.len() as u32).map(TensorId)
+    }
+
+    pub fn node(&self, id: TensorId) -> &Node {
+        &self.nodes[id.index()]
+    }
+
+    pub fn node_mut(&mut self, id: TensorId) -> &mut Node {
+        &mut self.nodes[id.index()]
+    }
+
+    /// A node by id, or an error if the id is not from this graph.
+    pub fn get(&self, id: TensorId) -> Result<&Node> {
+        self.nodes.get(id.index()).ok_or(Error::UnknownTensor {
+            id: id.index(),
+            len: self.nodes.len(),
+        })
+    }
+
+    pub fn layout(&self, id: TensorId) -> &Layout {
+        &self.nodes[id.index()].layout
+    }
+
+    pub fn name(&self, id: TensorId) -> &str {
+        &self.nodes[id.index()].name
+    }
+
+    /// The first node with this name.
+    pub fn find(&self, name: &str) -> Option<TensorId> {
+        self.nodes
+            .iter()
+            .position(|n| n.name == name)
+            .map(|i| TensorId(i as u32))
+    }
+
+    /// Push a node; sources must already exist.
+    pub(crate) fn push(&mut self, node: Node) -> TensorId {
+        let id = TensorId(self.nodes.len() as u32);
+        self.nodes.push(node);
+        id
+    }
+
+    /// Set a node's name (returns the id, for chaining).
+    pub fn set_name(&mut self, id: TensorId, name: impl Into<String>) -> TensorId {
+        self.nodes[id.index()].name = name.into();
+        id
+    }
+
+    pub fn set_flags(&mut self, id: TensorId, flags: Flags) {
+        let n = &mut self.nodes[id.index()];
+        n.flags = n.flags | flags;
+    }
+
+    /// Mark a node as an output: its bytes survive the computation and can be read after.
+    pub fn set_output(&mut self, id: TensorId) {
+        self.set_flags(id, Flags::OUTPUT);
+    }
+
+    /// The root node owning `id`'s bytes (itself unless it is a view).
+    pub fn root(&self, id: TensorId) -> TensorId {
+        self.nodes[id.index()].view_src.unwrap_or(id)
+    }
+
+    /// Bind storage to a root node (a weight, a cache, a pre-allocated input or output).
+    pub fn bind(&mut self, id: TensorId, storage: Storage) -> Result<()> {
+        let n = &self.nodes[id.index()];
+        if n.view_src.is_some() {
+            return Err(Error::msg(format!(
+                "cannot bind storage to `{}`: it is a view; bind its root `{}`",
+                n.name,
+                self.nodes[self.root(id).index()].name
+            )));
+        }
+        let span = n.layout.nbytes();
+        let size = storage.buffer.size();
+        if storage.offset.checked_add(span).is_none_or(|e| e > size) {
+            return Err(Error::BufferTooSmall {
+                what: format!("binding `{}` at offset {}", n.name, storage.offset),
+                needed: storage.offset.saturating_add(span),
+                available: size,
+            });
+        }
+        storage
+            .buffer
+            .init_tensor(&n.name, &n.layout, storage.offset)?;
+        self.nodes[id.index()].storage = Some(storage);
+        Ok(())
+    }
+
+    /// Attach inline bytes to a leaf; they are copied into its storage before compute.
+    pub fn set_data(&mut self, id: TensorId, bytes: impl Into<Arc<[u8]>>) -> Result<()> {
+        let bytes = bytes.into();
+        let n = &self.nodes[id.index()];
+        if !n.is_leaf() {
+            return Err(Error::msg(format!(
+                "set_data: `{}` is not a leaf ({})",
+                n.name,
+                n.op.name()
+            )));
+        }
+        if !n.layout.is_contiguous() || bytes.len() != n.layout.nbytes() {
+            return Err(Error::BufferTooSmall {
+                what: format!("inline data for `{}` {}", n.name, n.layout.shape()),
+                needed: n.layout.nbytes(),
+                available: bytes.len(),
+            });
+        }
+        self.nodes[id.index()].data = Some(bytes);
+        Ok(())
+    }
+
+    /// Attach f32 values to an F32 leaf.
+    pub fn set_f32(&mut self, id: TensorId, v: &[f32]) -> Result<()> {
+        self.check_dtype(id, DType::F32, "set_f32")?;
+        self.set_data(id, crate::dtype::as_bytes(v).to_vec())
+    }
+
+    /// Attach i32 values to an I32 leaf.
+    pub fn set_i32(&mut self, id: TensorId, v: &[i32]) -> Result<()> {
+        self.check_dtype(id, DType::I32, "set_i32")?;
+        self.set_data(id, crate::dtype::as_bytes(v).to_vec())
+    }
+
+    fn check_dtype(&self, id: TensorId, dt: DType, what: &'static str) -> Result<()> {
+        let n = &self.nodes[id.index()];
+        if n.dtype() != dt {
+            return Err(Error::DTypeMismatch {
+                op: what,
+                operand: n.name.clone(),
+                expected: dt.to_string(),
+                got: n.dtype().to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Storage of `id`'s first byte: its root's storage plus the view offset.
+    pub fn storage(&self, id: TensorId) -> Option<Storage> {
+        let n = &self.nodes[id.index()];
+        let root = &self.nodes[self.root(id).index()];
+        root.storage
+            .as_ref()
+            .map(|s| Storage::new(s.buffer.clone(), s.offset + n.view_offs))
+    }
+
+    /// The span of `id`'s bytes (nbytes from its first element).
+    pub fn read_bytes(&self, id: TensorId) -> Result<Vec<u8>> {
+        let n = self.get(id)?;
+        let st = self.storage(id).ok_or_else(|| Error::NoStorage {
+            tensor: n.name.clone(),
+            reason: "it has not been computed or allocated".into(),
+        })?;
+        let mut out = vec![0u8; n.layout.nbytes()];
+        st.get(&n.layout, &mut out)?;
+        Ok(out)
+    }
+
+    /// `id`'s elements in logical order (ne[0] fastest) as f32, whatever the dtype and strides.
+    pub fn read_f32(&self, id: TensorId) -> Result<Vec<f32>> {
+        let layout = *self.layout(id);
+        let bytes = self.read_bytes(id)?;
+        layout_to_f32(&layout, &bytes)
+    }
+
+    /// `id`'s elements as i32 (I32 tensors).
+    pub fn read_i32(&self, id: TensorId) -> Result<Vec<i32>> {
+        self.check_dtype(id, DType::I32, "read_i32")?;
+        Ok(self.read_f32(id)?.into_iter().map(|v| v as i32).collect())
+    }
+
+    /// A hash of everything that decides how the graph is planned and allocated: ops and their
+    /// parameters, layouts, sources, views, flags, and the identity of bound storage; not the
+    /// inline data. Two steps of a decode loop with the same shapes hash equal.
+    pub fn structure_hash(&self) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.nodes.len().hash(&mut h);
+        for n in &self.nodes {
+            n.layout.hash(&mut h);
+            hash_op(&n.op, &mut h);
+            n.src.hash(&mut h);
+            n.view_src.hash(&mut h);
+            n.view_offs.hash(&mut h);
+            n.flags.hash(&mut h);
+            n.data.is_some().hash(&mut h);
+            match &n.storage {
+                Some(s) => (s.buffer_id(), s.offset).hash(&mut h),
+                None => 0usize.hash(&mut h),
+            }
+        }
+        h.finish()
+    }
+}
+
+fn hash_op(op: &Op, h: &mut impl Hasher) {
+    // Op holds f32 parameters; hash their bits through the Debug form's discriminant plus bits.
+    std::mem::discriminant(op).hash(h);
+    match *op {
+        Op::View { offset } => offset.hash(h),
+        Op::Permute { axes } => axes.hash(h),
+        Op::Concat { dim } => dim.hash(h),
+        Op::Binary(b) => b.hash(h),
+        Op::Unary(u) => u.hash(h),
+        Op::Scale { scale, bias } => (scale.to_bits(), bias.to_bits()).hash(h),
+        Op::Clamp { min, max } => (min.to_bits(), max.to_bits()).hash(h),
+        Op::RmsNorm { eps } | Op::Norm { eps } => eps.to_bits().hash(h),
+        Op::SoftMax { scale } | Op::FlashAttn { scale } => scale.to_bits().hash(h),
+        Op::Rope(p) => {
+            p.mode.hash(h);
+            p.n_dims.hash(h);
+            (p.freq_base.to_bits(), p.freq_scale.to_bits()).hash(h);
+        }
+        _ => {}
+    }
+}
+
+/// Elements of a tensor in logical order from the bytes of its span.
+pub fn layout_to_f32(layout: &Layout, span: &[u8]) -> Result<Vec<f32>> {
+    let [ne0, ne1, ne2, ne3] = layout.ne;
+    let mut out = vec![0f32; layout.nelements()];
+    if out.is_empty() {
+        return Ok(out);
+    }
+    let row_bytes = layout.row_size();
+    let mut row = vec![0u8; row_bytes];
+    let mut o = 0;
+    for i3 in 0..ne3 {
+        for i2 in 0..ne2 {
+            for i1 in 0..ne1 {
+                let base = i1 * layout.nb[1] + i2 * layout.nb[2] + i3 * layout.nb[3];
+                if layout.rows_contiguous() {
+                    crate::dtype::row_to_f32(
+                        layout.dtype,
+                        &span[base..base + row_bytes],
+                        &mut out[o..o + ne0],
+                    )?;
+                } else {
+                    let ts = layout.dtype.type_size();
+                    for i0 in 0..ne0 {
+                        let p = base + i0 * layout.nb[0];
+                        row[i0 * ts..(i0 + 1) * ts].copy_from_slice(&span[p..p + ts]);
+                    }
+                    crate::dtype::row_to_f32(layout.dtype, &row, &mut out[o..o + ne0])?;
+                }
+                o += ne0;
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,520 @@
+#!/usr/bin/env python3
+"""Independent numpy reference of the SmolLM2 (llama architecture) forward pass.
+
+metashard's Rust tests call this script as a subprocess and compare their logits and
+greedy tokens with what it prints. It shares no code with metashard: it reads the GGUF
+file with the `gguf` PyPI package (GGUFReader + gguf.quants.dequantize), dequantizes
+every weight once to float32 (or float64 with --dtype f64) and runs the decoder in numpy.
+
+Sources of the facts used here (formats and algorithms only, no code taken):
+  * GGUF layout and tensor naming: ggml's docs/gguf.md and gguf-py's constants.
+  * llama forward: RMSNorm -> attention with RoPE and grouped-query heads -> residual ->
+    RMSNorm -> SwiGLU feed-forward -> residual; final RMSNorm; output projection.
+  * llama.cpp runs LLM_ARCH_LLAMA with LLAMA_ROPE_TYPE_NORM: the HF->GGUF converter
+    permutes the rows of Q and K so that the rotation acts on ADJACENT pairs
+    (x[2i], x[2i+1]) of each head, theta_i = pos * base^(-2i / n_rot).
+    This was checked here: the adjacent-pair mode produces coherent text, the NeoX
+    (half-split) mode does not (see scripts/reference/README.md).
+
+Shape convention (write it down once, it matters):
+  GGUF/ggml lists a tensor's shape as ne = [ne0, ne1, ...] with ne0 the contiguous
+  (fastest) axis. numpy arrays from GGUFReader / dequantize come REVERSED, i.e.
+  (ne1, ne0) for a matrix. A llama linear weight has ne = [n_in, n_out], so its numpy
+  array is (n_out, n_in) and y = x @ W.T. token_embd has ne = [n_embd, n_vocab], so its
+  numpy array is (n_vocab, n_embd): one row per token id, and (tied output) the logits
+  are h @ token_embd.T.
+
+Output: JSON on stdout, diagnostics on stderr, exit status 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def log(msg: str) -> None:
+    print(f"smollm2_ref: {msg}", file=sys.stderr, flush=True)
+
+
+class RefError(Exception):
+    """Bad input or a model file that does not match what this reference expects."""
+
+
+# ---------------------------------------------------------------------------------------
+# GGUF loading
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class HParams:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    rms_eps: float
+    n_vocab: int
+    n_ctx_train: int
+
+
+@dataclass
+class Layer:
+    attn_norm: np.ndarray  # (n_embd,)
+    wq: np.ndarray  # (n_head*head_dim, n_embd)       ggml ne = [n_embd, n_head*head_dim]
+    wk: np.ndarray  # (n_head_kv*head_dim, n_embd)    ggml ne = [n_embd, n_head_kv*head_dim]
+    wv: np.ndarray  # (n_head_kv*head_dim, n_embd)
+    wo: np.ndarray  # (n_embd, n_head*head_dim)       ggml ne = [n_head*head_dim, n_embd]
+    ffn_norm: np.ndarray  # (n_embd,)
+    w_gate: np.ndarray  # (n_ff, n_embd)              ggml ne = [n_embd, n_ff]
+    w_up: np.ndarray  # (n_ff, n_embd)
+    w_down: np.ndarray  # (n_embd, n_ff)             ggml ne = [n_ff, n_embd]
+
+
+@dataclass
+class Model:
+    hp: HParams
+    tok_embd: np.ndarray  # (n_vocab, n_embd), also the output matrix (tied)
+    output: np.ndarray  # (n_vocab, n_embd): output.weight if present, else tok_embd
+    output_norm: np.ndarray  # (n_embd,)
+    layers: list[Layer]
+    tokens: list[bytes] = field(default_factory=list)  # GGUF vocab strings (UTF-8 bytes)
+    token_types: list[int] = field(default_factory=list)
+    merges: list[str] = field(default_factory=list)
+    special: dict = field(default_factory=dict)
+
+
+def _field_scalar(reader, key: str, required: bool = True):
+    f = reader.fields.get(key)
+    if f is None:
+        if required:
+            raise RefError(f"GGUF metadata key '{key}' is missing")
+        return None
+    # Scalars: the last part holds the value (a 1-element numpy array).
+    return f.parts[f.data[0]][0].item() if len(f.data) == 1 else None
+
+
+def _field_str(reader, key: str) -> str | None:
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    return bytes(f.parts[f.data[0]]).decode("utf-8")
+
+
+def _field_str_array(reader, key: str) -> list[bytes]:
+    f = reader.fields.get(key)
+    if f is None:
+        return []
+    return [bytes(f.parts[i]) for i in f.data]
+
+
+def load_model(path: str, dtype, want_vocab: bool) -> Model:
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import dequantize
+    except ImportError as e:
+        raise RefError(f"the 'gguf' package is needed (pip install -r scripts/requirements.txt): {e}")
+
+    t0 = time.time()
+    try:
+        reader = GGUFReader(path, "r")
+    except FileNotFoundError:
+        raise RefError(f"model file not found: {path}")
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad model file
+        raise RefError(f"cannot parse GGUF file {path}: {e}")
+
+    arch = _field_str(reader, "general.architecture")
+    if arch != "llama":
+        raise RefError(f"{path}: general.architecture is '{arch}', this reference handles 'llama'")
+
+    def u(key, required=True):
+        return _field_scalar(reader, f"llama.{key}", required)
+
+    n_embd = int(u("embedding_length"))
+    n_head = int(u("attention.head_count"))
+    n_head_kv = int(u("attention.head_count_kv", False) or n_head)
+    head_dim = n_embd // n_head
+    n_rot = int(u("rope.dimension_count", False) or head_dim)
+    tensors = {t.name: t for t in reader.tensors}
+    tok_t = tensors.get("token_embd.weight")
+    if tok_t is None:
+        raise RefError(f"{path}: tensor 'token_embd.weight' is missing")
+    n_vocab_meta = u("vocab_size", False)
+    # ggml ne = [n_embd, n_vocab]; the vocab count is ne1.
+    n_vocab = int(tok_t.shape[1])
+    if n_vocab_meta is not None and int(n_vocab_meta) != n_vocab:
+        raise RefError(f"{path}: llama.vocab_size={n_vocab_meta} but token_embd.weight has ne1={n_vocab}")
+    hp = HParams(
+        n_layer=int(u("block_count")),
+        n_embd=n_embd,
+        n_ff=int(u("feed_forward_length")),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        n_rot=n_rot,
+        rope_base=float(u("rope.freq_base", False) or 10000.0),
+        rms_eps=float(u("attention.layer_norm_rms_epsilon")),
+        n_vocab=n_vocab,
+        n_ctx_train=int(u("context_length", False) or 0),
+    )
+    if n_embd % n_head or n_head % n_head_kv or n_rot > head_dim or n_rot % 2:
+        raise RefError(f"{path}: inconsistent head metadata {hp}")
+    log(f"parsed {path} in {time.time() - t0:.2f}s: {hp}")
+
+    t1 = time.time()
+
+    def get(name: str, ne: list[int]) -> np.ndarray:
+        t = tensors.get(name)
+        if t is None:
+            raise RefError(f"{path}: tensor '{name}' is missing")
+        got = [int(x) for x in t.shape]
+        if got != ne:
+            raise RefError(f"{path}: tensor '{name}' has ggml shape {got}, expected {ne}")
+        a = dequantize(t.data, t.tensor_type)
+        # numpy shape is ggml ne reversed
+        a = np.ascontiguousarray(a.reshape(tuple(reversed(ne))), dtype=dtype)
+        return a
+
+    E, F, HD = hp.n_embd, hp.n_ff, hp.head_dim
+    layers = []
+    for i in range(hp.n_layer):
+        p = f"blk.{i}."
+        for extra in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"):
+            if p + extra in tensors:
+                raise RefError(f"{path}: tensor '{p + extra}' present; biases are not handled here")
+        layers.append(
+            Layer(
+                attn_norm=get(p + "attn_norm.weight", [E]),
+                wq=get(p + "attn_q.weight", [E, hp.n_head * HD]),
+                wk=get(p + "attn_k.weight", [E, hp.n_head_kv * HD]),
+                wv=get(p + "attn_v.weight", [E, hp.n_head_kv * HD]),
+                wo=get(p + "attn_output.weight", [hp.n_head * HD, E]),
+                ffn_norm=get(p + "ffn_norm.weight", [E]),
+                w_gate=get(p + "ffn_gate.weight", [E, F]),
+                w_up=get(p + "ffn_up.weight", [E, F]),
+                w_down=get(p + "ffn_down.weight", [F, E]),
+            )
+        )
+    tok_embd = get("token_embd.weight", [E, hp.n_vocab])
+    output = get("output.weight", [E, hp.n_vocab]) if "output.weight" in tensors else tok_embd
+    if output is tok_embd:
+        log("output.weight absent: output projection is tied to token_embd.weight")
+    output_norm = get("output_norm.weight", [E])
+    log(f"dequantized weights to {np.dtype(dtype).name} in {time.time() - t1:.2f}s")
+
+    m = Model(hp=hp, tok_embd=tok_embd, output=output, output_norm=output_norm, layers=layers)
+    if want_vocab:
+        m.tokens = _field_str_array(reader, "tokenizer.ggml.tokens")
+        f = reader.fields.get("tokenizer.ggml.token_type")
+        m.token_types = [int(f.parts[i][0]) for i in f.data] if f is not None else []
+        m.merges = [b.decode("utf-8") for b in _field_str_array(reader, "tokenizer.ggml.merges")]
+        for k in ("bos", "eos", "padding", "unknown"):
+            v = _field_scalar(reader, f"tokenizer.ggml.{k}_token_id", False)
+            if v is not None:
+                m.special[k] = int(v)
+    return m
+
+
+# ---------------------------------------------------------------------------------------
+# Forward pass
+# ---------------------------------------------------------------------------------------
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    # x * w / sqrt(mean(x^2) + eps), over the embedding axis
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    return (x / np.sqrt(ms + eps)) * w
+
+
+def rope_tables(hp: HParams, positions: np.ndarray, dtype):
+    # theta_i = pos * base^(-2i/n_rot), i = 0 .. n_rot/2-1 (computed in float64, then cast)
+    i = np.arange(hp.n_rot // 2, dtype=np.float64)
+    inv_freq = hp.rope_base ** (-2.0 * i / hp.n_rot)
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (n, n_rot/2)
+    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+
+
+def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
+    """ggml 'normal' RoPE: rotate adjacent pairs (x[2i], x[2i+1]) of the first n_rot dims.
+
+    x: (n_tokens, n_heads, head_dim); cos/sin: (n_tokens, n_rot/2).
+    """
+    out = x.copy()
+    x0 = x[..., 0:n_rot:2]
+    x1 = x[..., 1:n_rot:2]
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    out[..., 0:n_rot:2] = x0 * c - x1 * s
+    out[..., 1:n_rot:2] = x0 * s + x1 * c
+    return out
+
+
+def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
+    """NeoX RoPE (pairs (x[i], x[i + n_rot/2])). Only for the --rope neox experiment."""
+    out = x.copy()
+    h = n_rot // 2
+    x0 = x[..., 0:h]
+    x1 = x[..., h:n_rot]
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    out[..., 0:h] = x0 * c - x1 * s
+    out[..., h:n_rot] = x0 * s + x1 * c
+    return out
+
+
+class KVCache:
+    def __init__(self, hp: HParams, n_ctx: int, dtype):
+        shape = (hp.n_layer, hp.n_head_kv, n_ctx, hp.head_dim)
+        self.k = np.zeros(shape, dtype=dtype)
+        self.v = np.zeros(shape, dtype=dtype)
+        self.n_ctx = n_ctx
+        self.n_past = 0
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm") -> np.ndarray:
+    """Run `tokens` at positions n_past.. through the model; return logits (n, n_vocab)."""
+    hp = m.hp
+    n = len(tokens)
+    p0 = cache.n_past
+    if p0 + n > cache.n_ctx:
+        raise RefError(f"KV cache overflow: {p0} + {n} > {cache.n_ctx}")
+    dtype = m.tok_embd.dtype
+    H, KV, HD = hp.n_head, hp.n_head_kv, hp.head_dim
+    G = H // KV  # query heads per kv head: query head h uses kv head h // G
+    scale = dtype.type(1.0 / math.sqrt(HD))
+    rope = rope_norm if rope_mode == "norm" else rope_neox
+
+    positions = np.arange(p0, p0 + n)
+    cos, sin = rope_tables(hp, positions, dtype)
+    T = p0 + n  # keys visible after this batch
+    # causal mask: query at position p0+i sees keys 0..p0+i
+    key_pos = np.arange(T)
+    masked = key_pos[None, :] > positions[:, None]  # (n, T)
+
+    x = m.tok_embd[np.asarray(tokens)]  # (n, E)
+    for li, L in enumerate(m.layers):
+        h = rms_norm(x, L.attn_norm, hp.rms_eps)
+        q = (h @ L.wq.T).reshape(n, H, HD)  # head h = columns h*HD .. (h+1)*HD
+        k = (h @ L.wk.T).reshape(n, KV, HD)
+        v = (h @ L.wv.T).reshape(n, KV, HD)
+        q = rope(q, cos, sin, hp.n_rot)
+        k = rope(k, cos, sin, hp.n_rot)
+        cache.k[li, :, p0:T, :] = k.transpose(1, 0, 2)
+        cache.v[li, :, p0:T, :] = v.transpose(1, 0, 2)
+        K = cache.k[li, :, :T, :]  # (KV, T, HD)
+        V = cache.v[li, :, :T, :]
+        # (H, n, HD) -> (KV, G*n, HD): the G query heads of kv group g are heads g*G .. g*G+G-1
+        qg = q.transpose(1, 0, 2).reshape(KV, G * n, HD)
+        s = (qg @ K.transpose(0, 2, 1)) * scale  # (KV, G*n, T)
+        s = s.reshape(KV, G, n, T)
+        s = np.where(masked[None, None], -np.inf, s)
+        s = s - s.max(axis=-1, keepdims=True)
+        pr = np.exp(s)
+        pr /= pr.sum(axis=-1, keepdims=True)
+        o = pr.reshape(KV, G * n, T) @ V  # (KV, G*n, HD)
+        o = o.reshape(H, n, HD).transpose(1, 0, 2).reshape(n, H * HD)
+        x = x + o @ L.wo.T
+        h = rms_norm(x, L.ffn_norm, hp.rms_eps)
+        ff = silu(h @ L.w_gate.T) * (h @ L.w_up.T)
+        x = x + ff @ L.w_down.T
+    cache.n_past = T
+    x = rms_norm(x, m.output_norm, hp.rms_eps)
+    return x @ m.output.T
+
+
+# ---------------------------------------------------------------------------------------
+# Byte-level BPE vocabulary helpers (human checks only)
+# ---------------------------------------------------------------------------------------
+
+
+def byte_unicode_table() -> dict[str, int]:
+    """GPT-2 byte-level alphabet, inverted: unicode char -> byte value.
+
+    Bytes that are printable Latin-1 ('!'..'~', 0xA1..0xAC, 0xAE..0xFF) stand for
+    themselves; the remaining 68 bytes map, in increasing order, to U+0100, U+0101, ...
+    """
+    keep = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    table = {}
+    extra = 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def detokenize(m: Model, ids: list[int]) -> str:
+    inv = byte_unicode_table()
+    out = bytearray()
+    for t in ids:
+        s = m.tokens[t].decode("utf-8")
+        if m.token_types and m.token_types[t] == 3:  # control token: emit its text as is
+            out += s.encode("utf-8")
+            continue
+        for ch in s:
+            if ch not in inv:
+                raise RefError(f"token {t} ({s!r}) has char {ch!r} outside the byte-level alphabet")
+            out.append(inv[ch])
+    return out.decode("utf-8", errors="replace")
+
+
+def build_tokenizer(m: Model):
+    """A HF `tokenizers` byte-level BPE built from the GGUF vocab and merges.
+
+    Pre-tokenization for tokenizer.ggml.pre = "smollm" (llama.cpp llama-vocab.cpp): split
+    every digit on its own, then the GPT-2 regex; no prefix space.
+    """
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError as e:
+        raise RefError(f"--text needs the 'tokenizers' package: {e}")
+    vocab = {t.decode("utf-8"): i for i, t in enumerate(m.tokens)}
+    merges = [tuple(mm.split(" ")) for mm in m.merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    specials = [m.tokens[i].decode("utf-8") for i, ty in enumerate(m.token_types) if ty == 3]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    return tok
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+
+
+def parse_tokens(s: str) -> list[int]:
+    try:
+        ids = [int(x) for x in s.split(",") if x.strip() != ""]
+    except ValueError:
+        raise RefError(f"--tokens must be comma-separated integers, got {s!r}")
+    return ids
+
+
+def write_f32(path: str, rows: list[np.ndarray]) -> None:
+    arr = np.stack(rows).astype("<f4", copy=False)
+    with open(path, "wb") as f:
+        f.write(arr.tobytes())
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="path to the SmolLM2 GGUF file")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="prompt token ids, comma-separated")
+    src.add_argument("--text", help="prompt text, tokenized with a BPE built from the GGUF vocab")
+    src.add_argument("--chat", help="user message wrapped in the ChatML template (default system prompt)")
+    ap.add_argument("--steps", type=int, default=0, help="greedy tokens to generate (default 0)")
+    ap.add_argument("--logits-out", help="write float32 LE logits of the last prompt position")
+    ap.add_argument(
+        "--all-logits-out",
+        help="write (steps+1) float32 LE rows: logits at the last prompt position, then at each "
+        "generated token's input position",
+    )
+    ap.add_argument("--prompt-logits-out", help="write float32 LE logits of every prompt position")
+    ap.add_argument("--dtype", choices=("f32", "f64"), default="f32")
+    ap.add_argument("--detok", action="store_true", help="add the decoded text to the JSON")
+    ap.add_argument("--rope", choices=("norm", "neox"), default="norm", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.steps < 0:
+        raise RefError(f"--steps must be >= 0, got {args.steps}")
+    dtype = np.float32 if args.dtype == "f32" else np.float64
+    prompt: list[int] = []
+    if args.tokens is not None:
+        prompt = parse_tokens(args.tokens)  # fail fast, before the slow model load
+        if not prompt:
+            raise RefError("the prompt is empty")
+    need_vocab = args.detok or args.text is not None or args.chat is not None
+    t0 = time.time()
+    m = load_model(args.model, dtype, need_vocab)
+    t_load = time.time() - t0
+
+    if args.tokens is None:
+        text = args.text
+        if args.chat is not None:
+            text = (
+                "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                "Hugging Face<|im_end|>\n<|im_start|>user\n" + args.chat + "<|im_end|>\n"
+                "<|im_start|>assistant\n"
+            )
+        prompt = build_tokenizer(m).encode(text, add_special_tokens=False).ids
+    if not prompt:
+        raise RefError("the prompt is empty")
+    bad = [t for t in prompt if t < 0 or t >= m.hp.n_vocab]
+    if bad:
+        raise RefError(f"prompt token ids out of range [0, {m.hp.n_vocab}): {bad[:8]}")
+
+    n_ctx = len(prompt) + args.steps + 1
+    if m.hp.n_ctx_train and n_ctx > m.hp.n_ctx_train:
+        raise RefError(f"prompt + steps = {n_ctx} exceeds the training context {m.hp.n_ctx_train}")
+    cache = KVCache(m.hp, n_ctx, dtype)
+
+    t1 = time.time()
+    logits = forward(m, cache, prompt, args.rope)
+    t_prompt = time.time() - t1
+    last = logits[-1]
+    rows = [last]
+    generated: list[int] = []
+    t2 = time.time()
+    if args.steps > 0:
+        nxt = int(np.argmax(last))
+        for step in range(args.steps):
+            generated.append(nxt)
+            # the input position of the last generated token is only needed for --all-logits-out
+            if step == args.steps - 1 and not args.all_logits_out:
+                break
+            lg = forward(m, cache, [nxt], args.rope)[-1]
+            rows.append(lg)
+            nxt = int(np.argmax(lg))
+    t_gen = time.time() - t2
+
+    if args.logits_out:
+        write_f32(args.logits_out, [last])
+    if args.all_logits_out:
+        write_f32(args.all_logits_out, rows)
+    if args.prompt_logits_out:
+        write_f32(args.prompt_logits_out, list(logits))
+
+    out = {
+        "prompt_tokens": prompt,
+        "generated": generated,
+        "last_logits_argmax": int(np.argmax(last)),
+        "n_vocab": m.hp.n_vocab,
+        "dtype": args.dtype,
+        "timing_s": {"load": round(t_load, 3), "prompt": round(t_prompt, 3), "generate": round(t_gen, 3)},
+    }
+    if args.detok:
+        out["prompt_text"] = detokenize(m, prompt)
+        out["generated_text"] = detokenize(m, generated)
+    log(f"load {t_load:.2f}s, prompt ({len(prompt)} tok) {t_prompt:.2f}s, {args.steps} steps {t_gen:.2f}s")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except RefError as e:
+        print(f"smollm2_ref: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod error;
 pub mod graph;
 pub mod op;
+pub mod split_state;
 pub mod tensor;
 
 pub use backend::{Backend, Device, parse_devices};

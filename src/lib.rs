@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod graph;
+pub mod meta;
 pub mod op;
 pub mod split_state;
 pub mod tensor;

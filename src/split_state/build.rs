@@ -57,7 +57,7 @@ pub fn split_ratios(
 ) -> Result<Vec<usize>> {
     let n = ratios.len();
     let sum: f64 = ratios.iter().sum();
-    if n == 0 || !(sum > 0.0) || ratios.iter().any(|r| !r.is_finite() || *r < 0.0) {
+    if n == 0 || sum.is_nan() || sum <= 0.0 || ratios.iter().any(|r| !r.is_finite() || *r < 0.0) {
         return Err(Error::msg(format!(
             "split ratios {ratios:?} must be finite, non-negative and not all zero"
         )));

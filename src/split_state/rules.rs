@@ -160,13 +160,12 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
                 }
             } else {
                 match s.split_dim() {
-                    Some(0) => {
-                        // Fused [gate | up] split per segment: each device holds gate_d | up_d.
-                        if s.n_segments() == 2 && (0..n).all(|d| s.extent(0, d) == s.extent(1, d)) {
-                            let gate: Vec<usize> = (0..n).map(|d| s.extent(0, d)).collect();
-                            out.push(pat(vec![s.clone()], SplitState::axis(0, &gate)));
-                        }
+                    // Fused [gate | up] split per segment: each device holds gate_d | up_d.
+                    Some(0) if s.n_segments() == 2 && (0..n).all(|d| s.extent(0, d) == s.extent(1, d)) => {
+                        let gate: Vec<usize> = (0..n).map(|d| s.extent(0, d)).collect();
+                        out.push(pat(vec![s.clone()], SplitState::axis(0, &gate)));
                     }
+                    Some(0) => {}
                     Some(_) => out.push(pat(vec![s.clone()], s.clone())),
                     None => {}
                 }
@@ -296,7 +295,7 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
         }
         Op::FlashAttn { .. } => {
             let (nq, nk) = (ne(0), ne(1));
-            let group = if nk[2] == 0 { 1 } else { nq[2] / nk[2] };
+            let group = nq[2].checked_div(nk[2]).unwrap_or(1);
             let m = SplitState::mirrored(n);
             let with_mask = |mut v: Vec<SplitState>| {
                 if node.src.len() == 4 {

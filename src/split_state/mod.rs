@@ -96,11 +96,7 @@ impl SplitState {
     }
 
     pub fn n_segments(&self) -> usize {
-        if self.n == 0 {
-            0
-        } else {
-            self.extents.len() / self.n
-        }
+        self.extents.len().checked_div(self.n).unwrap_or(0)
     }
 
     /// Extent of segment `s` on device `d`.

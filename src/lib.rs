@@ -13,6 +13,7 @@ pub mod dtype;
 pub mod error;
 pub mod graph;
 pub mod meta;
+pub mod models;
 pub mod op;
 pub mod split_state;
 pub mod tensor;

@@ -15,7 +15,7 @@ mod rewrite;
 
 pub use backend::{MemoryReport, MetaBackend};
 pub use buffer::{MetaBuffer, MetaBufferType, MetaTensor};
-pub use plan::{Conversion, MetaPlan};
+pub use plan::{Conversion, ConversionKind, MetaPlan};
 
 use crate::backend::{Backend, Device, DeviceCaps, DeviceKind, MemoryInfo};
 use crate::buffer::BufferType;

@@ -161,7 +161,10 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
             } else {
                 match s.split_dim() {
                     // Fused [gate | up] split per segment: each device holds gate_d | up_d.
-                    Some(0) if s.n_segments() == 2 && (0..n).all(|d| s.extent(0, d) == s.extent(1, d)) => {
+                    Some(0)
+                        if s.n_segments() == 2
+                            && (0..n).all(|d| s.extent(0, d) == s.extent(1, d)) =>
+                    {
                         let gate: Vec<usize> = (0..n).map(|d| s.extent(0, d)).collect();
                         out.push(pat(vec![s.clone()], SplitState::axis(0, &gate)));
                     }

@@ -290,7 +290,7 @@ fn build_layer(
     let wo = lw.wo.leaf(g)?;
     let o = g.mul_mat(wo, attn)?;
     let x = g.add(o, x)?;
-    g.set_name(x, &format!("l{l}.attn_out"));
+    g.set_name(x, format!("l{l}.attn_out"));
     // MLP.
     let fnw = lw.ffn_norm.leaf(g)?;
     let cur = g.rms_norm(x, cfg.rms_eps)?;
@@ -303,6 +303,6 @@ fn build_layer(
     let h = g.swiglu(gate, up)?;
     let d = g.mul_mat(wd, h)?;
     let x = g.add(d, x)?;
-    g.set_name(x, &format!("l{l}.out"));
+    g.set_name(x, format!("l{l}.out"));
     Ok(x)
 }

@@ -5,6 +5,7 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod bench;
 pub mod buffer;
 pub mod collectives;
 pub mod cpu;

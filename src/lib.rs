@@ -6,6 +6,8 @@
 pub mod cpu;
 pub mod dtype;
 pub mod error;
+pub mod io;
+pub mod tokenizer;
 
 pub use dtype::DType;
 pub use error::{Error, Result, Shape};

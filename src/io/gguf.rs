@@ -427,7 +427,7 @@ impl<'a> Parser<'a> {
                 field(),
                 format!(
                     "{what} {n} (read at offset {at}) is larger than the {} bytes left in the \
-                     file can hold",
+                     file can hold: the file is truncated or the {what} is corrupt",
                     self.remaining()
                 ),
             ));
@@ -594,7 +594,8 @@ impl<'a> Parser<'a> {
                 "header tensor_count",
                 format!(
                     "{tensor_count} tensors cannot fit in the {rest} bytes after the header \
-                     (each tensor info takes at least {MIN_TENSOR_INFO} bytes)"
+                     (each tensor info takes at least {MIN_TENSOR_INFO} bytes): the file is \
+                     truncated or the count is corrupt"
                 ),
             ));
         }
@@ -603,7 +604,8 @@ impl<'a> Parser<'a> {
                 "header kv_count",
                 format!(
                     "{kv_count} key-values cannot fit in the {rest} bytes after the header \
-                     (each takes at least {MIN_KV} bytes)"
+                     (each takes at least {MIN_KV} bytes): the file is truncated or the count \
+                     is corrupt"
                 ),
             ));
         }

@@ -83,7 +83,10 @@ impl GgufWriter {
             )));
         }
         dtype.check_row(ne[0], &format!("GgufWriter: tensor '{name}'"))?;
-        let n: usize = ne.iter().product();
+        let n = ne
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::msg(format!("GgufWriter: tensor '{name}' {ne:?} overflows")))?;
         let want = dtype.row_size(n);
         if data.len() != want {
             return Err(Error::msg(format!(

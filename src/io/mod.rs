@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod gguf;
+mod gguf_parse;
 pub mod gguf_types;
 pub mod gguf_writer;
 pub mod safetensors;

@@ -159,10 +159,12 @@ impl WordPieceTokenizer {
         let mut t = WordPieceTokenizer::from_file(dir.join("tokenizer.json"))?;
         let sbert = dir.join("sentence_bert_config.json");
         let tcfg = dir.join("tokenizer_config.json");
-        if sbert.exists() {
-            if let Some(n) = crate::io::JsonConfig::open(&sbert)?.opt_usize("max_seq_length")? {
-                t.max_len = Some(n);
-            }
+        let sbert_len = match sbert.exists() {
+            true => crate::io::JsonConfig::open(&sbert)?.opt_usize("max_seq_length")?,
+            false => None,
+        };
+        if sbert_len.is_some() {
+            t.max_len = sbert_len;
         } else if t.max_len.is_none() && tcfg.exists() {
             t.max_len = crate::io::JsonConfig::open(&tcfg)?.opt_usize("model_max_length")?;
         }

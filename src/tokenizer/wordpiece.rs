@@ -27,11 +27,14 @@ pub struct BertNormalizer {
     pub lowercase: bool,
 }
 
-/// CJK Unified Ideographs blocks, as in BERT's `_is_chinese_char`.
+/// CJK Unified Ideographs blocks, as in BERT's `_is_chinese_char`, except that Extension E
+/// starts at U+2B920 as in HF tokenizers' BertNormalizer (BERT's Python code says U+2B820):
+/// U+2B820..U+2B91F are not padded, so this matches the fast tokenizer that
+/// sentence-transformers users run (checked by the reference test).
 fn is_cjk(c: char) -> bool {
     matches!(c as u32,
         0x4E00..=0x9FFF | 0x3400..=0x4DBF | 0x20000..=0x2A6DF | 0x2A700..=0x2B73F
-        | 0x2B740..=0x2B81F | 0x2B820..=0x2CEAF | 0xF900..=0xFAFF | 0x2F800..=0x2FA1F)
+        | 0x2B740..=0x2B81F | 0x2B920..=0x2CEAF | 0xF900..=0xFAFF | 0x2F800..=0x2FA1F)
 }
 
 impl BertNormalizer {

@@ -13,12 +13,13 @@ pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod graph;
+pub mod io;
 pub mod meta;
 pub mod models;
 pub mod op;
 pub mod split_state;
 pub mod tensor;
-
+pub mod tokenizer;
 pub use backend::{Backend, Device, parse_devices};
 pub use buffer::{Buffer, BufferType, Storage};
 pub use dtype::DType;

@@ -20,6 +20,7 @@ pub mod op;
 pub mod split_state;
 pub mod tensor;
 pub mod tokenizer;
+
 pub use backend::{Backend, Device, parse_devices};
 pub use buffer::{Buffer, BufferType, Storage};
 pub use dtype::DType;

@@ -2,5 +2,6 @@
 //! (`split.rs`), and decoders with random weights for benchmarks and tests (`synthetic.rs`).
 
 pub mod decoder;
+pub mod paths;
 pub mod split;
 pub mod synthetic;

@@ -64,7 +64,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         Some(v) => v as usize,
         None => g.get_str_array("tokenizer.ggml.tokens")?.len(),
     };
-    let head_dim = if n_head == 0 { 0 } else { n_embd / n_head };
+    let head_dim = n_embd.checked_div(n_head).unwrap_or(0);
     let cfg = DecoderConfig {
         n_layer: g.get_usize(&k("block_count"))?,
         n_embd,

@@ -28,6 +28,8 @@ enum Cmd {
     },
     /// Generate text with a GGUF decoder on a device set.
     Run(metashard::cli::run::RunArgs),
+    /// Check a sharded run against one device (and the numpy reference with --reference).
+    Verify(metashard::cli::verify::VerifyArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -68,6 +70,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Devices { devices, json } => devices_cmd(devices.as_deref(), json),
         Cmd::Run(a) => metashard::cli::run::run(&a),
+        Cmd::Verify(a) => metashard::cli::verify::run(&a),
         Cmd::Bench { what } => match what {
             BenchCmd::Meta {
                 graph,

@@ -2,6 +2,7 @@
 //! or a meta device over several with a split callback), progress bars, memory summaries.
 
 pub mod run;
+pub mod verify;
 
 use crate::Result;
 use crate::backend::{Backend, Device, parse_devices};

@@ -273,6 +273,11 @@ impl<'m> Session<'m> {
         })
     }
 
+    /// The KV cache tensors.
+    pub fn cache(&self) -> KvCache {
+        self.cache.clone()
+    }
+
     /// The buffer holding the KV cache.
     pub fn cache_buffer(&self) -> Arc<dyn Buffer> {
         self._cache_buffer.clone()

@@ -577,14 +577,31 @@ impl Graph {
         la.dtype.check_row(ne[0], "view")?;
         let root = self.root(a);
         let root_span = self.node(root).layout.nbytes();
-        let start = self.node(a).view_offs + offset;
-        if l.nbytes() > 0 && start + l.nbytes() > root_span {
+        // Checked arithmetic: huge offsets or strides must not wrap around into bounds.
+        let start = self.node(a).view_offs.checked_add(offset);
+        let span = checked_nbytes(&l);
+        let end = start.zip(span).and_then(|(s, n)| s.checked_add(n));
+        if !l.ne.contains(&0) && end.is_none_or(|e| e > root_span) {
             return Err(Error::OutOfBounds {
                 what: format!("view of `{}` with shape {}", self.name(a), l.shape()),
-                offset: start,
-                size: l.nbytes(),
+                offset: start.unwrap_or(usize::MAX),
+                size: span.unwrap_or(usize::MAX),
                 capacity: root_span,
             });
+        }
+        // Kernels address whole elements (or blocks), aligned as their type.
+        let ts = la.dtype.type_size();
+        let start = start.unwrap_or(usize::MAX);
+        if start % ts != 0 || nb.iter().any(|&b| b % ts != 0) {
+            return Err(Error::invalid_op(
+                "view",
+                format!(
+                    "view of `{}`: offset {start} and strides {nb:?} must be multiples of the \
+                     {} element size {ts}",
+                    self.name(a),
+                    la.dtype
+                ),
+            ));
         }
         Ok(self.view_node(Op::View { offset }, l, &[a], a, offset))
     }
@@ -661,6 +678,25 @@ impl Graph {
             &[a, b],
         ))
     }
+}
+
+/// Bytes from a layout's first element to one past its last (ggml's `ggml_nbytes`: one element
+/// plus `(ne[i] - 1) * nb[i]` per dim, whole rows of blocks for quantized types), computed
+/// without overflow: `None` if the span does not fit in `usize`.
+fn checked_nbytes(l: &Layout) -> Option<usize> {
+    if l.ne.contains(&0) {
+        return Some(0);
+    }
+    let (bs, ts) = (l.dtype.block_size(), l.dtype.type_size());
+    let mut n = if bs == 1 {
+        ts.checked_add((l.ne[0] - 1).checked_mul(l.nb[0])?)?
+    } else {
+        (l.ne[0] / bs).checked_mul(l.nb[0])?
+    };
+    for i in 1..4 {
+        n = n.checked_add((l.ne[i] - 1).checked_mul(l.nb[i])?)?;
+    }
+    Some(n)
 }
 
 /// Element conversions the copy kernels provide: between float types, from a quantized type to

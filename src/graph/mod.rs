@@ -175,6 +175,18 @@ impl Graph {
                 self.nodes[self.root(id).index()].name
             )));
         }
+        // Kernels read f32/i32 through aligned pointers, halves and blocks (f16 scales) by
+        // 2-byte units; buffers themselves are aligned far beyond this.
+        let align = match n.layout.dtype {
+            DType::F32 | DType::I32 => 4,
+            _ => 2,
+        };
+        if storage.offset % align != 0 {
+            return Err(Error::msg(format!(
+                "cannot bind `{}` at offset {}: {} data must be {align}-byte aligned",
+                n.name, storage.offset, n.layout.dtype
+            )));
+        }
         let span = n.layout.nbytes();
         let size = storage.buffer.size();
         if storage.offset.checked_add(span).is_none_or(|e| e > size) {

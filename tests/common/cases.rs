@@ -89,6 +89,17 @@ fn binary_cases(v: &mut Vec<Case>) {
             (F32, a, Lay::Permuted([0, 2, 1, 3])),
         ));
         v.push(binary_case(op, (F16, a, PAD), (F32, [1, 3, 2, 1], p)));
+        // b's row repeats within a's row (b.ne0 divides a.ne0), packed and strided.
+        v.push(binary_case(
+            op,
+            (F32, [6, 6, 2, 1], p),
+            (F32, [3, 2, 1, 1], p),
+        ));
+        v.push(binary_case(
+            op,
+            (F16, [6, 6, 2, 1], p),
+            (F32, [3, 2, 2, 1], TRANSPOSED),
+        ));
         // A bias over a wide row, and zero extents.
         v.push(binary_case(
             op,
@@ -381,6 +392,19 @@ fn rope_cases(v: &mut Vec<Case>) {
             ([2, 1, 1, 1], Lay::Packed),
             rp(mode, 2, 10000.0, 1.0),
         ));
+        // Positions read out of a longer i32 tensor.
+        v.push(
+            case("rope", format!("{mode:?}, positions a view"))
+                .packed("x", F32, [8, 2, 5, 1], u())
+                .input(
+                    "pos",
+                    I32,
+                    [5, 1, 1, 1],
+                    Lay::Padded { pad: 3, off: 2 },
+                    Fill::Ints(0, 50),
+                )
+                .build(move |g, s| g.rope(s[0], s[1], rp(mode, 8, 10000.0, 1.0))),
+        );
         // Q heads viewed out of a fused QKV row: [D, H + 2 Hk, T] root, view of heads 1..4.
         v.push(
             case("rope", format!("{mode:?} on a view of fused qkv rows"))

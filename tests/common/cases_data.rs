@@ -47,6 +47,13 @@ fn get_rows_cases(v: &mut Vec<Case>) {
         v.push(get_rows_case(dt, [ne0, 10, 2, 1], pad, [5, 2, 1, 1]));
     }
     v.push(get_rows_case(F32, [7, 10, 1, 1], TRANSPOSED, [9, 1, 1, 1]));
+    // Ids not packed: [n, ne2] seen from a [ne2, n] tensor.
+    v.push(
+        case("get_rows", "")
+            .packed("table", Q4_1, [64, 10, 2, 1], u())
+            .input("ids", I32, [5, 2, 1, 1], TRANSPOSED, Fill::Ints(0, 10))
+            .build(|g, s| g.get_rows(s[0], s[1])),
+    );
     v.push(get_rows_case(F16, [1, 3, 1, 1], Lay::Packed, [5, 1, 1, 1]));
 }
 
@@ -281,6 +288,17 @@ fn view_cases(v: &mut Vec<Case>) {
         .packed("x", F32, [40, 1, 1, 1], u())
         .build(|g, s| {
             let r = g.view(s[0], [8, 5, 2, 1], [4, 12, 32, 64], 4)?;
+            g.cont(r)
+        }),
+    );
+    v.push(
+        case(
+            "view",
+            "last column of a matrix: strided elements ending at the root's end",
+        )
+        .packed("x", F32, [8, 4, 1, 1], u())
+        .build(|g, s| {
+            let r = g.view(s[0], [4, 1, 1, 1], [32, 128, 128, 128], 28)?;
             g.cont(r)
         }),
     );

@@ -17,10 +17,12 @@ use metashard::{Graph, TensorId};
 /// the backend multiplies in f32 too: f32 accumulation over K <= 1024 leaves a relative error
 /// ~eps * sqrt(K / 2) ~ 1e-6, NMSE ~1e-12, bound 1e-10. In default mode the activations are
 /// quantized to 8 bits per block of 32 (q8_0/q8_1): a uniform error of +-amax/254, NMSE
-/// ~(1/127)^2 / 12 / (1/3) = 1.6e-5 for uniform data; bound 5e-4 (30x margin).
+/// ~(1/127)^2 / 12 / (1/3) = 1.6e-5 for uniform data. Few outputs make it spread: simulating
+/// ggml's q8_0 rounding of the activations over 20,000 seeds (numpy) gave a median of 1.4e-5
+/// and a worst case of 3.9e-4 for the smallest shape here (K = 32, N = 7, M = 1); bound 1e-3.
 pub fn mul_mat_tols(dt: DType) -> (f64, f64) {
     if dt.is_quantized() {
-        (5e-4, 1e-10)
+        (1e-3, 1e-10)
     } else {
         (dtype_tol(dt), dtype_tol(dt))
     }

@@ -116,6 +116,15 @@ pub trait Backend: Send + Sync {
     /// backend's compute buffer (and stay valid until the next compute); leaves with inline data
     /// are uploaded first. Unsupported ops are an error naming the node, before anything runs.
     fn graph_compute(&self, graph: &mut Graph) -> Result<()>;
+    /// (optional) Prepare `graph`, whose roots must all have storage, so node ranges can be
+    /// computed repeatedly (ggml's `graph_plan_create`); the meta backend runs a device's
+    /// program this way, between collectives. Inline data is not uploaded by plans.
+    fn graph_plan(&self, _graph: &Graph) -> Result<Box<dyn GraphPlan>> {
+        Err(Error::Device {
+            device: self.name(),
+            reason: "graph plans are not supported".into(),
+        })
+    }
     /// (optional) Record `event` at the current point of the stream.
     fn event_record(&self, _event: &dyn Event) -> Result<()> {
         Ok(())
@@ -124,6 +133,12 @@ pub trait Backend: Send + Sync {
     fn event_wait(&self, event: &dyn Event) -> Result<()> {
         event.synchronize()
     }
+}
+
+/// A graph prepared by [`Backend::graph_plan`].
+pub trait GraphPlan: Send {
+    /// Compute the nodes whose indices are in `range`, in order.
+    fn compute(&mut self, range: std::ops::Range<usize>) -> Result<()>;
 }
 
 /// A marker in a stream.

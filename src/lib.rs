@@ -5,14 +5,21 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod bench;
 pub mod buffer;
+pub mod collectives;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod graph;
+pub mod io;
+pub mod meta;
+pub mod models;
 pub mod op;
+pub mod split_state;
 pub mod tensor;
+pub mod tokenizer;
 
 pub use backend::{Backend, Device, parse_devices};
 pub use buffer::{Buffer, BufferType, Storage};

@@ -1,3 +1,138 @@
+//! The `metashard` command line: list devices, run and verify models across devices, and
+//! benchmark kernels, the meta backend and models.
+
+use clap::{Parser, Subcommand};
+use metashard::bench;
+use metashard::{Result, parse_devices};
+
+#[derive(Parser)]
+#[command(
+    name = "metashard",
+    version,
+    about = "Tensor parallelism: one graph across N devices"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// List devices (all built-in registries, or those of a device list).
+    Devices {
+        /// A device list: `cpu`, `cpu:N`, `cpu:NxT`.
+        #[arg(long)]
+        devices: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
+    Meta {
+        /// The graph: a transformer block or ggml's 4-layer MLP stack.
+        #[arg(long, value_enum, default_value = "block")]
+        graph: bench::meta::BenchGraph,
+        /// Token counts per step.
+        #[arg(long, value_delimiter = ',', default_value = "1,128")]
+        tokens: Vec<usize>,
+        /// Timed steps per configuration (median reported).
+        #[arg(long, default_value_t = 20)]
+        reps: usize,
+        /// Use the fused attention kernel in the block.
+        #[arg(long)]
+        fused_attn: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 fn main() {
-    println!("metashard");
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Devices { devices, json } => devices_cmd(devices.as_deref(), json),
+        Cmd::Bench { what } => match what {
+            BenchCmd::Meta {
+                graph,
+                tokens,
+                reps,
+                fused_attn,
+                json,
+            } => {
+                let opts = bench::meta::MetaBenchOptions {
+                    graph,
+                    tokens,
+                    reps: reps.max(1),
+                    fused_attn,
+                };
+                let report = bench::meta::run(&opts, &|line| eprintln!("{line}"))?;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&report)
+                            .map_err(|e| metashard::Error::msg(e.to_string()))?
+                    );
+                } else {
+                    bench::meta::print_table(&report);
+                }
+                Ok(())
+            }
+        },
+    }
+}
+
+fn devices_cmd(spec: Option<&str>, json: bool) -> Result<()> {
+    let devices = match spec {
+        Some(s) => parse_devices(s)?,
+        None => metashard::backend::registries()
+            .iter()
+            .flat_map(|r| r.devices())
+            .collect(),
+    };
+    let rows: Vec<serde_json::Value> = devices
+        .iter()
+        .map(|d| {
+            let m = d.memory();
+            serde_json::json!({
+                "name": d.name(),
+                "kind": format!("{:?}", d.kind()),
+                "description": d.description(),
+                "memory_total": m.total,
+                "memory_free": m.free,
+            })
+        })
+        .collect();
+    if json {
+        println!("{}", serde_json::Value::Array(rows));
+    } else {
+        println!(
+            "{:<8} {:<6} {:>12} {:>12}  description",
+            "name", "kind", "total MiB", "free MiB"
+        );
+        for r in rows {
+            println!(
+                "{:<8} {:<6} {:>12} {:>12}  {}",
+                r["name"].as_str().unwrap_or(""),
+                r["kind"].as_str().unwrap_or(""),
+                r["memory_total"].as_u64().unwrap_or(0) / 1048576,
+                r["memory_free"].as_u64().unwrap_or(0) / 1048576,
+                r["description"].as_str().unwrap_or("")
+            );
+        }
+    }
+    Ok(())
 }

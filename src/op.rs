@@ -6,6 +6,17 @@
 //! ops reduce dimension 0, `rope` rotates pairs per position, `flash_attn` returns
 //! `[Dv, n_head, n_q, batch]`.
 
+/// Data movement between the devices of a meta device, as it appears in per-device programs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CollectiveKind {
+    /// Sum over devices, in place.
+    AllReduce,
+    /// Each device's slice along `axis` -> the whole tensor on every device.
+    AllGather { axis: u8 },
+    /// Partial sums -> each device's slice along `axis` of the sum.
+    ReduceScatter { axis: u8 },
+}
+
 /// Element-wise functions of one tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum UnaryOp {
@@ -141,6 +152,10 @@ pub enum Op {
     FlashAttn {
         scale: f32,
     },
+    /// `[src]`: filled by a collective between devices. Only the meta backend's per-device
+    /// programs contain it; backends do not compute it (the meta backend runs it between
+    /// node ranges). An in-place all-reduce is a view of its source.
+    Collective(CollectiveKind),
 }
 
 impl Op {
@@ -169,6 +184,9 @@ impl Op {
             Op::Mean => "mean",
             Op::Argmax => "argmax",
             Op::FlashAttn { .. } => "flash_attn",
+            Op::Collective(CollectiveKind::AllReduce) => "all_reduce",
+            Op::Collective(CollectiveKind::AllGather { .. }) => "all_gather",
+            Op::Collective(CollectiveKind::ReduceScatter { .. }) => "reduce_scatter",
         }
     }
 

@@ -43,11 +43,19 @@ impl Layout {
             return 0;
         }
         let bs = self.dtype.block_size();
-        let mut n = self.ne[0] / bs * self.nb[0];
-        for i in 1..4 {
-            n += (self.ne[i] - 1) * self.nb[i];
+        if bs == 1 {
+            let mut n = self.dtype.type_size();
+            for i in 0..4 {
+                n += (self.ne[i] - 1) * self.nb[i];
+            }
+            n
+        } else {
+            let mut n = self.ne[0] / bs * self.nb[0];
+            for i in 1..4 {
+                n += (self.ne[i] - 1) * self.nb[i];
+            }
+            n
         }
-        n
     }
 
     /// Packed in ggml order without gaps (dims of extent 1 may have any stride).

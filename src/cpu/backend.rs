@@ -1,15 +1,16 @@
 //! The CPU stream: `CpuBackend::graph_compute` checks every node against the kernels, allocates
 //! unallocated roots in its compute buffer, uploads inline inputs, and runs the nodes in order
 //! on the device's thread pool, all threads working on each node and meeting at a barrier
-//! between nodes (ggml's CPU execution model).
+//! between nodes (ggml's CPU execution model). `graph_plan` prepares an allocated graph once
+//! and computes node ranges of it on demand (used by the meta backend between collectives).
 
 use super::device::CpuDevice;
 use super::ops;
 use super::pool::ThreadPool;
 use super::view::{ComputeParams, TensorView};
 use crate::alloc::GraphAllocator;
-use crate::backend::{Backend, Device};
-use crate::buffer::BufferType;
+use crate::backend::{Backend, Device, GraphPlan};
+use crate::buffer::Buffer;
 use crate::graph::{Graph, TensorId};
 use crate::op::Op;
 use crate::{Error, Result};
@@ -21,6 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// One node ready to run.
 struct ExecNode {
     id: TensorId,
+    name: String,
     op: Op,
     dst: TensorView,
     src: SmallVec<[TensorView; 4]>,
@@ -29,8 +31,8 @@ struct ExecNode {
 /// The scratch pointer handed to every pool thread.
 #[derive(Clone, Copy)]
 struct WorkPtr(*mut u8);
-// SAFETY: the scratch memory outlives the pool job (held under the state lock for the whole
-// compute), and kernels partition it by thread or order their accesses with barriers.
+// SAFETY: the scratch memory outlives the pool job (owned by the plan, which `compute` borrows
+// mutably for the whole job), and kernels partition it by thread or order accesses by barriers.
 unsafe impl Sync for WorkPtr {}
 
 impl WorkPtr {
@@ -39,38 +41,32 @@ impl WorkPtr {
     }
 }
 
-struct State {
-    alloc: GraphAllocator,
-    /// Scratch shared by the threads of one node (64-byte aligned via u64x8 chunks).
-    work: Vec<[u64; 8]>,
+struct Inner {
+    device: CpuDevice,
+    pool: ThreadPool,
 }
 
 pub struct CpuBackend {
-    device: Arc<CpuDevice>,
-    pool: ThreadPool,
-    state: Mutex<State>,
+    inner: Arc<Inner>,
+    alloc: Mutex<GraphAllocator>,
 }
 
 impl CpuBackend {
     pub fn new(device: CpuDevice) -> Self {
         let pool = ThreadPool::new(device.threads, &format!("cpu{}", device.index));
         CpuBackend {
-            device: Arc::new(device),
-            pool,
-            state: Mutex::new(State {
-                alloc: GraphAllocator::new(Arc::new(super::buffer::CpuBufferType)),
-                work: Vec::new(),
-            }),
+            inner: Arc::new(Inner { device, pool }),
+            alloc: Mutex::new(GraphAllocator::new(Arc::new(super::buffer::CpuBufferType))),
         }
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.nth()
+        self.inner.pool.nth()
     }
 
     /// Bytes of the compute buffer after the last graph.
     pub fn compute_buffer_size(&self) -> usize {
-        self.state.lock().alloc.buffer_size()
+        self.alloc.lock().buffer_size()
     }
 }
 
@@ -115,83 +111,98 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
     ops::supports(&n.op, &shape_view(g, id), &src)
 }
 
-impl Backend for CpuBackend {
-    fn name(&self) -> String {
-        self.device.name()
-    }
-
-    fn device(&self) -> Arc<dyn Device> {
-        self.device.clone()
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
-    }
-
-    fn graph_compute(&self, g: &mut Graph) -> Result<()> {
-        let name = self.name();
-        // Pass 1: every node must have a kernel, before anything runs.
-        for id in g.ids() {
-            if let Err(detail) = supports_node(g, id) {
-                let n = g.node(id);
-                return Err(Error::UnsupportedOp {
-                    backend: name,
-                    op: n.op.name().to_string(),
-                    node: n.name.clone(),
-                    detail,
-                });
-            }
+/// Every node must have a kernel, before anything runs. Plans may contain collective nodes,
+/// which their caller runs between node ranges.
+fn check_supported(g: &Graph, backend: &str, allow_collectives: bool) -> Result<()> {
+    for id in g.ids() {
+        if allow_collectives && matches!(g.node(id).op, Op::Collective(_)) {
+            continue;
         }
-        let mut state = self.state.lock();
-        // Pass 2: allocate roots without storage in the compute buffer.
-        state.alloc.alloc_graph(g)?;
-        // Pass 3: upload inline inputs.
-        for n in g.nodes() {
-            if let (Some(data), Some(st)) = (&n.data, &n.storage) {
-                st.set(&n.layout, data)?;
-            }
-        }
-        // Pass 4: resolve views and size the scratch memory.
-        let nth = self.pool.nth();
-        let exact = self.device.options.exact;
-        let mut exec = Vec::new();
-        let mut wsize = 0usize;
-        for id in g.ids() {
+        if let Err(detail) = supports_node(g, id) {
             let n = g.node(id);
-            let dst = host_view(g, id, &name)?;
-            if n.op.is_noop() || dst.nelements() == 0 {
-                continue;
-            }
-            let src = n
-                .src
-                .iter()
-                .map(|&s| host_view(g, s, &name))
-                .collect::<Result<SmallVec<_>>>()?;
-            wsize = wsize.max(ops::work_size(&n.op, &dst, &src, nth, exact));
-            exec.push(ExecNode {
-                id,
-                op: n.op,
-                dst,
-                src,
+            return Err(Error::UnsupportedOp {
+                backend: backend.to_string(),
+                op: n.op.name().to_string(),
+                node: n.name.clone(),
+                detail,
             });
         }
-        let words = wsize.div_ceil(64);
-        if state.work.len() < words {
-            state.work = vec![[0u64; 8]; words];
+    }
+    Ok(())
+}
+
+/// A prepared graph: resolved host views of every computed node, and scratch memory.
+struct CpuPlan {
+    inner: Arc<Inner>,
+    exec: Vec<ExecNode>,
+    work: Vec<[u64; 8]>,
+    /// Keeps every buffer the views point into alive while the plan exists.
+    _buffers: Vec<Arc<dyn Buffer>>,
+}
+
+fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
+    let name = inner.device.name();
+    check_supported(g, &name, true)?;
+    let (nth, exact) = (inner.pool.nth(), inner.device.options.exact);
+    let mut exec = Vec::new();
+    let mut wsize = 0usize;
+    let mut buffers: Vec<Arc<dyn Buffer>> = Vec::new();
+    for id in g.ids() {
+        let n = g.node(id);
+        let dst = host_view(g, id, &name)?;
+        if let Some(st) = g.storage(id)
+            && !buffers.iter().any(|b| Arc::ptr_eq(b, &st.buffer))
+        {
+            buffers.push(st.buffer);
         }
-        let wdata = WorkPtr(state.work.as_mut_ptr().cast::<u8>());
-        // Pass 5: run, all threads on each node, a barrier between nodes.
+        if n.op.is_noop() || matches!(n.op, Op::Collective(_)) || dst.nelements() == 0 {
+            continue;
+        }
+        let src = n
+            .src
+            .iter()
+            .map(|&s| host_view(g, s, &name))
+            .collect::<Result<SmallVec<_>>>()?;
+        wsize = wsize.max(ops::work_size(&n.op, &dst, &src, nth, exact));
+        exec.push(ExecNode {
+            id,
+            name: n.name.clone(),
+            op: n.op,
+            dst,
+            src,
+        });
+    }
+    Ok(CpuPlan {
+        inner: inner.clone(),
+        exec,
+        work: vec![[0u64; 8]; wsize.div_ceil(64)],
+        _buffers: buffers,
+    })
+}
+
+impl GraphPlan for CpuPlan {
+    fn compute(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        let lo = self.exec.partition_point(|e| e.id.index() < range.start);
+        let hi = self.exec.partition_point(|e| e.id.index() < range.end);
+        let nodes = &self.exec[lo..hi];
+        if nodes.is_empty() {
+            return Ok(());
+        }
+        let pool = &self.inner.pool;
+        let (nth, exact) = (pool.nth(), self.inner.device.options.exact);
+        let wsize = self.work.len() * 64;
+        let wdata = WorkPtr(self.work.as_mut_ptr().cast::<u8>());
         let current = AtomicUsize::new(0);
-        let run = self.pool.run(&|ith, barrier| {
+        let run = pool.run(&|ith, barrier| {
             let p = ComputeParams {
                 ith,
                 nth,
                 wdata: wdata.get(),
-                wsize: words * 64,
+                wsize,
                 barrier,
                 exact,
             };
-            for (i, e) in exec.iter().enumerate() {
+            for (i, e) in nodes.iter().enumerate() {
                 if ith == 0 {
                     current.store(i, Ordering::Relaxed);
                 }
@@ -200,20 +211,45 @@ impl Backend for CpuBackend {
             }
         });
         run.map_err(|msg| {
-            let node = exec
+            let node = nodes
                 .get(current.load(Ordering::Relaxed))
-                .map_or("?".to_string(), |e| g.name(e.id).to_string());
+                .map_or("?", |e| e.name.as_str());
             Error::Device {
-                device: name.clone(),
+                device: self.inner.device.name(),
                 reason: format!("a kernel panicked at node `{node}`: {msg}"),
             }
         })
     }
 }
 
-impl CpuBackend {
-    /// The buffer type this backend computes in.
-    pub fn buffer_type(&self) -> Arc<dyn BufferType> {
-        self.device.buffer_type()
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        self.inner.device.name()
+    }
+
+    fn device(&self) -> Arc<dyn Device> {
+        let d = &self.inner.device;
+        Arc::new(CpuDevice::new(d.index, d.count, d.threads, d.options))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn graph_compute(&self, g: &mut Graph) -> Result<()> {
+        check_supported(g, &self.name(), false)?;
+        let mut alloc = self.alloc.lock();
+        alloc.alloc_graph(g)?;
+        for n in g.nodes() {
+            if let (Some(data), Some(st)) = (&n.data, &n.storage) {
+                st.set(&n.layout, data)?;
+            }
+        }
+        let mut plan = make_plan(&self.inner, g)?;
+        plan.compute(0..g.len())
+    }
+
+    fn graph_plan(&self, g: &Graph) -> Result<Box<dyn GraphPlan>> {
+        Ok(Box::new(make_plan(&self.inner, g)?))
     }
 }

@@ -462,6 +462,28 @@ impl Graph {
         self.computed(Op::FlashAttn { scale }, DType::F32, ne, &src)
     }
 
+    /// A node filled by a collective from `src` (meta backend programs). An all-reduce is in
+    /// place (a view of `src`); gathers and scatters produce a new tensor of shape `ne`.
+    pub fn collective(
+        &mut self,
+        kind: crate::op::CollectiveKind,
+        src: TensorId,
+        ne: [usize; 4],
+    ) -> Result<TensorId> {
+        let l = self.lay(src)?;
+        let op = Op::Collective(kind);
+        if kind == crate::op::CollectiveKind::AllReduce {
+            if !l.is_contiguous() {
+                return Err(Error::invalid_op(
+                    "all_reduce",
+                    "the source must be contiguous",
+                ));
+            }
+            return Ok(self.view_node(op, l, &[src], src, 0));
+        }
+        Ok(self.op_node(op, Layout::contiguous(l.dtype, ne), &[src]))
+    }
+
     // ---- data movement --------------------------------------------------------------------
 
     /// Rows of `table [ne0, rows, ne2, ne3]` picked by I32 `ids [n, ne2, ne3]`, as f32

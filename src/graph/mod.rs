@@ -320,6 +320,7 @@ fn hash_op(op: &Op, h: &mut impl Hasher) {
         Op::Clamp { min, max } => (min.to_bits(), max.to_bits()).hash(h),
         Op::RmsNorm { eps } | Op::Norm { eps } => eps.to_bits().hash(h),
         Op::SoftMax { scale } | Op::FlashAttn { scale } => scale.to_bits().hash(h),
+        Op::Collective(c) => c.hash(h),
         Op::Rope(p) => {
             p.mode.hash(h);
             p.n_dims.hash(h);

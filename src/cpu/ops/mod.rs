@@ -66,6 +66,7 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
             || "concat operands must share a dtype".into(),
         ),
         Op::FlashAttn { .. } => attn::supports(src),
+        Op::Collective(_) => Err("collectives run in the meta backend, between node ranges".into()),
     }
 }
 
@@ -101,6 +102,7 @@ pub fn forward(p: &ComputeParams, op: &Op, dst: &TensorView, src: &[TensorView])
         Op::Cpy => copy::cpy(p, dst, &src[0]),
         Op::Concat { dim } => copy::concat(p, dst, &src[0], &src[1], dim),
         Op::FlashAttn { scale } => attn::flash_attn(p, dst, src, scale),
+        Op::Collective(_) => {}
     }
 }
 

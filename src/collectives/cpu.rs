@@ -1,0 +1,652 @@
+//! `CpuCommunicator`: the in-process communicator for 1..=16 ranks on one host. Ranks publish
+//! pointers to their buffers and read their peers' buffers directly (see the algorithms,
+//! determinism and failure model in the parent module's doc).
+//!
+//! Synchronization: each rank owns a counter of the barriers it has reached, on its own cache
+//! line; a barrier is "store mine + 1, wait until every peer's is at least that". Waiting
+//! spins, then yields, checks the failed flag every round and gives up after the timeout. No
+//! allocation, lock or system call on the path of a successful call when peers are on time.
+
+use super::reduce::{reducible, sum_into};
+use super::{Communicator, SliceLayout};
+use crate::{DType, Error, Result};
+use parking_lot::Mutex;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize};
+use std::time::{Duration, Instant};
+
+/// Most ranks one communicator takes.
+pub const MAX_WORLD: usize = 16;
+/// How long a rank waits for its peers at one barrier before failing the communicator.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
+/// Spins before a waiter starts yielding, when every rank can have a core of its own.
+const SPINS: u32 = 1 << 11;
+/// Spins before yielding when there are more ranks than cores: a waiting rank then likely
+/// holds the core its peer needs.
+const SPINS_OVERSUBSCRIBED: u32 = 16;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    AllReduce = 1,
+    AllGather = 2,
+    ReduceScatter = 3,
+    Broadcast = 4,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::AllGather => "all_gather",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::Broadcast => "broadcast",
+        }
+    }
+
+    fn from_code(c: usize) -> Option<Kind> {
+        [
+            Kind::AllReduce,
+            Kind::AllGather,
+            Kind::ReduceScatter,
+            Kind::Broadcast,
+        ]
+        .into_iter()
+        .find(|k| *k as usize == c)
+    }
+}
+
+/// What a call must agree on across ranks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Sig {
+    kind: Kind,
+    dtype: Option<DType>,
+    root: usize,
+    /// Buffer bytes (all_reduce, broadcast) or full-tensor bytes (all_gather, reduce_scatter).
+    len: usize,
+    /// Layout fingerprint, 0 without a layout.
+    layout: u64,
+}
+
+/// Align a value to its own cache-line pair (adjacent-line prefetch pulls lines in twos).
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// What a rank publishes for its call in progress. Only the owner stores; peers load after
+/// the publishing barrier.
+#[derive(Default)]
+struct Desc {
+    /// `Kind` in the low byte, `1 + index in DType::ALL` (0: none) in the next.
+    code: AtomicUsize,
+    root: AtomicUsize,
+    len: AtomicUsize,
+    layout: AtomicU64,
+    /// The buffer peers read: all_reduce's buf, all_gather's local, reduce_scatter's full,
+    /// broadcast's buf.
+    src: AtomicPtr<u8>,
+    src_len: AtomicUsize,
+    /// True while this rank may be reading peers' buffers (see `enter`).
+    reading: AtomicBool,
+    bytes_moved: AtomicU64,
+}
+
+impl Desc {
+    fn store(&self, sig: &Sig, src: *mut u8, src_len: usize) {
+        let dt = sig
+            .dtype
+            .and_then(|d| DType::ALL.iter().position(|x| *x == d))
+            .map_or(0, |i| i + 1);
+        self.code.store(sig.kind as usize | dt << 8, Relaxed);
+        self.root.store(sig.root, Relaxed);
+        self.len.store(sig.len, Relaxed);
+        self.layout.store(sig.layout, Relaxed);
+        self.src.store(src, Relaxed);
+        self.src_len.store(src_len, Relaxed);
+    }
+
+    /// The published signature, `None` if the code is not one `store` writes (a rank that
+    /// never published).
+    fn sig(&self) -> Option<Sig> {
+        let code = self.code.load(Relaxed);
+        let dtype = match code >> 8 {
+            0 => None,
+            i => Some(*DType::ALL.get(i - 1)?),
+        };
+        Some(Sig {
+            kind: Kind::from_code(code & 0xff)?,
+            dtype,
+            root: self.root.load(Relaxed),
+            len: self.len.load(Relaxed),
+            layout: self.layout.load(Relaxed),
+        })
+    }
+
+    fn describe(&self) -> String {
+        let Some(s) = self.sig() else {
+            return "nothing published".into();
+        };
+        let mut d = format!("{} of {} B", s.kind.name(), s.len);
+        if let Some(t) = s.dtype {
+            d += &format!(" {t}");
+        }
+        if s.kind == Kind::Broadcast {
+            d += &format!(" from root {}", s.root);
+        }
+        if s.layout != 0 {
+            d += &format!(" layout {:016x}", s.layout);
+        }
+        d + &format!(", reads {} B", self.src_len.load(Relaxed))
+    }
+}
+
+struct Slot {
+    /// Barriers this rank has reached; peers poll it, so it has its own line.
+    arrived: Padded<AtomicU64>,
+    desc: Padded<Desc>,
+}
+
+/// The in-process communicator (see the module doc). Share it between the rank threads
+/// (`Arc` or a scoped borrow).
+pub struct CpuCommunicator {
+    world: usize,
+    timeout: Duration,
+    spins: u32,
+    slots: Box<[Slot]>,
+    failed: AtomicBool,
+    /// Why it failed: written once, before `failed` is set.
+    reason: Mutex<Option<String>>,
+}
+
+impl CpuCommunicator {
+    /// A communicator for `world` ranks (1..=16) with the default 30 s timeout.
+    pub fn new(world: usize) -> Result<Self> {
+        Self::with_timeout(world, DEFAULT_TIMEOUT)
+    }
+
+    /// A communicator whose ranks give up waiting for a peer after `timeout` at any barrier.
+    pub fn with_timeout(world: usize, timeout: Duration) -> Result<Self> {
+        if !(1..=MAX_WORLD).contains(&world) {
+            return Err(Error::Collective {
+                collective: "CpuCommunicator::new",
+                rank: 0,
+                world,
+                reason: format!("world size must be 1..={MAX_WORLD}"),
+            });
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let slots = (0..world)
+            .map(|_| Slot {
+                arrived: Padded(AtomicU64::new(0)),
+                desc: Padded(Desc::default()),
+            })
+            .collect();
+        Ok(CpuCommunicator {
+            world,
+            timeout,
+            spins: if world <= cores {
+                SPINS
+            } else {
+                SPINS_OVERSUBSCRIBED
+            },
+            slots,
+            failed: AtomicBool::new(false),
+            reason: Mutex::new(None),
+        })
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Why the communicator failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        if self.failed.load(SeqCst) {
+            self.reason.lock().clone()
+        } else {
+            None
+        }
+    }
+
+    /// Record `reason` (the first one wins) and fail the communicator.
+    fn fail(&self, reason: String) {
+        {
+            let mut r = self.reason.lock();
+            if r.is_none() {
+                *r = Some(reason);
+            }
+        }
+        self.failed.store(true, SeqCst);
+    }
+
+    fn failed_reason(&self) -> String {
+        let r = self.reason.lock();
+        format!(
+            "the communicator has failed: {}",
+            r.as_deref().unwrap_or("unknown reason")
+        )
+    }
+
+    /// Wait, spinning then yielding, until `done()`; an error if the communicator fails or
+    /// the timeout passes first (`what` names what was awaited).
+    fn wait(
+        &self,
+        mut done: impl FnMut() -> bool,
+        what: impl Fn() -> String,
+    ) -> Result<(), String> {
+        let mut spins = 0u32;
+        let mut deadline = None;
+        while !done() {
+            if self.failed.load(Acquire) {
+                return Err(self.failed_reason());
+            }
+            if spins < self.spins {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            let end = *deadline.get_or_insert(now + self.timeout);
+            if now >= end {
+                return Err(format!(
+                    "timed out after {:?} waiting for {}",
+                    self.timeout,
+                    what()
+                ));
+            }
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    /// Arrive at the next barrier and wait for every peer to arrive too.
+    fn barrier(&self, rank: usize) -> Result<(), String> {
+        let mine = &self.slots[rank].arrived.0;
+        let target = mine.load(Relaxed) + 1;
+        // Release: everything this rank wrote before (its descriptor, its result chunk) is
+        // visible to a peer that sees the new count.
+        mine.store(target, Release);
+        for q in (0..self.world).filter(|&q| q != rank) {
+            let peer = &self.slots[q].arrived.0;
+            self.wait(
+                || peer.load(Acquire) >= target,
+                || {
+                    let late: Vec<usize> = (0..self.world)
+                        .filter(|&p| self.slots[p].arrived.0.load(Acquire) < target)
+                        .collect();
+                    format!("rank(s) {late:?} to reach barrier {target}")
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Start reading peers' buffers. Together with `drain` this is a Dekker handshake: either
+    /// this rank sees `failed` and reads nothing, or the failing rank sees `reading` and waits.
+    fn enter(&self, rank: usize) -> Result<(), String> {
+        let d = &self.slots[rank].desc.0;
+        d.reading.store(true, SeqCst);
+        if self.failed.load(SeqCst) {
+            d.reading.store(false, Release);
+            return Err(self.failed_reason());
+        }
+        Ok(())
+    }
+
+    fn exit(&self, rank: usize, moved: usize) {
+        let d = &self.slots[rank].desc.0;
+        d.bytes_moved.fetch_add(moved as u64, Relaxed);
+        d.reading.store(false, Release);
+    }
+
+    /// After `failed` is set: wait until no peer is inside a reading phase, so this rank's
+    /// buffers may be released. Readers never block inside a phase, so this ends.
+    fn drain(&self, rank: usize) {
+        for q in (0..self.world).filter(|&q| q != rank) {
+            let reading = &self.slots[q].desc.0.reading;
+            let mut spins = 0u32;
+            while reading.load(SeqCst) {
+                if spins < self.spins {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    /// Publish this rank's call, meet the peers, and check that every rank made the same call
+    /// with a buffer of the size this rank will read (`src_len(q)` for rank q). Returns the
+    /// peers' source pointers.
+    fn publish(
+        &self,
+        rank: usize,
+        sig: Sig,
+        src: *mut u8,
+        src_len: usize,
+        expected_src_len: impl Fn(usize) -> usize,
+    ) -> Result<[*const u8; MAX_WORLD], String> {
+        self.slots[rank].desc.0.store(&sig, src, src_len);
+        self.barrier(rank)?;
+        let mut ptrs = [std::ptr::null::<u8>(); MAX_WORLD];
+        let mut ok = true;
+        for (q, p) in ptrs.iter_mut().enumerate().take(self.world) {
+            let d = &self.slots[q].desc.0;
+            ok &= d.sig() == Some(sig) && d.src_len.load(Relaxed) == expected_src_len(q);
+            *p = d.src.load(Relaxed);
+        }
+        if ok {
+            return Ok(ptrs);
+        }
+        let calls: Vec<String> = (0..self.world)
+            .map(|q| format!("rank {q}: {}", self.slots[q].desc.0.describe()))
+            .collect();
+        Err(format!("ranks made mismatched calls: {}", calls.join("; ")))
+    }
+
+    /// Run one collective's body for `rank`: argument and state checks before, failure
+    /// handling after (see the failure model).
+    fn run(
+        &self,
+        kind: Kind,
+        rank: usize,
+        body: impl FnOnce() -> Result<(), String>,
+    ) -> Result<()> {
+        let err = |reason| Error::Collective {
+            collective: kind.name(),
+            rank,
+            world: self.world,
+            reason,
+        };
+        if rank >= self.world {
+            let reason = format!("rank {rank} is out of range");
+            self.fail(format!("{} called with {reason}", kind.name()));
+            return Err(err(reason));
+        }
+        if self.failed.load(Acquire) {
+            return Err(err(self.failed_reason()));
+        }
+        let guard = PanicGuard {
+            comm: self,
+            rank,
+            kind,
+        };
+        let result = body();
+        drop(guard);
+        result.map_err(|reason| {
+            self.fail(format!("rank {rank} in {}: {reason}", kind.name()));
+            self.drain(rank);
+            err(reason)
+        })
+    }
+
+    /// The element range of all-reduce chunk `r`: equal shares rounded up to whole 64-byte
+    /// lines, the last ones shorter or empty.
+    fn chunk(&self, n: usize, esz: usize, r: usize) -> (usize, usize) {
+        let line = (64 / esz).max(1);
+        let per = n.div_ceil(self.world).div_ceil(line) * line;
+        let lo = per.saturating_mul(r).min(n);
+        (lo, per.saturating_add(lo).min(n))
+    }
+}
+
+/// Fails the communicator if a rank's thread unwinds out of a collective, after making sure
+/// no peer still reads the buffers the unwinding frame is about to release.
+struct PanicGuard<'a> {
+    comm: &'a CpuCommunicator,
+    rank: usize,
+    kind: Kind,
+}
+
+impl Drop for PanicGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let c = self.comm;
+            c.slots[self.rank].desc.0.reading.store(false, SeqCst);
+            c.fail(format!(
+                "rank {} panicked inside {}",
+                self.rank,
+                self.kind.name()
+            ));
+            c.drain(self.rank);
+        }
+    }
+}
+
+fn check_layout(layout: &SliceLayout, world: usize) -> Result<(), String> {
+    if layout.world() != world {
+        return Err(format!(
+            "layout has {} ranks, the communicator {world}",
+            layout.world()
+        ));
+    }
+    Ok(())
+}
+
+fn check_reducible(dtype: DType, what: &str, bytes: usize) -> Result<usize, String> {
+    if !reducible(dtype) {
+        return Err(format!("dtype {dtype} cannot be summed (F32, F16 or BF16)"));
+    }
+    let esz = dtype.type_size();
+    if bytes % esz != 0 {
+        return Err(format!(
+            "{what} of {bytes} B is not a whole number of {dtype} elements"
+        ));
+    }
+    Ok(esz)
+}
+
+impl Communicator for CpuCommunicator {
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(&self, rank: usize, buf: &mut [u8], dtype: DType) -> Result<()> {
+        self.run(Kind::AllReduce, rank, || {
+            let len = buf.len();
+            let esz = check_reducible(dtype, "buffer", len)?;
+            if self.world == 1 {
+                return Ok(());
+            }
+            // From here on this rank touches its buffer only through `base`, the pointer its
+            // peers use too, so every access derives from one borrow.
+            let base = buf.as_mut_ptr();
+            let sig = Sig {
+                kind: Kind::AllReduce,
+                dtype: Some(dtype),
+                root: 0,
+                len,
+                layout: 0,
+            };
+            let peers = self.publish(rank, sig, base, len, |_| len)?;
+            let n = len / esz;
+            let (lo, hi) = self.chunk(n, esz, rank);
+
+            // Phase 1: chunk `rank` of every rank, summed in rank order, into this buffer.
+            self.enter(rank)?;
+            let mut srcs = [std::ptr::null::<u8>(); MAX_WORLD];
+            for (s, p) in srcs.iter_mut().zip(&peers).take(self.world) {
+                // SAFETY: `p` is a rank's buffer of `len` bytes (checked in `publish`) and
+                // lo <= n, so the offset stays inside it.
+                *s = unsafe { p.add(lo * esz) };
+            }
+            // SAFETY: every rank's buffer stays valid and unmoved from its publishing barrier
+            // until it leaves the call, which happens only after the final barrier or, on
+            // error, after `drain` saw this rank stop reading. In this phase each rank writes
+            // only chunk r of its own buffer and reads only chunk r of the others: no range
+            // read here is written by anyone but this rank, and dst equals srcs[rank] exactly,
+            // which `sum_into` allows. hi - lo elements fit in every buffer from `lo`.
+            unsafe { sum_into(dtype, base.add(lo * esz), &srcs[..self.world], hi - lo) };
+            self.exit(rank, (self.world - 1) * (hi - lo) * esz);
+            self.barrier(rank)?;
+
+            // Phase 2: every other chunk q from its owner q.
+            self.enter(rank)?;
+            let mut moved = 0;
+            for (q, p) in peers.iter().enumerate().take(self.world) {
+                if q == rank {
+                    continue;
+                }
+                let (qlo, qhi) = self.chunk(n, esz, q);
+                // SAFETY: buffers are valid as in phase 1 and the barrier ordered the owner's
+                // phase-1 writes before these reads. In this phase rank q only writes chunks
+                // other than q of its own buffer, and this rank writes chunk q of its own
+                // buffer, which no peer reads now; the two buffers are distinct allocations.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        p.add(qlo * esz),
+                        base.add(qlo * esz),
+                        (qhi - qlo) * esz,
+                    );
+                }
+                moved += (qhi - qlo) * esz;
+            }
+            self.exit(rank, moved);
+            self.barrier(rank)
+        })
+    }
+
+    fn all_gather(
+        &self,
+        rank: usize,
+        local: &[u8],
+        full: &mut [u8],
+        layout: &SliceLayout,
+    ) -> Result<()> {
+        self.run(Kind::AllGather, rank, || {
+            check_layout(layout, self.world)?;
+            layout
+                .gather_into(local, rank, full)
+                .map_err(|e| e.to_string())?;
+            if self.world == 1 {
+                return Ok(());
+            }
+            let sig = Sig {
+                kind: Kind::AllGather,
+                dtype: None,
+                root: 0,
+                len: full.len(),
+                layout: layout.fingerprint(),
+            };
+            // Peers only read through this pointer.
+            let src = local.as_ptr().cast_mut();
+            let peers = self.publish(rank, sig, src, local.len(), |q| layout.local_bytes(q))?;
+            self.enter(rank)?;
+            let mut moved = 0;
+            for (q, &p) in peers.iter().enumerate().take(self.world) {
+                if q == rank {
+                    continue;
+                }
+                let bytes = layout.local_bytes(q);
+                // SAFETY: rank q published `local` of exactly `bytes` bytes (checked in
+                // `publish`); it stays valid and unwritten (it is a shared borrow) until q
+                // leaves the call, which waits for this rank as in all_reduce. `full` is this
+                // rank's own and nobody else touches it.
+                let slice = unsafe { std::slice::from_raw_parts(p, bytes) };
+                if let Err(e) = layout.gather_into(slice, q, full) {
+                    self.exit(rank, moved);
+                    return Err(e.to_string());
+                }
+                moved += bytes;
+            }
+            self.exit(rank, moved);
+            self.barrier(rank)
+        })
+    }
+
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        full: &[u8],
+        local: &mut [u8],
+        layout: &SliceLayout,
+        dtype: DType,
+    ) -> Result<()> {
+        self.run(Kind::ReduceScatter, rank, || {
+            check_layout(layout, self.world)?;
+            layout
+                .check_sizes("reduce_scatter", full.len(), rank, local.len())
+                .map_err(|e| e.to_string())?;
+            let esz = check_reducible(dtype, "layout unit", layout.unit_bytes())?;
+            if self.world == 1 {
+                // A sum of one term is the term, bit for bit.
+                return layout.scatter(full, rank, local).map_err(|e| e.to_string());
+            }
+            let sig = Sig {
+                kind: Kind::ReduceScatter,
+                dtype: Some(dtype),
+                root: 0,
+                len: full.len(),
+                layout: layout.fingerprint(),
+            };
+            let full_len = full.len();
+            let src = full.as_ptr().cast_mut();
+            let peers = self.publish(rank, sig, src, full_len, |_| full_len)?;
+            let local_len = local.len();
+            let dst = local.as_mut_ptr();
+            self.enter(rank)?;
+            let mut srcs = [std::ptr::null::<u8>(); MAX_WORLD];
+            for run in layout.runs(rank) {
+                for (s, p) in srcs.iter_mut().zip(&peers).take(self.world) {
+                    // SAFETY: every rank's full tensor has `full_len` bytes (checked in
+                    // `publish`) and the run lies inside the layout's full tensor.
+                    *s = unsafe { p.add(run.full) };
+                }
+                // SAFETY: the full tensors are shared borrows, valid and unwritten until their
+                // owners leave the call (after this rank stops reading, as in all_reduce);
+                // `local` is this rank's own, exclusive, and the run fits in it (sizes checked
+                // above). Runs are whole units, so whole elements.
+                unsafe {
+                    sum_into(
+                        dtype,
+                        dst.add(run.local),
+                        &srcs[..self.world],
+                        run.len / esz,
+                    )
+                };
+            }
+            self.exit(rank, (self.world - 1) * local_len);
+            self.barrier(rank)
+        })
+    }
+
+    fn broadcast(&self, rank: usize, root: usize, buf: &mut [u8]) -> Result<()> {
+        self.run(Kind::Broadcast, rank, || {
+            if root >= self.world {
+                return Err(format!("root {root} is out of range"));
+            }
+            if self.world == 1 {
+                return Ok(());
+            }
+            let sig = Sig {
+                kind: Kind::Broadcast,
+                dtype: None,
+                root,
+                len: buf.len(),
+                layout: 0,
+            };
+            let len = buf.len();
+            let peers = self.publish(rank, sig, buf.as_mut_ptr(), len, |_| len)?;
+            if rank != root {
+                self.enter(rank)?;
+                // SAFETY: the root's buffer has `len` bytes (checked in `publish`), stays valid
+                // until the root leaves the call (after this rank stops reading), and nobody
+                // writes it during the call: the root does not touch it and every other rank
+                // writes only its own buffer.
+                let src = unsafe { std::slice::from_raw_parts(peers[root], len) };
+                buf.copy_from_slice(src);
+                self.exit(rank, len);
+            }
+            self.barrier(rank)
+        })
+    }
+
+    fn abort(&self, rank: usize, reason: &str) {
+        self.fail(format!("rank {rank} aborted: {reason}"));
+    }
+
+    fn bytes_moved(&self, rank: usize) -> u64 {
+        self.slots
+            .get(rank)
+            .map_or(0, |s| s.desc.0.bytes_moved.load(Relaxed))
+    }
+}

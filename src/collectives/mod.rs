@@ -1,0 +1,117 @@
+//! Collectives for a group of N ranks, one thread per rank: the [`Communicator`] trait
+//! (all-reduce, all-gather, reduce-scatter, broadcast, abort), the [`SliceLayout`] that says
+//! which bytes of a full tensor each rank holds, and the in-process [`CpuCommunicator`].
+//!
+//! # Algorithms and bytes moved (per rank, buffer of B bytes, N ranks)
+//!
+//! The CPU communicator is pull-based and zero-copy: each rank publishes a pointer to its
+//! buffer, the ranks meet at a barrier, then each reads directly from its peers' buffers and
+//! writes only into its own. `bytes_moved` counts the bytes a rank read from peers.
+//!
+//! - **all-reduce**: a reduce-scatter then an all-gather over N chunks of the buffer (chunk
+//!   edges on 64-byte multiples). Rank r sums chunk r of every rank into its own buffer,
+//!   barrier, then copies every other chunk q from its owner q. Moves (N-1)·B/N + (N-1)·B/N
+//!   = 2(N-1)/N·B, the bandwidth-optimal amount, with three barriers (publish, between the
+//!   halves, end).
+//! - **all-gather**: rank r copies each peer's slice into its full tensor along the layout's
+//!   runs: Σ_{q≠r} local_bytes(q), about (N-1)/N of the full tensor. Two barriers.
+//! - **reduce-scatter**: rank r sums its own runs of every rank's full tensor into its slice:
+//!   (N-1)·local_bytes(r). Two barriers.
+//! - **broadcast**: every non-root rank copies B bytes from the root. Two barriers.
+//!
+//! # Determinism
+//!
+//! Every reduced element is `x_0 + x_1 + ... + x_{N-1}` added in rank order, computed by
+//! exactly one rank and copied by the others, so every rank ends with bit-identical results,
+//! the result does not depend on the chunking, and reduce-scatter followed by all-gather gives
+//! exactly the all-reduce result. F32 is added in f32. F16 and BF16 are widened to f32 (exact),
+//! added in f32 in the same order, and rounded to the half type once per element at the end
+//! (round to nearest, ties to even), which is never less accurate than rounding after every
+//! add.
+//!
+//! # Failure model
+//!
+//! Any error fails the whole communicator: a bad argument on one rank, calls that do not match
+//! across ranks (different collective, sizes, dtype, layout or root, detected by comparing what
+//! every rank published at the first barrier), [`Communicator::abort`], a rank panicking
+//! inside a collective, or a rank waiting longer than the timeout for a peer (a rank that
+//! never arrives). Every rank's pending collective then returns
+//! [`Error::Collective`](crate::Error::Collective) promptly, and every later call on every
+//! rank returns an error too: a failed communicator stays failed; make a new one. A rank
+//! leaving with an error first waits until no peer is still reading its buffers, so the
+//! caller may free them as soon as the call returns. Hold an [`AbortOnPanic`] in each rank's
+//! worker so that a panic outside a collective releases the peers at once instead of after
+//! the timeout.
+
+pub mod cpu;
+pub mod layout;
+mod reduce;
+
+pub use cpu::CpuCommunicator;
+pub use layout::{Run, Runs, SliceLayout};
+
+use crate::{DType, Result};
+
+/// A group of `world_size()` ranks; rank r calls every collective from its own thread, all
+/// ranks make the same calls in the same order. All buffers are raw bytes of the element type.
+pub trait Communicator: Send + Sync {
+    fn world_size(&self) -> usize;
+
+    /// Sum `buf` over ranks, element-wise; every rank ends with the sum, in place. `dtype` is
+    /// F32, F16 or BF16 (half types are summed in f32 and rounded once, see the module doc).
+    fn all_reduce(&self, rank: usize, buf: &mut [u8], dtype: DType) -> Result<()>;
+
+    /// Every rank's slice `local` (per `layout`) into the full tensor `full` on every rank.
+    /// Byte moves only: works for any dtype, quantized blocks included, through the layout.
+    fn all_gather(
+        &self,
+        rank: usize,
+        local: &[u8],
+        full: &mut [u8],
+        layout: &SliceLayout,
+    ) -> Result<()>;
+
+    /// Sum the full partial tensors of all ranks and leave rank r's slice (per `layout`) of
+    /// the sum in `local`. `dtype` as for [`Communicator::all_reduce`].
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        full: &[u8],
+        local: &mut [u8],
+        layout: &SliceLayout,
+        dtype: DType,
+    ) -> Result<()>;
+
+    /// Copy `buf` of rank `root` into `buf` on every rank.
+    fn broadcast(&self, rank: usize, root: usize, buf: &mut [u8]) -> Result<()>;
+
+    /// Mark the group failed because of `rank`: every pending and future collective on every
+    /// rank returns an error promptly.
+    fn abort(&self, rank: usize, reason: &str);
+
+    /// Bytes this rank read from or wrote to other ranks' memory so far (tests, reports).
+    fn bytes_moved(&self, _rank: usize) -> u64 {
+        0
+    }
+}
+
+/// Aborts the communicator for `rank` if dropped while its thread panics: hold one in each
+/// rank's worker so peers are released at once rather than after the timeout.
+pub struct AbortOnPanic<'a> {
+    comm: &'a dyn Communicator,
+    rank: usize,
+}
+
+impl<'a> AbortOnPanic<'a> {
+    pub fn new(comm: &'a dyn Communicator, rank: usize) -> Self {
+        AbortOnPanic { comm, rank }
+    }
+}
+
+impl Drop for AbortOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.comm.abort(self.rank, "its thread panicked");
+        }
+    }
+}

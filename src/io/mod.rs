@@ -1,0 +1,51 @@
+//! Model file formats: the GGUF reader and writer, safetensors, and a model folder's
+//! `config.json`. Every reader memory-maps its file, validates it completely before handing
+//! out bytes, and reports bad input as `Error::Format` naming the file and the field.
+
+pub mod config;
+pub mod gguf;
+mod gguf_parse;
+pub mod gguf_types;
+pub mod gguf_writer;
+pub mod safetensors;
+
+pub use config::JsonConfig;
+pub use gguf::{GgufFile, GgufTensorInfo};
+pub use gguf_types::{GgmlTypeLayout, GgufArray, GgufType, GgufValue, ggml_type_layout};
+pub use gguf_writer::GgufWriter;
+pub use safetensors::{SafetensorsFile, SafetensorsTensorInfo};
+
+use crate::{Error, Result};
+use std::path::Path;
+
+/// The bytes of a file: a read-only memory map, or an owned buffer (tests, fuzzing, files
+/// built in memory).
+pub(crate) enum Backing {
+    Mmap(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Backing {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            Backing::Mmap(m) => m,
+            Backing::Owned(v) => v,
+        }
+    }
+
+    /// Memory-maps `path` read-only. An empty file becomes an empty owned buffer (mapping a
+    /// zero-length file is an error on some platforms).
+    pub(crate) fn map(path: &Path) -> Result<Backing> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        if len == 0 {
+            return Ok(Backing::Owned(Vec::new()));
+        }
+        // SAFETY: the mapping is read-only and lives as long as `Backing`, which owns it. The
+        // one thing Rust cannot see is another process truncating or rewriting the file while
+        // it is mapped; like every mmap-based model loader we require model files not to be
+        // modified while open (documented on `GgufFile::open` and `SafetensorsFile::open`).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        Ok(Backing::Mmap(map))
+    }
+}

@@ -1,0 +1,381 @@
+//! Meta buffers. A `MetaBuffer` is a virtual address space of tensors: placing a tensor in it
+//! (`init_tensor`) asks the split callback for the tensor's state and allocates, on each
+//! device, only that device's slice (the whole tensor where mirrored or partial). Reads and
+//! writes take byte ranges of the full tensor: `set_tensor` scatters them to the slices that
+//! hold them (partial tensors: device 0 takes the data, the others zeros), `get_tensor`
+//! gathers them (partial tensors: the sum over devices).
+//!
+//! The meta backend also registers its outputs here (`register`), so results are read the same
+//! way as weights.
+
+use super::{MetaShared, TensorInfo};
+use crate::buffer::{Buffer, BufferType, BufferUsage, Storage};
+use crate::collectives::SliceLayout;
+use crate::split_state::{SplitAxis, SplitState};
+use crate::tensor::Layout;
+use crate::{DType, Error, Result};
+use parking_lot::{Mutex, RwLock};
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// The buffer type of a meta device.
+pub struct MetaBufferType {
+    shared: Arc<MetaShared>,
+}
+
+impl MetaBufferType {
+    pub fn new(shared: Arc<MetaShared>) -> Self {
+        MetaBufferType { shared }
+    }
+}
+
+impl BufferType for MetaBufferType {
+    fn name(&self) -> String {
+        format!("Meta({})", self.shared.devices.len())
+    }
+
+    /// A virtual buffer of `size` bytes; device memory is allocated per tensor as tensors are
+    /// placed in it.
+    fn alloc_buffer(&self, size: usize) -> Result<Arc<dyn Buffer>> {
+        Ok(Arc::new(MetaBuffer::new(self.shared.clone(), size)))
+    }
+
+    fn alignment(&self) -> usize {
+        64
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// One tensor of a meta buffer: its full layout, its state, and each device's slice.
+#[derive(Clone, Debug)]
+pub struct MetaTensor {
+    pub name: String,
+    pub layout: Layout,
+    pub state: SplitState,
+    /// Per device: where the slice lives and its (packed) local layout.
+    pub local: Vec<(Storage, Layout)>,
+}
+
+impl MetaTensor {
+    /// Bytes held by device `d`.
+    pub fn local_bytes(&self, d: usize) -> usize {
+        self.local[d].1.nbytes()
+    }
+}
+
+/// The byte runs of a split tensor (see `collectives::SliceLayout`), for a packed layout.
+pub fn slice_layout(layout: &Layout, state: &SplitState) -> Result<SliceLayout> {
+    let k = state.split_dim().expect("slice_layout of an axis split");
+    let bs = layout.dtype.block_size();
+    let (unit, div) = if k == 0 {
+        (layout.dtype.type_size(), bs)
+    } else {
+        (layout.nb[k], 1)
+    };
+    let outer: usize = layout.ne[k + 1..].iter().product();
+    let segments: Vec<Vec<usize>> = state
+        .segments()
+        .into_iter()
+        .map(|s| s.into_iter().map(|e| e / div).collect())
+        .collect();
+    SliceLayout::new(outer, unit, &segments)
+}
+
+/// A virtual buffer whose tensors are spread over the meta device's devices.
+pub struct MetaBuffer {
+    shared: Arc<MetaShared>,
+    size: usize,
+    tensors: RwLock<BTreeMap<usize, Arc<MetaTensor>>>,
+    usage: Mutex<BufferUsage>,
+}
+
+impl MetaBuffer {
+    pub fn new(shared: Arc<MetaShared>, size: usize) -> Self {
+        MetaBuffer {
+            shared,
+            size,
+            tensors: RwLock::new(BTreeMap::new()),
+            usage: Mutex::new(BufferUsage::Any),
+        }
+    }
+
+    pub fn n_devices(&self) -> usize {
+        self.shared.devices.len()
+    }
+
+    /// The tensor placed at `offset`.
+    pub fn tensor_at(&self, offset: usize) -> Option<Arc<MetaTensor>> {
+        self.tensors.read().get(&offset).cloned()
+    }
+
+    /// Every tensor, by offset.
+    pub fn tensors(&self) -> Vec<(usize, Arc<MetaTensor>)> {
+        self.tensors
+            .read()
+            .iter()
+            .map(|(&o, t)| (o, t.clone()))
+            .collect()
+    }
+
+    /// Bytes allocated on each device for this buffer's tensors.
+    pub fn device_bytes(&self) -> Vec<usize> {
+        let mut v = vec![0; self.n_devices()];
+        for t in self.tensors.read().values() {
+            for (d, b) in v.iter_mut().enumerate() {
+                *b += t.local_bytes(d);
+            }
+        }
+        v
+    }
+
+    /// Place an already-split tensor (per-device storages owned elsewhere) at `offset`.
+    pub fn register(&self, offset: usize, t: MetaTensor) -> Result<()> {
+        if t.local.len() != self.n_devices() {
+            return Err(Error::msg(format!(
+                "register `{}`: {} slices for {} devices",
+                t.name,
+                t.local.len(),
+                self.n_devices()
+            )));
+        }
+        self.tensors.write().insert(offset, Arc::new(t));
+        Ok(())
+    }
+
+    /// The registered tensor whose span contains `[offset, offset + len)`, and the position
+    /// of `offset` inside it.
+    fn find(&self, offset: usize, len: usize, what: &str) -> Result<(Arc<MetaTensor>, usize)> {
+        let map = self.tensors.read();
+        if let Some((&start, t)) = map.range(..=offset).next_back() {
+            let span = t.layout.nbytes();
+            if offset + len <= start + span {
+                return Ok((t.clone(), offset - start));
+            }
+        }
+        Err(Error::NoStorage {
+            tensor: what.to_string(),
+            reason: format!(
+                "no tensor of this meta buffer spans bytes {offset}..{}",
+                offset + len
+            ),
+        })
+    }
+
+    /// Visit, for each device, the pieces `(local_offset, range_in_request)` of the request
+    /// `[pos, pos + len)` of the full tensor's bytes that the device holds.
+    fn pieces(
+        t: &MetaTensor,
+        pos: usize,
+        len: usize,
+        mut f: impl FnMut(usize, usize, std::ops::Range<usize>) -> Result<()>,
+    ) -> Result<()> {
+        let n = t.local.len();
+        match t.state.axis {
+            SplitAxis::Mirrored | SplitAxis::Partial => {
+                for d in 0..n {
+                    f(d, pos, 0..len)?;
+                }
+            }
+            SplitAxis::Axis(_) => {
+                if !t.layout.is_contiguous() {
+                    return Err(Error::msg(format!(
+                        "meta tensor `{}` must be packed",
+                        t.name
+                    )));
+                }
+                let sl = slice_layout(&t.layout, &t.state)?;
+                for d in 0..n {
+                    for run in sl.runs(d) {
+                        let (a, b) = (run.full.max(pos), (run.full + run.len).min(pos + len));
+                        if a < b {
+                            f(d, run.local + (a - run.full), (a - pos)..(b - pos))?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sum the byte ranges `parts` (same length) as elements of `dtype` into `out`.
+fn sum_into(dtype: DType, parts: &[Vec<u8>], out: &mut [u8]) -> Result<()> {
+    let ts = dtype.type_size();
+    if !dtype.is_float() || out.len() % ts != 0 {
+        return Err(Error::msg(format!(
+            "cannot sum partial {dtype} data of {} bytes",
+            out.len()
+        )));
+    }
+    let n = out.len() / ts;
+    let mut acc = vec![0f32; n];
+    let mut tmp = vec![0f32; n];
+    for p in parts {
+        crate::dtype::row_to_f32(dtype, p, &mut tmp)?;
+        acc.iter_mut().zip(&tmp).for_each(|(a, b)| *a += b);
+    }
+    crate::dtype::row_from_f32(dtype, &acc, out)
+}
+
+impl Buffer for MetaBuffer {
+    fn buffer_type(&self) -> Arc<dyn BufferType> {
+        Arc::new(MetaBufferType::new(self.shared.clone()))
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Ask the split callback for the tensor's state and allocate each device's slice.
+    /// Placing the same tensor again (same offset and layout) is a no-op.
+    fn init_tensor(&self, name: &str, layout: &Layout, offset: usize) -> Result<()> {
+        if let Some(t) = self.tensor_at(offset) {
+            if t.layout == *layout {
+                return Ok(());
+            }
+            return Err(Error::msg(format!(
+                "meta buffer: `{name}` {} placed at offset {offset}, where `{}` {} already is",
+                layout.shape(),
+                t.name,
+                t.layout.shape()
+            )));
+        }
+        if !layout.is_contiguous() {
+            return Err(Error::msg(format!("meta buffer: `{name}` must be packed")));
+        }
+        let n = self.n_devices();
+        let state = (self.shared.split_fn)(&TensorInfo {
+            name,
+            layout,
+            n_devices: n,
+        })?;
+        state.validate(name, layout, n)?;
+        let mut local = Vec::with_capacity(n);
+        for (d, dev) in self.shared.devices.iter().enumerate() {
+            let ll = Layout::contiguous(layout.dtype, state.local_ne(layout.ne, d));
+            let buf = dev.buffer_type().alloc_buffer(ll.nbytes())?;
+            buf.set_usage(self.usage());
+            local.push((Storage::new(buf, 0), ll));
+        }
+        self.register(
+            offset,
+            MetaTensor {
+                name: name.to_string(),
+                layout: *layout,
+                state,
+                local,
+            },
+        )
+    }
+
+    fn set_tensor(
+        &self,
+        layout: &Layout,
+        buf_offset: usize,
+        data: &[u8],
+        offset: usize,
+    ) -> Result<()> {
+        let _ = layout;
+        let (t, pos) = self.find(buf_offset + offset, data.len(), "set_tensor")?;
+        let zeros = if t.state.is_partial() {
+            vec![0u8; data.len()]
+        } else {
+            Vec::new()
+        };
+        Self::pieces(&t, pos, data.len(), |d, local_off, r| {
+            let (st, ll) = &t.local[d];
+            let src = if t.state.is_partial() && d > 0 {
+                &zeros[r]
+            } else {
+                &data[r]
+            };
+            st.buffer.set_tensor(ll, st.offset, src, local_off)
+        })
+    }
+
+    fn get_tensor(
+        &self,
+        layout: &Layout,
+        buf_offset: usize,
+        out: &mut [u8],
+        offset: usize,
+    ) -> Result<()> {
+        let _ = layout;
+        let (t, pos) = self.find(buf_offset + offset, out.len(), "get_tensor")?;
+        match t.state.axis {
+            SplitAxis::Mirrored => {
+                let (st, ll) = &t.local[0];
+                st.buffer.get_tensor(ll, st.offset, out, pos)
+            }
+            SplitAxis::Partial => {
+                let mut parts = Vec::with_capacity(t.local.len());
+                for (st, ll) in &t.local {
+                    let mut p = vec![0u8; out.len()];
+                    st.buffer.get_tensor(ll, st.offset, &mut p, pos)?;
+                    parts.push(p);
+                }
+                sum_into(t.layout.dtype, &parts, out)
+            }
+            SplitAxis::Axis(_) => Self::pieces(&t, pos, out.len(), |d, local_off, r| {
+                let (st, ll) = &t.local[d];
+                st.buffer.get_tensor(ll, st.offset, &mut out[r], local_off)
+            }),
+        }
+    }
+
+    fn memset_tensor(
+        &self,
+        layout: &Layout,
+        buf_offset: usize,
+        value: u8,
+        offset: usize,
+        size: usize,
+    ) -> Result<()> {
+        let _ = layout;
+        let (t, pos) = self.find(buf_offset + offset, size, "memset_tensor")?;
+        Self::pieces(&t, pos, size, |d, local_off, r| {
+            let (st, ll) = &t.local[d];
+            let v = if t.state.is_partial() && d > 0 {
+                0
+            } else {
+                value
+            };
+            st.buffer
+                .memset_tensor(ll, st.offset, v, local_off, r.len())
+        })
+    }
+
+    fn clear(&self, value: u8) {
+        for t in self.tensors.read().values() {
+            for (d, (st, ll)) in t.local.iter().enumerate() {
+                let v = if t.state.is_partial() && d > 0 {
+                    0
+                } else {
+                    value
+                };
+                let _ = st.buffer.memset_tensor(ll, st.offset, v, 0, ll.nbytes());
+            }
+        }
+    }
+
+    fn usage(&self) -> BufferUsage {
+        *self.usage.lock()
+    }
+
+    fn set_usage(&self, usage: BufferUsage) {
+        *self.usage.lock() = usage;
+        for t in self.tensors.read().values() {
+            for (st, _) in &t.local {
+                st.buffer.set_usage(usage);
+            }
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

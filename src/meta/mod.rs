@@ -1,0 +1,165 @@
+//! The meta device: N devices seen as one. Weight (static) tensors get their split state from a
+//! user callback when they are placed in a meta buffer; the meta backend rewrites each graph
+//! into one program per device joined by collectives and runs the devices at the same time.
+//!
+//! - `buffer.rs`: `MetaBufferType`, `MetaBuffer` (each device allocates only its slice;
+//!   set/get scatter and gather through the split, summing partials).
+//! - `plan.rs`: derive every node's state and the conversions its sources need (pure).
+//! - `rewrite.rs`: build the per-device programs (local shapes, conversions, collectives).
+//! - `backend.rs`: `MetaBackend` (plan cache, per-device allocation, concurrent execution).
+
+pub mod backend;
+pub mod buffer;
+pub mod plan;
+mod rewrite;
+
+pub use backend::{MemoryReport, MetaBackend};
+pub use buffer::{MetaBuffer, MetaBufferType, MetaTensor};
+pub use plan::{Conversion, ConversionKind, MetaPlan};
+
+use crate::backend::{Backend, Device, DeviceCaps, DeviceKind, MemoryInfo};
+use crate::buffer::BufferType;
+use crate::graph::{Graph, TensorId};
+use crate::split_state::SplitState;
+use crate::tensor::Layout;
+use crate::{Error, Result};
+use std::any::Any;
+use std::sync::Arc;
+
+/// What the split callback is told about a tensor.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorInfo<'a> {
+    pub name: &'a str,
+    pub layout: &'a Layout,
+    pub n_devices: usize,
+}
+
+/// The user's split-state callback: called once for every tensor placed in a meta buffer.
+pub type SplitFn = Arc<dyn Fn(&TensorInfo) -> Result<SplitState> + Send + Sync>;
+
+/// Options of a meta device.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MetaOptions {
+    /// Refuse communication the plan did not ask for: any conversion that moves data between
+    /// devices other than reducing partial sums (all-gathers, all-to-alls) is an error naming
+    /// the node and the states.
+    pub explicit: bool,
+}
+
+/// What the meta device's buffers and backends share.
+pub struct MetaShared {
+    pub devices: Vec<Arc<dyn Device>>,
+    pub split_fn: SplitFn,
+    pub options: MetaOptions,
+}
+
+/// N devices seen as one.
+pub struct MetaDevice {
+    shared: Arc<MetaShared>,
+}
+
+impl MetaDevice {
+    /// A meta device over `devices` (1..=16) with the split callback `split_fn`.
+    pub fn new(devices: Vec<Arc<dyn Device>>, split_fn: SplitFn) -> Result<Arc<MetaDevice>> {
+        Self::with_options(devices, split_fn, MetaOptions::default())
+    }
+
+    pub fn with_options(
+        devices: Vec<Arc<dyn Device>>,
+        split_fn: SplitFn,
+        options: MetaOptions,
+    ) -> Result<Arc<MetaDevice>> {
+        if devices.is_empty() || devices.len() > 16 {
+            return Err(Error::Device {
+                device: "meta".into(),
+                reason: format!("a meta device needs 1..=16 devices, got {}", devices.len()),
+            });
+        }
+        Ok(Arc::new(MetaDevice {
+            shared: Arc::new(MetaShared {
+                devices,
+                split_fn,
+                options,
+            }),
+        }))
+    }
+
+    pub fn n_devices(&self) -> usize {
+        self.shared.devices.len()
+    }
+
+    pub fn devices(&self) -> &[Arc<dyn Device>] {
+        &self.shared.devices
+    }
+
+    pub fn options(&self) -> MetaOptions {
+        self.shared.options
+    }
+
+    /// The meta backend, typed (for its reports).
+    pub fn meta_backend(&self) -> Result<Arc<MetaBackend>> {
+        Ok(Arc::new(MetaBackend::new(self.shared.clone())?))
+    }
+}
+
+impl Device for MetaDevice {
+    fn name(&self) -> String {
+        let names: Vec<String> = self.shared.devices.iter().map(|d| d.name()).collect();
+        format!("meta[{}]", names.join(","))
+    }
+
+    fn description(&self) -> String {
+        format!("tensor parallelism over {} devices", self.n_devices())
+    }
+
+    fn memory(&self) -> MemoryInfo {
+        self.shared
+            .devices
+            .iter()
+            .fold(MemoryInfo::default(), |acc, d| {
+                let m = d.memory();
+                MemoryInfo {
+                    free: acc.free + m.free,
+                    total: acc.total + m.total,
+                }
+            })
+    }
+
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Meta
+    }
+
+    fn caps(&self) -> DeviceCaps {
+        DeviceCaps::default()
+    }
+
+    fn buffer_type(&self) -> Arc<dyn BufferType> {
+        Arc::new(MetaBufferType::new(self.shared.clone()))
+    }
+
+    fn init_backend(&self) -> Result<Arc<dyn Backend>> {
+        Ok(self.meta_backend()?)
+    }
+
+    /// An op is supported if every device supports it with all sources mirrored (the
+    /// fallback every rule admits); the split-specific checks happen when a graph is planned.
+    fn supports_op(&self, graph: &Graph, id: TensorId) -> std::result::Result<(), String> {
+        for d in &self.shared.devices {
+            d.supports_op(graph, id)?;
+        }
+        Ok(())
+    }
+
+    fn supports_buffer_type(&self, bt: &dyn BufferType) -> bool {
+        bt.as_any().is::<MetaBufferType>()
+            || self
+                .shared
+                .devices
+                .iter()
+                .all(|d| d.supports_buffer_type(bt))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

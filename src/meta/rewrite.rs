@@ -1,0 +1,455 @@
+//! Pass 3 of the meta backend: rewrite a planned graph into one program per device. Each user
+//! node becomes a node of each device's local graph with the device's shapes (the builders
+//! re-check them); each conversion becomes local nodes (slices: view + cont, concatenated per
+//! segment; to-partial: zeros on devices other than 0) or a collective node; views become
+//! local views with the layouts `split_state::view` derived. Stages cut each program at its
+//! collectives.
+
+use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
+use super::plan::{ConversionKind, MetaPlan, conversion_kind};
+use crate::backend::Device;
+use crate::collectives::SliceLayout;
+use crate::graph::{Flags, Graph, Node, TensorId};
+use crate::op::{CollectiveKind, Op};
+use crate::split_state::SplitState;
+use crate::tensor::Layout;
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A step of a device program.
+#[derive(Clone, Debug)]
+pub enum Stage {
+    /// Compute local nodes with indices in the range.
+    Compute(std::ops::Range<usize>),
+    /// Fill local node `dst` from local node `src` by a collective.
+    Collective {
+        kind: CollectiveKind,
+        src: TensorId,
+        dst: TensorId,
+        layout: Option<SliceLayout>,
+        dtype: crate::DType,
+    },
+}
+
+/// What must be written into a local leaf before every run.
+#[derive(Clone, Debug)]
+pub enum Upload {
+    /// The user leaf's inline data (mirrored on every device).
+    User(TensorId),
+    /// Zeros (the non-zero devices of a to-partial conversion).
+    Zeros,
+}
+
+/// One device's program.
+pub struct DeviceProgram {
+    pub graph: Graph,
+    pub stages: Vec<Stage>,
+    /// Local leaves to fill before each run.
+    pub uploads: Vec<(TensorId, Upload)>,
+}
+
+/// All devices' programs, and where each user node's value lives on each device.
+pub struct Rewritten {
+    pub programs: Vec<DeviceProgram>,
+    /// Local id per device of each user node in its own state.
+    pub local: Vec<Vec<TensorId>>,
+}
+
+struct Rewriter<'a> {
+    g: &'a Graph,
+    plan: &'a MetaPlan,
+    n: usize,
+    graphs: Vec<Graph>,
+    uploads: Vec<Vec<(TensorId, Upload)>>,
+    /// (user node, state) -> local id per device.
+    made: HashMap<(TensorId, SplitState), Vec<TensorId>>,
+    /// Per user node: true if every consumer takes it in one state (so an all-reduce may run
+    /// in place) and it is not an output.
+    inplace_ok: Vec<bool>,
+    /// Per device: the slice layout of each gather and scatter node.
+    layouts: Vec<HashMap<TensorId, SliceLayout>>,
+}
+
+fn internal(what: String) -> Error {
+    Error::msg(format!("meta rewrite (internal): {what}"))
+}
+
+impl Rewriter<'_> {
+    fn packed(&self, u: TensorId) -> Layout {
+        let l = self.g.layout(u);
+        Layout::contiguous(l.dtype, l.ne)
+    }
+
+    /// The local ids of user node `u` in state `want`, converting if needed.
+    fn get(&mut self, u: TensorId, want: &SplitState) -> Result<Vec<TensorId>> {
+        if let Some(v) = self.made.get(&(u, want.clone())) {
+            return Ok(v.clone());
+        }
+        let have = self.plan.states[u.index()].clone();
+        let base = self
+            .made
+            .get(&(u, have.clone()))
+            .cloned()
+            .ok_or_else(|| internal(format!("`{}` used before it was made", self.g.name(u))))?;
+        let kind = conversion_kind(&have, want).ok_or_else(|| {
+            internal(format!(
+                "no conversion {have} -> {want} for `{}`",
+                self.g.name(u)
+            ))
+        })?;
+        let full = self.packed(u);
+        let ids = match kind {
+            ConversionKind::Slice => self.slice(&base, want)?,
+            ConversionKind::ToPartial => {
+                let mut v = vec![base[0]];
+                for d in 1..self.n {
+                    let lg = &mut self.graphs[d];
+                    let z = lg.input(&format!("{}.zeros", self.g.name(u)), full.dtype, full.ne)?;
+                    lg.set_data(z, vec![0u8; full.nbytes()])?;
+                    self.uploads[d].push((z, Upload::Zeros));
+                    v.push(z);
+                }
+                v
+            }
+            ConversionKind::AllReduce => {
+                let inplace = self.inplace_ok[u.index()];
+                let mut v = Vec::new();
+                for (d, lg) in self.graphs.iter_mut().enumerate() {
+                    let mut src = base[d];
+                    if !inplace || !lg.layout(src).is_contiguous() {
+                        src = lg.cont(src)?;
+                    }
+                    v.push(lg.collective(CollectiveKind::AllReduce, src, full.ne)?);
+                }
+                v
+            }
+            ConversionKind::ReduceScatter => {
+                let axis = want.split_dim().unwrap_or(0) as u8;
+                let sl = slice_layout(&full, want)?;
+                let mut v = Vec::new();
+                for (d, lg) in self.graphs.iter_mut().enumerate() {
+                    let mut src = base[d];
+                    if !lg.layout(src).is_contiguous() {
+                        src = lg.cont(src)?;
+                    }
+                    let id = lg.collective(
+                        CollectiveKind::ReduceScatter { axis },
+                        src,
+                        want.local_ne(full.ne, d),
+                    )?;
+                    self.layouts[d].insert(id, sl.clone());
+                    v.push(id);
+                }
+                v
+            }
+            ConversionKind::AllGather => self.gather(&base, &full, &have)?,
+            ConversionKind::AllToAll => {
+                let m = SplitState::mirrored(self.n);
+                let gathered = self.gather(&base, &full, &have)?;
+                self.made.insert((u, m), gathered.clone());
+                self.slice(&gathered, want)?
+            }
+        };
+        for (d, &id) in ids.iter().enumerate() {
+            let name = format!("{}.{}", self.g.name(u), kind.name());
+            self.graphs[d].set_name(id, name);
+        }
+        self.made.insert((u, want.clone()), ids.clone());
+        Ok(ids)
+    }
+
+    fn gather(
+        &mut self,
+        base: &[TensorId],
+        full: &Layout,
+        have: &SplitState,
+    ) -> Result<Vec<TensorId>> {
+        let axis = have.split_dim().unwrap_or(0) as u8;
+        let sl = slice_layout(full, have)?;
+        let mut v = Vec::new();
+        for (d, lg) in self.graphs.iter_mut().enumerate() {
+            let mut src = base[d];
+            if !lg.layout(src).is_contiguous() {
+                src = lg.cont(src)?;
+            }
+            let id = lg.collective(CollectiveKind::AllGather { axis }, src, full.ne)?;
+            self.layouts[d].insert(id, sl.clone());
+            v.push(id);
+        }
+        Ok(v)
+    }
+
+    /// Each device's slice of a mirrored tensor: a view per segment piece, made packed, and
+    /// joined along the axis when there are several segments.
+    fn slice(&mut self, base: &[TensorId], want: &SplitState) -> Result<Vec<TensorId>> {
+        let k = want
+            .split_dim()
+            .ok_or_else(|| internal("slice to a non-axis state".into()))?;
+        let mut v = Vec::new();
+        for (d, lg) in self.graphs.iter_mut().enumerate() {
+            let src = base[d];
+            let sl = *lg.layout(src);
+            let mut acc: Option<TensorId> = None;
+            for s in 0..want.n_segments() {
+                let mut ne = sl.ne;
+                ne[k] = want.extent(s, d);
+                let start = want.full_start(s, d);
+                let offset = if k == 0 {
+                    start / sl.dtype.block_size() * sl.nb[0]
+                } else {
+                    start * sl.nb[k]
+                };
+                let piece = lg.view(src, ne, sl.nb, if ne[k] == 0 { 0 } else { offset })?;
+                let piece = lg.cont(piece)?;
+                acc = Some(match acc {
+                    None => piece,
+                    Some(a) => lg.concat(a, piece, k)?,
+                });
+            }
+            v.push(acc.ok_or_else(|| internal("a split with no segments".into()))?);
+        }
+        Ok(v)
+    }
+
+    fn leaf(
+        &mut self,
+        u: TensorId,
+        node: &Node,
+        devices: &[Arc<dyn Device>],
+    ) -> Result<Vec<TensorId>> {
+        let mut v = Vec::new();
+        let meta = node.storage.as_ref().and_then(|st| {
+            st.buffer
+                .as_any()
+                .downcast_ref::<MetaBuffer>()
+                .map(|mb| (mb, st.offset))
+        });
+        for (d, lg) in self.graphs.iter_mut().enumerate() {
+            let id = match (&node.storage, meta) {
+                (Some(_), Some((mb, off))) => {
+                    let t: Arc<MetaTensor> = mb.tensor_at(off).ok_or_else(|| Error::NoStorage {
+                        tensor: node.name.clone(),
+                        reason: "bound into a meta buffer where no tensor was placed".into(),
+                    })?;
+                    let (st, ll) = &t.local[d];
+                    let id = lg.new_tensor(&node.name, ll.dtype, ll.ne)?;
+                    lg.bind(id, st.clone())?;
+                    id
+                }
+                (Some(st), None) => {
+                    if !devices[d].supports_buffer_type(st.buffer.buffer_type().as_ref()) {
+                        return Err(Error::IncompatibleBuffer {
+                            backend: devices[d].name(),
+                            tensor: node.name.clone(),
+                            buffer_type: st.buffer.buffer_type().name(),
+                        });
+                    }
+                    let id = lg.new_tensor(&node.name, node.layout.dtype, node.layout.ne)?;
+                    lg.bind(id, st.clone())?;
+                    id
+                }
+                (None, _) => {
+                    if node.data.is_none() {
+                        return Err(Error::NoStorage {
+                            tensor: node.name.clone(),
+                            reason: "a leaf needs bound storage or inline data".into(),
+                        });
+                    }
+                    let id = lg.input(&node.name, node.layout.dtype, node.layout.ne)?;
+                    if let Some(data) = &node.data {
+                        lg.set_data(id, data.clone())?;
+                    }
+                    self.uploads[d].push((id, Upload::User(u)));
+                    id
+                }
+            };
+            v.push(id);
+        }
+        Ok(v)
+    }
+}
+
+/// Rebuild one op on a local graph from local sources (views and leaves are handled apart).
+fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
+    match node.op {
+        Op::MulMat => lg.mul_mat(s[0], s[1]),
+        Op::Binary(b) => lg.binary(b, s[0], s[1]),
+        Op::Scale { scale, bias } => lg.scale_bias(s[0], scale, bias),
+        Op::Clamp { min, max } => lg.clamp(s[0], min, max),
+        Op::Unary(u) => lg.unary(u, s[0]),
+        Op::Swiglu if s.len() == 2 => lg.swiglu(s[0], s[1]),
+        Op::Swiglu => lg.swiglu_fused(s[0]),
+        Op::RmsNorm { eps } => lg.rms_norm(s[0], eps),
+        Op::Norm { eps } => lg.norm(s[0], eps),
+        Op::SoftMax { scale } => lg.soft_max(s[0], s.get(1).copied(), scale),
+        Op::Rope(p) => lg.rope(s[0], s[1], p),
+        Op::SumRows => lg.sum_rows(s[0]),
+        Op::Mean => lg.mean(s[0]),
+        Op::Argmax => lg.argmax(s[0]),
+        Op::FlashAttn { scale } => lg.flash_attn(s[0], s[1], s[2], s.get(3).copied(), scale),
+        Op::GetRows => lg.get_rows(s[0], s[1]),
+        Op::SetRows => lg.set_rows(s[0], s[1], s[2]),
+        Op::Cpy => lg.cpy(s[0], s[1]),
+        Op::Cont => lg.cast(s[0], node.layout.dtype),
+        Op::Concat { dim } => lg.concat(s[0], s[1], dim),
+        Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Collective(_) => {
+            Err(internal(format!("rebuild of {}", node.op.name())))
+        }
+    }
+}
+
+/// Build every device's program for the planned graph `g`.
+pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Result<Rewritten> {
+    let n = plan.n;
+    // A node's all-reduce may run in place when all its consumers want the same state and the
+    // user does not read it.
+    let mut wants: Vec<Option<SplitState>> = vec![None; g.len()];
+    let mut inplace_ok = vec![true; g.len()];
+    for id in g.ids() {
+        let node = g.node(id);
+        let srcs: Vec<TensorId> = if node.op.is_view() {
+            vec![g.root(id)]
+        } else {
+            node.src.to_vec()
+        };
+        for (s, want) in srcs.iter().zip(&plan.required[id.index()]) {
+            let slot = &mut wants[s.index()];
+            match slot {
+                None => *slot = Some(want.clone()),
+                Some(w) if w != want => inplace_ok[s.index()] = false,
+                _ => {}
+            }
+        }
+        if node.flags.contains(Flags::OUTPUT) {
+            inplace_ok[g.root(id).index()] = false;
+            inplace_ok[id.index()] = false;
+        }
+    }
+    let mut rw = Rewriter {
+        g,
+        plan,
+        n,
+        graphs: (0..n).map(|_| Graph::new()).collect(),
+        uploads: vec![Vec::new(); n],
+        made: HashMap::new(),
+        inplace_ok,
+        layouts: vec![HashMap::new(); n],
+    };
+    let mut local = vec![Vec::with_capacity(g.len()); n];
+    for id in g.ids() {
+        let node = g.node(id);
+        let state = plan.states[id.index()].clone();
+        let ids = if node.is_leaf() {
+            rw.leaf(id, node, devices)?
+        } else if node.op.is_view() {
+            let root = g.root(id);
+            let roots = rw.get(root, &plan.required[id.index()][0])?;
+            let vs = plan.views[id.index()]
+                .as_ref()
+                .ok_or_else(|| internal(format!("view `{}` without layouts", node.name)))?;
+            let mut v = Vec::new();
+            for (d, lg) in rw.graphs.iter_mut().enumerate() {
+                let lv = &vs.local[d];
+                v.push(lg.view(roots[d], lv.ne, lv.nb, lv.offset)?);
+            }
+            v
+        } else {
+            if n > 1 && node.op.writes_into_source() {
+                // Every device writes its copy of the destination: a destination shared by
+                // all devices (a plain host buffer) would be written N times at once.
+                let dst = g.root(node.src[if node.op == Op::Cpy { 1 } else { 0 }]);
+                let dn = g.node(dst);
+                let shared = dn
+                    .storage
+                    .as_ref()
+                    .is_some_and(|st| !st.buffer.as_any().is::<MetaBuffer>());
+                if shared {
+                    return Err(Error::msg(format!(
+                        "`{}` writes into `{}`, which is bound to a plain buffer shared by all devices; \
+                         place it in the meta device's buffer instead",
+                        node.name, dn.name
+                    )));
+                }
+            }
+            let mut srcs: Vec<Vec<TensorId>> = Vec::new();
+            for (&s, want) in node.src.iter().zip(&plan.required[id.index()]) {
+                srcs.push(rw.get(s, want)?);
+            }
+            let mut v = Vec::new();
+            for (d, lg) in rw.graphs.iter_mut().enumerate() {
+                let s: Vec<TensorId> = srcs.iter().map(|x| x[d]).collect();
+                let lid = rebuild(lg, node, &s)?;
+                let expect = state.local_ne(node.layout.ne, d);
+                if lg.layout(lid).ne != expect {
+                    return Err(internal(format!(
+                        "`{}` on device {d}: local shape {} but the state {state} gives {}",
+                        node.name,
+                        lg.layout(lid).shape(),
+                        crate::Shape(expect)
+                    )));
+                }
+                v.push(lid);
+            }
+            v
+        };
+        for (d, &lid) in ids.iter().enumerate() {
+            rw.graphs[d].set_name(lid, node.name.clone());
+            if node.flags.contains(Flags::OUTPUT) {
+                rw.graphs[d].set_output(lid);
+            }
+            local[d].push(lid);
+        }
+        rw.made.insert((id, state), ids);
+    }
+    let programs = rw
+        .graphs
+        .into_iter()
+        .zip(rw.uploads)
+        .zip(rw.layouts)
+        .map(|((graph, uploads), layouts)| {
+            let stages = stages(&graph, &layouts)?;
+            Ok(DeviceProgram {
+                graph,
+                stages,
+                uploads,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Rewritten { programs, local })
+}
+
+/// Cut a local graph into compute ranges and collectives.
+fn stages(lg: &Graph, layouts: &HashMap<TensorId, SliceLayout>) -> Result<Vec<Stage>> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for id in lg.ids() {
+        let node = lg.node(id);
+        let Op::Collective(kind) = node.op else {
+            continue;
+        };
+        if start < id.index() {
+            out.push(Stage::Compute(start..id.index()));
+        }
+        let src = node.src[0];
+        let layout =
+            match kind {
+                CollectiveKind::AllReduce => None,
+                _ => Some(layouts.get(&id).cloned().ok_or_else(|| {
+                    internal(format!("collective `{}` without a layout", node.name))
+                })?),
+            };
+        out.push(Stage::Collective {
+            kind,
+            src,
+            dst: id,
+            layout,
+            dtype: node.layout.dtype,
+        });
+        start = id.index() + 1;
+    }
+    if start < lg.len() {
+        out.push(Stage::Compute(start..lg.len()));
+    }
+    Ok(out)
+}

@@ -1,0 +1,211 @@
+//! The built-in split callback for Llama-family decoders (the assignments of llama.cpp's
+//! `llama_meta_device_get_split_state`, see `shared/reference/upstream-meta-facts.md`):
+//! Q/K/V and gate/up column-parallel (axis 1), attention output and down projection
+//! row-parallel (axis 0, giving partial sums), the output projection vocabulary-split, the KV
+//! cache split by KV heads (axis 0), norms and the token embedding mirrored.
+//!
+//! Attention is split in whole GQA groups (a group = one KV head and the query heads that read
+//! it), the MLP in whole quantization blocks; the rounding remainder rotates with the layer
+//! index. `--tensor-split` ratios are honoured in the same units. With more devices than
+//! groups some devices get no attention heads (zero extents) unless attention is mirrored.
+
+use super::decoder::DecoderConfig;
+use crate::meta::{SplitFn, TensorInfo};
+use crate::split_state::{Granularity, SplitState, split_even, split_ratios};
+use crate::{Error, Result};
+use std::sync::Arc;
+
+/// Options of the built-in split.
+#[derive(Clone, Debug, Default)]
+pub struct SplitOptions {
+    /// Per-device shares (`--tensor-split 3,1`); even when absent.
+    pub ratios: Option<Vec<f64>>,
+    /// Keep attention (Q, K, V, output, KV cache) mirrored instead of head-split.
+    pub mirror_attention: bool,
+}
+
+/// What a decoder tensor name refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Q,
+    K,
+    V,
+    AttnOut,
+    Gate,
+    Up,
+    Down,
+    CacheK,
+    CacheV,
+    Output,
+    Other,
+}
+
+/// Parse `blk.N.kind.weight`, `cache_k_lN`, `output.weight` into (role, layer).
+pub fn role(name: &str) -> (Role, usize) {
+    if let Some(rest) = name.strip_prefix("blk.") {
+        let mut it = rest.splitn(2, '.');
+        let layer = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+        let kind = it.next().unwrap_or("");
+        let r = match kind {
+            "attn_q.weight" => Role::Q,
+            "attn_k.weight" => Role::K,
+            "attn_v.weight" => Role::V,
+            "attn_output.weight" => Role::AttnOut,
+            "ffn_gate.weight" => Role::Gate,
+            "ffn_up.weight" => Role::Up,
+            "ffn_down.weight" => Role::Down,
+            _ => Role::Other,
+        };
+        return (r, layer);
+    }
+    for (p, r) in [("cache_k_l", Role::CacheK), ("cache_v_l", Role::CacheV)] {
+        if let Some(l) = name.strip_prefix(p).and_then(|s| s.parse().ok()) {
+            return (r, l);
+        }
+    }
+    if name == "output.weight" {
+        return (Role::Output, 0);
+    }
+    (Role::Other, 0)
+}
+
+/// Extents of `units` units of `unit` each over `n` devices (even or by ratios), rotated by
+/// `rotation`.
+fn extents(
+    units: usize,
+    unit: usize,
+    n: usize,
+    ratios: &Option<Vec<f64>>,
+    rotation: usize,
+) -> Result<Vec<usize>> {
+    let v = match ratios {
+        Some(r) => {
+            if r.len() != n {
+                return Err(Error::msg(format!(
+                    "{} split ratios for {n} devices",
+                    r.len()
+                )));
+            }
+            split_ratios(units, r, Granularity(1), rotation)?
+        }
+        None => split_even(units, n, Granularity(1), rotation)?,
+    };
+    Ok(v.into_iter().map(|u| u * unit).collect())
+}
+
+/// The built-in callback for a decoder with this configuration.
+pub fn megatron(cfg: &DecoderConfig, opts: SplitOptions) -> SplitFn {
+    let cfg = cfg.clone();
+    Arc::new(move |t: &TensorInfo| -> Result<SplitState> {
+        let n = t.n_devices;
+        let (role, layer) = role(t.name);
+        let hd = cfg.head_dim();
+        let groups = |unit: usize| extents(cfg.n_head_kv, unit, n, &opts.ratios, layer);
+        // The MLP in whole blocks of 32 (quantized rows along K need whole blocks).
+        let ffn = |total: usize| -> Result<Vec<usize>> {
+            if total % 32 == 0 {
+                extents(total / 32, 32, n, &opts.ratios, layer)
+            } else {
+                extents(total, 1, n, &opts.ratios, layer)
+            }
+        };
+        let attn = !opts.mirror_attention;
+        Ok(match role {
+            Role::Q if attn => SplitState::axis(1, &groups(hd * cfg.group())?),
+            Role::K | Role::V if attn => SplitState::axis(1, &groups(hd)?),
+            Role::AttnOut if attn => SplitState::axis(0, &groups(hd * cfg.group())?),
+            Role::CacheK | Role::CacheV if attn => SplitState::axis(0, &groups(hd)?),
+            Role::Gate | Role::Up => SplitState::axis(1, &ffn(t.layout.ne[1])?),
+            Role::Down => SplitState::axis(0, &ffn(t.layout.ne[0])?),
+            Role::Output => SplitState::axis(1, &extents(t.layout.ne[1], 1, n, &opts.ratios, 0)?),
+            _ => SplitState::mirrored(n),
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use crate::op::RopeMode;
+    use crate::tensor::Layout;
+
+    fn smol() -> DecoderConfig {
+        DecoderConfig {
+            n_layer: 30,
+            n_embd: 576,
+            n_ff: 1536,
+            n_head: 9,
+            n_head_kv: 3,
+            n_vocab: 49152,
+            rms_eps: 1e-5,
+            rope_base: 1e5,
+            rope_mode: RopeMode::Normal,
+            rope_dims: 64,
+            fused_attn: false,
+        }
+    }
+
+    fn state(f: &SplitFn, name: &str, ne: [usize; 4], n: usize) -> SplitState {
+        let l = Layout::contiguous(DType::Q4_1, ne);
+        f(&TensorInfo {
+            name,
+            layout: &l,
+            n_devices: n,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn whole_groups_rotate_by_layer_and_zero_extents_appear() {
+        let f = megatron(&smol(), SplitOptions::default());
+        // 3 groups over 2 devices: 2 + 1 on layer 0, 1 + 2 on layer 1.
+        assert_eq!(
+            state(&f, "blk.0.attn_q.weight", [576, 576, 1, 1], 2),
+            SplitState::axis(1, &[384, 192])
+        );
+        assert_eq!(
+            state(&f, "blk.1.attn_q.weight", [576, 576, 1, 1], 2),
+            SplitState::axis(1, &[192, 384])
+        );
+        assert_eq!(
+            state(&f, "blk.0.attn_k.weight", [576, 192, 1, 1], 2),
+            SplitState::axis(1, &[128, 64])
+        );
+        assert_eq!(
+            state(&f, "cache_v_l1", [192, 64, 1, 1], 2),
+            SplitState::axis(0, &[64, 128])
+        );
+        assert_eq!(
+            state(&f, "blk.0.attn_output.weight", [576, 576, 1, 1], 2),
+            SplitState::axis(0, &[384, 192])
+        );
+        // 4 devices: one gets no heads.
+        assert_eq!(
+            state(&f, "blk.0.attn_k.weight", [576, 192, 1, 1], 4),
+            SplitState::axis(1, &[64, 64, 64, 0])
+        );
+        assert_eq!(
+            state(&f, "blk.0.ffn_down.weight", [1536, 576, 1, 1], 3),
+            SplitState::axis(0, &[512, 512, 512])
+        );
+        assert!(state(&f, "token_embd.weight", [576, 49152, 1, 1], 2).is_mirrored());
+    }
+
+    #[test]
+    fn ratios_are_honoured_in_whole_groups() {
+        let opts = SplitOptions {
+            ratios: Some(vec![3.0, 1.0]),
+            mirror_attention: false,
+        };
+        let f = megatron(&smol(), opts);
+        assert_eq!(
+            state(&f, "blk.0.attn_q.weight", [576, 576, 1, 1], 2),
+            SplitState::axis(1, &[384, 192])
+        );
+        assert_eq!(
+            state(&f, "blk.0.ffn_up.weight", [576, 1536, 1, 1], 2),
+            SplitState::axis(1, &[1152, 384])
+        );
+    }
+}

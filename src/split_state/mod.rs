@@ -1,0 +1,284 @@
+//! Split states: how one tensor is spread over the N devices of a meta device.
+//!
+//! `Axis(k)`: device d holds a slice of extent `e[d]` along dimension k (uneven and zero extents
+//! allowed). With segments, a fused tensor (QKV, gate|up) is cut into consecutive segments along
+//! k and each segment is split on its own, so every device gets its share of each; extents are
+//! listed segment-major and a device's local tensor is the concatenation of its pieces.
+//! `Mirrored`: every device holds the whole tensor. `Partial`: every device holds a tensor of
+//! the full shape and the value is their sum.
+//!
+//! This module owns the type, its validation and constructors (`build.rs`), the per-op rules
+//! (`rules.rs`) and the derivation of view states (`view.rs`). It knows nothing of devices.
+
+mod build;
+pub mod rules;
+pub mod view;
+
+pub use build::{Granularity, split_even, split_ratios};
+
+use crate::tensor::Layout;
+use crate::{Error, Result};
+use smallvec::SmallVec;
+
+/// Where a tensor's data lies across devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SplitAxis {
+    /// Sliced along dimension 0..=3.
+    Axis(u8),
+    Mirrored,
+    Partial,
+}
+
+/// A tensor's split over `n` devices.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SplitState {
+    pub axis: SplitAxis,
+    /// Devices in the group.
+    n: usize,
+    /// For `Axis`: extents along the axis, segment-major: `extents[s * n + d]`. Empty otherwise.
+    extents: SmallVec<[usize; 16]>,
+}
+
+impl SplitState {
+    pub fn mirrored(n: usize) -> Self {
+        SplitState {
+            axis: SplitAxis::Mirrored,
+            n,
+            extents: SmallVec::new(),
+        }
+    }
+
+    pub fn partial(n: usize) -> Self {
+        SplitState {
+            axis: SplitAxis::Partial,
+            n,
+            extents: SmallVec::new(),
+        }
+    }
+
+    /// Split along `axis` with one extent per device.
+    pub fn axis(axis: usize, extents: &[usize]) -> Self {
+        SplitState {
+            axis: SplitAxis::Axis(axis as u8),
+            n: extents.len(),
+            extents: extents.iter().copied().collect(),
+        }
+    }
+
+    /// Split along `axis` in segments, each with one extent per device (`segments[s][d]`).
+    pub fn segmented(axis: usize, segments: &[Vec<usize>]) -> Self {
+        let n = segments.first().map_or(0, |s| s.len());
+        SplitState {
+            axis: SplitAxis::Axis(axis as u8),
+            n,
+            extents: segments.iter().flatten().copied().collect(),
+        }
+    }
+
+    pub fn n_devices(&self) -> usize {
+        self.n
+    }
+
+    pub fn is_mirrored(&self) -> bool {
+        self.axis == SplitAxis::Mirrored
+    }
+
+    pub fn is_partial(&self) -> bool {
+        self.axis == SplitAxis::Partial
+    }
+
+    /// The split dimension, if any.
+    pub fn split_dim(&self) -> Option<usize> {
+        match self.axis {
+            SplitAxis::Axis(k) => Some(k as usize),
+            _ => None,
+        }
+    }
+
+    pub fn n_segments(&self) -> usize {
+        self.extents.len().checked_div(self.n).unwrap_or(0)
+    }
+
+    /// Extent of segment `s` on device `d`.
+    pub fn extent(&self, s: usize, d: usize) -> usize {
+        self.extents[s * self.n + d]
+    }
+
+    /// All extents, segment-major.
+    pub fn extents(&self) -> &[usize] {
+        &self.extents
+    }
+
+    /// Extents as `[segment][device]`.
+    pub fn segments(&self) -> Vec<Vec<usize>> {
+        self.extents
+            .chunks(self.n.max(1))
+            .map(|c| c.to_vec())
+            .collect()
+    }
+
+    /// Full size of segment `s` along the axis.
+    pub fn segment_size(&self, s: usize) -> usize {
+        (0..self.n).map(|d| self.extent(s, d)).sum()
+    }
+
+    /// Start of segment `s` along the axis, in the full tensor.
+    pub fn segment_start(&self, s: usize) -> usize {
+        (0..s).map(|t| self.segment_size(t)).sum()
+    }
+
+    /// Device `d`'s total extent along the axis (sum over segments).
+    pub fn local_extent(&self, d: usize) -> usize {
+        (0..self.n_segments()).map(|s| self.extent(s, d)).sum()
+    }
+
+    /// Where device `d`'s piece of segment `s` starts in the full tensor, along the axis.
+    pub fn full_start(&self, s: usize, d: usize) -> usize {
+        self.segment_start(s) + (0..d).map(|e| self.extent(s, e)).sum::<usize>()
+    }
+
+    /// Where device `d`'s piece of segment `s` starts in its local tensor, along the axis.
+    pub fn local_start(&self, s: usize, d: usize) -> usize {
+        (0..s).map(|t| self.extent(t, d)).sum()
+    }
+
+    /// Device `d`'s shape for a tensor of full shape `ne`.
+    pub fn local_ne(&self, ne: [usize; 4], d: usize) -> [usize; 4] {
+        let mut l = ne;
+        if let Some(k) = self.split_dim() {
+            l[k] = self.local_extent(d);
+        }
+        l
+    }
+
+    /// Same placement of data: equal axis and extents (segments included).
+    pub fn same_as(&self, o: &SplitState) -> bool {
+        self == o
+    }
+
+    /// The same split with every extent multiplied by `num` and divided by `den` (exactly), for
+    /// reshapes that merge or split the split dimension. `None` if a division is inexact.
+    pub fn rescaled(&self, axis: usize, num: usize, den: usize) -> Option<SplitState> {
+        let mut extents = SmallVec::new();
+        for &e in &self.extents {
+            let x = e * num;
+            if den == 0 || x % den != 0 {
+                return None;
+            }
+            extents.push(x / den);
+        }
+        Some(SplitState {
+            axis: SplitAxis::Axis(axis as u8),
+            n: self.n,
+            extents,
+        })
+    }
+
+    /// Check the state against the tensor it describes. Errors name the tensor and say what is
+    /// wrong: extents that do not add up, a quantized axis-0 slice that is not whole blocks, a
+    /// device count that does not match.
+    pub fn validate(&self, tensor: &str, layout: &Layout, n_devices: usize) -> Result<()> {
+        let err = |reason: String| Error::InvalidSplit {
+            tensor: tensor.to_string(),
+            reason,
+        };
+        if self.n != n_devices {
+            return Err(err(format!(
+                "{self} is for {} devices but the meta device has {n_devices}",
+                self.n
+            )));
+        }
+        let SplitAxis::Axis(k) = self.axis else {
+            return Ok(());
+        };
+        let k = k as usize;
+        if k > 3 {
+            return Err(err(format!("axis {k} is not in 0..=3")));
+        }
+        if self.extents.is_empty() || self.extents.len() % self.n != 0 {
+            return Err(err(format!(
+                "{} extents cannot be {} devices x whole segments",
+                self.extents.len(),
+                self.n
+            )));
+        }
+        let total: usize = self.extents.iter().sum();
+        if total != layout.ne[k] {
+            return Err(err(format!(
+                "extents {:?} sum to {total} but dimension {k} of {} is {}",
+                self.segments(),
+                layout.shape(),
+                layout.ne[k]
+            )));
+        }
+        let bs = layout.dtype.block_size();
+        if k == 0 && bs > 1 {
+            if let Some(e) = self.extents.iter().find(|&&e| e % bs != 0) {
+                return Err(err(format!(
+                    "{} rows are split in whole blocks of {bs}, but an extent is {e}",
+                    layout.dtype
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for SplitState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.axis {
+            SplitAxis::Mirrored => f.write_str("Mirrored"),
+            SplitAxis::Partial => f.write_str("Partial"),
+            SplitAxis::Axis(k) => {
+                write!(f, "Axis{k}")?;
+                let segs = self.segments();
+                if segs.len() == 1 {
+                    write!(f, "{:?}", segs[0])
+                } else {
+                    write!(f, "{segs:?}")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    #[test]
+    fn local_shapes_and_offsets_with_segments() {
+        // Fused QKV of 9 + 3 + 3 heads (head 64) on 2 devices: q [384, 192], k/v [128, 64].
+        let s = SplitState::segmented(1, &[vec![384, 192], vec![128, 64], vec![128, 64]]);
+        let l = Layout::contiguous(DType::F32, [576, 960, 1, 1]);
+        s.validate("blk.0.attn_qkv.weight", &l, 2).unwrap();
+        assert_eq!(s.local_ne(l.ne, 0), [576, 640, 1, 1]);
+        assert_eq!(s.local_ne(l.ne, 1), [576, 320, 1, 1]);
+        assert_eq!(s.full_start(1, 1), 576 + 128);
+        assert_eq!(s.local_start(2, 1), 192 + 64);
+        assert_eq!(s.to_string(), "Axis1[[384, 192], [128, 64], [128, 64]]");
+    }
+
+    #[test]
+    fn invalid_states_name_the_tensor() {
+        let l = Layout::contiguous(DType::Q4_0, [64, 8, 1, 1]);
+        let e = SplitState::axis(1, &[3, 4])
+            .validate("w", &l, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`w`") && e.contains("sum to 7"), "{e}");
+        let e = SplitState::axis(0, &[16, 48])
+            .validate("w", &l, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("whole blocks of 32"), "{e}");
+        let e = SplitState::axis(1, &[8])
+            .validate("w", &l, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("for 1 devices"), "{e}");
+        // Zero extents are fine.
+        SplitState::axis(1, &[0, 8]).validate("w", &l, 2).unwrap();
+    }
+}

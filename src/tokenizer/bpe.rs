@@ -1,0 +1,534 @@
+//! GPT-2-style byte-level BPE built from GGUF metadata (`tokenizer.ggml.model` = "gpt2").
+//!
+//! Pipeline (GPT-2's `encoder.py`, HF tokenizers' ByteLevel + BPE, llama.cpp's
+//! `llm_tokenizer_bpe`): split out special tokens written in the text, pre-tokenize each
+//! text piece into words ([`PreTokenizer`]), map each word's UTF-8 bytes to GPT-2's printable
+//! byte chars, then merge adjacent symbols by merge rank (lowest first, leftmost on ties)
+//! until no ranked pair is left. Merges are `tokenizer.ggml.merges` strings "a b" whose rank
+//! is their index. Token types (`tokenizer.ggml.token_type`) follow llama.cpp's
+//! `llama_token_type`: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+
+use super::pretok::{PreTokenizer, byte_to_char_table, char_to_byte_table};
+use super::{Segment, SpecialMatcher, Tokenizer};
+use crate::io::GgufFile;
+use crate::{Error, Result};
+use parking_lot::Mutex;
+use std::collections::{BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::path::PathBuf;
+
+pub const TOKEN_TYPE_NORMAL: i32 = 1;
+pub const TOKEN_TYPE_CONTROL: i32 = 3;
+pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+
+/// Words cached before the cache is cleared (bounds memory on long inputs).
+const CACHE_LIMIT: usize = 65_536;
+
+/// A multiplicative hasher for the u64 merge keys (two u32 ids); SipHash costs more than the
+/// merge itself.
+#[derive(Default)]
+struct PairHasher(u64);
+
+impl Hasher for PairHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (v ^ (v >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type PairMap = HashMap<u64, (u32, u32), BuildHasherDefault<PairHasher>>;
+
+fn pair_key(a: u32, b: u32) -> u64 {
+    ((a as u64) << 32) | b as u64
+}
+
+/// Everything a BPE vocabulary is made of, independent of where it was read.
+#[derive(Clone, Debug)]
+pub struct BpeVocab {
+    /// Names the source in messages (the GGUF path).
+    pub source: PathBuf,
+    pub tokens: Vec<String>,
+    /// One per token; empty means all normal.
+    pub token_types: Vec<i32>,
+    /// "left right" strings, rank = index.
+    pub merges: Vec<String>,
+    pub pre: PreTokenizer,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub unk: Option<u32>,
+    pub pad: Option<u32>,
+    pub add_bos: bool,
+    pub add_eos: bool,
+}
+
+pub struct BpeTokenizer {
+    source: PathBuf,
+    tokens: Vec<String>,
+    token_types: Vec<i32>,
+    ids: HashMap<String, u32>,
+    merges: PairMap,
+    /// Token id of each single byte's char, when the vocabulary has it.
+    byte_ids: [Option<u32>; 256],
+    char_to_byte: [i16; 324],
+    /// Control and user-defined tokens.
+    specials: SpecialMatcher,
+    /// User-defined tokens only (matched even when special parsing is off, as llama.cpp does).
+    user_defined: SpecialMatcher,
+    pre: PreTokenizer,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    unk: Option<u32>,
+    pad: Option<u32>,
+    add_bos: bool,
+    add_eos: bool,
+    cache: Mutex<HashMap<String, Vec<u32>>>,
+}
+
+impl std::fmt::Debug for BpeTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BpeTokenizer")
+            .field("source", &self.source)
+            .field("vocab", &self.tokens.len())
+            .field("merges", &self.merges.len())
+            .field("pre", &self.pre)
+            .finish()
+    }
+}
+
+/// A symbol of a word being merged: a token id in a doubly linked list.
+#[derive(Clone, Copy)]
+struct Sym {
+    id: u32,
+    prev: u32,
+    next: u32,
+}
+
+const NONE: u32 = u32::MAX;
+
+impl BpeTokenizer {
+    /// Reads `tokenizer.ggml.*` from a GGUF file. Errors name the file and the key.
+    pub fn from_gguf(g: &GgufFile) -> Result<BpeTokenizer> {
+        let fmt = |field: &str, reason: String| Error::format(g.path(), field, reason);
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(fmt(
+                "metadata key 'tokenizer.ggml.model' value",
+                format!(
+                    "tokenizer model '{model}' is not supported (supported: 'gpt2', byte-level \
+                     BPE); 'llama' (SentencePiece) and others are not implemented"
+                ),
+            ));
+        }
+        let pre = match g.opt_str("tokenizer.ggml.pre")? {
+            Some(p) => PreTokenizer::from_gguf_pre(p).ok_or_else(|| {
+                fmt(
+                    "metadata key 'tokenizer.ggml.pre' value",
+                    format!(
+                        "pre-tokenizer '{p}' is not supported (supported: gpt2, gpt-2, phi-2, \
+                         mpt, olmo, jais, smollm, starcoder, refact, command-r, codeshell, \
+                         exaone)"
+                    ),
+                )
+            })?,
+            None => {
+                tracing::warn!(
+                    "{}: no tokenizer.ggml.pre; using the GPT-2 pattern",
+                    g.path().display()
+                );
+                PreTokenizer::Gpt2
+            }
+        };
+        let tokens = g.get_str_array("tokenizer.ggml.tokens")?.to_vec();
+        let token_types = g
+            .opt_i32_array("tokenizer.ggml.token_type")?
+            .unwrap_or_default();
+        let merges = g.get_str_array("tokenizer.ggml.merges")?.to_vec();
+        let id = |key: &str| g.opt_u32(key);
+        BpeTokenizer::new(BpeVocab {
+            source: g.path().to_path_buf(),
+            tokens,
+            token_types,
+            merges,
+            pre,
+            bos: id("tokenizer.ggml.bos_token_id")?,
+            eos: id("tokenizer.ggml.eos_token_id")?,
+            unk: id("tokenizer.ggml.unknown_token_id")?,
+            pad: id("tokenizer.ggml.padding_token_id")?,
+            add_bos: g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
+            add_eos: g.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
+        })
+    }
+
+    /// Builds the tokenizer and checks the vocabulary: ids in range, token types one per
+    /// token, every merge "a b" naming two tokens whose concatenation is a token.
+    pub fn new(v: BpeVocab) -> Result<BpeTokenizer> {
+        let src = v.source.clone();
+        let fmt = |key: &str, reason: String| {
+            Error::format(&src, format!("metadata key 'tokenizer.ggml.{key}'"), reason)
+        };
+        let n = v.tokens.len();
+        if n == 0 || n >= u32::MAX as usize {
+            return Err(fmt("tokens", format!("vocabulary of {n} tokens")));
+        }
+        if !v.token_types.is_empty() && v.token_types.len() != n {
+            return Err(fmt(
+                "token_type",
+                format!("{} token types for {n} tokens", v.token_types.len()),
+            ));
+        }
+        for (name, id) in [
+            ("bos", v.bos),
+            ("eos", v.eos),
+            ("unknown", v.unk),
+            ("padding", v.pad),
+        ] {
+            if let Some(id) = id.filter(|&id| id as usize >= n) {
+                return Err(fmt(
+                    &format!("{name}_token_id"),
+                    format!("id {id} is outside the vocabulary of {n} tokens"),
+                ));
+            }
+        }
+        let mut ids = HashMap::with_capacity(n);
+        for (i, t) in v.tokens.iter().enumerate() {
+            // On duplicate strings the first id wins, as in llama.cpp's token_to_id map.
+            ids.entry(t.clone()).or_insert(i as u32);
+        }
+        let mut merges = PairMap::with_capacity_and_hasher(v.merges.len(), Default::default());
+        for (rank, m) in v.merges.iter().enumerate() {
+            let bad = |why: &str| fmt("merges", format!("element {rank} {m:?}: {why}"));
+            let (a, b) = m
+                .split_once(' ')
+                .ok_or_else(|| bad("expected two tokens separated by a space"))?;
+            let ia = *ids
+                .get(a)
+                .ok_or_else(|| bad(&format!("{a:?} is not a token")))?;
+            let ib = *ids
+                .get(b)
+                .ok_or_else(|| bad(&format!("{b:?} is not a token")))?;
+            let joined = format!("{a}{b}");
+            let ij = *ids
+                .get(&joined)
+                .ok_or_else(|| bad(&format!("the merged {joined:?} is not a token")))?;
+            // The first (lowest) rank of a pair wins.
+            merges.entry(pair_key(ia, ib)).or_insert((rank as u32, ij));
+        }
+        let table = byte_to_char_table();
+        let mut byte_ids = [None; 256];
+        for (b, slot) in byte_ids.iter_mut().enumerate() {
+            *slot = ids.get(table[b].to_string().as_str()).copied();
+        }
+        let ty = |i: usize| v.token_types.get(i).copied().unwrap_or(TOKEN_TYPE_NORMAL);
+        let pick = |want: &[i32]| {
+            v.tokens
+                .iter()
+                .enumerate()
+                .filter(|&(i, t)| want.contains(&ty(i)) && !t.is_empty())
+                .map(|(i, t)| (t.clone(), i as u32))
+                .collect::<Vec<_>>()
+        };
+        Ok(BpeTokenizer {
+            specials: SpecialMatcher::new(pick(&[TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED])),
+            user_defined: SpecialMatcher::new(pick(&[TOKEN_TYPE_USER_DEFINED])),
+            source: v.source,
+            tokens: v.tokens,
+            token_types: v.token_types,
+            ids,
+            merges,
+            byte_ids,
+            char_to_byte: char_to_byte_table(),
+            pre: v.pre,
+            bos: v.bos,
+            eos: v.eos,
+            unk: v.unk,
+            pad: v.pad,
+            add_bos: v.add_bos,
+            add_eos: v.add_eos,
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn pre_tokenizer(&self) -> PreTokenizer {
+        self.pre
+    }
+
+    pub fn pad(&self) -> Option<u32> {
+        self.pad
+    }
+
+    pub fn unk(&self) -> Option<u32> {
+        self.unk
+    }
+
+    /// Whether BOS/EOS are added by `encode(.., add_special = true)`.
+    pub fn adds_bos_eos(&self) -> (bool, bool) {
+        (self.add_bos, self.add_eos)
+    }
+
+    pub fn token_type(&self, id: u32) -> i32 {
+        self.token_types
+            .get(id as usize)
+            .copied()
+            .unwrap_or(TOKEN_TYPE_NORMAL)
+    }
+
+    /// Control tokens (`<|im_end|>`, ...).
+    pub fn is_control(&self, id: u32) -> bool {
+        self.token_type(id) == TOKEN_TYPE_CONTROL
+    }
+
+    /// Encodes with an explicit choice: `parse_special` recognizes control tokens written
+    /// in the text (user-defined tokens are always recognized).
+    pub fn encode_with(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+    ) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(text.len() / 3 + 2);
+        if add_special && self.add_bos {
+            out.extend(self.bos);
+        }
+        let matcher = if parse_special {
+            &self.specials
+        } else {
+            &self.user_defined
+        };
+        let mut words = Vec::new();
+        for seg in matcher.split(text) {
+            match seg {
+                Segment::Special(id) => out.push(id),
+                Segment::Text(t) => {
+                    words.clear();
+                    self.pre.split(t, &mut words);
+                    for w in &words {
+                        self.encode_word(w, &mut out)?;
+                    }
+                }
+            }
+        }
+        if add_special && self.add_eos {
+            out.extend(self.eos);
+        }
+        Ok(out)
+    }
+
+    fn encode_word(&self, word: &str, out: &mut Vec<u32>) -> Result<()> {
+        if let Some(ids) = self.cache.lock().get(word) {
+            out.extend_from_slice(ids);
+            return Ok(());
+        }
+        let ids = self.bpe(word)?;
+        out.extend_from_slice(&ids);
+        let mut cache = self.cache.lock();
+        if cache.len() >= CACHE_LIMIT {
+            cache.clear();
+        }
+        cache.insert(word.to_owned(), ids);
+        Ok(())
+    }
+
+    /// BPE of one word: a linked list of symbols and a min-heap of (rank, position) of the
+    /// ranked adjacent pairs; stale heap entries are skipped when popped.
+    fn bpe(&self, word: &str) -> Result<Vec<u32>> {
+        let mut syms: Vec<Sym> = Vec::with_capacity(word.len());
+        for (i, b) in word.bytes().enumerate() {
+            let id = self.byte_ids[b as usize]
+                .or(self.unk)
+                .ok_or_else(|| Error::Model {
+                    model: self.source.display().to_string(),
+                    reason: format!(
+                        "byte {b:#04x} has no token and the vocabulary has no unknown token"
+                    ),
+                })?;
+            let prev = if i == 0 { NONE } else { i as u32 - 1 };
+            syms.push(Sym {
+                id,
+                prev,
+                next: i as u32 + 1,
+            });
+        }
+        if let Some(last) = syms.last_mut() {
+            last.next = NONE;
+        }
+        let mut heap = BinaryHeap::new();
+        let push = |heap: &mut BinaryHeap<_>, syms: &[Sym], pos: u32| {
+            let s = syms[pos as usize];
+            if s.next == NONE {
+                return;
+            }
+            let right = syms[s.next as usize].id;
+            if let Some(&(rank, _)) = self.merges.get(&pair_key(s.id, right)) {
+                heap.push(std::cmp::Reverse((rank, pos, s.id, right)));
+            }
+        };
+        for pos in 0..syms.len() as u32 {
+            push(&mut heap, &syms, pos);
+        }
+        let mut dead = vec![false; syms.len()];
+        while let Some(std::cmp::Reverse((_, pos, left, right))) = heap.pop() {
+            let s = syms[pos as usize];
+            if dead[pos as usize] || s.id != left || s.next == NONE {
+                continue;
+            }
+            let r = s.next as usize;
+            if syms[r].id != right {
+                continue;
+            }
+            let (_, merged) = self.merges[&pair_key(left, right)];
+            // Merge the right symbol into the left one.
+            let after = syms[r].next;
+            syms[pos as usize].id = merged;
+            syms[pos as usize].next = after;
+            if after != NONE {
+                syms[after as usize].prev = pos;
+            }
+            dead[r] = true;
+            if s.prev != NONE {
+                push(&mut heap, &syms, s.prev);
+            }
+            push(&mut heap, &syms, pos);
+        }
+        let mut ids = Vec::new();
+        let mut at = if syms.is_empty() { NONE } else { 0 };
+        while at != NONE {
+            ids.push(syms[at as usize].id);
+            at = syms[at as usize].next;
+        }
+        Ok(ids)
+    }
+
+    fn check_id(&self, id: u32) -> Result<&str> {
+        self.tokens
+            .get(id as usize)
+            .map(String::as_str)
+            .ok_or_else(|| Error::Model {
+                model: self.source.display().to_string(),
+                reason: format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    self.tokens.len()
+                ),
+            })
+    }
+
+    /// The bytes token `id` contributes to decoded text: control and user-defined tokens
+    /// as written, normal tokens through the inverse byte map (chars outside it as UTF-8).
+    pub fn token_bytes(&self, id: u32, out: &mut Vec<u8>) -> Result<()> {
+        let piece = self.check_id(id)?;
+        let ty = self.token_type(id);
+        if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+            out.extend_from_slice(piece.as_bytes());
+            return Ok(());
+        }
+        for c in piece.chars() {
+            match self.char_to_byte.get(c as usize) {
+                Some(&b) if b >= 0 => out.push(b as u8),
+                _ => {
+                    let mut buf = [0u8; 4];
+                    out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Decoded bytes of `ids` (may end inside a UTF-8 sequence; for streaming output).
+    pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        for &id in ids {
+            self.token_bytes(id, &mut out)?;
+        }
+        Ok(out)
+    }
+}
+
+impl Tokenizer for BpeTokenizer {
+    fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        self.encode_with(text, add_special, true)
+    }
+
+    /// Invalid UTF-8 (ids that cut a character) decodes to U+FFFD, as HF tokenizers does.
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.decode_bytes(ids)?).into_owned())
+    }
+
+    fn token_to_piece(&self, id: u32) -> Result<&str> {
+        self.check_id(id)
+    }
+
+    fn token_id(&self, piece: &str) -> Option<u32> {
+        self.ids.get(piece).copied()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    fn eos(&self) -> Option<u32> {
+        self.eos
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny vocabulary: all 256 byte chars plus a few merges.
+    fn tiny() -> BpeTokenizer {
+        let table = byte_to_char_table();
+        let mut tokens: Vec<String> = table.iter().map(|c| c.to_string()).collect();
+        for t in ["ab", "abc", "Ġa", "aa", "<|x|>"] {
+            tokens.push(t.to_string());
+        }
+        let mut types = vec![TOKEN_TYPE_NORMAL; tokens.len()];
+        *types.last_mut().unwrap() = TOKEN_TYPE_CONTROL;
+        BpeTokenizer::new(BpeVocab {
+            source: "tiny".into(),
+            tokens,
+            token_types: types,
+            merges: ["a b", "ab c", "Ġ a", "a a"].map(String::from).to_vec(),
+            pre: PreTokenizer::Gpt2,
+            bos: None,
+            eos: None,
+            unk: None,
+            pad: None,
+            add_bos: false,
+            add_eos: false,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn merges_follow_rank_then_position() {
+        let t = tiny();
+        let id = |s: &str| t.token_id(s).unwrap();
+        assert_eq!(t.encode("abc", false).unwrap(), vec![id("abc")]);
+        // "aaa": one "a a" merge at the leftmost position, then "a".
+        assert_eq!(t.encode("aaa", false).unwrap(), vec![id("aa"), id("a")]);
+        // "a b" (rank 0) beats "Ġ a" (rank 2); in " aa", "Ġ a" (2) beats "a a" (3).
+        assert_eq!(t.encode(" ab", false).unwrap(), vec![id("Ġ"), id("ab")]);
+        assert_eq!(t.encode(" aa", false).unwrap(), vec![id("Ġa"), id("a")]);
+        assert_eq!(
+            t.encode("a<|x|>a", false).unwrap(),
+            vec![id("a"), id("<|x|>"), id("a")]
+        );
+        assert_eq!(t.encode_with("<|x|>", false, false).unwrap().len(), 5);
+        assert_eq!(
+            t.decode(&t.encode("héllo <|x|> wörld", false).unwrap())
+                .unwrap(),
+            "héllo <|x|> wörld"
+        );
+        assert!(t.decode(&[9999]).is_err());
+    }
+}

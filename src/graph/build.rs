@@ -481,7 +481,7 @@ impl Graph {
             }
             return Ok(self.view_node(op, l, &[src], src, 0));
         }
-        Ok(self.op_node(op, Layout::contiguous(l.dtype, ne), &[src]))
+        self.computed(op, l.dtype, ne, &[src])
     }
 
     // ---- data movement --------------------------------------------------------------------

@@ -243,6 +243,8 @@ fn compute(op: &Op, s: &[T]) -> R<T> {
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Cpy | Op::SetRows => {
             return Err(format!("{} is not computed", op.name()));
         }
+        // Only in the meta backend's per-device programs; its results depend on other devices.
+        Op::Collective(_) => return Err(format!("{} has no single-device value", op.name())),
     })
 }
 

@@ -1,8 +1,8 @@
-//! Op-by-op harness on the CPU backend: every case of `common::all_cases()` against the
-//! float64 reference at 1, 2 and 3 threads (the three must agree bit for bit) and in exact
-//! mode, a check that the case list covers every op and the dtypes and shapes that matter,
-//! and self-tests showing the harness catches out-of-bounds writes, unwritten outputs, wrong
-//! values and clobbered inputs.
+//! The op-by-op harness: every case of `common::all_cases()` against the float64 reference
+//! on the CPU backend at 1, 2 and 3 threads (the three must agree bit for bit) and in exact
+//! mode, and on the meta device over 1-3 CPU devices; a check that the case list covers every
+//! op and the dtypes and shapes that matter; self-tests showing the harness catches
+//! out-of-bounds writes, unwritten outputs, wrong values and clobbered inputs.
 //!
 //! `cargo test --release --test backend_ops -- --nocapture` prints one report line per case.
 
@@ -13,7 +13,9 @@ use common::harness::{Case, Fill, RunOptions, case, run_case, run_cases};
 use metashard::backend::Device;
 use metashard::cpu::{CpuOptions, parse_cpu_spec_with};
 use metashard::graph::Flags;
-use metashard::{Backend, DType, Graph, Layout};
+use metashard::meta::{MetaDevice, SplitFn, TensorInfo};
+use metashard::split_state::SplitState;
+use metashard::{Backend, DType, Graph, Layout, parse_devices};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,6 +44,15 @@ fn every_case_matches_the_reference_at_1_2_3_threads_and_they_agree() {
                 .failures()
                 .into_iter()
                 .map(|f| format!("{spec}: {f}")),
+        );
+        // CPU buffers are plain bytes: every case must have had its guards checked.
+        failures.extend(
+            summary
+                .results
+                .iter()
+                .flatten()
+                .filter(|r| !r.guarded)
+                .map(|r| format!("{spec}: {r}: guards were not checked")),
         );
         outputs.push(
             summary
@@ -92,6 +103,39 @@ fn every_case_matches_the_reference_in_exact_mode() {
         .find(|r| r.op == "mul_mat" && r.params.contains("a:q4_0"))
         .expect("a q4_0 mul_mat case");
     assert_eq!(q.tol, 1e-10, "{q}");
+}
+
+/// The harness is pluggable: the same cases on the meta device over 1, 2 and 3 CPU devices,
+/// every input mirrored (each device computes the whole graph; split inputs are the meta
+/// backend's own tests' business). The output root is left to the meta backend's allocator:
+/// it does not write a computed output into storage the user bound beforehand (the result
+/// stays unwritten), and its buffers only know their tensors, so there are no guard bytes.
+#[test]
+fn every_case_runs_on_the_meta_device_with_mirrored_inputs() {
+    let mirrored: SplitFn = Arc::new(|t: &TensorInfo| Ok(SplitState::mirrored(t.n_devices)));
+    let cases = all_cases();
+    let opts = RunOptions {
+        backend_allocates_output: true,
+        ..Default::default()
+    };
+    let mut failures = Vec::new();
+    for spec in ["cpu:1x1", "cpu:2x1", "cpu:3x1"] {
+        let meta = MetaDevice::new(parse_devices(spec).unwrap(), mirrored.clone()).unwrap();
+        let be = meta.init_backend().unwrap();
+        let summary = run_cases(be.as_ref(), &cases, &opts);
+        failures.extend(
+            summary
+                .failures()
+                .into_iter()
+                .map(|f| format!("meta {spec}: {f}")),
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failing case runs on the meta device:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 /// Every op of `Op` appears in some case graph, with the dtypes and shapes the brief asks for;

@@ -1,7 +1,8 @@
 //! The op-by-op harness core (after the idea of ggml's `tests/test-backend-ops.cpp`): a
 //! [`Case`] declares its inputs (dtype, shape, layout, how to fill them) and builds a tiny
 //! graph; [`run_case`] fills the inputs with seeded random data, binds every root (inputs and
-//! the output root) into its own buffer with guard bytes before and after, poisons the output,
+//! the output root) into its own buffer with guard bytes before and after (where the buffer is
+//! byte-addressable: not the meta device's, which only knows its tensors), poisons the output,
 //! runs the graph on the backend under test, checks the guards and the inputs, and compares
 //! the output root with the float64 reference interpreter (`reference.rs`) by normalized mean
 //! squared error `sum((a - b)^2) / sum(b^2)`.
@@ -369,16 +370,30 @@ fn flat(n: usize) -> Layout {
     Layout::contiguous(DType::F32, [n / 4, 1, 1, 1])
 }
 
-/// One tensor alone in a buffer, between two guard regions.
+/// One root alone in a buffer, between two guard regions. The guards are written and checked
+/// where the buffer is plain bytes (a flat write over the whole buffer works: host or device
+/// memory); a buffer that only knows its tensors (the meta device's) gets no guards. The
+/// tensor itself is always written and read through its layout, after `bind`.
 pub struct Guarded {
     pub name: String,
     pub buf: Arc<dyn Buffer>,
-    pub span: usize,
+    pub layout: Layout,
     pub content: Vec<u8>,
+    /// The guards were written (the buffer is byte-addressable).
+    pub guarded: bool,
 }
 
 impl Guarded {
-    pub fn new(bt: &dyn BufferType, name: &str, content: Vec<u8>) -> Result<Self, String> {
+    /// Allocate a buffer for root `id`, write the guards, bind `id` between them and write
+    /// `content` into it; `name` labels errors.
+    pub fn bind(
+        g: &mut Graph,
+        id: TensorId,
+        bt: &dyn BufferType,
+        name: &str,
+        content: Vec<u8>,
+    ) -> Result<Self, String> {
+        let layout = *g.layout(id);
         let span = content.len();
         let total = (GUARD + span + GUARD).next_multiple_of(64);
         let buf = bt
@@ -386,44 +401,51 @@ impl Guarded {
             .map_err(|e| format!("allocating {total} bytes for `{name}`: {e}"))?;
         let mut img: Vec<u8> = (0..total).map(guard_byte).collect();
         img[GUARD..GUARD + span].copy_from_slice(&content);
-        buf.set_tensor(&flat(total), 0, &img, 0)
-            .map_err(|e| format!("filling the buffer of `{name}`: {e}"))?;
+        let guarded = buf.set_tensor(&flat(total), 0, &img, 0).is_ok();
+        let st = Storage::new(buf.clone(), GUARD);
+        g.bind(id, st.clone())
+            .map_err(|e| format!("binding `{name}`: {e}"))?;
+        st.set(&layout, &content)
+            .map_err(|e| format!("writing `{name}`: {e}"))?;
         Ok(Guarded {
             name: name.to_string(),
             buf,
-            span,
+            layout,
             content,
+            guarded,
         })
-    }
-
-    pub fn storage(&self) -> Storage {
-        Storage::new(self.buf.clone(), GUARD)
     }
 
     /// Check both guards; return the tensor's bytes.
     pub fn check(&self) -> Result<Vec<u8>, String> {
-        let total = self.buf.size();
-        let mut img = vec![0u8; total];
-        self.buf
-            .get_tensor(&flat(total), 0, &mut img, 0)
-            .map_err(|e| format!("reading back `{}`: {e}", self.name))?;
-        let end = GUARD + self.span;
-        if let Some(i) = (0..GUARD).find(|&i| img[i] != guard_byte(i)) {
-            return Err(format!(
-                "guard before `{}` overwritten at byte {} before its start",
-                self.name,
-                GUARD - i
-            ));
+        let span = self.content.len();
+        if self.guarded {
+            let total = self.buf.size();
+            let mut img = vec![0u8; total];
+            self.buf
+                .get_tensor(&flat(total), 0, &mut img, 0)
+                .map_err(|e| format!("reading back `{}`: {e}", self.name))?;
+            let end = GUARD + span;
+            if let Some(i) = (0..GUARD).find(|&i| img[i] != guard_byte(i)) {
+                return Err(format!(
+                    "guard before `{}` overwritten at byte {} before its start",
+                    self.name,
+                    GUARD - i
+                ));
+            }
+            if let Some(i) = (end..total).find(|&i| img[i] != guard_byte(i)) {
+                return Err(format!(
+                    "guard after `{}` overwritten at byte {} past its end ({span} bytes)",
+                    self.name,
+                    i - end,
+                ));
+            }
         }
-        if let Some(i) = (end..total).find(|&i| img[i] != guard_byte(i)) {
-            return Err(format!(
-                "guard after `{}` overwritten at byte {} past its end ({} bytes)",
-                self.name,
-                i - end,
-                self.span
-            ));
-        }
-        Ok(img[GUARD..end].to_vec())
+        let mut out = vec![0u8; span];
+        Storage::new(self.buf.clone(), GUARD)
+            .get(&self.layout, &mut out)
+            .map_err(|e| format!("reading `{}`: {e}", self.name))?;
+        Ok(out)
     }
 }
 
@@ -438,6 +460,9 @@ pub struct RunOptions {
     pub seed: u64,
     /// Where the harness allocates roots; `None`: the backend's device buffer type.
     pub buffer_type: Option<Arc<dyn BufferType>>,
+    /// Leave a computed output root to the backend's allocator (no guards, no poison) and read
+    /// it with `Graph::read_bytes`, for backends that cannot write into a bound output.
+    pub backend_allocates_output: bool,
 }
 
 /// What one case did on one backend.
@@ -453,14 +478,23 @@ pub struct CaseReport {
     pub n: usize,
     /// The output root's bytes, for comparisons between backends or thread counts.
     pub output: Vec<u8>,
+    /// Guard bytes were checked (the buffers are byte-addressable).
+    pub guarded: bool,
 }
 
 impl std::fmt::Display for CaseReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:<10} {:<8} nmse {:9.2e} <= tol {:7.0e}  max|err| {:8.2e}  n {:<6} {}",
-            self.op, self.backend, self.nmse, self.tol, self.max_abs_err, self.n, self.params
+            "{:<10} {:<8} nmse {:9.2e} <= tol {:7.0e}  max|err| {:8.2e}  n {:<6} {}{}",
+            self.op,
+            self.backend,
+            self.nmse,
+            self.tol,
+            self.max_abs_err,
+            self.n,
+            self.params,
+            if self.guarded { "" } else { " (no guards)" }
         )
     }
 }
@@ -521,19 +555,17 @@ pub fn run_case(
         let stored =
             bytes_to_f32(inp.dtype, &bytes, vals.len()).map_err(|e| fail(format!("{e}")))?;
         images.push((id, stored.into_iter().map(f64::from).collect::<Vec<_>>()));
-        let gb = Guarded::new(bt.as_ref(), &inp.name, bytes).map_err(fail)?;
-        g.bind(id, gb.storage())
-            .map_err(|e| fail(format!("binding `{}`: {e}", inp.name)))?;
+        let gb = Guarded::bind(&mut g, id, bt.as_ref(), &inp.name, bytes).map_err(fail)?;
         bufs.push((id, gb));
     }
     // The output root, poisoned (all-ones bytes: NaN in every float type, -1 as i32), unless it
     // is an input (cpy and set_rows write into one).
     let out_root = g.root(out);
-    if !roots.contains(&out_root) {
+    let out_bound = !roots.contains(&out_root) && !opts.backend_allocates_output;
+    if out_bound {
         let span = g.layout(out_root).nbytes();
-        let gb = Guarded::new(bt.as_ref(), "output", vec![0xFF; span]).map_err(fail)?;
-        g.bind(out_root, gb.storage())
-            .map_err(|e| fail(format!("binding the output: {e}")))?;
+        let gb = Guarded::bind(&mut g, out_root, bt.as_ref(), "output", vec![0xFF; span])
+            .map_err(fail)?;
         bufs.push((out_root, gb));
     }
 
@@ -547,6 +579,11 @@ pub fn run_case(
         .map_err(|e| fail(format!("graph_compute: {e}")))?;
 
     let mut output = Vec::new();
+    if !out_bound && !roots.contains(&out_root) {
+        output = g
+            .read_bytes(out_root)
+            .map_err(|e| fail(format!("reading the output: {e}")))?;
+    }
     for (id, gb) in &bufs {
         let bytes = gb.check().map_err(fail)?;
         if *id == out_root {
@@ -583,6 +620,7 @@ pub fn run_case(
         max_abs_err,
         n: got.len(),
         output,
+        guarded: bufs.iter().all(|(_, gb)| gb.guarded),
     };
     // NaN compares false: a NaN error fails too.
     if err.is_nan() || err > tol {

@@ -125,6 +125,10 @@ pub trait Backend: Send + Sync {
             reason: "graph plans are not supported".into(),
         })
     }
+    /// (optional) Bytes of the compute buffers this backend holds, per device it drives.
+    fn compute_buffer_bytes(&self) -> Vec<usize> {
+        Vec::new()
+    }
     /// (optional) Record `event` at the current point of the stream.
     fn event_record(&self, _event: &dyn Event) -> Result<()> {
         Ok(())

@@ -26,6 +26,8 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Generate text with a GGUF decoder on a device set.
+    Run(metashard::cli::run::RunArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -65,6 +67,7 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Devices { devices, json } => devices_cmd(devices.as_deref(), json),
+        Cmd::Run(a) => metashard::cli::run::run(&a),
         Cmd::Bench { what } => match what {
             BenchCmd::Meta {
                 graph,

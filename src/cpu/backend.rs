@@ -249,6 +249,10 @@ impl Backend for CpuBackend {
         plan.compute(0..g.len())
     }
 
+    fn compute_buffer_bytes(&self) -> Vec<usize> {
+        vec![self.compute_buffer_size()]
+    }
+
     fn graph_plan(&self, g: &Graph) -> Result<Box<dyn GraphPlan>> {
         Ok(Box::new(make_plan(&self.inner, g)?))
     }

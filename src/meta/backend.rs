@@ -343,6 +343,13 @@ impl Backend for MetaBackend {
         self.backends.iter().try_for_each(|b| b.synchronize())
     }
 
+    fn compute_buffer_bytes(&self) -> Vec<usize> {
+        self.last
+            .lock()
+            .as_ref()
+            .map_or(vec![0; self.n_devices()], |p| p.compute_bytes.clone())
+    }
+
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
         let prep = self.prepared(g)?;
         let comm = {

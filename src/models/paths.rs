@@ -38,16 +38,29 @@ pub fn resolve(model: &str) -> Result<ModelPath> {
     };
     match model {
         "smollm2" => {
-            let p = models_dir().join("smollm2").join("SmolLM2-135M-Instruct.Q4_1.gguf");
-            if p.is_file() { Ok(ModelPath::Gguf(p)) } else { Err(missing(&p)) }
+            let p = models_dir()
+                .join("smollm2")
+                .join("SmolLM2-135M-Instruct.Q4_1.gguf");
+            if p.is_file() {
+                Ok(ModelPath::Gguf(p))
+            } else {
+                Err(missing(&p))
+            }
         }
         "minilm" => {
             let p = models_dir().join("minilm");
-            if p.join("model.safetensors").is_file() { Ok(ModelPath::Safetensors(p)) } else { Err(missing(&p)) }
+            if p.join("model.safetensors").is_file() {
+                Ok(ModelPath::Safetensors(p))
+            } else {
+                Err(missing(&p))
+            }
         }
         other => {
             let p = PathBuf::from(other);
-            if p.is_file() && p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            if p.is_file()
+                && p.extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            {
                 Ok(ModelPath::Gguf(p))
             } else if p.is_dir() && p.join("model.safetensors").is_file() {
                 Ok(ModelPath::Safetensors(p))

@@ -139,35 +139,36 @@ pub fn measure(g: &Graph, bt: &dyn BufferType) -> Result<AllocPlan> {
         g.ids().partition(|&id| g.node(id).is_leaf());
     for id in leaves.into_iter().chain(computed) {
         let i = id.index();
-        if !needs_alloc(g, id)? {
-            continue;
+        if needs_alloc(g, id)? {
+            let node = g.node(id);
+            let size = bt.alloc_size(&node.layout);
+            sizes[i] = size;
+            // In place: the first source is an allocator-owned root, dies here, same layout.
+            let inplace_src = node.op.can_inplace().then(|| node.src[0]).filter(|&s| {
+                let sn = g.node(s);
+                sn.view_src.is_none()
+                    && plan.offsets[s.index()].is_some()
+                    && last[s.index()] == i
+                    && !sn.flags.contains(Flags::OUTPUT)
+                    && !sn.is_leaf()
+                    && sn.layout == node.layout
+                    && node.src[1..].iter().all(|&o| g.root(o) != s || o == s)
+            });
+            if let Some(s) = inplace_src {
+                plan.offsets[i] = plan.offsets[s.index()];
+                // The source's block now belongs to this node. Its last use is `i`, so it is only
+                // on this node's death list.
+                dying[i].retain(|&r| r != s.index());
+                plan.inplace.push(id);
+            } else {
+                plan.offsets[i] = Some(fl.alloc(size, align));
+            }
+            if last[i] != usize::MAX {
+                dying[last[i]].push(i);
+            }
         }
-        let node = g.node(id);
-        let size = bt.alloc_size(&node.layout);
-        sizes[i] = size;
-        // In place: the first source is an allocator-owned root, dies here, same layout.
-        let inplace_src = node.op.can_inplace().then(|| node.src[0]).filter(|&s| {
-            let sn = g.node(s);
-            sn.view_src.is_none()
-                && plan.offsets[s.index()].is_some()
-                && last[s.index()] == i
-                && !sn.flags.contains(Flags::OUTPUT)
-                && !sn.is_leaf()
-                && sn.layout == node.layout
-                && node.src[1..].iter().all(|&o| g.root(o) != s || o == s)
-        });
-        if let Some(s) = inplace_src {
-            plan.offsets[i] = plan.offsets[s.index()];
-            // The source's block now belongs to this node. Its last use is `i`, so it is only
-            // on this node's death list.
-            dying[i].retain(|&r| r != s.index());
-            plan.inplace.push(id);
-        } else {
-            plan.offsets[i] = Some(fl.alloc(size, align));
-        }
-        if last[i] != usize::MAX {
-            dying[last[i]].push(i);
-        }
+        // Free the roots whose last use is this node, also when the node itself needs no
+        // memory (a view, a cpy/set_rows into another tensor, a bound root).
         for r in std::mem::take(&mut dying[i]) {
             if let Some(off) = plan.offsets[r] {
                 fl.free(off, sizes[r], align);
@@ -258,6 +259,27 @@ mod tests {
             .map(|i| g.layout(i).nbytes().next_multiple_of(64))
             .sum();
         assert!(p.peak < total, "peak {} total {}", p.peak, total);
+    }
+
+    #[test]
+    fn a_root_whose_last_use_writes_elsewhere_is_freed() {
+        // k's last use is a cpy into a bound cache (a view node, allocated nothing): its block
+        // must be free for y, as for a K projection written into a KV cache.
+        let mut g = Graph::new();
+        let x = g.input_f32("x", [256, 1, 1, 1], &[1.0; 256]).unwrap();
+        let cache = g
+            .new_tensor("cache", crate::DType::F32, [256, 1, 1, 1])
+            .unwrap();
+        let buf = CpuBufferType.alloc_buffer(1024).unwrap();
+        g.bind(cache, Storage::new(buf, 0)).unwrap();
+        let k = g.scale(x, 2.0).unwrap();
+        let w = g.cpy(k, cache).unwrap();
+        let y = g.scale(x, 3.0).unwrap();
+        g.set_output(w);
+        g.set_output(y);
+        let p = measure(&g, &CpuBufferType).unwrap();
+        assert_eq!(p.offsets[y.index()], p.offsets[k.index()]);
+        assert_eq!(p.peak, 2048);
     }
 
     #[test]

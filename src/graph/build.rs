@@ -21,8 +21,14 @@ impl Graph {
 
     fn leaf(&mut self, name: &str, dtype: DType, ne: [usize; 4], flags: Flags) -> Result<TensorId> {
         dtype.check_row(ne[0], name)?;
+        let layout = packed_layout(dtype, ne).ok_or_else(|| {
+            Error::msg(format!(
+                "tensor `{name}` {} of {dtype} needs more bytes than memory can address",
+                crate::Shape(ne)
+            ))
+        })?;
         Ok(self.push(Node {
-            layout: Layout::contiguous(dtype, ne),
+            layout,
             op: Op::Leaf,
             src: SmallVec::new(),
             view_src: None,
@@ -78,6 +84,27 @@ impl Graph {
             storage: None,
             data: None,
         })
+    }
+
+    /// A computed node with a new packed output of `dtype` and shape `ne`; an error naming the
+    /// op if the output's bytes cannot be addressed.
+    fn computed(
+        &mut self,
+        op: Op,
+        dtype: DType,
+        ne: [usize; 4],
+        src: &[TensorId],
+    ) -> Result<TensorId> {
+        let layout = packed_layout(dtype, ne).ok_or_else(|| {
+            Error::invalid_op(
+                op.name(),
+                format!(
+                    "output {} of {dtype} needs more bytes than memory can address",
+                    crate::Shape(ne)
+                ),
+            )
+        })?;
+        Ok(self.op_node(op, layout, src))
     }
 
     /// A node sharing the bytes of `base` at `offs` bytes from `base`'s first byte.
@@ -145,7 +172,7 @@ impl Graph {
             ));
         }
         let ne = [la.ne[1], lb.ne[1], lb.ne[2], lb.ne[3]];
-        Ok(self.op_node(Op::MulMat, Layout::contiguous(DType::F32, ne), &[a, b]))
+        self.computed(Op::MulMat, DType::F32, ne, &[a, b])
     }
 
     /// Element-wise binary op; `b` broadcasts over `a` (each extent of `b` divides `a`'s).
@@ -161,7 +188,7 @@ impl Graph {
                 "the second operand must broadcast to the first",
             ));
         }
-        Ok(self.op_node(Op::Binary(op), Layout::contiguous(la.dtype, la.ne), &[a, b]))
+        self.computed(Op::Binary(op), la.dtype, la.ne, &[a, b])
     }
 
     pub fn add(&mut self, a: TensorId, b: TensorId) -> Result<TensorId> {
@@ -179,7 +206,7 @@ impl Graph {
 
     fn same_shape_op(&mut self, op: Op, a: TensorId) -> Result<TensorId> {
         let la = self.float_operand(op.name(), a)?;
-        Ok(self.op_node(op, Layout::contiguous(la.dtype, la.ne), &[a]))
+        self.computed(op, la.dtype, la.ne, &[a])
     }
 
     /// `a * s`.
@@ -233,7 +260,7 @@ impl Graph {
                 "gate and up must have equal shapes",
             ));
         }
-        Ok(self.op_node(Op::Swiglu, Layout::contiguous(lg.dtype, lg.ne), &[gate, up]))
+        self.computed(Op::Swiglu, lg.dtype, lg.ne, &[gate, up])
     }
 
     /// `silu(x[:n]) * x[n:]` along dim 0 of a fused `[2n, ...]` gate/up tensor.
@@ -246,7 +273,7 @@ impl Graph {
             ));
         }
         let ne = [l.ne[0] / 2, l.ne[1], l.ne[2], l.ne[3]];
-        Ok(self.op_node(Op::Swiglu, Layout::contiguous(l.dtype, ne), &[x]))
+        self.computed(Op::Swiglu, l.dtype, ne, &[x])
     }
 
     pub fn rms_norm(&mut self, a: TensorId, eps: f32) -> Result<TensorId> {
@@ -287,11 +314,7 @@ impl Graph {
             }
             src.push(m);
         }
-        Ok(self.op_node(
-            Op::SoftMax { scale },
-            Layout::contiguous(la.dtype, la.ne),
-            &src,
-        ))
+        self.computed(Op::SoftMax { scale }, la.dtype, la.ne, &src)
     }
 
     /// Rotary embedding of `a [head_dim, n_head, n_tokens, 1]` by I32 `pos [n_tokens]`.
@@ -330,19 +353,19 @@ impl Graph {
                 ),
             ));
         }
-        Ok(self.op_node(Op::Rope(p), Layout::contiguous(la.dtype, la.ne), &[a, pos]))
+        self.computed(Op::Rope(p), la.dtype, la.ne, &[a, pos])
     }
 
     pub fn sum_rows(&mut self, a: TensorId) -> Result<TensorId> {
         let l = self.float_operand("sum_rows", a)?;
         let ne = [1, l.ne[1], l.ne[2], l.ne[3]];
-        Ok(self.op_node(Op::SumRows, Layout::contiguous(DType::F32, ne), &[a]))
+        self.computed(Op::SumRows, DType::F32, ne, &[a])
     }
 
     pub fn mean(&mut self, a: TensorId) -> Result<TensorId> {
         let l = self.float_operand("mean", a)?;
         let ne = [1, l.ne[1], l.ne[2], l.ne[3]];
-        Ok(self.op_node(Op::Mean, Layout::contiguous(DType::F32, ne), &[a]))
+        self.computed(Op::Mean, DType::F32, ne, &[a])
     }
 
     /// Index of each row's maximum of a 2-D f32 tensor, as I32 `[ne1]`.
@@ -357,11 +380,7 @@ impl Graph {
                 format!("input {} must be 2-D", l.shape()),
             ));
         }
-        Ok(self.op_node(
-            Op::Argmax,
-            Layout::contiguous(DType::I32, [l.ne[1], 1, 1, 1]),
-            &[a],
-        ))
+        self.computed(Op::Argmax, DType::I32, [l.ne[1], 1, 1, 1], &[a])
     }
 
     /// `softmax(q kᵀ * scale + mask) v` per head: `q [D, nq, H, B]` f32, `k [D, nkv, Hk, B]` and
@@ -440,11 +459,7 @@ impl Graph {
             src.push(m);
         }
         let ne = [lv.ne[0], lq.ne[2], lq.ne[1], lq.ne[3]];
-        Ok(self.op_node(
-            Op::FlashAttn { scale },
-            Layout::contiguous(DType::F32, ne),
-            &src,
-        ))
+        self.computed(Op::FlashAttn { scale }, DType::F32, ne, &src)
     }
 
     /// A node filled by a collective from `src` (meta backend programs). An all-reduce is in
@@ -466,7 +481,7 @@ impl Graph {
             }
             return Ok(self.view_node(op, l, &[src], src, 0));
         }
-        Ok(self.op_node(op, Layout::contiguous(l.dtype, ne), &[src]))
+        self.computed(op, l.dtype, ne, &[src])
     }
 
     // ---- data movement --------------------------------------------------------------------
@@ -492,7 +507,7 @@ impl Graph {
             DType::F32
         };
         let ne = [lt.ne[0], li.ne[0], li.ne[1], li.ne[2]];
-        Ok(self.op_node(Op::GetRows, Layout::contiguous(out, ne), &[table, ids]))
+        self.computed(Op::GetRows, out, ne, &[table, ids])
     }
 
     /// `dst[:, ids[i], j, k] = rows[:, i, j, k]`: `rows [ne0, n, d2, d3]` (f32) into
@@ -559,7 +574,7 @@ impl Graph {
     pub fn cast(&mut self, a: TensorId, dtype: DType) -> Result<TensorId> {
         let la = self.lay(a)?;
         check_convertible("cont", &la, dtype)?;
-        Ok(self.op_node(Op::Cont, Layout::contiguous(dtype, la.ne), &[a]))
+        self.computed(Op::Cont, dtype, la.ne, &[a])
     }
 
     /// `a` (packed) seen with shape `ne` of the same element count.
@@ -575,11 +590,14 @@ impl Graph {
                 ),
             ));
         }
-        if ne.iter().product::<usize>() != la.nelements() {
+        let count = ne.iter().try_fold(1usize, |p, &n| p.checked_mul(n));
+        if count != Some(la.nelements()) {
             return Err(Error::shape("reshape", la.ne, ne, "element counts differ"));
         }
         la.dtype.check_row(ne[0], "reshape")?;
-        Ok(self.view_node(Op::Reshape, Layout::contiguous(la.dtype, ne), &[a], a, 0))
+        let l = packed_layout(la.dtype, ne)
+            .ok_or_else(|| Error::shape("reshape", la.ne, ne, "the new strides overflow"))?;
+        Ok(self.view_node(Op::Reshape, l, &[a], a, 0))
     }
 
     /// A view of `a` with shape `ne`, strides `nb`, starting `offset` bytes into `a`.
@@ -599,14 +617,31 @@ impl Graph {
         la.dtype.check_row(ne[0], "view")?;
         let root = self.root(a);
         let root_span = self.node(root).layout.nbytes();
-        let start = self.node(a).view_offs + offset;
-        if l.nbytes() > 0 && start + l.nbytes() > root_span {
+        // Checked arithmetic: huge offsets or strides must not wrap around into bounds.
+        let start = self.node(a).view_offs.checked_add(offset);
+        let span = checked_nbytes(&l);
+        let end = start.zip(span).and_then(|(s, n)| s.checked_add(n));
+        if !l.ne.contains(&0) && end.is_none_or(|e| e > root_span) {
             return Err(Error::OutOfBounds {
                 what: format!("view of `{}` with shape {}", self.name(a), l.shape()),
-                offset: start,
-                size: l.nbytes(),
+                offset: start.unwrap_or(usize::MAX),
+                size: span.unwrap_or(usize::MAX),
                 capacity: root_span,
             });
+        }
+        // Kernels address whole elements (or blocks), aligned as their type.
+        let ts = la.dtype.type_size();
+        let start = start.unwrap_or(usize::MAX);
+        if start % ts != 0 || nb.iter().any(|&b| b % ts != 0) {
+            return Err(Error::invalid_op(
+                "view",
+                format!(
+                    "view of `{}`: offset {start} and strides {nb:?} must be multiples of the \
+                     {} element size {ts}",
+                    self.name(a),
+                    la.dtype
+                ),
+            ));
         }
         Ok(self.view_node(Op::View { offset }, l, &[a], a, offset))
     }
@@ -676,13 +711,41 @@ impl Graph {
             ));
         }
         let mut ne = la.ne;
-        ne[dim] += lb.ne[dim];
-        Ok(self.op_node(
-            Op::Concat { dim },
-            Layout::contiguous(la.dtype, ne),
-            &[a, b],
-        ))
+        ne[dim] = la.ne[dim]
+            .checked_add(lb.ne[dim])
+            .ok_or_else(|| Error::shape("concat", la.ne, lb.ne, "the joined extent overflows"))?;
+        self.computed(Op::Concat { dim }, la.dtype, ne, &[a, b])
     }
+}
+
+/// A packed layout, or `None` if one of its strides or its size exceeds `isize::MAX` bytes (the
+/// plain arithmetic of `Layout::contiguous` would wrap, and kernels would overrun a small
+/// allocation).
+fn packed_layout(dtype: DType, ne: [usize; 4]) -> Option<Layout> {
+    let mut bytes = (ne[0] / dtype.block_size()).checked_mul(dtype.type_size())?;
+    for &n in &ne[1..] {
+        bytes = bytes.checked_mul(n).filter(|&b| b <= isize::MAX as usize)?;
+    }
+    Some(Layout::contiguous(dtype, ne))
+}
+
+/// Bytes from a layout's first element to one past its last (ggml's `ggml_nbytes`: one element
+/// plus `(ne[i] - 1) * nb[i]` per dim, whole rows of blocks for quantized types), computed
+/// without overflow: `None` if the span does not fit in `usize`.
+fn checked_nbytes(l: &Layout) -> Option<usize> {
+    if l.ne.contains(&0) {
+        return Some(0);
+    }
+    let (bs, ts) = (l.dtype.block_size(), l.dtype.type_size());
+    let mut n = if bs == 1 {
+        ts.checked_add((l.ne[0] - 1).checked_mul(l.nb[0])?)?
+    } else {
+        (l.ne[0] / bs).checked_mul(l.nb[0])?
+    };
+    for i in 1..4 {
+        n = n.checked_add((l.ne[i] - 1).checked_mul(l.nb[i])?)?;
+    }
+    Some(n)
 }
 
 /// Element conversions the copy kernels provide: between float types, from a quantized type to

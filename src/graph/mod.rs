@@ -167,12 +167,24 @@ impl Graph {
 
     /// Bind storage to a root node (a weight, a cache, a pre-allocated input or output).
     pub fn bind(&mut self, id: TensorId, storage: Storage) -> Result<()> {
-        let n = &self.nodes[id.index()];
+        let n = self.get(id)?;
         if n.view_src.is_some() {
             return Err(Error::msg(format!(
                 "cannot bind storage to `{}`: it is a view; bind its root `{}`",
                 n.name,
                 self.nodes[self.root(id).index()].name
+            )));
+        }
+        // Kernels read f32/i32 through aligned pointers, halves and blocks (f16 scales) by
+        // 2-byte units; buffers themselves are aligned far beyond this.
+        let align = match n.layout.dtype {
+            DType::F32 | DType::I32 => 4,
+            _ => 2,
+        };
+        if storage.offset % align != 0 {
+            return Err(Error::msg(format!(
+                "cannot bind `{}` at offset {}: {} data must be {align}-byte aligned",
+                n.name, storage.offset, n.layout.dtype
             )));
         }
         let span = n.layout.nbytes();
@@ -194,7 +206,7 @@ impl Graph {
     /// Attach inline bytes to a leaf; they are copied into its storage before compute.
     pub fn set_data(&mut self, id: TensorId, bytes: impl Into<Arc<[u8]>>) -> Result<()> {
         let bytes = bytes.into();
-        let n = &self.nodes[id.index()];
+        let n = self.get(id)?;
         if !n.is_leaf() {
             return Err(Error::msg(format!(
                 "set_data: `{}` is not a leaf ({})",
@@ -226,7 +238,7 @@ impl Graph {
     }
 
     fn check_dtype(&self, id: TensorId, dt: DType, what: &'static str) -> Result<()> {
-        let n = &self.nodes[id.index()];
+        let n = self.get(id)?;
         if n.dtype() != dt {
             return Err(Error::DTypeMismatch {
                 op: what,
@@ -261,7 +273,7 @@ impl Graph {
 
     /// `id`'s elements in logical order (ne[0] fastest) as f32, whatever the dtype and strides.
     pub fn read_f32(&self, id: TensorId) -> Result<Vec<f32>> {
-        let layout = *self.layout(id);
+        let layout = self.get(id)?.layout;
         let bytes = self.read_bytes(id)?;
         layout_to_f32(&layout, &bytes)
     }

@@ -107,17 +107,13 @@ fn every_case_matches_the_reference_in_exact_mode() {
 
 /// The harness is pluggable: the same cases on the meta device over 1, 2 and 3 CPU devices,
 /// every input mirrored (each device computes the whole graph; split inputs are the meta
-/// backend's own tests' business). The output root is left to the meta backend's allocator:
-/// it does not write a computed output into storage the user bound beforehand (the result
-/// stays unwritten), and its buffers only know their tensors, so there are no guard bytes.
+/// backend's own tests' business). The output root is bound by the harness (with guards and
+/// poison): the meta backend gathers the computed output into it.
 #[test]
 fn every_case_runs_on_the_meta_device_with_mirrored_inputs() {
     let mirrored: SplitFn = Arc::new(|t: &TensorInfo| Ok(SplitState::mirrored(t.n_devices)));
     let cases = all_cases();
-    let opts = RunOptions {
-        backend_allocates_output: true,
-        ..Default::default()
-    };
+    let opts = RunOptions::default();
     let mut failures = Vec::new();
     for spec in ["cpu:1x1", "cpu:2x1", "cpu:3x1"] {
         let meta = MetaDevice::new(parse_devices(spec).unwrap(), mirrored.clone()).unwrap();

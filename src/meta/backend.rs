@@ -14,7 +14,7 @@ use super::plan::{MetaPlan, plan};
 use super::rewrite::{DeviceProgram, Stage, Upload, rewrite};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan};
-use crate::buffer::Storage;
+use crate::buffer::{Buffer, Storage};
 use crate::collectives::{AbortOnPanic, Communicator, CpuCommunicator};
 use crate::cpu::ThreadPool;
 use crate::graph::{Flags, Graph, TensorId};
@@ -179,7 +179,7 @@ impl MetaBackend {
                 continue;
             }
             let r = g.root(id);
-            if g.node(r).storage.is_some() || out_roots.iter().any(|&(x, _)| x == r) {
+            if g.node(r).is_leaf() || out_roots.iter().any(|&(x, _)| x == r) {
                 continue;
             }
             let rl = *g.layout(r);
@@ -385,7 +385,18 @@ impl Backend for MetaBackend {
             return Err(errs.into_iter().nth(first).expect("index from position"));
         }
         for &(r, off) in &prep.out_roots {
-            g.bind(r, Storage::new(prep.outputs.clone(), off))?;
+            match g.node(r).storage.clone() {
+                // The user placed this output: gather into it.
+                Some(st)
+                    if !Arc::ptr_eq(&st.buffer, &(prep.outputs.clone() as Arc<dyn Buffer>)) =>
+                {
+                    let l = *g.layout(r);
+                    let mut bytes = vec![0u8; l.nbytes()];
+                    prep.outputs.get_tensor(&l, off, &mut bytes, 0)?;
+                    st.set(&l, &bytes)?;
+                }
+                _ => g.bind(r, Storage::new(prep.outputs.clone(), off))?,
+            }
         }
         *self.last.lock() = Some(prep);
         Ok(())

@@ -7,6 +7,7 @@ pub mod alloc;
 pub mod backend;
 pub mod bench;
 pub mod buffer;
+pub mod cli_embed;
 pub mod collectives;
 pub mod cpu;
 pub mod cuda;

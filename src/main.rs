@@ -26,6 +26,8 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2) on any device list.
+    Embed(metashard::cli_embed::EmbedOptions),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -65,6 +67,7 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Devices { devices, json } => devices_cmd(devices.as_deref(), json),
+        Cmd::Embed(opts) => metashard::cli_embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Bench { what } => match what {
             BenchCmd::Meta {
                 graph,

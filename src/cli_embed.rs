@@ -19,7 +19,11 @@ pub struct EmbedOptions {
     /// Print JSON: an array with one object per sentence (text, tokens, embedding).
     #[arg(long)]
     pub json: bool,
-    /// Run the batch this many times; the median time goes to stderr.
+    /// Sentences per batch (each batch is padded to its longest sentence), as
+    /// sentence-transformers' default.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Run the batches this many times; the median time goes to stderr.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
     /// The sentences, embedded as one padded batch.
@@ -58,31 +62,42 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
     let enc = BertEncoder::load(&dir, devices)?;
     let load_s = t0.elapsed().as_secs_f64();
     let texts: Vec<&str> = opts.sentences.iter().map(String::as_str).collect();
-    let batch = enc.encode(&texts)?;
+    let batches = texts
+        .chunks(opts.batch_size.max(1))
+        .map(|c| enc.encode(c))
+        .collect::<Result<Vec<_>>>()?;
     let mut times = Vec::new();
     let mut vectors = Vec::new();
     for _ in 0..opts.repeat.max(1) {
         let t = Instant::now();
-        vectors = enc.embed_batch(&batch)?;
+        vectors.clear();
+        for b in &batches {
+            vectors.extend(enc.embed_batch(b)?);
+        }
         times.push(t.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
+    let shapes: Vec<String> = batches
+        .iter()
+        .map(|b| format!("{}x{}", b.batch, b.seq_len))
+        .collect();
     eprintln!(
-        "embed: {} on {}: load {:.2} s, batch of {} x {} tokens: median {:.1} ms over {} run(s)",
+        "embed: {} on {}: load {:.2} s, batches (sentences x tokens) {}: median {:.1} ms over \
+         {} run(s)",
         dir.display(),
         enc.device().name(),
         load_s,
-        batch.batch,
-        batch.seq_len,
+        shapes.join(" "),
         median * 1e3,
         times.len()
     );
+    let lengths = batches.iter().flat_map(|b| b.lengths.iter().copied());
     let records: Vec<EmbeddingRecord> = texts
         .iter()
-        .zip(&batch.lengths)
+        .zip(lengths)
         .zip(vectors)
-        .map(|((t, &n), v)| EmbeddingRecord {
+        .map(|((t, n), v)| EmbeddingRecord {
             text: t.to_string(),
             tokens: n,
             embedding: v,

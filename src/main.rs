@@ -30,6 +30,8 @@ enum Cmd {
     Run(metashard::cli::run::RunArgs),
     /// Check a sharded run against one device (and the numpy reference with --reference).
     Verify(metashard::cli::verify::VerifyArgs),
+    /// Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2) on any device list.
+    Embed(metashard::cli::embed::EmbedOptions),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -71,6 +73,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Devices { devices, json } => devices_cmd(devices.as_deref(), json),
         Cmd::Run(a) => metashard::cli::run::run(&a),
         Cmd::Verify(a) => metashard::cli::verify::run(&a),
+        Cmd::Embed(opts) => metashard::cli::embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Bench { what } => match what {
             BenchCmd::Meta {
                 graph,

@@ -1,6 +1,7 @@
 //! Command implementations shared by the `metashard` binary: opening a device set (one device,
 //! or a meta device over several with a split callback), progress bars, memory summaries.
 
+pub mod embed;
 pub mod run;
 pub mod verify;
 

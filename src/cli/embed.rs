@@ -1,0 +1,164 @@
+//! The `metashard embed` command: sentence embeddings with a BERT encoder (all-MiniLM-L6-v2)
+//! on any device list, printed as JSON (one object per sentence) or as a short summary with a
+//! table of pairwise cosine similarities.
+
+use crate::models::bert::{BertEncoder, cosine};
+use crate::models::paths::{ModelPath, resolve};
+use crate::{Error, Result, parse_devices};
+use std::time::Instant;
+
+/// What `metashard embed` was asked (its command-line arguments).
+#[derive(Clone, Debug, clap::Args)]
+pub struct EmbedOptions {
+    /// `minilm` or a folder with model.safetensors, config.json and tokenizer.json.
+    #[arg(long, default_value = "minilm")]
+    pub model: String,
+    /// A device list: `cpu`, `cpu:N`, `cpu:NxT` (several devices: tensor parallelism).
+    #[arg(long, default_value = "cpu")]
+    pub devices: String,
+    /// Print JSON: an array with one object per sentence (text, tokens, embedding).
+    #[arg(long)]
+    pub json: bool,
+    /// Sentences per batch (each batch is padded to its longest sentence), as
+    /// sentence-transformers' default.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Run the batches this many times; the median time goes to stderr.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+    /// The sentences, embedded as one padded batch.
+    #[arg(required = true)]
+    pub sentences: Vec<String>,
+}
+
+/// One sentence's result, as printed with `--json`.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct EmbeddingRecord {
+    pub text: String,
+    /// Tokens including [CLS] and [SEP], after truncation.
+    pub tokens: usize,
+    pub embedding: Vec<f32>,
+}
+
+/// Run the command; the text it prints goes to `out`, progress and timings to stderr.
+pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
+    if opts.sentences.is_empty() {
+        return Err(Error::msg("embed: give at least one sentence"));
+    }
+    let dir = match resolve(&opts.model)? {
+        ModelPath::Safetensors(d) => d,
+        ModelPath::Gguf(p) => {
+            return Err(Error::Model {
+                model: opts.model.clone(),
+                reason: format!(
+                    "{} is a GGUF decoder; `embed` needs a BERT folder with model.safetensors",
+                    p.display()
+                ),
+            });
+        }
+    };
+    let devices = parse_devices(&opts.devices)?;
+    let t0 = Instant::now();
+    let enc = BertEncoder::load(&dir, devices)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let texts: Vec<&str> = opts.sentences.iter().map(String::as_str).collect();
+    let batches = texts
+        .chunks(opts.batch_size.max(1))
+        .map(|c| enc.encode(c))
+        .collect::<Result<Vec<_>>>()?;
+    let mut times = Vec::new();
+    let mut vectors = Vec::new();
+    for _ in 0..opts.repeat.max(1) {
+        let t = Instant::now();
+        vectors.clear();
+        for b in &batches {
+            vectors.extend(enc.embed_batch(b)?);
+        }
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let shapes: Vec<String> = batches
+        .iter()
+        .map(|b| format!("{}x{}", b.batch, b.seq_len))
+        .collect();
+    eprintln!(
+        "embed: {} on {}: load {:.2} s, batches (sentences x tokens) {}: median {:.1} ms over \
+         {} run(s)",
+        dir.display(),
+        enc.device().name(),
+        load_s,
+        shapes.join(" "),
+        median * 1e3,
+        times.len()
+    );
+    let lengths = batches.iter().flat_map(|b| b.lengths.iter().copied());
+    let records: Vec<EmbeddingRecord> = texts
+        .iter()
+        .zip(lengths)
+        .zip(vectors)
+        .map(|((t, n), v)| EmbeddingRecord {
+            text: t.to_string(),
+            tokens: n,
+            embedding: v,
+        })
+        .collect();
+    let w = |e: std::io::Error| Error::msg(format!("embed: writing the output: {e}"));
+    if opts.json {
+        let s = serde_json::to_string(&records).map_err(|e| Error::msg(e.to_string()))?;
+        writeln!(out, "{s}").map_err(w)?;
+    } else {
+        write_summary(&records, out).map_err(w)?;
+    }
+    Ok(())
+}
+
+/// A readable summary: per sentence its token count, norm and first values; with several
+/// sentences, the matrix of pairwise cosine similarities.
+pub fn write_summary(
+    records: &[EmbeddingRecord],
+    out: &mut dyn std::io::Write,
+) -> std::io::Result<()> {
+    for (i, r) in records.iter().enumerate() {
+        let norm = r.embedding.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let head: Vec<String> = r
+            .embedding
+            .iter()
+            .take(6)
+            .map(|x| format!("{x:+.4}"))
+            .collect();
+        writeln!(out, "[{i}] {:?}", short(&r.text, 60))?;
+        writeln!(
+            out,
+            "    {} tokens, dim {}, norm {:.6}, [{}, ...]",
+            r.tokens,
+            r.embedding.len(),
+            norm,
+            head.join(", ")
+        )?;
+    }
+    if records.len() > 1 {
+        writeln!(out, "\ncosine similarity")?;
+        write!(out, "{:>5}", "")?;
+        for j in 0..records.len() {
+            write!(out, "{:>8}", format!("[{j}]"))?;
+        }
+        writeln!(out)?;
+        for (i, a) in records.iter().enumerate() {
+            write!(out, "{:>5}", format!("[{i}]"))?;
+            for b in records {
+                write!(out, "{:>8.4}", cosine(&a.embedding, &b.embedding))?;
+            }
+            writeln!(out)?;
+        }
+    }
+    Ok(())
+}
+
+fn short(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_string()
+    } else {
+        format!("{}...", s.chars().take(max).collect::<String>())
+    }
+}

@@ -41,6 +41,24 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// A real model's prompt (pp) and generation (tg) tokens/s on each device set.
+    Model {
+        #[arg(long, default_value = "smollm2")]
+        model: String,
+        /// Device sets to compare (repeat the flag); the first is the baseline of the ratios.
+        #[arg(long, default_values_t = vec!["cpu:1x2".to_string(), "cpu:2x1".to_string()])]
+        devices: Vec<String>,
+        #[arg(long, default_value_t = 128)]
+        pp: usize,
+        #[arg(long, default_value_t = 64)]
+        tg: usize,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        #[arg(long)]
+        exact: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
     Meta {
         /// The graph: a transformer block or ggml's 4-layer MLP stack.
@@ -75,6 +93,31 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Verify(a) => metashard::cli::verify::run(&a),
         Cmd::Embed(opts) => metashard::cli::embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Bench { what } => match what {
+            BenchCmd::Model {
+                model,
+                devices,
+                pp,
+                tg,
+                reps,
+                exact,
+                json,
+            } => {
+                let opts = bench::model::ModelBenchOptions {
+                    model,
+                    devices,
+                    pp,
+                    tg,
+                    reps,
+                    exact,
+                };
+                let report = bench::model::run(&opts, &|line| eprintln!("{line}"))?;
+                if json {
+                    println!("{}", to_json(&report)?);
+                } else {
+                    bench::model::print_table(&report);
+                }
+                Ok(())
+            }
             BenchCmd::Meta {
                 graph,
                 tokens,
@@ -102,6 +145,10 @@ fn run(cli: Cli) -> Result<()> {
             }
         },
     }
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
+    serde_json::to_string_pretty(v).map_err(|e| metashard::Error::msg(e.to_string()))
 }
 
 fn devices_cmd(spec: Option<&str>, json: bool) -> Result<()> {

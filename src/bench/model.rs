@@ -1,0 +1,167 @@
+//! `metashard bench model`: prompt processing (pp, default 128 tokens in one batch) and
+//! generation (tg, default 64 decode steps) tokens/s of a GGUF decoder on each given device
+//! set, the effective bandwidth of generation (weight bytes read per token x tokens/s), and
+//! the machine's streaming read bandwidth measured in the same run for comparison.
+
+use crate::Result;
+use crate::cli::run::load;
+use crate::cpu::ThreadPool;
+use crate::models::llama::Session;
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct ModelBenchOptions {
+    pub model: String,
+    pub devices: Vec<String>,
+    pub pp: usize,
+    pub tg: usize,
+    pub reps: usize,
+    pub exact: bool,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ModelBenchRow {
+    pub devices: String,
+    pub pp_tokens: usize,
+    pub pp_tokens_per_s: f64,
+    pub tg_tokens: usize,
+    pub tg_tokens_per_s: f64,
+    /// Weight bytes read per generated token.
+    pub bytes_per_token: usize,
+    /// `bytes_per_token * tg_tokens_per_s`.
+    pub tg_gbps: f64,
+    /// Generation throughput relative to the first device set.
+    pub tg_vs_first: f64,
+    pub pp_vs_first: f64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ModelBenchReport {
+    pub model: String,
+    pub rows: Vec<ModelBenchRow>,
+    /// Streaming read bandwidth of this machine (2 threads, 512 MiB), GB/s.
+    pub stream_gbps: f64,
+}
+
+/// Read `bytes` once per thread share and sum, `reps` times; returns GB/s (median).
+pub fn stream_read_gbps(threads: usize, bytes: usize, reps: usize) -> f64 {
+    let n = bytes / 4;
+    let data: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    let pool = ThreadPool::new(threads, "stream");
+    let sink = parking_lot::Mutex::new(0f32);
+    let mut times = Vec::new();
+    for _ in 0..reps + 1 {
+        let start = Instant::now();
+        let _ = pool.run(&|ith, _| {
+            let r = crate::cpu::split_range(n, ith, threads);
+            // Eight independent sums so the loop vectorizes and is bound by memory.
+            let mut acc = [0f32; 8];
+            for c in data[r].chunks_exact(8) {
+                for (a, x) in acc.iter_mut().zip(c) {
+                    *a += x;
+                }
+            }
+            *sink.lock() += acc.iter().sum::<f32>();
+        });
+        times.push(start.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(*sink.lock());
+    times.remove(0);
+    times.sort_by(f64::total_cmp);
+    bytes as f64 / times[times.len() / 2] / 1e9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBenchReport> {
+    let mut rows: Vec<ModelBenchRow> = Vec::new();
+    let mut name = String::new();
+    for spec in &opts.devices {
+        progress(&format!("loading {} on {spec}", opts.model));
+        let (set, m) = load(&opts.model, spec, opts.exact, None, false, true)?;
+        name = m.name.clone();
+        let n_vocab = m.cfg.n_vocab as u32;
+        let prompt: Vec<u32> = (0..opts.pp as u32)
+            .map(|i| (i * 131 + 17) % n_vocab)
+            .collect();
+        let mut s = Session::new(
+            &m,
+            set.backend.clone(),
+            set.buffer_type.as_ref(),
+            opts.pp + opts.tg + 2,
+        )?;
+        // Warm up: plans for both shapes.
+        s.eval(&prompt, false)?;
+        s.eval(&[1], false)?;
+        let (mut pp, mut tg) = (Vec::new(), Vec::new());
+        for r in 0..opts.reps.max(1) {
+            s.reset();
+            let t0 = Instant::now();
+            s.eval(&prompt, false)?;
+            pp.push(opts.pp as f64 / t0.elapsed().as_secs_f64());
+            let t0 = Instant::now();
+            let mut tok = 1u32;
+            for i in 0..opts.tg {
+                let l = s.eval(&[tok], false)?;
+                tok = (crate::models::llama::argmax(&l) + i as u32) % n_vocab;
+            }
+            tg.push(opts.tg as f64 / t0.elapsed().as_secs_f64());
+            progress(&format!(
+                "{spec}: rep {} pp {:.1} t/s, tg {:.1} t/s",
+                r + 1,
+                pp[r],
+                tg[r]
+            ));
+        }
+        let (pp, tg) = (median(pp), median(tg));
+        let bpt = m.bytes_per_token();
+        let (tg0, pp0) = rows
+            .first()
+            .map_or((tg, pp), |r| (r.tg_tokens_per_s, r.pp_tokens_per_s));
+        rows.push(ModelBenchRow {
+            devices: spec.clone(),
+            pp_tokens: opts.pp,
+            pp_tokens_per_s: pp,
+            tg_tokens: opts.tg,
+            tg_tokens_per_s: tg,
+            bytes_per_token: bpt,
+            tg_gbps: bpt as f64 * tg / 1e9,
+            tg_vs_first: tg / tg0,
+            pp_vs_first: pp / pp0,
+        });
+    }
+    progress("measuring streaming bandwidth");
+    let stream_gbps = stream_read_gbps(2, 512 << 20, 5);
+    Ok(ModelBenchReport {
+        model: name,
+        rows,
+        stream_gbps,
+    })
+}
+
+pub fn print_table(r: &ModelBenchReport) {
+    println!("model: {}", r.model);
+    println!(
+        "{:<12} {:>10} {:>8} {:>10} {:>8} {:>12} {:>10}",
+        "devices", "pp t/s", "pp x", "tg t/s", "tg x", "tg GB/s", "% stream"
+    );
+    for row in &r.rows {
+        println!(
+            "{:<12} {:>10.1} {:>7.2}x {:>10.1} {:>7.2}x {:>12.2} {:>9.0}%",
+            row.devices,
+            row.pp_tokens_per_s,
+            row.pp_vs_first,
+            row.tg_tokens_per_s,
+            row.tg_vs_first,
+            row.tg_gbps,
+            100.0 * row.tg_gbps / r.stream_gbps
+        );
+    }
+    println!(
+        "streaming read bandwidth (2 threads): {:.2} GB/s",
+        r.stream_gbps
+    );
+}

@@ -39,6 +39,13 @@ fn divided(s: &SplitState, axis: usize, div: usize) -> Option<SplitState> {
     s.rescaled(axis, 1, div)
 }
 
+/// Whether every extent of an axis-0 split `s` is a whole number of `dtype`'s blocks (a split
+/// of another axis always is).
+fn whole_blocks(s: &SplitState, dtype: crate::DType) -> bool {
+    let bs = dtype.block_size();
+    s.split_dim() != Some(0) || s.extents().iter().all(|e| e % bs == 0)
+}
+
 /// Whether an op is linear in all its sources jointly (so Partial inputs give Partial output).
 fn linear_unary(op: &Op, g: &Graph, id: TensorId) -> bool {
     match *op {
@@ -77,7 +84,9 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
                 _ => {}
             }
             match sb.axis {
-                SplitAxis::Axis(0) => {
+                // Row-parallel led by the activation: a follows b's K split, which for a
+                // quantized a must cut whole blocks.
+                SplitAxis::Axis(0) if whole_blocks(sb, g.layout(node.src[0]).dtype) => {
                     out.push(pat(vec![sb.clone(), sb.clone()], SplitState::partial(n)))
                 }
                 SplitAxis::Axis(1) => {
@@ -161,7 +170,10 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
             } else {
                 match s.split_dim() {
                     // Fused [gate | up] split per segment: each device holds gate_d | up_d.
-                    Some(0) if s.n_segments() == 2 && (0..n).all(|d| s.extent(0, d) == s.extent(1, d)) => {
+                    Some(0)
+                        if s.n_segments() == 2
+                            && (0..n).all(|d| s.extent(0, d) == s.extent(1, d)) =>
+                    {
                         let gate: Vec<usize> = (0..n).map(|d| s.extent(0, d)).collect();
                         out.push(pat(vec![s.clone()], SplitState::axis(0, &gate)));
                     }

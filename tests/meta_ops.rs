@@ -925,3 +925,23 @@ fn regression_quantized_weight_follows_k_split_in_whole_blocks_only() {
         regress(case, vec![Place::Inline, b], 3);
     }
 }
+
+/// A cast to a quantized type must not keep an axis-0 split that cuts blocks (the rule passed
+/// any state through; the device's cast of a 3-element row to Q8_0 failed).
+#[test]
+fn regression_cast_to_quantized_keeps_axis0_split_only_in_whole_blocks() {
+    let mut rng = TestRng(2);
+    for to in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let a = Leaf::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
+        let case = Case::new(vec![a], Box::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
+        regress(case, vec![state(SplitState::axis(0, &[3, 61]))], 2);
+        let a = Leaf::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
+        let case = Case::new(vec![a], Box::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
+        let s = SplitState::segmented(0, &[vec![0, 32, 0], vec![16, 0, 16]]);
+        regress(case, vec![state(s)], 3);
+        // Whole blocks stay split.
+        let a = Leaf::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
+        let case = Case::new(vec![a], Box::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
+        regress(case, vec![state(SplitState::axis(0, &[32, 0, 32]))], 3);
+    }
+}

@@ -153,7 +153,10 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
         }
         Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Cont => {
             let s = &src[0];
-            if !s.is_partial() || linear_unary(&node.op, g, id) {
+            // A cast to a quantized type keeps an axis-0 split only in whole blocks.
+            if (!s.is_partial() || linear_unary(&node.op, g, id))
+                && whole_blocks(s, g.layout(id).dtype)
+            {
                 out.push(pat(vec![s.clone()], s.clone()));
             }
             out.push(all_mirrored(n, 1));

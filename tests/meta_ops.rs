@@ -945,3 +945,24 @@ fn regression_cast_to_quantized_keeps_axis0_split_only_in_whole_blocks() {
         regress(case, vec![state(SplitState::axis(0, &[32, 0, 32]))], 3);
     }
 }
+
+/// Slicing a mirrored quantized tensor into a segmented split (a table following segmented
+/// ids, a weight following a segmented K split) joined the pieces with `concat`, which takes
+/// no quantized type.
+#[test]
+fn regression_segmented_slice_of_quantized_tensor() {
+    let mut rng = TestRng(3);
+    for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        let table = Leaf::random(&mut rng, "table", dt, [32, 3, 2, 1]);
+        let ids = Leaf::from_i32("ids", [2, 2, 1, 1], &[2, 0, 1, 1]);
+        let case = Case::new(
+            vec![table, ids],
+            Box::new(|g, l| Ok(vec![g.get_rows(l[0], l[1])?])),
+        );
+        let s = SplitState::segmented(1, &[vec![1, 0], vec![0, 1]]);
+        regress(case, vec![Place::Inline, state(s)], 2);
+        let case = mul_mat_case(&mut rng, dt, [6, 3, 2, 1, 1, 1, 1]);
+        let s = SplitState::segmented(0, &[vec![32, 0], vec![0, 32]]);
+        regress(case, vec![Place::Inline, state(s)], 2);
+    }
+}

@@ -190,6 +190,10 @@ impl Rewriter<'_> {
         for (d, lg) in self.graphs.iter_mut().enumerate() {
             let src = base[d];
             let sl = *lg.layout(src);
+            if sl.dtype.is_quantized() && want.n_segments() > 1 {
+                v.push(slice_by_copies(lg, src, want, d)?);
+                continue;
+            }
             let mut acc: Option<TensorId> = None;
             for s in 0..want.n_segments() {
                 let mut ne = sl.ne;
@@ -268,6 +272,39 @@ impl Rewriter<'_> {
         }
         Ok(v)
     }
+}
+
+/// Device `d`'s segmented slice of the mirrored local tensor `src`, for types `concat` does not
+/// take (quantized): each segment's piece is copied into its place in a new local tensor, and a
+/// view of the whole follows the copies (a local graph runs in node order). The pieces cover
+/// the tensor, so its bytes need no initial value.
+fn slice_by_copies(lg: &mut Graph, src: TensorId, want: &SplitState, d: usize) -> Result<TensorId> {
+    let k = want
+        .split_dim()
+        .ok_or_else(|| internal("slice to a non-axis state".into()))?;
+    let sl = *lg.layout(src);
+    let local = Layout::contiguous(sl.dtype, want.local_ne(sl.ne, d));
+    let name = format!("{}.slice", lg.name(src));
+    let dst = lg.input(&name, local.dtype, local.ne)?;
+    lg.set_data(dst, vec![0u8; local.nbytes()])?;
+    let at = |l: &Layout, pos: usize| {
+        if k == 0 {
+            pos / l.dtype.block_size() * l.nb[0]
+        } else {
+            pos * l.nb[k]
+        }
+    };
+    for s in 0..want.n_segments() {
+        let mut ne = sl.ne;
+        ne[k] = want.extent(s, d);
+        if ne[k] == 0 {
+            continue;
+        }
+        let piece = lg.view(src, ne, sl.nb, at(&sl, want.full_start(s, d)))?;
+        let place = lg.view(dst, ne, local.nb, at(&local, want.local_start(s, d)))?;
+        lg.cpy(piece, place)?;
+    }
+    lg.view(dst, local.ne, local.nb, 0)
 }
 
 /// Rebuild one op on a local graph from local sources (views and leaves are handled apart).

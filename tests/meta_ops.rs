@@ -18,10 +18,12 @@ use metashard::split_state::SplitState;
 use metashard::{DType, Error, Graph, Result, TensorId};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
+use std::rc::Rc;
 
-type BuildFn = Box<dyn Fn(&mut Graph, &[TensorId]) -> Result<Vec<TensorId>>>;
+type BuildFn = Rc<dyn Fn(&mut Graph, &[TensorId]) -> Result<Vec<TensorId>>>;
 
 /// One op test: leaves, the states each may take, the graph, and the tolerance.
+#[derive(Clone)]
 struct Case {
     leaves: Vec<Leaf>,
     spaces: Vec<Space>,
@@ -118,9 +120,9 @@ fn check_places(
     n: usize,
 ) -> std::result::Result<(), TestCaseError> {
     let desc = describe(&leaves, &places, n);
-    let want = run_single(&leaves, &case.build)
+    let want = run_single(&leaves, &*case.build)
         .map_err(|e| TestCaseError::fail(format!("reference failed: {e} ({desc})")))?;
-    let got = run_meta(&leaves, &places, n, MetaOptions::default(), &case.build)
+    let got = run_meta(&leaves, &places, n, MetaOptions::default(), &*case.build)
         .map_err(|e| TestCaseError::fail(format!("meta failed: {e} ({desc})")))?;
     let extra = quant_mm_tol(case, &leaves, &places, n);
     for (i, (w, g)) in want.iter().zip(&got).enumerate() {
@@ -151,7 +153,7 @@ fn check_refused(
     node: &str,
 ) -> std::result::Result<(), TestCaseError> {
     let desc = describe(&leaves, &places, n);
-    match run_meta(&leaves, &places, n, MetaOptions::default(), &case.build) {
+    match run_meta(&leaves, &places, n, MetaOptions::default(), &*case.build) {
         Err(Error::NoSplitRule { node: nd, .. }) => {
             prop_assert!(
                 nd.starts_with(node),
@@ -205,11 +207,8 @@ fn mul_mat_case(rng: &mut TestRng, dt: DType, p: [usize; 7]) -> Case {
     if rng.chance(1, 2) {
         sb = sb.gran(2, r2).gran(3, r3);
     }
-    let mut c = Case::new(
-        vec![a, b],
-        Box::new(|g, l| Ok(vec![g.mul_mat(l[0], l[1])?])),
-    )
-    .space(1, sb);
+    let mut c =
+        Case::new(vec![a, b], Rc::new(|g, l| Ok(vec![g.mul_mat(l[0], l[1])?]))).space(1, sb);
     if dt.is_quantized() {
         c.quant_mm = Some((0, 1));
     }
@@ -239,7 +238,7 @@ fn binary_case(rng: &mut TestRng, op: BinaryOp, ne: [usize; 4]) -> Case {
     };
     let mut c = Case::new(
         vec![a, b],
-        Box::new(move |g, l| Ok(vec![g.binary(op, l[0], l[1])?])),
+        Rc::new(move |g, l| Ok(vec![g.binary(op, l[0], l[1])?])),
     );
     if op == BinaryOp::Div {
         // Partial divisors could sum to anything near zero; their sum is what matters.
@@ -263,7 +262,7 @@ fn unary_case(rng: &mut TestRng, ne: [usize; 4], which: usize) -> Case {
     ];
     Case::new(
         vec![a],
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             Ok(vec![match which {
                 0 => g.scale_bias(l[0], s, bias)?,
                 1 => g.clamp(l[0], lo, hi)?,
@@ -277,21 +276,21 @@ fn swiglu_case(rng: &mut TestRng, n: usize, ne: [usize; 4], fused: bool) -> Case
     if !fused {
         let a = Leaf::random(rng, "gate", DType::F32, ne);
         let b = Leaf::random(rng, "up", DType::F32, ne);
-        return Case::new(vec![a, b], Box::new(|g, l| Ok(vec![g.swiglu(l[0], l[1])?])));
+        return Case::new(vec![a, b], Rc::new(|g, l| Ok(vec![g.swiglu(l[0], l[1])?])));
     }
     let h = ne[0];
     let x = Leaf::random(rng, "gate_up", DType::F32, [2 * h, ne[1], ne[2], ne[3]]);
     // Each device gets equal shares of gate and up: segments [g, g].
     let g = random_extents(rng, h, 1, n);
     let s = Space::any(&x).extra(SplitState::segmented(0, &[g.clone(), g]));
-    Case::new(vec![x], Box::new(|g, l| Ok(vec![g.swiglu_fused(l[0])?]))).space(0, s)
+    Case::new(vec![x], Rc::new(|g, l| Ok(vec![g.swiglu_fused(l[0])?]))).space(0, s)
 }
 
 fn rowwise_case(rng: &mut TestRng, ne: [usize; 4], which: usize) -> Case {
     let a = Leaf::random(rng, "a", DType::F32, ne);
     Case::new(
         vec![a],
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             Ok(vec![match which {
                 0 => g.rms_norm(l[0], 1e-5)?,
                 1 => g.norm(l[0], 1e-5)?,
@@ -308,7 +307,7 @@ fn soft_max_case(rng: &mut TestRng, ne: [usize; 4], mask: bool) -> Case {
     if !mask {
         return Case::new(
             vec![a],
-            Box::new(move |g, l| Ok(vec![g.soft_max(l[0], None, scale)?])),
+            Rc::new(move |g, l| Ok(vec![g.soft_max(l[0], None, scale)?])),
         );
     }
     let nm = [
@@ -334,7 +333,7 @@ fn soft_max_case(rng: &mut TestRng, ne: [usize; 4], mask: bool) -> Case {
     };
     Case::new(
         vec![a, m],
-        Box::new(move |g, l| Ok(vec![g.soft_max(l[0], Some(l[1]), scale)?])),
+        Rc::new(move |g, l| Ok(vec![g.soft_max(l[0], Some(l[1]), scale)?])),
     )
     .space(1, sm)
 }
@@ -357,13 +356,13 @@ fn rope_case(rng: &mut TestRng, hd: usize, nh: usize, t: usize, neox: bool) -> C
     };
     Case::new(
         vec![x, pos],
-        Box::new(move |g, l| Ok(vec![g.rope(l[0], l[1], p)?])),
+        Rc::new(move |g, l| Ok(vec![g.rope(l[0], l[1], p)?])),
     )
 }
 
 fn argmax_case(rng: &mut TestRng, ne0: usize, ne1: usize) -> Case {
     let a = Leaf::random(rng, "a", DType::F32, [ne0, ne1, 1, 1]);
-    Case::new(vec![a], Box::new(|g, l| Ok(vec![g.argmax(l[0])?])))
+    Case::new(vec![a], Rc::new(|g, l| Ok(vec![g.argmax(l[0])?])))
 }
 
 fn get_rows_case(
@@ -400,7 +399,7 @@ fn get_rows_case(
     let ids = Leaf::from_i32("ids", [nid, e2, e3, 1], &ids);
     Case::new(
         vec![table, ids],
-        Box::new(|g, l| Ok(vec![g.get_rows(l[0], l[1])?])),
+        Rc::new(|g, l| Ok(vec![g.get_rows(l[0], l[1])?])),
     )
 }
 
@@ -427,7 +426,7 @@ fn set_rows_case(rng: &mut TestRng, p: [usize; 5]) -> (Case, Vec<usize>) {
     let sd = Space::any(&dst).no_partial().axes(&axes);
     let c = Case::new(
         vec![dst, rows, ids],
-        Box::new(|g, l| {
+        Rc::new(|g, l| {
             let s = g.set_rows(l[0], l[1], l[2])?;
             g.set_name(s, "set_rows_out");
             Ok(vec![s])
@@ -462,7 +461,7 @@ fn cpy_case(rng: &mut TestRng, ne: [usize; 4]) -> (Case, bool) {
     }
     let c = Case::new(
         vec![a, dst],
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             let s = if transposed { g.transpose(l[0])? } else { l[0] };
             let c = g.cpy(s, l[1])?;
             g.set_name(c, "cpy_out");
@@ -491,7 +490,7 @@ fn cast_case(rng: &mut TestRng, ne: [usize; 4]) -> Case {
     let a = Leaf::random(rng, "a", DType::F32, ne);
     Case::new(
         vec![a],
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             let s = if permute {
                 g.permute(l[0], axes)?
             } else {
@@ -522,7 +521,7 @@ fn concat_case(rng: &mut TestRng, ne: [usize; 4], dim: usize, extra: usize) -> C
     };
     Case::new(
         vec![a, b],
-        Box::new(move |g, l| Ok(vec![g.concat(l[0], l[1], dim)?])),
+        Rc::new(move |g, l| Ok(vec![g.concat(l[0], l[1], dim)?])),
     )
 }
 
@@ -554,7 +553,7 @@ fn flash_attn_case(rng: &mut TestRng, p: [usize; 8]) -> Case {
     }
     let mut c = Case::new(
         leaves,
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             Ok(vec![g.flash_attn(
                 l[0],
                 l[1],
@@ -579,7 +578,7 @@ fn reshape_case(rng: &mut TestRng, ne: [usize; 4]) -> Case {
     let s = rng.grid();
     Case::new(
         vec![a],
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             let r = g.reshape(l[0], to)?;
             Ok(vec![g.scale(r, s)?])
         }),
@@ -593,7 +592,7 @@ fn permute_case(rng: &mut TestRng, ne: [usize; 4], consumer: usize) -> Case {
     let transpose = rng.chance(1, 3);
     Case::new(
         vec![a],
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             let v = if transpose {
                 g.transpose(l[0])?
             } else {
@@ -644,7 +643,7 @@ fn kv_cache_case(rng: &mut TestRng, n: usize, p: [usize; 7]) -> Case {
         Space::any(&leaves[5]),
     ];
     let ts = dt.type_size();
-    let build: BuildFn = Box::new(move |g, l| {
+    let build: BuildFn = Rc::new(move |g, l| {
         let (mut ck, mut cv) = (l[0], l[1]);
         if nw > 0 {
             ck = g.set_rows(ck, l[3], l[5])?;
@@ -696,7 +695,7 @@ fn segment_view_case(rng: &mut TestRng, n: usize, p: [usize; 5]) -> Case {
         let sx = Space::any(&x).extra(SplitState::segmented(0, &segs));
         (vec![x], vec![sx])
     };
-    let build: BuildFn = Box::new(move |g, l| {
+    let build: BuildFn = Rc::new(move |g, l| {
         let fused = if from_mm == 1 {
             g.mul_mat(l[0], l[1])?
         } else {
@@ -732,7 +731,7 @@ fn sub_view_case(rng: &mut TestRng, ne0: usize, ne1: usize) -> Case {
     let c0 = rng.below(ne0);
     Case::new(
         vec![a],
-        Box::new(move |g, l| {
+        Rc::new(move |g, l| {
             let rows = g.view_2d(l[0], ne0, r1 - r0, ne0 * 4, r0 * ne0 * 4)?;
             let col = g.view_2d(l[0], 1, ne1, ne0 * 4, c0 * 4)?;
             Ok(vec![g.cont(rows)?, g.scale(col, 2.0)?])
@@ -933,15 +932,15 @@ fn regression_cast_to_quantized_keeps_axis0_split_only_in_whole_blocks() {
     let mut rng = TestRng(2);
     for to in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
         let a = Leaf::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
-        let case = Case::new(vec![a], Box::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
+        let case = Case::new(vec![a], Rc::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
         regress(case, vec![state(SplitState::axis(0, &[3, 61]))], 2);
         let a = Leaf::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
-        let case = Case::new(vec![a], Box::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
+        let case = Case::new(vec![a], Rc::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
         let s = SplitState::segmented(0, &[vec![0, 32, 0], vec![16, 0, 16]]);
         regress(case, vec![state(s)], 3);
         // Whole blocks stay split.
         let a = Leaf::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
-        let case = Case::new(vec![a], Box::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
+        let case = Case::new(vec![a], Rc::new(move |g, l| Ok(vec![g.cast(l[0], to)?])));
         regress(case, vec![state(SplitState::axis(0, &[32, 0, 32]))], 3);
     }
 }
@@ -957,12 +956,40 @@ fn regression_segmented_slice_of_quantized_tensor() {
         let ids = Leaf::from_i32("ids", [2, 2, 1, 1], &[2, 0, 1, 1]);
         let case = Case::new(
             vec![table, ids],
-            Box::new(|g, l| Ok(vec![g.get_rows(l[0], l[1])?])),
+            Rc::new(|g, l| Ok(vec![g.get_rows(l[0], l[1])?])),
         );
         let s = SplitState::segmented(1, &[vec![1, 0], vec![0, 1]]);
         regress(case, vec![Place::Inline, state(s)], 2);
         let case = mul_mat_case(&mut rng, dt, [6, 3, 2, 1, 1, 1, 1]);
         let s = SplitState::segmented(0, &[vec![32, 0], vec![0, 32]]);
         regress(case, vec![Place::Inline, state(s)], 2);
+    }
+}
+
+/// A split tensor consumed as Partial (copied into a partial destination, added to a partial
+/// tensor) had no conversion: Axis -> Partial was "impossible", so `cpy` into a Partial
+/// destination failed with NoSplitRule. Each device now pads its slice with zeros, locally.
+#[test]
+fn regression_split_to_partial_pads_with_zeros() {
+    let mut rng = TestRng(4);
+    for n in [1, 2, 3, 5] {
+        let a = Leaf::random(&mut rng, "src", DType::F32, [4, 5, 2, 2]);
+        let mut dst = Leaf::random(&mut rng, "dst", DType::F16, [4, 5, 2, 2]);
+        let pieces = partial_pieces(&mut rng, &mut dst, n);
+        let case = Case::new(vec![a, dst], Rc::new(|g, l| Ok(vec![g.cpy(l[0], l[1])?])));
+        for s in [
+            SplitState::axis(1, &random_extents(&mut rng, 5, 1, n)),
+            random_split(&mut rng, 3, [4, 5, 2, 2], 1, n, true),
+            SplitState::segmented(
+                0,
+                &[
+                    random_extents(&mut rng, 1, 1, n),
+                    random_extents(&mut rng, 3, 1, n),
+                ],
+            ),
+        ] {
+            let places = vec![state(s), Place::Partial(pieces.clone())];
+            regress(case.clone(), places, n);
+        }
     }
 }

@@ -1,9 +1,9 @@
 //! Pass 3 of the meta backend: rewrite a planned graph into one program per device. Each user
 //! node becomes a node of each device's local graph with the device's shapes (the builders
 //! re-check them); each conversion becomes local nodes (slices: view + cont, concatenated per
-//! segment; to-partial: zeros on devices other than 0) or a collective node; views become
-//! local views with the layouts `split_state::view` derived. Stages cut each program at its
-//! collectives.
+//! segment; to-partial: zeros on devices other than 0; pad-to-partial: each slice padded with
+//! zeros to the full shape) or a collective node; views become local views with the layouts
+//! `split_state::view` derived. Stages cut each program at its collectives.
 
 use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
 use super::plan::{ConversionKind, MetaPlan, conversion_kind};
@@ -112,6 +112,7 @@ impl Rewriter<'_> {
                 }
                 v
             }
+            ConversionKind::PadToPartial => self.pad(&base, &full, &have)?,
             ConversionKind::AllReduce => {
                 let inplace = self.inplace_ok[u.index()];
                 let mut v = Vec::new();
@@ -176,6 +177,65 @@ impl Rewriter<'_> {
             let id = lg.collective(CollectiveKind::AllGather { axis }, src, full.ne)?;
             self.layouts[d].insert(id, sl.clone());
             v.push(id);
+        }
+        Ok(v)
+    }
+
+    /// Partial sums from a split: each device's slice in zeros of the full shape, joined along
+    /// the axis (runs of other devices' pieces are one zero tensor each, re-zeroed every run).
+    fn pad(
+        &mut self,
+        base: &[TensorId],
+        full: &Layout,
+        have: &SplitState,
+    ) -> Result<Vec<TensorId>> {
+        let k = have
+            .split_dim()
+            .ok_or_else(|| internal("pad from a non-axis state".into()))?;
+        let mut v = Vec::new();
+        for (d, lg) in self.graphs.iter_mut().enumerate() {
+            let src = base[d];
+            let sl = *lg.layout(src);
+            // Runs along k in full order: Some(local start) for this device's pieces, None
+            // for zeros; adjacent zero runs merged.
+            let mut runs: Vec<(Option<usize>, usize)> = Vec::new();
+            for s in 0..have.n_segments() {
+                for e in 0..self.n {
+                    let len = have.extent(s, e);
+                    if len == 0 {
+                        continue;
+                    }
+                    match (e == d, runs.last_mut()) {
+                        (true, _) => runs.push((Some(have.local_start(s, d)), len)),
+                        (false, Some((None, l))) => *l += len,
+                        (false, _) => runs.push((None, len)),
+                    }
+                }
+            }
+            if runs.is_empty() || matches!(runs[..], [(Some(_), _)]) {
+                v.push(src);
+                continue;
+            }
+            let mut acc: Option<TensorId> = None;
+            for (start, len) in runs {
+                let mut ne = full.ne;
+                ne[k] = len;
+                let piece = match start {
+                    Some(at) => lg.view(src, ne, sl.nb, at * sl.nb[k])?,
+                    None => {
+                        let z = Layout::contiguous(full.dtype, ne);
+                        let id = lg.input(&format!("{}.zeros", lg.name(src)), z.dtype, ne)?;
+                        lg.set_data(id, vec![0u8; z.nbytes()])?;
+                        self.uploads[d].push((id, Upload::Zeros));
+                        id
+                    }
+                };
+                acc = Some(match acc {
+                    None => piece,
+                    Some(a) => lg.concat(a, piece, k)?,
+                });
+            }
+            v.push(acc.ok_or_else(|| internal("padding an empty tensor".into()))?);
         }
         Ok(v)
     }

@@ -993,3 +993,25 @@ fn regression_split_to_partial_pads_with_zeros() {
         }
     }
 }
+
+/// A device whose slice is empty built the op on empty shapes, which a builder may refuse:
+/// soft_max's mask check took a zero extent for a bad broadcast ('[1, 1, 0, 2] and
+/// [1, 1, 0, 1]'). Devices with an empty output now hold an empty placeholder.
+#[test]
+fn regression_empty_slices_skip_the_op() {
+    let mut rng = TestRng(5);
+    let a = Leaf::random(&mut rng, "a", DType::F32, [3, 2, 3, 2]);
+    let m = Leaf::random(&mut rng, "mask", DType::F32, [3, 2, 3, 1]);
+    let case = Case::new(
+        vec![a, m],
+        Rc::new(|g, l| Ok(vec![g.soft_max(l[0], Some(l[1]), 0.5)?])),
+    );
+    for s in [
+        SplitState::axis(2, &[3, 0]),
+        SplitState::segmented(2, &[vec![1, 0, 0], vec![1, 0, 0], vec![0, 0, 1]]),
+        SplitState::axis(1, &[0, 2, 0]),
+    ] {
+        let n = s.n_devices();
+        regress(case.clone(), vec![state(s), Place::Inline], n);
+    }
+}

@@ -400,9 +400,15 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
 pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Result<Rewritten> {
     let n = plan.n;
     // A node's all-reduce may run in place when all its consumers want the same state and the
-    // user does not read it.
+    // user does not read it. Never a leaf's, nor a view's (whose bytes are its root's): a leaf's
+    // bytes are the user's, and a partial weight placed in a meta buffer would hold the sum on
+    // every device after the first step.
     let mut wants: Vec<Option<SplitState>> = vec![None; g.len()];
-    let mut inplace_ok = vec![true; g.len()];
+    let mut inplace_ok: Vec<bool> = g
+        .nodes()
+        .iter()
+        .map(|n| !n.is_leaf() && n.view_src.is_none())
+        .collect();
     for id in g.ids() {
         let node = g.node(id);
         let srcs: Vec<TensorId> = if node.op.is_view() {

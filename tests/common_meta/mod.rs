@@ -476,6 +476,60 @@ pub fn meta_setup(
     })
 }
 
+impl MetaSetup {
+    /// A new graph over the same placed leaves (bound to the same meta-buffer tensors, whose
+    /// data stay), with inline leaves taking the bytes of `leaves` (a later step of a loop).
+    pub fn fresh_graph(&self, leaves: &[Leaf]) -> Result<(Graph, Vec<TensorId>)> {
+        let mut g = Graph::new();
+        let mut ids = Vec::new();
+        for (l, off) in leaves.iter().zip(&self.offsets) {
+            let id = match off {
+                None => {
+                    let id = g.input(&l.name, l.dtype, l.ne)?;
+                    g.set_data(id, l.bytes.clone())?;
+                    id
+                }
+                Some(off) => {
+                    let id = g.new_tensor(&l.name, l.dtype, l.ne)?;
+                    let buf = self.buffer.clone().expect("placed leaves have a buffer");
+                    g.bind(id, Storage::new(buf, *off))?;
+                    id
+                }
+            };
+            ids.push(id);
+        }
+        Ok((g, ids))
+    }
+}
+
+/// Compute `outs` of `g` on the backend and read them.
+pub fn compute_and_read(
+    backend: &dyn Backend,
+    g: &mut Graph,
+    outs: &[TensorId],
+) -> Result<Vec<Out>> {
+    for &o in outs {
+        g.set_output(o);
+    }
+    backend.graph_compute(g)?;
+    read_outputs(g, outs)
+}
+
+/// The values of leaf `i` of a setup as its meta buffer holds them now (None if inline).
+pub fn placed_values(s: &MetaSetup, leaves: &[Leaf], i: usize) -> Result<Option<Vec<f32>>> {
+    let Some(off) = s.offsets[i] else {
+        return Ok(None);
+    };
+    let buf = s.buffer.as_ref().expect("placed leaves have a buffer");
+    let mut bytes = vec![0u8; leaves[i].layout().nbytes()];
+    buf.get_tensor(&leaves[i].layout(), off, &mut bytes, 0)?;
+    Ok(Some(bytes_to_f32(
+        leaves[i].dtype,
+        &bytes,
+        leaves[i].nelements(),
+    )?))
+}
+
 /// The graph on a meta device of `n` devices with its leaves placed as `places` say.
 pub fn run_meta(
     leaves: &[Leaf],
@@ -484,13 +538,24 @@ pub fn run_meta(
     options: MetaOptions,
     build: &Build,
 ) -> Result<Vec<Out>> {
+    Ok(run_meta_keep(leaves, places, n, options, build)?.0)
+}
+
+/// As `run_meta`, also returning the setup (to inspect the placed leaves afterwards).
+pub fn run_meta_keep(
+    leaves: &[Leaf],
+    places: &[Place],
+    n: usize,
+    options: MetaOptions,
+    build: &Build,
+) -> Result<(Vec<Out>, MetaSetup)> {
     let mut s = meta_setup(leaves, places, n, options)?;
     let outs = build(&mut s.graph, &s.leaves)?;
     for &o in &outs {
         s.graph.set_output(o);
     }
     s.backend.graph_compute(&mut s.graph)?;
-    read_outputs(&s.graph, &outs)
+    Ok((read_outputs(&s.graph, &outs)?, s))
 }
 
 /// Largest absolute difference, or an error if shapes differ or NaNs appear on one side only.

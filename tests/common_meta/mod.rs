@@ -5,6 +5,9 @@
 //! and comparing the results.
 #![allow(dead_code)]
 
+pub mod cases;
+pub mod check;
+
 use metashard::backend::alloc_tensors;
 use metashard::buffer::Buffer;
 use metashard::dtype::{bytes_to_f32, f32_to_bytes};
@@ -312,7 +315,7 @@ pub fn random_place(rng: &mut TestRng, leaf: &mut Leaf, space: &Space, n: usize)
     if !axes.is_empty() {
         opts.extend([3, 3, 3]);
     }
-    if !space.extra.is_empty() && rng.chance(1, 2) {
+    if !space.extra.is_empty() && (opts.is_empty() || rng.chance(1, 2)) {
         return Place::State(rng.pick(&space.extra));
     }
     match rng.pick(&opts) {

@@ -198,7 +198,7 @@ proptest! {
 
 fn regress(case: Case, places: Vec<Place>, n: usize) {
     let leaves = case.leaves.clone();
-    if let Err(e) = check_places(&case, leaves, places, n) {
+    if let Err(e) = check_places(&case, leaves, places, n, 1) {
         panic!("{e}");
     }
 }

@@ -394,8 +394,18 @@ pub fn meta_device(
     states: HashMap<String, SplitState>,
     options: MetaOptions,
 ) -> Result<Arc<MetaDevice>> {
+    meta_device_threads(n, 1, states, options)
+}
+
+/// As `meta_device`, over `cpu:NxT` (T worker threads per device).
+pub fn meta_device_threads(
+    n: usize,
+    threads: usize,
+    states: HashMap<String, SplitState>,
+    options: MetaOptions,
+) -> Result<Arc<MetaDevice>> {
     MetaDevice::with_options(
-        parse_devices(&format!("cpu:{n}x1"))?,
+        parse_devices(&format!("cpu:{n}x{threads}"))?,
         table_split(states),
         options,
     )
@@ -419,6 +429,17 @@ pub fn meta_setup(
     n: usize,
     options: MetaOptions,
 ) -> Result<MetaSetup> {
+    meta_setup_threads(leaves, places, n, 1, options)
+}
+
+/// As `meta_setup`, with `threads` worker threads per device.
+pub fn meta_setup_threads(
+    leaves: &[Leaf],
+    places: &[Place],
+    n: usize,
+    threads: usize,
+    options: MetaOptions,
+) -> Result<MetaSetup> {
     let mut states = HashMap::new();
     let mut layouts = Vec::new();
     for (l, p) in leaves.iter().zip(places) {
@@ -427,7 +448,7 @@ pub fn meta_setup(
             layouts.push(l.layout());
         }
     }
-    let device = meta_device(n, states, options)?;
+    let device = meta_device_threads(n, threads, states, options)?;
     let backend = device.meta_backend()?;
     let buffer = if layouts.is_empty() {
         None
@@ -541,18 +562,19 @@ pub fn run_meta(
     options: MetaOptions,
     build: &Build,
 ) -> Result<Vec<Out>> {
-    Ok(run_meta_keep(leaves, places, n, options, build)?.0)
+    Ok(run_meta_keep(leaves, places, (n, 1), options, build)?.0)
 }
 
-/// As `run_meta`, also returning the setup (to inspect the placed leaves afterwards).
+/// As `run_meta` with `threads` per device, also returning the setup (to inspect the placed
+/// leaves and the plan afterwards).
 pub fn run_meta_keep(
     leaves: &[Leaf],
     places: &[Place],
-    n: usize,
+    (n, threads): (usize, usize),
     options: MetaOptions,
     build: &Build,
 ) -> Result<(Vec<Out>, MetaSetup)> {
-    let mut s = meta_setup(leaves, places, n, options)?;
+    let mut s = meta_setup_threads(leaves, places, n, threads, options)?;
     let outs = build(&mut s.graph, &s.leaves)?;
     for &o in &outs {
         s.graph.set_output(o);

@@ -119,13 +119,19 @@ proptest! {
     fn cpy(n in 1usize..=8, seed: u64, ne in shape4(), refuse in 0usize..5) {
         let mut rng = TestRng(seed ^ 0x5eed);
         let (case, same) = cpy_case(&mut rng, ne);
-        if refuse == 0 && !same {
-            // Copy into a destination of another shape split on an axis: not admitted.
+        let quant = case.leaves[0].dtype.is_quantized();
+        if refuse == 0 && (!same || quant) {
+            // Not admitted: a destination of another shape split on an axis, or a partial
+            // destination of a quantized source.
             let mut leaves = case.leaves.clone();
             let mut places: Vec<Place> = leaves.iter_mut().zip(&case.spaces)
                 .map(|(l, s)| random_place(&mut rng, l, s, n)).collect();
             let k = rng.below(4);
-            places[1] = Place::State(random_split(&mut rng, k, leaves[1].ne, 1, n, true));
+            places[1] = if quant {
+                Place::State(SplitState::partial(n))
+            } else {
+                Place::State(random_split(&mut rng, k, leaves[1].ne, 1, n, true))
+            };
             check_refused(&case, leaves, places, n, "cpy_out")?;
         } else {
             check(case, n, seed)?;
@@ -387,4 +393,45 @@ fn regression_computing_a_graph_again_gives_new_results() {
         // Every step after the first reused the plan.
         assert_eq!(setup.backend.plans_built(), 1);
     }
+}
+
+/// Copying a quantized tensor into a destination split on axis 0 in partial blocks cannot be
+/// done per device (the source would be cut inside its blocks); the rule offered it anyway and
+/// the device's view failed. Nor can a quantized source be made Partial for a partial
+/// destination (concat of quantized zeros failed). Both are now NoSplitRule naming the node.
+#[test]
+fn regression_cpy_of_quantized_source_into_partial_block_split() {
+    let mut rng = TestRng(8);
+    let src = Leaf::random(&mut rng, "src", DType::Q8_0, [64, 2, 1, 1]);
+    let dst = Leaf::random(&mut rng, "dst", DType::F32, [64, 2, 1, 1]);
+    let case = Case {
+        written: vec![1],
+        ..Case::new(
+            vec![src, dst],
+            Rc::new(|g, l| {
+                let c = g.cpy(l[0], l[1])?;
+                g.set_name(c, "dequant");
+                Ok(vec![c])
+            }),
+        )
+    };
+    let refused = vec![Place::Inline, state(SplitState::axis(0, &[3, 61]))];
+    if let Err(e) = check_refused(&case, case.leaves.clone(), refused, 2, "dequant") {
+        panic!("{e}");
+    }
+    for src in [
+        state(SplitState::axis(1, &[1, 0, 1])),
+        state(SplitState::mirrored(3)),
+    ] {
+        let refused = vec![src, state(SplitState::partial(3))];
+        if let Err(e) = check_refused(&case, case.leaves.clone(), refused, 3, "dequant") {
+            panic!("{e}");
+        }
+    }
+    // Whole blocks are fine.
+    regress(
+        case,
+        vec![Place::Inline, state(SplitState::axis(0, &[32, 0, 32]))],
+        3,
+    );
 }

@@ -295,8 +295,15 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
             }
         }
         Op::Cpy => {
+            // The source follows the destination (which cannot be converted); a quantized
+            // source cannot follow an axis-0 split that cuts its blocks, nor be Partial
+            // (partial sums are of float types).
             let sd = &src[1];
-            if ne(0) == ne(1) || sd.is_mirrored() {
+            let st = g.layout(node.src[0]).dtype;
+            if (ne(0) == ne(1) || sd.is_mirrored())
+                && whole_blocks(sd, st)
+                && (st.is_float() || !sd.is_partial())
+            {
                 out.push(pat(vec![sd.clone(), sd.clone()], sd.clone()));
             }
         }

@@ -279,15 +279,24 @@ pub fn set_rows_case(rng: &mut TestRng, p: [usize; 5]) -> (Case, Vec<usize>) {
 }
 
 pub fn cpy_case(rng: &mut TestRng, ne: [usize; 4]) -> (Case, bool) {
-    let a = Leaf::random(rng, "src", DType::F32, ne);
+    // A quantized source (dequantized by the copy) keeps its rows: same shape, whole blocks.
+    let quant = rng.chance(1, 4);
+    let mut ne = ne;
+    let sdt = if quant {
+        ne[0] = 32 * (1 + ne[0] % 2);
+        rng.pick(&[DType::Q8_0, DType::Q4_0, DType::Q4_1])
+    } else {
+        DType::F32
+    };
+    let a = Leaf::random(rng, "src", sdt, ne);
     let count: usize = ne.iter().product();
-    let transposed = rng.chance(1, 3);
+    let transposed = !quant && rng.chance(1, 3);
     let src_ne = if transposed {
         [ne[1], ne[0], ne[2], ne[3]]
     } else {
         ne
     };
-    let same = rng.chance(1, 2);
+    let same = quant || rng.chance(1, 2);
     let dne = if same {
         src_ne
     } else {
@@ -296,7 +305,8 @@ pub fn cpy_case(rng: &mut TestRng, ne: [usize; 4]) -> (Case, bool) {
     let same = dne == src_ne;
     let dt = rng.pick(&[DType::F32, DType::F16]);
     let dst = Leaf::random(rng, "dst", dt, dne);
-    let mut sd = Space::any(&dst);
+    let mut sd = Space::any(&dst).gran(0, sdt.block_size());
+    sd.partial &= !quant;
     if !same {
         sd.axes.clear();
         sd.partial = false;

@@ -170,7 +170,7 @@ impl MetaBackend {
             runs.push(Mutex::new(DeviceRun { program, plan }));
         }
         // Outputs computed here are registered in a meta buffer the user reads through.
-        let outputs = Arc::new(MetaBuffer::new(self.shared.clone(), usize::MAX / 2));
+        let outputs = Arc::new(MetaBuffer::for_results(self.shared.clone(), usize::MAX / 2));
         let mut out_roots = Vec::new();
         let mut offset = 0usize;
         for id in g.ids() {
@@ -321,6 +321,23 @@ impl MetaBackend {
     }
 }
 
+/// Drop the bindings an earlier compute of this graph made to its results: they are computed
+/// again, and a graph computed again must plan (and hit the plan cache) as it did the first
+/// time, with its inline inputs uploaded again rather than read from old results.
+fn unbind_results(g: &mut Graph) {
+    for id in g.ids() {
+        let bound = g.node(id).storage.as_ref().is_some_and(|st| {
+            st.buffer
+                .as_any()
+                .downcast_ref::<MetaBuffer>()
+                .is_some_and(MetaBuffer::holds_results)
+        });
+        if bound {
+            g.node_mut(id).storage = None;
+        }
+    }
+}
+
 /// The state of a leaf placed in a meta buffer.
 fn leaf_state(g: &Graph, id: TensorId) -> Option<crate::split_state::SplitState> {
     let st = g.node(id).storage.as_ref()?;
@@ -351,6 +368,7 @@ impl Backend for MetaBackend {
     }
 
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
+        unbind_results(g);
         let prep = self.prepared(g)?;
         let comm = {
             let mut c = self.comm.lock();

@@ -91,6 +91,8 @@ pub struct MetaBuffer {
     size: usize,
     tensors: RwLock<BTreeMap<usize, Arc<MetaTensor>>>,
     usage: Mutex<BufferUsage>,
+    /// Holds a meta backend's results (bound to the graph after a compute), not user data.
+    results: bool,
 }
 
 impl MetaBuffer {
@@ -100,7 +102,21 @@ impl MetaBuffer {
             size,
             tensors: RwLock::new(BTreeMap::new()),
             usage: Mutex::new(BufferUsage::Any),
+            results: false,
         }
+    }
+
+    /// A buffer in which a meta backend registers the results of a compute.
+    pub fn for_results(shared: Arc<MetaShared>, size: usize) -> Self {
+        MetaBuffer {
+            results: true,
+            ..MetaBuffer::new(shared, size)
+        }
+    }
+
+    /// Whether this buffer holds a meta backend's results rather than user data.
+    pub fn holds_results(&self) -> bool {
+        self.results
     }
 
     pub fn n_devices(&self) -> usize {

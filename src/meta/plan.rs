@@ -27,6 +27,9 @@ pub enum ConversionKind {
     Slice,
     /// Mirrored -> Partial: device 0 keeps the value, the others zeros; no communication.
     ToPartial,
+    /// Axis -> Partial: each device pads its slice with zeros to the full shape; no
+    /// communication.
+    PadToPartial,
     /// Partial -> Mirrored.
     AllReduce,
     /// Partial -> Axis.
@@ -42,6 +45,7 @@ impl ConversionKind {
         match self {
             ConversionKind::Slice => "slice",
             ConversionKind::ToPartial => "to-partial",
+            ConversionKind::PadToPartial => "pad-to-partial",
             ConversionKind::AllReduce => "all-reduce",
             ConversionKind::ReduceScatter => "reduce-scatter",
             ConversionKind::AllGather => "all-gather",
@@ -51,7 +55,10 @@ impl ConversionKind {
 
     /// Moves data between devices.
     pub fn communicates(self) -> bool {
-        !matches!(self, ConversionKind::Slice | ConversionKind::ToPartial)
+        !matches!(
+            self,
+            ConversionKind::Slice | ConversionKind::ToPartial | ConversionKind::PadToPartial
+        )
     }
 
     /// Allowed in explicit mode: local work and the reduction of partial sums.
@@ -74,7 +81,7 @@ pub fn conversion_kind(from: &SplitState, to: &SplitState) -> Option<ConversionK
         (Partial, Axis(_)) => ConversionKind::ReduceScatter,
         (Axis(_), Mirrored) => ConversionKind::AllGather,
         (Axis(_), Axis(_)) => ConversionKind::AllToAll,
-        // Axis -> Partial is never needed by a rule.
+        (Axis(_), Partial) => ConversionKind::PadToPartial,
         _ => return None,
     })
 }
@@ -93,7 +100,7 @@ fn cost(from: &SplitState, to: &SplitState, bytes: usize, n: usize, explicit: bo
         None => f64::INFINITY,
         Some(k) if explicit && !k.planned() => f64::INFINITY,
         Some(ConversionKind::Slice) => 0.05 * b / n.max(1) as f64,
-        Some(ConversionKind::ToPartial) => 0.05 * b,
+        Some(ConversionKind::ToPartial) | Some(ConversionKind::PadToPartial) => 0.05 * b,
         Some(ConversionKind::AllReduce) => 2.0 * frac * b + COLLECTIVE_LATENCY,
         Some(ConversionKind::ReduceScatter) | Some(ConversionKind::AllGather) => {
             frac * b + COLLECTIVE_LATENCY

@@ -1,9 +1,9 @@
 //! Pass 3 of the meta backend: rewrite a planned graph into one program per device. Each user
 //! node becomes a node of each device's local graph with the device's shapes (the builders
 //! re-check them); each conversion becomes local nodes (slices: view + cont, concatenated per
-//! segment; to-partial: zeros on devices other than 0) or a collective node; views become
-//! local views with the layouts `split_state::view` derived. Stages cut each program at its
-//! collectives.
+//! segment; to-partial: zeros on devices other than 0; pad-to-partial: each slice padded with
+//! zeros to the full shape) or a collective node; views become local views with the layouts
+//! `split_state::view` derived. Stages cut each program at its collectives.
 
 use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
 use super::plan::{ConversionKind, MetaPlan, conversion_kind};
@@ -112,6 +112,7 @@ impl Rewriter<'_> {
                 }
                 v
             }
+            ConversionKind::PadToPartial => self.pad(&base, &full, &have)?,
             ConversionKind::AllReduce => {
                 let inplace = self.inplace_ok[u.index()];
                 let mut v = Vec::new();
@@ -180,6 +181,65 @@ impl Rewriter<'_> {
         Ok(v)
     }
 
+    /// Partial sums from a split: each device's slice in zeros of the full shape, joined along
+    /// the axis (runs of other devices' pieces are one zero tensor each, re-zeroed every run).
+    fn pad(
+        &mut self,
+        base: &[TensorId],
+        full: &Layout,
+        have: &SplitState,
+    ) -> Result<Vec<TensorId>> {
+        let k = have
+            .split_dim()
+            .ok_or_else(|| internal("pad from a non-axis state".into()))?;
+        let mut v = Vec::new();
+        for (d, lg) in self.graphs.iter_mut().enumerate() {
+            let src = base[d];
+            let sl = *lg.layout(src);
+            // Runs along k in full order: Some(local start) for this device's pieces, None
+            // for zeros; adjacent zero runs merged.
+            let mut runs: Vec<(Option<usize>, usize)> = Vec::new();
+            for s in 0..have.n_segments() {
+                for e in 0..self.n {
+                    let len = have.extent(s, e);
+                    if len == 0 {
+                        continue;
+                    }
+                    match (e == d, runs.last_mut()) {
+                        (true, _) => runs.push((Some(have.local_start(s, d)), len)),
+                        (false, Some((None, l))) => *l += len,
+                        (false, _) => runs.push((None, len)),
+                    }
+                }
+            }
+            if runs.is_empty() || matches!(runs[..], [(Some(_), _)]) {
+                v.push(src);
+                continue;
+            }
+            let mut acc: Option<TensorId> = None;
+            for (start, len) in runs {
+                let mut ne = full.ne;
+                ne[k] = len;
+                let piece = match start {
+                    Some(at) => lg.view(src, ne, sl.nb, at * sl.nb[k])?,
+                    None => {
+                        let z = Layout::contiguous(full.dtype, ne);
+                        let id = lg.input(&format!("{}.zeros", lg.name(src)), z.dtype, ne)?;
+                        lg.set_data(id, vec![0u8; z.nbytes()])?;
+                        self.uploads[d].push((id, Upload::Zeros));
+                        id
+                    }
+                };
+                acc = Some(match acc {
+                    None => piece,
+                    Some(a) => lg.concat(a, piece, k)?,
+                });
+            }
+            v.push(acc.ok_or_else(|| internal("padding an empty tensor".into()))?);
+        }
+        Ok(v)
+    }
+
     /// Each device's slice of a mirrored tensor: a view per segment piece, made packed, and
     /// joined along the axis when there are several segments.
     fn slice(&mut self, base: &[TensorId], want: &SplitState) -> Result<Vec<TensorId>> {
@@ -190,6 +250,10 @@ impl Rewriter<'_> {
         for (d, lg) in self.graphs.iter_mut().enumerate() {
             let src = base[d];
             let sl = *lg.layout(src);
+            if sl.dtype.is_quantized() && want.n_segments() > 1 {
+                v.push(slice_by_copies(lg, src, want, d)?);
+                continue;
+            }
             let mut acc: Option<TensorId> = None;
             for s in 0..want.n_segments() {
                 let mut ne = sl.ne;
@@ -270,6 +334,39 @@ impl Rewriter<'_> {
     }
 }
 
+/// Device `d`'s segmented slice of the mirrored local tensor `src`, for types `concat` does not
+/// take (quantized): each segment's piece is copied into its place in a new local tensor, and a
+/// view of the whole follows the copies (a local graph runs in node order). The pieces cover
+/// the tensor, so its bytes need no initial value.
+fn slice_by_copies(lg: &mut Graph, src: TensorId, want: &SplitState, d: usize) -> Result<TensorId> {
+    let k = want
+        .split_dim()
+        .ok_or_else(|| internal("slice to a non-axis state".into()))?;
+    let sl = *lg.layout(src);
+    let local = Layout::contiguous(sl.dtype, want.local_ne(sl.ne, d));
+    let name = format!("{}.slice", lg.name(src));
+    let dst = lg.input(&name, local.dtype, local.ne)?;
+    lg.set_data(dst, vec![0u8; local.nbytes()])?;
+    let at = |l: &Layout, pos: usize| {
+        if k == 0 {
+            pos / l.dtype.block_size() * l.nb[0]
+        } else {
+            pos * l.nb[k]
+        }
+    };
+    for s in 0..want.n_segments() {
+        let mut ne = sl.ne;
+        ne[k] = want.extent(s, d);
+        if ne[k] == 0 {
+            continue;
+        }
+        let piece = lg.view(src, ne, sl.nb, at(&sl, want.full_start(s, d)))?;
+        let place = lg.view(dst, ne, local.nb, at(&local, want.local_start(s, d)))?;
+        lg.cpy(piece, place)?;
+    }
+    lg.view(dst, local.ne, local.nb, 0)
+}
+
 /// Rebuild one op on a local graph from local sources (views and leaves are handled apart).
 fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
     match node.op {
@@ -303,9 +400,15 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
 pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Result<Rewritten> {
     let n = plan.n;
     // A node's all-reduce may run in place when all its consumers want the same state and the
-    // user does not read it.
+    // user does not read it. Never a leaf's, nor a view's (whose bytes are its root's): a leaf's
+    // bytes are the user's, and a partial weight placed in a meta buffer would hold the sum on
+    // every device after the first step.
     let mut wants: Vec<Option<SplitState>> = vec![None; g.len()];
-    let mut inplace_ok = vec![true; g.len()];
+    let mut inplace_ok: Vec<bool> = g
+        .nodes()
+        .iter()
+        .map(|n| !n.is_leaf() && n.view_src.is_none())
+        .collect();
     for id in g.ids() {
         let node = g.node(id);
         let srcs: Vec<TensorId> = if node.op.is_view() {
@@ -379,8 +482,16 @@ pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Resul
             let mut v = Vec::new();
             for (d, lg) in rw.graphs.iter_mut().enumerate() {
                 let s: Vec<TensorId> = srcs.iter().map(|x| x[d]).collect();
-                let lid = rebuild(lg, node, &s)?;
                 let expect = state.local_ne(node.layout.ne, d);
+                // A device whose slice of the output is empty computes nothing: it holds an
+                // empty placeholder, so no builder or kernel sees the op on empty operands.
+                let lid = if expect.contains(&0) {
+                    let id = lg.input(&node.name, node.layout.dtype, expect)?;
+                    lg.set_data(id, Vec::<u8>::new())?;
+                    id
+                } else {
+                    rebuild(lg, node, &s)?
+                };
                 if lg.layout(lid).ne != expect {
                     return Err(internal(format!(
                         "`{}` on device {d}: local shape {} but the state {state} gives {}",

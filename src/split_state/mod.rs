@@ -176,7 +176,7 @@ impl SplitState {
 
     /// Check the state against the tensor it describes. Errors name the tensor and say what is
     /// wrong: extents that do not add up, a quantized axis-0 slice that is not whole blocks, a
-    /// device count that does not match.
+    /// device count that does not match, a partial tensor of a type that is not float.
     pub fn validate(&self, tensor: &str, layout: &Layout, n_devices: usize) -> Result<()> {
         let err = |reason: String| Error::InvalidSplit {
             tensor: tensor.to_string(),
@@ -186,6 +186,12 @@ impl SplitState {
             return Err(err(format!(
                 "{self} is for {} devices but the meta device has {n_devices}",
                 self.n
+            )));
+        }
+        if self.axis == SplitAxis::Partial && !layout.dtype.is_float() {
+            return Err(err(format!(
+                "a {} tensor cannot be Partial: partial sums are of float types",
+                layout.dtype
             )));
         }
         let SplitAxis::Axis(k) = self.axis else {

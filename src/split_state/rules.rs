@@ -39,6 +39,13 @@ fn divided(s: &SplitState, axis: usize, div: usize) -> Option<SplitState> {
     s.rescaled(axis, 1, div)
 }
 
+/// Whether every extent of an axis-0 split `s` is a whole number of `dtype`'s blocks (a split
+/// of another axis always is).
+fn whole_blocks(s: &SplitState, dtype: crate::DType) -> bool {
+    let bs = dtype.block_size();
+    s.split_dim() != Some(0) || s.extents().iter().all(|e| e % bs == 0)
+}
+
 /// Whether an op is linear in all its sources jointly (so Partial inputs give Partial output).
 fn linear_unary(op: &Op, g: &Graph, id: TensorId) -> bool {
     match *op {
@@ -77,7 +84,9 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
                 _ => {}
             }
             match sb.axis {
-                SplitAxis::Axis(0) => {
+                // Row-parallel led by the activation: a follows b's K split, which for a
+                // quantized a must cut whole blocks.
+                SplitAxis::Axis(0) if whole_blocks(sb, g.layout(node.src[0]).dtype) => {
                     out.push(pat(vec![sb.clone(), sb.clone()], SplitState::partial(n)))
                 }
                 SplitAxis::Axis(1) => {
@@ -144,7 +153,10 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
         }
         Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Cont => {
             let s = &src[0];
-            if !s.is_partial() || linear_unary(&node.op, g, id) {
+            // A cast to a quantized type keeps an axis-0 split only in whole blocks.
+            if (!s.is_partial() || linear_unary(&node.op, g, id))
+                && whole_blocks(s, g.layout(id).dtype)
+            {
                 out.push(pat(vec![s.clone()], s.clone()));
             }
             out.push(all_mirrored(n, 1));
@@ -283,8 +295,15 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
             }
         }
         Op::Cpy => {
+            // The source follows the destination (which cannot be converted); a quantized
+            // source cannot follow an axis-0 split that cuts its blocks, nor be Partial
+            // (partial sums are of float types).
             let sd = &src[1];
-            if ne(0) == ne(1) || sd.is_mirrored() {
+            let st = g.layout(node.src[0]).dtype;
+            if (ne(0) == ne(1) || sd.is_mirrored())
+                && whole_blocks(sd, st)
+                && (st.is_float() || !sd.is_partial())
+            {
                 out.push(pat(vec![sd.clone(), sd.clone()], sd.clone()));
             }
         }

@@ -299,7 +299,7 @@ impl Graph {
             if !matches!(lm.dtype, DType::F32 | DType::F16) {
                 return Err(dtype_err("soft_max", self.name(m), "f32 or f16", lm.dtype));
             }
-            let bc = |x: usize, y: usize| x != 0 && y % x == 0;
+            let bc = |x: usize, y: usize| if x == 0 { y == 0 } else { y % x == 0 };
             if lm.ne[0] != la.ne[0]
                 || lm.ne[1] < la.ne[1]
                 || !bc(lm.ne[2], la.ne[2])

@@ -25,13 +25,15 @@ pub fn mlp_only() -> SplitFn {
         // Whole quantization blocks along K for the down projection, and the same extents for
         // gate and up so the SwiGLU halves line up on each device.
         let split = |len: usize| split_ratios(len, &ratios, Granularity(32), 0);
-        Ok(if t.name.ends_with("ffn_gate.weight") || t.name.ends_with("ffn_up.weight") {
-            SplitState::axis(1, &split(t.layout.ne[1])?)
-        } else if t.name.ends_with("ffn_down.weight") {
-            SplitState::axis(0, &split(t.layout.ne[0])?)
-        } else {
-            SplitState::mirrored(n)
-        })
+        Ok(
+            if t.name.ends_with("ffn_gate.weight") || t.name.ends_with("ffn_up.weight") {
+                SplitState::axis(1, &split(t.layout.ne[1])?)
+            } else if t.name.ends_with("ffn_down.weight") {
+                SplitState::axis(0, &split(t.layout.ne[0])?)
+            } else {
+                SplitState::mirrored(n)
+            },
+        )
     })
 }
 
@@ -46,7 +48,12 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
     let chat = model.chat.as_ref().expect("SmolLM2 has a chat template");
     let text = chat.render(&[ChatMessage::new("user", prompt)], true)?;
     let tokens = model.tokenizer.encode(&text, true)?;
-    let mut session = Session::new(&model, set.backend.clone(), set.buffer_type.as_ref(), tokens.len() + n + 1)?;
+    let mut session = Session::new(
+        &model,
+        set.backend.clone(),
+        set.buffer_type.as_ref(),
+        tokens.len() + n + 1,
+    )?;
     let mut sampler = Sampler::new(SamplerConfig::default());
     let (out, stats) = generate(&mut session, &tokens, n, &mut sampler, false, |_| true)?;
     let eos = model.tokenizer.eos();
@@ -58,7 +65,9 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
         Some(m) => {
             let at = session.n_past() as i32;
             let n_kv = session.capacity();
-            let kvp: Vec<i32> = (0..n_kv as i32).map(|j| if j <= at { j } else { -1 }).collect();
+            let kvp: Vec<i32> = (0..n_kv as i32)
+                .map(|j| if j <= at { j } else { -1 })
+                .collect();
             let step = StepInput {
                 tokens: &[1],
                 positions: &[at],
@@ -68,7 +77,9 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
                 logits_rows: 0..1,
             };
             let g = build_step(&model.cfg, &model.weights, &session.cache(), &step)?;
-            m.meta_backend()?.plan_graph(&g.graph)?.count(ConversionKind::AllReduce)
+            m.meta_backend()?
+                .plan_graph(&g.graph)?
+                .count(ConversionKind::AllReduce)
         }
         None => 0,
     };
@@ -77,7 +88,9 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
 
 fn main() -> metashard::Result<()> {
     let devices = std::env::args().nth(1).unwrap_or_else(|| "cpu:2x1".into());
-    let prompt = std::env::args().nth(2).unwrap_or_else(|| "What is the capital of France?".into());
+    let prompt = std::env::args()
+        .nth(2)
+        .unwrap_or_else(|| "What is the capital of France?".into());
     let (answer, reduces) = run(&devices, &prompt, 24)?;
     println!("{answer}");
     println!("all-reduces per decode step with the MLP-only split: {reduces}");

@@ -6,7 +6,7 @@
 //!
 //! Model files come from `$METASHARD_MODELS` or `<repo>/models-cache` (see
 //! `scripts/fetch_models.sh`). Comparisons with Python are skipped with a note when python3
-//! or the `gguf` package is missing, unless `METASHARD_REQUIRE_REF=1`.
+//! or the `gguf` package is missing fails, unless `METASHARD_SKIP_PYREF=1` (then skipped).
 
 use metashard::DType;
 use metashard::io::{GgufArray, GgufFile, GgufType, GgufValue, GgufWriter};
@@ -54,10 +54,13 @@ impl Drop for Scratch {
 /// Runs python3 on `script` with `args`; None (with a note) when python3 or gguf is missing.
 fn python(script: &str, args: &[&str]) -> Option<String> {
     let skip = |why: String| {
-        if std::env::var("METASHARD_REQUIRE_REF").as_deref() == Ok("1") {
-            panic!("outside reference unavailable and METASHARD_REQUIRE_REF=1: {why}");
+        if std::env::var("METASHARD_SKIP_PYREF").as_deref() != Ok("1") {
+            panic!(
+                "outside reference unavailable: {why}\ninstall it with \
+                 `python3 -m pip install -r scripts/requirements.txt`, or set METASHARD_SKIP_PYREF=1"
+            );
         }
-        eprintln!("NOTE: skipping the comparison with Python: {why}");
+        eprintln!("NOTE: METASHARD_SKIP_PYREF=1: skipping the comparison with Python: {why}");
         None
     };
     let out = match Command::new("python3")

@@ -23,7 +23,10 @@ fn gguf() -> PathBuf {
 /// (chat?, prompt) pairs the tests use.
 const PROMPTS: &[(bool, &str)] = &[
     (true, "What is the capital of France?"),
-    (false, "The quick brown fox jumps over the lazy dog. The dog"),
+    (
+        false,
+        "The quick brown fox jumps over the lazy dog. The dog",
+    ),
     (true, "Give me three tips for staying healthy."),
 ];
 
@@ -54,7 +57,12 @@ fn references() -> &'static Vec<Option<(Vec<u32>, Vec<f32>)>> {
 }
 
 /// Greedy tokens and prompt logits on `devices` for every prompt.
-fn run_all(devices: &str, exact: bool, ratios: Option<Vec<f64>>, mirror: bool) -> Vec<(Vec<f32>, Vec<u32>)> {
+fn run_all(
+    devices: &str,
+    exact: bool,
+    ratios: Option<Vec<f64>>,
+    mirror: bool,
+) -> Vec<(Vec<f32>, Vec<u32>)> {
     let (set, m) = load("smollm2", devices, exact, ratios, mirror, true).unwrap();
     (0..PROMPTS.len())
         .map(|i| greedy(&m, &set, &tokens_of(&m, i), STEPS).unwrap())
@@ -73,9 +81,18 @@ fn greedy_tokens_agree_with_the_numpy_reference() {
         let Some((rt, rl)) = r else { continue };
         let agree = rt.iter().zip(toks).take_while(|(a, b)| a == b).count();
         let e = nmse(logits, rl);
-        eprintln!("prompt {i}: {agree}/{REF_STEPS} greedy tokens agree, logits NMSE {e:.2e}, max abs {:.3}", max_abs(logits, rl));
-        assert!(agree >= REF_STEPS, "prompt {i}: ours {toks:?} vs reference {rt:?}");
-        assert!(e < 1e-3, "prompt {i}: last-position logits NMSE {e:.3e} >= 1e-3");
+        eprintln!(
+            "prompt {i}: {agree}/{REF_STEPS} greedy tokens agree, logits NMSE {e:.2e}, max abs {:.3}",
+            max_abs(logits, rl)
+        );
+        assert!(
+            agree >= REF_STEPS,
+            "prompt {i}: ours {toks:?} vs reference {rt:?}"
+        );
+        assert!(
+            e < 1e-3,
+            "prompt {i}: last-position logits NMSE {e:.3e} >= 1e-3"
+        );
     }
 }
 
@@ -99,7 +116,10 @@ fn sharded_runs_give_the_same_greedy_tokens_on_1_to_4_devices() {
         let got = run_all(devices, false, None, false);
         for (i, ((wl, wt), (gl, gt))) in want.iter().zip(&got).enumerate() {
             let e = nmse(gl, wl);
-            eprintln!("{devices} prompt {i}: logits NMSE vs one device {e:.2e}, max abs {:.4}", max_abs(gl, wl));
+            eprintln!(
+                "{devices} prompt {i}: logits NMSE vs one device {e:.2e}, max abs {:.4}",
+                max_abs(gl, wl)
+            );
             assert_eq!(gt, wt, "{devices} prompt {i}: greedy tokens differ");
             assert!(e < 1e-5, "{devices} prompt {i}: NMSE {e:.3e}");
         }
@@ -116,7 +136,10 @@ fn ratios_and_mirrored_attention_give_the_same_tokens() {
     ] {
         let got = run_all(devices, false, ratios.clone(), mirror);
         for (i, ((_, wt), (_, gt))) in want.iter().zip(&got).enumerate() {
-            assert_eq!(gt, wt, "{devices} ratios {ratios:?} mirror {mirror} prompt {i}");
+            assert_eq!(
+                gt, wt,
+                "{devices} ratios {ratios:?} mirror {mirror} prompt {i}"
+            );
         }
     }
 }
@@ -137,14 +160,24 @@ fn malformed_model_files_are_clear_errors() {
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("truncated.gguf", src[..src.len() / 2].to_vec(), "truncated"),
         ("header.gguf", src[..100].to_vec(), ""),
-        ("magic.gguf", [b"GGUX".as_slice(), &src[4..4096]].concat(), "magic"),
+        (
+            "magic.gguf",
+            [b"GGUX".as_slice(), &src[4..4096]].concat(),
+            "magic",
+        ),
     ];
     for (name, bytes, needle) in cases {
         let p = dir.join(name);
         std::fs::write(&p, &bytes).unwrap();
         let bt = metashard::cpu::CpuBufferType;
-        let err = LlamaModel::load(&p, &bt, &|_, _| {}).err().unwrap_or_else(|| panic!("{name} must fail")).to_string();
-        assert!(err.contains(name), "{name}: the error must name the file: {err}");
+        let err = LlamaModel::load(&p, &bt, &|_, _| {})
+            .err()
+            .unwrap_or_else(|| panic!("{name} must fail"))
+            .to_string();
+        assert!(
+            err.contains(name),
+            "{name}: the error must name the file: {err}"
+        );
         assert!(err.to_lowercase().contains(needle), "{name}: {err}");
         // And through the command line.
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))

@@ -4,7 +4,7 @@
 //! `$METASHARD_MODELS` or `<repo>/models-cache` (see `scripts/fetch_models.sh`).
 //!
 //! When python3 or a Python package the reference needs is missing, the comparison prints a
-//! note and is skipped, unless `METASHARD_REQUIRE_REF=1` (then it fails).
+//! note and is skipped, and fails unless `METASHARD_SKIP_PYREF=1` (then it is skipped with a note).
 
 use metashard::io::GgufFile;
 use metashard::tokenizer::{
@@ -35,12 +35,17 @@ fn minilm_dir() -> PathBuf {
     models_dir().join("minilm")
 }
 
-/// Skips (returns None) when the reference cannot run, unless METASHARD_REQUIRE_REF=1.
+/// Fails when the reference cannot run, unless METASHARD_SKIP_PYREF=1 (then None, a skip).
 fn skip(why: &str) -> Option<Vec<String>> {
-    if std::env::var("METASHARD_REQUIRE_REF").as_deref() == Ok("1") {
-        panic!("outside reference unavailable and METASHARD_REQUIRE_REF=1: {why}");
+    if std::env::var("METASHARD_SKIP_PYREF").as_deref() != Ok("1") {
+        panic!(
+            "outside reference unavailable: {why}\ninstall it with \
+             `python3 -m pip install -r scripts/requirements.txt`, or set METASHARD_SKIP_PYREF=1"
+        );
     }
-    eprintln!("NOTE: skipping the comparison with the outside reference: {why}");
+    eprintln!(
+        "NOTE: METASHARD_SKIP_PYREF=1: skipping the comparison with the outside reference: {why}"
+    );
     None
 }
 

@@ -1,4 +1,4 @@
-//! Element-wise sums over ranks for the reducing collectives: `dst = src_0 + src_1 + ... +
+//! Element-wise sums over ranks for the reducing collectives: `src_0 + src_1 + ... +
 //! src_{n-1}`, added in that order in f32 (F16 and BF16 are widened exactly, summed in f32 and
 //! rounded to nearest-even once per element at the end). AVX2/F16C kernels where the CPU has
 //! them, portable loops otherwise; both give bit-identical results.
@@ -63,23 +63,26 @@ fn portable_kernels(dtype: DType) -> Kernels {
     }
 }
 
-/// `dst[i] = srcs[0][i] + srcs[1][i] + ... ` for `n` elements of `dtype` (F32, F16 or BF16;
-/// anything else is treated as F32, so callers check [`reducible`] first).
+/// `dst[i] = srcs[0][i] + srcs[1][i] + ...` for every `dst` in `dsts`, over `n` elements of
+/// `dtype` (F32, F16 or BF16; anything else is treated as F32, so callers check
+/// [`reducible`] first). The sum is rounded into `dsts[0]`, then copied to the others.
 ///
 /// # Safety
-/// Every `srcs[k]` must be valid for reads and `dst` for writes of `n * dtype.type_size()`
-/// bytes, no other thread may write any of these ranges during the call, and `dst` may overlap
-/// a source only by being equal to it (the block is read from every source before it is
-/// written). No alignment is required.
-pub(crate) unsafe fn sum_into(dtype: DType, dst: *mut u8, srcs: &[*const u8], n: usize) {
+/// Every `srcs[k]` must be valid for reads and every `dsts[k]` for reads and writes of
+/// `n * dtype.type_size()` bytes, no other thread may access a destination range or write a
+/// source range during the call, and a destination may overlap a source or another
+/// destination only by being equal to it (each block is read from every source before any
+/// destination block is written). No alignment is required.
+pub(crate) unsafe fn sum_into(dtype: DType, dsts: &[*mut u8], srcs: &[*const u8], n: usize) {
     // SAFETY: forwarded from this function's contract.
-    unsafe { sum_with(kernels(dtype), dtype, dst, srcs, n) }
+    unsafe { sum_with(kernels(dtype), dtype, dsts, srcs, n) }
 }
 
 /// # Safety
 /// As [`sum_into`].
-unsafe fn sum_with(k: Kernels, dtype: DType, dst: *mut u8, srcs: &[*const u8], n: usize) {
-    let Some((first, rest)) = srcs.split_first() else {
+unsafe fn sum_with(k: Kernels, dtype: DType, dsts: &[*mut u8], srcs: &[*const u8], n: usize) {
+    let (Some((first, rest)), Some((out, copies))) = (srcs.split_first(), dsts.split_first())
+    else {
         return;
     };
     let esz = dtype.type_size();
@@ -88,15 +91,21 @@ unsafe fn sum_with(k: Kernels, dtype: DType, dst: *mut u8, srcs: &[*const u8], n
     while i < n {
         let m = BLOCK.min(n - i);
         let acc = &mut acc[..m];
+        let at = i * esz;
         // SAFETY: elements i..i+m lie inside every range the caller vouched for; `acc` is a
-        // local array, so it overlaps none of them. dst's block is written only after all
-        // sources' blocks were read, which makes dst == srcs[k] fine.
+        // local array, so it overlaps none of them. Destination blocks are written only after
+        // every source block was read, which makes a destination equal to a source fine, and
+        // `out` is distinct from every `copies` entry or equal to it (copying onto itself
+        // would overlap, so equal pointers are skipped).
         unsafe {
-            (k.load)(first.add(i * esz), acc, false);
+            (k.load)(first.add(at), acc, false);
             for s in rest {
-                (k.load)(s.add(i * esz), acc, true);
+                (k.load)(s.add(at), acc, true);
             }
-            (k.store)(acc, dst.add(i * esz));
+            (k.store)(acc, out.add(at));
+            for d in copies.iter().filter(|d| **d != *out) {
+                std::ptr::copy_nonoverlapping(out.add(at), d.add(at), m * esz);
+            }
         }
         i += m;
     }
@@ -329,13 +338,16 @@ mod tests {
                 .collect();
             let ptrs: Vec<*const u8> = srcs.iter().map(|s| s[1..].as_ptr()).collect();
             let mut a = vec![0u8; n * esz];
+            let mut a2 = vec![0u8; n * esz];
             let mut b = vec![0u8; n * esz];
-            // SAFETY: every pointer covers n elements; a and b are separate buffers.
+            // SAFETY: every pointer covers n elements; a, a2 and b are separate buffers.
             unsafe {
-                sum_with(kernels(dtype), dtype, a.as_mut_ptr(), &ptrs, n);
-                sum_with(portable_kernels(dtype), dtype, b.as_mut_ptr(), &ptrs, n);
+                let fast = [a.as_mut_ptr(), a2.as_mut_ptr()];
+                sum_with(kernels(dtype), dtype, &fast, &ptrs, n);
+                sum_with(portable_kernels(dtype), dtype, &[b.as_mut_ptr()], &ptrs, n);
             }
             assert_eq!(a, b, "{dtype}");
+            assert_eq!(a2, b, "{dtype}: the copy");
         }
     }
 
@@ -361,20 +373,16 @@ mod tests {
     }
 
     #[test]
-    fn sums_in_rank_order_into_a_source() {
-        // dst is source 1: the result must use its old value.
-        let x0 = [1.0f32, 1e8, -3.0];
-        let mut x1 = [2.0f32, 1.0, 0.5];
-        let x2 = [4.0f32, -1e8, 0.25];
-        let p1 = x1.as_mut_ptr().cast::<u8>();
-        let srcs = [
-            x0.as_ptr().cast::<u8>(),
-            p1.cast_const(),
-            x2.as_ptr().cast::<u8>(),
-        ];
-        // SAFETY: three elements everywhere; dst equals source 1, which the contract allows.
-        unsafe { sum_into(DType::F32, p1, &srcs, 3) };
+    fn sums_in_rank_order_into_the_sources() {
+        // The destinations are the sources: every result must use the old values.
+        let mut x = [[1.0f32, 1e8, -3.0], [2.0, 1.0, 0.5], [4.0, -1e8, 0.25]];
+        let ptrs: Vec<*mut u8> = x.iter_mut().map(|v| v.as_mut_ptr().cast::<u8>()).collect();
+        let srcs: Vec<*const u8> = ptrs.iter().map(|p| p.cast_const()).collect();
+        // SAFETY: three elements everywhere; destinations equal sources, which is allowed.
+        unsafe { sum_into(DType::F32, &ptrs, &srcs, 3) };
         // (1e8 + 1) rounds to 1e8 in f32, then - 1e8 gives 0: the order is visible.
-        assert_eq!(x1, [7.0, 0.0, -2.25]);
+        for v in x {
+            assert_eq!(v, [7.0, 0.0, -2.25]);
+        }
     }
 }

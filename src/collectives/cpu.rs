@@ -639,3 +639,65 @@ impl Communicator for CpuCommunicator {
             .map_or(0, |s| s.desc.0.bytes_moved.load(Relaxed))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_partition_the_buffer_on_line_edges() {
+        for world in 1..=MAX_WORLD {
+            let comm = CpuCommunicator::new(world).unwrap();
+            for esz in [2, 4] {
+                for n in [0, 1, 15, 16, 17, 576, 1000, 4099] {
+                    let mut at = 0;
+                    for r in 0..world {
+                        let (lo, hi) = comm.chunk(n, esz, r);
+                        assert_eq!(lo, at, "world {world} n {n} rank {r}");
+                        assert!(hi >= lo && hi <= n);
+                        assert!(lo * esz % 64 == 0 || lo == n, "edge {lo} not on a line");
+                        at = hi;
+                    }
+                    assert_eq!(at, n, "world {world} n {n}: chunks do not cover the buffer");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_inside_a_collective_releases_the_peers() {
+        let comm = CpuCommunicator::with_timeout(2, Duration::from_secs(60)).unwrap();
+        let t = Instant::now();
+        let (panicked, peer) = std::thread::scope(|s| {
+            let a = s.spawn(|| {
+                let mut buf = [0u8; 64];
+                let base = buf.as_mut_ptr();
+                let sig = Sig {
+                    kind: Kind::AllReduce,
+                    dtype: Some(DType::F32),
+                    root: 0,
+                    len: 64,
+                    layout: 0,
+                };
+                // Publish like all_reduce, then panic while the peer may be accessing `buf`.
+                let _ = comm.run(Kind::AllReduce, 0, || {
+                    let _peers = comm.publish(0, sig, base, 64, |_| 64)?;
+                    comm.enter(0)?;
+                    panic!("a bug inside the collective");
+                });
+            });
+            let b = s.spawn(|| comm.all_reduce(1, &mut [0u8; 64], DType::F32));
+            (a.join().is_err(), b.join().unwrap())
+        });
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert!(panicked);
+        assert!(peer.is_err());
+        let why = comm.failure().unwrap();
+        assert!(why.contains("rank 0 panicked inside all_reduce"), "{why}");
+        // The guard released the panicking rank's slot; the communicator stays failed.
+        assert!(!comm.slots[0].desc.0.busy.load(SeqCst));
+        assert!(!comm.slots[0].desc.0.accessing.load(SeqCst));
+        let again = comm.all_reduce(0, &mut [0u8; 64], DType::F32).unwrap_err();
+        assert!(again.to_string().contains("has failed"), "{again}");
+    }
+}

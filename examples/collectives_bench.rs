@@ -6,6 +6,10 @@
 //!
 //! `cargo run --release --example collectives_bench [max_world] [all|bw|lat]`
 //!
+//! With at most as many ranks as cores, rank r's thread is pinned to core r (with `taskset`,
+//! when present): on a loaded host the scheduler otherwise sometimes stacks both ranks on one
+//! core, and every call then costs a time slice (~100 us) instead of microseconds.
+//!
 //! "touched" columns time a loop closer to real use: each rank writes its whole buffer (the
 //! producing op), all-reduces it, then reads it (the consuming op); the cost shown is that
 //! loop minus the same write and read without the all-reduce.
@@ -38,6 +42,9 @@ fn per_call(
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 s.spawn(move || {
+                    if n <= cores() {
+                        pin(r);
+                    }
                     let (sa, sb) = sizes(r);
                     // Written buffers: a never-written `vec![0; n]` maps the shared zero page,
                     // and reads from it would hit the cache however large the buffer.
@@ -61,6 +68,25 @@ fn per_call(
     })
 }
 
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Pin the calling thread to core `core` with `taskset` (best effort: nothing if it fails).
+fn pin(core: usize) {
+    // "/proc/thread-self" links to "<pid>/task/<tid>".
+    let Ok(link) = std::fs::read_link("/proc/thread-self") else {
+        return;
+    };
+    let Some(tid) = link.file_name().and_then(|t| t.to_str()).map(str::to_owned) else {
+        return;
+    };
+    let _ = std::process::Command::new("taskset")
+        .args(["-p", "-c", &core.to_string(), &tid])
+        .stdout(std::process::Stdio::null())
+        .status();
+}
+
 /// Write every byte, as a producing op would.
 fn produce(buf: &mut [u8], i: u8) {
     buf.fill(black_box(i));
@@ -77,8 +103,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let max_world: usize = args.next().and_then(|a| a.parse().ok()).unwrap_or(4);
     let what = args.next().unwrap_or_else(|| "all".into());
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    println!("cores: {cores}\n");
+    println!("cores: {}\n", cores());
     if what != "lat" {
         all_reduce_bandwidth(max_world);
         gather_scatter(max_world);

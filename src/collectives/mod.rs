@@ -24,6 +24,11 @@
 //!   reading (N-1)·local_bytes(r).
 //! - **broadcast**: every non-root rank copies B bytes from the root.
 //!
+//! During a call, peers read every rank's input buffers and, for all-reduce, write into the
+//! rank's buffer: the caller must not touch its buffers until the call returns (the borrows
+//! say so). Buffers aligned to 64 bytes keep chunk edges off shared cache lines. A rank's calls
+//! may come from different threads one after another, never at the same time (refused).
+//!
 //! # Determinism
 //!
 //! Every reduced element is `x_0 + x_1 + ... + x_{N-1}` added in rank order, computed by

@@ -449,6 +449,23 @@ fn a_bad_argument_on_one_rank_is_an_error_on_all() {
     }
 }
 
+#[test]
+fn two_threads_calling_as_one_rank_is_an_error() {
+    let comm = CpuCommunicator::with_timeout(2, Duration::from_secs(60)).unwrap();
+    let t = Instant::now();
+    // Both threads claim rank 0; rank 1 never calls. The second to enter is refused at once,
+    // which fails the communicator and releases the first.
+    let results = on_ranks(2, |_| comm.all_reduce(0, &mut [0u8; 64], DType::F32));
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(results.iter().all(|r| r.is_err()));
+    let why = comm.failure().unwrap();
+    assert!(why.contains("already inside a collective"), "{why}");
+}
+
 /// Run one mismatched pair of calls on two ranks; both must fail quickly and say why.
 fn assert_mismatch(
     what: &str,

@@ -1,5 +1,5 @@
 //! `CpuCommunicator`: the in-process communicator for 1..=16 ranks on one host. Ranks publish
-//! pointers to their buffers and read their peers' buffers directly (see the algorithms,
+//! pointers to their buffers and access their peers' buffers directly (see the algorithms,
 //! determinism and failure model in the parent module's doc).
 //!
 //! Synchronization: each rank owns a counter of the barriers it has reached, on its own cache
@@ -80,12 +80,15 @@ struct Desc {
     root: AtomicUsize,
     len: AtomicUsize,
     layout: AtomicU64,
-    /// The buffer peers read: all_reduce's buf, all_gather's local, reduce_scatter's full,
-    /// broadcast's buf.
+    /// The buffer peers access: all_reduce's buf (read and written), all_gather's local,
+    /// reduce_scatter's full, broadcast's buf (read only).
     src: AtomicPtr<u8>,
     src_len: AtomicUsize,
-    /// True while this rank may be reading peers' buffers (see `enter`).
-    reading: AtomicBool,
+    /// True while this rank may be accessing peers' buffers (see `enter`).
+    accessing: AtomicBool,
+    /// True while a thread is inside a collective as this rank: a second thread calling with
+    /// the same rank at the same time is refused, so descriptors are never written twice.
+    busy: AtomicBool,
     bytes_moved: AtomicU64,
 }
 
@@ -134,7 +137,7 @@ impl Desc {
         if s.layout != 0 {
             d += &format!(" layout {:016x}", s.layout);
         }
-        d + &format!(", reads {} B", self.src_len.load(Relaxed))
+        d + &format!(", buffer {} B", self.src_len.load(Relaxed))
     }
 }
 
@@ -225,67 +228,62 @@ impl CpuCommunicator {
         )
     }
 
-    /// Wait, spinning then yielding, until `done()`; an error if the communicator fails or
-    /// the timeout passes first (`what` names what was awaited).
-    fn wait(
-        &self,
-        mut done: impl FnMut() -> bool,
-        what: impl Fn() -> String,
-    ) -> Result<(), String> {
-        let mut spins = 0u32;
-        let mut deadline = None;
-        while !done() {
-            if self.failed.load(Acquire) {
-                return Err(self.failed_reason());
-            }
-            if spins < self.spins {
-                spins += 1;
-                std::hint::spin_loop();
-                continue;
-            }
-            let now = Instant::now();
-            let end = *deadline.get_or_insert(now + self.timeout);
-            if now >= end {
-                return Err(format!(
-                    "timed out after {:?} waiting for {}",
-                    self.timeout,
-                    what()
-                ));
-            }
+    /// One round of waiting: spin for the first `self.spins` rounds, then yield the core.
+    /// Returns whether it yielded (the caller then checks its deadline).
+    fn relax(&self, round: &mut u32) -> bool {
+        if *round < self.spins {
+            *round += 1;
+            std::hint::spin_loop();
+            false
+        } else {
             std::thread::yield_now();
+            true
         }
-        Ok(())
     }
 
-    /// Arrive at the next barrier and wait for every peer to arrive too.
+    /// Arrive at the next barrier and wait for every peer to arrive too: an error if the
+    /// communicator fails first or the peers take longer than the timeout.
     fn barrier(&self, rank: usize) -> Result<(), String> {
         let mine = &self.slots[rank].arrived.0;
         let target = mine.load(Relaxed) + 1;
-        // Release: everything this rank wrote before (its descriptor, its result chunk) is
-        // visible to a peer that sees the new count.
+        // Release: everything this rank wrote before (its descriptor, its results in peers'
+        // buffers) is visible to a peer that sees the new count.
         mine.store(target, Release);
-        for q in (0..self.world).filter(|&q| q != rank) {
-            let peer = &self.slots[q].arrived.0;
-            self.wait(
-                || peer.load(Acquire) >= target,
-                || {
-                    let late: Vec<usize> = (0..self.world)
-                        .filter(|&p| self.slots[p].arrived.0.load(Acquire) < target)
-                        .collect();
-                    format!("rank(s) {late:?} to reach barrier {target}")
-                },
-            )?;
+        let arrived = |q: usize| q == rank || self.slots[q].arrived.0.load(Acquire) >= target;
+        let (mut next, mut round, mut deadline) = (0, 0, None);
+        loop {
+            // Peers below `next` have arrived; they cannot leave this barrier without us.
+            while next < self.world && arrived(next) {
+                next += 1;
+            }
+            if next == self.world {
+                return Ok(());
+            }
+            if self.failed.load(Acquire) {
+                return Err(self.failed_reason());
+            }
+            if self.relax(&mut round) {
+                let now = Instant::now();
+                if now >= *deadline.get_or_insert(now + self.timeout) {
+                    let late: Vec<usize> = (0..self.world).filter(|&q| !arrived(q)).collect();
+                    return Err(format!(
+                        "timed out after {:?} waiting for rank(s) {late:?} to reach barrier \
+                         {target}",
+                        self.timeout
+                    ));
+                }
+            }
         }
-        Ok(())
     }
 
-    /// Start reading peers' buffers. Together with `drain` this is a Dekker handshake: either
-    /// this rank sees `failed` and reads nothing, or the failing rank sees `reading` and waits.
+    /// Start accessing peers' buffers. Together with `drain` this is a Dekker handshake (both
+    /// sides store, then load the other's flag, all SeqCst): either this rank sees `failed`
+    /// and touches nothing, or the failing rank sees `accessing` and waits.
     fn enter(&self, rank: usize) -> Result<(), String> {
         let d = &self.slots[rank].desc.0;
-        d.reading.store(true, SeqCst);
+        d.accessing.store(true, SeqCst);
         if self.failed.load(SeqCst) {
-            d.reading.store(false, Release);
+            d.accessing.store(false, Release);
             return Err(self.failed_reason());
         }
         Ok(())
@@ -294,29 +292,25 @@ impl CpuCommunicator {
     fn exit(&self, rank: usize, moved: usize) {
         let d = &self.slots[rank].desc.0;
         d.bytes_moved.fetch_add(moved as u64, Relaxed);
-        d.reading.store(false, Release);
+        d.accessing.store(false, Release);
     }
 
-    /// After `failed` is set: wait until no peer is inside a reading phase, so this rank's
-    /// buffers may be released. Readers never block inside a phase, so this ends.
+    /// After `failed` is set: wait until no peer is between its `enter` and `exit`, so this
+    /// rank's buffers may be released. Nothing between `enter` and `exit` waits for another
+    /// rank, so this ends.
     fn drain(&self, rank: usize) {
         for q in (0..self.world).filter(|&q| q != rank) {
-            let reading = &self.slots[q].desc.0.reading;
-            let mut spins = 0u32;
-            while reading.load(SeqCst) {
-                if spins < self.spins {
-                    spins += 1;
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+            let accessing = &self.slots[q].desc.0.accessing;
+            let mut round = 0;
+            while accessing.load(SeqCst) {
+                self.relax(&mut round);
             }
         }
     }
 
     /// Publish this rank's call, meet the peers, and check that every rank made the same call
-    /// with a buffer of the size this rank will read (`src_len(q)` for rank q). Returns the
-    /// peers' source pointers.
+    /// with a buffer of the size this rank will access (`expected_src_len(q)` for rank q).
+    /// Returns every rank's published buffer pointer.
     fn publish(
         &self,
         rank: usize,
@@ -324,10 +318,10 @@ impl CpuCommunicator {
         src: *mut u8,
         src_len: usize,
         expected_src_len: impl Fn(usize) -> usize,
-    ) -> Result<[*const u8; MAX_WORLD], String> {
+    ) -> Result<[*mut u8; MAX_WORLD], String> {
         self.slots[rank].desc.0.store(&sig, src, src_len);
         self.barrier(rank)?;
-        let mut ptrs = [std::ptr::null::<u8>(); MAX_WORLD];
+        let mut ptrs = [std::ptr::null_mut::<u8>(); MAX_WORLD];
         let mut ok = true;
         for (q, p) in ptrs.iter_mut().enumerate().take(self.world) {
             let d = &self.slots[q].desc.0;
@@ -362,21 +356,32 @@ impl CpuCommunicator {
             self.fail(format!("{} called with {reason}", kind.name()));
             return Err(err(reason));
         }
-        if self.failed.load(Acquire) {
-            return Err(err(self.failed_reason()));
+        let slot = &self.slots[rank].desc.0;
+        // Acquire/Release on `busy` also orders this rank's calls when they come from
+        // different threads one after another (its barrier count is read Relaxed).
+        if slot.busy.swap(true, Acquire) {
+            let reason = format!("rank {rank} is already inside a collective on another thread");
+            self.fail(format!("{} called while {reason}", kind.name()));
+            return Err(err(reason));
         }
         let guard = PanicGuard {
             comm: self,
             rank,
             kind,
         };
-        let result = body();
+        let result = if self.failed.load(Acquire) {
+            Err(self.failed_reason())
+        } else {
+            body()
+        };
         drop(guard);
-        result.map_err(|reason| {
+        let result = result.map_err(|reason| {
             self.fail(format!("rank {rank} in {}: {reason}", kind.name()));
             self.drain(rank);
             err(reason)
-        })
+        });
+        slot.busy.store(false, Release);
+        result
     }
 
     /// The element range of all-reduce chunk `r`: equal shares rounded up to whole 64-byte
@@ -390,7 +395,7 @@ impl CpuCommunicator {
 }
 
 /// Fails the communicator if a rank's thread unwinds out of a collective, after making sure
-/// no peer still reads the buffers the unwinding frame is about to release.
+/// no peer still accesses the buffers the unwinding frame is about to release.
 struct PanicGuard<'a> {
     comm: &'a CpuCommunicator,
     rank: usize,
@@ -401,13 +406,14 @@ impl Drop for PanicGuard<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             let c = self.comm;
-            c.slots[self.rank].desc.0.reading.store(false, SeqCst);
+            c.slots[self.rank].desc.0.accessing.store(false, SeqCst);
             c.fail(format!(
                 "rank {} panicked inside {}",
                 self.rank,
                 self.kind.name()
             ));
             c.drain(self.rank);
+            c.slots[self.rank].desc.0.busy.store(false, Release);
         }
     }
 }
@@ -458,49 +464,32 @@ impl Communicator for CpuCommunicator {
                 layout: 0,
             };
             let peers = self.publish(rank, sig, base, len, |_| len)?;
-            let n = len / esz;
-            let (lo, hi) = self.chunk(n, esz, rank);
-
-            // Phase 1: chunk `rank` of every rank, summed in rank order, into this buffer.
-            self.enter(rank)?;
-            let mut srcs = [std::ptr::null::<u8>(); MAX_WORLD];
-            for (s, p) in srcs.iter_mut().zip(&peers).take(self.world) {
+            let (lo, hi) = self.chunk(len / esz, esz, rank);
+            // Reduce-scatter and all-gather fused: this rank sums chunk `rank` of every
+            // buffer in rank order and writes the sum back into chunk `rank` of every buffer.
+            let mut chunks = [std::ptr::null_mut::<u8>(); MAX_WORLD];
+            for (c, p) in chunks.iter_mut().zip(&peers).take(self.world) {
                 // SAFETY: `p` is a rank's buffer of `len` bytes (checked in `publish`) and
-                // lo <= n, so the offset stays inside it.
-                *s = unsafe { p.add(lo * esz) };
+                // lo * esz <= len, so the offset stays inside it.
+                *c = unsafe { p.add(lo * esz) };
             }
-            // SAFETY: every rank's buffer stays valid and unmoved from its publishing barrier
-            // until it leaves the call, which happens only after the final barrier or, on
-            // error, after `drain` saw this rank stop reading. In this phase each rank writes
-            // only chunk r of its own buffer and reads only chunk r of the others: no range
-            // read here is written by anyone but this rank, and dst equals srcs[rank] exactly,
-            // which `sum_into` allows. hi - lo elements fit in every buffer from `lo`.
-            unsafe { sum_into(dtype, base.add(lo * esz), &srcs[..self.world], hi - lo) };
-            self.exit(rank, (self.world - 1) * (hi - lo) * esz);
-            self.barrier(rank)?;
-
-            // Phase 2: every other chunk q from its owner q.
+            let mut srcs = [std::ptr::null::<u8>(); MAX_WORLD];
+            for (s, c) in srcs.iter_mut().zip(&chunks) {
+                *s = c.cast_const();
+            }
             self.enter(rank)?;
-            let mut moved = 0;
-            for (q, p) in peers.iter().enumerate().take(self.world) {
-                if q == rank {
-                    continue;
-                }
-                let (qlo, qhi) = self.chunk(n, esz, q);
-                // SAFETY: buffers are valid as in phase 1 and the barrier ordered the owner's
-                // phase-1 writes before these reads. In this phase rank q only writes chunks
-                // other than q of its own buffer, and this rank writes chunk q of its own
-                // buffer, which no peer reads now; the two buffers are distinct allocations.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        p.add(qlo * esz),
-                        base.add(qlo * esz),
-                        (qhi - qlo) * esz,
-                    );
-                }
-                moved += (qhi - qlo) * esz;
+            // SAFETY: every rank's buffer stays valid and unmoved from its publishing barrier
+            // until it leaves the call: after the final barrier, which this rank reaches only
+            // after this line, or on error after `drain` saw this rank stop accessing peers.
+            // Every rank accesses its buffer during the call only through the published
+            // pointer, and each rank accesses only its own chunk of every buffer; chunks are
+            // disjoint, so nobody else reads or writes these ranges now. Each destination
+            // equals a source, which `sum_into` allows, and hi - lo elements from `lo` fit in
+            // every buffer.
+            unsafe {
+                sum_into(dtype, &chunks[..self.world], &srcs[..self.world], hi - lo);
             }
-            self.exit(rank, moved);
+            self.exit(rank, 2 * (self.world - 1) * (hi - lo) * esz);
             self.barrier(rank)
         })
     }
@@ -589,16 +578,16 @@ impl Communicator for CpuCommunicator {
                 for (s, p) in srcs.iter_mut().zip(&peers).take(self.world) {
                     // SAFETY: every rank's full tensor has `full_len` bytes (checked in
                     // `publish`) and the run lies inside the layout's full tensor.
-                    *s = unsafe { p.add(run.full) };
+                    *s = unsafe { p.add(run.full).cast_const() };
                 }
                 // SAFETY: the full tensors are shared borrows, valid and unwritten until their
-                // owners leave the call (after this rank stops reading, as in all_reduce);
+                // owners leave the call (after this rank stops accessing, as in all_reduce);
                 // `local` is this rank's own, exclusive, and the run fits in it (sizes checked
                 // above). Runs are whole units, so whole elements.
                 unsafe {
                     sum_into(
                         dtype,
-                        dst.add(run.local),
+                        &[dst.add(run.local)],
                         &srcs[..self.world],
                         run.len / esz,
                     )
@@ -629,7 +618,7 @@ impl Communicator for CpuCommunicator {
             if rank != root {
                 self.enter(rank)?;
                 // SAFETY: the root's buffer has `len` bytes (checked in `publish`), stays valid
-                // until the root leaves the call (after this rank stops reading), and nobody
+                // until the root leaves the call (after this rank stops accessing), and nobody
                 // writes it during the call: the root does not touch it and every other rank
                 // writes only its own buffer.
                 let src = unsafe { std::slice::from_raw_parts(peers[root], len) };
@@ -648,5 +637,67 @@ impl Communicator for CpuCommunicator {
         self.slots
             .get(rank)
             .map_or(0, |s| s.desc.0.bytes_moved.load(Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_partition_the_buffer_on_line_edges() {
+        for world in 1..=MAX_WORLD {
+            let comm = CpuCommunicator::new(world).unwrap();
+            for esz in [2, 4] {
+                for n in [0, 1, 15, 16, 17, 576, 1000, 4099] {
+                    let mut at = 0;
+                    for r in 0..world {
+                        let (lo, hi) = comm.chunk(n, esz, r);
+                        assert_eq!(lo, at, "world {world} n {n} rank {r}");
+                        assert!(hi >= lo && hi <= n);
+                        assert!(lo * esz % 64 == 0 || lo == n, "edge {lo} not on a line");
+                        at = hi;
+                    }
+                    assert_eq!(at, n, "world {world} n {n}: chunks do not cover the buffer");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_inside_a_collective_releases_the_peers() {
+        let comm = CpuCommunicator::with_timeout(2, Duration::from_secs(60)).unwrap();
+        let t = Instant::now();
+        let (panicked, peer) = std::thread::scope(|s| {
+            let a = s.spawn(|| {
+                let mut buf = [0u8; 64];
+                let base = buf.as_mut_ptr();
+                let sig = Sig {
+                    kind: Kind::AllReduce,
+                    dtype: Some(DType::F32),
+                    root: 0,
+                    len: 64,
+                    layout: 0,
+                };
+                // Publish like all_reduce, then panic while the peer may be accessing `buf`.
+                let _ = comm.run(Kind::AllReduce, 0, || {
+                    let _peers = comm.publish(0, sig, base, 64, |_| 64)?;
+                    comm.enter(0)?;
+                    panic!("a bug inside the collective");
+                });
+            });
+            let b = s.spawn(|| comm.all_reduce(1, &mut [0u8; 64], DType::F32));
+            (a.join().is_err(), b.join().unwrap())
+        });
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert!(panicked);
+        assert!(peer.is_err());
+        let why = comm.failure().unwrap();
+        assert!(why.contains("rank 0 panicked inside all_reduce"), "{why}");
+        // The guard released the panicking rank's slot; the communicator stays failed.
+        assert!(!comm.slots[0].desc.0.busy.load(SeqCst));
+        assert!(!comm.slots[0].desc.0.accessing.load(SeqCst));
+        let again = comm.all_reduce(0, &mut [0u8; 64], DType::F32).unwrap_err();
+        assert!(again.to_string().contains("has failed"), "{again}");
     }
 }

@@ -1,13 +1,14 @@
-//! Element-wise sums over ranks for the reducing collectives: `dst = src_0 + src_1 + ... +
+//! Element-wise sums over ranks for the reducing collectives: `src_0 + src_1 + ... +
 //! src_{n-1}`, added in that order in f32 (F16 and BF16 are widened exactly, summed in f32 and
-//! rounded to nearest-even once per element at the end). AVX2/F16C kernels where the CPU has
-//! them, portable loops otherwise; both give bit-identical results.
+//! rounded to nearest-even once per element at the end). AVX2/F16C kernels that keep the sums
+//! in registers where the CPU has them, portable loops otherwise. Both give bit-identical
+//! results, except which NaN payload survives when several inputs of an element are NaN.
 
 use crate::DType;
 use half::{bf16, f16};
 
-/// Elements per block: the f32 accumulator (4 KiB) stays in L1 while every source streams
-/// through it once.
+/// Elements per block: a block of the result is still in L1 when it is copied to the other
+/// destinations, and the portable kernel's f32 accumulator (4 KiB) fits there too.
 const BLOCK: usize = 1024;
 
 /// Whether the reducing collectives take `dtype`.
@@ -15,281 +16,276 @@ pub(crate) fn reducible(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }
 
-/// Widen `acc.len()` elements at `src` into `acc` (`add == false`) or add them (`add == true`).
-type LoadFn = unsafe fn(src: *const u8, acc: &mut [f32], add: bool);
-/// Round `acc` to the element type and write it to `dst`.
-type StoreFn = unsafe fn(acc: &[f32], dst: *mut u8);
+/// Sum `m <= BLOCK` elements at byte offset `off` of every source, in order, into `dst`.
+type SumFn = unsafe fn(srcs: &[*const u8], off: usize, dst: *mut u8, m: usize);
 
-struct Kernels {
-    load: LoadFn,
-    store: StoreFn,
-}
-
-fn kernels(dtype: DType) -> Kernels {
+fn kernel(dtype: DType) -> SumFn {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
         return match dtype {
-            DType::F16 => Kernels {
-                load: x86::load_f16,
-                store: x86::store_f16,
-            },
-            DType::BF16 => Kernels {
-                load: x86::load_bf16,
-                store: x86::store_bf16,
-            },
-            _ => Kernels {
-                load: x86::load_f32,
-                store: store_f32,
-            },
+            DType::F16 => x86::sum::<x86::F16>,
+            DType::BF16 => x86::sum::<x86::Bf16>,
+            _ => x86::sum::<x86::F32>,
         };
     }
-    portable_kernels(dtype)
+    portable_kernel(dtype)
 }
 
-fn portable_kernels(dtype: DType) -> Kernels {
+fn portable_kernel(dtype: DType) -> SumFn {
     match dtype {
-        DType::F16 => Kernels {
-            load: load_f16,
-            store: store_f16,
-        },
-        DType::BF16 => Kernels {
-            load: load_bf16,
-            store: store_bf16,
-        },
-        _ => Kernels {
-            load: load_f32,
-            store: store_f32,
-        },
+        DType::F16 => portable_sum::<F16>,
+        DType::BF16 => portable_sum::<Bf16>,
+        _ => portable_sum::<F32>,
     }
 }
 
-/// `dst[i] = srcs[0][i] + srcs[1][i] + ... ` for `n` elements of `dtype` (F32, F16 or BF16;
-/// anything else is treated as F32, so callers check [`reducible`] first).
+/// `dst[i] = srcs[0][i] + srcs[1][i] + ...` for every `dst` in `dsts`, over `n` elements of
+/// `dtype` (F32, F16 or BF16; anything else is treated as F32, so callers check
+/// [`reducible`] first). The sum is rounded into `dsts[0]`, then copied to the others.
 ///
 /// # Safety
-/// Every `srcs[k]` must be valid for reads and `dst` for writes of `n * dtype.type_size()`
-/// bytes, no other thread may write any of these ranges during the call, and `dst` may overlap
-/// a source only by being equal to it (the block is read from every source before it is
-/// written). No alignment is required.
-pub(crate) unsafe fn sum_into(dtype: DType, dst: *mut u8, srcs: &[*const u8], n: usize) {
+/// Every `srcs[k]` must be valid for reads and every `dsts[k]` for reads and writes of
+/// `n * dtype.type_size()` bytes, no other thread may access a destination range or write a
+/// source range during the call, and a destination may overlap a source or another
+/// destination only by being equal to it (each block is read from every source before any
+/// destination block is written). No alignment is required.
+pub(crate) unsafe fn sum_into(dtype: DType, dsts: &[*mut u8], srcs: &[*const u8], n: usize) {
     // SAFETY: forwarded from this function's contract.
-    unsafe { sum_with(kernels(dtype), dtype, dst, srcs, n) }
+    unsafe { sum_with(kernel(dtype), dtype, dsts, srcs, n) }
 }
 
 /// # Safety
 /// As [`sum_into`].
-unsafe fn sum_with(k: Kernels, dtype: DType, dst: *mut u8, srcs: &[*const u8], n: usize) {
-    let Some((first, rest)) = srcs.split_first() else {
+unsafe fn sum_with(k: SumFn, dtype: DType, dsts: &[*mut u8], srcs: &[*const u8], n: usize) {
+    let Some((out, copies)) = dsts.split_first() else {
         return;
     };
+    if srcs.is_empty() {
+        return;
+    }
     let esz = dtype.type_size();
-    let mut acc = [0f32; BLOCK];
     let mut i = 0;
     while i < n {
         let m = BLOCK.min(n - i);
-        let acc = &mut acc[..m];
-        // SAFETY: elements i..i+m lie inside every range the caller vouched for; `acc` is a
-        // local array, so it overlaps none of them. dst's block is written only after all
-        // sources' blocks were read, which makes dst == srcs[k] fine.
+        let at = i * esz;
+        // SAFETY: elements i..i+m lie inside every range the caller vouched for. The kernel
+        // reads all sources of an element before writing it, so `out` equal to a source is
+        // fine; each copy goes to a destination distinct from `out` (equal ones are skipped,
+        // as a copy onto itself would overlap).
         unsafe {
-            (k.load)(first.add(i * esz), acc, false);
-            for s in rest {
-                (k.load)(s.add(i * esz), acc, true);
+            k(srcs, at, out.add(at), m);
+            for d in copies.iter().filter(|d| **d != *out) {
+                std::ptr::copy_nonoverlapping(out.add(at), d.add(at), m * esz);
             }
-            (k.store)(acc, dst.add(i * esz));
         }
         i += m;
     }
 }
 
-/// Read element `j` (of `N` bytes) at `src`.
+/// An element type summed through f32: exact widening, rounding narrowing.
+trait Elem {
+    const SIZE: usize;
+    fn widen(b: &[u8]) -> f32;
+    fn narrow(x: f32, b: &mut [u8]);
+}
+
+struct F32;
+struct F16;
+struct Bf16;
+
+impl Elem for F32 {
+    const SIZE: usize = 4;
+    fn widen(b: &[u8]) -> f32 {
+        f32::from_ne_bytes([b[0], b[1], b[2], b[3]])
+    }
+    fn narrow(x: f32, b: &mut [u8]) {
+        b.copy_from_slice(&x.to_ne_bytes());
+    }
+}
+
+impl Elem for F16 {
+    const SIZE: usize = 2;
+    fn widen(b: &[u8]) -> f32 {
+        f16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32()
+    }
+    fn narrow(x: f32, b: &mut [u8]) {
+        b.copy_from_slice(&f16::from_f32(x).to_bits().to_ne_bytes());
+    }
+}
+
+impl Elem for Bf16 {
+    const SIZE: usize = 2;
+    fn widen(b: &[u8]) -> f32 {
+        bf16::from_bits(u16::from_ne_bytes([b[0], b[1]])).to_f32()
+    }
+    fn narrow(x: f32, b: &mut [u8]) {
+        b.copy_from_slice(&bf16::from_f32(x).to_bits().to_ne_bytes());
+    }
+}
+
+/// The portable kernel: an f32 accumulator block, one pass per source.
 ///
 /// # Safety
-/// `src` must be valid for reads of `(j + 1) * N` bytes.
-#[inline(always)]
-unsafe fn elem<const N: usize>(src: *const u8, j: usize) -> [u8; N] {
-    // SAFETY: in bounds by the caller's contract; `[u8; N]` has alignment 1.
-    unsafe { src.add(j * N).cast::<[u8; N]>().read() }
-}
-
-/// # Safety
-/// `src` valid for reads of `4 * acc.len()` bytes.
-unsafe fn load_f32(src: *const u8, acc: &mut [f32], add: bool) {
-    for (j, a) in acc.iter_mut().enumerate() {
-        // SAFETY: j < acc.len().
-        let v = f32::from_ne_bytes(unsafe { elem::<4>(src, j) });
-        *a = if add { *a + v } else { v };
+/// `m <= BLOCK`; every `srcs[k] + off` valid for reads and `dst` for writes of
+/// `m * E::SIZE` bytes; `dst` overlaps no source except by being equal to `srcs[k] + off`.
+unsafe fn portable_sum<E: Elem>(srcs: &[*const u8], off: usize, dst: *mut u8, m: usize) {
+    let mut acc = [0f32; BLOCK];
+    let acc = &mut acc[..m];
+    for (k, s) in srcs.iter().enumerate() {
+        // SAFETY: valid for m elements by the contract; the shared slice ends before `dst`
+        // is written below.
+        let src = unsafe { std::slice::from_raw_parts(s.add(off), m * E::SIZE) };
+        for (a, b) in acc.iter_mut().zip(src.chunks_exact(E::SIZE)) {
+            let v = E::widen(b);
+            *a = if k == 0 { v } else { *a + v };
+        }
     }
-}
-
-/// # Safety
-/// `dst` valid for writes of `4 * acc.len()` bytes, not overlapping `acc`.
-unsafe fn store_f32(acc: &[f32], dst: *mut u8) {
-    // SAFETY: sizes match and the ranges are disjoint by the contract.
-    unsafe { std::ptr::copy_nonoverlapping(acc.as_ptr().cast::<u8>(), dst, 4 * acc.len()) }
-}
-
-/// # Safety
-/// `src` valid for reads of `2 * acc.len()` bytes.
-unsafe fn load_f16(src: *const u8, acc: &mut [f32], add: bool) {
-    for (j, a) in acc.iter_mut().enumerate() {
-        // SAFETY: j < acc.len().
-        let v = f16::from_bits(u16::from_ne_bytes(unsafe { elem::<2>(src, j) })).to_f32();
-        *a = if add { *a + v } else { v };
-    }
-}
-
-/// # Safety
-/// `dst` valid for writes of `2 * acc.len()` bytes.
-unsafe fn store_f16(acc: &[f32], dst: *mut u8) {
-    for (j, &a) in acc.iter().enumerate() {
-        let b = f16::from_f32(a).to_bits().to_ne_bytes();
-        // SAFETY: j < acc.len(), so the two bytes are in bounds.
-        unsafe { dst.add(2 * j).cast::<[u8; 2]>().write(b) }
-    }
-}
-
-/// # Safety
-/// `src` valid for reads of `2 * acc.len()` bytes.
-unsafe fn load_bf16(src: *const u8, acc: &mut [f32], add: bool) {
-    for (j, a) in acc.iter_mut().enumerate() {
-        // SAFETY: j < acc.len().
-        let v = bf16::from_bits(u16::from_ne_bytes(unsafe { elem::<2>(src, j) })).to_f32();
-        *a = if add { *a + v } else { v };
-    }
-}
-
-/// # Safety
-/// `dst` valid for writes of `2 * acc.len()` bytes.
-unsafe fn store_bf16(acc: &[f32], dst: *mut u8) {
-    for (j, &a) in acc.iter().enumerate() {
-        let b = bf16::from_f32(a).to_bits().to_ne_bytes();
-        // SAFETY: j < acc.len(), so the two bytes are in bounds.
-        unsafe { dst.add(2 * j).cast::<[u8; 2]>().write(b) }
+    // SAFETY: valid for m elements by the contract, and no source slice is alive any more.
+    let out = unsafe { std::slice::from_raw_parts_mut(dst, m * E::SIZE) };
+    for (a, b) in acc.iter().zip(out.chunks_exact_mut(E::SIZE)) {
+        E::narrow(*a, b);
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    //! AVX2 + F16C versions of the loads and stores, 8 lanes at a time with the portable
-    //! loops for the tail. Lane-wise they compute exactly what the portable loops compute:
-    //! one IEEE f32 add per element, F16 rounding by VCVTPS2PH with round-to-nearest-even,
-    //! BF16 rounding by the same add-0x7FFF-plus-lsb rule (NaNs quieted) as `half::bf16`.
+    //! AVX2 + F16C kernels: 32 elements at a time in four 8-lane f32 accumulators, every
+    //! source added in order before the sums are rounded and stored. Lane-wise they compute
+    //! exactly what the portable kernel computes: one IEEE f32 add per source, F16 rounding
+    //! by VCVTPS2PH with round-to-nearest-even, BF16 rounding by the add-0x7FFF-plus-lsb rule
+    //! (NaNs quieted) that `half::bf16::from_f32` uses.
+    use super::{BLOCK, Elem};
     use std::arch::x86_64::*;
 
-    /// # Safety
-    /// `src` valid for reads of `4 * acc.len()` bytes; the CPU has AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn load_f32(src: *const u8, acc: &mut [f32], add: bool) {
-        let n8 = acc.len() / 8 * 8;
-        let a = acc.as_mut_ptr();
-        for j in (0..n8).step_by(8) {
-            // SAFETY: j + 8 <= acc.len(); unaligned loads and stores.
-            unsafe {
-                let v = _mm256_loadu_ps(src.add(4 * j).cast());
-                let v = if add {
-                    _mm256_add_ps(_mm256_loadu_ps(a.add(j)), v)
-                } else {
-                    v
-                };
-                _mm256_storeu_ps(a.add(j), v);
-            }
-        }
-        // SAFETY: the tail starts 4 * n8 bytes in and has acc.len() - n8 elements.
-        unsafe { super::load_f32(src.add(4 * n8), &mut acc[n8..], add) }
+    /// Eight lanes of an element type.
+    pub(super) trait Lanes {
+        type Scalar: Elem;
+        /// Widen 8 elements at `p`.
+        ///
+        /// # Safety
+        /// `p` valid for reads of 8 elements; the CPU has AVX2 and F16C.
+        unsafe fn widen(p: *const u8) -> __m256;
+        /// Round 8 lanes to the element type and store them at `p`.
+        ///
+        /// # Safety
+        /// `p` valid for writes of 8 elements; the CPU has AVX2 and F16C.
+        unsafe fn narrow(v: __m256, p: *mut u8);
     }
 
+    pub(super) struct F32;
+    pub(super) struct F16;
+    pub(super) struct Bf16;
+
+    impl Lanes for F32 {
+        type Scalar = super::F32;
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn widen(p: *const u8) -> __m256 {
+            // SAFETY: 32 readable bytes by the contract; unaligned load.
+            unsafe { _mm256_loadu_ps(p.cast()) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn narrow(v: __m256, p: *mut u8) {
+            // SAFETY: 32 writable bytes by the contract; unaligned store.
+            unsafe { _mm256_storeu_ps(p.cast(), v) }
+        }
+    }
+
+    impl Lanes for F16 {
+        type Scalar = super::F16;
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn widen(p: *const u8) -> __m256 {
+            // SAFETY: 16 readable bytes by the contract; unaligned load.
+            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn narrow(v: __m256, p: *mut u8) {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            // SAFETY: 16 writable bytes by the contract; unaligned store.
+            unsafe { _mm_storeu_si128(p.cast(), h) }
+        }
+    }
+
+    impl Lanes for Bf16 {
+        type Scalar = super::Bf16;
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn widen(p: *const u8) -> __m256 {
+            // SAFETY: 16 readable bytes by the contract; unaligned load.
+            let w = _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(p.cast()) });
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,f16c")]
+        unsafe fn narrow(v: __m256, p: *mut u8) {
+            let x = _mm256_castps_si256(v);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+            let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb);
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
+            let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x40));
+            let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            let r = _mm256_blendv_epi8(rounded, nan, is_nan);
+            // 8 x u32 (each < 2^16) to 8 x u16: packus works per 128-bit lane, so the two
+            // useful quarters are moved together afterwards.
+            let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(r, r));
+            // SAFETY: 16 writable bytes by the contract; unaligned store.
+            unsafe { _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(packed)) }
+        }
+    }
+
+    /// The AVX2 kernel (see [`super::SumFn`]).
+    ///
     /// # Safety
-    /// `src` valid for reads of `2 * acc.len()` bytes; the CPU has AVX2 and F16C.
+    /// As `portable_sum`, and the CPU has AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn load_f16(src: *const u8, acc: &mut [f32], add: bool) {
-        let n8 = acc.len() / 8 * 8;
-        let a = acc.as_mut_ptr();
-        for j in (0..n8).step_by(8) {
-            // SAFETY: j + 8 <= acc.len(); unaligned loads and stores.
+    pub(super) unsafe fn sum<L: Lanes>(srcs: &[*const u8], off: usize, dst: *mut u8, m: usize) {
+        let es = L::Scalar::SIZE;
+        let Some((first, rest)) = srcs.split_first() else {
+            return;
+        };
+        debug_assert!(m <= BLOCK);
+        let mut j = 0;
+        // SAFETY (whole loop): j + 32 <= m, so all 32 elements at j lie in every source's
+        // range and in dst's; every source is read before dst is written.
+        while j + 32 <= m {
             unsafe {
-                let v = _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * j).cast()));
-                let v = if add {
-                    _mm256_add_ps(_mm256_loadu_ps(a.add(j)), v)
-                } else {
-                    v
-                };
-                _mm256_storeu_ps(a.add(j), v);
+                let p = first.add(off + j * es);
+                let mut a = [
+                    L::widen(p),
+                    L::widen(p.add(8 * es)),
+                    L::widen(p.add(16 * es)),
+                    L::widen(p.add(24 * es)),
+                ];
+                for s in rest {
+                    let p = s.add(off + j * es);
+                    for (q, acc) in a.iter_mut().enumerate() {
+                        *acc = _mm256_add_ps(*acc, L::widen(p.add(8 * q * es)));
+                    }
+                }
+                for (q, acc) in a.into_iter().enumerate() {
+                    L::narrow(acc, dst.add((j + 8 * q) * es));
+                }
             }
+            j += 32;
         }
-        // SAFETY: the tail starts 2 * n8 bytes in and has acc.len() - n8 elements.
-        unsafe { super::load_f16(src.add(2 * n8), &mut acc[n8..], add) }
-    }
-
-    /// # Safety
-    /// `dst` valid for writes of `2 * acc.len()` bytes; the CPU has AVX2 and F16C.
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn store_f16(acc: &[f32], dst: *mut u8) {
-        let n8 = acc.len() / 8 * 8;
-        let a = acc.as_ptr();
-        for j in (0..n8).step_by(8) {
-            // SAFETY: j + 8 <= acc.len(); unaligned loads and stores.
+        while j + 8 <= m {
+            // SAFETY: as above, for 8 elements.
             unsafe {
-                let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(a.add(j)));
-                _mm_storeu_si128(dst.add(2 * j).cast(), h);
+                let mut acc = L::widen(first.add(off + j * es));
+                for s in rest {
+                    acc = _mm256_add_ps(acc, L::widen(s.add(off + j * es)));
+                }
+                L::narrow(acc, dst.add(j * es));
             }
+            j += 8;
         }
-        // SAFETY: the tail starts 2 * n8 bytes in and has acc.len() - n8 elements.
-        unsafe { super::store_f16(&acc[n8..], dst.add(2 * n8)) }
-    }
-
-    /// # Safety
-    /// `src` valid for reads of `2 * acc.len()` bytes; the CPU has AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn load_bf16(src: *const u8, acc: &mut [f32], add: bool) {
-        let n8 = acc.len() / 8 * 8;
-        let a = acc.as_mut_ptr();
-        for j in (0..n8).step_by(8) {
-            // SAFETY: j + 8 <= acc.len(); unaligned loads and stores.
-            unsafe {
-                let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.add(2 * j).cast()));
-                let v = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-                let v = if add {
-                    _mm256_add_ps(_mm256_loadu_ps(a.add(j)), v)
-                } else {
-                    v
-                };
-                _mm256_storeu_ps(a.add(j), v);
-            }
+        if j < m {
+            // SAFETY: the remaining m - j elements start j elements in.
+            unsafe { super::portable_sum::<L::Scalar>(srcs, off + j * es, dst.add(j * es), m - j) }
         }
-        // SAFETY: the tail starts 2 * n8 bytes in and has acc.len() - n8 elements.
-        unsafe { super::load_bf16(src.add(2 * n8), &mut acc[n8..], add) }
-    }
-
-    /// # Safety
-    /// `dst` valid for writes of `2 * acc.len()` bytes; the CPU has AVX2.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn store_bf16(acc: &[f32], dst: *mut u8) {
-        let n8 = acc.len() / 8 * 8;
-        let a = acc.as_ptr();
-        let half_ulp = _mm256_set1_epi32(0x7fff);
-        let one = _mm256_set1_epi32(1);
-        let quiet = _mm256_set1_epi32(0x40);
-        for j in (0..n8).step_by(8) {
-            // SAFETY: j + 8 <= acc.len(); unaligned loads and stores.
-            unsafe {
-                let v = _mm256_loadu_ps(a.add(j));
-                let x = _mm256_castps_si256(v);
-                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), one);
-                let rounded =
-                    _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(half_ulp, lsb)));
-                let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(x), quiet);
-                let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-                let r = _mm256_blendv_epi8(rounded, nan, is_nan);
-                // Pack 8 x u32 (each < 2^16) to 8 x u16: packus works per 128-bit lane, so
-                // the two useful quarters are moved together afterwards.
-                let p = _mm256_packus_epi32(r, r);
-                let p = _mm256_permute4x64_epi64::<0b1000>(p);
-                _mm_storeu_si128(dst.add(2 * j).cast(), _mm256_castsi256_si128(p));
-            }
-        }
-        // SAFETY: the tail starts 2 * n8 bytes in and has acc.len() - n8 elements.
-        unsafe { super::store_bf16(&acc[n8..], dst.add(2 * n8)) }
     }
 }
 
@@ -297,7 +293,7 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// Random f32 bit patterns, including NaNs, infinities and subnormals, from a fixed LCG.
+    /// Random bit patterns, including NaNs, infinities and subnormals, from a fixed LCG.
     fn patterns(n: usize, seed: u64) -> Vec<u32> {
         let mut s = seed;
         (0..n)
@@ -312,16 +308,15 @@ mod tests {
 
     #[test]
     fn simd_and_portable_kernels_agree_bit_for_bit() {
-        // 1000 elements: not a multiple of 8, so tails run too; three sources, offset by one
-        // byte to exercise unaligned access.
-        let n = 1000;
+        // 2500 elements: several blocks, then 32-, 8- and 1-element tails; three sources,
+        // offset by one byte to exercise unaligned access.
+        let n = 2500;
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             let esz = dtype.type_size();
             let srcs: Vec<Vec<u8>> = (0..3)
                 .map(|k| {
                     let mut v = vec![0u8; 1];
                     for p in patterns(n, k) {
-                        // Keep half-type inputs finite-or-not from the raw bits too.
                         v.extend_from_slice(&p.to_ne_bytes()[..esz]);
                     }
                     v
@@ -329,52 +324,75 @@ mod tests {
                 .collect();
             let ptrs: Vec<*const u8> = srcs.iter().map(|s| s[1..].as_ptr()).collect();
             let mut a = vec![0u8; n * esz];
+            let mut a2 = vec![0u8; n * esz];
             let mut b = vec![0u8; n * esz];
-            // SAFETY: every pointer covers n elements; a and b are separate buffers.
+            // SAFETY: every pointer covers n elements; a, a2 and b are separate buffers.
             unsafe {
-                sum_with(kernels(dtype), dtype, a.as_mut_ptr(), &ptrs, n);
-                sum_with(portable_kernels(dtype), dtype, b.as_mut_ptr(), &ptrs, n);
+                let fast = [a.as_mut_ptr(), a2.as_mut_ptr()];
+                sum_with(kernel(dtype), dtype, &fast, &ptrs, n);
+                sum_with(portable_kernel(dtype), dtype, &[b.as_mut_ptr()], &ptrs, n);
             }
-            assert_eq!(a, b, "{dtype}");
+            // Where several inputs are NaN, which payload survives may differ (the compiler
+            // may swap the operands of a scalar add); every other result is bit-identical.
+            let is_nan = |x: &[u8]| match dtype {
+                DType::F32 => f32::from_ne_bytes([x[0], x[1], x[2], x[3]]).is_nan(),
+                DType::F16 => f16::from_bits(u16::from_ne_bytes([x[0], x[1]])).is_nan(),
+                _ => bf16::from_bits(u16::from_ne_bytes([x[0], x[1]])).is_nan(),
+            };
+            for (i, (x, y)) in a.chunks_exact(esz).zip(b.chunks_exact(esz)).enumerate() {
+                assert!(
+                    x == y || (is_nan(x) && is_nan(y)),
+                    "{dtype} element {i}: {x:x?} != {y:x?}"
+                );
+            }
+            assert!(
+                a2 == a,
+                "{dtype}: the copy differs from the first destination"
+            );
         }
     }
 
     #[test]
     fn bf16_rounding_matches_half_on_edge_cases() {
-        let cases = [
-            0x3f80_8000u32, // tie, even lsb: rounds down
-            0x3f81_8000,    // tie, odd lsb: rounds up
-            0x3f80_8001,    // above the tie
-            0x7f7f_ffff,    // rounds up to infinity
-            0x7fc0_0001,    // NaN stays NaN
-            0xff80_0000,    // -inf
-            0x0000_0001,    // subnormal
+        // Eight sums (one AVX2 vector) of three bf16 values whose exact f32 sum sits on a
+        // rounding edge; the reference is half's rounding of the same f32 sum.
+        let cases: [[u16; 3]; 8] = [
+            [0x3f80, 0x3b80, 0x0000], // 1 + 2^-8: a tie with even lsb, rounds down
+            [0x3f81, 0x3b80, 0x0000], // a tie with odd lsb, rounds up
+            [0x3f80, 0x3b80, 0x3780], // 1 + 2^-8 + 2^-16: above the tie, rounds up
+            [0x7f7f, 0x7b00, 0x0000], // max + half an ulp: a tie that rounds up to infinity
+            [0x7fc1, 0x3f80, 0x0000], // NaN + 1 stays NaN
+            [0xff80, 0x3f80, 0x0000], // -inf + 1
+            [0x0001, 0x0001, 0x0000], // subnormals
+            [0x8000, 0x8000, 0x8000], // -0 + -0 + -0 = -0
         ];
-        let acc: Vec<f32> = cases.iter().map(|&c| f32::from_bits(c)).collect();
-        let mut fast = vec![0u8; 2 * acc.len()];
-        // SAFETY: fast holds acc.len() bf16 values.
-        unsafe { (kernels(DType::BF16).store)(&acc, fast.as_mut_ptr()) };
-        for (j, &a) in acc.iter().enumerate() {
-            let got = u16::from_ne_bytes([fast[2 * j], fast[2 * j + 1]]);
-            assert_eq!(got, bf16::from_f32(a).to_bits(), "case {:#x}", cases[j]);
+        let src = |k: usize| -> Vec<u8> { cases.iter().flat_map(|c| c[k].to_ne_bytes()).collect() };
+        let srcs = [src(0), src(1), src(2)];
+        let ptrs: Vec<*const u8> = srcs.iter().map(|v| v.as_ptr()).collect();
+        for k in [kernel(DType::BF16), portable_kernel(DType::BF16)] {
+            let mut got = vec![0u8; 2 * cases.len()];
+            // SAFETY: every buffer holds cases.len() bf16 values.
+            unsafe { sum_with(k, DType::BF16, &[got.as_mut_ptr()], &ptrs, cases.len()) };
+            for (j, c) in cases.iter().enumerate() {
+                let f: f32 = c.iter().map(|&b| bf16::from_bits(b).to_f32()).sum();
+                let want = bf16::from_f32(f).to_bits();
+                let have = u16::from_ne_bytes([got[2 * j], got[2 * j + 1]]);
+                assert_eq!(have, want, "case {c:04x?}");
+            }
         }
     }
 
     #[test]
-    fn sums_in_rank_order_into_a_source() {
-        // dst is source 1: the result must use its old value.
-        let x0 = [1.0f32, 1e8, -3.0];
-        let mut x1 = [2.0f32, 1.0, 0.5];
-        let x2 = [4.0f32, -1e8, 0.25];
-        let p1 = x1.as_mut_ptr().cast::<u8>();
-        let srcs = [
-            x0.as_ptr().cast::<u8>(),
-            p1.cast_const(),
-            x2.as_ptr().cast::<u8>(),
-        ];
-        // SAFETY: three elements everywhere; dst equals source 1, which the contract allows.
-        unsafe { sum_into(DType::F32, p1, &srcs, 3) };
+    fn sums_in_rank_order_into_the_sources() {
+        // The destinations are the sources: every result must use the old values.
+        let mut x = [[1.0f32, 1e8, -3.0], [2.0, 1.0, 0.5], [4.0, -1e8, 0.25]];
+        let ptrs: Vec<*mut u8> = x.iter_mut().map(|v| v.as_mut_ptr().cast::<u8>()).collect();
+        let srcs: Vec<*const u8> = ptrs.iter().map(|p| p.cast_const()).collect();
+        // SAFETY: three elements everywhere; destinations equal sources, which is allowed.
+        unsafe { sum_into(DType::F32, &ptrs, &srcs, 3) };
         // (1e8 + 1) rounds to 1e8 in f32, then - 1e8 gives 0: the order is visible.
-        assert_eq!(x1, [7.0, 0.0, -2.25]);
+        for v in x {
+            assert_eq!(v, [7.0, 0.0, -2.25]);
+        }
     }
 }

@@ -64,6 +64,10 @@ struct DeviceRun {
 /// Everything prepared for one graph structure.
 struct Prepared {
     key: u64,
+    /// The buffers the graph's storage was bound to when planned. The key hashes buffer
+    /// addresses; a buffer freed and another allocated at its address would hit a stale plan,
+    /// so a hit counts only while all of these are still alive.
+    bound: Vec<std::sync::Weak<dyn Buffer>>,
     plan: MetaPlan,
     runs: Vec<Mutex<DeviceRun>>,
     compute_bytes: Vec<usize>,
@@ -179,7 +183,10 @@ impl MetaBackend {
                 continue;
             }
             let r = g.root(id);
-            if g.node(r).is_leaf() || out_roots.iter().any(|&(x, _)| x == r) {
+            // Leaves the user placed are read through their own storage; everything else the
+            // user reads (computed roots, and inline inputs written or returned) is registered.
+            let placed_leaf = g.node(r).is_leaf() && g.node(r).storage.is_some();
+            if placed_leaf || out_roots.iter().any(|&(x, _)| x == r) {
                 continue;
             }
             let rl = *g.layout(r);
@@ -209,9 +216,20 @@ impl MetaBackend {
             out_roots.push((r, offset));
             offset += rl.nbytes().next_multiple_of(64).max(64);
         }
+        let mut bound: Vec<std::sync::Weak<dyn Buffer>> = Vec::new();
+        for n in g.nodes() {
+            if let Some(st) = &n.storage
+                && !bound
+                    .iter()
+                    .any(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&st.buffer)))
+            {
+                bound.push(Arc::downgrade(&st.buffer));
+            }
+        }
         self.plans_built.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Prepared {
             key,
+            bound,
             plan: mp,
             runs,
             compute_bytes,
@@ -224,6 +242,8 @@ impl MetaBackend {
         let key = g.structure_hash();
         {
             let mut cache = self.cache.lock();
+            // Plans whose buffers are gone can never be valid again.
+            cache.retain(|p| p.bound.iter().all(|w| w.strong_count() > 0));
             if let Some(i) = cache.iter().position(|p| p.key == key) {
                 let p = cache.remove(i);
                 cache.push(p.clone());
@@ -293,7 +313,7 @@ impl MetaBackend {
                     let (dp, dn) = bytes(*dst)?;
                     // SAFETY: both tensors lie inside this device's buffers (bound and checked
                     // by the allocator); during the collective no kernel of this device runs,
-                    // and peers only read them inside the collective's barriers.
+                    // and peers touch them only inside the collective's barriers.
                     unsafe {
                         match kind {
                             CollectiveKind::AllReduce => {

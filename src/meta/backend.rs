@@ -114,6 +114,11 @@ impl MetaBackend {
         self.plans_built.load(Ordering::Relaxed)
     }
 
+    /// Plans in the cache (each for one graph structure with live buffers).
+    pub fn cached_plans(&self) -> usize {
+        self.cache.lock().len()
+    }
+
     /// The plan of the last computed graph.
     pub fn last_plan(&self) -> Option<MetaPlan> {
         self.last.lock().as_ref().map(|p| p.plan.clone())

@@ -346,11 +346,27 @@ fn base(wt: DType, m: usize) -> Case {
 }
 
 #[test]
-fn every_dtype_and_small_m_matches_the_reference() {
+fn every_dtype_m_layout_and_broadcast_matches_the_reference() {
+    // The full product: dtype x M x src1 layout x (no broadcast, broadcast over dim 2) x
+    // threads {1, 2, 3} x every SIMD level x (exact, quantized activations); odd N and K.
     let pools = pools();
     for wt in ALL {
         for m in [1, 2, 7, 32, 33] {
-            check(&base(wt, m), &pools, m as u64);
+            for x in [
+                XLayout::Contiguous,
+                XLayout::PaddedRows,
+                XLayout::Transposed,
+            ] {
+                for (wb, xb) in [([1, 1], [1, 1]), ([2, 1], [4, 1])] {
+                    let c = Case {
+                        x,
+                        wb,
+                        xb,
+                        ..base(wt, m)
+                    };
+                    check(&c, &pools, m as u64);
+                }
+            }
         }
     }
 }

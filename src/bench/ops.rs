@@ -20,6 +20,8 @@ use std::fmt::Write as _;
 pub const ROTATE_BYTES: usize = 128 << 20;
 /// Size of the streaming-read buffer.
 pub const STREAM_BYTES: usize = 256 << 20;
+/// Interleaved streams per thread of the second streaming-read case.
+pub const STREAMS: usize = 8;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -33,6 +35,9 @@ pub struct OpsBenchOptions {
     /// Only cases whose label contains this substring (e.g. "q4_0", "m=1 ").
     pub filter: Option<String>,
     pub repeat: Repeat,
+    /// Rotate weight copies for memory-bound cases (false: one copy, which may stay in cache,
+    /// as ggml's `test-backend-ops perf` measures).
+    pub rotate: bool,
     /// Progress lines on stderr.
     pub progress: bool,
 }
@@ -45,6 +50,7 @@ impl Default for OpsBenchOptions {
             exact: false,
             filter: None,
             repeat: Repeat::default(),
+            rotate: true,
             progress: true,
         }
     }
@@ -53,7 +59,7 @@ impl Default for OpsBenchOptions {
 /// One measured case.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct OpBenchResult {
-    /// `mul_mat` or `stream_read`.
+    /// `mul_mat` or `stream_read` (whose `m` is the number of interleaved streams per thread).
     pub op: String,
     pub dtype: String,
     pub m: usize,
@@ -102,7 +108,7 @@ pub struct OpCase {
 impl OpCase {
     pub fn label(&self) -> String {
         match self.op {
-            "stream_read" => format!("stream_read {} MiB", STREAM_BYTES >> 20),
+            "stream_read" => stream_label(self.m),
             _ => format!(
                 "{} {} m={} n={} k={}",
                 self.op, self.dtype, self.m, self.n, self.k
@@ -121,14 +127,17 @@ pub fn cases() -> Vec<OpCase> {
         k,
         rotate,
     };
-    let mut v = vec![OpCase {
+    // Streaming reads: one sequential stream per thread, and 8 interleaved streams per thread
+    // (more misses in flight, as a GEMV over 8 weight rows has).
+    let stream = |m| OpCase {
         op: "stream_read",
         dtype: DType::F32,
-        m: 0,
+        m,
         n: 0,
         k: 0,
         rotate: false,
-    }];
+    };
+    let mut v = vec![stream(1), stream(STREAMS)];
     v.push(mm(DType::F32, 1024, 1024, 1024, false));
     v.push(mm(DType::F32, 2048, 2048, 2048, false));
     for m in [1, 32] {
@@ -173,11 +182,8 @@ pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     let total = selected.len() * pools.len();
     let mut out = Vec::with_capacity(total);
     for (ci, case) in selected.iter().enumerate() {
-        let data = CaseData::new(
-            case,
-            opts.exact,
-            pools.iter().map(|p| p.nth()).max().unwrap_or(1),
-        );
+        let max_threads = pools.iter().map(|p| p.nth()).max().unwrap_or(1);
+        let data = CaseData::new(case, opts.exact, opts.rotate, max_threads);
         for (pi, pool) in pools.iter().enumerate() {
             if opts.progress {
                 eprintln!(
@@ -232,7 +238,7 @@ struct CaseData {
 }
 
 impl CaseData {
-    fn new(c: &OpCase, exact: bool, max_threads: usize) -> CaseData {
+    fn new(c: &OpCase, exact: bool, rotate: bool, max_threads: usize) -> CaseData {
         if c.op == "stream_read" {
             let mut buf = Aligned::new(STREAM_BYTES);
             // Fill with 1.0f32 so the pages are really allocated.
@@ -261,7 +267,7 @@ impl CaseData {
             )
             .expect("row sizes follow from the case");
         }
-        let copies = if c.rotate {
+        let copies = if c.rotate && rotate {
             ROTATE_BYTES.div_ceil(wbytes).clamp(1, 16)
         } else {
             1
@@ -309,7 +315,11 @@ impl CaseData {
                     let s = unsafe {
                         std::slice::from_raw_parts((base as *const f32).add(r.start), r.len())
                     };
-                    let v = crate::cpu::simd::sum_f32_with(isa, s);
+                    let v = if c.m <= 1 {
+                        crate::cpu::simd::sum_f32_with(isa, s)
+                    } else {
+                        sum_streams(s, c.m)
+                    };
                     sink.fetch_add(v.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
                 })
                 .expect("the streaming job does not panic");
@@ -400,6 +410,30 @@ fn views(
     (wv, xv, dv)
 }
 
+fn stream_label(streams: usize) -> String {
+    format!("stream_read {} MiB x{streams}", STREAM_BYTES >> 20)
+}
+
+/// Sum of `s`, read as `streams` equal segments advanced in lockstep, 64 bytes of each per
+/// step (the tail after the segments is summed separately).
+fn sum_streams(s: &[f32], streams: usize) -> f32 {
+    const STEP: usize = 16;
+    let seg = s.len() / streams / STEP * STEP;
+    let mut acc = vec![[0f32; STEP]; streams];
+    let mut i = 0;
+    while i < seg {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let chunk = &s[j * seg + i..j * seg + i + STEP];
+            for (x, v) in a.iter_mut().zip(chunk) {
+                *x += v;
+            }
+        }
+        i += STEP;
+    }
+    let tail: f32 = s[seg * streams..].iter().sum();
+    acc.iter().flatten().sum::<f32>() + tail
+}
+
 /// Uniform in [-1, 1) (xorshift64).
 fn rand(s: &mut u64) -> f32 {
     *s ^= *s << 13;
@@ -429,7 +463,7 @@ pub fn print_table(results: &[OpBenchResult], refs: &[RefResult]) -> String {
     s.push('\n');
     for r in results {
         let label = if r.op == "stream_read" {
-            format!("stream_read {} MiB", STREAM_BYTES >> 20)
+            stream_label(r.m)
         } else {
             format!("{} {} m={} n={} k={}", r.op, r.dtype, r.m, r.n, r.k)
         };
@@ -511,6 +545,14 @@ mod tests {
         );
         assert!(to_json(&r).contains("\"median_us\""));
         assert!(parse_refs("{", "inline").is_err());
+    }
+
+    #[test]
+    fn interleaved_stream_sum_reads_everything() {
+        let v: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        for streams in [1, 3, 8] {
+            assert_eq!(sum_streams(&v, streams), 499_500.0);
+        }
     }
 
     #[test]

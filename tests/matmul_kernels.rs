@@ -397,10 +397,12 @@ fn long_rows_and_odd_k() {
 }
 
 #[test]
-fn gemm_sized_m() {
+fn medium_and_gemm_sized_m() {
+    // M from 48 to 192 uses the register tiles at these K; M >= 128 with K < 2048, and M >= 64
+    // with K <= 64, use the packed GEMM (with weights converted to f32 for non-f32 dtypes).
     let pools = pools();
     for wt in ALL {
-        for m in [48, 65] {
+        for m in [48, 65, 130] {
             check(
                 &Case {
                     n: 45,
@@ -410,6 +412,15 @@ fn gemm_sized_m() {
                 11,
             );
         }
+        check(
+            &Case {
+                n: 45,
+                k: 64,
+                ..base(wt, 64)
+            },
+            &pools,
+            12,
+        );
     }
 }
 
@@ -418,7 +429,7 @@ fn strided_activations_weights_and_outputs() {
     let pools = pools();
     for wt in ALL {
         for x in [XLayout::PaddedRows, XLayout::Transposed] {
-            for m in [1, 7, 33, 50] {
+            for m in [1, 7, 33, 130] {
                 let c = Case {
                     x,
                     w_pad: 6,
@@ -440,7 +451,7 @@ fn strided_activations_weights_and_outputs() {
         check(
             &Case {
                 w_pad: 3,
-                ..base(wt, 49)
+                ..base(wt, 129)
             },
             &pools,
             15,
@@ -457,7 +468,7 @@ fn broadcast_batch_dims() {
             ([1, 1], [3, 2], 1),
             ([2, 3], [4, 6], 2),
             ([3, 1], [3, 1], 33),
-            ([1, 2], [2, 2], 50),
+            ([1, 2], [2, 2], 130),
         ] {
             let c = Case {
                 wb,

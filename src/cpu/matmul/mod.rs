@@ -7,9 +7,9 @@
 //! - quantized weights, `exact == false`: activations are quantized to 8 bits per block into the
 //!   scratch (split over threads, then a barrier), then integer dot products ([`quant`]);
 //! - float weights (or quantized ones in exact mode, dequantized chunk by chunk into per-thread
-//!   scratch) with `M < GEMM_MIN_M`: register-tiled SIMD kernels ([`float`]);
-//! - `M >= GEMM_MIN_M`: the `gemm` crate's packed GEMM, one call per thread on its share of the
-//!   output (`Parallelism::None`), F16/BF16/quantized weights converted to f32 chunk by chunk.
+//!   scratch) with small and medium M: register-tiled SIMD kernels ([`float`]);
+//! - large M ([`use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
+//!   the output (`Parallelism::None`), F16/BF16/quantized weights converted to f32 chunk by chunk.
 //!
 //! Threads split the output into (batch, N-chunk, M-chunk) items: whole batches when their
 //! count divides evenly, else N in `nth` chunks (each thread streams its share of the weights),
@@ -25,9 +25,15 @@ use crate::cpu::view::{ComputeParams, TensorView, split_range};
 use float::FloatBlock;
 use quant::{ActLayout, QuantBlock};
 
-/// Activation rows per batch from which the packed GEMM beats the register-tiled kernels
-/// (measured on Zen 4, see docs/kernels.md).
-const GEMM_MIN_M: usize = 48;
+/// Whether `m` activation rows of length `k` go to the packed GEMM (the `gemm` crate) rather
+/// than the register-tiled kernels. Measured on Zen 4 with the AVX-512 tiles (docs/kernels.md):
+/// at K = 4096 the tiles win up to M = 192 (they read each weight once, the GEMM packs them),
+/// the GEMM from M = 256; at K ~ 1024 they tie at M = 128; at K = 64 (attention heads) the
+/// GEMM wins from M = 64. The rule does not depend on the SIMD level so that `work_size` and
+/// `forward_with` at any level agree on the scratch.
+fn use_gemm(m: usize, k: usize) -> bool {
+    m >= 256 || (m >= 128 && k < 2048) || (m >= 64 && k <= 64)
+}
 /// Weight rows per work item are a multiple of this (keeps tiles whole).
 const TILE_N: usize = 16;
 /// Per-thread scratch for weights converted to f32 before a GEMM call.
@@ -269,7 +275,7 @@ impl Plan {
         } else if quantized && !exact {
             Path::Quant
         } else {
-            let gemm = m >= GEMM_MIN_M;
+            let gemm = use_gemm(m, k);
             let f32_rows = src0.dtype == DType::F32 && src0.nb[1..].iter().all(|b| b % 4 == 0);
             Path::Float {
                 gemm,

@@ -8,6 +8,7 @@ pub mod device;
 pub mod matmul;
 mod ops;
 pub mod pool;
+pub mod simd;
 pub mod view;
 
 pub use backend::CpuBackend;
@@ -15,8 +16,3 @@ pub use buffer::{CpuBuffer, CpuBufferType};
 pub use device::{CpuDevice, CpuOptions, CpuRegistry, parse_cpu_spec, parse_cpu_spec_with};
 pub use pool::{Barrier, ThreadPool};
 pub use view::{ComputeParams, TensorView, split_range};
-
-/// Row conversions shared with the matmul kernels.
-pub(crate) mod ops_support {
-    pub(crate) use super::ops::read_row_f32;
-}

@@ -1,0 +1,567 @@
+//! The per-op kernel benchmark: a fixed list of `mul_mat` shapes (F32 GEMM 1024^3 and 2048^3,
+//! decode shapes K = N = 4096 with M = 1 and 32 for every weight dtype, ggml's
+//! `test-backend-ops` shape N = 4096, K = 14336, M = 1 and 2) plus a streaming-read bandwidth
+//! probe, each timed through a [`ThreadPool`] calling [`matmul::forward_with`] directly.
+//!
+//! Weights that would fit in the last-level cache are rotated between several copies (at
+//! least [`ROTATE_BYTES`] in all), so memory-bound shapes are measured from DRAM as in a real
+//! decode step. The GEMM cases reuse one copy (compute-bound, as numpy's timing loop does).
+
+use super::{Repeat, time_it};
+use crate::cpu::matmul::{self, Isa};
+use crate::cpu::{ComputeParams, TensorView, ThreadPool};
+use crate::dtype::row_from_f32;
+use crate::{DType, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+
+/// Total bytes of weight copies that rotating cases cycle through (several times the 32 MiB
+/// L3 of the machine this was tuned on).
+pub const ROTATE_BYTES: usize = 128 << 20;
+/// Size of the streaming-read buffer.
+pub const STREAM_BYTES: usize = 256 << 20;
+/// Interleaved streams per thread of the second streaming-read case.
+pub const STREAMS: usize = 8;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct OpsBenchOptions {
+    /// Thread counts; every case runs at each.
+    pub threads: Vec<usize>,
+    /// SIMD level (default: the best this CPU has).
+    pub isa: Option<Isa>,
+    /// Exact mode for quantized weights (dequantize, no 8-bit activations).
+    pub exact: bool,
+    /// Only cases whose label contains this substring (e.g. "q4_0", "m=1 ").
+    pub filter: Option<String>,
+    pub repeat: Repeat,
+    /// Rotate weight copies for memory-bound cases (false: one copy, which may stay in cache,
+    /// as ggml's `test-backend-ops perf` measures).
+    pub rotate: bool,
+    /// Progress lines on stderr.
+    pub progress: bool,
+}
+
+impl Default for OpsBenchOptions {
+    fn default() -> Self {
+        OpsBenchOptions {
+            threads: vec![1, 2],
+            isa: None,
+            exact: false,
+            filter: None,
+            repeat: Repeat::default(),
+            rotate: true,
+            progress: true,
+        }
+    }
+}
+
+/// One measured case.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct OpBenchResult {
+    /// `mul_mat` or `stream_read` (whose `m` is the number of interleaved streams per thread).
+    pub op: String,
+    pub dtype: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub threads: usize,
+    pub isa: String,
+    pub exact: bool,
+    pub median_us: f64,
+    pub min_us: f64,
+    pub reps: usize,
+    /// `2 * m * n * k / median` (for `stream_read`: additions per second).
+    pub gflops: f64,
+    /// Weight + activation + output bytes per median time (`stream_read`: bytes read).
+    pub gbps: f64,
+}
+
+/// A result from another implementation (numpy, ggml) for the same shape, as written by
+/// `scripts/bench_numpy.py --json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RefResult {
+    pub source: String,
+    pub op: String,
+    pub dtype: String,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub threads: usize,
+    pub median_us: f64,
+    pub gflops: f64,
+    pub gbps: f64,
+}
+
+/// A benchmark case.
+#[derive(Clone, Copy, Debug)]
+pub struct OpCase {
+    pub op: &'static str,
+    pub dtype: DType,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// Rotate weight copies (memory-bound shapes).
+    pub rotate: bool,
+}
+
+impl OpCase {
+    pub fn label(&self) -> String {
+        match self.op {
+            "stream_read" => stream_label(self.m),
+            _ => format!(
+                "{} {} m={} n={} k={}",
+                self.op, self.dtype, self.m, self.n, self.k
+            ),
+        }
+    }
+}
+
+/// The fixed case list.
+pub fn cases() -> Vec<OpCase> {
+    let mm = |dtype, m, n, k, rotate| OpCase {
+        op: "mul_mat",
+        dtype,
+        m,
+        n,
+        k,
+        rotate,
+    };
+    // Streaming reads: one sequential stream per thread, and 8 interleaved streams per thread
+    // (more misses in flight, as a GEMV over 8 weight rows has).
+    let stream = |m| OpCase {
+        op: "stream_read",
+        dtype: DType::F32,
+        m,
+        n: 0,
+        k: 0,
+        rotate: false,
+    };
+    let mut v = vec![stream(1), stream(STREAMS)];
+    v.push(mm(DType::F32, 1024, 1024, 1024, false));
+    v.push(mm(DType::F32, 2048, 2048, 2048, false));
+    for m in [1, 32] {
+        for dt in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
+            v.push(mm(dt, m, 4096, 4096, true));
+        }
+    }
+    // ggml test-backend-ops perf shape (its m = our N, its n = our M).
+    for m in [1, 2] {
+        for dt in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_0] {
+            v.push(mm(dt, m, 4096, 14336, true));
+        }
+    }
+    v
+}
+
+/// Run every selected case at every thread count.
+pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
+    let isa = opts.isa.unwrap_or_else(Isa::detect).clamp();
+    let selected: Vec<OpCase> = cases()
+        .into_iter()
+        .filter(|c| opts.filter.as_deref().is_none_or(|f| c.label().contains(f)))
+        .collect();
+    if opts.threads.is_empty() || opts.threads.iter().any(|&t| t == 0 || t > 256) {
+        return Err(crate::Error::msg(format!(
+            "bench ops: thread counts must be 1..=256, got {:?}",
+            opts.threads
+        )));
+    }
+    let pools: Vec<ThreadPool> = opts
+        .threads
+        .iter()
+        .map(|&t| ThreadPool::new(t, "bench"))
+        .collect();
+    let total = selected.len() * pools.len();
+    let mut out = Vec::with_capacity(total);
+    for (ci, case) in selected.iter().enumerate() {
+        let max_threads = pools.iter().map(|p| p.nth()).max().unwrap_or(1);
+        let data = CaseData::new(case, opts.exact, opts.rotate, max_threads);
+        for (pi, pool) in pools.iter().enumerate() {
+            if opts.progress {
+                eprintln!(
+                    "[{}/{}] {} threads={} isa={isa}",
+                    ci * pools.len() + pi + 1,
+                    total,
+                    case.label(),
+                    pool.nth()
+                );
+            }
+            let r = data.measure(case, pool, isa, opts)?;
+            if opts.progress {
+                eprintln!(
+                    "    {:.1} us  {:.1} GFLOP/s  {:.1} GB/s",
+                    r.median_us, r.gflops, r.gbps
+                );
+            }
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+/// A 64-byte aligned byte buffer.
+struct Aligned {
+    words: Vec<[u64; 8]>,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        Aligned {
+            words: vec![[0u64; 8]; len.div_ceil(64).max(1)],
+        }
+    }
+    fn ptr(&self) -> *mut u8 {
+        self.words.as_ptr().cast_mut().cast()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.words.len() * 64;
+        // SAFETY: the vector owns `len` initialized bytes, borrowed exclusively here.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), len) }
+    }
+}
+
+/// Inputs of one case, shared by its thread counts.
+struct CaseData {
+    weights: Vec<Aligned>,
+    x: Aligned,
+    d: Aligned,
+    work: Aligned,
+    wbytes: usize,
+}
+
+impl CaseData {
+    fn new(c: &OpCase, exact: bool, rotate: bool, max_threads: usize) -> CaseData {
+        if c.op == "stream_read" {
+            let mut buf = Aligned::new(STREAM_BYTES);
+            // Fill with 1.0f32 so the pages are really allocated.
+            for ch in buf.bytes_mut().chunks_exact_mut(4) {
+                ch.copy_from_slice(&1.0f32.to_le_bytes());
+            }
+            return CaseData {
+                weights: vec![buf],
+                x: Aligned::new(0),
+                d: Aligned::new(0),
+                work: Aligned::new(0),
+                wbytes: STREAM_BYTES,
+            };
+        }
+        let row = c.dtype.row_size(c.k);
+        let wbytes = row * c.n;
+        let mut first = Aligned::new(wbytes);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut vals = vec![0f32; c.k];
+        for r in 0..c.n {
+            vals.iter_mut().for_each(|v| *v = rand(&mut seed));
+            row_from_f32(
+                c.dtype,
+                &vals,
+                &mut first.bytes_mut()[r * row..(r + 1) * row],
+            )
+            .expect("row sizes follow from the case");
+        }
+        let copies = if c.rotate && rotate {
+            ROTATE_BYTES.div_ceil(wbytes).clamp(1, 16)
+        } else {
+            1
+        };
+        let mut weights = vec![first];
+        for _ in 1..copies {
+            let mut w = Aligned::new(wbytes);
+            w.bytes_mut()[..wbytes].copy_from_slice(&weights[0].bytes_mut()[..wbytes]);
+            weights.push(w);
+        }
+        let mut x = Aligned::new(4 * c.k * c.m);
+        for ch in x.bytes_mut()[..4 * c.k * c.m].chunks_exact_mut(4) {
+            ch.copy_from_slice(&rand(&mut seed).to_le_bytes());
+        }
+        let d = Aligned::new(4 * c.n * c.m);
+        let (wv, xv, dv) = views(c, &weights[0], &x, &d);
+        let ws = matmul::work_size(&wv, &xv, &dv, max_threads, exact);
+        CaseData {
+            weights,
+            x,
+            d,
+            work: Aligned::new(ws),
+            wbytes,
+        }
+    }
+
+    fn measure(
+        &self,
+        c: &OpCase,
+        pool: &ThreadPool,
+        isa: Isa,
+        opts: &OpsBenchOptions,
+    ) -> Result<OpBenchResult> {
+        let nth = pool.nth();
+        let timing = if c.op == "stream_read" {
+            let buf = &self.weights[0];
+            let floats = STREAM_BYTES / 4;
+            let base = buf.ptr() as usize;
+            let sink = std::sync::atomic::AtomicU32::new(0);
+            let t = time_it(&opts.repeat, |_| {
+                pool.run(&|ith, _| {
+                    let r = crate::cpu::split_range(floats, ith, nth);
+                    // SAFETY: the buffer holds `floats` initialized f32, 64-byte aligned, and is
+                    // only read here.
+                    let s = unsafe {
+                        std::slice::from_raw_parts((base as *const f32).add(r.start), r.len())
+                    };
+                    let v = if c.m <= 1 {
+                        crate::cpu::simd::sum_f32_with(isa, s)
+                    } else {
+                        sum_streams(s, c.m)
+                    };
+                    sink.fetch_add(v.to_bits() & 1, std::sync::atomic::Ordering::Relaxed);
+                })
+                .expect("the streaming job does not panic");
+            });
+            std::hint::black_box(sink.into_inner());
+            t
+        } else {
+            let views: Vec<_> = self
+                .weights
+                .iter()
+                .map(|w| views(c, w, &self.x, &self.d))
+                .collect();
+            let wdata = self.work.ptr() as usize;
+            let wsize = self.work.words.len() * 64;
+            let mut err = None;
+            let t = time_it(&opts.repeat, |i| {
+                let (w, x, d) = views[i % views.len()];
+                let r = pool.run(&|ith, barrier| {
+                    let p = ComputeParams {
+                        ith,
+                        nth,
+                        wdata: wdata as *mut u8,
+                        wsize,
+                        barrier,
+                        exact: opts.exact,
+                    };
+                    matmul::forward_with(isa, &p, &w, &x, &d);
+                });
+                if let Err(e) = r {
+                    err.get_or_insert(e);
+                }
+            });
+            if let Some(e) = err {
+                return Err(crate::Error::msg(format!("bench ops {}: {e}", c.label())));
+            }
+            t
+        };
+        let secs = timing.median_us * 1e-6;
+        let (flops, bytes) = if c.op == "stream_read" {
+            ((STREAM_BYTES / 4) as f64, STREAM_BYTES as f64)
+        } else {
+            let flops = 2.0 * (c.m * c.n * c.k) as f64;
+            (flops, (self.wbytes + 4 * c.m * c.k + 4 * c.m * c.n) as f64)
+        };
+        Ok(OpBenchResult {
+            op: c.op.to_string(),
+            dtype: c.dtype.name().to_string(),
+            m: c.m,
+            n: c.n,
+            k: c.k,
+            threads: nth,
+            isa: isa.name().to_string(),
+            exact: opts.exact,
+            median_us: timing.median_us,
+            min_us: timing.min_us,
+            reps: timing.reps,
+            gflops: flops / secs / 1e9,
+            gbps: bytes / secs / 1e9,
+        })
+    }
+}
+
+fn views(
+    c: &OpCase,
+    w: &Aligned,
+    x: &Aligned,
+    d: &Aligned,
+) -> (TensorView, TensorView, TensorView) {
+    let row = c.dtype.row_size(c.k);
+    let wv = TensorView {
+        data: w.ptr(),
+        dtype: c.dtype,
+        ne: [c.k, c.n, 1, 1],
+        nb: [c.dtype.type_size(), row, row * c.n, row * c.n],
+    };
+    let xv = TensorView {
+        data: x.ptr(),
+        dtype: DType::F32,
+        ne: [c.k, c.m, 1, 1],
+        nb: [4, 4 * c.k, 4 * c.k * c.m, 4 * c.k * c.m],
+    };
+    let dv = TensorView {
+        data: d.ptr(),
+        dtype: DType::F32,
+        ne: [c.n, c.m, 1, 1],
+        nb: [4, 4 * c.n, 4 * c.n * c.m, 4 * c.n * c.m],
+    };
+    (wv, xv, dv)
+}
+
+fn stream_label(streams: usize) -> String {
+    format!("stream_read {} MiB x{streams}", STREAM_BYTES >> 20)
+}
+
+/// Sum of `s`, read as `streams` equal segments advanced in lockstep, 64 bytes of each per
+/// step (the tail after the segments is summed separately).
+fn sum_streams(s: &[f32], streams: usize) -> f32 {
+    const STEP: usize = 16;
+    let seg = s.len() / streams / STEP * STEP;
+    let mut acc = vec![[0f32; STEP]; streams];
+    let mut i = 0;
+    while i < seg {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let chunk = &s[j * seg + i..j * seg + i + STEP];
+            for (x, v) in a.iter_mut().zip(chunk) {
+                *x += v;
+            }
+        }
+        i += STEP;
+    }
+    let tail: f32 = s[seg * streams..].iter().sum();
+    acc.iter().flatten().sum::<f32>() + tail
+}
+
+/// Uniform in [-1, 1) (xorshift64).
+fn rand(s: &mut u64) -> f32 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    ((*s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+}
+
+/// The results as a table; with references (numpy, ggml), their GFLOP/s and our ratio to them
+/// for the same op, dtype, shape and thread count.
+pub fn print_table(results: &[OpBenchResult], refs: &[RefResult]) -> String {
+    let mut s = String::new();
+    let sources: Vec<&str> = {
+        let mut v: Vec<&str> = refs.iter().map(|r| r.source.as_str()).collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    let _ = write!(
+        s,
+        "{:<34} {:>3} {:>7} {:>11} {:>9} {:>7}",
+        "case", "thr", "isa", "median us", "GFLOP/s", "GB/s"
+    );
+    for src in &sources {
+        let _ = write!(s, " {:>11} {:>6}", format!("{src} GF/s"), "ratio");
+    }
+    s.push('\n');
+    for r in results {
+        let label = if r.op == "stream_read" {
+            stream_label(r.m)
+        } else {
+            format!("{} {} m={} n={} k={}", r.op, r.dtype, r.m, r.n, r.k)
+        };
+        let _ = write!(
+            s,
+            "{:<34} {:>3} {:>7} {:>11.1} {:>9.1} {:>7.1}",
+            label, r.threads, r.isa, r.median_us, r.gflops, r.gbps
+        );
+        for src in &sources {
+            let found = refs.iter().find(|x| {
+                x.source == *src
+                    && x.op == r.op
+                    && x.dtype == r.dtype
+                    && (x.m, x.n, x.k, x.threads) == (r.m, r.n, r.k, r.threads)
+            });
+            match found {
+                Some(x) => {
+                    let ratio = x.median_us / r.median_us;
+                    let _ = write!(s, " {:>11.1} {:>6.2}", x.gflops, ratio);
+                }
+                None => {
+                    let _ = write!(s, " {:>11} {:>6}", "-", "-");
+                }
+            }
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// The results as pretty JSON.
+pub fn to_json(results: &[OpBenchResult]) -> String {
+    serde_json::to_string_pretty(results).expect("plain data serializes")
+}
+
+/// Parse reference results (a JSON array of [`RefResult`]).
+pub fn parse_refs(json: &str, what: &str) -> Result<Vec<RefResult>> {
+    serde_json::from_str(json)
+        .map_err(|e| crate::Error::format(what, "reference results", e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_small_case_runs_and_reports_consistent_numbers() {
+        let opts = OpsBenchOptions {
+            threads: vec![1, 2],
+            filter: Some("mul_mat q4_0 m=1 n=4096 k=4096".into()),
+            repeat: Repeat {
+                warmup: 1,
+                min_reps: 3,
+                min_time: Duration::ZERO,
+                max_reps: 3,
+            },
+            progress: false,
+            ..Default::default()
+        };
+        let r = run(&opts).unwrap();
+        assert_eq!(r.len(), 2);
+        for x in &r {
+            let secs = x.median_us * 1e-6;
+            assert!((x.gflops - 2.0 * 4096.0 * 4096.0 / secs / 1e9).abs() < 1e-6 * x.gflops);
+            let bytes = (DType::Q4_0.row_size(4096) * 4096 + 4 * 4096 + 4 * 4096) as f64;
+            assert!((x.gbps - bytes / secs / 1e9).abs() < 1e-6 * x.gbps);
+        }
+        let refs = parse_refs(
+            r#"[{"source":"numpy","op":"mul_mat","dtype":"q4_0","m":1,"n":4096,"k":4096,
+                 "threads":1,"median_us":100.0,"gflops":1.0,"gbps":1.0}]"#,
+            "inline",
+        )
+        .unwrap();
+        let table = print_table(&r, &refs);
+        assert!(
+            table.contains("numpy GF/s") && table.lines().count() == 3,
+            "{table}"
+        );
+        assert!(to_json(&r).contains("\"median_us\""));
+        assert!(parse_refs("{", "inline").is_err());
+    }
+
+    #[test]
+    fn interleaved_stream_sum_reads_everything() {
+        let v: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        for streams in [1, 3, 8] {
+            assert_eq!(sum_streams(&v, streams), 499_500.0);
+        }
+    }
+
+    #[test]
+    fn bad_thread_counts_are_an_error() {
+        let opts = OpsBenchOptions {
+            threads: vec![0],
+            progress: false,
+            ..Default::default()
+        };
+        assert!(run(&opts).is_err());
+    }
+}

@@ -1,0 +1,738 @@
+//! Quantized matrix products: activations quantized to 8 bits per 32-element block (the
+//! numbers of ggml's `block_q8_0` / `block_q8_1`), then integer dot products with Q8_0, Q4_0
+//! and Q4_1 weight blocks, scaled per block (ggml-cpu `ggml_vec_dot_q4_0_q8_0` and friends:
+//! integer products summed pairwise, one float multiply-add per block).
+//!
+//! Activation rows live in the node's scratch as structure-of-arrays ([`ActLayout`]): the 32
+//! quants of each block (32-byte aligned, one vector load), then the block scales `d` (f32
+//! holding the f16-rounded value, as `block_q8_0.d`), then `s / 8` with `s = d * sum(q)` (the
+//! `block_q8_1.s` term, kept in f32 and divided by 8 so that adding it to each of 8 lanes adds
+//! `s` after the final horizontal sum).
+//!
+//! Dot products use an unsigned form of the weights: `u = w + off` (Q8_0: off = 128, by
+//! flipping the sign bit; Q4_0: the raw nibble, off = 8; Q4_1: the raw nibble, off = 0), so
+//! `dot(w, y) = dot(u, y) - off * sum(y)`. With AVX-512 VNNI, `vpdpbusd` multiplies u8 by i8
+//! and accumulates into i32 lanes that start at `-off * sum(y)`, so the offset costs nothing per
+//! weight row. With AVX2, `vpmaddubsw` + `vpmaddwd` (Q4: unsigned nibbles times signed
+//! activations cannot saturate 16 bits; Q8_0 uses ggml's sign trick, |w| times sign-adjusted y).
+
+use super::QuantW as WType;
+use crate::DType;
+use crate::cpu::simd::Isa;
+use half::f16;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Elements per block.
+pub(crate) const QK: usize = 32;
+
+/// Where activation row `r`'s quants, scales and sums live in the scratch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActLayout {
+    /// Blocks per row (K / 32).
+    pub nblk: usize,
+    /// Bytes per row, a multiple of 64.
+    pub row_bytes: usize,
+}
+
+impl ActLayout {
+    pub fn new(k: usize) -> Self {
+        let nblk = k / QK;
+        ActLayout {
+            nblk,
+            row_bytes: (nblk * (QK + 8)).next_multiple_of(64),
+        }
+    }
+    /// Offset of the `d` array within a row.
+    pub fn d_off(&self) -> usize {
+        self.nblk * QK
+    }
+    /// Offset of the `s / 8` array within a row.
+    pub fn s_off(&self) -> usize {
+        self.nblk * (QK + 4)
+    }
+}
+
+// ---- activation quantization -------------------------------------------------------------
+
+/// Quantize `count` consecutive blocks of f32 at `x` (element `i` at `x + i * stride` bytes,
+/// any alignment) into `qs` (32 bytes per block), `d` and `s8` (one f32 per block each).
+///
+/// # Safety
+/// `x` must be readable for `32 * count` strided f32, `qs` writable for `32 * count` bytes,
+/// `d` and `s8` for `count` f32 each.
+pub(crate) unsafe fn quantize_blocks(
+    isa: Isa,
+    x: *const u8,
+    stride: usize,
+    qs: *mut i8,
+    d: *mut f32,
+    s8: *mut f32,
+    count: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if stride == 4 && isa.clamp() >= Isa::Avx2 {
+        // SAFETY: supported level; the caller's bounds cover `count` blocks.
+        unsafe { quantize_blocks_avx2(x.cast(), qs, d, s8, count) };
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    let mut buf = [0f32; QK];
+    for b in 0..count {
+        for (j, v) in buf.iter_mut().enumerate() {
+            // SAFETY: element b * 32 + j of the caller's strided range.
+            *v = unsafe { x.add((b * QK + j) * stride).cast::<f32>().read_unaligned() };
+        }
+        let amax = buf.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let (dv, id) = block_scale(amax);
+        let mut sum = 0i32;
+        for (j, v) in buf.iter().enumerate() {
+            let q = (v * id).round_ties_even() as i32;
+            sum += q;
+            // SAFETY: byte b * 32 + j of the caller's range.
+            unsafe { *qs.add(b * QK + j) = q as i8 };
+        }
+        // SAFETY: element b of the caller's ranges.
+        unsafe {
+            *d.add(b) = dv;
+            *s8.add(b) = dv * sum as f32 * 0.125;
+        }
+    }
+}
+
+/// The stored scale (f16-rounded `amax / 127`, as `block_q8_0.d`) and the multiplier used to
+/// quantize (`127 / amax` before rounding, as ggml's `quantize_row_q8_0`).
+#[inline(always)]
+fn block_scale(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    (f16::from_f32(d).to_f32(), id)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_blocks_avx2(
+    x: *const f32,
+    qs: *mut i8,
+    d: *mut f32,
+    s8: *mut f32,
+    count: usize,
+) {
+    let sign = _mm256_set1_ps(-0.0);
+    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for b in 0..count {
+        // SAFETY: 32 floats of block b are in the caller's range.
+        let v: [__m256; 4] = unsafe {
+            let p = x.add(b * QK);
+            [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ]
+        };
+        let mx = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+        );
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        let (dv, id) = block_scale(_mm_cvtss_f32(m4));
+        let idv = _mm256_set1_ps(id);
+        // Round to nearest even (the default MXCSR mode), as the scalar path.
+        let q: [__m256i; 4] = [
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[0], idv)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[1], idv)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[2], idv)),
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[3], idv)),
+        ];
+        let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let s4 = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256::<1>(sum),
+        );
+        let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b01_00_11_10>(s4));
+        let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b10_11_00_01>(s4));
+        let isum = _mm_cvtsi128_si32(s4);
+        // Pack 32 x i32 into 32 x i8; the in-lane packs interleave, the permute restores order.
+        let p16a = _mm256_packs_epi32(q[0], q[1]);
+        let p16b = _mm256_packs_epi32(q[2], q[3]);
+        let p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
+        // SAFETY: block b's 32 bytes and its d / s8 slots are in the caller's range.
+        unsafe {
+            _mm256_storeu_si256(qs.add(b * QK).cast(), p8);
+            *d.add(b) = dv;
+            *s8.add(b) = dv * isum as f32 * 0.125;
+        }
+    }
+}
+
+// ---- weight dequantization (exact mode) --------------------------------------------------
+
+/// Convert one weight row of `k` elements of `wt` at `src` into f32 at `dst`.
+///
+/// # Safety
+/// `src` must be readable for `wt.row_size(k)` bytes (any alignment) and `dst` writable for
+/// `k` f32; `k` must be a multiple of 32 for quantized types.
+pub(crate) unsafe fn row_to_f32(isa: Isa, wt: DType, src: *const u8, dst: *mut f32, k: usize) {
+    use crate::cpu::simd;
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match wt {
+            DType::F32 => std::ptr::copy_nonoverlapping(src, dst.cast::<u8>(), 4 * k),
+            DType::F16 => simd::f16_to_f32_raw(isa, src, dst, k),
+            DType::BF16 => simd::bf16_to_f32_raw(isa, src, dst, k),
+            _ => dequant_row(isa, wt, src, dst, k),
+        }
+    }
+}
+
+unsafe fn dequant_row(isa: Isa, wt: DType, src: *const u8, dst: *mut f32, k: usize) {
+    let nblk = k / QK;
+    let bs = wt.type_size();
+    #[cfg(target_arch = "x86_64")]
+    if isa.clamp() >= Isa::Avx2 {
+        // SAFETY: supported level; forwarded caller guarantees.
+        unsafe { dequant_row_avx2(wt, src, dst, nblk) };
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    for b in 0..nblk {
+        // SAFETY: block b is inside the row; dst has room for its 32 values.
+        unsafe {
+            let blk = src.add(b * bs);
+            let dv = read_f16(blk);
+            let out = dst.add(b * QK);
+            for j in 0..QK {
+                *out.add(j) = match wt {
+                    DType::Q8_0 => *blk.add(2 + j) as i8 as f32 * dv,
+                    DType::Q4_0 => (nibble(blk.add(2), j) as i32 - 8) as f32 * dv,
+                    _ => nibble(blk.add(4), j) as f32 * dv + read_f16(blk.add(2)),
+                };
+            }
+        }
+    }
+}
+
+/// Element `j < 32` of a block's 16 nibble bytes at `qs` (low nibbles are 0..16, high 16..32).
+///
+/// # Safety
+/// `qs` must be readable for 16 bytes.
+#[inline(always)]
+unsafe fn nibble(qs: *const u8, j: usize) -> u8 {
+    // SAFETY: j % 16 < 16.
+    let b = unsafe { *qs.add(j % 16) };
+    if j < 16 { b & 0x0f } else { b >> 4 }
+}
+
+/// # Safety
+/// `p` must be readable for 2 bytes.
+#[inline(always)]
+unsafe fn read_f16(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees two readable bytes.
+    f16::from_bits(unsafe { p.cast::<u16>().read_unaligned() }).to_f32()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dequant_row_avx2(wt: DType, src: *const u8, dst: *mut f32, nblk: usize) {
+    let bs = wt.type_size();
+    let mask = _mm256_set1_epi8(0x0f);
+    let eight = _mm256_set1_epi8(8);
+    for b in 0..nblk {
+        // SAFETY: block b is inside the row and dst has room for 32 floats at b * 32.
+        unsafe {
+            let blk = src.add(b * bs);
+            let dv = _mm256_set1_ps(f16_bits_to_f32(blk));
+            let bytes = match wt {
+                DType::Q8_0 => _mm256_loadu_si256(blk.add(2).cast()),
+                DType::Q4_0 => _mm256_sub_epi8(nibbles_avx2(blk.add(2), mask), eight),
+                _ => nibbles_avx2(blk.add(4), mask),
+            };
+            let mv = if wt == DType::Q4_1 {
+                _mm256_set1_ps(f16_bits_to_f32(blk.add(2)))
+            } else {
+                _mm256_setzero_ps()
+            };
+            let lo = _mm256_castsi256_si128(bytes);
+            let hi = _mm256_extracti128_si256::<1>(bytes);
+            let parts = [
+                _mm256_cvtepi8_epi32(lo),
+                _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(lo)),
+                _mm256_cvtepi8_epi32(hi),
+                _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(hi)),
+            ];
+            for (i, p) in parts.iter().enumerate() {
+                // Multiply then add (two roundings), as the scalar reference does.
+                let v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(*p), dv), mv);
+                _mm256_storeu_ps(dst.add(b * QK + 8 * i), v);
+            }
+        }
+    }
+}
+
+/// f16 bits at `p` to f32 with F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16_bits_to_f32(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees two readable bytes.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Prefetch distance in weight rows (see `prefetch`).
+const PF_ROWS: usize = 4;
+/// Ask for the cache line at `p` ahead of use. Weight rows of quantized types are short (2.3 KB
+/// for Q4_0 at K = 4096), too short for the hardware stream prefetchers to ramp up on each, so
+/// the tile kernels fetch the same block of the rows `PF_ROWS` below the ones they read.
+/// A prefetch never faults, so `p` may point past the weights.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: prefetch is a hint with no architectural effect; any address is allowed.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+}
+
+/// The 32 nibbles of a Q4 block (16 bytes at `qs`) as bytes in element order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn nibbles_avx2(qs: *const u8, mask: __m256i) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let q = unsafe { _mm_loadu_si128(qs.cast()) };
+    let hi = _mm_srli_epi16::<4>(q);
+    _mm256_and_si256(_mm256_set_m128i(hi, q), mask)
+}
+
+// ---- dot-product blocks --------------------------------------------------------------------
+
+/// One block of `dst[m][n] = dot(w[n], a[m])` with quantized weights and activations.
+#[derive(Clone, Copy)]
+pub(crate) struct QuantBlock {
+    /// First weight row: `nblk` blocks of `wt` starting at `w + n * ldw` bytes.
+    pub w: *const u8,
+    pub ldw: usize,
+    pub wt: WType,
+    /// First activation row in the [`ActLayout`] form; row `m` at `a + m * lay.row_bytes`.
+    pub a: *const u8,
+    pub lay: ActLayout,
+    /// Output: `dst[m][n]` at `d + m * ldd + n` elements.
+    pub d: *mut f32,
+    pub ldd: usize,
+    pub n: usize,
+    pub m: usize,
+}
+
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+
+const fn block_bytes(wq: u8) -> usize {
+    match wq {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 20,
+    }
+}
+
+/// Compute one block at the given level.
+///
+/// # Safety
+/// Weight rows `n < b.n` hold `b.lay.nblk` blocks of `b.wt`, activation rows `m < b.m` are in
+/// the [`ActLayout`] form, and `dst[m][n]` is writable and owned by the
+/// caller's thread.
+pub(crate) unsafe fn block(isa: Isa, b: &QuantBlock) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = isa.clamp();
+        // SAFETY: supported level (clamped); forwarded caller guarantees.
+        unsafe {
+            match (isa, b.wt) {
+                (Isa::Avx512, WType::Q8_0) => return vnni::block::<Q8_0>(b),
+                (Isa::Avx512, WType::Q4_0) => return vnni::block::<Q4_0>(b),
+                (Isa::Avx512, WType::Q4_1) => return vnni::block::<Q4_1>(b),
+                (Isa::Avx2, WType::Q8_0) => return avx2::block::<Q8_0>(b),
+                (Isa::Avx2, WType::Q4_0) => return avx2::block::<Q4_0>(b),
+                (Isa::Avx2, WType::Q4_1) => return avx2::block::<Q4_1>(b),
+                _ => {}
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match b.wt {
+            WType::Q8_0 => scalar_block::<Q8_0>(b),
+            WType::Q4_0 => scalar_block::<Q4_0>(b),
+            _ => scalar_block::<Q4_1>(b),
+        }
+    }
+}
+
+/// Portable fallback: exact integer dot per block, scaled and summed in f32.
+unsafe fn scalar_block<const WQ: u8>(b: &QuantBlock) {
+    let bs = block_bytes(WQ);
+    let lay = b.lay;
+    for n in 0..b.n {
+        for m in 0..b.m {
+            let mut acc = 0f32;
+            for blk in 0..lay.nblk {
+                // SAFETY: block blk of weight row n and activation row m are in range.
+                unsafe {
+                    let wb = b.w.add(n * b.ldw + blk * bs);
+                    let ar = b.a.add(m * lay.row_bytes);
+                    let y = ar.add(blk * QK).cast::<i8>();
+                    let dy = *ar.add(lay.d_off()).cast::<f32>().add(blk);
+                    let mut isum = 0i32;
+                    for j in 0..QK {
+                        let wv = match WQ {
+                            Q8_0 => *wb.add(2 + j) as i8 as i32,
+                            Q4_0 => nibble(wb.add(2), j) as i32 - 8,
+                            _ => nibble(wb.add(4), j) as i32,
+                        };
+                        isum += wv * *y.add(j) as i32;
+                    }
+                    acc += read_f16(wb) * dy * isum as f32;
+                    if WQ == Q4_1 {
+                        let s8 = *ar.add(lay.s_off()).cast::<f32>().add(blk);
+                        acc += read_f16(wb.add(2)) * s8 * 8.0;
+                    }
+                }
+            }
+            // SAFETY: the caller owns this output element.
+            unsafe { *b.d.add(m * b.ldd + n) = acc };
+        }
+    }
+}
+
+/// Drive a tile kernel `$tile::<WQ, RN, RM>(w, ldw, a, lay, d, ldd)` over a block: full
+/// `$rn`-row tiles, leftover weight rows one at a time, activation rows in the widest listed
+/// tile that fits.
+macro_rules! drive_qblock {
+    ($b:expr, $tile:ident, $rn:literal, [$($rm:literal),+]) => {{
+        let b = $b;
+        let mut n0 = 0;
+        while n0 < b.n {
+            let rows = if b.n - n0 >= $rn { $rn } else { 1 };
+            let mut m0 = 0;
+            while m0 < b.m {
+                let left = b.m - m0;
+                // SAFETY: weight rows n0..n0 + rows <= b.n, activation rows m0..m0 + cols <=
+                // b.m and their outputs are inside the caller's block.
+                let (w, a, d) = unsafe {
+                    (b.w.add(n0 * b.ldw), b.a.add(m0 * b.lay.row_bytes), b.d.add(m0 * b.ldd + n0))
+                };
+                let mut cols = 0;
+                $(
+                    if cols == 0 && left >= $rm {
+                        cols = $rm;
+                        // SAFETY: as above.
+                        unsafe {
+                            if rows == $rn {
+                                $tile::<WQ, $rn, $rm>(w, b.ldw, a, b.lay, d, b.ldd);
+                            } else {
+                                $tile::<WQ, 1, $rm>(w, b.ldw, a, b.lay, d, b.ldd);
+                            }
+                        }
+                    }
+                )+
+                m0 += cols;
+            }
+            n0 += rows;
+        }
+    }};
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use crate::cpu::simd::hsum256;
+
+    /// `RN x RM` outputs over all blocks with `vpmaddubsw` + `vpmaddwd`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const WQ: u8, const RN: usize, const RM: usize>(
+        w: *const u8,
+        ldw: usize,
+        a: *const u8,
+        lay: ActLayout,
+        d: *mut f32,
+        ldd: usize,
+    ) {
+        let bs = block_bytes(WQ);
+        let ones = _mm256_set1_epi16(1);
+        let mask = _mm256_set1_epi8(0x0f);
+        let eights = _mm256_set1_epi8(8);
+        let mut acc = [[_mm256_setzero_ps(); RM]; RN];
+        for blk in 0..lay.nblk {
+            let mut y = [_mm256_setzero_si256(); RM];
+            let mut corr = [_mm256_setzero_si256(); RM];
+            for m in 0..RM {
+                // SAFETY: block blk of activation row m.
+                y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * QK).cast()) };
+                if WQ == Q4_0 {
+                    corr[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(eights, y[m]), ones);
+                }
+            }
+            for (r, accr) in acc.iter_mut().enumerate() {
+                // SAFETY: block blk of weight row r.
+                let wb = unsafe { w.add(r * ldw + blk * bs) };
+                prefetch(wb.wrapping_add(PF_ROWS * ldw));
+                // SAFETY: the block's scale (and min) are its first bytes.
+                let dw = _mm256_set1_ps(unsafe { f16_bits_to_f32(wb) });
+                let mw = if WQ == Q4_1 {
+                    // SAFETY: as above.
+                    _mm256_set1_ps(unsafe { f16_bits_to_f32(wb.add(2)) })
+                } else {
+                    _mm256_setzero_ps()
+                };
+                // SAFETY: the block's quants follow its header.
+                let wq = unsafe {
+                    match WQ {
+                        Q8_0 => _mm256_loadu_si256(wb.add(2).cast()),
+                        Q4_0 => nibbles_avx2(wb.add(2), mask),
+                        _ => nibbles_avx2(wb.add(4), mask),
+                    }
+                };
+                let wabs = if WQ == Q8_0 {
+                    _mm256_sign_epi8(wq, wq)
+                } else {
+                    wq
+                };
+                for (m, acc_rm) in accr.iter_mut().enumerate() {
+                    let p16 = if WQ == Q8_0 {
+                        _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(y[m], wq))
+                    } else {
+                        _mm256_maddubs_epi16(wq, y[m])
+                    };
+                    let mut p32 = _mm256_madd_epi16(p16, ones);
+                    if WQ == Q4_0 {
+                        p32 = _mm256_sub_epi32(p32, corr[m]);
+                    }
+                    // SAFETY: the scale and sum arrays of activation row m hold nblk entries.
+                    let (dy, s8) = unsafe {
+                        let ar = a.add(m * lay.row_bytes);
+                        (
+                            *ar.add(lay.d_off()).cast::<f32>().add(blk),
+                            *ar.add(lay.s_off()).cast::<f32>().add(blk),
+                        )
+                    };
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dy));
+                    *acc_rm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc_rm);
+                    if WQ == Q4_1 {
+                        *acc_rm = _mm256_fmadd_ps(mw, _mm256_set1_ps(s8), *acc_rm);
+                    }
+                }
+            }
+        }
+        for (r, accr) in acc.iter().enumerate() {
+            for (m, v) in accr.iter().enumerate() {
+                // SAFETY: the output element is in the caller's block.
+                unsafe { *d.add(m * ldd + r) = hsum256(*v) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block<const WQ: u8>(b: &QuantBlock) {
+        if b.m == 1 {
+            drive_qblock!(b, tile, 4, [1]);
+        } else {
+            drive_qblock!(b, tile, 2, [2, 1]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::*;
+    use crate::cpu::simd::hsum256;
+
+    /// `RN x RM` outputs over all blocks with `vpdpbusd` on 256-bit vectors (AVX-512 VL +
+    /// VNNI: 32 vector registers, so larger tiles than AVX2).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile<const WQ: u8, const RN: usize, const RM: usize>(
+        w: *const u8,
+        ldw: usize,
+        a: *const u8,
+        lay: ActLayout,
+        d: *mut f32,
+        ldd: usize,
+    ) {
+        let bs = block_bytes(WQ);
+        let mask = _mm256_set1_epi8(0x0f);
+        let flip = _mm256_set1_epi8(-128);
+        let off = _mm256_set1_epi8(if WQ == Q8_0 { -128 } else { 8 });
+        let zero = _mm256_setzero_si256();
+        let mut acc = [[_mm256_setzero_ps(); RM]; RN];
+        for blk in 0..lay.nblk {
+            let mut y = [zero; RM];
+            let mut init = [zero; RM];
+            for m in 0..RM {
+                // SAFETY: block blk of activation row m.
+                y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * QK).cast()) };
+                if WQ != Q4_1 {
+                    // -off * sum(y), spread over the 8 lanes.
+                    init[m] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, y[m]));
+                }
+            }
+            for (r, accr) in acc.iter_mut().enumerate() {
+                // SAFETY: block blk of weight row r.
+                let wb = unsafe { w.add(r * ldw + blk * bs) };
+                prefetch(wb.wrapping_add(PF_ROWS * ldw));
+                // SAFETY: the block's scale (and min) are its first bytes.
+                let dw = _mm256_set1_ps(unsafe { f16_bits_to_f32(wb) });
+                let mw = if WQ == Q4_1 {
+                    // SAFETY: as above.
+                    _mm256_set1_ps(unsafe { f16_bits_to_f32(wb.add(2)) })
+                } else {
+                    _mm256_setzero_ps()
+                };
+                // SAFETY: the block's quants follow its header.
+                let u = unsafe {
+                    match WQ {
+                        Q8_0 => _mm256_xor_si256(_mm256_loadu_si256(wb.add(2).cast()), flip),
+                        Q4_0 => nibbles_avx2(wb.add(2), mask),
+                        _ => nibbles_avx2(wb.add(4), mask),
+                    }
+                };
+                for (m, acc_rm) in accr.iter_mut().enumerate() {
+                    let p32 = _mm256_dpbusd_epi32(init[m], u, y[m]);
+                    // SAFETY: the scale and sum arrays of activation row m hold nblk entries.
+                    let (dy, s8) = unsafe {
+                        let ar = a.add(m * lay.row_bytes);
+                        (
+                            *ar.add(lay.d_off()).cast::<f32>().add(blk),
+                            *ar.add(lay.s_off()).cast::<f32>().add(blk),
+                        )
+                    };
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dy));
+                    *acc_rm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc_rm);
+                    if WQ == Q4_1 {
+                        *acc_rm = _mm256_fmadd_ps(mw, _mm256_set1_ps(s8), *acc_rm);
+                    }
+                }
+            }
+        }
+        for (r, accr) in acc.iter().enumerate() {
+            for (m, v) in accr.iter().enumerate() {
+                // SAFETY: the output element is in the caller's block.
+                unsafe { *d.add(m * ldd + r) = hsum256(*v) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn block<const WQ: u8>(b: &QuantBlock) {
+        if b.m == 1 {
+            drive_qblock!(b, tile, 4, [1]);
+        } else {
+            drive_qblock!(b, tile, 4, [4, 2, 1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::{BlockQ8_1, quantize_q8_1};
+
+    #[test]
+    fn activation_quantization_matches_the_reference_on_every_level() {
+        // Values avoid exact .5 ties, where the reference rounds away from zero and the
+        // kernels (like ggml's SIMD paths) round to even.
+        let k = 96;
+        let x: Vec<f32> = (0..k)
+            .map(|i| ((i * 7919 % 613) as f32 - 300.3) / 17.0)
+            .collect();
+        let mut want = vec![BlockQ8_1::default(); k / QK];
+        quantize_q8_1(&x, &mut want);
+        for isa in Isa::available() {
+            let mut qs = vec![0i8; k];
+            let mut d = vec![0f32; k / QK];
+            let mut s8 = vec![0f32; k / QK];
+            // SAFETY: the buffers hold k / 32 blocks.
+            unsafe {
+                quantize_blocks(
+                    isa,
+                    x.as_ptr().cast(),
+                    4,
+                    qs.as_mut_ptr(),
+                    d.as_mut_ptr(),
+                    s8.as_mut_ptr(),
+                    k / QK,
+                )
+            };
+            for (b, wb) in want.iter().enumerate() {
+                assert_eq!(d[b], wb.d.to_f32(), "{isa} block {b} scale");
+                assert_eq!(
+                    &qs[b * QK..(b + 1) * QK],
+                    &wb.qs[..],
+                    "{isa} block {b} quants"
+                );
+                let sum: i32 = wb.qs.iter().map(|&q| q as i32).sum();
+                assert_eq!(
+                    s8[b] * 8.0,
+                    wb.d.to_f32() * sum as f32,
+                    "{isa} block {b} sum"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_blocks_quantize_to_zero() {
+        let x = vec![0f32; 64];
+        for isa in Isa::available() {
+            let mut qs = vec![1i8; 64];
+            let mut d = vec![1f32; 2];
+            let mut s8 = vec![1f32; 2];
+            // SAFETY: the buffers hold 2 blocks.
+            unsafe {
+                quantize_blocks(
+                    isa,
+                    x.as_ptr().cast(),
+                    4,
+                    qs.as_mut_ptr(),
+                    d.as_mut_ptr(),
+                    s8.as_mut_ptr(),
+                    2,
+                )
+            };
+            assert!(
+                qs.iter().all(|&q| q == 0) && d == [0.0, 0.0] && s8 == [0.0, 0.0],
+                "{isa}"
+            );
+        }
+    }
+
+    #[test]
+    fn dequantized_rows_match_the_reference() {
+        let k = 128;
+        let x: Vec<f32> = (0..k)
+            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 9.0)
+            .collect();
+        for wt in [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::F16,
+            DType::BF16,
+            DType::F32,
+        ] {
+            let bytes = crate::dtype::f32_to_bytes(wt, &x).unwrap();
+            let want = crate::dtype::bytes_to_f32(wt, &bytes, k).unwrap();
+            for isa in Isa::available() {
+                let mut got = vec![0f32; k];
+                // SAFETY: bytes hold one row of k elements, got has room for k.
+                unsafe { row_to_f32(isa, wt, bytes.as_ptr(), got.as_mut_ptr(), k) };
+                assert_eq!(got, want, "{isa} {wt}");
+            }
+        }
+    }
+}

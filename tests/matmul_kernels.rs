@@ -1,0 +1,607 @@
+//! The CPU `mul_mat` kernels against a float64 reference computed from the dequantized weights
+//! (`dtype.rs` reference conversions) and the f32 activations, by normalized mean squared error:
+//! every weight dtype, M in {1, 2, 7, 32, 33} plus GEMM-sized M, odd N and K, padded and
+//! transposed activations, broadcast batch dims, KV-cache views, 1..3 threads of a real
+//! `ThreadPool`, every SIMD level this CPU has (the scalar fallback forced), exact and
+//! quantized-activation modes. dst sits between guard bytes that must stay untouched.
+
+use metashard::DType;
+use metashard::cpu::matmul::{self, Isa};
+use metashard::cpu::{ComputeParams, TensorView, ThreadPool};
+use metashard::dtype::{row_from_f32, row_to_f32};
+
+/// A byte buffer with 64-byte alignment.
+struct Buf {
+    words: Vec<[u64; 8]>,
+    len: usize,
+}
+
+impl Buf {
+    fn new(len: usize, fill: u8) -> Buf {
+        let mut b = Buf {
+            words: vec![[0u64; 8]; len.div_ceil(64).max(1)],
+            len,
+        };
+        b.bytes_mut().fill(fill);
+        b
+    }
+    fn ptr(&mut self) -> *mut u8 {
+        self.words.as_mut_ptr().cast()
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the vector holds at least `len` initialized bytes.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, exclusively borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// How src1 is laid out in memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum XLayout {
+    Contiguous,
+    /// Rows padded with 5 extra floats; batch strides follow.
+    PaddedRows,
+    /// Element (k, m) at `k * M + m`: nb[0] = 4 * M, so the kernels gather.
+    Transposed,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    wt: DType,
+    k: usize,
+    n: usize,
+    m: usize,
+    /// Weight batch dims (ne02, ne03) and activation batch dims (ne12, ne13).
+    wb: [usize; 2],
+    xb: [usize; 2],
+    /// Extra bytes after each weight row.
+    w_pad: usize,
+    x: XLayout,
+    /// Extra floats after each dst row.
+    d_pad: usize,
+}
+
+const GUARD: usize = 256;
+const SENTINEL: u8 = 0xa7;
+
+struct Operands {
+    wbuf: Buf,
+    w: TensorView,
+    xbuf: Buf,
+    x: TensorView,
+    /// Dequantized weights [batch][n][k] and activations [batch][m][k], in f64.
+    wref: Vec<f64>,
+    xref: Vec<f64>,
+}
+
+fn make_operands(c: &Case, seed: u64) -> Operands {
+    let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15 + 1);
+    let [ne02, ne03] = c.wb;
+    let row = c.wt.row_size(c.k) + c.w_pad;
+    let nb = [c.wt.type_size(), row, row * c.n, row * c.n * ne02];
+    let mut wbuf = Buf::new(nb[3] * ne03, 0x55);
+    let mut wref = Vec::with_capacity(c.k * c.n * ne02 * ne03);
+    let mut vals = vec![0f32; c.k];
+    let mut deq = vec![0f32; c.k];
+    for r in 0..c.n * ne02 * ne03 {
+        vals.iter_mut().for_each(|v| *v = rng.next());
+        let bytes = &mut wbuf.bytes_mut()[r * row..r * row + c.wt.row_size(c.k)];
+        row_from_f32(c.wt, &vals, bytes).unwrap();
+        row_to_f32(c.wt, bytes, &mut deq).unwrap();
+        wref.extend(deq.iter().map(|&v| v as f64));
+    }
+    let w = TensorView {
+        data: wbuf.ptr(),
+        dtype: c.wt,
+        ne: [c.k, c.n, ne02, ne03],
+        nb,
+    };
+
+    let [ne12, ne13] = c.xb;
+    let nbat = ne12 * ne13;
+    let (nbx, xlen) = match c.x {
+        XLayout::Contiguous => {
+            let r = 4 * c.k;
+            ([4, r, r * c.m, r * c.m * ne12], r * c.m * nbat)
+        }
+        XLayout::PaddedRows => {
+            let r = 4 * (c.k + 5);
+            (
+                [4, r, r * c.m + 12, (r * c.m + 12) * ne12],
+                (r * c.m + 12) * nbat,
+            )
+        }
+        XLayout::Transposed => {
+            let plane = 4 * c.k * c.m;
+            ([4 * c.m, 4, plane, plane * ne12], plane * nbat)
+        }
+    };
+    let mut xbuf = Buf::new(xlen, 0x77);
+    let mut xref = Vec::with_capacity(c.k * c.m * nbat);
+    for i3 in 0..ne13 {
+        for i2 in 0..ne12 {
+            for i1 in 0..c.m {
+                for i0 in 0..c.k {
+                    let v = rng.next();
+                    let off = i0 * nbx[0] + i1 * nbx[1] + i2 * nbx[2] + i3 * nbx[3];
+                    xbuf.bytes_mut()[off..off + 4].copy_from_slice(&v.to_le_bytes());
+                    xref.push(v as f64);
+                }
+            }
+        }
+    }
+    let x = TensorView {
+        data: xbuf.ptr(),
+        dtype: DType::F32,
+        ne: [c.k, c.m, ne12, ne13],
+        nb: nbx,
+    };
+    Operands {
+        wbuf,
+        w,
+        xbuf,
+        x,
+        wref,
+        xref,
+    }
+}
+
+/// Reference output [batch][m][n] in f64.
+fn reference(c: &Case, o: &Operands) -> Vec<f64> {
+    let [ne02, ne03] = c.wb;
+    let [ne12, ne13] = c.xb;
+    let mut out = Vec::with_capacity(c.n * c.m * ne12 * ne13);
+    for i3 in 0..ne13 {
+        for i2 in 0..ne12 {
+            let wb = (i3 / (ne13 / ne03)) * ne02 + i2 / (ne12 / ne02);
+            let xb = i3 * ne12 + i2;
+            for m in 0..c.m {
+                let xr = &o.xref[(xb * c.m + m) * c.k..][..c.k];
+                for n in 0..c.n {
+                    let wr = &o.wref[(wb * c.n + n) * c.k..][..c.k];
+                    out.push(wr.iter().zip(xr).map(|(a, b)| a * b).sum());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Run the kernel; returns dst as [batch][m][n] after checking the guard and padding bytes.
+fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, exact: bool) -> Vec<f32> {
+    let [ne12, ne13] = c.xb;
+    let ld = c.n + c.d_pad;
+    let nbd = [4, 4 * ld, 4 * ld * c.m, 4 * ld * c.m * ne12];
+    let body = nbd[3] * ne13;
+    let mut dbuf = Buf::new(GUARD + body + GUARD, SENTINEL);
+    // SAFETY: GUARD < the buffer's length.
+    let dptr = unsafe { dbuf.ptr().add(GUARD) };
+    let d = TensorView {
+        data: dptr,
+        dtype: DType::F32,
+        ne: [c.n, c.m, ne12, ne13],
+        nb: nbd,
+    };
+    matmul::supports(&o.w, &o.x, &d).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let nth = pool.nth();
+    let ws = matmul::work_size(&o.w, &o.x, &d, nth, exact);
+    let mut scratch = Buf::new(ws + 1, 0);
+    let wdata = scratch.ptr() as usize;
+    let (w, x) = (o.w, o.x);
+    pool.run(&|ith, barrier| {
+        let p = ComputeParams {
+            ith,
+            nth,
+            wdata: wdata as *mut u8,
+            wsize: ws,
+            barrier,
+            exact,
+        };
+        matmul::forward_with(isa, &p, &w, &x, &d);
+    })
+    .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let bytes = dbuf.bytes();
+    assert!(
+        bytes[..GUARD].iter().all(|&b| b == SENTINEL),
+        "{c:?}: wrote before dst"
+    );
+    assert!(
+        bytes[GUARD + body..].iter().all(|&b| b == SENTINEL),
+        "{c:?}: wrote after dst"
+    );
+    let mut out = Vec::with_capacity(c.n * c.m * ne12 * ne13);
+    for r in 0..c.m * ne12 * ne13 {
+        let row = &bytes[GUARD + r * 4 * ld..][..4 * ld];
+        for n in 0..c.n {
+            out.push(f32::from_le_bytes(
+                row[4 * n..4 * n + 4].try_into().unwrap(),
+            ));
+        }
+        assert!(
+            row[4 * c.n..].iter().all(|&b| b == SENTINEL),
+            "{c:?}: wrote into row padding"
+        );
+    }
+    out
+}
+
+fn nmse(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let err: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - w).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|w| w * w).sum();
+    if norm == 0.0 { err } else { err / norm }
+}
+
+fn nmse32(a: &[f32], b: &[f32]) -> f64 {
+    let bb: Vec<f64> = b.iter().map(|&v| v as f64).collect();
+    nmse(a, &bb)
+}
+
+/// Tolerances (normalized mean squared error against the f64 reference).
+/// - Float weights, and quantized weights in exact mode: the products are the reference's
+///   (weights are exactly representable in f32), only f32 summation differs: a relative error
+///   of a few 1e-7 per output, NMSE ~1e-14. Observed maximum over this file: 5e-14; bound 1e-12.
+/// - Quantized activations: 8-bit rounding of every activation (relative error ~1/(127 *
+///   sqrt(12)) per element) gives NMSE ~1e-5. Observed maximum: 2.1e-5; bound 2e-4.
+/// - Two SIMD levels or thread counts: same products, different summation order: 1e-12.
+const TOL_FLOAT: f64 = 1e-12;
+const TOL_Q8_ACT: f64 = 2e-4;
+const TOL_BETWEEN_RUNS: f64 = 1e-12;
+
+fn check(c: &Case, pools: &[ThreadPool], seed: u64) {
+    let o = make_operands(c, seed);
+    let want = reference(c, &o);
+    let modes: &[bool] = if c.wt.is_quantized() {
+        &[true, false]
+    } else {
+        &[false]
+    };
+    for &exact in modes {
+        let mut by_isa: Vec<(Isa, Vec<f32>)> = Vec::new();
+        for pool in pools {
+            for isa in Isa::available() {
+                let got = run(c, &o, pool, isa, exact);
+                let e = nmse(&got, &want);
+                let tol = if exact || !c.wt.is_quantized() {
+                    TOL_FLOAT
+                } else {
+                    TOL_Q8_ACT
+                };
+                assert!(
+                    e <= tol,
+                    "{c:?} isa={isa} nth={} exact={exact}: nmse {e:e} > {tol:e}",
+                    pool.nth()
+                );
+                // Every level and thread count agrees with the first to f32 rounding.
+                match by_isa.iter().find(|(i, _)| *i == isa).or(by_isa.first()) {
+                    Some((_, first)) => {
+                        let d = nmse32(&got, first);
+                        assert!(
+                            d <= TOL_BETWEEN_RUNS,
+                            "{c:?} isa={isa} nth={}: {d:e} from first",
+                            pool.nth()
+                        );
+                    }
+                    None => by_isa.push((isa, got)),
+                }
+            }
+        }
+    }
+    if c.wt.is_quantized() && c.k > 0 && c.n * c.m > 0 {
+        // Exact mode is the accuracy mode: strictly closer to the reference.
+        let pool = &pools[0];
+        let e_exact = nmse(&run(c, &o, pool, Isa::detect(), true), &want);
+        let e_q8 = nmse(&run(c, &o, pool, Isa::detect(), false), &want);
+        assert!(
+            e_exact * 100.0 < e_q8,
+            "{c:?}: exact {e_exact:e} vs q8 {e_q8:e}"
+        );
+    }
+    drop((o.wbuf, o.xbuf));
+}
+
+fn pools() -> Vec<ThreadPool> {
+    (1..=3).map(|n| ThreadPool::new(n, "mm-test")).collect()
+}
+
+const ALL: [DType; 6] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q8_0,
+    DType::Q4_0,
+    DType::Q4_1,
+];
+
+fn base(wt: DType, m: usize) -> Case {
+    let k = if wt.is_quantized() { 96 } else { 67 };
+    Case {
+        wt,
+        k,
+        n: 37,
+        m,
+        wb: [1, 1],
+        xb: [1, 1],
+        w_pad: 0,
+        x: XLayout::Contiguous,
+        d_pad: 0,
+    }
+}
+
+#[test]
+fn every_dtype_m_layout_and_broadcast_matches_the_reference() {
+    // The full product: dtype x M x src1 layout x (no broadcast, broadcast over dim 2) x
+    // threads {1, 2, 3} x every SIMD level x (exact, quantized activations); odd N and K.
+    let pools = pools();
+    for wt in ALL {
+        for m in [1, 2, 7, 32, 33] {
+            for x in [
+                XLayout::Contiguous,
+                XLayout::PaddedRows,
+                XLayout::Transposed,
+            ] {
+                for (wb, xb) in [([1, 1], [1, 1]), ([2, 1], [4, 1])] {
+                    let c = Case {
+                        x,
+                        wb,
+                        xb,
+                        ..base(wt, m)
+                    };
+                    check(&c, &pools, m as u64);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn long_rows_and_odd_k() {
+    let pools = pools();
+    for wt in ALL {
+        for (k, n) in [(if wt.is_quantized() { 32 } else { 1 }, 5), (1024, 19)] {
+            for m in [1, 3] {
+                check(
+                    &Case {
+                        k,
+                        n,
+                        ..base(wt, m)
+                    },
+                    &pools,
+                    7,
+                );
+            }
+        }
+        if !wt.is_quantized() {
+            for k in [7, 15, 17, 31, 33] {
+                check(&Case { k, ..base(wt, 2) }, &pools, 8);
+            }
+        }
+    }
+}
+
+#[test]
+fn medium_and_gemm_sized_m() {
+    // M from 48 to 192 uses the register tiles at these K; M >= 128 with K < 2048, and M >= 64
+    // with K <= 64, use the packed GEMM (with weights converted to f32 for non-f32 dtypes).
+    let pools = pools();
+    for wt in ALL {
+        for m in [48, 65, 130] {
+            check(
+                &Case {
+                    n: 45,
+                    ..base(wt, m)
+                },
+                &pools,
+                11,
+            );
+        }
+        check(
+            &Case {
+                n: 45,
+                k: 64,
+                ..base(wt, 64)
+            },
+            &pools,
+            12,
+        );
+    }
+}
+
+#[test]
+fn strided_activations_weights_and_outputs() {
+    let pools = pools();
+    for wt in ALL {
+        for x in [XLayout::PaddedRows, XLayout::Transposed] {
+            for m in [1, 7, 33, 130] {
+                let c = Case {
+                    x,
+                    w_pad: 6,
+                    d_pad: 3,
+                    ..base(wt, m)
+                };
+                check(&c, &pools, 13);
+            }
+        }
+        // Rows at odd byte offsets (f32 rows not 4-byte aligned).
+        check(
+            &Case {
+                w_pad: 3,
+                ..base(wt, 2)
+            },
+            &pools,
+            14,
+        );
+        check(
+            &Case {
+                w_pad: 3,
+                ..base(wt, 129)
+            },
+            &pools,
+            15,
+        );
+    }
+}
+
+#[test]
+fn broadcast_batch_dims() {
+    let pools = pools();
+    for wt in ALL {
+        for (wb, xb, m) in [
+            ([2, 1], [4, 1], 3),
+            ([1, 1], [3, 2], 1),
+            ([2, 3], [4, 6], 2),
+            ([3, 1], [3, 1], 33),
+            ([1, 2], [2, 2], 130),
+        ] {
+            let c = Case {
+                wb,
+                xb,
+                n: 13,
+                d_pad: 1,
+                ..base(wt, m)
+            };
+            check(&c, &pools, 17);
+        }
+    }
+}
+
+#[test]
+fn kv_cache_views() {
+    // A cache of n_kv positions, each holding 3 heads of 64: K = 64, nb1 = one position,
+    // nb2 = one head. Six query heads share three KV heads (r2 = 2).
+    let pools = pools();
+    for wt in [DType::F32, DType::F16, DType::BF16, DType::Q8_0] {
+        for n_kv in [1, 7, 40] {
+            for m in [1, 5] {
+                let head = wt.row_size(64);
+                let c = Case {
+                    wt,
+                    k: 64,
+                    n: n_kv,
+                    m,
+                    wb: [3, 1],
+                    xb: [6, 1],
+                    w_pad: 0,
+                    x: XLayout::Contiguous,
+                    d_pad: 0,
+                };
+                let mut o = make_operands(&c, 21);
+                // Re-lay the weights as a cache: same values, position-major.
+                let mut cache = Buf::new(n_kv * 3 * head, 0);
+                let src = o.w;
+                for h in 0..3 {
+                    for pos in 0..n_kv {
+                        let from = &o.wbuf.bytes()[h * src.nb[2] + pos * src.nb[1]..][..head];
+                        let to = pos * 3 * head + h * head;
+                        let from = from.to_vec();
+                        cache.bytes_mut()[to..to + head].copy_from_slice(&from);
+                    }
+                }
+                o.w = TensorView {
+                    data: cache.ptr(),
+                    dtype: wt,
+                    ne: [64, n_kv, 3, 1],
+                    nb: [wt.type_size(), 3 * head, head, 3 * head * n_kv],
+                };
+                let want = reference(&c, &o);
+                for pool in &pools {
+                    for isa in Isa::available() {
+                        let got = run(&c, &o, pool, isa, true);
+                        let e = nmse(&got, &want);
+                        assert!(e <= TOL_FLOAT, "{c:?} {isa} nth={}: {e:e}", pool.nth());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_sized_dims() {
+    let pools = pools();
+    for wt in ALL {
+        // K = 0 writes zeros (an empty sum) over whatever dst held.
+        let c = Case {
+            k: 0,
+            ..base(wt, 3)
+        };
+        let o = make_operands(&c, 1);
+        for pool in &pools {
+            for exact in [false, true] {
+                let got = run(&c, &o, pool, Isa::detect(), exact);
+                assert!(got.iter().all(|&v| v == 0.0), "{c:?}");
+            }
+        }
+        // Empty N, M and batch dims are no-ops (the guards check nothing is written).
+        for c in [
+            Case {
+                n: 0,
+                ..base(wt, 3)
+            },
+            Case {
+                m: 0,
+                ..base(wt, 3)
+            },
+            Case {
+                xb: [0, 1],
+                wb: [1, 1],
+                ..base(wt, 3)
+            },
+            Case {
+                xb: [2, 0],
+                wb: [1, 1],
+                ..base(wt, 3)
+            },
+        ] {
+            let o = make_operands(&c, 2);
+            for pool in &pools {
+                for exact in [false, true] {
+                    assert!(run(&c, &o, pool, Isa::detect(), exact).is_empty());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn unsupported_operands_are_refused_by_supports() {
+    let c = base(DType::F16, 2);
+    let mut o = make_operands(&c, 3);
+    let d = TensorView {
+        data: std::ptr::null_mut(),
+        dtype: DType::F32,
+        ne: [c.n, c.m, 1, 1],
+        nb: [4, 4 * c.n, 4 * c.n * c.m, 4 * c.n * c.m],
+    };
+    assert!(matmul::supports(&o.w, &o.x, &d).is_ok());
+    o.w.nb[0] = 4;
+    assert!(
+        matmul::supports(&o.w, &o.x, &d)
+            .unwrap_err()
+            .contains("contiguous")
+    );
+    o.w.nb[0] = 2;
+    o.x.dtype = DType::F16;
+    assert!(
+        matmul::supports(&o.w, &o.x, &d)
+            .unwrap_err()
+            .contains("f32")
+    );
+}

@@ -41,6 +41,26 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Matrix-product kernels on a fixed set of shapes (table, or JSON with --json).
+    Ops {
+        /// Thread counts (each case runs at each).
+        #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2])]
+        threads: Vec<usize>,
+        /// Only cases whose label contains this text, e.g. "q4_0" or "m=1 ".
+        #[arg(long)]
+        filter: Option<String>,
+        /// Quantized weights dequantized to f32 (no 8-bit activations).
+        #[arg(long)]
+        exact: bool,
+        /// Also time numpy (scripts/bench_numpy.py) in this run and print the ratios.
+        #[arg(long)]
+        numpy: bool,
+        /// Keep one copy of the weights (may stay in cache, as ggml's perf mode does).
+        #[arg(long)]
+        no_rotate: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// A real model's prompt (pp) and generation (tg) tokens/s on each device set.
     Model {
         #[arg(long, default_value = "smollm2")]
@@ -93,6 +113,14 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Verify(a) => metashard::cli::verify::run(&a),
         Cmd::Embed(opts) => metashard::cli::embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Bench { what } => match what {
+            BenchCmd::Ops {
+                threads,
+                filter,
+                exact,
+                numpy,
+                no_rotate,
+                json,
+            } => bench_ops(threads, filter, exact, numpy, no_rotate, json),
             BenchCmd::Model {
                 model,
                 devices,
@@ -145,6 +173,58 @@ fn run(cli: Cli) -> Result<()> {
             }
         },
     }
+}
+
+fn bench_ops(
+    threads: Vec<usize>,
+    filter: Option<String>,
+    exact: bool,
+    numpy: bool,
+    no_rotate: bool,
+    json: bool,
+) -> Result<()> {
+    let opts = bench::ops::OpsBenchOptions {
+        threads: threads.clone(),
+        exact,
+        filter: filter.clone(),
+        rotate: !no_rotate,
+        ..Default::default()
+    };
+    let results = bench::ops::run(&opts)?;
+    let refs = if numpy {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/bench_numpy.py");
+        let t: Vec<String> = threads.iter().map(|t| t.to_string()).collect();
+        let mut cmd = std::process::Command::new("python3");
+        cmd.arg(&script)
+            .arg("--threads")
+            .arg(t.join(","))
+            .arg("--json");
+        if let Some(f) = &filter {
+            cmd.arg("--filter").arg(f);
+        }
+        eprintln!("timing numpy ...");
+        let out = cmd.output().map_err(|e| metashard::Error::io(&script, e))?;
+        if !out.status.success() {
+            return Err(metashard::Error::msg(format!(
+                "{} failed: {}",
+                script.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        bench::ops::parse_refs(
+            &String::from_utf8_lossy(&out.stdout),
+            "bench_numpy.py output",
+        )?
+    } else {
+        Vec::new()
+    };
+    if json {
+        println!("{}", bench::ops::to_json(&results));
+    } else {
+        print!("{}", bench::ops::print_table(&results, &refs));
+    }
+    Ok(())
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {

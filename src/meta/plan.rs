@@ -7,7 +7,8 @@
 //!    gathering the root first when the view cannot be cut per device; any other node takes the
 //!    cheapest pattern of its op's rule (`split_state::rules`), where each source whose state
 //!    differs from the pattern's costs its conversion (local slice: nearly free; reductions and
-//!    gathers: the bytes they move plus a fixed latency). The chosen conversions are recorded.
+//!    gathers: the bytes they move plus a fixed latency; a conversion an earlier consumer
+//!    already caused costs nothing). The chosen conversions are recorded.
 //!
 //! In explicit mode, gathers and all-to-alls are refused: a pattern needing one is skipped, and
 //! if no pattern remains the error names the node, the source and the states.
@@ -240,7 +241,14 @@ pub fn plan(
                 .iter()
                 .zip(&pt.inputs)
                 .zip(&cur)
-                .map(|((&s, want), have)| cost(have, want, bytes_of(s), n, explicit))
+                .map(|((&s, want), have)| {
+                    // A conversion an earlier consumer already caused is free to reuse.
+                    if seen.contains_key(&(s, want.clone())) {
+                        0.0
+                    } else {
+                        cost(have, want, bytes_of(s), n, explicit)
+                    }
+                })
                 .sum()
         };
         let best = pats

@@ -135,45 +135,41 @@ unsafe fn scalar_block_t<const WT: u8>(b: &FloatBlock) {
     }
 }
 
-/// Drive a tile kernel over a block: full `RN x RM` tiles, leftover weight rows one at a time,
-/// leftover activation rows with a narrower tile. `$tile::<WT, RN, RM>(w, ldw, x, ldx, d, ldd, k)`.
+/// Drive a tile kernel `$tile::<WT, RN, RM>(w, ldw, x, ldx, d, ldd, k)` over a block: full
+/// `$rn`-row tiles, leftover weight rows one at a time, activation rows in the widest listed tile
+/// that fits.
 macro_rules! drive_block {
-    ($b:expr, $wt:ty, $tile:ident, $rn:expr, [$($rm:literal),+]) => {{
+    ($b:expr, $tile:ident, $rn:literal, [$($rm:literal),+]) => {{
         let b = $b;
-        let es = elem_size(WT);
-        let _ = es;
         let mut n0 = 0;
         while n0 < b.n {
             let rows = if b.n - n0 >= $rn { $rn } else { 1 };
             let mut m0 = 0;
             while m0 < b.m {
                 let left = b.m - m0;
-                // SAFETY (for every call below): rows n0..n0+rows < b.n and activation rows
-                // m0..m0+cols < b.m are inside the block the caller vouched for.
-                let w = unsafe { b.w.add(n0 * b.ldw) };
-                let x = unsafe { b.x.add(m0 * b.ldx) };
-                let d = unsafe { b.d.add(m0 * b.ldd + n0) };
-                let cols = drive_block!(@pick rows, left, w, b, x, d, $tile, $rn, [$($rm),+]);
+                // SAFETY: weight rows n0..n0 + rows <= b.n, activation rows m0..m0 + cols <= b.m
+                // and their outputs are inside the block the caller vouched for.
+                let (w, x, d) = unsafe {
+                    (b.w.add(n0 * b.ldw), b.x.add(m0 * b.ldx), b.d.add(m0 * b.ldd + n0))
+                };
+                let mut cols = 0;
+                $(
+                    if cols == 0 && left >= $rm {
+                        cols = $rm;
+                        // SAFETY: as above.
+                        unsafe {
+                            if rows == $rn {
+                                $tile::<WT, $rn, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.k);
+                            } else {
+                                $tile::<WT, 1, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.k);
+                            }
+                        }
+                    }
+                )+
                 m0 += cols;
             }
             n0 += rows;
         }
-    }};
-    (@pick $rows:ident, $left:ident, $w:ident, $b:ident, $x:ident, $d:ident, $tile:ident, $rn:expr,
-     [$($rm:literal),+]) => {{
-        let mut cols = 0;
-        // Widest tile first.
-        $(
-            if cols == 0 && $left >= $rm {
-                cols = $rm;
-                if $rows == $rn {
-                    unsafe { $tile::<WT, $rn, $rm>($w, $b.ldw, $x, $b.ldx, $d, $b.ldd, $b.k) };
-                } else {
-                    unsafe { $tile::<WT, 1, $rm>($w, $b.ldw, $x, $b.ldx, $d, $b.ldd, $b.k) };
-                }
-            }
-        )+
-        cols
     }};
 }
 
@@ -243,9 +239,9 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const WT: u8>(b: &FloatBlock) {
         if b.m == 1 {
-            drive_block!(b, WT, tile, 8, [1]);
+            drive_block!(b, tile, 8, [1]);
         } else {
-            drive_block!(b, WT, tile, 4, [3, 2, 1]);
+            drive_block!(b, tile, 4, [3, 2, 1]);
         }
     }
 }
@@ -341,9 +337,9 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn block<const WT: u8>(b: &FloatBlock) {
         if b.m == 1 {
-            drive_block!(b, WT, tile, 8, [1]);
+            drive_block!(b, tile, 8, [1]);
         } else {
-            drive_block!(b, WT, tile, 4, [6, 4, 2, 1]);
+            drive_block!(b, tile, 4, [6, 4, 2, 1]);
         }
     }
 }

@@ -4,7 +4,7 @@
 //! integer products summed pairwise, one float multiply-add per block).
 //!
 //! Activation rows live in the node's scratch as structure-of-arrays ([`ActLayout`]): the 32
-//! quants of each block (32-byte aligned, one vector load), then the block scales `d` (f32
+//! quants of each block (one vector load), then the block scales `d` (f32
 //! holding the f16-rounded value, as `block_q8_0.d`), then `s / 8` with `s = d * sum(q)` (the
 //! `block_q8_1.s` term, kept in f32 and divided by 8 so that adding it to each of 8 lanes adds
 //! `s` after the final horizontal sum).

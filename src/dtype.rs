@@ -75,7 +75,7 @@ impl DType {
 
     /// An error if `ne0` is not a whole number of blocks.
     pub fn check_row(self, ne0: usize, what: &str) -> Result<()> {
-        if ne0 % self.block_size() != 0 {
+        if !ne0.is_multiple_of(self.block_size()) {
             return Err(Error::msg(format!(
                 "{what}: row length {ne0} is not a multiple of the {self} block size {}",
                 self.block_size()
@@ -197,7 +197,9 @@ unsafe impl Pod for i8 {}
 /// the pointer is misaligned for `T`.
 pub fn cast_slice<T: Pod>(bytes: &[u8]) -> Result<&[T]> {
     let sz = std::mem::size_of::<T>();
-    if bytes.len() % sz != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !bytes.len().is_multiple_of(sz)
+        || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
         return Err(Error::msg(format!(
             "cannot view {} bytes at {:p} as {}",
             bytes.len(),
@@ -212,7 +214,9 @@ pub fn cast_slice<T: Pod>(bytes: &[u8]) -> Result<&[T]> {
 /// Mutable version of [`cast_slice`].
 pub fn cast_slice_mut<T: Pod>(bytes: &mut [u8]) -> Result<&mut [T]> {
     let sz = std::mem::size_of::<T>();
-    if bytes.len() % sz != 0 || (bytes.as_ptr() as usize) % std::mem::align_of::<T>() != 0 {
+    if !bytes.len().is_multiple_of(sz)
+        || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+    {
         return Err(Error::msg(format!(
             "cannot view {} bytes at {:p} as {}",
             bytes.len(),
@@ -342,7 +346,7 @@ pub fn dequantize_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
 /// `dtype.row_size(dst.len())` bytes.
 pub fn row_to_f32(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     let n = dst.len();
-    if src.len() != dtype.row_size(n) || n % dtype.block_size() != 0 {
+    if src.len() != dtype.row_size(n) || !n.is_multiple_of(dtype.block_size()) {
         return Err(Error::msg(format!(
             "row_to_f32: {} bytes of {dtype} do not hold {n} elements",
             src.len()
@@ -375,7 +379,7 @@ pub fn row_to_f32(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
 /// Convert one row of f32 to `dtype` bytes (`dst.len() == dtype.row_size(src.len())`).
 pub fn row_from_f32(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<()> {
     let n = src.len();
-    if dst.len() != dtype.row_size(n) || n % dtype.block_size() != 0 {
+    if dst.len() != dtype.row_size(n) || !n.is_multiple_of(dtype.block_size()) {
         return Err(Error::msg(format!(
             "row_from_f32: {} bytes of {dtype} do not hold {n} elements",
             dst.len()

@@ -125,7 +125,7 @@ pub fn can_repeat(b: &[usize; 4], a: &[usize; 4]) -> bool {
         if b[i] == 0 {
             a[i] == 0
         } else {
-            a[i] % b[i] == 0
+            a[i].is_multiple_of(b[i])
         }
     })
 }

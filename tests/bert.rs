@@ -259,7 +259,7 @@ fn split_callback_keeps_whole_heads_and_rotates_the_remainder() {
             }
         }
         // The extra heads of an uneven split do not always land on the same device.
-        if cfg.n_head % n != 0 && n <= cfg.n_layer {
+        if !cfg.n_head.is_multiple_of(n) && n <= cfg.n_layer {
             assert!(
                 extra_heads.iter().filter(|&&c| c > 0).count() > cfg.n_head % n,
                 "N={n}: extra heads always on the same devices {extra_heads:?}"

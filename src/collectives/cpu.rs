@@ -433,7 +433,7 @@ fn check_reducible(dtype: DType, what: &str, bytes: usize) -> Result<usize, Stri
         return Err(format!("dtype {dtype} cannot be summed (F32, F16 or BF16)"));
     }
     let esz = dtype.type_size();
-    if bytes % esz != 0 {
+    if !bytes.is_multiple_of(esz) {
         return Err(format!(
             "{what} of {bytes} B is not a whole number of {dtype} elements"
         ));

@@ -23,7 +23,7 @@ pub fn row_to_f32(dtype: DType, src: &[u8], out: &mut [f32]) {
             }
         }
         DType::F16 => {
-            if src.as_ptr() as usize % 2 == 0 {
+            if (src.as_ptr() as usize).is_multiple_of(2) {
                 // SAFETY: aligned for f16 (checked), length n * 2 bytes (asserted by the caller's
                 // contract), every bit pattern is a valid f16.
                 let h = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f16>(), n) };
@@ -89,7 +89,7 @@ pub fn row_from_f32(dtype: DType, src: &[f32], dst: &mut [u8]) {
             }
         }
         DType::F16 => {
-            if dst.as_ptr() as usize % 2 == 0 {
+            if (dst.as_ptr() as usize).is_multiple_of(2) {
                 // SAFETY: aligned for f16 (checked), exactly src.len() halves long.
                 let h = unsafe {
                     std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f16>(), src.len())

@@ -162,7 +162,7 @@ impl Graph {
                 "dimension 0 (K) must be equal",
             ));
         }
-        let bcast = |x: usize, y: usize| if x == 0 { y == 0 } else { y % x == 0 };
+        let bcast = |x: usize, y: usize| if x == 0 { y == 0 } else { y.is_multiple_of(x) };
         if !bcast(la.ne[2], lb.ne[2]) || !bcast(la.ne[3], lb.ne[3]) {
             return Err(Error::shape(
                 "mul_mat",
@@ -299,7 +299,7 @@ impl Graph {
             if !matches!(lm.dtype, DType::F32 | DType::F16) {
                 return Err(dtype_err("soft_max", self.name(m), "f32 or f16", lm.dtype));
             }
-            let bc = |x: usize, y: usize| if x == 0 { y == 0 } else { y % x == 0 };
+            let bc = |x: usize, y: usize| if x == 0 { y == 0 } else { y.is_multiple_of(x) };
             if lm.ne[0] != la.ne[0]
                 || lm.ne[1] < la.ne[1]
                 || !bc(lm.ne[2], la.ne[2])
@@ -335,7 +335,7 @@ impl Graph {
                 "positions must be [ne2 of the input]",
             ));
         }
-        if p.n_dims == 0 || p.n_dims % 2 != 0 || p.n_dims > la.ne[0] {
+        if p.n_dims == 0 || !p.n_dims.is_multiple_of(2) || p.n_dims > la.ne[0] {
             return Err(Error::invalid_op(
                 "rope",
                 format!(
@@ -537,7 +537,7 @@ impl Graph {
                 "rows must match dst in dims 0, 2, 3",
             ));
         }
-        let bc = |x: usize, y: usize| if x == 0 { y == 0 } else { y % x == 0 };
+        let bc = |x: usize, y: usize| if x == 0 { y == 0 } else { y.is_multiple_of(x) };
         if li.ne[0] != lr.ne[1]
             || !bc(li.ne[1], lr.ne[2])
             || !bc(li.ne[2], lr.ne[3])
@@ -632,7 +632,7 @@ impl Graph {
         // Kernels address whole elements (or blocks), aligned as their type.
         let ts = la.dtype.type_size();
         let start = start.unwrap_or(usize::MAX);
-        if start % ts != 0 || nb.iter().any(|&b| b % ts != 0) {
+        if !start.is_multiple_of(ts) || nb.iter().any(|&b| b % ts != 0) {
             return Err(Error::invalid_op(
                 "view",
                 format!(
@@ -755,7 +755,7 @@ fn check_convertible(op: &'static str, src: &Layout, to: DType) -> Result<()> {
     let ok = from == to
         || (from.is_float() && to.is_float())
         || (from.is_quantized() && to.is_float())
-        || (from == DType::F32 && to.is_quantized() && src.ne[0] % to.block_size() == 0);
+        || (from == DType::F32 && to.is_quantized() && src.ne[0].is_multiple_of(to.block_size()));
     if !ok {
         return Err(Error::invalid_op(
             op,

@@ -181,7 +181,7 @@ impl Graph {
             DType::F32 | DType::I32 => 4,
             _ => 2,
         };
-        if storage.offset % align != 0 {
+        if !storage.offset.is_multiple_of(align) {
             return Err(Error::msg(format!(
                 "cannot bind `{}` at offset {}: {} data must be {align}-byte aligned",
                 n.name, storage.offset, n.layout.dtype

@@ -221,7 +221,7 @@ impl MetaBuffer {
 /// Sum the byte ranges `parts` (same length) as elements of `dtype` into `out`.
 fn sum_into(dtype: DType, parts: &[Vec<u8>], out: &mut [u8]) -> Result<()> {
     let ts = dtype.type_size();
-    if !dtype.is_float() || out.len() % ts != 0 {
+    if !dtype.is_float() || !out.len().is_multiple_of(ts) {
         return Err(Error::msg(format!(
             "cannot sum partial {dtype} data of {} bytes",
             out.len()

@@ -72,13 +72,13 @@ impl BertConfig {
                 ));
             }
         };
-        if let Some(p) = c.opt_str("position_embedding_type")? {
-            if p != "absolute" {
-                return Err(bad(
-                    "position_embedding_type",
-                    format!("'{p}': only absolute position embeddings are supported"),
-                ));
-            }
+        if let Some(p) = c.opt_str("position_embedding_type")?
+            && p != "absolute"
+        {
+            return Err(bad(
+                "position_embedding_type",
+                format!("'{p}': only absolute position embeddings are supported"),
+            ));
         }
         let eps = c.get_f64("layer_norm_eps")?;
         if !(eps.is_finite() && eps >= 0.0) {
@@ -140,7 +140,7 @@ impl BertConfig {
                 return bad(format!("{name} = {v} must be in 1..=16777216"));
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return bad(format!(
                 "hidden_size {} is not a multiple of num_attention_heads {}",
                 self.n_embd, self.n_head

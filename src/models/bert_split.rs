@@ -79,7 +79,7 @@ pub fn head_extents(cfg: &BertConfig, n: usize, layer: usize) -> Result<Vec<usiz
 
 /// Extents of the intermediate features of `layer` over `n` devices (whole 32s where possible).
 pub fn ffn_extents(cfg: &BertConfig, n: usize, layer: usize) -> Result<Vec<usize>> {
-    let unit = if cfg.n_ff % 32 == 0 { 32 } else { 1 };
+    let unit = if cfg.n_ff.is_multiple_of(32) { 32 } else { 1 };
     Ok(split_even(cfg.n_ff / unit, n, Granularity(1), layer)?
         .into_iter()
         .map(|u| u * unit)

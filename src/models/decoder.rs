@@ -51,19 +51,22 @@ impl DecoderConfig {
                 reason: r,
             })
         };
-        if self.n_head == 0 || self.n_head_kv == 0 || self.n_embd % self.n_head != 0 {
+        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return bad(format!(
                 "n_embd {} is not a multiple of n_head {}",
                 self.n_embd, self.n_head
             ));
         }
-        if self.n_head % self.n_head_kv != 0 {
+        if !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(format!(
                 "n_head {} is not a multiple of n_head_kv {}",
                 self.n_head, self.n_head_kv
             ));
         }
-        if self.rope_dims == 0 || self.rope_dims > self.head_dim() || self.rope_dims % 2 != 0 {
+        if self.rope_dims == 0
+            || self.rope_dims > self.head_dim()
+            || !self.rope_dims.is_multiple_of(2)
+        {
             return bad(format!(
                 "rope dims {} do not fit head size {}",
                 self.rope_dims,

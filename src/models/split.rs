@@ -103,7 +103,7 @@ pub fn megatron(cfg: &DecoderConfig, opts: SplitOptions) -> SplitFn {
         let groups = |unit: usize| extents(cfg.n_head_kv, unit, n, &opts.ratios, layer);
         // The MLP in whole blocks of 32 (quantized rows along K need whole blocks).
         let ffn = |total: usize| -> Result<Vec<usize>> {
-            if total % 32 == 0 {
+            if total.is_multiple_of(32) {
                 extents(total / 32, 32, n, &opts.ratios, layer)
             } else {
                 extents(total, 1, n, &opts.ratios, layer)

@@ -23,7 +23,7 @@ fn gcd(a: usize, b: usize) -> usize {
 
 fn units(total: usize, g: Granularity, what: &str) -> Result<usize> {
     let g = g.0.max(1);
-    if total % g != 0 {
+    if !total.is_multiple_of(g) {
         return Err(Error::msg(format!(
             "{what}: extent {total} is not a whole number of units of {g}"
         )));

@@ -162,7 +162,7 @@ impl SplitState {
         let mut extents = SmallVec::new();
         for &e in &self.extents {
             let x = e * num;
-            if den == 0 || x % den != 0 {
+            if den == 0 || !x.is_multiple_of(den) {
                 return None;
             }
             extents.push(x / den);
@@ -201,7 +201,7 @@ impl SplitState {
         if k > 3 {
             return Err(err(format!("axis {k} is not in 0..=3")));
         }
-        if self.extents.is_empty() || self.extents.len() % self.n != 0 {
+        if self.extents.is_empty() || !self.extents.len().is_multiple_of(self.n) {
             return Err(err(format!(
                 "{} extents cannot be {} devices x whole segments",
                 self.extents.len(),
@@ -218,13 +218,14 @@ impl SplitState {
             )));
         }
         let bs = layout.dtype.block_size();
-        if k == 0 && bs > 1 {
-            if let Some(e) = self.extents.iter().find(|&&e| e % bs != 0) {
-                return Err(err(format!(
-                    "{} rows are split in whole blocks of {bs}, but an extent is {e}",
-                    layout.dtype
-                )));
-            }
+        if k == 0
+            && bs > 1
+            && let Some(e) = self.extents.iter().find(|&&e| e % bs != 0)
+        {
+            return Err(err(format!(
+                "{} rows are split in whole blocks of {bs}, but an extent is {e}",
+                layout.dtype
+            )));
         }
         Ok(())
     }

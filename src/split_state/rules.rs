@@ -104,10 +104,10 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
                     continue;
                 }
                 let r = nb[k] / na[k];
-                if sb.split_dim() == Some(k) {
-                    if let Some(ra) = divided(sb, k, r) {
-                        out.push(pat(vec![ra, sb.clone()], sb.clone()));
-                    }
+                if sb.split_dim() == Some(k)
+                    && let Some(ra) = divided(sb, k, r)
+                {
+                    out.push(pat(vec![ra, sb.clone()], sb.clone()));
                 }
                 if sa.split_dim() == Some(k) {
                     let rb = scaled(sa, k, r).unwrap();
@@ -326,13 +326,13 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
                 v
             };
             // Heads (axis 2 of q, k, v) -> axis 1 of the output; batch (axis 3) -> axis 3.
-            if src[0].split_dim() == Some(2) {
-                if let Some(kv) = divided(&src[0], 2, group) {
-                    out.push(pat(
-                        with_mask(vec![src[0].clone(), kv.clone(), kv]),
-                        scaled(&src[0], 1, 1).unwrap(),
-                    ));
-                }
+            if src[0].split_dim() == Some(2)
+                && let Some(kv) = divided(&src[0], 2, group)
+            {
+                out.push(pat(
+                    with_mask(vec![src[0].clone(), kv.clone(), kv]),
+                    scaled(&src[0], 1, 1).unwrap(),
+                ));
             }
             if src[1].split_dim() == Some(2) {
                 let q = scaled(&src[1], 2, group).unwrap();

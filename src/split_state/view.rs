@@ -80,16 +80,21 @@ pub fn derive_view(
                 continue; // inner
             }
             // Merges k with inner dims: must cover from its start through the whole of k.
-            if span_end != sk1 || o_inner != 0 || o_k != 0 || merge.is_some() || sk % st != 0 {
+            if span_end != sk1
+                || o_inner != 0
+                || o_k != 0
+                || merge.is_some()
+                || !sk.is_multiple_of(st)
+            {
                 return None;
             }
             merge = Some(j);
         } else if st < sk1 {
-            if st % sk != 0 {
+            if !st.is_multiple_of(sk) {
                 return None;
             }
             inside.push((j, st / sk));
-        } else if st % sk1 != 0 {
+        } else if !st.is_multiple_of(sk1) {
             return None;
         }
     }

@@ -80,7 +80,7 @@ fn elem_index(n: &Node, i: [usize; 4]) -> R<usize> {
     let (ts, bs) = (l.dtype.type_size(), l.dtype.block_size());
     let byte =
         n.view_offs + (i[0] / bs) * l.nb[0] + i[1] * l.nb[1] + i[2] * l.nb[2] + i[3] * l.nb[3];
-    if byte % ts != 0 {
+    if !byte.is_multiple_of(ts) {
         return Err(format!(
             "`{}` addresses byte {byte}, not on a {ts}-byte element",
             n.name

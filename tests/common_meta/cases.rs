@@ -10,7 +10,7 @@ use std::rc::Rc;
 
 /// A random divisor of `x` (1 and `x` included).
 pub fn divisor(rng: &mut TestRng, x: usize) -> usize {
-    let ds: Vec<usize> = (1..=x).filter(|d| x % d == 0).collect();
+    let ds: Vec<usize> = (1..=x).filter(|d| x.is_multiple_of(*d)).collect();
     rng.pick(&ds)
 }
 
@@ -20,7 +20,7 @@ pub fn random_shape(rng: &mut TestRng, count: usize) -> [usize; 4] {
     let mut c = count;
     let mut p = 2;
     while c > 1 {
-        while c % p == 0 {
+        while c.is_multiple_of(p) {
             ne[rng.below(4)] *= p;
             c /= p;
         }

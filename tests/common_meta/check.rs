@@ -123,8 +123,12 @@ pub fn check_places(
 ) -> std::result::Result<(), TestCaseError> {
     // Two threads per device on small device counts only: workers spin at barriers, and
     // the test machine has few cores.
-    let threads = if n <= 3 && (seed >> 7) % 4 == 0 { 2 } else { 1 };
-    let explicit = (seed >> 9) % 4 == 0;
+    let threads = if n <= 3 && (seed >> 7).is_multiple_of(4) {
+        2
+    } else {
+        1
+    };
+    let explicit = (seed >> 9).is_multiple_of(4);
     let desc = format!("{} threads={threads}", describe(&leaves, &places, n));
     let want = run_single(&leaves, &*case.build)
         .map_err(|e| TestCaseError::fail(format!("reference failed: {e} ({desc})")))?;

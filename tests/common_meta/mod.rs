@@ -309,7 +309,7 @@ pub fn random_place(rng: &mut TestRng, leaf: &mut Leaf, space: &Space, n: usize)
         .axes
         .iter()
         .copied()
-        .filter(|&k| leaf.ne[k] % space.gran[k].max(1) == 0)
+        .filter(|&k| leaf.ne[k].is_multiple_of(space.gran[k].max(1)))
         .collect();
     // Splits are the interesting case: weight them up.
     if !axes.is_empty() {

@@ -51,10 +51,10 @@ fn exercise(bytes: Vec<u8>) {
             let _ = g.raw_tensor_data(t);
         }
         let _ = g.get_u32("llama.block_count");
-        if let Ok(tok) = BpeTokenizer::from_gguf(&g) {
-            if let Ok(ids) = tok.encode("ab <|s|> 12 ab", true) {
-                let _ = tok.decode(&ids);
-            }
+        if let Ok(tok) = BpeTokenizer::from_gguf(&g)
+            && let Ok(ids) = tok.encode("ab <|s|> 12 ab", true)
+        {
+            let _ = tok.decode(&ids);
         }
         let _ = ChatTemplate::from_gguf(&g);
     }

@@ -35,9 +35,12 @@ fn tokens_of(m: &LlamaModel, i: usize) -> Vec<u32> {
     prompt_tokens(m, p, None, !chat).unwrap()
 }
 
+/// The reference's greedy tokens and last-prompt-position logits.
+type RefOut = Option<(Vec<u32>, Vec<f32>)>;
+
 /// The numpy reference's tokens and logits per prompt, computed once.
-fn references() -> &'static Vec<Option<(Vec<u32>, Vec<f32>)>> {
-    static R: OnceLock<Vec<Option<(Vec<u32>, Vec<f32>)>>> = OnceLock::new();
+fn references() -> &'static Vec<RefOut> {
+    static R: OnceLock<Vec<RefOut>> = OnceLock::new();
     R.get_or_init(|| {
         let (_, m) = load("smollm2", "cpu:1x1", false, None, false, true).unwrap();
         (0..PROMPTS.len())

@@ -1,11 +1,21 @@
-//! Fused attention: for each head, query and batch, `softmax(q·kⱼ * scale + mask[j, i]) v`
-//! with an online softmax over the kv positions (one pass, running max and sum), grouped-query
-//! heads (query head h reads kv head h / (H / Hk)), f32 or f16 K and V converted by row.
-//! Output is `[Dv, H, n_q, batch]` as ggml's `flash_attn_ext`.
+//! Fused attention: for each query row and head, `softmax(q·kⱼ * scale + mask[j, i]) v` with an
+//! online softmax over the kv positions (running max and sum, rescaled per block), grouped-query
+//! heads (query head h reads kv head h / (H / Hk)). Output is `[Dv, H, n_q, batch]` as ggml's
+//! `flash_attn_ext`.
+//!
+//! Work is cut into units of (batch, kv head, query row) that cover all the query heads of one
+//! GQA group, so each K and V row is converted to f32 once and used by every head of the group;
+//! scores are computed for a block of kv rows, then exponentiated together (a vectorizable
+//! polynomial exp), then the block's V rows are accumulated. With fewer units than threads the
+//! units become single heads.
 
-use super::{read_row_f32, thread_scratch};
+use super::thread_scratch;
 use crate::DType;
+use crate::cpu::simd::{self, Isa};
 use crate::cpu::view::{ComputeParams, TensorView};
+
+/// Kv rows per block of scores.
+const BLOCK: usize = 32;
 
 pub fn supports(src: &[TensorView]) -> Result<(), String> {
     let (q, k, v) = (&src[0], &src[1], &src[2]);
@@ -16,68 +26,196 @@ pub fn supports(src: &[TensorView]) -> Result<(), String> {
         if !matches!(t.dtype, DType::F32 | DType::F16) {
             return Err(format!("{n} must be f32 or f16"));
         }
+        if !t.rows_contiguous() {
+            return Err(format!("{n} rows must be packed"));
+        }
     }
     Ok(())
 }
 
-/// Per thread: q row, k row, v row, accumulator.
+/// Heads processed together per unit on `nth` threads.
+fn heads_per_unit(src: &[TensorView], nth: usize) -> usize {
+    let (q, k) = (&src[0], &src[1]);
+    let group = (q.ne[2] / k.ne[2].max(1)).max(1);
+    let units = q.ne[3] * k.ne[2] * q.ne[1];
+    if units >= nth { group } else { 1 }
+}
+
+/// Floats of scratch per thread for `g` heads per unit.
+fn per_thread(src: &[TensorView], g: usize) -> usize {
+    let (d, dv) = (src[0].ne[0], src[2].ne[0]);
+    g * d + g * dv + g * BLOCK + d + dv + 3 * g + 64
+}
+
 pub fn work_size(src: &[TensorView], nth: usize) -> usize {
-    let d = src[0].ne[0].max(src[2].ne[0]);
-    nth * (4 * d + 16) * 4
+    nth * per_thread(src, heads_per_unit(src, nth)) * 4
+}
+
+/// `e^x` for x <= 0 (and moderately positive), ~2 ulp: range reduction by ln 2 and a degree-6
+/// polynomial for e^r on [-ln2/2, ln2/2] (Taylor coefficients), then scaling by 2^n through the
+/// exponent bits. Written without branches so loops over blocks vectorize.
+#[inline(always)]
+fn exp_fast(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E).round();
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+/// Row `(i1, i2, i3)` of `t` as f32: a pointer into `t` when it is f32, else converted in `buf`.
+///
+/// # Safety
+/// Indices in range; `buf` holds `t.ne[0]` floats.
+#[inline(always)]
+unsafe fn row(
+    isa: Isa,
+    t: &TensorView,
+    i1: usize,
+    i2: usize,
+    i3: usize,
+    buf: &mut [f32],
+) -> *const f32 {
+    // SAFETY: per the function's contract; rows are packed (checked by `supports`).
+    unsafe {
+        let p = t.row_ptr(i1, i2, i3);
+        match t.dtype {
+            DType::F32 => p.cast::<f32>(),
+            _ => {
+                simd::f16_to_f32_raw(isa, p, buf.as_mut_ptr(), t.ne[0]);
+                buf.as_ptr()
+            }
+        }
+    }
 }
 
 pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale: f32) {
+    let isa = Isa::detect();
     let (q, k, v) = (&src[0], &src[1], &src[2]);
     let mask = src.get(3);
     let (d, dv, n_kv) = (q.ne[0], v.ne[0], k.ne[1]);
-    let (n_q, n_head, batch) = (q.ne[1], q.ne[2], q.ne[3]);
-    let group = (n_head / k.ne[2].max(1)).max(1);
-    // SAFETY: work_size reserved 4 * max(d, dv) + 16 floats per thread.
-    let buf = unsafe { thread_scratch(p, 4 * d.max(dv) + 16) };
-    let (qr, rest) = buf.split_at_mut(d);
-    let (kr, rest) = rest.split_at_mut(d);
-    let (vr, rest) = rest.split_at_mut(dv);
-    let acc = &mut rest[..dv];
-    for r in p.range(n_q * n_head * batch) {
-        let (iq, h, b) = (r % n_q, (r / n_q) % n_head, r / (n_q * n_head));
-        let hk = h / group;
-        // SAFETY: indices in range by construction; the output row (h, iq, b) is owned here.
-        unsafe { read_row_f32(q, iq, h, b, qr) };
-        acc.iter_mut().for_each(|x| *x = 0.0);
-        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-        for j in 0..n_kv {
-            let mut s = 0f32;
-            // SAFETY: j < n_kv, hk < Hk, b < batch.
-            unsafe { read_row_f32(k, j, hk, b, kr) };
-            for (a, c) in qr.iter().zip(kr.iter()) {
-                s += a * c;
+    let (n_q, n_head, batch, n_kvh) = (q.ne[1], q.ne[2], q.ne[3], k.ne[2]);
+    let group = (n_head / n_kvh.max(1)).max(1);
+    let g = heads_per_unit(src, p.nth);
+    // SAFETY: work_size reserved `per_thread` floats per thread for this `g`.
+    let buf = unsafe { thread_scratch(p, per_thread(src, g)) };
+    let (qs, rest) = buf.split_at_mut(g * d);
+    let (acc, rest) = rest.split_at_mut(g * dv);
+    let (sc, rest) = rest.split_at_mut(g * BLOCK);
+    let (kbuf, rest) = rest.split_at_mut(d);
+    let (vbuf, rest) = rest.split_at_mut(dv);
+    let (m, rest) = rest.split_at_mut(g);
+    let l = &mut rest[..g];
+    // Units: (batch, head block, query row); a head block is `g` consecutive query heads.
+    let blocks = n_head / g;
+    let units = batch * blocks * n_q;
+    for u in p.range(units) {
+        let (iq, hb, b) = (u % n_q, (u / n_q) % blocks, u / (n_q * blocks));
+        let h0 = hb * g;
+        let hk = h0 / group;
+        for j in 0..g {
+            // SAFETY: the query row (iq, h0 + j, b) is in range; qs holds g rows of d floats.
+            unsafe { super::read_row_f32(q, iq, h0 + j, b, &mut qs[j * d..(j + 1) * d]) };
+        }
+        acc.fill(0.0);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+        let mut j0 = 0;
+        while j0 < n_kv {
+            let jn = BLOCK.min(n_kv - j0);
+            // Scores of the block for every head.
+            for jj in 0..jn {
+                let j = j0 + jj;
+                // SAFETY: the builder checked the mask is [n_kv, >= n_q].
+                let mv = mask.map_or(0.0, |mk| unsafe { mk.get_f32(j, iq, 0, 0) });
+                if mv == f32::NEG_INFINITY {
+                    for h in 0..g {
+                        sc[h * BLOCK + jj] = f32::NEG_INFINITY;
+                    }
+                    continue;
+                }
+                // SAFETY: j < n_kv, hk < Hk, b < batch; kbuf holds d floats.
+                let kr = unsafe { row(isa, k, j, hk, b, kbuf) };
+                for h in 0..g {
+                    // SAFETY: both rows hold d floats.
+                    let s = unsafe { simd::dot_f32_raw(isa, qs[h * d..].as_ptr(), kr, d) };
+                    sc[h * BLOCK + jj] = s * scale + mv;
+                }
             }
-            s *= scale;
-            if let Some(mk) = mask {
-                // SAFETY: the builder checked mask is [n_kv, >= n_q].
-                s += unsafe { mk.get_f32(j, iq, 0, 0) };
+            // Online softmax update per head, then probabilities in place of the scores.
+            for h in 0..g {
+                let s = &mut sc[h * BLOCK..h * BLOCK + jn];
+                let bm = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                if bm == f32::NEG_INFINITY {
+                    s.fill(0.0);
+                    continue;
+                }
+                let nm = m[h].max(bm);
+                if m[h] != f32::NEG_INFINITY && nm > m[h] {
+                    let c = exp_fast(m[h] - nm);
+                    acc[h * dv..(h + 1) * dv].iter_mut().for_each(|x| *x *= c);
+                    l[h] *= c;
+                }
+                m[h] = nm;
+                let mut sum = 0.0;
+                for x in s.iter_mut() {
+                    *x = if *x == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        exp_fast(*x - nm)
+                    };
+                    sum += *x;
+                }
+                l[h] += sum;
             }
-            if s == f32::NEG_INFINITY {
-                continue;
+            // Accumulate the block's V rows.
+            for jj in 0..jn {
+                if (0..g).all(|h| sc[h * BLOCK + jj] == 0.0) {
+                    continue;
+                }
+                // SAFETY: as for K.
+                let vr =
+                    unsafe { std::slice::from_raw_parts(row(isa, v, j0 + jj, hk, b, vbuf), dv) };
+                for h in 0..g {
+                    let w = sc[h * BLOCK + jj];
+                    for (a, &x) in acc[h * dv..(h + 1) * dv].iter_mut().zip(vr) {
+                        *a += w * x;
+                    }
+                }
             }
-            // SAFETY: as above.
-            unsafe { read_row_f32(v, j, hk, b, vr) };
-            if s > m {
-                let c = (m - s).exp();
-                acc.iter_mut().for_each(|x| *x *= c);
-                l *= c;
-                m = s;
-            }
-            let e = (s - m).exp();
-            l += e;
-            for (a, &x) in acc.iter_mut().zip(vr.iter()) {
-                *a += e * x;
+            j0 += jn;
+        }
+        for h in 0..g {
+            let inv = if l[h] > 0.0 { 1.0 / l[h] } else { 0.0 };
+            for (i, a) in acc[h * dv..(h + 1) * dv].iter().enumerate() {
+                // SAFETY: dst is [dv, H, n_q, batch]; element (i, h0 + h, iq, b) is this unit's.
+                unsafe { dst.set_f32(i, h0 + h, iq, b, a * inv) };
             }
         }
-        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-        for (i, a) in acc.iter().enumerate() {
-            // SAFETY: dst is [dv, H, n_q, batch]; element (i, h, iq, b) is owned by this thread.
-            unsafe { dst.set_f32(i, h, iq, b, a * inv) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_fast;
+
+    #[test]
+    fn exp_fast_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -80.0f32;
+        while x < 10.0 {
+            let (a, b) = (exp_fast(x) as f64, (x as f64).exp());
+            worst = worst.max(((a - b) / b).abs());
+            x += 0.0137;
         }
+        assert!(worst < 5e-7, "worst relative error {worst}");
+        assert_eq!(exp_fast(-1000.0) < 1e-37, true);
     }
 }

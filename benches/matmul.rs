@@ -99,6 +99,8 @@ fn run(pool: &ThreadPool, s: &Setup) {
             nth,
             wdata: wdata as *mut u8,
             wsize,
+            tdata: std::ptr::null_mut(),
+            tsize: 0,
             barrier,
             exact: false,
         };

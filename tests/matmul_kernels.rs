@@ -207,6 +207,8 @@ fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, exact: bool) -> Vec<
             nth,
             wdata: wdata as *mut u8,
             wsize: ws,
+            tdata: std::ptr::null_mut(),
+            tsize: 0,
             barrier,
             exact,
         };

@@ -343,6 +343,8 @@ impl CaseData {
                         nth,
                         wdata: wdata as *mut u8,
                         wsize,
+                        tdata: std::ptr::null_mut(),
+                        tsize: 0,
                         barrier,
                         exact: opts.exact,
                     };

@@ -26,6 +26,9 @@ struct ExecNode {
     op: Op,
     dst: TensorView,
     src: SmallVec<[TensorView; 4]>,
+    /// Threads must meet after this node: the next one reads what it wrote, writes what it
+    /// read, or shares scratch with it (see `plan_barriers`).
+    barrier_after: bool,
 }
 
 /// The scratch pointer handed to every pool thread.
@@ -44,6 +47,8 @@ impl WorkPtr {
 struct Inner {
     device: CpuDevice,
     pool: ThreadPool,
+    /// Scratch memory handed from one plan to the next (no fresh zeroed pages per step).
+    spare_work: Mutex<Vec<[u64; 8]>>,
 }
 
 pub struct CpuBackend {
@@ -55,7 +60,11 @@ impl CpuBackend {
     pub fn new(device: CpuDevice) -> Self {
         let pool = ThreadPool::new(device.threads, &format!("cpu{}", device.index));
         CpuBackend {
-            inner: Arc::new(Inner { device, pool }),
+            inner: Arc::new(Inner {
+                device,
+                pool,
+                spare_work: Mutex::new(Vec::new()),
+            }),
             alloc: Mutex::new(GraphAllocator::new(Arc::new(super::buffer::CpuBufferType))),
         }
     }
@@ -131,13 +140,69 @@ fn check_supported(g: &Graph, backend: &str, allow_collectives: bool) -> Result<
     Ok(())
 }
 
-/// A prepared graph: resolved host views of every computed node, and scratch memory.
+/// A prepared graph: resolved host views of every computed node, and scratch memory laid out
+/// as one shared region (as large as any node's shared need) followed by one private slot per
+/// thread (as large as any node's per-thread need).
 struct CpuPlan {
     inner: Arc<Inner>,
     exec: Vec<ExecNode>,
     work: Vec<[u64; 8]>,
+    shared: usize,
+    slot: usize,
     /// Keeps every buffer the views point into alive while the plan exists.
     _buffers: Vec<Arc<dyn Buffer>>,
+}
+
+impl Drop for CpuPlan {
+    fn drop(&mut self) {
+        let mut spare = self.inner.spare_work.lock();
+        if self.work.len() > spare.len() {
+            *spare = std::mem::take(&mut self.work);
+        }
+    }
+}
+
+/// The byte range a view spans.
+fn span(t: &TensorView) -> (usize, usize) {
+    let l = crate::tensor::Layout {
+        dtype: t.dtype,
+        ne: t.ne,
+        nb: t.nb,
+    };
+    let start = t.data as usize;
+    (start, start + l.nbytes())
+}
+
+fn overlaps(a: (usize, usize), set: &[(usize, usize)]) -> bool {
+    a.0 < a.1 && set.iter().any(|b| a.0 < b.1 && b.0 < a.1)
+}
+
+/// Decide where threads must meet. Since the last barrier, keep the byte ranges read and
+/// written and whether shared scratch was used; a node that reads a written range, writes a
+/// read or written range, or uses shared scratch after another user of it needs a barrier
+/// before it. Without one, a thread that finished its share of a node goes straight on to the
+/// next (the Q, K and V projections of a layer, for example).
+fn plan_barriers(exec: &mut [ExecNode], shared: &[bool]) {
+    let (mut reads, mut writes) = (Vec::new(), Vec::new());
+    let mut used_shared = false;
+    for i in 0..exec.len() {
+        let e = &exec[i];
+        let w = span(&e.dst);
+        let rs: SmallVec<[(usize, usize); 4]> = e.src.iter().map(span).collect();
+        let conflict = rs.iter().any(|r| overlaps(*r, &writes))
+            || overlaps(w, &reads)
+            || overlaps(w, &writes)
+            || (shared[i] && used_shared);
+        if conflict && i > 0 {
+            exec[i - 1].barrier_after = true;
+            reads.clear();
+            writes.clear();
+            used_shared = false;
+        }
+        reads.extend(rs);
+        writes.push(w);
+        used_shared |= shared[i];
+    }
 }
 
 fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
@@ -145,7 +210,8 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
     check_supported(g, &name, true)?;
     let (nth, exact) = (inner.pool.nth(), inner.device.options.exact);
     let mut exec = Vec::new();
-    let mut wsize = 0usize;
+    let mut uses_shared = Vec::new();
+    let (mut shared, mut slot) = (0usize, 0usize);
     let mut buffers: Vec<Arc<dyn Buffer>> = Vec::new();
     for id in g.ids() {
         let n = g.node(id);
@@ -163,19 +229,32 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
             .iter()
             .map(|&s| host_view(g, s, &name))
             .collect::<Result<SmallVec<_>>>()?;
-        wsize = wsize.max(ops::work_size(&n.op, &dst, &src, nth, exact));
+        let sc = ops::scratch(&n.op, &dst, &src, nth, exact);
+        shared = shared.max(sc.shared);
+        slot = slot.max(sc.per_thread);
+        uses_shared.push(sc.shared > 0);
         exec.push(ExecNode {
             id,
             name: n.name.clone(),
             op: n.op,
             dst,
             src,
+            barrier_after: false,
         });
+    }
+    plan_barriers(&mut exec, &uses_shared);
+    let (shared, slot) = (shared.next_multiple_of(64), slot.next_multiple_of(64));
+    let words = (shared + nth * slot).div_ceil(64);
+    let mut work = std::mem::take(&mut *inner.spare_work.lock());
+    if work.len() < words {
+        work = vec![[0u64; 8]; words];
     }
     Ok(CpuPlan {
         inner: inner.clone(),
         exec,
-        work: vec![[0u64; 8]; wsize.div_ceil(64)],
+        work,
+        shared,
+        slot,
         _buffers: buffers,
     })
 }
@@ -190,15 +269,19 @@ impl GraphPlan for CpuPlan {
         }
         let pool = &self.inner.pool;
         let (nth, exact) = (pool.nth(), self.inner.device.options.exact);
-        let wsize = self.work.len() * 64;
+        let (shared, slot) = (self.shared, self.slot);
         let wdata = WorkPtr(self.work.as_mut_ptr().cast::<u8>());
         let current = AtomicUsize::new(0);
         let run = pool.run(&|ith, barrier| {
+            let base = wdata.get();
             let p = ComputeParams {
                 ith,
                 nth,
-                wdata: wdata.get(),
-                wsize,
+                wdata: base,
+                wsize: shared,
+                // SAFETY: the work buffer holds shared + nth * slot bytes (make_plan).
+                tdata: unsafe { base.add(shared + ith * slot) },
+                tsize: slot,
                 barrier,
                 exact,
             };
@@ -207,7 +290,9 @@ impl GraphPlan for CpuPlan {
                     current.store(i, Ordering::Relaxed);
                 }
                 ops::forward(&p, &e.op, &e.dst, &e.src);
-                barrier.wait();
+                if e.barrier_after {
+                    barrier.wait();
+                }
             }
         });
         run.map_err(|msg| {

@@ -128,9 +128,12 @@ pub struct ComputeParams<'a> {
     pub ith: usize,
     /// Threads working on the node.
     pub nth: usize,
-    /// Scratch memory shared by the node's threads (`work_size` bytes, 64-byte aligned).
+    /// Scratch memory shared by the node's threads (its `shared` bytes, 64-byte aligned).
     pub wdata: *mut u8,
     pub wsize: usize,
+    /// This thread's own scratch (the node's `per_thread` bytes or more, 64-byte aligned).
+    pub tdata: *mut u8,
+    pub tsize: usize,
     pub barrier: &'a Barrier,
     /// Exact mode: quantized weights are dequantized and multiplied with f32 activations
     /// instead of 8-bit-quantized activations.

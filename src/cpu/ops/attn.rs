@@ -47,8 +47,9 @@ fn per_thread(src: &[TensorView], g: usize) -> usize {
     g * d + g * dv + g * BLOCK + d + dv + 3 * g + 64
 }
 
-pub fn work_size(src: &[TensorView], nth: usize) -> usize {
-    nth * per_thread(src, heads_per_unit(src, nth)) * 4
+/// Private scratch bytes per thread on `nth` threads.
+pub fn thread_bytes(src: &[TensorView], nth: usize) -> usize {
+    per_thread(src, heads_per_unit(src, nth)) * 4
 }
 
 /// `e^x` for x <= 0 (and moderately positive), ~2 ulp: range reduction by ln 2 and a degree-6
@@ -104,7 +105,7 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
     let (n_q, n_head, batch, n_kvh) = (q.ne[1], q.ne[2], q.ne[3], k.ne[2]);
     let group = (n_head / n_kvh.max(1)).max(1);
     let g = heads_per_unit(src, p.nth);
-    // SAFETY: work_size reserved `per_thread` floats per thread for this `g`.
+    // SAFETY: thread_bytes reserved `per_thread` floats for this thread and this `g`.
     let buf = unsafe { thread_scratch(p, per_thread(src, g)) };
     let (qs, rest) = buf.split_at_mut(g * d);
     let (acc, rest) = rest.split_at_mut(g * dv);

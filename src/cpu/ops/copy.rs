@@ -5,15 +5,15 @@
 use super::{read_row_f32, thread_scratch, unravel_row, write_row_f32};
 use crate::cpu::view::{ComputeParams, TensorView};
 
-/// Scratch for kernels that convert whole rows: two rows of the widest operand per thread.
-pub fn row_scratch(src: &[TensorView], dst: &TensorView, nth: usize) -> usize {
+/// Per-thread scratch bytes for kernels that convert whole rows: two rows of the widest operand.
+pub fn row_scratch(src: &[TensorView], dst: &TensorView) -> usize {
     let ne0 = src
         .iter()
         .map(|s| s.ne[0])
         .chain([dst.ne[0]])
         .max()
         .unwrap_or(0);
-    nth * (2 * ne0 + 16) * 4
+    (2 * ne0 + 16) * 4
 }
 
 pub fn supports(src: &TensorView, dst: &TensorView) -> Result<(), String> {
@@ -56,7 +56,7 @@ pub fn cont(p: &ComputeParams, dst: &TensorView, src: &TensorView) {
 }
 
 pub fn cpy(p: &ComputeParams, dst: &TensorView, src: &TensorView) {
-    // SAFETY: row_scratch reserved two rows of max(ne0) floats per thread.
+    // SAFETY: row_scratch reserved two rows of max(ne0) floats for this thread.
     let buf = unsafe { thread_scratch(p, 2 * src.ne[0].max(dst.ne[0]) + 16) };
     if src.ne[0] == dst.ne[0] {
         // Row r of the source (in logical order) goes to row r of the destination.

@@ -1,5 +1,5 @@
 //! CPU kernels by op family, and the one place that fans an `Op` out to them: `supports`
-//! (which operand types and layouts each kernel takes), `work_size` (scratch bytes) and
+//! (which operand types and layouts each kernel takes), `scratch` (shared and per-thread bytes) and
 //! `forward` (run one node on one thread of the pool).
 //!
 //! Every kernel splits its output by `(ith, nth)` so threads write disjoint bytes, reads its
@@ -70,12 +70,41 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
     }
 }
 
-/// Scratch bytes the node needs on `nth` threads.
-pub fn work_size(op: &Op, dst: &TensorView, src: &[TensorView], nth: usize, exact: bool) -> usize {
+/// Scratch a node needs: bytes shared by all its threads (written by all, then read by all
+/// after a barrier: the matmul's quantized activations), and bytes private to each thread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scratch {
+    pub shared: usize,
+    pub per_thread: usize,
+}
+
+/// Scratch the node needs on `nth` threads.
+pub fn scratch(op: &Op, dst: &TensorView, src: &[TensorView], nth: usize, exact: bool) -> Scratch {
+    let rows = || copy::row_scratch(src, dst);
     match op {
-        Op::MulMat => matmul::work_size(&src[0], &src[1], dst, nth, exact),
-        Op::FlashAttn { .. } => attn::work_size(src, nth),
-        _ => copy::row_scratch(src, dst, nth),
+        Op::MulMat => Scratch {
+            shared: matmul::work_size(&src[0], &src[1], dst, nth, exact),
+            per_thread: 0,
+        },
+        Op::FlashAttn { .. } => Scratch {
+            shared: 0,
+            per_thread: attn::thread_bytes(src, nth),
+        },
+        Op::RmsNorm { .. }
+        | Op::Norm { .. }
+        | Op::SoftMax { .. }
+        | Op::SumRows
+        | Op::Mean
+        | Op::Argmax
+        | Op::Rope(_)
+        | Op::GetRows
+        | Op::SetRows
+        | Op::Cont
+        | Op::Cpy => Scratch {
+            shared: 0,
+            per_thread: rows(),
+        },
+        _ => Scratch::default(),
     }
 }
 
@@ -165,14 +194,17 @@ pub(crate) unsafe fn write_row_f32(t: &TensorView, i1: usize, i2: usize, i3: usi
     }
 }
 
-/// This thread's f32 scratch row of `len` floats inside the node's work memory (one slot per
-/// thread).
+/// This thread's f32 scratch of `len` floats.
 ///
 /// # Safety
-/// The node's `work_size` reserved at least `nth * len` floats.
+/// The node's `scratch().per_thread` covered `len` floats.
 pub(crate) unsafe fn thread_scratch<'a>(p: &ComputeParams, len: usize) -> &'a mut [f32] {
-    debug_assert!(p.wsize >= p.nth * len * 4);
-    // SAFETY: each thread takes a disjoint slot of the reserved work memory; 64-byte alignment
-    // of wdata and 4-byte slots keep f32 alignment.
-    unsafe { std::slice::from_raw_parts_mut(p.wdata.cast::<f32>().add(p.ith * len), len) }
+    assert!(
+        len * 4 <= p.tsize,
+        "thread scratch: {len} floats requested, {} bytes reserved",
+        p.tsize
+    );
+    // SAFETY: tdata is this thread's private, 64-byte aligned region of tsize bytes (checked
+    // above), alive for the whole node.
+    unsafe { std::slice::from_raw_parts_mut(p.tdata.cast::<f32>(), len) }
 }

@@ -217,6 +217,6 @@ mod tests {
             x += 0.0137;
         }
         assert!(worst < 5e-7, "worst relative error {worst}");
-        assert_eq!(exp_fast(-1000.0) < 1e-37, true);
+        assert!(exp_fast(-1000.0) < 1e-37);
     }
 }

@@ -14,18 +14,26 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
-/// Spin iterations before a waiter starts yielding its time slice.
-const SPIN_LIMIT: u32 = 1 << 14;
+/// Spin iterations (of `spin_loop`, about 20 ns each on Zen 4) before a waiter starts yielding.
+const SPIN_LIMIT: u32 = 1 << 10;
+/// Yields before a barrier waiter parks (an oversubscribed host: the peer is not running).
+const YIELD_LIMIT: u32 = 16;
 
 /// A job run on every thread of a pool: `job(ith, barrier)`.
 pub type Job<'a> = dyn Fn(usize, &Barrier) + Sync + 'a;
 
-/// A reusable barrier for the `nth` threads of one pool job.
+/// A reusable barrier for the `nth` threads of one pool job. Waiters spin briefly (the common
+/// case: the peers are a few hundred nanoseconds behind), then yield, then park; the last
+/// thread to arrive unparks the sleepers, so a host with more threads than cores does not
+/// spend whole time slices spinning.
 pub struct Barrier {
     nth: usize,
     count: AtomicUsize,
     phase: AtomicUsize,
     poisoned: AtomicBool,
+    /// Threads parked (or about to park) on this barrier.
+    sleepers: AtomicUsize,
+    parked: Mutex<Vec<std::thread::Thread>>,
 }
 
 /// Raised (as a panic payload) in threads released from a poisoned barrier.
@@ -38,6 +46,8 @@ impl Barrier {
             count: AtomicUsize::new(0),
             phase: AtomicUsize::new(0),
             poisoned: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            parked: Mutex::new(Vec::new()),
         }
     }
 
@@ -54,6 +64,7 @@ impl Barrier {
         if self.count.fetch_add(1, Ordering::AcqRel) + 1 == self.nth {
             self.count.store(0, Ordering::Relaxed);
             self.phase.fetch_add(1, Ordering::AcqRel);
+            self.wake_sleepers();
             return;
         }
         let mut spins = 0u32;
@@ -63,15 +74,46 @@ impl Barrier {
             }
             if spins < SPIN_LIMIT {
                 std::hint::spin_loop();
-                spins += 1;
-            } else {
+            } else if spins < SPIN_LIMIT + YIELD_LIMIT {
                 std::thread::yield_now();
+            } else {
+                self.park_until_changed(phase);
+            }
+            spins = spins.saturating_add(1);
+        }
+    }
+
+    /// Park until the phase moves on (or the barrier is poisoned). The registration happens
+    /// under the lock and the phase is checked after it, so a wake-up cannot be lost.
+    fn park_until_changed(&self, phase: usize) {
+        self.sleepers.fetch_add(1, Ordering::AcqRel);
+        {
+            let mut p = self.parked.lock();
+            if self.phase.load(Ordering::Acquire) != phase || self.poisoned.load(Ordering::Acquire)
+            {
+                self.sleepers.fetch_sub(1, Ordering::AcqRel);
+                return;
+            }
+            p.push(std::thread::current());
+        }
+        while self.phase.load(Ordering::Acquire) == phase && !self.poisoned.load(Ordering::Acquire)
+        {
+            std::thread::park_timeout(std::time::Duration::from_millis(10));
+        }
+        self.sleepers.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn wake_sleepers(&self) {
+        if self.sleepers.load(Ordering::Acquire) > 0 {
+            for t in self.parked.lock().drain(..) {
+                t.unpark();
             }
         }
     }
 
     fn poison(&self) {
         self.poisoned.store(true, Ordering::Release);
+        self.wake_sleepers();
     }
 }
 

@@ -98,6 +98,11 @@ impl Rewriter<'_> {
                 self.g.name(u)
             ))
         })?;
+        // On one device every state holds the whole value: conversions are identities.
+        if self.n == 1 {
+            self.made.insert((u, want.clone()), base.clone());
+            return Ok(base);
+        }
         let full = self.packed(u);
         let ids = match kind {
             ConversionKind::Slice => self.slice(&base, want)?,

@@ -164,13 +164,8 @@ impl Drop for CpuPlan {
 
 /// The byte range a view spans.
 fn span(t: &TensorView) -> (usize, usize) {
-    let l = crate::tensor::Layout {
-        dtype: t.dtype,
-        ne: t.ne,
-        nb: t.nb,
-    };
     let start = t.data as usize;
-    (start, start + l.nbytes())
+    (start, start + t.layout().nbytes())
 }
 
 fn overlaps(a: (usize, usize), set: &[(usize, usize)]) -> bool {

@@ -47,13 +47,18 @@ impl TensorView {
         self.nb[0] == self.dtype.type_size()
     }
 
+    /// The tensor's layout (shape and strides without the pointer).
+    pub fn layout(&self) -> crate::tensor::Layout {
+        crate::tensor::Layout {
+            dtype: self.dtype,
+            ne: self.ne,
+            nb: self.nb,
+        }
+    }
+
     /// The whole tensor is packed in ggml order without gaps.
     pub fn is_contiguous(&self) -> bool {
-        let ts = self.dtype.type_size();
-        self.nb[0] == ts
-            && self.nb[1] == self.nb[0] * self.ne[0] / self.dtype.block_size()
-            && self.nb[2] == self.nb[1] * self.ne[1]
-            && self.nb[3] == self.nb[2] * self.ne[2]
+        self.layout().is_contiguous()
     }
 
     /// Pointer to the first element of row `(i1, i2, i3)`.

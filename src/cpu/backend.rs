@@ -337,3 +337,47 @@ impl Backend for CpuBackend {
         Ok(Box::new(make_plan(&self.inner, g)?))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    fn node(dst: usize, srcs: &[usize]) -> ExecNode {
+        let v = |addr: usize| TensorView {
+            data: addr as *mut u8,
+            dtype: DType::F32,
+            ne: [16, 1, 1, 1],
+            nb: [4, 64, 64, 64],
+        };
+        ExecNode {
+            id: TensorId(0),
+            name: String::new(),
+            op: Op::Cont,
+            dst: v(dst),
+            src: srcs.iter().map(|&a| v(a)).collect(),
+            barrier_after: false,
+        }
+    }
+
+    fn barriers(mut exec: Vec<ExecNode>, shared: &[bool]) -> Vec<bool> {
+        plan_barriers(&mut exec, shared);
+        exec.iter().map(|e| e.barrier_after).collect()
+    }
+
+    #[test]
+    fn barriers_only_where_nodes_depend() {
+        // x at 0; q, k, v read x and write 64, 128, 192; then o reads q: only o waits.
+        let exec = vec![node(64, &[0]), node(128, &[0]), node(192, &[0]), node(256, &[64])];
+        assert_eq!(barriers(exec, &[false; 4]), [false, false, true, false]);
+        // Write after read: the second node overwrites what the first reads.
+        let exec = vec![node(64, &[0]), node(0, &[128])];
+        assert_eq!(barriers(exec, &[false; 2]), [true, false]);
+        // Two users of the shared scratch (two quantized matmuls) never overlap.
+        let exec = vec![node(64, &[0]), node(128, &[0])];
+        assert_eq!(barriers(exec, &[true, true]), [true, false]);
+        // Write after write.
+        let exec = vec![node(64, &[0]), node(64, &[128])];
+        assert_eq!(barriers(exec, &[false; 2]), [true, false]);
+    }
+}

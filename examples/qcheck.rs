@@ -1,5 +1,5 @@
 use metashard::Graph;
-use metashard::cpu::{CpuOptions, parse_cpu_spec_with};
+use metashard::cpu::{CpuOptions, Precision, parse_cpu_spec_with};
 use metashard::dtype::{self, BlockQ8_1, DType};
 use metashard::io::gguf::GgufFile;
 fn nmse(a: &[f64], b: &[f64]) -> f64 {
@@ -47,8 +47,8 @@ fn main() {
             .map(|j| (0..k).map(|i| w[j * k + i] as f64 * xq[i] as f64).sum())
             .collect();
         let mut ours = vec![];
-        for exact_mode in [false, true] {
-            let d = &parse_cpu_spec_with("cpu:1x1", CpuOptions { exact: exact_mode }).unwrap()[0];
+        for precision in [Precision::Q8, Precision::Exact] {
+            let d = &parse_cpu_spec_with("cpu:1x1", CpuOptions { precision }).unwrap()[0];
             let be = d.init_backend().unwrap();
             let mut gr = Graph::new();
             let wi = gr.input("w", DType::Q4_1, [k, n, 1, 1]).unwrap();

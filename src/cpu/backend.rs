@@ -143,7 +143,7 @@ struct CpuPlan {
 fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
     let name = inner.device.name();
     check_supported(g, &name, true)?;
-    let (nth, exact) = (inner.pool.nth(), inner.device.options.exact);
+    let (nth, precision) = (inner.pool.nth(), inner.device.options.precision);
     let mut exec = Vec::new();
     let mut wsize = 0usize;
     let mut buffers: Vec<Arc<dyn Buffer>> = Vec::new();
@@ -163,7 +163,7 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
             .iter()
             .map(|&s| host_view(g, s, &name))
             .collect::<Result<SmallVec<_>>>()?;
-        wsize = wsize.max(ops::work_size(&n.op, &dst, &src, nth, exact));
+        wsize = wsize.max(ops::work_size(&n.op, &dst, &src, nth, precision));
         exec.push(ExecNode {
             id,
             name: n.name.clone(),
@@ -189,7 +189,7 @@ impl GraphPlan for CpuPlan {
             return Ok(());
         }
         let pool = &self.inner.pool;
-        let (nth, exact) = (pool.nth(), self.inner.device.options.exact);
+        let (nth, precision) = (pool.nth(), self.inner.device.options.precision);
         let wsize = self.work.len() * 64;
         let wdata = WorkPtr(self.work.as_mut_ptr().cast::<u8>());
         let current = AtomicUsize::new(0);
@@ -200,7 +200,7 @@ impl GraphPlan for CpuPlan {
                 wdata: wdata.get(),
                 wsize,
                 barrier,
-                exact,
+                precision,
             };
             for (i, e) in nodes.iter().enumerate() {
                 if ith == 0 {

@@ -13,7 +13,7 @@ mod rope;
 mod rows;
 
 use super::matmul;
-use super::view::{ComputeParams, TensorView};
+use super::view::{ComputeParams, Precision, TensorView};
 use crate::DType;
 use crate::op::Op;
 
@@ -71,9 +71,15 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
 }
 
 /// Scratch bytes the node needs on `nth` threads.
-pub fn work_size(op: &Op, dst: &TensorView, src: &[TensorView], nth: usize, exact: bool) -> usize {
+pub fn work_size(
+    op: &Op,
+    dst: &TensorView,
+    src: &[TensorView],
+    nth: usize,
+    precision: Precision,
+) -> usize {
     match op {
-        Op::MulMat => matmul::work_size(&src[0], &src[1], dst, nth, exact),
+        Op::MulMat => matmul::work_size(&src[0], &src[1], dst, nth, precision),
         Op::FlashAttn { .. } => attn::work_size(src, nth),
         _ => copy::row_scratch(src, dst, nth),
     }

@@ -77,7 +77,13 @@ fn setup(dtype: DType, m: usize, n: usize, k: usize, max_threads: usize) -> Setu
         ne: [n, m, 1, 1],
         nb: [4, 4 * n, 4 * n * m, 4 * n * m],
     };
-    let work = Buf::new(matmul::work_size(&w, &x, &d, max_threads, false));
+    let work = Buf::new(matmul::work_size(
+        &w,
+        &x,
+        &d,
+        max_threads,
+        metashard::cpu::Precision::Exact,
+    ));
     Setup {
         _bufs: [wb, xb, db],
         work,
@@ -102,7 +108,7 @@ fn run(pool: &ThreadPool, s: &Setup) {
             tdata: std::ptr::null_mut(),
             tsize: 0,
             barrier,
-            exact: false,
+            precision: metashard::cpu::Precision::Exact,
         };
         matmul::forward(&p, &w, &x, &d);
     })

@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use metashard::bench;
+use metashard::cpu::Precision;
 use metashard::{Result, parse_devices};
 
 #[derive(Parser)]
@@ -49,9 +50,16 @@ enum BenchCmd {
         /// Only cases whose label contains this text, e.g. "q4_0" or "m=1 ".
         #[arg(long)]
         filter: Option<String>,
-        /// Quantized weights dequantized to f32 (no 8-bit activations).
-        #[arg(long)]
-        exact: bool,
+        /// Precisions of products with quantized weights, e.g. `exact,q8` (each quantized
+        /// case runs at each, side by side).
+        #[arg(long, value_delimiter = ',', value_parser = parse_precision, default_value = "exact")]
+        precision: Vec<Precision>,
+        /// Shorthand for `--precision q8`.
+        #[arg(long, conflicts_with = "precision")]
+        q8: bool,
+        /// M values of the K = N = 4096 cases (default 1,32).
+        #[arg(long, value_delimiter = ',')]
+        m: Option<Vec<usize>>,
         /// Also time numpy (scripts/bench_numpy.py) in this run and print the ratios.
         #[arg(long)]
         numpy: bool,
@@ -74,8 +82,13 @@ enum BenchCmd {
         tg: usize,
         #[arg(long, default_value_t = 3)]
         reps: usize,
-        #[arg(long)]
-        exact: bool,
+        /// Precisions of products with quantized weights, e.g. `exact,q8` (every device
+        /// set runs at each; repetitions interleave).
+        #[arg(long, value_delimiter = ',', value_parser = parse_precision, default_value = "exact")]
+        precision: Vec<Precision>,
+        /// Shorthand for `--precision q8`.
+        #[arg(long, conflicts_with = "precision")]
+        q8: bool,
         #[arg(long)]
         json: bool,
     },
@@ -116,18 +129,31 @@ fn run(cli: Cli) -> Result<()> {
             BenchCmd::Ops {
                 threads,
                 filter,
-                exact,
+                precision,
+                q8,
+                m,
                 numpy,
                 no_rotate,
                 json,
-            } => bench_ops(threads, filter, exact, numpy, no_rotate, json),
+            } => {
+                let opts = bench::ops::OpsBenchOptions {
+                    threads,
+                    precisions: precisions(precision, q8),
+                    ms: m,
+                    filter,
+                    rotate: !no_rotate,
+                    ..Default::default()
+                };
+                bench_ops(opts, numpy, json)
+            }
             BenchCmd::Model {
                 model,
                 devices,
                 pp,
                 tg,
                 reps,
-                exact,
+                precision,
+                q8,
                 json,
             } => {
                 let opts = bench::model::ModelBenchOptions {
@@ -136,7 +162,7 @@ fn run(cli: Cli) -> Result<()> {
                     pp,
                     tg,
                     reps,
-                    exact,
+                    precisions: precisions(precision, q8),
                 };
                 let report = bench::model::run(&opts, &|line| eprintln!("{line}"))?;
                 if json {
@@ -175,21 +201,17 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn bench_ops(
-    threads: Vec<usize>,
-    filter: Option<String>,
-    exact: bool,
-    numpy: bool,
-    no_rotate: bool,
-    json: bool,
-) -> Result<()> {
-    let opts = bench::ops::OpsBenchOptions {
-        threads: threads.clone(),
-        exact,
-        filter: filter.clone(),
-        rotate: !no_rotate,
-        ..Default::default()
-    };
+/// `--precision` values, or the one given by `--q8`.
+fn precisions(list: Vec<Precision>, q8: bool) -> Vec<Precision> {
+    if q8 { vec![Precision::Q8] } else { list }
+}
+
+fn parse_precision(s: &str) -> std::result::Result<Precision, String> {
+    Precision::from_name(s).ok_or_else(|| format!("`{s}` is not one of exact, q8"))
+}
+
+fn bench_ops(opts: bench::ops::OpsBenchOptions, numpy: bool, json: bool) -> Result<()> {
+    let (threads, filter) = (opts.threads.clone(), opts.filter.clone());
     let results = bench::ops::run(&opts)?;
     let refs = if numpy {
         let script =

@@ -21,7 +21,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 fn cpu(spec: &str, exact: bool) -> Arc<dyn Backend> {
-    let devs = parse_cpu_spec_with(spec, CpuOptions { exact }).expect("cpu spec");
+    let options = if exact {
+        CpuOptions::exact()
+    } else {
+        CpuOptions::default()
+    };
+    let devs = parse_cpu_spec_with(spec, options).expect("cpu spec");
     devs[0].init_backend().expect("cpu backend")
 }
 

@@ -2,11 +2,13 @@
 //! (`dtype.rs` reference conversions) and the f32 activations, by normalized mean squared error:
 //! every weight dtype, M in {1, 2, 7, 32, 33} plus GEMM-sized M, odd N and K, padded and
 //! transposed activations, broadcast batch dims, KV-cache views, 1..3 threads of a real
-//! `ThreadPool`, every SIMD level this CPU has (the scalar fallback forced), exact and
-//! quantized-activation modes. dst sits between guard bytes that must stay untouched.
+//! `ThreadPool`, every SIMD level this CPU has (the scalar fallback forced), every precision
+//! (f32 activations: fused in-register dequantization for small M, dequantized scratch for
+//! larger M; 8-bit activations; the automatic choice). dst sits between guard bytes that must
+//! stay untouched.
 
 use metashard::DType;
-use metashard::cpu::matmul::{self, Isa};
+use metashard::cpu::matmul::{self, Isa, Precision};
 use metashard::cpu::{ComputeParams, TensorView, ThreadPool};
 use metashard::dtype::{row_from_f32, row_to_f32};
 
@@ -181,7 +183,7 @@ fn reference(c: &Case, o: &Operands) -> Vec<f64> {
 }
 
 /// Run the kernel; returns dst as [batch][m][n] after checking the guard and padding bytes.
-fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, exact: bool) -> Vec<f32> {
+fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, precision: Precision) -> Vec<f32> {
     let [ne12, ne13] = c.xb;
     let ld = c.n + c.d_pad;
     let nbd = [4, 4 * ld, 4 * ld * c.m, 4 * ld * c.m * ne12];
@@ -197,7 +199,7 @@ fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, exact: bool) -> Vec<
     };
     matmul::supports(&o.w, &o.x, &d).unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let nth = pool.nth();
-    let ws = matmul::work_size(&o.w, &o.x, &d, nth, exact);
+    let ws = matmul::work_size(&o.w, &o.x, &d, nth, precision);
     let mut scratch = Buf::new(ws + 1, 0);
     let wdata = scratch.ptr() as usize;
     let (w, x) = (o.w, o.x);
@@ -210,7 +212,7 @@ fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, exact: bool) -> Vec<
             tdata: std::ptr::null_mut(),
             tsize: 0,
             barrier,
-            exact,
+            precision,
         };
         matmul::forward_with(isa, &p, &w, &x, &d);
     })
@@ -257,9 +259,11 @@ fn nmse32(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Tolerances (normalized mean squared error against the f64 reference).
-/// - Float weights, and quantized weights in exact mode: the products are the reference's
-///   (weights are exactly representable in f32), only f32 summation differs: a relative error
-///   of a few 1e-7 per output, NMSE ~1e-14. Observed maximum over this file: 5e-14; bound 1e-12.
+/// - Float weights, and quantized weights with f32 activations: the products are the
+///   reference's (weights are exactly representable in f32; Q4_1's `q * d + m` is rounded once
+///   by the fused kernels where the reference rounds twice, a relative difference of at most
+///   2^-24 per weight), only f32 summation differs: a relative error of a few 1e-7 per output,
+///   NMSE ~1e-14. Observed maximum over this file: 5e-14; bound 1e-12.
 /// - Quantized activations: 8-bit rounding of every activation (relative error ~1/(127 *
 ///   sqrt(12)) per element) gives NMSE ~1e-5. Observed maximum: 2.1e-5; bound 2e-4.
 /// - Two SIMD levels or thread counts: same products, different summation order: 1e-12.
@@ -267,28 +271,37 @@ const TOL_FLOAT: f64 = 1e-12;
 const TOL_Q8_ACT: f64 = 2e-4;
 const TOL_BETWEEN_RUNS: f64 = 1e-12;
 
+/// The precisions a case runs at: all three for quantized weights (they differ only there).
+fn modes(wt: DType) -> &'static [Precision] {
+    if wt.is_quantized() {
+        &[Precision::Exact, Precision::Q8]
+    } else {
+        &[Precision::Exact]
+    }
+}
+
+/// The bound for `precision`: f32-level unless the activations are quantized to 8 bits.
+fn tolerance(o: &Operands, precision: Precision) -> f64 {
+    if matmul::quantizes_activations(&o.w, precision) {
+        TOL_Q8_ACT
+    } else {
+        TOL_FLOAT
+    }
+}
+
 fn check(c: &Case, pools: &[ThreadPool], seed: u64) {
     let o = make_operands(c, seed);
     let want = reference(c, &o);
-    let modes: &[bool] = if c.wt.is_quantized() {
-        &[true, false]
-    } else {
-        &[false]
-    };
-    for &exact in modes {
+    for &precision in modes(c.wt) {
         let mut by_isa: Vec<(Isa, Vec<f32>)> = Vec::new();
         for pool in pools {
             for isa in Isa::available() {
-                let got = run(c, &o, pool, isa, exact);
+                let got = run(c, &o, pool, isa, precision);
                 let e = nmse(&got, &want);
-                let tol = if exact || !c.wt.is_quantized() {
-                    TOL_FLOAT
-                } else {
-                    TOL_Q8_ACT
-                };
+                let tol = tolerance(&o, precision);
                 assert!(
                     e <= tol,
-                    "{c:?} isa={isa} nth={} exact={exact}: nmse {e:e} > {tol:e}",
+                    "{c:?} isa={isa} nth={} precision={precision}: nmse {e:e} > {tol:e}",
                     pool.nth()
                 );
                 // Every level and thread count agrees with the first to f32 rounding.
@@ -309,8 +322,8 @@ fn check(c: &Case, pools: &[ThreadPool], seed: u64) {
     if c.wt.is_quantized() && c.k > 0 && c.n * c.m > 0 {
         // Exact mode is the accuracy mode: strictly closer to the reference.
         let pool = &pools[0];
-        let e_exact = nmse(&run(c, &o, pool, Isa::detect(), true), &want);
-        let e_q8 = nmse(&run(c, &o, pool, Isa::detect(), false), &want);
+        let e_exact = nmse(&run(c, &o, pool, Isa::detect(), Precision::Exact), &want);
+        let e_q8 = nmse(&run(c, &o, pool, Isa::detect(), Precision::Q8), &want);
         assert!(
             e_exact * 100.0 < e_q8,
             "{c:?}: exact {e_exact:e} vs q8 {e_q8:e}"
@@ -350,7 +363,7 @@ fn base(wt: DType, m: usize) -> Case {
 #[test]
 fn every_dtype_m_layout_and_broadcast_matches_the_reference() {
     // The full product: dtype x M x src1 layout x (no broadcast, broadcast over dim 2) x
-    // threads {1, 2, 3} x every SIMD level x (exact, quantized activations); odd N and K.
+    // threads {1, 2, 3} x every SIMD level x every precision; odd N and K.
     let pools = pools();
     for wt in ALL {
         for m in [1, 2, 7, 32, 33] {
@@ -371,6 +384,40 @@ fn every_dtype_m_layout_and_broadcast_matches_the_reference() {
             }
         }
     }
+}
+
+#[test]
+fn fused_tiles_at_every_small_m() {
+    // f32 activations with quantized weights and M <= 8 take the fused kernels: M = 1 uses
+    // 8 x 1 (AVX-512) or 4 x 1 (AVX2) tiles, larger M the 4 x {4, 3, 2, 1} or 2 x {2, 1} tiles;
+    // N = 37 leaves single rows after the full tiles. Long rows (K = 4096) cross the prefetch
+    // distance many times.
+    let pools = pools();
+    for wt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+        for m in 1..=9 {
+            check(&base(wt, m), &pools, 30 + m as u64);
+        }
+        for m in [1, 4] {
+            check(
+                &Case {
+                    k: 4096,
+                    n: 21,
+                    ..base(wt, m)
+                },
+                &pools[..2],
+                40,
+            );
+        }
+    }
+}
+
+#[test]
+fn only_q8_quantizes_activations_and_only_for_quantized_weights() {
+    let o = make_operands(&base(DType::Q4_1, 1), 1);
+    assert!(matmul::quantizes_activations(&o.w, Precision::Q8));
+    assert!(!matmul::quantizes_activations(&o.w, Precision::Exact));
+    let f = make_operands(&base(DType::F16, 1), 1);
+    assert!(!matmul::quantizes_activations(&f.w, Precision::Q8));
 }
 
 #[test]
@@ -489,7 +536,7 @@ fn kv_cache_views() {
     // A cache of n_kv positions, each holding 3 heads of 64: K = 64, nb1 = one position,
     // nb2 = one head. Six query heads share three KV heads (r2 = 2).
     let pools = pools();
-    for wt in [DType::F32, DType::F16, DType::BF16, DType::Q8_0] {
+    for wt in ALL {
         for n_kv in [1, 7, 40] {
             for m in [1, 5] {
                 let head = wt.row_size(64);
@@ -523,11 +570,18 @@ fn kv_cache_views() {
                     nb: [wt.type_size(), 3 * head, head, 3 * head * n_kv],
                 };
                 let want = reference(&c, &o);
-                for pool in &pools {
-                    for isa in Isa::available() {
-                        let got = run(&c, &o, pool, isa, true);
-                        let e = nmse(&got, &want);
-                        assert!(e <= TOL_FLOAT, "{c:?} {isa} nth={}: {e:e}", pool.nth());
+                for &precision in modes(wt) {
+                    let tol = tolerance(&o, precision);
+                    for pool in &pools {
+                        for isa in Isa::available() {
+                            let got = run(&c, &o, pool, isa, precision);
+                            let e = nmse(&got, &want);
+                            assert!(
+                                e <= tol,
+                                "{c:?} {isa} nth={} {precision}: {e:e}",
+                                pool.nth()
+                            );
+                        }
                     }
                 }
             }
@@ -546,8 +600,8 @@ fn zero_sized_dims() {
         };
         let o = make_operands(&c, 1);
         for pool in &pools {
-            for exact in [false, true] {
-                let got = run(&c, &o, pool, Isa::detect(), exact);
+            for &precision in modes(wt) {
+                let got = run(&c, &o, pool, Isa::detect(), precision);
                 assert!(got.iter().all(|&v| v == 0.0), "{c:?}");
             }
         }
@@ -574,8 +628,8 @@ fn zero_sized_dims() {
         ] {
             let o = make_operands(&c, 2);
             for pool in &pools {
-                for exact in [false, true] {
-                    assert!(run(&c, &o, pool, Isa::detect(), exact).is_empty());
+                for &precision in modes(wt) {
+                    assert!(run(&c, &o, pool, Isa::detect(), precision).is_empty());
                 }
             }
         }

@@ -1,10 +1,11 @@
 //! SmolLM2-135M (GGUF, Q4_1) across devices: greedy tokens identical on N = 1..4 (uneven GQA
 //! groups on 2, a device without heads on 4, mirrored attention, `--tensor-split` ratios),
 //! against the independent numpy reference (`scripts/reference/smollm2_ref.py`), and
-//! last-position logits NMSE against it with 8-bit activations and in exact mode.
+//! last-position logits NMSE against it in the default precision and in exact mode.
 
 use metashard::cli::run::{load, prompt_tokens};
 use metashard::cli::verify::{greedy, max_abs, nmse, reference};
+use metashard::cpu::Precision;
 use metashard::models::llama::LlamaModel;
 use metashard::models::paths::{ModelPath, resolve};
 use std::path::PathBuf;
@@ -42,7 +43,7 @@ type RefOut = Option<(Vec<u32>, Vec<f32>)>;
 fn references() -> &'static Vec<RefOut> {
     static R: OnceLock<Vec<RefOut>> = OnceLock::new();
     R.get_or_init(|| {
-        let (_, m) = load("smollm2", "cpu:1x1", false, None, false, true).unwrap();
+        let (_, m) = load("smollm2", "cpu:1x1", Precision::Exact, None, false, true).unwrap();
         (0..PROMPTS.len())
             .map(|i| match reference(&gguf(), &tokens_of(&m, i), REF_STEPS) {
                 Ok(r) => Some(r),
@@ -62,11 +63,11 @@ fn references() -> &'static Vec<RefOut> {
 /// Greedy tokens and prompt logits on `devices` for every prompt.
 fn run_all(
     devices: &str,
-    exact: bool,
+    precision: Precision,
     ratios: Option<Vec<f64>>,
     mirror: bool,
 ) -> Vec<(Vec<f32>, Vec<u32>)> {
-    let (set, m) = load("smollm2", devices, exact, ratios, mirror, true).unwrap();
+    let (set, m) = load("smollm2", devices, precision, ratios, mirror, true).unwrap();
     (0..PROMPTS.len())
         .map(|i| greedy(&m, &set, &tokens_of(&m, i), STEPS).unwrap())
         .collect()
@@ -74,7 +75,7 @@ fn run_all(
 
 fn single() -> &'static Vec<(Vec<f32>, Vec<u32>)> {
     static S: OnceLock<Vec<(Vec<f32>, Vec<u32>)>> = OnceLock::new();
-    S.get_or_init(|| run_all("cpu:1x2", false, None, false))
+    S.get_or_init(|| run_all("cpu:1x2", Precision::Exact, None, false))
 }
 
 #[test]
@@ -102,7 +103,7 @@ fn greedy_tokens_agree_with_the_numpy_reference() {
 #[test]
 fn exact_mode_logits_match_the_reference_closely() {
     let refs = references();
-    let (set, m) = load("smollm2", "cpu:1x2", true, None, false, true).unwrap();
+    let (set, m) = load("smollm2", "cpu:1x2", Precision::Exact, None, false, true).unwrap();
     for (i, r) in refs.iter().enumerate() {
         let Some((_, rl)) = r else { continue };
         let (logits, _) = greedy(&m, &set, &tokens_of(&m, i), 1).unwrap();
@@ -116,7 +117,7 @@ fn exact_mode_logits_match_the_reference_closely() {
 fn sharded_runs_give_the_same_greedy_tokens_on_1_to_4_devices() {
     let want = single();
     for devices in ["cpu:1x1", "cpu:2x1", "cpu:3x1", "cpu:4x1"] {
-        let got = run_all(devices, false, None, false);
+        let got = run_all(devices, Precision::Exact, None, false);
         for (i, ((wl, wt), (gl, gt))) in want.iter().zip(&got).enumerate() {
             let e = nmse(gl, wl);
             eprintln!(
@@ -137,7 +138,7 @@ fn ratios_and_mirrored_attention_give_the_same_tokens() {
         ("cpu:4x1", None, true),
         ("cpu:3x1", Some(vec![1.0, 2.0, 1.0]), false),
     ] {
-        let got = run_all(devices, false, ratios.clone(), mirror);
+        let got = run_all(devices, Precision::Exact, ratios.clone(), mirror);
         for (i, ((_, wt), (_, gt))) in want.iter().zip(&got).enumerate() {
             assert_eq!(
                 gt, wt,
@@ -149,7 +150,7 @@ fn ratios_and_mirrored_attention_give_the_same_tokens() {
 
 #[test]
 fn the_chat_answer_is_coherent() {
-    let (set, m) = load("smollm2", "cpu:2x1", false, None, false, true).unwrap();
+    let (set, m) = load("smollm2", "cpu:2x1", Precision::Exact, None, false, true).unwrap();
     let (_, toks) = greedy(&m, &set, &tokens_of(&m, 0), 12).unwrap();
     let text = String::from_utf8_lossy(&m.tokenizer.decode_bytes(&toks).unwrap()).to_string();
     assert!(text.contains("Paris"), "{text}");

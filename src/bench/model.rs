@@ -1,11 +1,11 @@
 //! `metashard bench model`: prompt processing (pp, default 128 tokens in one batch) and
 //! generation (tg, default 64 decode steps) tokens/s of a GGUF decoder on each given device
-//! set, the effective bandwidth of generation (weight bytes read per token x tokens/s), and
+//! set at each given precision (repetitions interleaved), the effective bandwidth of generation (weight bytes read per token x tokens/s), and
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
 use crate::Result;
 use crate::cli::run::load;
-use crate::cpu::ThreadPool;
+use crate::cpu::{Precision, ThreadPool};
 use crate::models::llama::Session;
 use std::time::Instant;
 
@@ -16,12 +16,15 @@ pub struct ModelBenchOptions {
     pub pp: usize,
     pub tg: usize,
     pub reps: usize,
-    pub exact: bool,
+    /// Precisions of products with quantized weights (each device set runs at each; empty:
+    /// [`Precision::Exact`]).
+    pub precisions: Vec<Precision>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ModelBenchRow {
     pub devices: String,
+    pub precision: String,
     pub pp_tokens: usize,
     pub pp_tokens_per_s: f64,
     pub tg_tokens: usize,
@@ -30,7 +33,7 @@ pub struct ModelBenchRow {
     pub bytes_per_token: usize,
     /// `bytes_per_token * tg_tokens_per_s`.
     pub tg_gbps: f64,
-    /// Generation throughput relative to the first device set.
+    /// Generation throughput relative to the first row (device set and precision).
     pub tg_vs_first: f64,
     pub pp_vs_first: f64,
 }
@@ -76,53 +79,90 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// One configuration being measured: a device set at a precision, and its model.
+struct Config {
+    spec: String,
+    precision: Precision,
+    set: crate::cli::DeviceSet,
+    m: crate::models::llama::LlamaModel,
+}
+
 pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBenchReport> {
-    let mut rows: Vec<ModelBenchRow> = Vec::new();
-    let mut name = String::new();
+    let precisions = if opts.precisions.is_empty() {
+        vec![Precision::Exact]
+    } else {
+        opts.precisions.clone()
+    };
+    let mut configs = Vec::new();
     for spec in &opts.devices {
-        progress(&format!("loading {} on {spec}", opts.model));
-        let (set, m) = load(&opts.model, spec, opts.exact, None, false, true)?;
-        name = m.name.clone();
-        let n_vocab = m.cfg.n_vocab as u32;
+        for &precision in &precisions {
+            progress(&format!("loading {} on {spec} ({precision})", opts.model));
+            let (set, m) = load(&opts.model, spec, precision, None, false, true)?;
+            configs.push(Config {
+                spec: spec.clone(),
+                precision,
+                set,
+                m,
+            });
+        }
+    }
+    let name = configs.first().map_or(String::new(), |c| c.m.name.clone());
+    let mut sessions = Vec::new();
+    for c in &configs {
+        let n_vocab = c.m.cfg.n_vocab as u32;
         let prompt: Vec<u32> = (0..opts.pp as u32)
             .map(|i| (i * 131 + 17) % n_vocab)
             .collect();
         let mut s = Session::new(
-            &m,
-            set.backend.clone(),
-            set.buffer_type.as_ref(),
+            &c.m,
+            c.set.backend.clone(),
+            c.set.buffer_type.as_ref(),
             opts.pp + opts.tg + 2,
         )?;
         // Warm up: plans for both shapes.
         s.eval(&prompt, false)?;
         s.eval(&[1], false)?;
-        let (mut pp, mut tg) = (Vec::new(), Vec::new());
-        for r in 0..opts.reps.max(1) {
+        sessions.push((s, prompt, n_vocab));
+    }
+    let (mut pps, mut tgs) = (
+        vec![Vec::new(); configs.len()],
+        vec![Vec::new(); configs.len()],
+    );
+    // Repetitions interleave the configurations, so a noisy moment hits all of them alike.
+    for r in 0..opts.reps.max(1) {
+        for (ci, (s, prompt, n_vocab)) in sessions.iter_mut().enumerate() {
             s.reset();
             let t0 = Instant::now();
-            s.eval(&prompt, false)?;
-            pp.push(opts.pp as f64 / t0.elapsed().as_secs_f64());
+            s.eval(prompt, false)?;
+            pps[ci].push(opts.pp as f64 / t0.elapsed().as_secs_f64());
             let t0 = Instant::now();
             let mut tok = 1u32;
             for i in 0..opts.tg {
                 let l = s.eval(&[tok], false)?;
-                tok = (crate::models::llama::argmax(&l) + i as u32) % n_vocab;
+                tok = (crate::models::llama::argmax(&l) + i as u32) % *n_vocab;
             }
-            tg.push(opts.tg as f64 / t0.elapsed().as_secs_f64());
+            tgs[ci].push(opts.tg as f64 / t0.elapsed().as_secs_f64());
             progress(&format!(
-                "{spec}: rep {} pp {:.1} t/s, tg {:.1} t/s",
+                "{} ({}): rep {} pp {:.1} t/s, tg {:.1} t/s",
+                configs[ci].spec,
+                configs[ci].precision,
                 r + 1,
-                pp[r],
-                tg[r]
+                pps[ci][r],
+                tgs[ci][r]
             ));
         }
+    }
+    drop(sessions);
+    let mut rows: Vec<ModelBenchRow> = Vec::new();
+    for ((c, pp), tg) in configs.into_iter().zip(pps).zip(tgs) {
         let (pp, tg) = (median(pp), median(tg));
-        let bpt = m.bytes_per_token();
+        let bpt = c.m.bytes_per_token();
         let (tg0, pp0) = rows
             .first()
             .map_or((tg, pp), |r| (r.tg_tokens_per_s, r.pp_tokens_per_s));
         rows.push(ModelBenchRow {
-            devices: spec.clone(),
+            devices: c.spec,
+            precision: c.precision.name().to_string(),
             pp_tokens: opts.pp,
             pp_tokens_per_s: pp,
             tg_tokens: opts.tg,
@@ -145,13 +185,14 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
 pub fn print_table(r: &ModelBenchReport) {
     println!("model: {}", r.model);
     println!(
-        "{:<12} {:>10} {:>8} {:>10} {:>8} {:>12} {:>10}",
-        "devices", "pp t/s", "pp x", "tg t/s", "tg x", "tg GB/s", "% stream"
+        "{:<12} {:<9} {:>10} {:>8} {:>10} {:>8} {:>12} {:>10}",
+        "devices", "precision", "pp t/s", "pp x", "tg t/s", "tg x", "tg GB/s", "% stream"
     );
     for row in &r.rows {
         println!(
-            "{:<12} {:>10.1} {:>7.2}x {:>10.1} {:>7.2}x {:>12.2} {:>9.0}%",
+            "{:<12} {:<9} {:>10.1} {:>7.2}x {:>10.1} {:>7.2}x {:>12.2} {:>9.0}%",
             row.devices,
+            row.precision,
             row.pp_tokens_per_s,
             row.pp_vs_first,
             row.tg_tokens_per_s,

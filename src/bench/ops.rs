@@ -9,7 +9,7 @@
 
 use super::{Repeat, time_it};
 use crate::cpu::matmul::{self, Isa};
-use crate::cpu::{ComputeParams, TensorView, ThreadPool};
+use crate::cpu::{ComputeParams, Precision, TensorView, ThreadPool};
 use crate::dtype::row_from_f32;
 use crate::{DType, Result};
 use serde::{Deserialize, Serialize};
@@ -30,8 +30,11 @@ pub struct OpsBenchOptions {
     pub threads: Vec<usize>,
     /// SIMD level (default: the best this CPU has).
     pub isa: Option<Isa>,
-    /// Exact mode for quantized weights (dequantize, no 8-bit activations).
-    pub exact: bool,
+    /// Precisions of products with quantized weights; quantized cases run at each (float
+    /// weights once). Empty: [`Precision::Exact`].
+    pub precisions: Vec<Precision>,
+    /// M values of the K = N = 4096 cases (default 1 and 32).
+    pub ms: Option<Vec<usize>>,
     /// Only cases whose label contains this substring (e.g. "q4_0", "m=1 ").
     pub filter: Option<String>,
     pub repeat: Repeat,
@@ -47,7 +50,8 @@ impl Default for OpsBenchOptions {
         OpsBenchOptions {
             threads: vec![1, 2],
             isa: None,
-            exact: false,
+            precisions: vec![Precision::Exact],
+            ms: None,
             filter: None,
             repeat: Repeat::default(),
             rotate: true,
@@ -67,7 +71,10 @@ pub struct OpBenchResult {
     pub k: usize,
     pub threads: usize,
     pub isa: String,
-    pub exact: bool,
+    /// `auto`, `q8` or `exact` (float weights: `-`).
+    pub precision: String,
+    /// The activations were quantized to 8 bits (what `auto` chose, for quantized weights).
+    pub q8_activations: bool,
     pub median_us: f64,
     pub min_us: f64,
     pub reps: usize,
@@ -119,6 +126,11 @@ impl OpCase {
 
 /// The fixed case list.
 pub fn cases() -> Vec<OpCase> {
+    cases_with(&[1, 32])
+}
+
+/// The case list with the K = N = 4096 cases at these M.
+pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
     let mm = |dtype, m, n, k, rotate| OpCase {
         op: "mul_mat",
         dtype,
@@ -140,7 +152,7 @@ pub fn cases() -> Vec<OpCase> {
     let mut v = vec![stream(1), stream(STREAMS)];
     v.push(mm(DType::F32, 1024, 1024, 1024, false));
     v.push(mm(DType::F32, 2048, 2048, 2048, false));
-    for m in [1, 32] {
+    for &m in ms {
         for dt in [
             DType::F32,
             DType::F16,
@@ -164,7 +176,18 @@ pub fn cases() -> Vec<OpCase> {
 /// Run every selected case at every thread count.
 pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     let isa = opts.isa.unwrap_or_else(Isa::detect).clamp();
-    let selected: Vec<OpCase> = cases()
+    let ms = opts.ms.clone().unwrap_or_else(|| vec![1, 32]);
+    if ms.iter().any(|&m| m == 0 || m > 4096) {
+        return Err(crate::Error::msg(format!(
+            "bench ops: M values must be 1..=4096, got {ms:?}"
+        )));
+    }
+    let precisions = if opts.precisions.is_empty() {
+        vec![Precision::Exact]
+    } else {
+        opts.precisions.clone()
+    };
+    let selected: Vec<OpCase> = cases_with(&ms)
         .into_iter()
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.label().contains(f)))
         .collect();
@@ -183,25 +206,34 @@ pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     let mut out = Vec::with_capacity(total);
     for (ci, case) in selected.iter().enumerate() {
         let max_threads = pools.iter().map(|p| p.nth()).max().unwrap_or(1);
-        let data = CaseData::new(case, opts.exact, opts.rotate, max_threads);
+        // Float weights and the streaming probe do not depend on the precision.
+        let precs: Vec<Option<Precision>> = if case.dtype.is_quantized() && case.op == "mul_mat" {
+            precisions.iter().map(|&p| Some(p)).collect()
+        } else {
+            vec![None]
+        };
+        let data = CaseData::new(case, &precisions, opts.rotate, max_threads);
         for (pi, pool) in pools.iter().enumerate() {
-            if opts.progress {
-                eprintln!(
-                    "[{}/{}] {} threads={} isa={isa}",
-                    ci * pools.len() + pi + 1,
-                    total,
-                    case.label(),
-                    pool.nth()
-                );
+            for &prec in &precs {
+                if opts.progress {
+                    eprintln!(
+                        "[{}/{}] {} threads={} isa={isa}{}",
+                        ci * pools.len() + pi + 1,
+                        total,
+                        case.label(),
+                        pool.nth(),
+                        prec.map_or(String::new(), |p| format!(" precision={p}"))
+                    );
+                }
+                let r = data.measure(case, pool, isa, prec, opts)?;
+                if opts.progress {
+                    eprintln!(
+                        "    {:.1} us  {:.1} GFLOP/s  {:.1} GB/s",
+                        r.median_us, r.gflops, r.gbps
+                    );
+                }
+                out.push(r);
             }
-            let r = data.measure(case, pool, isa, opts)?;
-            if opts.progress {
-                eprintln!(
-                    "    {:.1} us  {:.1} GFLOP/s  {:.1} GB/s",
-                    r.median_us, r.gflops, r.gbps
-                );
-            }
-            out.push(r);
         }
     }
     Ok(out)
@@ -238,7 +270,7 @@ struct CaseData {
 }
 
 impl CaseData {
-    fn new(c: &OpCase, exact: bool, rotate: bool, max_threads: usize) -> CaseData {
+    fn new(c: &OpCase, precisions: &[Precision], rotate: bool, max_threads: usize) -> CaseData {
         if c.op == "stream_read" {
             let mut buf = Aligned::new(STREAM_BYTES);
             // Fill with 1.0f32 so the pages are really allocated.
@@ -284,7 +316,11 @@ impl CaseData {
         }
         let d = Aligned::new(4 * c.n * c.m);
         let (wv, xv, dv) = views(c, &weights[0], &x, &d);
-        let ws = matmul::work_size(&wv, &xv, &dv, max_threads, exact);
+        let ws = precisions
+            .iter()
+            .map(|&p| matmul::work_size(&wv, &xv, &dv, max_threads, p))
+            .max()
+            .unwrap_or(0);
         CaseData {
             weights,
             x,
@@ -299,8 +335,10 @@ impl CaseData {
         c: &OpCase,
         pool: &ThreadPool,
         isa: Isa,
+        prec: Option<Precision>,
         opts: &OpsBenchOptions,
     ) -> Result<OpBenchResult> {
+        let precision = prec.unwrap_or_default();
         let nth = pool.nth();
         let timing = if c.op == "stream_read" {
             let buf = &self.weights[0];
@@ -346,7 +384,7 @@ impl CaseData {
                         tdata: std::ptr::null_mut(),
                         tsize: 0,
                         barrier,
-                        exact: opts.exact,
+                        precision,
                     };
                     matmul::forward_with(isa, &p, &w, &x, &d);
                 });
@@ -374,7 +412,11 @@ impl CaseData {
             k: c.k,
             threads: nth,
             isa: isa.name().to_string(),
-            exact: opts.exact,
+            precision: prec.map_or("-".into(), |p| p.name().to_string()),
+            q8_activations: c.op == "mul_mat" && {
+                let (w, _, _) = views(c, &self.weights[0], &self.x, &self.d);
+                matmul::quantizes_activations(&w, precision)
+            },
             median_us: timing.median_us,
             min_us: timing.min_us,
             reps: timing.reps,
@@ -456,8 +498,8 @@ pub fn print_table(results: &[OpBenchResult], refs: &[RefResult]) -> String {
     };
     let _ = write!(
         s,
-        "{:<34} {:>3} {:>7} {:>11} {:>9} {:>7}",
-        "case", "thr", "isa", "median us", "GFLOP/s", "GB/s"
+        "{:<34} {:>3} {:>7} {:<10} {:>11} {:>9} {:>7}",
+        "case", "thr", "isa", "precision", "median us", "GFLOP/s", "GB/s"
     );
     for src in &sources {
         let _ = write!(s, " {:>11} {:>6}", format!("{src} GF/s"), "ratio");
@@ -471,8 +513,8 @@ pub fn print_table(results: &[OpBenchResult], refs: &[RefResult]) -> String {
         };
         let _ = write!(
             s,
-            "{:<34} {:>3} {:>7} {:>11.1} {:>9.1} {:>7.1}",
-            label, r.threads, r.isa, r.median_us, r.gflops, r.gbps
+            "{:<34} {:>3} {:>7} {:<10} {:>11.1} {:>9.1} {:>7.1}",
+            label, r.threads, r.isa, r.precision, r.median_us, r.gflops, r.gbps
         );
         for src in &sources {
             let found = refs.iter().find(|x| {

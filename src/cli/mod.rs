@@ -8,7 +8,7 @@ pub mod verify;
 use crate::Result;
 use crate::backend::{Backend, Device, parse_devices};
 use crate::buffer::{Buffer, BufferType};
-use crate::cpu::{CpuOptions, parse_cpu_spec_with};
+use crate::cpu::{CpuOptions, Precision, parse_cpu_spec_with};
 use crate::meta::{MetaBuffer, MetaDevice, MetaOptions, SplitFn};
 use std::sync::Arc;
 
@@ -23,16 +23,17 @@ pub struct DeviceSet {
 }
 
 impl DeviceSet {
-    /// Open `spec` (`cpu`, `cpu:N`, `cpu:NxT`); several devices run as one meta device with
-    /// `split` (called only then).
+    /// Open `spec` (`cpu`, `cpu:N`, `cpu:NxT`) with `precision` for products of quantized
+    /// weights on CPU devices; several devices run as one meta device with `split` (called only
+    /// then).
     pub fn open(
         spec: &str,
-        exact: bool,
+        precision: Precision,
         explicit: bool,
         split: impl FnOnce(usize) -> SplitFn,
     ) -> Result<DeviceSet> {
         let devices = if spec.trim().starts_with("cpu") {
-            parse_cpu_spec_with(spec, CpuOptions { exact })?
+            parse_cpu_spec_with(spec, CpuOptions { precision })?
         } else {
             parse_devices(spec)?
         };

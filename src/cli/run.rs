@@ -3,6 +3,7 @@
 //! model's chat template unless `--raw`), and report prompt and generation tokens/s.
 
 use super::{DeviceSet, bytes_bar, memory_table};
+use crate::cpu::Precision;
 use crate::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, generate};
 use crate::models::paths::{ModelPath, resolve};
 use crate::models::split::{SplitOptions, megatron};
@@ -38,9 +39,10 @@ pub struct RunArgs {
     pub top_p: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Quantized weights times f32 activations (dequantized), instead of 8-bit activations.
+    /// Quantized weights times 8-bit activations (ggml's CPU behaviour; faster decoding on
+    /// some CPUs, less accurate). Default: f32 activations.
     #[arg(long)]
-    pub exact: bool,
+    pub q8: bool,
     /// Per-device shares of the split, e.g. `3,1` (in whole heads and blocks).
     #[arg(long, value_delimiter = ',')]
     pub tensor_split: Option<Vec<f64>>,
@@ -65,7 +67,7 @@ pub struct RunArgs {
 pub fn load(
     model: &str,
     devices: &str,
-    exact: bool,
+    precision: Precision,
     ratios: Option<Vec<f64>>,
     mirror_attention: bool,
     quiet: bool,
@@ -83,7 +85,7 @@ pub fn load(
         ratios,
         mirror_attention,
     };
-    let set = DeviceSet::open(devices, exact, false, |_| megatron(&cfg, opts))?;
+    let set = DeviceSet::open(devices, precision, false, |_| megatron(&cfg, opts))?;
     let file_size = std::fs::metadata(&path)
         .map_err(|e| Error::io(&path, e))?
         .len() as usize;
@@ -124,7 +126,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let (set, mut m) = load(
         &a.model,
         &a.devices,
-        a.exact,
+        Precision::from_q8_flag(a.q8),
         a.tensor_split.clone(),
         a.mirror_attention,
         a.json,

@@ -5,6 +5,7 @@
 //! split state.
 
 use super::run::{load, prompt_tokens};
+use crate::cpu::Precision;
 use crate::graph::Graph;
 use crate::meta::MetaDevice;
 use crate::models::decoder::{StepInput, build_step};
@@ -29,8 +30,9 @@ pub struct VerifyArgs {
     /// Greedy steps compared.
     #[arg(long, default_value_t = 32)]
     pub steps: usize,
+    /// Quantized weights times 8-bit activations (default: f32 activations).
     #[arg(long)]
-    pub exact: bool,
+    pub q8: bool,
     #[arg(long, value_delimiter = ',')]
     pub tensor_split: Option<Vec<f64>>,
     #[arg(long)]
@@ -201,11 +203,12 @@ pub fn compare_nodes(
 }
 
 pub fn run(a: &VerifyArgs) -> Result<()> {
-    let (single, m1) = load(&a.model, &a.against, a.exact, None, false, a.json)?;
+    let precision = Precision::from_q8_flag(a.q8);
+    let (single, m1) = load(&a.model, &a.against, precision, None, false, a.json)?;
     let (sharded, m2) = load(
         &a.model,
         &a.devices,
-        a.exact,
+        precision,
         a.tensor_split.clone(),
         a.mirror_attention,
         a.json,
@@ -216,6 +219,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     let same = t1.iter().zip(&t2).take_while(|(x, y)| x == y).count();
     let mut report = serde_json::json!({
         "devices": a.devices,
+        "precision": precision.name(),
         "against": a.against,
         "prompt_tokens": prompt.len(),
         "steps": a.steps,
@@ -237,7 +241,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     let mut first_bad = None;
     if a.nodes {
         let diffs = compare_nodes((&m1, &single), (&m2, &sharded), &prompt)?;
-        let tol = if a.exact { 1e-8 } else { 1e-4 };
+        let tol = if a.q8 { 1e-4 } else { 1e-8 };
         first_bad = diffs
             .iter()
             .find(|d| d.nmse > tol || d.nmse.is_nan())

@@ -203,7 +203,7 @@ fn plan_barriers(exec: &mut [ExecNode], shared: &[bool]) {
 fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
     let name = inner.device.name();
     check_supported(g, &name, true)?;
-    let (nth, exact) = (inner.pool.nth(), inner.device.options.exact);
+    let (nth, precision) = (inner.pool.nth(), inner.device.options.precision);
     let mut exec = Vec::new();
     let mut uses_shared = Vec::new();
     let (mut shared, mut slot) = (0usize, 0usize);
@@ -224,7 +224,7 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
             .iter()
             .map(|&s| host_view(g, s, &name))
             .collect::<Result<SmallVec<_>>>()?;
-        let sc = ops::scratch(&n.op, &dst, &src, nth, exact);
+        let sc = ops::scratch(&n.op, &dst, &src, nth, precision);
         shared = shared.max(sc.shared);
         slot = slot.max(sc.per_thread);
         uses_shared.push(sc.shared > 0);
@@ -263,7 +263,7 @@ impl GraphPlan for CpuPlan {
             return Ok(());
         }
         let pool = &self.inner.pool;
-        let (nth, exact) = (pool.nth(), self.inner.device.options.exact);
+        let (nth, precision) = (pool.nth(), self.inner.device.options.precision);
         let (shared, slot) = (self.shared, self.slot);
         let wdata = WorkPtr(self.work.as_mut_ptr().cast::<u8>());
         let current = AtomicUsize::new(0);
@@ -278,7 +278,7 @@ impl GraphPlan for CpuPlan {
                 tdata: unsafe { base.add(shared + ith * slot) },
                 tsize: slot,
                 barrier,
-                exact,
+                precision,
             };
             for (i, e) in nodes.iter().enumerate() {
                 if ith == 0 {
@@ -368,7 +368,12 @@ mod tests {
     #[test]
     fn barriers_only_where_nodes_depend() {
         // x at 0; q, k, v read x and write 64, 128, 192; then o reads q: only o waits.
-        let exec = vec![node(64, &[0]), node(128, &[0]), node(192, &[0]), node(256, &[64])];
+        let exec = vec![
+            node(64, &[0]),
+            node(128, &[0]),
+            node(192, &[0]),
+            node(256, &[64]),
+        ];
         assert_eq!(barriers(exec, &[false; 4]), [false, false, true, false]);
         // Write after read: the second node overwrites what the first reads.
         let exec = vec![node(64, &[0]), node(0, &[128])];

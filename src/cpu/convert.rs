@@ -1,11 +1,11 @@
 //! Row conversions between storage dtypes and f32 used by the op kernels: no allocation, half
-//! types through the `half` crate's slice conversions (hardware F16C where present), quantized
-//! blocks per ggml's layouts (see `dtype.rs`), unaligned reads allowed.
+//! types through the SIMD conversions of [`crate::cpu::simd`] (the same code the matmul and
+//! attention kernels use), quantized blocks per ggml's layouts (see `dtype.rs`), unaligned
+//! reads and writes allowed.
 
 use crate::DType;
+use crate::cpu::simd::{self, Isa};
 use crate::dtype::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
-use half::slice::HalfFloatSliceExt;
-use half::{bf16, f16};
 
 /// Convert one packed row of `dtype` (`src.len() == dtype.row_size(out.len())`) to f32.
 pub fn row_to_f32(dtype: DType, src: &[u8], out: &mut [f32]) {
@@ -22,21 +22,16 @@ pub fn row_to_f32(dtype: DType, src: &[u8], out: &mut [f32]) {
                 *o = i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32;
             }
         }
-        DType::F16 => {
-            if (src.as_ptr() as usize).is_multiple_of(2) {
-                // SAFETY: aligned for f16 (checked), length n * 2 bytes (asserted by the caller's
-                // contract), every bit pattern is a valid f16.
-                let h = unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<f16>(), n) };
-                h.convert_to_f32_slice(out);
-            } else {
-                for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
-                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+        DType::F16 | DType::BF16 => {
+            assert!(src.len() >= 2 * n, "row_to_f32: {dtype} row too short");
+            // SAFETY: src holds n 16-bit values (checked), out n floats; they do not overlap
+            // (one is borrowed shared, the other exclusively).
+            unsafe {
+                if dtype == DType::F16 {
+                    simd::f16_to_f32_raw(Isa::detect(), src.as_ptr(), out.as_mut_ptr(), n);
+                } else {
+                    simd::bf16_to_f32_raw(Isa::detect(), src.as_ptr(), out.as_mut_ptr(), n);
                 }
-            }
-        }
-        DType::BF16 => {
-            for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
         DType::Q8_0 => {
@@ -88,22 +83,16 @@ pub fn row_from_f32(dtype: DType, src: &[f32], dst: &mut [u8]) {
                 c.copy_from_slice(&(v as i32).to_le_bytes());
             }
         }
-        DType::F16 => {
-            if (dst.as_ptr() as usize).is_multiple_of(2) {
-                // SAFETY: aligned for f16 (checked), exactly src.len() halves long.
-                let h = unsafe {
-                    std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<f16>(), src.len())
-                };
-                h.convert_from_f32_slice(src);
-            } else {
-                for (c, &v) in dst.chunks_exact_mut(2).zip(src) {
-                    c.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+        DType::F16 | DType::BF16 => {
+            let n = src.len();
+            assert!(dst.len() >= 2 * n, "row_from_f32: {dtype} row too short");
+            // SAFETY: dst holds n 16-bit values (checked), src n floats; they do not overlap.
+            unsafe {
+                if dtype == DType::F16 {
+                    simd::f32_to_f16_raw(Isa::detect(), src.as_ptr(), dst.as_mut_ptr(), n);
+                } else {
+                    simd::f32_to_bf16_raw(Isa::detect(), src.as_ptr(), dst.as_mut_ptr(), n);
                 }
-            }
-        }
-        DType::BF16 => {
-            for (c, &v) in dst.chunks_exact_mut(2).zip(src) {
-                c.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
             }
         }
         DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {

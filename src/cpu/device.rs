@@ -5,6 +5,7 @@
 
 use super::backend::CpuBackend;
 use super::buffer::CpuBufferType;
+use super::view::Precision;
 use crate::backend::{Backend, Device, DeviceCaps, DeviceKind, MemoryInfo, Registry};
 use crate::buffer::BufferType;
 use crate::graph::{Graph, TensorId};
@@ -18,8 +19,21 @@ pub const MAX_CPU_DEVICES: usize = 16;
 /// Options shared by the devices of one spec.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuOptions {
-    /// Multiply quantized weights in f32 (dequantized) instead of with 8-bit activations.
-    pub exact: bool,
+    /// Precision of activations in products with quantized weights.
+    pub precision: Precision,
+}
+
+impl CpuOptions {
+    /// f32 activations everywhere ([`Precision::Exact`]).
+    pub fn exact() -> Self {
+        CpuOptions {
+            precision: Precision::Exact,
+        }
+    }
+
+    pub fn with_precision(precision: Precision) -> Self {
+        CpuOptions { precision }
+    }
 }
 
 /// One logical CPU device.
@@ -79,10 +93,9 @@ impl Device for CpuDevice {
             self.count,
             self.threads,
             if self.threads == 1 { "" } else { "s" },
-            if self.options.exact {
-                ", exact quantized matmul"
-            } else {
-                ""
+            match self.options.precision {
+                Precision::Q8 => ", 8-bit activations for quantized weights",
+                Precision::Exact => "",
             }
         )
     }

@@ -15,4 +15,4 @@ pub use backend::CpuBackend;
 pub use buffer::{CpuBuffer, CpuBufferType};
 pub use device::{CpuDevice, CpuOptions, CpuRegistry, parse_cpu_spec, parse_cpu_spec_with};
 pub use pool::{Barrier, ThreadPool};
-pub use view::{ComputeParams, TensorView, split_range};
+pub use view::{ComputeParams, Precision, TensorView, split_range};

@@ -1,13 +1,17 @@
 //! Vectorized building blocks shared by CPU kernels: the instruction set chosen at run time
-//! ([`Isa`]), f16/bf16 <-> f32 row conversion, and f32 dot product and sum.
+//! ([`Isa`]), f16/bf16 <-> f32 row conversion, f32 dot product and sum, dot products and
+//! `y += w * x` with f16 rows converted in registers (attention over an f16 KV cache), and a
+//! table of every f16 value (quantized blocks' scales).
 //!
 //! Every helper comes in two forms: `name(..)` uses [`Isa::detect`], `name_with(isa, ..)` runs
 //! the given level (tests force [`Isa::Scalar`] to check the portable fallback against the SIMD
 //! paths on the same machine). A level above what the CPU supports is lowered to
 //! [`Isa::detect`], so `*_with` never executes an unsupported instruction.
 
-use half::{bf16, f16};
 use std::sync::OnceLock;
+
+mod halfrows;
+pub use halfrows::*;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -92,194 +96,6 @@ impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
-}
-
-// ---- f16 / bf16 <-> f32 rows ----------------------------------------------------------------
-
-/// `dst[i] = src[i] as f32`; the slices must have the same length.
-pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
-    f16_to_f32_with(Isa::detect(), src, dst)
-}
-
-pub fn f16_to_f32_with(isa: Isa, src: &[f16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "f16_to_f32: length mismatch");
-    // SAFETY: both slices hold `dst.len()` elements; the raw version reads and writes exactly
-    // that many, unaligned.
-    unsafe { f16_to_f32_raw(isa, src.as_ptr().cast(), dst.as_mut_ptr(), dst.len()) }
-}
-
-/// Raw form of [`f16_to_f32`]: `src` points at `n` f16 values (any alignment).
-///
-/// # Safety
-/// `src` must be readable for `2 * n` bytes and `dst` writable for `n` f32 (any alignment for
-/// `src`, f32 alignment for `dst`), and they must not overlap.
-pub unsafe fn f16_to_f32_raw(isa: Isa, src: *const u8, dst: *mut f32, n: usize) {
-    let mut i = 0;
-    #[cfg(target_arch = "x86_64")]
-    if isa.clamp() >= Isa::Avx2 {
-        // SAFETY: the level is supported (clamped) and the caller's bounds cover `n` elements.
-        i = unsafe { f16_to_f32_avx2(src, dst, n) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = isa;
-    for j in i..n {
-        // SAFETY: j < n, inside both ranges.
-        unsafe {
-            let h = f16::from_bits(src.add(2 * j).cast::<u16>().read_unaligned());
-            dst.add(j).write(h.to_f32());
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_to_f32_avx2(src: *const u8, dst: *mut f32, n: usize) -> usize {
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: elements i..i+8 are inside the caller's ranges.
-        unsafe {
-            let h = _mm_loadu_si128(src.add(2 * i).cast());
-            _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(h));
-        }
-        i += 8;
-    }
-    i
-}
-
-/// `dst[i] = f16(src[i])`, rounding to nearest even.
-pub fn f32_to_f16(src: &[f32], dst: &mut [f16]) {
-    f32_to_f16_with(Isa::detect(), src, dst)
-}
-
-pub fn f32_to_f16_with(isa: Isa, src: &[f32], dst: &mut [f16]) {
-    assert_eq!(src.len(), dst.len(), "f32_to_f16: length mismatch");
-    let n = src.len();
-    let mut i = 0;
-    #[cfg(target_arch = "x86_64")]
-    if isa.clamp() >= Isa::Avx2 {
-        // SAFETY: the level is supported; both slices hold n elements.
-        i = unsafe { f32_to_f16_avx2(src.as_ptr(), dst.as_mut_ptr().cast(), n) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = isa;
-    for j in i..n {
-        dst[j] = f16::from_f32(src[j]);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f32_to_f16_avx2(src: *const f32, dst: *mut u8, n: usize) -> usize {
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: elements i..i+8 are inside both slices.
-        unsafe {
-            let v = _mm256_loadu_ps(src.add(i));
-            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-            _mm_storeu_si128(dst.add(2 * i).cast(), h);
-        }
-        i += 8;
-    }
-    i
-}
-
-/// `dst[i] = src[i] as f32` (bf16 is the upper half of an f32, so this is exact).
-pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    bf16_to_f32_with(Isa::detect(), src, dst)
-}
-
-pub fn bf16_to_f32_with(isa: Isa, src: &[bf16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "bf16_to_f32: length mismatch");
-    // SAFETY: both slices hold `dst.len()` elements.
-    unsafe { bf16_to_f32_raw(isa, src.as_ptr().cast(), dst.as_mut_ptr(), dst.len()) }
-}
-
-/// Raw form of [`bf16_to_f32`].
-///
-/// # Safety
-/// As [`f16_to_f32_raw`].
-pub unsafe fn bf16_to_f32_raw(isa: Isa, src: *const u8, dst: *mut f32, n: usize) {
-    let mut i = 0;
-    #[cfg(target_arch = "x86_64")]
-    if isa.clamp() >= Isa::Avx2 {
-        // SAFETY: the level is supported and the caller's bounds cover `n` elements.
-        i = unsafe { bf16_to_f32_avx2(src, dst, n) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = isa;
-    for j in i..n {
-        // SAFETY: j < n, inside both ranges.
-        unsafe {
-            let b = src.add(2 * j).cast::<u16>().read_unaligned();
-            dst.add(j).write(f32::from_bits((b as u32) << 16));
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn bf16_to_f32_avx2(src: *const u8, dst: *mut f32, n: usize) -> usize {
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: elements i..i+8 are inside the caller's ranges.
-        unsafe {
-            let h = _mm_loadu_si128(src.add(2 * i).cast());
-            let w = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
-            _mm256_storeu_ps(dst.add(i), _mm256_castsi256_ps(w));
-        }
-        i += 8;
-    }
-    i
-}
-
-/// `dst[i] = bf16(src[i])`, rounding to nearest even; NaN stays NaN.
-pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
-    f32_to_bf16_with(Isa::detect(), src, dst)
-}
-
-pub fn f32_to_bf16_with(isa: Isa, src: &[f32], dst: &mut [bf16]) {
-    assert_eq!(src.len(), dst.len(), "f32_to_bf16: length mismatch");
-    let n = src.len();
-    let mut i = 0;
-    #[cfg(target_arch = "x86_64")]
-    if isa.clamp() >= Isa::Avx2 {
-        // SAFETY: the level is supported; both slices hold n elements.
-        i = unsafe { f32_to_bf16_avx2(src.as_ptr(), dst.as_mut_ptr().cast(), n) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = isa;
-    for j in i..n {
-        dst[j] = bf16::from_f32(src[j]);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f32_to_bf16_avx2(src: *const f32, dst: *mut u8, n: usize) -> usize {
-    // Round to nearest even: add 0x7fff plus the lowest kept bit, then drop 16 bits. NaNs keep
-    // their top bits with the quiet bit set, so they cannot round to infinity.
-    let bias = _mm256_set1_epi32(0x7fff);
-    let one = _mm256_set1_epi32(1);
-    let quiet = _mm256_set1_epi32(0x0040_0000);
-    let mut i = 0;
-    while i + 8 <= n {
-        // SAFETY: elements i..i+8 are inside both slices.
-        unsafe {
-            let v = _mm256_loadu_ps(src.add(i));
-            let x = _mm256_castps_si256(v);
-            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), one);
-            let rounded = _mm256_add_epi32(x, _mm256_add_epi32(bias, lsb));
-            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-            let r = _mm256_blendv_epi8(rounded, _mm256_or_si256(x, quiet), nan);
-            let hi = _mm256_srli_epi32::<16>(r);
-            // Pack 8 x u32 (each < 65536) into 8 x u16.
-            let packed = _mm256_packus_epi32(hi, hi);
-            let packed = _mm256_permute4x64_epi64::<0b00_00_10_00>(packed);
-            _mm_storeu_si128(dst.add(2 * i).cast(), _mm256_castsi256_si128(packed));
-        }
-        i += 8;
-    }
-    i
 }
 
 // ---- reductions -------------------------------------------------------------------------------
@@ -427,69 +243,6 @@ mod tests {
                 (s as f32 / u32::MAX as f32) * 8.0 - 4.0
             })
             .collect()
-    }
-
-    #[test]
-    fn conversions_match_half_crate_on_every_level() {
-        let mut x = data(67, 1);
-        x.extend([
-            f32::INFINITY,
-            -0.0,
-            1e-8,
-            65504.0,
-            70000.0,
-            f32::NAN,
-            3.0e38,
-        ]);
-        x.extend(data(9, 2));
-        for isa in Isa::available() {
-            let mut h = vec![f16::ZERO; x.len()];
-            f32_to_f16_with(isa, &x, &mut h);
-            let mut b = vec![bf16::ZERO; x.len()];
-            f32_to_bf16_with(isa, &x, &mut b);
-            for (i, &v) in x.iter().enumerate() {
-                if v.is_nan() {
-                    assert!(h[i].is_nan() && b[i].is_nan(), "{isa}: NaN lost at {i}");
-                } else {
-                    assert_eq!(h[i], f16::from_f32(v), "{isa}: f16 of {v}");
-                    assert_eq!(b[i], bf16::from_f32(v), "{isa}: bf16 of {v}");
-                }
-            }
-            let mut back = vec![0f32; x.len()];
-            f16_to_f32_with(isa, &h, &mut back);
-            for (i, &v) in back.iter().enumerate() {
-                assert!(
-                    v.to_bits() == h[i].to_f32().to_bits() || v.is_nan(),
-                    "{isa}: {i}"
-                );
-            }
-            bf16_to_f32_with(isa, &b, &mut back);
-            for (i, &v) in back.iter().enumerate() {
-                assert!(
-                    v.to_bits() == b[i].to_f32().to_bits() || v.is_nan(),
-                    "{isa}: {i}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn bf16_rounds_ties_to_even() {
-        // 1 + 2^-8 is halfway between two bf16 values; ties go to the even mantissa (1.0).
-        let tie = f32::from_bits(0x3f80_8000);
-        let above = f32::from_bits(0x3f80_8001);
-        let odd_tie = f32::from_bits(0x3f81_8000);
-        for isa in Isa::available() {
-            let mut out = vec![bf16::ZERO; 8];
-            f32_to_bf16_with(
-                isa,
-                &[tie, above, odd_tie, 0.0, 0.0, 0.0, 0.0, 0.0],
-                &mut out,
-            );
-            assert_eq!(out[0].to_bits(), 0x3f80, "{isa}");
-            assert_eq!(out[1].to_bits(), 0x3f81, "{isa}");
-            assert_eq!(out[2].to_bits(), 0x3f82, "{isa}");
-        }
     }
 
     #[test]

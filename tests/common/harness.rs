@@ -521,7 +521,7 @@ fn exact_mode(backend: &dyn Backend, opts: &RunOptions) -> bool {
             .device()
             .as_any()
             .downcast_ref::<CpuDevice>()
-            .is_some_and(|d| d.options.exact)
+            .is_some_and(|d| d.options.precision == metashard::cpu::Precision::Exact)
     })
 }
 

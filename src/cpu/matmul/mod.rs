@@ -4,10 +4,13 @@
 //! `r2 = ne12 / ne02`, `r3 = ne13 / ne03` (weights broadcast over dims 2 and 3).
 //!
 //! Paths (chosen by [`Plan`], identically in `work_size` and `forward`):
-//! - quantized weights, `exact == false`: activations are quantized to 8 bits per block into the
+//! - quantized weights with 8-bit activations ([`Precision::Q8`]): activations are quantized to 8 bits per block into the
 //!   scratch (split over threads, then a barrier), then integer dot products ([`quant`]);
-//! - float weights (or quantized ones in exact mode, dequantized chunk by chunk into per-thread
-//!   scratch) with small and medium M: register-tiled SIMD kernels ([`float`]);
+//! - quantized weights with f32 activations and small M: weights dequantized in registers and
+//!   multiplied with the activations in place ([`qf32`]; no scratch, no barrier);
+//! - float weights (or quantized ones with f32 activations and medium M, dequantized chunk by
+//!   chunk into per-thread scratch) with small and medium M: register-tiled SIMD kernels
+//!   ([`float`]);
 //! - large M ([`use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
 //!   the output (`Parallelism::None`), F16/BF16/quantized weights converted to f32 chunk by chunk.
 //!
@@ -16,13 +19,16 @@
 //! else M, else fine-grained items.
 
 mod float;
+mod qf32;
 mod quant;
 
 pub use crate::cpu::simd::Isa;
+pub use crate::cpu::view::Precision;
 
 use crate::DType;
 use crate::cpu::view::{ComputeParams, TensorView, split_range};
 use float::FloatBlock;
+use qf32::QF32Block;
 use quant::{ActLayout, QuantBlock};
 
 /// Whether `m` activation rows of length `k` go to the packed GEMM (the `gemm` crate) rather
@@ -34,6 +40,23 @@ use quant::{ActLayout, QuantBlock};
 fn use_gemm(m: usize, k: usize) -> bool {
     m >= 256 || (m >= 128 && k < 2048) || (m >= 64 && k <= 64)
 }
+/// Largest M (activation rows per batch) multiplied by the fused kernels ([`qf32`]) when
+/// quantized weights meet f32 activations; larger M dequantizes chunks of weight rows into
+/// scratch once and uses the wider f32 tiles.
+const FUSED_MAX_M: usize = 8;
+
+/// Whether `mul_mat(src0, src1)` at `precision` quantizes the activations to 8 bits (false for
+/// float weights, and for every product at [`Precision::Exact`]).
+pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
+    src0.dtype.is_quantized() && precision == Precision::Q8
+}
+
+/// Activation rows the fused kernels multiply per pass over an item's weights: as many as
+/// fit in 256 KiB of f32 (a quarter of a Zen 4 L2), 8 to 64, a multiple of 4 (the tile width).
+fn fused_chunk_m(k: usize) -> usize {
+    ((256 << 10) / (4 * k.max(1))).clamp(8, 64) / 4 * 4
+}
+
 /// Weight rows per work item are a multiple of this (keeps tiles whole).
 const TILE_N: usize = 16;
 /// Per-thread scratch for weights converted to f32 before a GEMM call.
@@ -132,9 +155,9 @@ pub fn work_size(
     src1: &TensorView,
     dst: &TensorView,
     nth: usize,
-    exact: bool,
+    precision: Precision,
 ) -> usize {
-    let p = Plan::new(src0, src1, dst, nth.max(1), exact);
+    let p = Plan::new(src0, src1, dst, nth.max(1), precision);
     p.shared + p.nth * p.per_thread
 }
 
@@ -155,7 +178,7 @@ pub fn forward_with(
     if let Err(e) = supports(src0, src1, dst) {
         panic!("mul_mat: forward called on unsupported operands: {e}");
     }
-    let plan = Plan::new(src0, src1, dst, p.nth, p.exact);
+    let plan = Plan::new(src0, src1, dst, p.nth, p.precision);
     let need = plan.shared + plan.nth * plan.per_thread;
     assert!(
         p.wsize >= need && (need == 0 || !p.wdata.is_null()),
@@ -214,6 +237,8 @@ enum Path {
     Zero,
     /// Float kernels or GEMM; `convert`: weights go through per-thread f32 scratch.
     Float { gemm: bool, convert: bool },
+    /// Quantized weights dequantized in registers, f32 activations ([`qf32`]).
+    Fused,
     /// Integer kernels on quantized activations.
     Quant,
 }
@@ -262,7 +287,7 @@ impl Plan {
         src1: &TensorView,
         dst: &TensorView,
         nth: usize,
-        exact: bool,
+        precision: Precision,
     ) -> Plan {
         let [k, n, ne02, ne03] = src0.ne;
         let [_, m, ne12, ne13] = src1.ne;
@@ -272,8 +297,10 @@ impl Plan {
             Path::Nothing
         } else if k == 0 {
             Path::Zero
-        } else if quantized && !exact {
+        } else if quantizes_activations(src0, precision) {
             Path::Quant
+        } else if quantized && m <= FUSED_MAX_M {
+            Path::Fused
         } else {
             let gemm = use_gemm(m, k);
             let f32_rows = src0.dtype == DType::F32 && src0.nb[1..].iter().all(|b| b % 4 == 0);
@@ -289,7 +316,7 @@ impl Plan {
                 let lay = ActLayout::new(k);
                 (Src1::Quant(lay), rows1 * lay.row_bytes)
             }
-            Path::Float { .. } if !src1_direct => {
+            Path::Float { .. } | Path::Fused if !src1_direct => {
                 let ld = k.next_multiple_of(16);
                 (Src1::Gather { ld }, rows1 * ld * 4)
             }
@@ -418,6 +445,35 @@ unsafe fn run_item(
                 src1.nb[1] / 4,
             ),
         };
+        if plan.path == Path::Fused {
+            let wt = match src0.dtype {
+                DType::Q8_0 => QuantW::Q8_0,
+                DType::Q4_0 => QuantW::Q4_0,
+                _ => QuantW::Q4_1,
+            };
+            // Chunks of activation rows stay in L2 while the item's weight rows stream past.
+            let chunk = fused_chunk_m(plan.k);
+            let mut mc = 0;
+            while mc < m {
+                let rows = chunk.min(m - mc);
+                let b = QF32Block {
+                    w,
+                    ldw: src0.nb[1],
+                    wt,
+                    x: x.add(mc * ldx),
+                    ldx,
+                    d: d.add(mc * ldd),
+                    ldd,
+                    n,
+                    m: rows,
+                    nblk: plan.k / quant::QK,
+                    gemv: plan.m == 1,
+                };
+                qf32::block(isa, &b);
+                mc += rows;
+            }
+            return;
+        }
         let Path::Float { gemm, convert } = plan.path else {
             return;
         };
@@ -654,13 +710,22 @@ mod tests {
         let d = view(DType::F32, [64, 32, 1, 1]);
         let q = view(DType::Q4_0, [4096, 64, 1, 1]);
         // 32 rows of 4096 quants + 2 * 128 f32 each.
-        assert_eq!(work_size(&q, &x, &d, 2, false), 32 * (4096 + 8 * 128));
+        assert_eq!(
+            work_size(&q, &x, &d, 2, Precision::Q8),
+            32 * (4096 + 8 * 128)
+        );
         // Exact mode: no quantized activations, a dequantized chunk per thread instead.
         assert_eq!(
-            work_size(&q, &x, &d, 2, true),
+            work_size(&q, &x, &d, 2, Precision::Exact),
             2 * CONV_ROWS_SMALL * 4096 * 4
         );
         let f = view(DType::F32, [4096, 64, 1, 1]);
-        assert_eq!(work_size(&f, &x, &d, 2, false), 0);
+        for p in [Precision::Q8, Precision::Exact] {
+            assert_eq!(work_size(&f, &x, &d, 2, p), 0);
+        }
+        // Decode shapes with f32 activations: the fused kernels need no scratch.
+        let x1 = view(DType::F32, [4096, 1, 1, 1]);
+        let d1 = view(DType::F32, [64, 1, 1, 1]);
+        assert_eq!(work_size(&q, &x1, &d1, 2, Precision::Exact), 0);
     }
 }

@@ -4,10 +4,11 @@
 //! `flash_attn_ext`.
 //!
 //! Work is cut into units of (batch, kv head, query row) that cover all the query heads of one
-//! GQA group, so each K and V row is converted to f32 once and used by every head of the group;
-//! scores are computed for a block of kv rows, then exponentiated together (a vectorizable
-//! polynomial exp), then the block's V rows are accumulated. With fewer units than threads the
-//! units become single heads.
+//! GQA group, so each K and V row is read by every head of the group while it is in cache (f16
+//! rows are widened in registers by the fused `simd::dot_f16_f32_raw` / `axpy_f16_raw`, with no
+//! scratch copy); scores are computed for a block of kv rows, then exponentiated together (a
+//! vectorizable polynomial exp), then the block's V rows are accumulated. With fewer units than
+//! threads the units become single heads.
 
 use super::thread_scratch;
 use crate::DType;
@@ -44,7 +45,7 @@ fn heads_per_unit(src: &[TensorView], nth: usize) -> usize {
 /// Floats of scratch per thread for `g` heads per unit.
 fn per_thread(src: &[TensorView], g: usize) -> usize {
     let (d, dv) = (src[0].ne[0], src[2].ne[0]);
-    g * d + g * dv + g * BLOCK + d + dv + 3 * g + 64
+    g * d + g * dv + g * BLOCK + 3 * g + 64
 }
 
 /// Private scratch bytes per thread on `nth` threads.
@@ -71,28 +72,38 @@ fn exp_fast(x: f32) -> f32 {
     p * scale
 }
 
-/// Row `(i1, i2, i3)` of `t` as f32: a pointer into `t` when it is f32, else converted in `buf`.
+/// `dot(a, row)` for a packed f32 or f16 row of `n` elements at `row`.
 ///
 /// # Safety
-/// Indices in range; `buf` holds `t.ne[0]` floats.
+/// `a` holds `n` floats and `row` one packed row of `n` elements of `dtype`.
 #[inline(always)]
-unsafe fn row(
-    isa: Isa,
-    t: &TensorView,
-    i1: usize,
-    i2: usize,
-    i3: usize,
-    buf: &mut [f32],
-) -> *const f32 {
-    // SAFETY: per the function's contract; rows are packed (checked by `supports`).
+unsafe fn dot_row(isa: Isa, a: *const f32, row: *const u8, dtype: DType, n: usize) -> f32 {
+    // SAFETY: per the function's contract.
     unsafe {
-        let p = t.row_ptr(i1, i2, i3);
-        match t.dtype {
-            DType::F32 => p.cast::<f32>(),
-            _ => {
-                simd::f16_to_f32_raw(isa, p, buf.as_mut_ptr(), t.ne[0]);
-                buf.as_ptr()
+        match dtype {
+            DType::F32 => simd::dot_f32_raw(isa, a, row.cast(), n),
+            _ => simd::dot_f16_f32_raw(isa, a, row, n),
+        }
+    }
+}
+
+/// `acc += w * row` for a packed f32 or f16 row of `acc.len()` elements at `row`.
+///
+/// # Safety
+/// `row` is one packed row of `acc.len()` elements of `dtype`.
+#[inline(always)]
+unsafe fn axpy_row(isa: Isa, acc: &mut [f32], w: f32, row: *const u8, dtype: DType) {
+    // SAFETY: per the function's contract; acc and the tensor row do not overlap (the
+    // scratch is the node's own memory).
+    unsafe {
+        match dtype {
+            DType::F32 => {
+                let vr = std::slice::from_raw_parts(row.cast::<f32>(), acc.len());
+                for (a, &x) in acc.iter_mut().zip(vr) {
+                    *a += w * x;
+                }
             }
+            _ => simd::axpy_f16_raw(isa, acc.as_mut_ptr(), w, row, acc.len()),
         }
     }
 }
@@ -110,8 +121,6 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
     let (qs, rest) = buf.split_at_mut(g * d);
     let (acc, rest) = rest.split_at_mut(g * dv);
     let (sc, rest) = rest.split_at_mut(g * BLOCK);
-    let (kbuf, rest) = rest.split_at_mut(d);
-    let (vbuf, rest) = rest.split_at_mut(dv);
     let (m, rest) = rest.split_at_mut(g);
     let l = &mut rest[..g];
     // Units: (batch, head block, query row); a head block is `g` consecutive query heads.
@@ -142,11 +151,11 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
                     }
                     continue;
                 }
-                // SAFETY: j < n_kv, hk < Hk, b < batch; kbuf holds d floats.
-                let kr = unsafe { row(isa, k, j, hk, b, kbuf) };
+                // SAFETY: j < n_kv, hk < Hk, b < batch; rows are packed (checked by `supports`).
+                let kr = unsafe { k.row_ptr(j, hk, b).cast_const() };
                 for h in 0..g {
-                    // SAFETY: both rows hold d floats.
-                    let s = unsafe { simd::dot_f32_raw(isa, qs[h * d..].as_ptr(), kr, d) };
+                    // SAFETY: the query row holds d floats, the K row d elements.
+                    let s = unsafe { dot_row(isa, qs[h * d..].as_ptr(), kr, k.dtype, d) };
                     sc[h * BLOCK + jj] = s * scale + mv;
                 }
             }
@@ -182,13 +191,11 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
                     continue;
                 }
                 // SAFETY: as for K.
-                let vr =
-                    unsafe { std::slice::from_raw_parts(row(isa, v, j0 + jj, hk, b, vbuf), dv) };
+                let vr = unsafe { v.row_ptr(j0 + jj, hk, b).cast_const() };
                 for h in 0..g {
                     let w = sc[h * BLOCK + jj];
-                    for (a, &x) in acc[h * dv..(h + 1) * dv].iter_mut().zip(vr) {
-                        *a += w * x;
-                    }
+                    // SAFETY: the V row holds dv elements, acc's slice dv floats.
+                    unsafe { axpy_row(isa, &mut acc[h * dv..(h + 1) * dv], w, vr, v.dtype) };
                 }
             }
             j0 += jn;

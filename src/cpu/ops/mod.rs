@@ -13,7 +13,7 @@ mod rope;
 mod rows;
 
 use super::matmul;
-use super::view::{ComputeParams, TensorView};
+use super::view::{ComputeParams, Precision, TensorView};
 use crate::DType;
 use crate::op::Op;
 
@@ -79,11 +79,17 @@ pub struct Scratch {
 }
 
 /// Scratch the node needs on `nth` threads.
-pub fn scratch(op: &Op, dst: &TensorView, src: &[TensorView], nth: usize, exact: bool) -> Scratch {
+pub fn scratch(
+    op: &Op,
+    dst: &TensorView,
+    src: &[TensorView],
+    nth: usize,
+    precision: Precision,
+) -> Scratch {
     let rows = || copy::row_scratch(src, dst);
     match op {
         Op::MulMat => Scratch {
-            shared: matmul::work_size(&src[0], &src[1], dst, nth, exact),
+            shared: matmul::work_size(&src[0], &src[1], dst, nth, precision),
             per_thread: 0,
         },
         Op::FlashAttn { .. } => Scratch {

@@ -1,0 +1,459 @@
+//! Quantized weights (Q8_0, Q4_0, Q4_1) times f32 activations, fused: each weight block is
+//! dequantized in registers and multiplied with the f32 activations directly, with no 8-bit
+//! rounding of the activations and no scratch round trip. A register tile of `RN` weight rows x
+//! `RM` activation rows dequantizes each weight block once and uses it for the `RM` rows.
+//!
+//! Weight values are those of the reference dequantization (`dtype.rs`, after ggml's
+//! `dequantize_row_q4_0` and friends): Q8_0 `q * d`, Q4_0 `(q - 8) * d` (both one rounding, so
+//! bit-identical), Q4_1 `q * d + m` in one fused multiply-add (one rounding where the reference
+//! rounds twice). Block layouts per ggml-common.h (`block_q8_0`: f16 d, 32 i8; `block_q4_0`: f16
+//! d, 16 bytes of nibbles, element j < 16 in the low nibble of byte j, element j + 16 in its
+//! high nibble; `block_q4_1`: f16 d, f16 m, the same nibbles).
+//!
+//! Levels:
+//! - AVX-512: a Q4 block's 16 possible values are computed once per block and row
+//!   (`(j - 8) * d` or `j * d + m` for j in 0..16, one vector) and the 32 weights are looked up
+//!   with two `vpermps` indexed by the nibbles (the instruction uses the low 4 bits of each
+//!   index lane, so the low nibbles need no masking); Q8_0 widens the bytes and converts them.
+//!   Tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1} otherwise.
+//! - AVX2 + FMA + F16C: nibbles widened to i32, converted, scaled with one FMA per 8 weights.
+//!   Tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise (two accumulators per output).
+//! - Scalar: a block dequantized into 32 floats, then dotted with each activation row.
+
+use super::QuantW as WType;
+use super::quant::QK;
+use crate::cpu::simd::{self, Isa};
+use half::f16;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// One block of `dst[m][n] = dot(w[n], x[m])` with quantized weights and f32 activations.
+#[derive(Clone, Copy)]
+pub(crate) struct QF32Block {
+    /// First weight row: `nblk` blocks of `wt` starting at `w + n * ldw` bytes.
+    pub w: *const u8,
+    pub ldw: usize,
+    pub wt: WType,
+    /// First activation row (f32); row `m` starts at `x + m * ldx` elements.
+    pub x: *const f32,
+    pub ldx: usize,
+    /// Output: `dst[m][n]` at `d + m * ldd + n` elements.
+    pub d: *mut f32,
+    pub ldd: usize,
+    pub n: usize,
+    pub m: usize,
+    /// Blocks of 32 per row (K / 32).
+    pub nblk: usize,
+    /// The node is a matrix-vector product (M = 1 in every batch): Q8_0 blocks may scale
+    /// each block's dot product instead of the weights (one operation fewer per block). Set
+    /// per node, never per tile, so outputs do not depend on how threads split the rows.
+    pub gemv: bool,
+}
+
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_1: u8 = 2;
+
+const fn block_bytes(wq: u8) -> usize {
+    match wq {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 20,
+    }
+}
+
+/// Compute one block at the given level.
+///
+/// # Safety
+/// Weight rows `n < b.n` hold `b.nblk` blocks of `b.wt`, activation rows `m < b.m` hold
+/// `32 * b.nblk` f32, and `dst[m][n]` is writable and owned by the caller's thread.
+pub(crate) unsafe fn block(isa: Isa, b: &QF32Block) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = isa.clamp();
+        let tab = F16Tab(simd::f16_table().as_ptr());
+        // SAFETY: supported level (clamped); forwarded caller guarantees.
+        unsafe {
+            match (isa, b.wt) {
+                (Isa::Avx512, WType::Q8_0) => return avx512::block::<Q8_0>(b, tab),
+                (Isa::Avx512, WType::Q4_0) => return avx512::block::<Q4_0>(b, tab),
+                (Isa::Avx512, WType::Q4_1) => return avx512::block::<Q4_1>(b, tab),
+                (Isa::Avx2, WType::Q8_0) => return avx2::block::<Q8_0>(b, tab),
+                (Isa::Avx2, WType::Q4_0) => return avx2::block::<Q4_0>(b, tab),
+                (Isa::Avx2, WType::Q4_1) => return avx2::block::<Q4_1>(b, tab),
+                _ => {}
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match b.wt {
+            WType::Q8_0 => scalar_block::<Q8_0>(b),
+            WType::Q4_0 => scalar_block::<Q4_0>(b),
+            WType::Q4_1 => scalar_block::<Q4_1>(b),
+        }
+    }
+}
+
+/// The f32 value of every f16 bit pattern ([`simd::f16_table`]): a block's scale is one table
+/// load, which the SIMD tiles broadcast straight from memory (a vector f16 conversion plus a
+/// broadcast per block and row cost about a third of the M = 1 tile's time on Zen 4).
+#[derive(Clone, Copy)]
+#[cfg(target_arch = "x86_64")]
+struct F16Tab(*const f32);
+
+#[cfg(target_arch = "x86_64")]
+impl F16Tab {
+    /// The f16 at `p` as f32.
+    ///
+    /// # Safety
+    /// `p` must be readable for 2 bytes.
+    #[inline(always)]
+    unsafe fn get(self, p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees two readable bytes; the table has an entry for every
+        // 16-bit pattern.
+        unsafe { *self.0.add(p.cast::<u16>().read_unaligned() as usize) }
+    }
+}
+
+/// # Safety
+/// `p` must be readable for 2 bytes.
+#[inline(always)]
+unsafe fn read_f16(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees two readable bytes.
+    f16::from_bits(unsafe { p.cast::<u16>().read_unaligned() }).to_f32()
+}
+
+/// Dequantize one block at `wb` into `out`, as the reference does.
+///
+/// # Safety
+/// `wb` must be readable for one block of `WQ`.
+#[inline(always)]
+unsafe fn dequant_block<const WQ: u8>(wb: *const u8, out: &mut [f32; QK]) {
+    // SAFETY: the block's header and quants are in the caller's range.
+    unsafe {
+        let d = read_f16(wb);
+        match WQ {
+            Q8_0 => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = *wb.add(2 + j) as i8 as f32 * d;
+                }
+            }
+            _ => {
+                let (qs, m) = if WQ == Q4_0 {
+                    (wb.add(2), 0.0)
+                } else {
+                    (wb.add(4), read_f16(wb.add(2)))
+                };
+                for j in 0..QK / 2 {
+                    let byte = *qs.add(j);
+                    let (lo, hi) = ((byte & 0x0f) as f32, (byte >> 4) as f32);
+                    if WQ == Q4_0 {
+                        out[j] = (lo - 8.0) * d;
+                        out[j + QK / 2] = (hi - 8.0) * d;
+                    } else {
+                        out[j] = lo.mul_add(d, m);
+                        out[j + QK / 2] = hi.mul_add(d, m);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Portable fallback: per block, dequantize the weight row's block into 32 floats and take its
+/// dot product with every activation row in 8 partial sums (one set per output).
+unsafe fn scalar_block<const WQ: u8>(b: &QF32Block) {
+    let bs = block_bytes(WQ);
+    let mut wv = [0f32; QK];
+    for n in 0..b.n {
+        for m in 0..b.m {
+            let mut acc = [0f32; 8];
+            for blk in 0..b.nblk {
+                // SAFETY: block blk of weight row n and of activation row m are in range.
+                unsafe {
+                    dequant_block::<WQ>(b.w.add(n * b.ldw + blk * bs), &mut wv);
+                    let x = std::slice::from_raw_parts(b.x.add(m * b.ldx + blk * QK), QK);
+                    for (wc, xc) in wv.chunks_exact(8).zip(x.chunks_exact(8)) {
+                        for l in 0..8 {
+                            acc[l] = wc[l].mul_add(xc[l], acc[l]);
+                        }
+                    }
+                }
+            }
+            // SAFETY: the caller owns this output element.
+            unsafe { *b.d.add(m * b.ldd + n) = acc.iter().sum() };
+        }
+    }
+}
+
+/// Drive a tile kernel `$tile::<WQ, RN, RM>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale)`
+/// over a block: full
+/// `$rn`-row tiles, leftover weight rows one at a time, activation rows in the widest listed
+/// tile that fits.
+#[cfg(target_arch = "x86_64")]
+macro_rules! drive_block {
+    ($b:expr, $extra:expr, $tile:ident, $rn:literal, [$($rm:literal),+]) => {{
+        let (b, extra) = ($b, $extra);
+        let mut n0 = 0;
+        while n0 < b.n {
+            let rows = if b.n - n0 >= $rn { $rn } else { 1 };
+            let mut m0 = 0;
+            while m0 < b.m {
+                let left = b.m - m0;
+                // SAFETY: weight rows n0..n0 + rows <= b.n, activation rows m0..m0 + cols <= b.m
+                // and their outputs are inside the block the caller vouched for.
+                let (w, x, d) = unsafe {
+                    (b.w.add(n0 * b.ldw), b.x.add(m0 * b.ldx), b.d.add(m0 * b.ldd + n0))
+                };
+                let mut cols = 0;
+                $(
+                    if cols == 0 && left >= $rm {
+                        cols = $rm;
+                        // SAFETY: as above.
+                        unsafe {
+                            if rows == $rn {
+                                $tile::<WQ, $rn, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.nblk, extra.0, extra.1);
+                            } else {
+                                $tile::<WQ, 1, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.nblk, extra.0, extra.1);
+                            }
+                        }
+                    }
+                )+
+                m0 += cols;
+            }
+            n0 += rows;
+        }
+    }};
+}
+
+/// Prefetch distance in weight rows: quantized rows are short (2.3 KB for Q4_0 at K = 4096),
+/// too short for the hardware stream prefetchers to ramp up on each, so the tiles fetch the
+/// same block of the rows this far below the ones they read (as the 8-bit tiles do).
+#[cfg(target_arch = "x86_64")]
+const PF_ROWS: usize = 4;
+
+/// Prefetch distance of an `RN`-row tile.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn pf_rows<const RN: usize>() -> usize {
+    static F: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let f = *F.get_or_init(|| {
+        std::env::var("MS_PF")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1)
+    });
+    (RN * f).max(PF_ROWS)
+}
+
+/// A hint to fetch the cache line at `p`; never faults, so `p` may point past the weights.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: prefetch is a hint with no architectural effect; any address is allowed.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+
+    /// `RN x RM` outputs over all blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const WQ: u8, const RN: usize, const RM: usize>(
+        w: *const u8,
+        ldw: usize,
+        x: *const f32,
+        ldx: usize,
+        d: *mut f32,
+        ldd: usize,
+        nblk: usize,
+        tab: F16Tab,
+        late_scale: bool,
+    ) {
+        let bs = block_bytes(WQ);
+        let pf = pf_rows::<RN>() * ldw;
+        // A Q4 block's 16 possible weights are `iota * d (+ m)`.
+        let iota = if WQ == Q4_0 {
+            _mm512_setr_ps(
+                -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0,
+                7.0,
+            )
+        } else {
+            _mm512_setr_ps(
+                0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0,
+                15.0,
+            )
+        };
+        let mut acc = [[_mm512_setzero_ps(); RM]; RN];
+        for blk in 0..nblk {
+            let mut xv = [[_mm512_setzero_ps(); 2]; RM];
+            for (m, v) in xv.iter_mut().enumerate() {
+                // SAFETY: block blk of activation row m (32 floats).
+                unsafe {
+                    let p = x.add(m * ldx + blk * QK);
+                    *v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+                }
+            }
+            for (r, accr) in acc.iter_mut().enumerate() {
+                // SAFETY: block blk of weight row r (header and quants).
+                let wb = unsafe { w.add(r * ldw + blk * bs) };
+                prefetch(wb.wrapping_add(pf));
+                // SAFETY: as above.
+                let dv = _mm512_set1_ps(unsafe { tab.get(wb) });
+                if WQ == Q8_0 {
+                    // SAFETY: the block's 32 quants follow its scale.
+                    let (q0, q1) = unsafe {
+                        (
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(2).cast())),
+                            _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(18).cast())),
+                        )
+                    };
+                    let (q0, q1) = (_mm512_cvtepi32_ps(q0), _mm512_cvtepi32_ps(q1));
+                    if late_scale {
+                        // The block's dot product with the integer quants, scaled once: 3
+                        // operations per output where scaling the weights first takes 4.
+                        for (a, xm) in accr.iter_mut().zip(&xv) {
+                            let t = _mm512_fmadd_ps(q1, xm[1], _mm512_mul_ps(q0, xm[0]));
+                            *a = _mm512_fmadd_ps(t, dv, *a);
+                        }
+                    } else {
+                        let (w0, w1) = (_mm512_mul_ps(q0, dv), _mm512_mul_ps(q1, dv));
+                        for (a, xm) in accr.iter_mut().zip(&xv) {
+                            *a = _mm512_fmadd_ps(w1, xm[1], _mm512_fmadd_ps(w0, xm[0], *a));
+                        }
+                    }
+                    continue;
+                }
+                let (table, qs) = if WQ == Q4_0 {
+                    (_mm512_mul_ps(iota, dv), wb.wrapping_add(2))
+                } else {
+                    // SAFETY: the block's min follows its scale.
+                    let mv = _mm512_set1_ps(unsafe { tab.get(wb.add(2)) });
+                    (_mm512_fmadd_ps(iota, dv, mv), wb.wrapping_add(4))
+                };
+                // The nibbles index the table: vpermps reads the low 4 bits of each lane, so
+                // the low nibbles need no mask.
+                // SAFETY: the block's 16 quant bytes.
+                let idx = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(qs.cast()) });
+                let w0 = _mm512_permutexvar_ps(idx, table);
+                let w1 = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(idx), table);
+                for (a, xm) in accr.iter_mut().zip(&xv) {
+                    *a = _mm512_fmadd_ps(w1, xm[1], _mm512_fmadd_ps(w0, xm[0], *a));
+                }
+            }
+        }
+        for (r, accr) in acc.iter().enumerate() {
+            for (m, a) in accr.iter().enumerate() {
+                // SAFETY: the output element is in the caller's block.
+                unsafe { *d.add(m * ldd + r) = _mm512_reduce_add_ps(*a) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn block<const WQ: u8>(b: &QF32Block, tab: F16Tab) {
+        let late = b.gemv;
+        if b.m == 1 {
+            drive_block!(b, (tab, late), tile, 8, [1]);
+        } else {
+            drive_block!(b, (tab, late), tile, 4, [4, 3, 2, 1]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use crate::cpu::simd::hsum256;
+
+    /// The 32 weights of the block at `wb` as four vectors of 8, in element order.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dequant<const WQ: u8>(wb: *const u8, tab: F16Tab) -> [__m256; 4] {
+        // SAFETY: the block (header and quants) is readable.
+        unsafe {
+            let d = _mm256_set1_ps(tab.get(wb));
+            if WQ == Q8_0 {
+                let q = |i: usize| {
+                    let b = _mm_loadl_epi64(wb.add(2 + 8 * i).cast());
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d)
+                };
+                return [q(0), q(1), q(2), q(3)];
+            }
+            // Q4_0: (q - 8) * d = q * d + (-8 d), exact in one FMA; Q4_1: q * d + m.
+            let (c, qs) = if WQ == Q4_0 {
+                (_mm256_mul_ps(_mm256_set1_ps(-8.0), d), wb.add(2))
+            } else {
+                (_mm256_set1_ps(tab.get(wb.add(2))), wb.add(4))
+            };
+            let bytes = _mm_loadu_si128(qs.cast());
+            let mask = _mm_set1_epi8(0x0f);
+            let lo = _mm_and_si128(bytes, mask);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
+            let f = |v: __m128i| _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), d, c);
+            [
+                f(lo),
+                f(_mm_srli_si128::<8>(lo)),
+                f(hi),
+                f(_mm_srli_si128::<8>(hi)),
+            ]
+        }
+    }
+
+    /// `RN x RM` outputs over all blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const WQ: u8, const RN: usize, const RM: usize>(
+        w: *const u8,
+        ldw: usize,
+        x: *const f32,
+        ldx: usize,
+        d: *mut f32,
+        ldd: usize,
+        nblk: usize,
+        tab: F16Tab,
+        _late_scale: bool,
+    ) {
+        let bs = block_bytes(WQ);
+        let pf = pf_rows::<RN>() * ldw;
+        // Two accumulators per output (even and odd vectors of a block) halve the FMA chains.
+        let mut acc = [[[_mm256_setzero_ps(); 2]; RM]; RN];
+        for blk in 0..nblk {
+            for (r, accr) in acc.iter_mut().enumerate() {
+                // SAFETY: block blk of weight row r.
+                let wb = unsafe { w.add(r * ldw + blk * bs) };
+                prefetch(wb.wrapping_add(pf));
+                // SAFETY: as above.
+                let wv = unsafe { dequant::<WQ>(wb, tab) };
+                for (m, a) in accr.iter_mut().enumerate() {
+                    for (i, wi) in wv.iter().enumerate() {
+                        // SAFETY: 8 floats of block blk of activation row m.
+                        let xv = unsafe { _mm256_loadu_ps(x.add(m * ldx + blk * QK + 8 * i)) };
+                        a[i % 2] = _mm256_fmadd_ps(*wi, xv, a[i % 2]);
+                    }
+                }
+            }
+        }
+        for (r, accr) in acc.iter().enumerate() {
+            for (m, a) in accr.iter().enumerate() {
+                // SAFETY: the output element is in the caller's block.
+                unsafe { *d.add(m * ldd + r) = hsum256(_mm256_add_ps(a[0], a[1])) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block<const WQ: u8>(b: &QF32Block, tab: F16Tab) {
+        if b.m == 1 {
+            drive_block!(b, (tab, false), tile, 4, [1]);
+        } else {
+            drive_block!(b, (tab, false), tile, 2, [2, 1]);
+        }
+    }
+}

@@ -447,11 +447,11 @@ fn long_rows_and_odd_k() {
 
 #[test]
 fn medium_and_gemm_sized_m() {
-    // M from 48 to 192 uses the register tiles at these K; M >= 128 with K < 2048, and M >= 64
-    // with K <= 64, use the packed GEMM (with weights converted to f32 for non-f32 dtypes).
+    // M from 48 to 511 uses the register tiles at these K; M >= 512, and M >= 64 with K <= 64,
+    // use the packed GEMM (with weights converted to f32 for non-f32 dtypes).
     let pools = pools();
     for wt in ALL {
-        for m in [48, 65, 130] {
+        for m in [48, 65, 130, 520] {
             check(
                 &Case {
                     n: 45,

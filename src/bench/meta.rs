@@ -219,19 +219,22 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Time `reps` steps (after 2 warm-up steps): graph built, computed, output read.
-fn time_steps(backend: &dyn Backend, s: &dyn Subject, t: usize, reps: usize) -> Result<f64> {
-    let mut times = Vec::with_capacity(reps);
-    for i in 0..reps + 2 {
-        let start = Instant::now();
-        let (mut g, out) = s.step(t)?;
-        backend.graph_compute(&mut g)?;
-        let _ = g.read_bytes(out)?;
-        if i >= 2 {
-            times.push(start.elapsed().as_secs_f64() * 1e3);
-        }
-    }
-    Ok(median(times))
+/// One timed step: graph built, computed, output read; milliseconds.
+fn time_step(backend: &dyn Backend, s: &dyn Subject, t: usize) -> Result<f64> {
+    let start = Instant::now();
+    let (mut g, out) = s.step(t)?;
+    backend.graph_compute(&mut g)?;
+    let _ = g.read_bytes(out)?;
+    Ok(start.elapsed().as_secs_f64() * 1e3)
+}
+
+/// A configuration under test: its backend and its own copy of the weights.
+struct Config {
+    label: &'static str,
+    backend: Arc<dyn Backend>,
+    meta: Option<Arc<crate::meta::MetaBackend>>,
+    subject: Box<dyn Subject>,
+    times: Vec<f64>,
 }
 
 fn bandwidth() -> Result<Vec<BandwidthRow>> {
@@ -283,41 +286,63 @@ pub fn run(opts: &MetaBenchOptions, progress: &dyn Fn(&str)) -> Result<MetaBench
         }
     };
     for &t in &opts.tokens {
-        // Plain device.
+        // Every configuration is set up first, then the steps interleave (plain, meta 2x1,
+        // meta 1x2, plain, ...) so that a drift in machine speed hits all of them alike.
+        let mut configs = Vec::new();
         let be = plain_dev.init_backend()?;
         let s = subject(
             opts.graph,
             opts.fused_attn,
             plain_dev.buffer_type().as_ref(),
         )?;
-        let plain = time_steps(be.as_ref(), s.as_ref(), t, opts.reps)?;
-        drop(s);
-        progress(&format!("cpu:1x2 T={t}: {plain:.2} ms"));
-        let mut push = |config: &str, ms: f64, plans: usize| {
+        configs.push(Config {
+            label: "cpu:1x2",
+            backend: be.into(),
+            meta: None,
+            subject: s,
+            times: Vec::new(),
+        });
+        for (label, spec) in [("meta cpu:2x1", "cpu:2x1"), ("meta [cpu:1x2]", "cpu:1x2")] {
+            let m = MetaDevice::new(parse_devices(spec)?, split())?;
+            let be = m.meta_backend()?;
+            let s = subject(opts.graph, opts.fused_attn, m.buffer_type().as_ref())?;
+            configs.push(Config {
+                label,
+                backend: be.clone(),
+                meta: Some(be),
+                subject: s,
+                times: Vec::new(),
+            });
+        }
+        for rep in 0..opts.reps + 2 {
+            for c in &mut configs {
+                let ms = time_step(c.backend.as_ref(), c.subject.as_ref(), t)?;
+                // Two warm-up rounds (plans built, pages touched) are not timed.
+                if rep >= 2 {
+                    c.times.push(ms);
+                }
+            }
+        }
+        let plain = median(configs[0].times.clone());
+        for c in &configs {
+            let ms = median(c.times.clone());
+            progress(&format!("{} T={t}: {ms:.2} ms", c.label));
+            let plans = c.meta.as_ref().map_or(0, |m| m.plans_built());
             rows.push(MetaBenchRow {
                 graph: opts.graph,
-                config: config.to_string(),
+                config: c.label.to_string(),
                 tokens: t,
                 median_ms: ms,
                 tokens_per_s: t as f64 / ms * 1e3,
                 vs_plain: plain / ms,
                 plans_built: plans,
-            })
-        };
-        push("cpu:1x2", plain, 0);
-        for (label, spec) in [("meta cpu:2x1", "cpu:2x1"), ("meta [cpu:1x2]", "cpu:1x2")] {
-            let devs = parse_devices(spec)?;
-            let n = devs.len();
-            let m = MetaDevice::new(devs, split())?;
-            let be = m.meta_backend()?;
-            let bt = m.buffer_type();
-            let s = subject(opts.graph, opts.fused_attn, bt.as_ref())?;
-            let ms = time_steps(be.as_ref(), s.as_ref(), t, opts.reps)?;
-            progress(&format!("{label} T={t}: {ms:.2} ms"));
-            if memory.is_none() && n == 2 {
-                memory = Some(memory_check(&be, s.as_ref(), t, n)?);
+            });
+            if memory.is_none()
+                && let Some(m) = &c.meta
+                && m.n_devices() == 2
+            {
+                memory = Some(memory_check(m, c.subject.as_ref(), t, 2)?);
             }
-            push(label, ms, be.plans_built());
         }
     }
     let bandwidth = bandwidth()?;

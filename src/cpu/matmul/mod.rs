@@ -32,13 +32,14 @@ use qf32::QF32Block;
 use quant::{ActLayout, QuantBlock};
 
 /// Whether `m` activation rows of length `k` go to the packed GEMM (the `gemm` crate) rather
-/// than the register-tiled kernels. Measured on Zen 4 with the AVX-512 tiles (docs/kernels.md):
-/// at K = 4096 the tiles win up to M = 192 (they read each weight once, the GEMM packs them),
-/// the GEMM from M = 256; at K ~ 1024 they tie at M = 128; at K = 64 (attention heads) the
-/// GEMM wins from M = 64. The rule does not depend on the SIMD level so that `work_size` and
-/// `forward_with` at any level agree on the scratch.
+/// than the register-tiled kernels. Measured on Zen 4 with the AVX-512 tiles, F32 weights,
+/// N and K in 1024..4096, 1 and 2 threads (docs/kernels.md): the tiles are 1.3-1.9x faster at
+/// M = 128 and 256 (they read each weight once, the GEMM packs them), about even at M = 512,
+/// the GEMM 1.1-1.3x faster from M = 1024; at K = 64 (attention heads) the GEMM wins from
+/// M = 64. The rule does not depend on the SIMD level so that `work_size` and `forward_with`
+/// at any level agree on the scratch.
 fn use_gemm(m: usize, k: usize) -> bool {
-    m >= 256 || (m >= 128 && k < 2048) || (m >= 64 && k <= 64)
+    m >= 512 || (m >= 64 && k <= 64)
 }
 /// Largest M (activation rows per batch) multiplied by the fused kernels ([`qf32`]) when
 /// quantized weights meet f32 activations; larger M dequantizes chunks of weight rows into

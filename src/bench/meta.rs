@@ -297,7 +297,7 @@ pub fn run(opts: &MetaBenchOptions, progress: &dyn Fn(&str)) -> Result<MetaBench
         )?;
         configs.push(Config {
             label: "cpu:1x2",
-            backend: be.into(),
+            backend: be,
             meta: None,
             subject: s,
             times: Vec::new(),

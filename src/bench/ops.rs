@@ -170,6 +170,10 @@ pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
             v.push(mm(dt, m, 4096, 14336, true));
         }
     }
+    // SmolLM2-135M's decode shapes (short rows: K = 576): the tied Q8_0 output projection and
+    // the Q4_1 FFN up/gate projection.
+    v.push(mm(DType::Q8_0, 1, 49152, 576, true));
+    v.push(mm(DType::Q4_1, 1, 1536, 576, true));
     v
 }
 

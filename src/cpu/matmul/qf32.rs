@@ -22,6 +22,8 @@
 
 use super::QuantW as WType;
 use super::quant::QK;
+#[cfg(target_arch = "x86_64")]
+use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2};
 use crate::cpu::simd::{self, Isa};
 use half::f16;
 
@@ -230,32 +232,11 @@ macro_rules! drive_block {
     }};
 }
 
-/// Prefetch distance in weight rows: quantized rows are short (2.3 KB for Q4_0 at K = 4096),
-/// too short for the hardware stream prefetchers to ramp up on each, so the tiles fetch the
-/// same block of the rows this far below the ones they read (as the 8-bit tiles do).
-#[cfg(target_arch = "x86_64")]
-const PF_ROWS: usize = 4;
-
 /// Prefetch distance of an `RN`-row tile.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn pf_rows<const RN: usize>() -> usize {
-    static F: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let f = *F.get_or_init(|| {
-        std::env::var("MS_PF")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(1)
-    });
-    (RN * f).max(PF_ROWS)
-}
-
-/// A hint to fetch the cache line at `p`; never faults, so `p` may point past the weights.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch(p: *const u8) {
-    // SAFETY: prefetch is a hint with no architectural effect; any address is allowed.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+    if RN > PF_ROWS { RN } else { PF_ROWS }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -291,7 +272,11 @@ mod avx512 {
             )
         };
         let mut acc = [[_mm512_setzero_ps(); RM]; RN];
+        let (ah, lps) = l2_stream::<RN>(ldw, nblk);
         for blk in 0..nblk {
+            for i in 0..lps {
+                prefetch_l2(w.wrapping_add(ah + (blk * lps + i) * 64));
+            }
             let mut xv = [[_mm512_setzero_ps(); 2]; RM];
             for (m, v) in xv.iter_mut().enumerate() {
                 // SAFETY: block blk of activation row m (32 floats).
@@ -424,7 +409,11 @@ mod avx2 {
         let pf = pf_rows::<RN>() * ldw;
         // Two accumulators per output (even and odd vectors of a block) halve the FMA chains.
         let mut acc = [[[_mm256_setzero_ps(); 2]; RM]; RN];
+        let (ah, lps) = l2_stream::<RN>(ldw, nblk);
         for blk in 0..nblk {
+            for i in 0..lps {
+                prefetch_l2(w.wrapping_add(ah + (blk * lps + i) * 64));
+            }
             for (r, accr) in acc.iter_mut().enumerate() {
                 // SAFETY: block blk of weight row r.
                 let wb = unsafe { w.add(r * ldw + blk * bs) };

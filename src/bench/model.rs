@@ -46,8 +46,9 @@ pub struct ModelBenchReport {
     pub stream_gbps: f64,
 }
 
-/// Read `bytes` once per thread share and sum, `reps` times; returns GB/s (median).
-pub fn stream_read_gbps(threads: usize, bytes: usize, reps: usize) -> f64 {
+/// Read `bytes` once per thread share and sum, `reps` times (after one untimed read); the GB/s
+/// of each.
+pub fn stream_read_samples(threads: usize, bytes: usize, reps: usize) -> Vec<f64> {
     let n = bytes / 4;
     let data: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
     let pool = ThreadPool::new(threads, "stream");
@@ -70,8 +71,7 @@ pub fn stream_read_gbps(threads: usize, bytes: usize, reps: usize) -> f64 {
     }
     std::hint::black_box(*sink.lock());
     times.remove(0);
-    times.sort_by(f64::total_cmp);
-    bytes as f64 / times[times.len() / 2] / 1e9
+    times.iter().map(|t| bytes as f64 / t / 1e9).collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -93,6 +93,8 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     } else {
         opts.precisions.clone()
     };
+    progress("measuring streaming bandwidth");
+    let mut stream = stream_read_samples(2, 512 << 20, 5);
     let mut configs = Vec::new();
     for spec in &opts.devices {
         for &precision in &precisions {
@@ -173,8 +175,11 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
             pp_vs_first: pp / pp0,
         });
     }
+    // The bandwidth of a shared machine drifts: measured before and after the model runs, and
+    // the median of both sets reported.
     progress("measuring streaming bandwidth");
-    let stream_gbps = stream_read_gbps(2, 512 << 20, 5);
+    stream.extend(stream_read_samples(2, 512 << 20, 5));
+    let stream_gbps = median(stream);
     Ok(ModelBenchReport {
         model: name,
         rows,

@@ -106,6 +106,22 @@ fn binary_cases(v: &mut Vec<Case>) {
             (F32, [65, 33, 1, 1], p),
             (F32, [65, 1, 1, 1], p),
         ));
+        // One or two wide rows (decoding one token): threads split the columns.
+        v.push(binary_case(
+            op,
+            (F32, [1000, 1, 1, 1], p),
+            (F32, [1000, 1, 1, 1], p),
+        ));
+        v.push(binary_case(
+            op,
+            (F32, [403, 2, 1, 1], p),
+            (F32, [1, 1, 1, 1], p),
+        ));
+        v.push(binary_case(
+            op,
+            (F16, [403, 1, 1, 1], p),
+            (F32, [403, 1, 1, 1], TRANSPOSED),
+        ));
         v.push(binary_case(
             op,
             (F32, [5, 0, 3, 1], p),
@@ -123,7 +139,8 @@ fn unary_cases(v: &mut Vec<Case>) {
     use UnaryOp::*;
     // Wide enough to reach the tails of tanh, gelu and silu.
     let wide = || Fill::Uniform(-4.0, 4.0);
-    let shapes = [[1, 1, 1, 1], [33, 7, 2, 1]];
+    // [777, 1, 1, 1]: one wide row, split by columns between threads.
+    let shapes = [[1, 1, 1, 1], [33, 7, 2, 1], [777, 1, 1, 1]];
     for op in [Silu, Gelu, GeluErf, Relu, Tanh] {
         for dt in FLOATS {
             for ne in shapes {
@@ -207,6 +224,18 @@ fn swiglu_cases(v: &mut Vec<Case>) {
         case("swiglu", "fused, one row")
             .packed("x", F32, [2, 1, 1, 1], wide())
             .build(|g, x| g.swiglu_fused(x[0])),
+    );
+    // One wide row (decoding one token): threads split the columns.
+    v.push(
+        case("swiglu", "fused, one wide row")
+            .packed("x", F32, [2 * 1003, 1, 1, 1], wide())
+            .build(|g, x| g.swiglu_fused(x[0])),
+    );
+    v.push(
+        case("swiglu", "gate, up, one wide row, strided up")
+            .packed("gate", F32, [1003, 1, 1, 1], wide())
+            .input("up", F32, [1003, 1, 1, 1], TRANSPOSED, wide())
+            .build(|g, x| g.swiglu(x[0], x[1])),
     );
 }
 

@@ -64,7 +64,7 @@ pub fn thread_bytes(src: &[TensorView], nth: usize) -> usize {
 /// polynomial for e^r on [-ln2/2, ln2/2] (Taylor coefficients), then scaling by 2^n through the
 /// exponent bits. Written without branches so loops over blocks vectorize.
 #[inline(always)]
-fn exp_fast(x: f32) -> f32 {
+pub(super) fn exp_fast(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;

@@ -1,6 +1,7 @@
 //! Element-wise kernels: binary ops with broadcasting, unary functions, scale, clamp, swiglu.
-//! Work is split by output rows; f32 rows with packed elements take a slice fast path that the
-//! compiler vectorizes, everything else goes through f32 row buffers.
+//! Work is split by output rows, or, when there are fewer rows than threads (decoding one
+//! token), by columns within each row; f32 rows with packed elements take a slice fast path
+//! that the compiler vectorizes, everything else goes element by element.
 
 use super::unravel_row;
 use crate::DType;
@@ -12,17 +13,27 @@ fn packed_f32(t: &TensorView) -> bool {
     t.dtype == DType::F32 && t.nb[0] == 4
 }
 
-/// Rows `(i1, i2, i3)` owned by this thread.
-fn my_rows(p: &ComputeParams, dst: &TensorView) -> impl Iterator<Item = (usize, usize, usize)> {
+/// The parts of the output this thread computes: `(i1, i2, i3, c0..c1)`, whole rows split
+/// between threads, or with fewer rows than threads every row split into column ranges (whole
+/// multiples of 16 elements, so vector loops stay aligned to the row start).
+fn my_spans(
+    p: &ComputeParams,
+    dst: &TensorView,
+) -> impl Iterator<Item = (usize, usize, usize, std::ops::Range<usize>)> {
     let ne = dst.ne;
-    p.range(dst.nrows()).map(move |r| unravel_row(r, &ne))
-}
-
-/// # Safety (for the row helpers below)
-/// Views come from the executor: in range, output rows owned by this thread.
-unsafe fn f32_row<'a>(t: &TensorView, i1: usize, i2: usize, i3: usize) -> &'a mut [f32] {
-    // SAFETY: packed f32 row in range (caller).
-    unsafe { std::slice::from_raw_parts_mut(t.row_ptr(i1, i2, i3).cast::<f32>(), t.ne[0]) }
+    let (rows, n0) = (dst.nrows(), ne[0]);
+    let by_cols = rows < p.nth && n0 >= 64 * p.nth;
+    let (rows_mine, cols) = if by_cols {
+        let chunk = n0.div_ceil(p.nth).next_multiple_of(16);
+        let c0 = (p.ith * chunk).min(n0);
+        (0..rows, c0..(c0 + chunk).min(n0))
+    } else {
+        (p.range(rows), 0..n0)
+    };
+    rows_mine.map(move |r| {
+        let (i1, i2, i3) = unravel_row(r, &ne);
+        (i1, i2, i3, cols.clone())
+    })
 }
 
 pub fn binary(p: &ComputeParams, op: BinaryOp, dst: &TensorView, a: &TensorView, b: &TensorView) {
@@ -34,7 +45,7 @@ pub fn binary(p: &ComputeParams, op: BinaryOp, dst: &TensorView, a: &TensorView,
     };
     let fast = packed_f32(dst) && packed_f32(a) && packed_f32(b);
     let n0 = dst.ne[0];
-    for (i1, i2, i3) in my_rows(p, dst) {
+    for (i1, i2, i3, cols) in my_spans(p, dst) {
         let (j1, j2, j3) = (i1 % b.ne[1], i2 % b.ne[2], i3 % b.ne[3]);
         if fast {
             // SAFETY: executor-provided views, rows in range; dst row owned by this thread. `a`
@@ -45,23 +56,23 @@ pub fn binary(p: &ComputeParams, op: BinaryOp, dst: &TensorView, a: &TensorView,
                 let bp = b.row_ptr(j1, j2, j3).cast::<f32>();
                 let dp = dst.row_ptr(i1, i2, i3).cast::<f32>();
                 if b.ne[0] == n0 {
-                    for i in 0..n0 {
+                    for i in cols {
                         *dp.add(i) = f(*ap.add(i), *bp.add(i));
                     }
                 } else if b.ne[0] == 1 {
                     let y = *bp;
-                    for i in 0..n0 {
+                    for i in cols {
                         *dp.add(i) = f(*ap.add(i), y);
                     }
                 } else {
                     let nb0 = b.ne[0];
-                    for i in 0..n0 {
+                    for i in cols {
                         *dp.add(i) = f(*ap.add(i), *bp.add(i % nb0));
                     }
                 }
             }
         } else {
-            for i0 in 0..n0 {
+            for i0 in cols {
                 // SAFETY: indices in range; this thread owns the dst row.
                 unsafe {
                     let x = a.get_f32(i0, i1, i2, i3);
@@ -76,18 +87,18 @@ pub fn binary(p: &ComputeParams, op: BinaryOp, dst: &TensorView, a: &TensorView,
 /// `dst = f(a)` element-wise, same shape.
 pub fn map(p: &ComputeParams, dst: &TensorView, a: &TensorView, f: impl Fn(f32) -> f32) {
     let fast = packed_f32(dst) && packed_f32(a);
-    for (i1, i2, i3) in my_rows(p, dst) {
+    for (i1, i2, i3, cols) in my_spans(p, dst) {
         if fast {
             // SAFETY: as in `binary`; `a` may alias `dst` element by element.
             unsafe {
                 let ap = a.row_ptr(i1, i2, i3).cast::<f32>();
                 let dp = dst.row_ptr(i1, i2, i3).cast::<f32>();
-                for i in 0..dst.ne[0] {
+                for i in cols {
                     *dp.add(i) = f(*ap.add(i));
                 }
             }
         } else {
-            for i0 in 0..dst.ne[0] {
+            for i0 in cols {
                 // SAFETY: indices in range; this thread owns the dst row.
                 unsafe { dst.set_f32(i0, i1, i2, i3, f(a.get_f32(i0, i1, i2, i3))) };
             }
@@ -95,9 +106,10 @@ pub fn map(p: &ComputeParams, dst: &TensorView, a: &TensorView, f: impl Fn(f32) 
     }
 }
 
+/// `x * sigmoid(x)` with the branch-free `exp_fast` (~2 ulp), so loops over rows vectorize.
 #[inline(always)]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + super::attn::exp_fast(-x))
 }
 
 #[inline(always)]
@@ -127,7 +139,7 @@ pub fn swiglu(p: &ComputeParams, dst: &TensorView, src: &[TensorView]) {
     let fused = src.len() == 1;
     let (g, u) = (&src[0], src.get(1).unwrap_or(&src[0]));
     let fast = packed_f32(dst) && packed_f32(g) && packed_f32(u);
-    for (i1, i2, i3) in my_rows(p, dst) {
+    for (i1, i2, i3, cols) in my_spans(p, dst) {
         // SAFETY: executor-provided views, rows in range; dst row owned by this thread.
         unsafe {
             let gp = g.row_ptr(i1, i2, i3);
@@ -137,14 +149,15 @@ pub fn swiglu(p: &ComputeParams, dst: &TensorView, src: &[TensorView]) {
                 u.row_ptr(i1, i2, i3)
             };
             if fast {
-                let d = f32_row(dst, i1, i2, i3);
+                // Raw pointers: another thread may own other columns of this row.
+                let dp = dst.row_ptr(i1, i2, i3).cast::<f32>();
                 let (gp, up) = (gp.cast::<f32>(), up.cast::<f32>());
-                for (i, o) in d.iter_mut().enumerate() {
-                    *o = silu(*gp.add(i)) * *up.add(i);
+                for i in cols {
+                    *dp.add(i) = silu(*gp.add(i)) * *up.add(i);
                 }
             } else {
                 let off = if fused { n } else { 0 };
-                for i0 in 0..n {
+                for i0 in cols {
                     let x = g.get_f32(i0, i1, i2, i3);
                     let y = u.get_f32(i0 + off, i1, i2, i3);
                     dst.set_f32(i0, i1, i2, i3, silu(x) * y);

@@ -266,6 +266,19 @@ pub fn flash_attn_cases(v: &mut Vec<Case>) {
         dv: 48,
         ..base(F32, 3, 1, 4, Some((F32, 4, vec![])))
     }));
+    // f16 with K rows the AVX-512 block kernel takes (32) and V rows it does not (48), and
+    // 128-element rows.
+    v.push(fa_case(Fa {
+        d: 32,
+        dv: 48,
+        ..base(F16, 3, 1, 4, Some((F32, 4, vec![])))
+    }));
+    v.push(fa_case(Fa {
+        d: 128,
+        dv: 128,
+        nkv: 70,
+        ..base(F16, 4, 2, 3, Some((F16, 3, vec![])))
+    }));
     v.push(fa_case(Fa {
         q_lay: q_perm,
         cache: true,

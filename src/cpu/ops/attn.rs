@@ -68,8 +68,11 @@ pub(super) fn exp_fast(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer (ties to even) for
+    // |v| < 2^22, in two vectorizable additions (`f32::round` is a libm call).
+    const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E).round();
+    let n = (x * LOG2E + ROUND) - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -115,6 +118,128 @@ unsafe fn axpy_row(isa: Isa, acc: &mut [f32], w: f32, row: *const u8, dtype: DTy
     }
 }
 
+/// Vectors of 16 f32 in a row of `n` elements, when the AVX-512 block kernels take it (f16 rows,
+/// 32, 64 or 128 elements: the head sizes of the models metashard runs).
+fn avx512_chunks(isa: Isa, dtype: DType, n: usize) -> Option<usize> {
+    (cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && dtype == DType::F16)
+        .then_some(n / 16)
+        .filter(|c| n.is_multiple_of(16) && matches!(c, 2 | 4 | 8))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// `out[j] = dot(q, k_j)` for `n` f16 rows `k_j = k + j * ld` of `16 * C` elements, the
+    /// query row held in registers.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL and F16C are available; `q` holds `16 * C` floats, each K row
+    /// `32 * C` bytes, `out` `n` floats.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dots<const C: usize>(
+        q: *const f32,
+        k: *const u8,
+        ld: usize,
+        n: usize,
+        out: *mut f32,
+    ) {
+        // SAFETY (whole body): within the bounds the caller vouched for.
+        unsafe {
+            let qv: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(q.add(16 * c)));
+            for j in 0..n {
+                let row = k.add(j * ld);
+                let mut acc = _mm512_setzero_ps();
+                for (c, qc) in qv.iter().enumerate() {
+                    let kv = _mm512_cvtph_ps(_mm256_loadu_si256(row.add(32 * c).cast()));
+                    acc = _mm512_fmadd_ps(*qc, kv, acc);
+                }
+                *out.add(j) = _mm512_reduce_add_ps(acc);
+            }
+        }
+    }
+
+    /// `acc += sum_j w[j] * v_j` over `n` f16 rows `v_j = v + j * ld` of `16 * C` elements,
+    /// the accumulator held in registers; rows with `w[j] == 0` are skipped (never read: past
+    /// the causal mask they may hold anything).
+    ///
+    /// # Safety
+    /// As [`dots`], with `acc` holding `16 * C` floats and `w` `n`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn axpys<const C: usize>(
+        acc: *mut f32,
+        w: *const f32,
+        v: *const u8,
+        ld: usize,
+        n: usize,
+    ) {
+        // SAFETY (whole body): within the bounds the caller vouched for.
+        unsafe {
+            let mut a: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(acc.add(16 * c)));
+            for j in 0..n {
+                let wj = *w.add(j);
+                if wj == 0.0 {
+                    continue;
+                }
+                let (wv, row) = (_mm512_set1_ps(wj), v.add(j * ld));
+                for (c, ac) in a.iter_mut().enumerate() {
+                    let vv = _mm512_cvtph_ps(_mm256_loadu_si256(row.add(32 * c).cast()));
+                    *ac = _mm512_fmadd_ps(wv, vv, *ac);
+                }
+            }
+            for (c, ac) in a.iter().enumerate() {
+                _mm512_storeu_ps(acc.add(16 * c), *ac);
+            }
+        }
+    }
+}
+
+/// [`avx512::dots`] for `chunks` vectors per row.
+///
+/// # Safety
+/// As [`avx512::dots`]; `chunks` came from [`avx512_chunks`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn block_dots(
+    chunks: usize,
+    q: *const f32,
+    k: *const u8,
+    ld: usize,
+    n: usize,
+    out: *mut f32,
+) {
+    // SAFETY: forwarded; avx512_chunks checked the level.
+    unsafe {
+        match chunks {
+            2 => avx512::dots::<2>(q, k, ld, n, out),
+            4 => avx512::dots::<4>(q, k, ld, n, out),
+            _ => avx512::dots::<8>(q, k, ld, n, out),
+        }
+    }
+}
+
+/// [`avx512::axpys`] for `chunks` vectors per row.
+///
+/// # Safety
+/// As [`avx512::axpys`]; `chunks` came from [`avx512_chunks`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn block_axpys(
+    chunks: usize,
+    acc: *mut f32,
+    w: *const f32,
+    v: *const u8,
+    ld: usize,
+    n: usize,
+) {
+    // SAFETY: forwarded; avx512_chunks checked the level.
+    unsafe {
+        match chunks {
+            2 => avx512::axpys::<2>(acc, w, v, ld, n),
+            4 => avx512::axpys::<4>(acc, w, v, ld, n),
+            _ => avx512::axpys::<8>(acc, w, v, ld, n),
+        }
+    }
+}
+
 pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale: f32) {
     let isa = Isa::detect();
     let (q, k, v) = (&src[0], &src[1], &src[2]);
@@ -123,6 +248,12 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
     let (n_q, n_head, batch, n_kvh) = (q.ne[1], q.ne[2], q.ne[3], k.ne[2]);
     let group = (n_head / n_kvh.max(1)).max(1);
     let g = heads_per_unit(src, p.nth);
+    // Blocks of f16 K and V rows through the AVX-512 kernels (query row and accumulator in
+    // registers, one call per block and head), or row by row.
+    let (k_chunks, v_chunks) = (
+        avx512_chunks(isa, k.dtype, d),
+        avx512_chunks(isa, v.dtype, dv),
+    );
     // SAFETY: thread_bytes reserved `per_thread` floats for this thread and this `g`.
     let buf = unsafe { thread_scratch(p, per_thread(src, g)) };
     let (qs, rest) = buf.split_at_mut(g * d);
@@ -148,7 +279,32 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
         while j0 < n_kv {
             let jn = BLOCK.min(n_kv - j0);
             // Scores of the block for every head.
-            for jj in 0..jn {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(kc) = k_chunks {
+                // SAFETY: rows j0..j0 + jn of kv head hk are packed rows `nb[1]` apart; the
+                // query rows hold d floats and sc holds BLOCK scores per head.
+                unsafe {
+                    let kr = k.row_ptr(j0, hk, b).cast_const();
+                    for h in 0..g {
+                        let (qh, out) = (qs[h * d..].as_ptr(), sc[h * BLOCK..].as_mut_ptr());
+                        block_dots(kc, qh, kr, k.nb[1], jn, out);
+                    }
+                }
+                for jj in 0..jn {
+                    // SAFETY: the builder checked the mask is [n_kv, >= n_q].
+                    let mv = mask.map_or(0.0, |mk| unsafe { mk.get_f32(j0 + jj, iq, 0, 0) });
+                    for h in 0..g {
+                        let x = &mut sc[h * BLOCK + jj];
+                        // A masked row may hold anything: its score is -inf whatever the dot.
+                        *x = if mv == f32::NEG_INFINITY {
+                            f32::NEG_INFINITY
+                        } else {
+                            *x * scale + mv
+                        };
+                    }
+                }
+            }
+            for jj in 0..if k_chunks.is_some() { 0 } else { jn } {
                 let j = j0 + jj;
                 // SAFETY: the builder checked the mask is [n_kv, >= n_q].
                 let mv = mask.map_or(0.0, |mk| unsafe { mk.get_f32(j, iq, 0, 0) });
@@ -193,7 +349,18 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
                 l[h] += sum;
             }
             // Accumulate the block's V rows.
-            for jj in 0..jn {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(vc) = v_chunks {
+                // SAFETY: as for K; acc holds dv floats per head.
+                unsafe {
+                    let vr = v.row_ptr(j0, hk, b).cast_const();
+                    for h in 0..g {
+                        let (ah, wh) = (acc[h * dv..].as_mut_ptr(), sc[h * BLOCK..].as_ptr());
+                        block_axpys(vc, ah, wh, vr, v.nb[1], jn);
+                    }
+                }
+            }
+            for jj in 0..if v_chunks.is_some() { 0 } else { jn } {
                 if (0..g).all(|h| sc[h * BLOCK + jj] == 0.0) {
                     continue;
                 }

@@ -230,10 +230,11 @@ pub fn hsum256(v: __m256) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn data(n: usize, seed: u32) -> Vec<f32> {
+    /// `n` pseudo-random values in [-4, 4) (xorshift), shared by the SIMD tests.
+    pub(crate) fn data(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
         (0..n)
             .map(|_| {

@@ -135,44 +135,6 @@ unsafe fn scalar_block_t<const WT: u8>(b: &FloatBlock) {
     }
 }
 
-/// Drive a tile kernel `$tile::<WT, RN, RM>(w, ldw, x, ldx, d, ldd, k)` over a block: full
-/// `$rn`-row tiles, leftover weight rows one at a time, activation rows in the widest listed tile
-/// that fits.
-macro_rules! drive_block {
-    ($b:expr, $tile:ident, $rn:literal, [$($rm:literal),+]) => {{
-        let b = $b;
-        let mut n0 = 0;
-        while n0 < b.n {
-            let rows = if b.n - n0 >= $rn { $rn } else { 1 };
-            let mut m0 = 0;
-            while m0 < b.m {
-                let left = b.m - m0;
-                // SAFETY: weight rows n0..n0 + rows <= b.n, activation rows m0..m0 + cols <= b.m
-                // and their outputs are inside the block the caller vouched for.
-                let (w, x, d) = unsafe {
-                    (b.w.add(n0 * b.ldw), b.x.add(m0 * b.ldx), b.d.add(m0 * b.ldd + n0))
-                };
-                let mut cols = 0;
-                $(
-                    if cols == 0 && left >= $rm {
-                        cols = $rm;
-                        // SAFETY: as above.
-                        unsafe {
-                            if rows == $rn {
-                                $tile::<WT, $rn, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.k);
-                            } else {
-                                $tile::<WT, 1, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.k);
-                            }
-                        }
-                    }
-                )+
-                m0 += cols;
-            }
-            n0 += rows;
-        }
-    }};
-}
-
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
@@ -239,9 +201,9 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const WT: u8>(b: &FloatBlock) {
         if b.m == 1 {
-            drive_block!(b, tile, 8, [1]);
+            drive_tiles!(b, tile, WT, 8, [1], (b.k));
         } else {
-            drive_block!(b, tile, 4, [3, 2, 1]);
+            drive_tiles!(b, tile, WT, 4, [3, 2, 1], (b.k));
         }
     }
 }
@@ -337,9 +299,9 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn block<const WT: u8>(b: &FloatBlock) {
         if b.m == 1 {
-            drive_block!(b, tile, 8, [1]);
+            drive_tiles!(b, tile, WT, 8, [1], (b.k));
         } else {
-            drive_block!(b, tile, 4, [6, 4, 2, 1]);
+            drive_tiles!(b, tile, WT, 4, [6, 4, 2, 1], (b.k));
         }
     }
 }

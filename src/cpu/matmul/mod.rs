@@ -18,6 +18,52 @@
 //! count divides evenly, else N in `nth` chunks (each thread streams its share of the weights),
 //! else M, else fine-grained items.
 
+/// `f::<..>(args.., extra..)`: splices [`drive_tiles`]'s extra arguments after the common ones.
+macro_rules! call_tile {
+    ($f:ident::<$($g:tt),+>($($a:expr),*) ($($e:expr),*)) => {
+        $f::<$($g),+>($($a),*, $($e),*)
+    };
+}
+
+/// Drive a tile kernel `$tile::<$wt, RN, RM>(w, ldw, x, ldx, d, ldd, extra..)` over a block `$b`
+/// (fields `w, ldw, x, ldx, d, ldd, n, m`): full `$rn`-row tiles, leftover weight rows one at a
+/// time, activation rows in the widest listed tile that fits. Shared by the float and the fused
+/// quantized kernels.
+macro_rules! drive_tiles {
+    ($b:expr, $tile:ident, $wt:ident, $rn:literal, [$($rm:literal),+], $extra:tt) => {{
+        let b = $b;
+        let mut n0 = 0;
+        while n0 < b.n {
+            let rows = if b.n - n0 >= $rn { $rn } else { 1 };
+            let mut m0 = 0;
+            while m0 < b.m {
+                let left = b.m - m0;
+                // SAFETY: weight rows n0..n0 + rows <= b.n, activation rows m0..m0 + cols <= b.m
+                // and their outputs are inside the block the caller vouched for.
+                let (w, x, d) = unsafe {
+                    (b.w.add(n0 * b.ldw), b.x.add(m0 * b.ldx), b.d.add(m0 * b.ldd + n0))
+                };
+                let mut cols = 0;
+                $(
+                    if cols == 0 && left >= $rm {
+                        cols = $rm;
+                        // SAFETY: as above.
+                        unsafe {
+                            if rows == $rn {
+                                call_tile!($tile::<$wt, $rn, $rm>(w, b.ldw, x, b.ldx, d, b.ldd) $extra);
+                            } else {
+                                call_tile!($tile::<$wt, 1, $rm>(w, b.ldw, x, b.ldx, d, b.ldd) $extra);
+                            }
+                        }
+                    }
+                )+
+                m0 += cols;
+            }
+            n0 += rows;
+        }
+    }};
+}
+
 mod float;
 mod qf32;
 mod quant;

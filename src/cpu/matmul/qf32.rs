@@ -192,46 +192,6 @@ unsafe fn scalar_block<const WQ: u8>(b: &QF32Block) {
     }
 }
 
-/// Drive a tile kernel `$tile::<WQ, RN, RM>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale)`
-/// over a block: full
-/// `$rn`-row tiles, leftover weight rows one at a time, activation rows in the widest listed
-/// tile that fits.
-#[cfg(target_arch = "x86_64")]
-macro_rules! drive_block {
-    ($b:expr, $extra:expr, $tile:ident, $rn:literal, [$($rm:literal),+]) => {{
-        let (b, extra) = ($b, $extra);
-        let mut n0 = 0;
-        while n0 < b.n {
-            let rows = if b.n - n0 >= $rn { $rn } else { 1 };
-            let mut m0 = 0;
-            while m0 < b.m {
-                let left = b.m - m0;
-                // SAFETY: weight rows n0..n0 + rows <= b.n, activation rows m0..m0 + cols <= b.m
-                // and their outputs are inside the block the caller vouched for.
-                let (w, x, d) = unsafe {
-                    (b.w.add(n0 * b.ldw), b.x.add(m0 * b.ldx), b.d.add(m0 * b.ldd + n0))
-                };
-                let mut cols = 0;
-                $(
-                    if cols == 0 && left >= $rm {
-                        cols = $rm;
-                        // SAFETY: as above.
-                        unsafe {
-                            if rows == $rn {
-                                $tile::<WQ, $rn, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.nblk, extra.0, extra.1);
-                            } else {
-                                $tile::<WQ, 1, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.nblk, extra.0, extra.1);
-                            }
-                        }
-                    }
-                )+
-                m0 += cols;
-            }
-            n0 += rows;
-        }
-    }};
-}
-
 /// Prefetch distance of an `RN`-row tile.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -345,9 +305,9 @@ mod avx512 {
     pub(super) unsafe fn block<const WQ: u8>(b: &QF32Block, tab: F16Tab) {
         let late = b.gemv;
         if b.m == 1 {
-            drive_block!(b, (tab, late), tile, 8, [1]);
+            drive_tiles!(b, tile, WQ, 8, [1], (b.nblk, tab, late));
         } else {
-            drive_block!(b, (tab, late), tile, 4, [4, 3, 2, 1]);
+            drive_tiles!(b, tile, WQ, 4, [4, 3, 2, 1], (b.nblk, tab, late));
         }
     }
 }
@@ -440,9 +400,9 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const WQ: u8>(b: &QF32Block, tab: F16Tab) {
         if b.m == 1 {
-            drive_block!(b, (tab, false), tile, 4, [1]);
+            drive_tiles!(b, tile, WQ, 4, [1], (b.nblk, tab, false));
         } else {
-            drive_block!(b, (tab, false), tile, 2, [2, 1]);
+            drive_tiles!(b, tile, WQ, 2, [2, 1], (b.nblk, tab, false));
         }
     }
 }

@@ -471,17 +471,7 @@ unsafe fn axpy_f16_avx2(acc: *mut f32, w: f32, v: *const u8, n: usize) {
 mod tests {
     use super::*;
 
-    fn data(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s as f32 / u32::MAX as f32) * 8.0 - 4.0
-            })
-            .collect()
-    }
+    use crate::cpu::simd::tests::data;
 
     #[test]
     fn conversions_match_half_crate_on_every_level() {

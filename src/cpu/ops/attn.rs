@@ -4,11 +4,12 @@
 //! `flash_attn_ext`.
 //!
 //! Work is cut into units of (batch, kv head, query row) that cover all the query heads of one
-//! GQA group, so each K and V row is read by every head of the group while it is in cache (f16
-//! rows are widened in registers by the fused `simd::dot_f16_f32_raw` / `axpy_f16_raw`, with no
-//! scratch copy); scores are computed for a block of kv rows, then exponentiated together (a
-//! vectorizable polynomial exp), then the block's V rows are accumulated. With fewer units than
-//! threads the units become single heads.
+//! GQA group, so each K and V row is read by every head of the group while it is in cache, or
+//! into single heads where those balance the threads better (`heads_per_unit`). Scores are
+//! computed for a block of 32 kv rows, exponentiated together (a vectorizable polynomial exp),
+//! then the block's V rows are accumulated. f16 rows of 32, 64 or 128 elements go through
+//! AVX-512 block kernels that keep the query row and the accumulator in registers (`avx512`);
+//! other rows are widened one at a time by `simd::dot_f16_f32_raw` / `axpy_f16_raw`.
 
 use super::thread_scratch;
 use crate::DType;

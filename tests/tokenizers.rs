@@ -15,10 +15,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+/// The library's model cache folder, which must hold both models.
 fn models_dir() -> PathBuf {
-    let dir = std::env::var_os("METASHARD_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models-cache"));
+    let dir = metashard::models::paths::models_dir();
     assert!(
         dir.join("smollm2").is_dir() && dir.join("minilm").is_dir(),
         "model files not found in {} (set METASHARD_MODELS or run scripts/fetch_models.sh)",

@@ -21,9 +21,9 @@
 //! - Scalar: a block dequantized into 32 floats, then dotted with each activation row.
 
 use super::QuantW as WType;
-use super::quant::QK;
 #[cfg(target_arch = "x86_64")]
 use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2};
+use super::quant::{Q4_0, Q4_1, Q8_0, QK, block_bytes};
 use crate::cpu::simd::{self, Isa};
 use half::f16;
 
@@ -51,18 +51,6 @@ pub(crate) struct QF32Block {
     /// each block's dot product instead of the weights (one operation fewer per block). Set
     /// per node, never per tile, so outputs do not depend on how threads split the rows.
     pub gemv: bool,
-}
-
-const Q8_0: u8 = 0;
-const Q4_0: u8 = 1;
-const Q4_1: u8 = 2;
-
-const fn block_bytes(wq: u8) -> usize {
-    match wq {
-        Q8_0 => 34,
-        Q4_0 => 18,
-        _ => 20,
-    }
 }
 
 /// Compute one block at the given level.

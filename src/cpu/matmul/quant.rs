@@ -358,11 +358,13 @@ pub(crate) struct QuantBlock {
     pub m: usize,
 }
 
-const Q8_0: u8 = 0;
-const Q4_0: u8 = 1;
-const Q4_1: u8 = 2;
+/// Weight types as const-generic parameters of the tile kernels (here and in `qf32`).
+pub(super) const Q8_0: u8 = 0;
+pub(super) const Q4_0: u8 = 1;
+pub(super) const Q4_1: u8 = 2;
 
-const fn block_bytes(wq: u8) -> usize {
+/// Bytes of one block of 32 weights (ggml-common.h: `block_q8_0`, `block_q4_0`, `block_q4_1`).
+pub(super) const fn block_bytes(wq: u8) -> usize {
     match wq {
         Q8_0 => 34,
         Q4_0 => 18,

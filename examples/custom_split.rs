@@ -8,8 +8,9 @@
 //!
 //! Run: `cargo run --release --example custom_split -- [devices] [prompt]`
 
-use metashard::cli::DeviceSet;
 use metashard::cpu::Precision;
+use metashard::devices::DeviceSet;
+use metashard::meta::MetaOptions;
 use metashard::meta::{ConversionKind, SplitFn, TensorInfo};
 use metashard::models::decoder::{StepInput, build_step};
 use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, generate};
@@ -44,7 +45,9 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
     let ModelPath::Gguf(path) = resolve("smollm2")? else {
         unreachable!("smollm2 is a GGUF model")
     };
-    let set = DeviceSet::open(devices, Precision::Exact, false, |_| mlp_only())?;
+    let set = DeviceSet::open(devices, Precision::Exact, MetaOptions::default(), |_| {
+        mlp_only()
+    })?;
     let model = LlamaModel::load(&path, set.buffer_type.as_ref(), &|_, _| {})?;
     let chat = model.chat.as_ref().expect("SmolLM2 has a chat template");
     let text = chat.render(&[ChatMessage::new("user", prompt)], true)?;

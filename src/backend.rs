@@ -1,7 +1,7 @@
 //! The compute rungs of the backend ladder: `Registry` (a family of devices), `Device` (one
 //! piece of hardware, or one logical CPU device), `Backend` (a stream on a device that computes
-//! graphs) and `Event` (a marker in a stream), plus the built-in registry list and the parser
-//! for device strings (`cpu`, `cpu:NxT`, `cpu:N`).
+//! graphs) and `Event` (a marker in a stream). This module names no backend: the built-in
+//! registries and the device-string parser live in `devices.rs`, above every backend.
 //!
 //! Shaped after ggml-backend's `ggml_backend_reg_i`, `ggml_backend_device_i`,
 //! `ggml_backend_i` (ggml-org/ggml `src/ggml-backend-impl.h`); optional entries are default
@@ -149,31 +149,6 @@ pub trait GraphPlan: Send {
 pub trait Event: Send + Sync {
     /// Block until the event has completed.
     fn synchronize(&self) -> Result<()>;
-}
-
-/// Registries built into this binary.
-pub fn registries() -> Vec<Arc<dyn Registry>> {
-    let mut v: Vec<Arc<dyn Registry>> = vec![Arc::new(crate::cpu::CpuRegistry)];
-    if let Some(r) = crate::cuda::registry() {
-        v.push(r);
-    }
-    v
-}
-
-/// Parse a device list: `cpu` (one device, all cores), `cpu:N` (N devices splitting the cores),
-/// `cpu:NxT` (N devices of T threads), or comma-separated names of registry devices.
-pub fn parse_devices(spec: &str) -> Result<Vec<Arc<dyn Device>>> {
-    let spec = spec.trim();
-    if spec == "cpu" || spec.starts_with("cpu:") {
-        return crate::cpu::parse_cpu_spec(spec);
-    }
-    if spec.starts_with("cuda") {
-        return crate::cuda::parse_cuda_spec(spec);
-    }
-    Err(Error::Device {
-        device: spec.to_string(),
-        reason: "unknown device list; use `cpu`, `cpu:N`, `cpu:NxT` or `cuda:0,1`".into(),
-    })
 }
 
 /// Allocate a buffer of `bt` and place `layouts` in it one after another (aligned); returns the

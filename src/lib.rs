@@ -5,12 +5,11 @@
 
 pub mod alloc;
 pub mod backend;
-pub mod bench;
 pub mod buffer;
-pub mod cli;
 pub mod collectives;
 pub mod cpu;
 pub mod cuda;
+pub mod devices;
 pub mod dtype;
 pub mod error;
 pub mod graph;
@@ -21,9 +20,11 @@ pub mod op;
 pub mod split_state;
 pub mod tensor;
 pub mod tokenizer;
+pub mod verify;
 
-pub use backend::{Backend, Device, parse_devices};
+pub use backend::{Backend, Device};
 pub use buffer::{Buffer, BufferType, Storage};
+pub use devices::{DeviceSet, parse_devices};
 pub use dtype::DType;
 pub use error::{Error, Result, Shape};
 pub use graph::{Graph, TensorId};

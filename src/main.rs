@@ -1,8 +1,10 @@
 //! The `metashard` command line: list devices, run and verify models across devices, and
 //! benchmark kernels, the meta backend and models.
 
+mod bench;
+mod cli;
+
 use clap::{Parser, Subcommand};
-use metashard::bench;
 use metashard::cpu::Precision;
 use metashard::{Result, parse_devices};
 
@@ -28,11 +30,11 @@ enum Cmd {
         json: bool,
     },
     /// Generate text with a GGUF decoder on a device set.
-    Run(metashard::cli::run::RunArgs),
+    Run(cli::run::RunArgs),
     /// Check a sharded run against one device (and the numpy reference with --reference).
-    Verify(metashard::cli::verify::VerifyArgs),
+    Verify(cli::verify::VerifyArgs),
     /// Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2) on any device list.
-    Embed(metashard::cli::embed::EmbedOptions),
+    Embed(cli::embed::EmbedOptions),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -122,9 +124,9 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Devices { devices, json } => devices_cmd(devices.as_deref(), json),
-        Cmd::Run(a) => metashard::cli::run::run(&a),
-        Cmd::Verify(a) => metashard::cli::verify::run(&a),
-        Cmd::Embed(opts) => metashard::cli::embed::run(&opts, &mut std::io::stdout().lock()),
+        Cmd::Run(a) => cli::run::run(&a),
+        Cmd::Verify(a) => cli::verify::run(&a),
+        Cmd::Embed(opts) => cli::embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Bench { what } => match what {
             BenchCmd::Ops {
                 threads,
@@ -256,7 +258,7 @@ fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
 fn devices_cmd(spec: Option<&str>, json: bool) -> Result<()> {
     let devices = match spec {
         Some(s) => parse_devices(s)?,
-        None => metashard::backend::registries()
+        None => metashard::devices::registries()
             .iter()
             .flat_map(|r| r.devices())
             .collect(),

@@ -3,11 +3,12 @@
 //! against the independent numpy reference (`scripts/reference/smollm2_ref.py`), and
 //! last-position logits NMSE against it in the default precision and in exact mode.
 
-use metashard::cli::run::{load, prompt_tokens};
-use metashard::cli::verify::{greedy, max_abs, nmse, reference};
 use metashard::cpu::Precision;
+use metashard::devices::DeviceSet;
 use metashard::models::llama::LlamaModel;
+use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
 use metashard::models::paths::{ModelPath, resolve};
+use metashard::verify::{greedy, max_abs, nmse, reference};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -31,6 +32,23 @@ const PROMPTS: &[(bool, &str)] = &[
     (true, "Give me three tips for staying healthy."),
 ];
 
+/// SmolLM2 on `devices` with the built-in split (or `ratios`), without progress output.
+fn load(
+    model: &str,
+    devices: &str,
+    precision: Precision,
+    ratios: Option<Vec<f64>>,
+    mirror_attention: bool,
+) -> metashard::Result<(DeviceSet, LlamaModel)> {
+    let opts = OpenOptions {
+        precision,
+        ratios,
+        mirror_attention,
+        ..OpenOptions::default()
+    };
+    open_decoder(model, devices, &opts, &|_, _| {})
+}
+
 fn tokens_of(m: &LlamaModel, i: usize) -> Vec<u32> {
     let (chat, p) = PROMPTS[i];
     prompt_tokens(m, p, None, !chat).unwrap()
@@ -43,7 +61,7 @@ type RefOut = Option<(Vec<u32>, Vec<f32>)>;
 fn references() -> &'static Vec<RefOut> {
     static R: OnceLock<Vec<RefOut>> = OnceLock::new();
     R.get_or_init(|| {
-        let (_, m) = load("smollm2", "cpu:1x1", Precision::Exact, None, false, true).unwrap();
+        let (_, m) = load("smollm2", "cpu:1x1", Precision::Exact, None, false).unwrap();
         (0..PROMPTS.len())
             .map(|i| match reference(&gguf(), &tokens_of(&m, i), REF_STEPS) {
                 Ok(r) => Some(r),
@@ -67,7 +85,7 @@ fn run_all(
     ratios: Option<Vec<f64>>,
     mirror: bool,
 ) -> Vec<(Vec<f32>, Vec<u32>)> {
-    let (set, m) = load("smollm2", devices, precision, ratios, mirror, true).unwrap();
+    let (set, m) = load("smollm2", devices, precision, ratios, mirror).unwrap();
     (0..PROMPTS.len())
         .map(|i| greedy(&m, &set, &tokens_of(&m, i), STEPS).unwrap())
         .collect()
@@ -103,7 +121,7 @@ fn greedy_tokens_agree_with_the_numpy_reference() {
 #[test]
 fn exact_mode_logits_match_the_reference_closely() {
     let refs = references();
-    let (set, m) = load("smollm2", "cpu:1x2", Precision::Exact, None, false, true).unwrap();
+    let (set, m) = load("smollm2", "cpu:1x2", Precision::Exact, None, false).unwrap();
     for (i, r) in refs.iter().enumerate() {
         let Some((_, rl)) = r else { continue };
         let (logits, _) = greedy(&m, &set, &tokens_of(&m, i), 1).unwrap();
@@ -150,7 +168,7 @@ fn ratios_and_mirrored_attention_give_the_same_tokens() {
 
 #[test]
 fn the_chat_answer_is_coherent() {
-    let (set, m) = load("smollm2", "cpu:2x1", Precision::Exact, None, false, true).unwrap();
+    let (set, m) = load("smollm2", "cpu:2x1", Precision::Exact, None, false).unwrap();
     let (_, toks) = greedy(&m, &set, &tokens_of(&m, 0), 12).unwrap();
     let text = String::from_utf8_lossy(&m.tokenizer.decode_bytes(&toks).unwrap()).to_string();
     assert!(text.contains("Paris"), "{text}");

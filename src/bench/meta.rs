@@ -6,18 +6,19 @@
 //! `cpu:1x2` device; steps are timed as a user runs them (graph built, planned from the
 //! cache, computed), medians reported with the ratios, next to all-reduce and memcpy GB/s.
 
-use crate::backend::{Backend, Device, alloc_tensors, parse_devices};
-use crate::buffer::{BufferType, BufferUsage, Storage};
-use crate::collectives::{Communicator, CpuCommunicator};
-use crate::graph::{Graph, TensorId};
-use crate::meta::{MetaBuffer, MetaDevice, SplitFn, TensorInfo};
-use crate::models::decoder::{DecoderConfig, StepInput, build_step};
-use crate::models::split::{SplitOptions, megatron};
-use crate::models::synthetic::{alloc_kv_cache, random_decoder, random_f32};
-use crate::op::RopeMode;
-use crate::split_state::{Granularity, SplitState, split_even};
-use crate::tensor::Layout;
-use crate::{DType, Result};
+use metashard::backend::{Backend, Device, alloc_tensors};
+use metashard::buffer::{BufferType, BufferUsage, Storage};
+use metashard::collectives::{Communicator, CpuCommunicator};
+use metashard::devices::parse_devices;
+use metashard::graph::{Graph, TensorId};
+use metashard::meta::{MetaBuffer, MetaDevice, SplitFn, TensorInfo};
+use metashard::models::decoder::{DecoderConfig, StepInput, build_step};
+use metashard::models::split::{SplitOptions, megatron};
+use metashard::models::synthetic::{alloc_kv_cache, random_decoder, random_f32};
+use metashard::op::RopeMode;
+use metashard::split_state::{Granularity, SplitState, split_even};
+use metashard::tensor::Layout;
+use metashard::{DType, Result};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -137,7 +138,7 @@ impl Mlp {
                 .into_iter()
                 .map(|x| x * s)
                 .collect();
-            st.set(&l, crate::dtype::as_bytes(&v))?;
+            st.set(&l, metashard::dtype::as_bytes(&v))?;
             weights.push((name, l, st));
         }
         Ok(Mlp { weights })
@@ -169,8 +170,8 @@ impl Subject for Mlp {
 
 struct Block {
     cfg: DecoderConfig,
-    weights: crate::models::decoder::DecoderWeights,
-    cache: crate::models::decoder::KvCache,
+    weights: metashard::models::decoder::DecoderWeights,
+    cache: metashard::models::decoder::KvCache,
 }
 
 /// Cache rows already filled before a decode step (T = 1).
@@ -232,7 +233,7 @@ fn time_step(backend: &dyn Backend, s: &dyn Subject, t: usize) -> Result<f64> {
 struct Config {
     label: &'static str,
     backend: Arc<dyn Backend>,
-    meta: Option<Arc<crate::meta::MetaBackend>>,
+    meta: Option<Arc<metashard::meta::MetaBackend>>,
     subject: Box<dyn Subject>,
     times: Vec<f64>,
 }
@@ -244,10 +245,12 @@ fn bandwidth() -> Result<Vec<BandwidthRow>> {
         let reps = (64 << 20) / bytes;
         let bufs: Vec<parking_lot::Mutex<Vec<u8>>> = (0..2)
             .map(|r| {
-                parking_lot::Mutex::new(crate::dtype::as_bytes(&random_f32(bytes / 4, r)).to_vec())
+                parking_lot::Mutex::new(
+                    metashard::dtype::as_bytes(&random_f32(bytes / 4, r)).to_vec(),
+                )
             })
             .collect();
-        let pool = crate::cpu::ThreadPool::new(2, "bench-ar");
+        let pool = metashard::cpu::ThreadPool::new(2, "bench-ar");
         let start = Instant::now();
         pool.run(&|r, _| {
             let mut b = bufs[r].lock();
@@ -255,7 +258,7 @@ fn bandwidth() -> Result<Vec<BandwidthRow>> {
                 comm.all_reduce(r, &mut b, DType::F32).expect("all-reduce");
             }
         })
-        .map_err(crate::Error::Msg)?;
+        .map_err(metashard::Error::Msg)?;
         let ar = (bytes * reps) as f64 / start.elapsed().as_secs_f64() / 1e9;
         let src = vec![1u8; bytes];
         let mut dst = vec![0u8; bytes];
@@ -355,18 +358,18 @@ pub fn run(opts: &MetaBenchOptions, progress: &dyn Fn(&str)) -> Result<MetaBench
 
 /// Per-device weight bytes against (split bytes / N + mirrored bytes) + 1%.
 fn memory_check(
-    be: &Arc<crate::meta::MetaBackend>,
+    be: &Arc<metashard::meta::MetaBackend>,
     s: &dyn Subject,
     t: usize,
     n: usize,
 ) -> Result<MemoryCheck> {
     let (g, _) = s.step(t)?;
     let mut seen: Vec<usize> = Vec::new();
-    let mut buffers: Vec<Arc<dyn crate::buffer::Buffer>> = Vec::new();
+    let mut buffers: Vec<Arc<dyn metashard::buffer::Buffer>> = Vec::new();
     for node in g.nodes() {
         if let Some(st) = &node.storage
             && st.buffer.as_any().is::<MetaBuffer>()
-            && node.flags.contains(crate::graph::Flags::WEIGHT)
+            && node.flags.contains(metashard::graph::Flags::WEIGHT)
         {
             let id = st.buffer_id();
             if !seen.contains(&id) {

@@ -3,10 +3,10 @@
 //! set at each given precision (repetitions interleaved), the effective bandwidth of generation (weight bytes read per token x tokens/s), and
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
-use crate::Result;
 use crate::cli::run::load;
-use crate::cpu::{Precision, ThreadPool};
-use crate::models::llama::Session;
+use metashard::Result;
+use metashard::cpu::{Precision, ThreadPool};
+use metashard::models::llama::Session;
 use std::time::Instant;
 
 #[derive(Clone, Debug)]
@@ -57,7 +57,7 @@ pub fn stream_read_samples(threads: usize, bytes: usize, reps: usize) -> Vec<f64
     for _ in 0..reps + 1 {
         let start = Instant::now();
         let _ = pool.run(&|ith, _| {
-            let r = crate::cpu::split_range(n, ith, threads);
+            let r = metashard::cpu::split_range(n, ith, threads);
             // Eight independent sums so the loop vectorizes and is bound by memory.
             let mut acc = [0f32; 8];
             for c in data[r].chunks_exact(8) {
@@ -83,8 +83,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 struct Config {
     spec: String,
     precision: Precision,
-    set: crate::cli::DeviceSet,
-    m: crate::models::llama::LlamaModel,
+    set: metashard::DeviceSet,
+    m: metashard::models::llama::LlamaModel,
 }
 
 pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBenchReport> {
@@ -141,7 +141,7 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
             let mut tok = 1u32;
             for i in 0..opts.tg {
                 let l = s.eval(&[tok], false)?;
-                tok = (crate::models::llama::argmax(&l) + i as u32) % *n_vocab;
+                tok = (metashard::models::llama::argmax(&l) + i as u32) % *n_vocab;
             }
             tgs[ci].push(opts.tg as f64 / t0.elapsed().as_secs_f64());
             progress(&format!(

@@ -8,10 +8,10 @@
 //! decode step. The GEMM cases reuse one copy (compute-bound, as numpy's timing loop does).
 
 use super::{Repeat, time_it};
-use crate::cpu::matmul::{self, Isa};
-use crate::cpu::{ComputeParams, Precision, TensorView, ThreadPool};
-use crate::dtype::row_from_f32;
-use crate::{DType, Result};
+use metashard::cpu::matmul::{self, Isa};
+use metashard::cpu::{ComputeParams, Precision, TensorView, ThreadPool};
+use metashard::dtype::row_from_f32;
+use metashard::{DType, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 
@@ -124,11 +124,6 @@ impl OpCase {
     }
 }
 
-/// The fixed case list.
-pub fn cases() -> Vec<OpCase> {
-    cases_with(&[1, 32])
-}
-
 /// The case list with the K = N = 4096 cases at these M.
 pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
     let mm = |dtype, m, n, k, rotate| OpCase {
@@ -182,7 +177,7 @@ pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     let isa = opts.isa.unwrap_or_else(Isa::detect).clamp();
     let ms = opts.ms.clone().unwrap_or_else(|| vec![1, 32]);
     if ms.iter().any(|&m| m == 0 || m > 4096) {
-        return Err(crate::Error::msg(format!(
+        return Err(metashard::Error::msg(format!(
             "bench ops: M values must be 1..=4096, got {ms:?}"
         )));
     }
@@ -196,7 +191,7 @@ pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.label().contains(f)))
         .collect();
     if opts.threads.is_empty() || opts.threads.iter().any(|&t| t == 0 || t > 256) {
-        return Err(crate::Error::msg(format!(
+        return Err(metashard::Error::msg(format!(
             "bench ops: thread counts must be 1..=256, got {:?}",
             opts.threads
         )));
@@ -351,14 +346,14 @@ impl CaseData {
             let sink = std::sync::atomic::AtomicU32::new(0);
             let t = time_it(&opts.repeat, |_| {
                 pool.run(&|ith, _| {
-                    let r = crate::cpu::split_range(floats, ith, nth);
+                    let r = metashard::cpu::split_range(floats, ith, nth);
                     // SAFETY: the buffer holds `floats` initialized f32, 64-byte aligned, and is
                     // only read here.
                     let s = unsafe {
                         std::slice::from_raw_parts((base as *const f32).add(r.start), r.len())
                     };
                     let v = if c.m <= 1 {
-                        crate::cpu::simd::sum_f32_with(isa, s)
+                        metashard::cpu::simd::sum_f32_with(isa, s)
                     } else {
                         sum_streams(s, c.m)
                     };
@@ -397,7 +392,10 @@ impl CaseData {
                 }
             });
             if let Some(e) = err {
-                return Err(crate::Error::msg(format!("bench ops {}: {e}", c.label())));
+                return Err(metashard::Error::msg(format!(
+                    "bench ops {}: {e}",
+                    c.label()
+                )));
             }
             t
         };
@@ -550,7 +548,7 @@ pub fn to_json(results: &[OpBenchResult]) -> String {
 /// Parse reference results (a JSON array of [`RefResult`]).
 pub fn parse_refs(json: &str, what: &str) -> Result<Vec<RefResult>> {
     serde_json::from_str(json)
-        .map_err(|e| crate::Error::format(what, "reference results", e.to_string()))
+        .map_err(|e| metashard::Error::format(what, "reference results", e.to_string()))
 }
 
 #[cfg(test)]

@@ -2,9 +2,9 @@
 //! on any device list, printed as JSON (one object per sentence) or as a short summary with a
 //! table of pairwise cosine similarities.
 
-use crate::models::bert::{BertEncoder, cosine};
-use crate::models::paths::{ModelPath, resolve};
-use crate::{Error, Result, parse_devices};
+use metashard::models::bert::{BertEncoder, cosine};
+use metashard::models::paths::{ModelPath, resolve};
+use metashard::{Error, Result, parse_devices};
 use std::time::Instant;
 
 /// What `metashard embed` was asked (its command-line arguments).

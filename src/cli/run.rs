@@ -2,13 +2,13 @@
 //! `--tensor-split` ratios), show a memory summary, generate text from a prompt (through the
 //! model's chat template unless `--raw`), and report prompt and generation tokens/s.
 
-use super::{DeviceSet, bytes_bar, memory_table};
-use crate::cpu::Precision;
-use crate::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, generate};
-use crate::models::paths::{ModelPath, resolve};
-use crate::models::split::{SplitOptions, megatron};
-use crate::tokenizer::{ChatMessage, Tokenizer};
-use crate::{Error, Result};
+use super::{bytes_bar, memory_table};
+use metashard::Result;
+use metashard::cpu::Precision;
+use metashard::devices::DeviceSet;
+use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, generate};
+use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
+use metashard::tokenizer::Tokenizer;
 use std::io::Write;
 
 #[derive(Clone, Debug, clap::Args)]
@@ -63,7 +63,8 @@ pub struct RunArgs {
     pub json: bool,
 }
 
-/// Open the devices and load the model with the built-in split (or ratios).
+/// Open the devices and load the model with the built-in split (or ratios), with a progress
+/// bar on stderr unless `quiet`.
 pub fn load(
     model: &str,
     devices: &str,
@@ -72,54 +73,22 @@ pub fn load(
     mirror_attention: bool,
     quiet: bool,
 ) -> Result<(DeviceSet, LlamaModel)> {
-    let ModelPath::Gguf(path) = resolve(model)? else {
-        return Err(Error::Model {
-            model: model.to_string(),
-            reason: "`run` needs a GGUF decoder; use `embed` for encoder models".into(),
-        });
-    };
-    let g = crate::io::gguf::GgufFile::open(&path)?;
-    let cfg = crate::models::llama::config_from_gguf(&g)?;
-    drop(g);
-    let opts = SplitOptions {
-        ratios,
-        mirror_attention,
-    };
-    let set = DeviceSet::open(devices, precision, false, |_| megatron(&cfg, opts))?;
-    let file_size = std::fs::metadata(&path)
-        .map_err(|e| Error::io(&path, e))?
-        .len() as usize;
-    let bar = bytes_bar(file_size, "loading weights");
+    let bar = bytes_bar(0, "loading weights");
     if quiet {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let m = LlamaModel::load(&path, set.buffer_type.as_ref(), &|done, total| {
+    let opts = OpenOptions {
+        precision,
+        ratios,
+        mirror_attention,
+        ..OpenOptions::default()
+    };
+    let r = open_decoder(model, devices, &opts, &|done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })?;
+    });
     bar.finish_and_clear();
-    Ok((set, m))
-}
-
-/// Prompt tokens: through the chat template unless `raw`.
-pub fn prompt_tokens(
-    m: &LlamaModel,
-    prompt: &str,
-    system: Option<&str>,
-    raw: bool,
-) -> Result<Vec<u32>> {
-    let text = match (&m.chat, raw) {
-        (Some(t), false) => {
-            let mut msgs = Vec::new();
-            if let Some(s) = system {
-                msgs.push(ChatMessage::new("system", s));
-            }
-            msgs.push(ChatMessage::new("user", prompt));
-            t.render(&msgs, true)?
-        }
-        _ => prompt.to_string(),
-    };
-    m.tokenizer.encode(&text, true)
+    r
 }
 
 pub fn run(a: &RunArgs) -> Result<()> {

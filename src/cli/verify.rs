@@ -4,14 +4,11 @@
 //! comparison of one prompt step that names the first node whose values diverge, with its
 //! split state.
 
-use super::run::{load, prompt_tokens};
-use crate::cpu::Precision;
-use crate::graph::Graph;
-use crate::meta::MetaDevice;
-use crate::models::decoder::{StepInput, build_step};
-use crate::models::llama::{LlamaModel, Session, argmax};
-use crate::{Error, Result};
-use std::path::Path;
+use super::run::load;
+use metashard::cpu::Precision;
+use metashard::models::open::prompt_tokens;
+use metashard::verify::{compare_nodes, greedy, max_abs, nmse, reference};
+use metashard::{Error, Result};
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct VerifyArgs {
@@ -47,161 +44,6 @@ pub struct VerifyArgs {
     pub json: bool,
 }
 
-/// Normalized mean squared error of `a` against `b`.
-pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    num / den.max(f64::MIN_POSITIVE)
-}
-
-pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
-/// Prompt logits and `steps` greedy tokens.
-pub fn greedy(
-    m: &LlamaModel,
-    set: &super::DeviceSet,
-    prompt: &[u32],
-    steps: usize,
-) -> Result<(Vec<f32>, Vec<u32>)> {
-    let mut s = Session::new(
-        m,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        prompt.len() + steps + 1,
-    )?;
-    let first = s.eval(prompt, false)?;
-    let mut logits = first.clone();
-    let mut toks = Vec::with_capacity(steps);
-    for i in 0..steps {
-        let t = argmax(&logits);
-        toks.push(t);
-        if i + 1 < steps {
-            logits = s.eval(&[t], false)?;
-        }
-    }
-    Ok((first, toks))
-}
-
-/// Run the numpy reference on `prompt`: its greedy tokens and last-prompt-position logits.
-pub fn reference(gguf: &Path, prompt: &[u32], steps: usize) -> Result<(Vec<u32>, Vec<f32>)> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/smollm2_ref.py");
-    let logits_file =
-        std::env::temp_dir().join(format!("metashard-ref-{}.f32", std::process::id()));
-    let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg("--model")
-        .arg(gguf)
-        .arg("--tokens")
-        .arg(ids.join(","))
-        .arg("--steps")
-        .arg(steps.to_string())
-        .arg("--logits-out")
-        .arg(&logits_file)
-        .output()
-        .map_err(|e| Error::io(&script, e))?;
-    if !out.status.success() {
-        return Err(Error::msg(format!(
-            "reference {} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| Error::msg(format!("reference output is not JSON: {e}")))?;
-    let toks = v["generated"]
-        .as_array()
-        .ok_or_else(|| Error::msg("reference output has no `generated`"))?
-        .iter()
-        .filter_map(|x| x.as_u64().map(|x| x as u32))
-        .collect();
-    let bytes = std::fs::read(&logits_file).map_err(|e| Error::io(&logits_file, e))?;
-    let _ = std::fs::remove_file(&logits_file);
-    let logits = bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Ok((toks, logits))
-}
-
-/// One node's comparison.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct NodeDiff {
-    pub index: usize,
-    pub name: String,
-    pub op: String,
-    pub state: String,
-    pub nmse: f64,
-}
-
-/// Every node of one prompt step, sharded vs single; nodes in graph order.
-pub fn compare_nodes(
-    single: (&LlamaModel, &super::DeviceSet),
-    sharded: (&LlamaModel, &super::DeviceSet),
-    prompt: &[u32],
-) -> Result<Vec<NodeDiff>> {
-    let build = |m: &LlamaModel, set: &super::DeviceSet| -> Result<Graph> {
-        let s = Session::new(
-            m,
-            set.backend.clone(),
-            set.buffer_type.as_ref(),
-            prompt.len(),
-        )?;
-        let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
-        let pos: Vec<i32> = (0..prompt.len() as i32).collect();
-        let n_kv = s.capacity();
-        let kvp: Vec<i32> = (0..n_kv as i32)
-            .map(|j| if (j as usize) < prompt.len() { j } else { -1 })
-            .collect();
-        let inp = StepInput {
-            tokens: &ids,
-            positions: &pos,
-            slots: &pos,
-            n_kv,
-            kv_positions: &kvp,
-            logits_rows: prompt.len() - 1..prompt.len(),
-        };
-        let cache = s.cache();
-        let mut sg = build_step(&m.cfg, &m.weights, &cache, &inp)?;
-        for id in sg.graph.ids() {
-            if !sg.graph.node(id).is_leaf() {
-                sg.graph.set_output(id);
-            }
-        }
-        set.backend.graph_compute(&mut sg.graph)?;
-        Ok(sg.graph)
-    };
-    let ga = build(single.0, single.1)?;
-    let gb = build(sharded.0, sharded.1)?;
-    let plan = match &sharded.1.meta {
-        Some(m) => Some(MetaDevice::meta_backend(m)?.plan_graph(&gb)?),
-        None => None,
-    };
-    let mut out = Vec::new();
-    for id in ga.ids() {
-        let n = ga.node(id);
-        if n.is_leaf() || n.op.writes_into_source() {
-            continue;
-        }
-        let (a, b) = (ga.read_f32(id)?, gb.read_f32(id)?);
-        out.push(NodeDiff {
-            index: id.index(),
-            name: n.name.clone(),
-            op: n.op.name().to_string(),
-            state: plan
-                .as_ref()
-                .map_or("-".into(), |p| p.states[id.index()].to_string()),
-            nmse: nmse(&b, &a),
-        });
-    }
-    Ok(out)
-}
-
 pub fn run(a: &VerifyArgs) -> Result<()> {
     let precision = Precision::from_q8_flag(a.q8);
     let (single, m1) = load(&a.model, &a.against, precision, None, false, a.json)?;
@@ -228,7 +70,8 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         "greedy_tokens_equal": same,
     });
     if a.reference {
-        let crate::models::paths::ModelPath::Gguf(path) = crate::models::paths::resolve(&a.model)?
+        let metashard::models::paths::ModelPath::Gguf(path) =
+            metashard::models::paths::resolve(&a.model)?
         else {
             return Err(Error::msg("the reference covers GGUF decoders"));
         };

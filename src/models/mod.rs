@@ -6,6 +6,7 @@ pub mod bert;
 pub mod bert_split;
 pub mod decoder;
 pub mod llama;
+pub mod open;
 pub mod paths;
 pub mod split;
 pub mod synthetic;

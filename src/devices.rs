@@ -1,0 +1,104 @@
+//! The built-in device families, listed in one place above every backend: [`registries`],
+//! the device-string parser [`parse_devices`] (`cpu`, `cpu:N`, `cpu:NxT`, `cuda:0,1`), and
+//! [`DeviceSet`], what a program runs on: one device, or a meta device over several.
+//!
+//! A new backend plugs in here (its registry and its device-string prefix) and nowhere else
+//! above its own module: `backend.rs` and `meta/` name no backend.
+
+use crate::backend::{Backend, Device, Registry};
+use crate::buffer::{Buffer, BufferType};
+use crate::cpu::{CpuOptions, Precision};
+use crate::meta::{MetaBuffer, MetaDevice, MetaOptions, SplitFn};
+use crate::{Error, Result};
+use std::sync::Arc;
+
+/// Registries built into this binary.
+pub fn registries() -> Vec<Arc<dyn Registry>> {
+    let mut v: Vec<Arc<dyn Registry>> = vec![Arc::new(crate::cpu::CpuRegistry)];
+    if let Some(r) = crate::cuda::registry() {
+        v.push(r);
+    }
+    v
+}
+
+/// Parse a device list: `cpu` (one device, all cores), `cpu:N` (N devices splitting the cores),
+/// `cpu:NxT` (N devices of T threads), or `cuda`, `cuda:0,1`.
+pub fn parse_devices(spec: &str) -> Result<Vec<Arc<dyn Device>>> {
+    parse_devices_with(spec, CpuOptions::default())
+}
+
+/// As [`parse_devices`], with the options CPU devices are opened with.
+pub fn parse_devices_with(spec: &str, cpu: CpuOptions) -> Result<Vec<Arc<dyn Device>>> {
+    let spec = spec.trim();
+    if spec == "cpu" || spec.starts_with("cpu:") {
+        return crate::cpu::parse_cpu_spec_with(spec, cpu);
+    }
+    if spec.starts_with("cuda") {
+        return crate::cuda::parse_cuda_spec(spec);
+    }
+    Err(Error::Device {
+        device: spec.to_string(),
+        reason: "unknown device list; use `cpu`, `cpu:N`, `cpu:NxT` or `cuda:0,1`".into(),
+    })
+}
+
+/// The devices a program runs on: one device with its backend, or a meta device over several.
+pub struct DeviceSet {
+    pub spec: String,
+    pub devices: Vec<Arc<dyn Device>>,
+    pub backend: Arc<dyn Backend>,
+    pub buffer_type: Arc<dyn BufferType>,
+    /// Set when running on several devices.
+    pub meta: Option<Arc<MetaDevice>>,
+}
+
+impl DeviceSet {
+    /// Open `spec` with `precision` for products of quantized weights on CPU devices; several
+    /// devices run as one meta device with `split` (called only then, with the device count).
+    pub fn open(
+        spec: &str,
+        precision: Precision,
+        options: MetaOptions,
+        split: impl FnOnce(usize) -> SplitFn,
+    ) -> Result<DeviceSet> {
+        let devices = parse_devices_with(spec, CpuOptions { precision })?;
+        if devices.len() == 1 {
+            let d = devices[0].clone();
+            return Ok(DeviceSet {
+                spec: spec.to_string(),
+                backend: d.init_backend()?,
+                buffer_type: d.buffer_type(),
+                devices,
+                meta: None,
+            });
+        }
+        let m = MetaDevice::with_options(devices.clone(), split(devices.len()), options)?;
+        Ok(DeviceSet {
+            spec: spec.to_string(),
+            backend: m.init_backend()?,
+            buffer_type: m.buffer_type(),
+            devices,
+            meta: Some(m),
+        })
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.devices.iter().map(|d| d.name()).collect()
+    }
+
+    /// Bytes per device held by `buffers` (split buffers count each device's slices).
+    pub fn bytes_per_device(&self, buffers: &[&Arc<dyn Buffer>]) -> Vec<usize> {
+        let mut v = vec![0; self.devices.len()];
+        for b in buffers {
+            match b.as_any().downcast_ref::<MetaBuffer>() {
+                Some(mb) => mb
+                    .device_bytes()
+                    .iter()
+                    .enumerate()
+                    .for_each(|(d, x)| v[d] += x),
+                None => v[0] += b.size(),
+            }
+        }
+        v
+    }
+}

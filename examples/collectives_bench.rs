@@ -15,7 +15,7 @@
 //! loop minus the same write and read without the all-reduce.
 
 use metashard::DType;
-use metashard::collectives::{Communicator, CpuCommunicator, SliceLayout};
+use metashard::collectives::{CpuCommunicator, SliceLayout};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

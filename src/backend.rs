@@ -8,6 +8,7 @@
 //! methods. All traits are object safe so a meta device can hold `Arc<dyn Device>`.
 
 use crate::buffer::{Buffer, BufferType, Storage};
+use crate::collectives::CommunicatorFactory;
 use crate::graph::{Graph, TensorId};
 use crate::tensor::Layout;
 use crate::{Error, Result};
@@ -72,6 +73,12 @@ pub trait Device: Send + Sync + Any {
             device: self.name(),
             reason: "events are not supported".into(),
         })
+    }
+    /// (optional) The communicators this device can join, best first (NCCL, peer kernels for
+    /// logical devices on one GPU, MPI across processes). The meta device uses the first kind
+    /// all its devices offer; with none, it falls back to the in-process host communicator.
+    fn communicators(&self) -> Vec<Arc<dyn CommunicatorFactory>> {
+        Vec::new()
     }
     fn as_any(&self) -> &dyn Any;
 }

@@ -1,6 +1,7 @@
 //! The memory rungs of the backend ladder: `BufferType` (an allocator of one kind of memory)
 //! and `Buffer` (one allocation holding tensors at byte offsets), plus `Storage` (where one
-//! tensor's bytes are) and `tensor_copy` between any two buffers.
+//! tensor's bytes are), `BufferRange` (a byte range of a buffer, what collectives move) and
+//! `tensor_copy` between any two buffers.
 //!
 //! Shaped after ggml-backend's `ggml_backend_buffer_type_i` / `ggml_backend_buffer_i`
 //! (ggml-org/ggml `src/ggml-backend-impl.h`): optional entries have default methods.
@@ -147,6 +148,45 @@ impl Storage {
         self.buffer
             .host_ptr()
             .map(|p| unsafe { p.add(self.offset) })
+    }
+}
+
+/// `len` bytes of a buffer from `storage.offset`: a tensor's bytes on its device, as
+/// collectives take them. A communicator reads the memory the way its devices can (host
+/// pointers, device pointers, a transport), so no host slice is formed above it.
+#[derive(Clone, Debug)]
+pub struct BufferRange {
+    pub storage: Storage,
+    pub len: usize,
+}
+
+impl BufferRange {
+    pub fn new(storage: Storage, len: usize) -> Self {
+        BufferRange { storage, len }
+    }
+
+    /// The range as a host pointer, if the buffer is host memory and the range lies inside it;
+    /// the error names the buffer type and the range.
+    pub fn host_ptr(&self) -> Result<*mut u8> {
+        let bt = || self.storage.buffer.buffer_type().name();
+        let size = self.storage.buffer.size();
+        if self
+            .storage
+            .offset
+            .checked_add(self.len)
+            .is_none_or(|end| end > size)
+        {
+            return Err(Error::OutOfBounds {
+                what: format!("a byte range of a `{}` buffer", bt()),
+                offset: self.storage.offset,
+                size: self.len,
+                capacity: size,
+            });
+        }
+        self.storage.host_ptr().ok_or_else(|| Error::Device {
+            device: bt(),
+            reason: "this memory is not host memory; a host communicator cannot reach it".into(),
+        })
     }
 }
 

@@ -72,6 +72,19 @@ pub enum Error {
     /// A device string or device failure.
     #[error("device {device}: {reason}")]
     Device { device: String, reason: String },
+    /// A device spent longer than the timeout inside one stage of its program (a kernel or a
+    /// collective that never returned); its work was abandoned and the next compute starts
+    /// afresh.
+    #[error(
+        "device {device} stalled: no progress for {waited:.1?} in {stage} (timeout {timeout:?}); \
+         its work was abandoned and the next compute starts afresh"
+    )]
+    DeviceStalled {
+        device: String,
+        stage: String,
+        waited: std::time::Duration,
+        timeout: std::time::Duration,
+    },
     /// The crate was built without the `cuda` feature.
     #[error("CUDA support is not compiled in: rebuild with `--features cuda`")]
     CudaNotCompiled,

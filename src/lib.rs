@@ -21,6 +21,7 @@ pub mod split_state;
 pub mod tensor;
 pub mod tokenizer;
 pub mod verify;
+pub mod workers;
 
 pub use backend::{Backend, Device};
 pub use buffer::{Buffer, BufferType, Storage};

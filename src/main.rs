@@ -114,6 +114,15 @@ enum BenchCmd {
 }
 
 fn main() {
+    // Library events (the communicator chosen, the sharding of each new graph at debug) go to
+    // stderr, filtered by METASHARD_LOG (e.g. `info`, `metashard::meta=debug`); warnings only
+    // by default.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("METASHARD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e}");

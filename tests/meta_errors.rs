@@ -177,7 +177,7 @@ fn megatron_setup(
         )),
         Place::Inline,
     ];
-    let s = meta_setup(&leaves, &places, n, MetaOptions { explicit }).unwrap();
+    let s = meta_setup(&leaves, &places, n, MetaOptions::explicit(explicit)).unwrap();
     (leaves, places, s.backend, s.graph, s.leaves)
 }
 

@@ -8,7 +8,7 @@
 
 use metashard::backend::{Backend, Device, alloc_tensors};
 use metashard::buffer::{BufferType, BufferUsage, Storage};
-use metashard::collectives::{Communicator, CpuCommunicator};
+use metashard::collectives::CpuCommunicator;
 use metashard::devices::parse_devices;
 use metashard::graph::{Graph, TensorId};
 use metashard::meta::{MetaBuffer, MetaDevice, SplitFn, TensorInfo};

@@ -1,6 +1,7 @@
-//! `CpuCommunicator`: the in-process communicator for 1..=16 ranks on one host. Ranks publish
-//! pointers to their buffers and access their peers' buffers directly (see the algorithms,
-//! determinism and failure model in the parent module's doc).
+//! `CpuCommunicator`: the in-process communicator for 1..=16 ranks on one host, and
+//! `HostCommunicatorFactory`, which makes one for devices that compute in host memory. Ranks
+//! publish pointers to their buffers and access their peers' buffers directly (see the
+//! algorithms, determinism and failure model in the parent module's doc).
 //!
 //! Synchronization: each rank owns a counter of the barriers it has reached, on its own cache
 //! line; a barrier is "store mine + 1, wait until every peer's is at least that". Waiting
@@ -8,9 +9,12 @@
 //! allocation, lock or system call on the path of a successful call when peers are on time.
 
 use super::reduce::{reducible, sum_into};
-use super::{Communicator, SliceLayout};
+use super::{Communicator, CommunicatorFactory, SliceLayout};
+use crate::backend::Device;
+use crate::buffer::BufferRange;
 use crate::{DType, Error, Result};
 use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release, SeqCst};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize};
 use std::time::{Duration, Instant};
@@ -441,12 +445,11 @@ fn check_reducible(dtype: DType, what: &str, bytes: usize) -> Result<usize, Stri
     Ok(esz)
 }
 
-impl Communicator for CpuCommunicator {
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn all_reduce(&self, rank: usize, buf: &mut [u8], dtype: DType) -> Result<()> {
+/// The collectives over host slices: what the [`Communicator`] implementation calls once it has
+/// the host addresses of its buffer handles, and what host-only callers (benchmarks, tests) use
+/// directly. Same semantics as the trait's methods of the same names.
+impl CpuCommunicator {
+    pub fn all_reduce(&self, rank: usize, buf: &mut [u8], dtype: DType) -> Result<()> {
         self.run(Kind::AllReduce, rank, || {
             let len = buf.len();
             let esz = check_reducible(dtype, "buffer", len)?;
@@ -494,7 +497,7 @@ impl Communicator for CpuCommunicator {
         })
     }
 
-    fn all_gather(
+    pub fn all_gather(
         &self,
         rank: usize,
         local: &[u8],
@@ -542,7 +545,7 @@ impl Communicator for CpuCommunicator {
         })
     }
 
-    fn reduce_scatter(
+    pub fn reduce_scatter(
         &self,
         rank: usize,
         full: &[u8],
@@ -598,7 +601,7 @@ impl Communicator for CpuCommunicator {
         })
     }
 
-    fn broadcast(&self, rank: usize, root: usize, buf: &mut [u8]) -> Result<()> {
+    pub fn broadcast(&self, rank: usize, root: usize, buf: &mut [u8]) -> Result<()> {
         self.run(Kind::Broadcast, rank, || {
             if root >= self.world {
                 return Err(format!("root {root} is out of range"));
@@ -628,15 +631,113 @@ impl Communicator for CpuCommunicator {
             self.barrier(rank)
         })
     }
+}
+
+/// The host slice of a buffer handle.
+///
+/// # Safety
+/// The caller must not let the slice outlive the buffer, and (the buffer concurrency contract
+/// of `crate::buffer::Buffer`) nothing else may write the range while the slice is used: the
+/// meta backend runs no kernel of a device during its collectives, and peers reach the range
+/// only inside the collective's barriers.
+unsafe fn host_slice<'a>(b: &BufferRange) -> Result<&'a mut [u8]> {
+    let p = b.host_ptr()?;
+    // SAFETY: `host_ptr` checked that `len` bytes from `p` lie inside the buffer's host
+    // allocation; exclusivity is the caller's contract above.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, b.len) })
+}
+
+impl Communicator for CpuCommunicator {
+    fn name(&self) -> String {
+        format!("host({})", self.world)
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(&self, rank: usize, buf: &BufferRange, dtype: DType) -> Result<()> {
+        // SAFETY: the buffer lives through the call (the handle holds it), and the caller of a
+        // collective leaves its buffers alone until it returns (the trait's contract).
+        let b = unsafe { host_slice(buf)? };
+        CpuCommunicator::all_reduce(self, rank, b, dtype)
+    }
+
+    fn all_gather(
+        &self,
+        rank: usize,
+        local: &BufferRange,
+        full: &BufferRange,
+        layout: &SliceLayout,
+    ) -> Result<()> {
+        // SAFETY: as in all_reduce; `local` and `full` are distinct tensors of one program.
+        let (l, f) = unsafe { (host_slice(local)?, host_slice(full)?) };
+        CpuCommunicator::all_gather(self, rank, l, f, layout)
+    }
+
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        full: &BufferRange,
+        local: &BufferRange,
+        layout: &SliceLayout,
+        dtype: DType,
+    ) -> Result<()> {
+        // SAFETY: as in all_gather.
+        let (f, l) = unsafe { (host_slice(full)?, host_slice(local)?) };
+        CpuCommunicator::reduce_scatter(self, rank, f, l, layout, dtype)
+    }
+
+    fn broadcast(&self, rank: usize, root: usize, buf: &BufferRange) -> Result<()> {
+        // SAFETY: as in all_reduce.
+        let b = unsafe { host_slice(buf)? };
+        CpuCommunicator::broadcast(self, rank, root, b)
+    }
 
     fn abort(&self, rank: usize, reason: &str) {
         self.fail(format!("rank {rank} aborted: {reason}"));
+    }
+
+    fn failure(&self) -> Option<String> {
+        CpuCommunicator::failure(self)
     }
 
     fn bytes_moved(&self, rank: usize) -> u64 {
         self.slots
             .get(rank)
             .map_or(0, |s| s.desc.0.bytes_moved.load(Relaxed))
+    }
+}
+
+/// Makes [`CpuCommunicator`]s: the meta device's fallback when its devices offer no common
+/// communicator, valid when every device computes in host memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostCommunicatorFactory;
+
+impl CommunicatorFactory for HostCommunicatorFactory {
+    fn name(&self) -> String {
+        "host".into()
+    }
+
+    fn create(
+        &self,
+        devices: &[Arc<dyn Device>],
+        timeout: Duration,
+    ) -> Result<Arc<dyn Communicator>> {
+        if let Some(d) = devices.iter().find(|d| !d.buffer_type().is_host()) {
+            return Err(Error::Device {
+                device: d.name(),
+                reason: format!(
+                    "computes in `{}`, not host memory: the in-process host communicator cannot \
+                     reach it, and the devices offer no communicator in common",
+                    d.buffer_type().name()
+                ),
+            });
+        }
+        Ok(Arc::new(CpuCommunicator::with_timeout(
+            devices.len(),
+            timeout,
+        )?))
     }
 }
 

@@ -5,8 +5,17 @@
 //! time (one worker each) with collectives between their stages, and binds the outputs to a
 //! meta buffer so `Graph::read_f32` gathers them (summing partials).
 //!
-//! A device that fails aborts the communicator, so its peers return promptly; the error that
-//! caused it is the one reported, and the next step starts with a new communicator.
+//! The devices' programs run on their own workers (`crate::workers`), never on the caller, and
+//! the communicator comes from the devices themselves: when the backend is created it asks
+//! every device which communicators it can join (`Device::communicators`) and uses the first
+//! kind all offer, else the in-process host communicator (logged with `tracing`).
+//!
+//! Failures: a device that fails aborts the communicator, so its peers return promptly; the
+//! error that caused it is the one reported, and the next step starts with a new communicator.
+//! A device that stays inside one stage (a node range or a collective) for longer than the
+//! timeout (`MetaOptions::timeout`) is declared stalled: `graph_compute` returns
+//! [`Error::DeviceStalled`] naming it, its worker and backend are replaced, cached programs
+//! are dropped, and the next compute starts afresh while the stalled thread is left to finish.
 
 use super::MetaShared;
 use super::buffer::{MetaBuffer, MetaTensor};
@@ -14,16 +23,19 @@ use super::plan::{MetaPlan, plan};
 use super::rewrite::{DeviceProgram, Stage, Upload, rewrite};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan};
-use crate::buffer::{Buffer, Storage};
-use crate::collectives::{AbortOnPanic, Communicator, CpuCommunicator};
-use crate::cpu::ThreadPool;
+use crate::buffer::{Buffer, BufferRange, Storage};
+use crate::collectives::{
+    AbortOnPanic, Communicator, CommunicatorFactory, HostCommunicatorFactory,
+};
 use crate::graph::{Flags, Graph, TensorId};
 use crate::op::CollectiveKind;
 use crate::tensor::Layout;
+use crate::workers::{DeviceWorkers, Job, Outcome, Progress};
 use crate::{Error, Result};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 /// Plans kept per backend (a decode loop alternates few shapes).
 const CACHE_SIZE: usize = 8;
@@ -70,20 +82,69 @@ struct Prepared {
     bound: Vec<std::sync::Weak<dyn Buffer>>,
     plan: MetaPlan,
     runs: Vec<Mutex<DeviceRun>>,
+    /// Per device, a description of each stage (for stall errors, when the run is locked).
+    stage_names: Vec<Vec<String>>,
+    /// The user leaves whose inline data the programs upload.
+    inputs: Vec<TensorId>,
     compute_bytes: Vec<usize>,
     /// User roots to bind after each run, at offsets of `outputs`.
     out_roots: Vec<(TensorId, usize)>,
     outputs: Arc<MetaBuffer>,
 }
 
+/// The communicator in use and the factory that makes a new one after a failure.
+struct Comm {
+    factory: Arc<dyn CommunicatorFactory>,
+    current: Arc<dyn Communicator>,
+}
+
 pub struct MetaBackend {
     shared: Arc<MetaShared>,
-    backends: Vec<Arc<dyn Backend>>,
-    pool: ThreadPool,
-    comm: Mutex<Arc<CpuCommunicator>>,
+    /// Per device; replaced when the device stalls.
+    backends: Mutex<Vec<Arc<dyn Backend>>>,
+    workers: Mutex<DeviceWorkers>,
+    comm: Mutex<Comm>,
     cache: Mutex<Vec<Arc<Prepared>>>,
     last: Mutex<Option<Arc<Prepared>>>,
     plans_built: AtomicUsize,
+}
+
+/// The first communicator kind every device offers, else the host fallback.
+fn choose_communicator(
+    devices: &[Arc<dyn Device>],
+    timeout: Duration,
+) -> Result<(Arc<dyn CommunicatorFactory>, Arc<dyn Communicator>)> {
+    let offers: Vec<Vec<Arc<dyn CommunicatorFactory>>> =
+        devices.iter().map(|d| d.communicators()).collect();
+    let names = || {
+        devices
+            .iter()
+            .map(|d| d.name())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    for f in offers.first().into_iter().flatten() {
+        let name = f.name();
+        if !offers[1..]
+            .iter()
+            .all(|o| o.iter().any(|g| g.name() == name))
+        {
+            continue;
+        }
+        match f.create(devices, timeout) {
+            Ok(c) => {
+                tracing::info!(devices = %names(), communicator = %c.name(), "meta backend communicator");
+                return Ok((f.clone(), c));
+            }
+            Err(e) => {
+                tracing::warn!(devices = %names(), communicator = %name, error = %e, "communicator offered by every device failed; trying the next")
+            }
+        }
+    }
+    let f: Arc<dyn CommunicatorFactory> = Arc::new(HostCommunicatorFactory);
+    let c = f.create(devices, timeout)?;
+    tracing::info!(devices = %names(), communicator = %c.name(), "meta backend communicator: the devices offer none in common, using the in-process host communicator");
+    Ok((f, c))
 }
 
 impl MetaBackend {
@@ -94,10 +155,11 @@ impl MetaBackend {
             .iter()
             .map(|d| d.init_backend())
             .collect::<Result<Vec<_>>>()?;
+        let (factory, current) = choose_communicator(&shared.devices, shared.options.timeout)?;
         Ok(MetaBackend {
-            backends,
-            pool: ThreadPool::new(n, "meta"),
-            comm: Mutex::new(Arc::new(CpuCommunicator::new(n)?)),
+            backends: Mutex::new(backends),
+            workers: Mutex::new(DeviceWorkers::new(n, "meta")?),
+            comm: Mutex::new(Comm { factory, current }),
             cache: Mutex::new(Vec::new()),
             last: Mutex::new(None),
             plans_built: AtomicUsize::new(0),
@@ -107,6 +169,11 @@ impl MetaBackend {
 
     pub fn n_devices(&self) -> usize {
         self.shared.devices.len()
+    }
+
+    /// The communicator the devices use (`host(2)`, or one a device brought).
+    pub fn communicator(&self) -> Arc<dyn Communicator> {
+        self.comm.lock().current.clone()
     }
 
     /// How many times a graph was planned (not found in the cache).
@@ -167,15 +234,32 @@ impl MetaBackend {
         // Pass 3: per-device programs.
         let rw = rewrite(g, &mp, &self.shared.devices)?;
         let local = rw.local;
+        let backends = self.backends.lock().clone();
         let mut runs = Vec::with_capacity(n);
         let mut compute_bytes = Vec::with_capacity(n);
+        let mut stage_names = Vec::with_capacity(n);
+        let mut inputs = Vec::new();
         for (d, mut program) in rw.programs.into_iter().enumerate() {
             // Pass 4: allocate the device's compute buffer from its local shapes.
             let mut alloc = GraphAllocator::new(self.shared.devices[d].buffer_type());
             alloc.alloc_graph(&mut program.graph)?;
             compute_bytes.push(alloc.buffer_size());
             // Pass 5: the device backend's plan of its program.
-            let plan = self.backends[d].graph_plan(&program.graph)?;
+            let plan = backends[d].graph_plan(&program.graph)?;
+            stage_names.push(
+                program
+                    .stages
+                    .iter()
+                    .map(|st| describe_stage(&program.graph, st))
+                    .collect(),
+            );
+            for (_, up) in &program.uploads {
+                if let Upload::User(u) = up
+                    && !inputs.contains(u)
+                {
+                    inputs.push(*u);
+                }
+            }
             runs.push(Mutex::new(DeviceRun { program, plan }));
         }
         // Outputs computed here are registered in a meta buffer the user reads through.
@@ -237,6 +321,8 @@ impl MetaBackend {
             bound,
             plan: mp,
             runs,
+            stage_names,
+            inputs,
             compute_bytes,
             out_roots,
             outputs,
@@ -264,36 +350,115 @@ impl MetaBackend {
         Ok(p)
     }
 
-    /// Run device `d`'s program: stages in order, collectives with the peers.
-    fn run_device(
-        &self,
-        d: usize,
-        run: &mut DeviceRun,
-        g: &Graph,
-        comm: &dyn Communicator,
-    ) -> Result<()> {
+    /// The communicator for this step: a new one if the last failed.
+    fn step_communicator(&self) -> Result<Arc<dyn Communicator>> {
+        let mut c = self.comm.lock();
+        if c.current.failure().is_some() {
+            c.current = c
+                .factory
+                .create(&self.shared.devices, self.shared.options.timeout)?;
+        }
+        Ok(c.current.clone())
+    }
+
+    /// After a stall: fresh backends for the stalled devices (the old ones may still be busy)
+    /// and no cached programs (they hold the old backends' plans, and a stalled thread holds
+    /// its device's program).
+    fn recover_from_stall(&self, stalled: &[usize]) -> Result<()> {
+        self.cache.lock().clear();
+        *self.last.lock() = None;
+        let mut backends = self.backends.lock();
+        for &d in stalled {
+            backends[d] = self.shared.devices[d].init_backend()?;
+        }
+        Ok(())
+    }
+}
+
+/// A stage in words, for errors.
+fn describe_stage(lg: &Graph, st: &Stage) -> String {
+    match st {
+        Stage::Compute(r) => {
+            let first = r.start;
+            let last = r.end.saturating_sub(1);
+            format!(
+                "nodes {first}..={last} (`{}` .. `{}`)",
+                lg.name(TensorId(first as u32)),
+                lg.name(TensorId(last as u32))
+            )
+        }
+        Stage::Collective { kind, dst, .. } => {
+            let what = match kind {
+                CollectiveKind::AllReduce => "all-reduce",
+                CollectiveKind::AllGather { .. } => "all-gather",
+                CollectiveKind::ReduceScatter { .. } => "reduce-scatter",
+            };
+            format!("{what} into `{}`", lg.name(*dst))
+        }
+    }
+}
+
+/// What a device's job needs for one step; owned, since a stalled job outlives the call.
+struct StepJob {
+    d: usize,
+    prep: Arc<Prepared>,
+    /// Inline data of `prep.inputs`, in that order.
+    data: Arc<Vec<Arc<[u8]>>>,
+    comm: Arc<dyn Communicator>,
+    device: Arc<dyn Device>,
+    error: Arc<Mutex<Option<Error>>>,
+}
+
+impl StepJob {
+    fn run(self, progress: &Progress) {
+        if let Err(e) = self.run_device(progress) {
+            self.comm.abort(self.d, &e.to_string());
+            *self.error.lock() = Some(e);
+        }
+    }
+
+    /// Run device `d`'s program: uploads, then stages in order, collectives with the peers.
+    fn run_device(&self, progress: &Progress) -> Result<()> {
+        let d = self.d;
+        let comm = self.comm.as_ref();
         let _guard = AbortOnPanic::new(comm, d);
+        let mut run = self.prep.runs[d].lock();
+        let run = &mut *run;
+        let lg = &run.program.graph;
+        let storage = |id: TensorId| {
+            lg.storage(id).ok_or_else(|| Error::NoStorage {
+                tensor: lg.name(id).to_string(),
+                reason: format!(
+                    "the program of device {} has no storage for it (internal)",
+                    self.device.name()
+                ),
+            })
+        };
         // Inputs of this step.
         for (lid, up) in &run.program.uploads {
-            let lg = &run.program.graph;
-            let st = lg
-                .storage(*lid)
-                .ok_or_else(|| Error::msg("upload target without storage"))?;
+            let st = storage(*lid)?;
+            let l = lg.layout(*lid);
             match up {
                 Upload::User(u) => {
-                    let data = g.node(*u).data.as_ref().ok_or_else(|| Error::NoStorage {
-                        tensor: g.name(*u).to_string(),
-                        reason: "inline data expected (the graph structure changed?)".into(),
-                    })?;
-                    st.set(lg.layout(*lid), data)?;
+                    let i = self
+                        .prep
+                        .inputs
+                        .iter()
+                        .position(|x| x == u)
+                        .expect("inputs list every uploaded leaf");
+                    st.set(l, &self.data[i])?;
                 }
-                Upload::Zeros => {
-                    let l = lg.layout(*lid);
-                    st.buffer.memset_tensor(l, st.offset, 0, 0, l.nbytes())?;
-                }
+                Upload::Zeros => st.buffer.memset_tensor(l, st.offset, 0, 0, l.nbytes())?,
             }
         }
-        for stage in &run.program.stages {
+        for (i, stage) in run.program.stages.iter().enumerate() {
+            if progress.cancelled() {
+                return Err(Error::Device {
+                    device: self.device.name(),
+                    reason: "abandoned after a stall".into(),
+                });
+            }
+            progress.stage(i, matches!(stage, Stage::Collective { .. }));
             match stage {
                 Stage::Compute(r) => run.plan.compute(r.clone())?,
                 Stage::Collective {
@@ -304,40 +469,27 @@ impl MetaBackend {
                     dtype,
                 } => {
                     let lg = &run.program.graph;
-                    let bytes = |id: TensorId| -> Result<(*mut u8, usize)> {
-                        let st = lg
-                            .storage(id)
-                            .ok_or_else(|| Error::msg("collective tensor without storage"))?;
-                        let p = st.host_ptr().ok_or_else(|| Error::Device {
-                            device: self.shared.devices[d].name(),
-                            reason: "collectives need host memory on this build".into(),
-                        })?;
-                        Ok((p, lg.layout(id).nbytes()))
+                    let range = |id: TensorId| -> Result<BufferRange> {
+                        Ok(BufferRange::new(storage(id)?, lg.layout(id).nbytes()))
                     };
-                    let (sp, sn) = bytes(*src)?;
-                    let (dp, dn) = bytes(*dst)?;
-                    // SAFETY: both tensors lie inside this device's buffers (bound and checked
-                    // by the allocator); during the collective no kernel of this device runs,
-                    // and peers touch them only inside the collective's barriers.
-                    unsafe {
-                        match kind {
-                            CollectiveKind::AllReduce => {
-                                comm.all_reduce(d, std::slice::from_raw_parts_mut(dp, dn), *dtype)?
-                            }
-                            CollectiveKind::AllGather { .. } => comm.all_gather(
-                                d,
-                                std::slice::from_raw_parts(sp, sn),
-                                std::slice::from_raw_parts_mut(dp, dn),
-                                layout.as_ref().expect("gathers have layouts"),
-                            )?,
-                            CollectiveKind::ReduceScatter { .. } => comm.reduce_scatter(
-                                d,
-                                std::slice::from_raw_parts(sp, sn),
-                                std::slice::from_raw_parts_mut(dp, dn),
-                                layout.as_ref().expect("scatters have layouts"),
-                                *dtype,
-                            )?,
+                    let gathered = || {
+                        layout.as_ref().ok_or_else(|| Error::NoStorage {
+                            tensor: lg.name(*dst).to_string(),
+                            reason: "a gather or scatter without a slice layout (internal)".into(),
+                        })
+                    };
+                    match kind {
+                        CollectiveKind::AllReduce => comm.all_reduce(d, &range(*dst)?, *dtype)?,
+                        CollectiveKind::AllGather { .. } => {
+                            comm.all_gather(d, &range(*src)?, &range(*dst)?, gathered()?)?
                         }
+                        CollectiveKind::ReduceScatter { .. } => comm.reduce_scatter(
+                            d,
+                            &range(*src)?,
+                            &range(*dst)?,
+                            gathered()?,
+                            *dtype,
+                        )?,
                     }
                 }
             }
@@ -382,7 +534,8 @@ impl Backend for MetaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.backends.iter().try_for_each(|b| b.synchronize())
+        let backends = self.backends.lock().clone();
+        backends.iter().try_for_each(|b| b.synchronize())
     }
 
     fn compute_buffer_bytes(&self) -> Vec<usize> {
@@ -395,31 +548,58 @@ impl Backend for MetaBackend {
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
         unbind_results(g);
         let prep = self.prepared(g)?;
-        let comm = {
-            let mut c = self.comm.lock();
-            if c.failure().is_some() {
-                *c = Arc::new(CpuCommunicator::new(self.n_devices())?);
-            }
-            c.clone()
-        };
-        let errors: Vec<Mutex<Option<Error>>> =
-            (0..self.n_devices()).map(|_| Mutex::new(None)).collect();
-        let graph: &Graph = g;
-        let ran = self.pool.run(&|d, _| {
-            let mut run = prep.runs[d].lock();
-            if let Err(e) = self.run_device(d, &mut run, graph, comm.as_ref()) {
-                comm.abort(d, &e.to_string());
-                *errors[d].lock() = Some(e);
-            }
-        });
-        if let Err(msg) = ran {
-            return Err(Error::Device {
-                device: self.name(),
-                reason: format!("a device worker panicked: {msg}"),
+        let n = self.n_devices();
+        let data = prep
+            .inputs
+            .iter()
+            .map(|&u| {
+                g.node(u).data.clone().ok_or_else(|| Error::NoStorage {
+                    tensor: g.name(u).to_string(),
+                    reason: "inline data expected (the graph structure changed?)".into(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let data = Arc::new(data);
+        let comm = self.step_communicator()?;
+        let errors: Vec<Arc<Mutex<Option<Error>>>> =
+            (0..n).map(|_| Arc::new(Mutex::new(None))).collect();
+        let jobs: Vec<Job> = (0..n)
+            .map(|d| {
+                let job = StepJob {
+                    d,
+                    prep: prep.clone(),
+                    data: data.clone(),
+                    comm: comm.clone(),
+                    device: self.shared.devices[d].clone(),
+                    error: errors[d].clone(),
+                };
+                Box::new(move |p: &Progress| job.run(p)) as Job
+            })
+            .collect();
+        let timeout = self.shared.options.timeout;
+        let outcome = self.workers.lock().run(jobs, timeout, &|d| {
+            comm.abort(d, "it stalled (no progress within the timeout)")
+        })?;
+        if let Outcome::Stalled {
+            devices,
+            stages,
+            waited,
+        } = outcome
+        {
+            self.recover_from_stall(&devices)?;
+            let d = devices[0];
+            return Err(Error::DeviceStalled {
+                device: self.shared.devices[d].name(),
+                stage: prep.stage_names[d]
+                    .get(stages[0])
+                    .cloned()
+                    .unwrap_or_else(|| "its uploads, before the first stage".into()),
+                waited,
+                timeout,
             });
         }
         // Report the cause: a failure other than a released collective, if any.
-        let errs: Vec<Error> = errors.into_iter().filter_map(|e| e.into_inner()).collect();
+        let errs: Vec<Error> = errors.iter().filter_map(|e| e.lock().take()).collect();
         if let Some(first) = errs
             .iter()
             .position(|e| !matches!(e, Error::Collective { .. }))

@@ -38,12 +38,34 @@ pub struct TensorInfo<'a> {
 pub type SplitFn = Arc<dyn Fn(&TensorInfo) -> Result<SplitState> + Send + Sync>;
 
 /// Options of a meta device.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct MetaOptions {
     /// Refuse communication the plan did not ask for: any conversion that moves data between
     /// devices other than reducing partial sums (all-gathers, all-to-alls) is an error naming
     /// the node and the states.
     pub explicit: bool,
+    /// How long a device may stay inside one stage of its program (a node range, or a
+    /// collective waiting for its peers) before the compute fails naming it.
+    pub timeout: std::time::Duration,
+}
+
+impl Default for MetaOptions {
+    fn default() -> Self {
+        MetaOptions {
+            explicit: false,
+            timeout: crate::collectives::cpu::DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl MetaOptions {
+    /// Default options with `explicit` set as given.
+    pub fn explicit(explicit: bool) -> Self {
+        MetaOptions {
+            explicit,
+            ..MetaOptions::default()
+        }
+    }
 }
 
 /// What the meta device's buffers and backends share.

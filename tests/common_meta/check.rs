@@ -136,7 +136,7 @@ pub fn check_places(
         &leaves,
         &places,
         (n, threads),
-        MetaOptions { explicit },
+        MetaOptions::explicit(explicit),
         &*case.build,
     ) {
         Ok(r) => r,

@@ -1,0 +1,402 @@
+//! A backend from outside the crate plugs into the meta device without any change in `meta/`:
+//! `Wrapped` wraps a CPU device and brings its own communicator (`CountingComm`, which counts
+//! its calls and reduces through the host addresses of the buffer handles). The meta backend
+//! asks the devices for their communicators and uses it; devices with nothing in common fall
+//! back to the host communicator; a device that stalls fails the compute within the timeout,
+//! naming it, and the next compute works.
+
+use metashard::backend::{Backend, Device, DeviceKind, GraphPlan, MemoryInfo};
+use metashard::buffer::{BufferRange, BufferType};
+use metashard::collectives::{Communicator, CommunicatorFactory, CpuCommunicator, SliceLayout};
+use metashard::graph::{Graph, TensorId};
+use metashard::meta::{MetaDevice, MetaOptions};
+use metashard::models::decoder::{DecoderConfig, StepInput, build_step};
+use metashard::models::split::{SplitOptions, megatron};
+use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
+use metashard::op::RopeMode;
+use metashard::{DType, Error, Result, parse_devices};
+use std::any::Any;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+// ---- the plug-in: a device, its backend and its communicator ------------------------------
+
+/// What the plug-in records.
+#[derive(Default)]
+struct Stats {
+    all_reduces: AtomicUsize,
+    gathers: AtomicUsize,
+    scatters: AtomicUsize,
+    groups_made: AtomicUsize,
+    /// When set, the next plan compute of a device with `stalls` sleeps this long first.
+    stall_ms: AtomicUsize,
+}
+
+struct Wrapped {
+    inner: Arc<dyn Device>,
+    stats: Arc<Stats>,
+    /// Whether this device is the one that stalls when `stats.stall_ms` is set.
+    stalls: bool,
+}
+
+struct CountingFactory {
+    stats: Arc<Stats>,
+}
+
+/// A communicator of its own: counts calls, then works on the host addresses of the handles.
+struct CountingComm {
+    host: CpuCommunicator,
+    stats: Arc<Stats>,
+}
+
+/// # Safety
+/// The slice must not outlive the call that got the handle; the meta backend leaves the tensor
+/// alone during a collective (the `Communicator` contract).
+unsafe fn host<'a>(b: &BufferRange) -> Result<&'a mut [u8]> {
+    let p = b.host_ptr()?;
+    // SAFETY: `host_ptr` checked that the range lies in the buffer's host memory; exclusivity
+    // is the caller's contract above.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p, b.len) })
+}
+
+impl Communicator for CountingComm {
+    fn name(&self) -> String {
+        format!("counting({})", self.host.world_size())
+    }
+    fn world_size(&self) -> usize {
+        self.host.world_size()
+    }
+    fn all_reduce(&self, rank: usize, buf: &BufferRange, dtype: DType) -> Result<()> {
+        self.stats.all_reduces.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: within this call (the Communicator contract).
+        self.host.all_reduce(rank, unsafe { host(buf)? }, dtype)
+    }
+    fn all_gather(
+        &self,
+        rank: usize,
+        local: &BufferRange,
+        full: &BufferRange,
+        layout: &SliceLayout,
+    ) -> Result<()> {
+        self.stats.gathers.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: within this call; `local` and `full` are distinct tensors.
+        let (l, f) = unsafe { (host(local)?, host(full)?) };
+        self.host.all_gather(rank, l, f, layout)
+    }
+    fn reduce_scatter(
+        &self,
+        rank: usize,
+        full: &BufferRange,
+        local: &BufferRange,
+        layout: &SliceLayout,
+        dtype: DType,
+    ) -> Result<()> {
+        self.stats.scatters.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as in all_gather.
+        let (f, l) = unsafe { (host(full)?, host(local)?) };
+        self.host.reduce_scatter(rank, f, l, layout, dtype)
+    }
+    fn broadcast(&self, rank: usize, root: usize, buf: &BufferRange) -> Result<()> {
+        // SAFETY: within this call.
+        self.host.broadcast(rank, root, unsafe { host(buf)? })
+    }
+    fn abort(&self, rank: usize, reason: &str) {
+        Communicator::abort(&self.host, rank, reason)
+    }
+    fn failure(&self) -> Option<String> {
+        self.host.failure()
+    }
+}
+
+impl CommunicatorFactory for CountingFactory {
+    fn name(&self) -> String {
+        "counting".into()
+    }
+    fn create(
+        &self,
+        devices: &[Arc<dyn Device>],
+        timeout: Duration,
+    ) -> Result<Arc<dyn Communicator>> {
+        self.stats.groups_made.fetch_add(1, Ordering::Relaxed);
+        Ok(Arc::new(CountingComm {
+            host: CpuCommunicator::with_timeout(devices.len(), timeout)?,
+            stats: self.stats.clone(),
+        }))
+    }
+}
+
+impl Device for Wrapped {
+    fn name(&self) -> String {
+        format!("wrapped-{}", self.inner.name())
+    }
+    fn description(&self) -> String {
+        format!("a test plug-in over {}", self.inner.description())
+    }
+    fn memory(&self) -> MemoryInfo {
+        self.inner.memory()
+    }
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Cpu
+    }
+    fn buffer_type(&self) -> Arc<dyn BufferType> {
+        self.inner.buffer_type()
+    }
+    fn init_backend(&self) -> Result<Arc<dyn Backend>> {
+        Ok(Arc::new(WrappedBackend {
+            inner: self.inner.init_backend()?,
+            stats: self.stats.clone(),
+            stalls: self.stalls,
+        }))
+    }
+    fn supports_op(&self, graph: &Graph, id: TensorId) -> std::result::Result<(), String> {
+        self.inner.supports_op(graph, id)
+    }
+    fn supports_buffer_type(&self, bt: &dyn BufferType) -> bool {
+        self.inner.supports_buffer_type(bt)
+    }
+    fn communicators(&self) -> Vec<Arc<dyn CommunicatorFactory>> {
+        vec![Arc::new(CountingFactory {
+            stats: self.stats.clone(),
+        })]
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+struct WrappedBackend {
+    inner: Arc<dyn Backend>,
+    stats: Arc<Stats>,
+    stalls: bool,
+}
+
+struct WrappedPlan {
+    inner: Box<dyn GraphPlan>,
+    stats: Arc<Stats>,
+    stalls: bool,
+}
+
+impl GraphPlan for WrappedPlan {
+    fn compute(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        if self.stalls {
+            let ms = self.stats.stall_ms.swap(0, Ordering::AcqRel);
+            if ms > 0 {
+                std::thread::sleep(Duration::from_millis(ms as u64));
+            }
+        }
+        self.inner.compute(range)
+    }
+}
+
+impl Backend for WrappedBackend {
+    fn name(&self) -> String {
+        format!("wrapped-{}", self.inner.name())
+    }
+    fn device(&self) -> Arc<dyn Device> {
+        self.inner.device()
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.inner.synchronize()
+    }
+    fn graph_compute(&self, graph: &mut Graph) -> Result<()> {
+        self.inner.graph_compute(graph)
+    }
+    fn graph_plan(&self, graph: &Graph) -> Result<Box<dyn GraphPlan>> {
+        Ok(Box::new(WrappedPlan {
+            inner: self.inner.graph_plan(graph)?,
+            stats: self.stats.clone(),
+            stalls: self.stalls,
+        }))
+    }
+}
+
+/// `n` wrapped CPU devices of one thread; device `stalling` (if any) is the one that stalls.
+fn wrapped(n: usize, stats: &Arc<Stats>, stalling: Option<usize>) -> Vec<Arc<dyn Device>> {
+    parse_devices(&format!("cpu:{n}x1"))
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .map(|(d, inner)| {
+            Arc::new(Wrapped {
+                inner,
+                stats: stats.clone(),
+                stalls: stalling == Some(d),
+            }) as Arc<dyn Device>
+        })
+        .collect()
+}
+
+// ---- a two-layer decoder to run on it -----------------------------------------------------
+
+fn cfg() -> DecoderConfig {
+    DecoderConfig {
+        n_layer: 2,
+        n_embd: 128,
+        n_ff: 256,
+        n_head: 8,
+        n_head_kv: 4,
+        n_vocab: 96,
+        rms_eps: 1e-5,
+        rope_base: 10000.0,
+        rope_mode: RopeMode::Normal,
+        rope_dims: 16,
+        fused_attn: false,
+    }
+}
+
+/// A model on one backend: weights, cache, and a step function giving the last logits.
+struct Model {
+    backend: Arc<dyn Backend>,
+    _bufs: Vec<Arc<dyn metashard::Buffer>>,
+    w: metashard::models::decoder::DecoderWeights,
+    cache: metashard::models::decoder::KvCache,
+}
+
+impl Model {
+    fn new(backend: Arc<dyn Backend>, bt: Arc<dyn BufferType>) -> Model {
+        let c = cfg();
+        let (wb, w) = random_decoder(&c, DType::F32, bt.as_ref(), 7).unwrap();
+        let (cb, cache) = alloc_kv_cache(&c, 16, bt.as_ref()).unwrap();
+        Model {
+            backend,
+            _bufs: vec![wb, cb],
+            w,
+            cache,
+        }
+    }
+
+    fn step(&self, tokens: &[i32], start: i32) -> Result<Vec<f32>> {
+        let positions: Vec<i32> = (start..start + tokens.len() as i32).collect();
+        let n_kv = (start as usize) + tokens.len();
+        let kvp: Vec<i32> = (0..n_kv as i32).collect();
+        let inp = StepInput {
+            tokens,
+            positions: &positions,
+            slots: &positions,
+            n_kv,
+            kv_positions: &kvp,
+            logits_rows: tokens.len() - 1..tokens.len(),
+        };
+        let mut sg = build_step(&cfg(), &self.w, &self.cache, &inp)?;
+        self.backend.graph_compute(&mut sg.graph)?;
+        sg.graph.read_f32(sg.logits)
+    }
+}
+
+fn plain() -> Model {
+    let d = parse_devices("cpu:1x1").unwrap().remove(0);
+    Model::new(d.init_backend().unwrap(), d.buffer_type())
+}
+
+fn on_meta(devices: Vec<Arc<dyn Device>>, options: MetaOptions) -> (Model, Arc<MetaDevice>) {
+    let m = MetaDevice::with_options(devices, megatron(&cfg(), SplitOptions::default()), options)
+        .unwrap();
+    let model = Model::new(m.init_backend().unwrap(), m.buffer_type());
+    (model, m)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+        / scale
+}
+
+const PROMPT: [i32; 5] = [3, 17, 42, 5, 60];
+
+// ---- tests --------------------------------------------------------------------------------
+
+#[test]
+fn the_meta_backend_uses_the_communicator_its_devices_bring() {
+    let one = plain();
+    let want_prompt = one.step(&PROMPT, 0).unwrap();
+    let want_next = one.step(&[9], 5).unwrap();
+    for n in [2, 3] {
+        let stats = Arc::new(Stats::default());
+        let (model, m) = on_meta(wrapped(n, &stats, None), MetaOptions::default());
+        let be = m.meta_backend().unwrap();
+        assert_eq!(be.communicator().name(), format!("counting({n})"));
+        let a = model.step(&PROMPT, 0).unwrap();
+        let b = model.step(&[9], 5).unwrap();
+        assert!(max_rel(&a, &want_prompt) < 1e-4, "N={n} prompt");
+        assert!(max_rel(&b, &want_next) < 1e-4, "N={n} decode");
+        // Megatron: two all-reduces per layer per step, on every rank.
+        let calls = stats.all_reduces.load(Ordering::Relaxed);
+        assert_eq!(calls, 2 * cfg().n_layer * 2 * n, "N={n}: all-reduce calls");
+        assert_eq!(stats.gathers.load(Ordering::Relaxed), 0);
+    }
+}
+
+#[test]
+fn devices_without_a_common_communicator_fall_back_to_the_host_one() {
+    let stats = Arc::new(Stats::default());
+    let mut devices = wrapped(1, &stats, None);
+    devices.push(parse_devices("cpu:2x1").unwrap().remove(1));
+    let (model, m) = on_meta(devices, MetaOptions::default());
+    assert_eq!(m.meta_backend().unwrap().communicator().name(), "host(2)");
+    let want = plain().step(&PROMPT, 0).unwrap();
+    let got = model.step(&PROMPT, 0).unwrap();
+    assert!(max_rel(&got, &want) < 1e-4);
+    assert_eq!(stats.all_reduces.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.groups_made.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_stalled_device_fails_the_compute_within_the_timeout_and_the_next_compute_works() {
+    let want = plain().step(&PROMPT, 0).unwrap();
+    let stats = Arc::new(Stats::default());
+    let options = MetaOptions {
+        timeout: Duration::from_millis(300),
+        ..MetaOptions::default()
+    };
+    let (model, _m) = on_meta(wrapped(2, &stats, Some(1)), options);
+    // A first step runs normally.
+    assert!(max_rel(&model.step(&PROMPT, 0).unwrap(), &want) < 1e-4);
+    // Device 1 stalls for 3 s inside its next compute.
+    stats.stall_ms.store(3000, Ordering::Release);
+    let t = Instant::now();
+    let err = model.step(&PROMPT, 0).unwrap_err();
+    let took = t.elapsed();
+    match &err {
+        Error::DeviceStalled { device, stage, .. } => {
+            assert_eq!(device, "wrapped-cpu1", "{err}");
+            assert!(stage.contains("nodes"), "{err}");
+        }
+        other => panic!("expected a stall error, got {other}"),
+    }
+    assert!(
+        took < Duration::from_millis(2500),
+        "the compute waited {took:?}, past the stall of 3 s minus a margin"
+    );
+    // The stalled thread still sleeps; the next compute runs on a fresh worker and backend.
+    let again = model.step(&PROMPT, 0).unwrap();
+    assert!(max_rel(&again, &want) < 1e-4);
+    assert!(
+        stats.groups_made.load(Ordering::Relaxed) >= 2,
+        "a new group after the failure"
+    );
+}
+
+#[test]
+fn a_device_that_never_started_still_cannot_hang_the_compute() {
+    // The stall begins in the first stage: the error names that stage, and a panic-free,
+    // bounded return is all that is asked.
+    let stats = Arc::new(Stats::default());
+    let options = MetaOptions {
+        timeout: Duration::from_millis(200),
+        ..MetaOptions::default()
+    };
+    let (model, _m) = on_meta(wrapped(3, &stats, Some(2)), options);
+    stats.stall_ms.store(1500, Ordering::Release);
+    let stalled = AtomicBool::new(false);
+    let t = Instant::now();
+    if let Err(Error::DeviceStalled { device, .. }) = model.step(&[1, 2], 0) {
+        assert_eq!(device, "wrapped-cpu2");
+        stalled.store(true, Ordering::Relaxed);
+    }
+    assert!(stalled.load(Ordering::Relaxed), "no stall reported");
+    assert!(t.elapsed() < Duration::from_millis(1300));
+}

@@ -82,7 +82,7 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
             };
             let g = build_step(&model.cfg, &model.weights, &session.cache(), &step)?;
             m.meta_backend()?
-                .plan_graph(&g.graph)?
+                .sharding(&g.graph)?
                 .count(ConversionKind::AllReduce)
         }
         None => 0,

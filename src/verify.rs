@@ -143,7 +143,7 @@ pub fn compare_nodes(
     let ga = build(single.0, single.1)?;
     let gb = build(sharded.0, sharded.1)?;
     let plan = match &sharded.1.meta {
-        Some(m) => Some(MetaDevice::meta_backend(m)?.plan_graph(&gb)?),
+        Some(m) => Some(MetaDevice::meta_backend(m)?.sharding(&gb)?),
         None => None,
     };
     let mut out = Vec::new();

@@ -169,7 +169,7 @@ fn meta_devices_match_one_device_with_two_all_reduces_per_layer() {
         eprintln!("meta N={n}: max |diff| vs one device {d:.3e}");
         assert!(d < 1e-5, "N={n}: max |diff| {d}");
         let bg = build_graph(&cfg, enc.weights(), &got.encoding).unwrap();
-        let plan = m.meta_backend().unwrap().plan_graph(&bg.graph).unwrap();
+        let plan = m.meta_backend().unwrap().sharding(&bg.graph).unwrap();
         let kinds: Vec<_> = plan.conversions.iter().map(|c| c.kind).collect();
         assert_eq!(
             plan.count(ConversionKind::AllReduce),

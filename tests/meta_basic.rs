@@ -132,6 +132,6 @@ fn print_plan() {
     let x = g.input_f32("x", [d, 3, 1, 1], &rnd(d * 3, 7)).unwrap();
     let y = mlp(&mut g, &[(w1, w2)], x);
     g.set_output(y);
-    let p = be.plan_graph(&g).unwrap();
+    let p = be.sharding(&g).unwrap();
     println!("{}", p.describe(&g));
 }

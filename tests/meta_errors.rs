@@ -216,7 +216,7 @@ fn explicit_mode_refuses_an_all_gather_and_names_it() {
         );
         // The plan alone says the same.
         assert!(matches!(
-            backend.plan_graph(&g),
+            backend.sharding(&g),
             Err(Error::UnrequestedCommunication { .. })
         ));
     }
@@ -242,7 +242,7 @@ fn explicit_mode_runs_a_megatron_mlp() {
             "n={n}: differs by {diff}"
         );
         // Only local work and reductions of partial sums.
-        let plan = backend.last_plan().unwrap();
+        let plan = backend.last_sharding().unwrap();
         assert!(
             plan.conversions.iter().all(|c| c.kind.planned()),
             "{}",
@@ -252,8 +252,8 @@ fn explicit_mode_runs_a_megatron_mlp() {
         let lax = meta_setup(&leaves, &places, n, MetaOptions::default()).unwrap();
         let mut g2 = lax.graph;
         build(&mut g2, &lax.leaves).unwrap();
-        let p2 = lax.backend.plan_graph(&g2).unwrap();
-        let kinds = |p: &metashard::meta::MetaPlan| {
+        let p2 = lax.backend.sharding(&g2).unwrap();
+        let kinds = |p: &metashard::meta::Sharding| {
             p.conversions.iter().map(|c| c.kind).collect::<Vec<_>>()
         };
         assert_eq!(kinds(&plan), kinds(&p2));
@@ -262,7 +262,7 @@ fn explicit_mode_runs_a_megatron_mlp() {
         if f % n != 0 {
             let (_, _, backend, mut g, l) = megatron_setup(n, true, (d, f, t), 1);
             build(&mut g, &l).unwrap();
-            match backend.plan_graph(&g) {
+            match backend.sharding(&g) {
                 Err(Error::UnrequestedCommunication { conversion, .. }) => {
                     assert_eq!(conversion, "all-to-all")
                 }
@@ -334,9 +334,9 @@ fn failing_rank(n: usize, bad: usize) {
     let outs = build(&mut s.graph, &s.leaves).unwrap();
     if n > 1 {
         // The plan has the collective the healthy devices wait in.
-        let plan = s.backend.plan_graph(&s.graph).unwrap();
+        let plan = s.backend.sharding(&s.graph).unwrap();
         assert_eq!(
-            plan.count(metashard::meta::plan::ConversionKind::AllGather),
+            plan.count(metashard::meta::sharding::ConversionKind::AllGather),
             1
         );
     }

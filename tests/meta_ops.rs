@@ -391,7 +391,7 @@ fn regression_computing_a_graph_again_gives_new_results() {
             }
         }
         // Every step after the first reused the plan.
-        assert_eq!(setup.backend.plans_built(), 1);
+        assert_eq!(setup.backend.graphs_prepared(), 1);
     }
 }
 

@@ -30,7 +30,7 @@ fn cfg(fused: bool, n_head_kv: usize) -> DecoderConfig {
 fn run(
     cfg: &DecoderConfig,
     devs: Option<&str>,
-) -> (Vec<f32>, Vec<f32>, Vec<metashard::meta::MetaPlan>) {
+) -> (Vec<f32>, Vec<f32>, Vec<metashard::meta::Sharding>) {
     let (backend, bt): (Arc<dyn Backend>, _) = match devs {
         None => {
             let d = parse_devices("cpu:1x1").unwrap().remove(0);
@@ -85,7 +85,7 @@ fn run(
             logits_rows: 4..5,
         };
         let sg = build_step(cfg, &w, &cache, &inp).unwrap();
-        plans.push(mb.plan_graph(&sg.graph).unwrap());
+        plans.push(mb.sharding(&sg.graph).unwrap());
     }
     (a, b, plans)
 }
@@ -186,12 +186,12 @@ fn plans_of_dropped_buffers_leave_the_cache() {
     };
     let (cb1, cache1) = alloc_kv_cache(&c, 16, bt.as_ref()).unwrap();
     let first = step(&cache1);
-    assert_eq!(be.cached_plans(), 1);
+    assert_eq!(be.cached_graphs(), 1);
     drop((cb1, cache1));
     let (_cb2, cache2) = alloc_kv_cache(&c, 16, bt.as_ref()).unwrap();
     let second = step(&cache2);
     assert_eq!(
-        be.cached_plans(),
+        be.cached_graphs(),
         1,
         "the plan of the dropped cache must be gone"
     );

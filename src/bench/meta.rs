@@ -50,7 +50,7 @@ pub struct MetaBenchRow {
     pub tokens_per_s: f64,
     /// Throughput relative to the plain `cpu:1x2` device on the same graph and tokens.
     pub vs_plain: f64,
-    pub plans_built: usize,
+    pub graphs_prepared: usize,
 }
 
 /// Collective and copy bandwidth, for the report.
@@ -330,7 +330,7 @@ pub fn run(opts: &MetaBenchOptions, progress: &dyn Fn(&str)) -> Result<MetaBench
         for c in &configs {
             let ms = median(c.times.clone());
             progress(&format!("{} T={t}: {ms:.2} ms", c.label));
-            let plans = c.meta.as_ref().map_or(0, |m| m.plans_built());
+            let plans = c.meta.as_ref().map_or(0, |m| m.graphs_prepared());
             rows.push(MetaBenchRow {
                 graph: opts.graph,
                 config: c.label.to_string(),
@@ -338,7 +338,7 @@ pub fn run(opts: &MetaBenchOptions, progress: &dyn Fn(&str)) -> Result<MetaBench
                 median_ms: ms,
                 tokens_per_s: t as f64 / ms * 1e3,
                 vs_plain: plain / ms,
-                plans_built: plans,
+                graphs_prepared: plans,
             });
             if memory.is_none()
                 && let Some(m) = &c.meta
@@ -417,7 +417,7 @@ pub fn print_table(r: &MetaBenchReport) {
             row.median_ms,
             row.tokens_per_s,
             row.vs_plain,
-            row.plans_built
+            row.graphs_prepared
         );
     }
     println!();

@@ -1,7 +1,14 @@
-//! `MetaBackend::graph_compute`: plan the graph (states and conversions, `plan.rs`), rewrite it
-//! into per-device programs (`rewrite.rs`), allocate each device's compute buffer from its
-//! local shapes, prepare each device's backend plan, and cache all of it by graph structure so
-//! a decode loop plans once. Every step then uploads the inputs, runs all devices at the same
+//! `MetaBackend::graph_compute`. A graph structure seen for the first time goes through the
+//! passes of [`MetaBackend::prepare`], one function each:
+//!
+//! 1. [`derive_sharding`]: every node's split state and the conversions (`sharding.rs`);
+//! 2. [`rewrite`]: one program per device, conversions as local nodes or collectives
+//!    (`rewrite.rs`);
+//! 3. [`allocate`]: each device's compute buffer, sized from its local shapes;
+//! 4. [`compile`]: each device backend's `GraphPlan` of its program;
+//! 5. [`register_outputs`]: the user's outputs in a meta buffer that gathers them on read.
+//!
+//! The result is cached by graph structure, so a decode loop prepares once. Every step then uploads the inputs, runs all devices at the same
 //! time (one worker each) with collectives between their stages, and binds the outputs to a
 //! meta buffer so `Graph::read_f32` gathers them (summing partials).
 //!
@@ -19,8 +26,8 @@
 
 use super::MetaShared;
 use super::buffer::{MetaBuffer, MetaTensor};
-use super::plan::{MetaPlan, plan};
 use super::rewrite::{DeviceProgram, Stage, Upload, rewrite};
+use super::sharding::{Sharding, derive_sharding};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan};
 use crate::buffer::{Buffer, BufferRange, Storage};
@@ -40,7 +47,7 @@ use std::time::Duration;
 /// Plans kept per backend (a decode loop alternates few shapes).
 const CACHE_SIZE: usize = 8;
 
-/// Bytes per device: weights (from the given meta buffers) and compute buffers (last plan).
+/// Bytes per device: weights (from the given meta buffers) and compute buffers (last graph).
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct MemoryReport {
     pub devices: Vec<String>,
@@ -76,11 +83,11 @@ struct DeviceRun {
 /// Everything prepared for one graph structure.
 struct Prepared {
     key: u64,
-    /// The buffers the graph's storage was bound to when planned. The key hashes buffer
-    /// addresses; a buffer freed and another allocated at its address would hit a stale plan,
+    /// The buffers the graph's storage was bound to when prepared. The key hashes buffer
+    /// addresses; a buffer freed and another allocated at its address would hit a stale entry,
     /// so a hit counts only while all of these are still alive.
     bound: Vec<std::sync::Weak<dyn Buffer>>,
-    plan: MetaPlan,
+    sharding: Sharding,
     runs: Vec<Mutex<DeviceRun>>,
     /// Per device, a description of each stage (for stall errors, when the run is locked).
     stage_names: Vec<Vec<String>>,
@@ -106,7 +113,7 @@ pub struct MetaBackend {
     comm: Mutex<Comm>,
     cache: Mutex<Vec<Arc<Prepared>>>,
     last: Mutex<Option<Arc<Prepared>>>,
-    plans_built: AtomicUsize,
+    graphs_prepared: AtomicUsize,
 }
 
 /// The first communicator kind every device offers, else the host fallback.
@@ -162,7 +169,7 @@ impl MetaBackend {
             comm: Mutex::new(Comm { factory, current }),
             cache: Mutex::new(Vec::new()),
             last: Mutex::new(None),
-            plans_built: AtomicUsize::new(0),
+            graphs_prepared: AtomicUsize::new(0),
             shared,
         })
     }
@@ -176,24 +183,24 @@ impl MetaBackend {
         self.comm.lock().current.clone()
     }
 
-    /// How many times a graph was planned (not found in the cache).
-    pub fn plans_built(&self) -> usize {
-        self.plans_built.load(Ordering::Relaxed)
+    /// How many times a graph was prepared (not found in the cache).
+    pub fn graphs_prepared(&self) -> usize {
+        self.graphs_prepared.load(Ordering::Relaxed)
     }
 
     /// Plans in the cache (each for one graph structure with live buffers).
-    pub fn cached_plans(&self) -> usize {
+    pub fn cached_graphs(&self) -> usize {
         self.cache.lock().len()
     }
 
-    /// The plan of the last computed graph.
-    pub fn last_plan(&self) -> Option<MetaPlan> {
-        self.last.lock().as_ref().map(|p| p.plan.clone())
+    /// The sharding of the last computed graph.
+    pub fn last_sharding(&self) -> Option<Sharding> {
+        self.last.lock().as_ref().map(|p| p.sharding.clone())
     }
 
-    /// Plan a graph without running it (for reports).
-    pub fn plan_graph(&self, g: &Graph) -> Result<MetaPlan> {
-        plan(g, self.n_devices(), self.shared.options.explicit, &|id| {
+    /// The sharding of a graph (pass 1), without running it (for reports).
+    pub fn sharding(&self, g: &Graph) -> Result<Sharding> {
+        derive_sharding(g, self.n_devices(), self.shared.options.explicit, &|id| {
             leaf_state(g, id)
         })
     }
@@ -227,99 +234,22 @@ impl MetaBackend {
         }
     }
 
+    /// The passes, in order (see the module doc).
     fn prepare(&self, g: &Graph, key: u64) -> Result<Arc<Prepared>> {
-        let n = self.n_devices();
-        // Passes 1-2: states and conversions.
-        let mp = self.plan_graph(g)?;
-        // Pass 3: per-device programs.
-        let rw = rewrite(g, &mp, &self.shared.devices)?;
-        let local = rw.local;
+        let devices = &self.shared.devices;
+        let sharding = self.sharding(g)?;
+        log_sharding(g, &sharding);
+        let rw = rewrite(g, &sharding, devices)?;
+        let mut programs = rw.programs;
+        let compute_bytes = allocate(&mut programs, devices)?;
         let backends = self.backends.lock().clone();
-        let mut runs = Vec::with_capacity(n);
-        let mut compute_bytes = Vec::with_capacity(n);
-        let mut stage_names = Vec::with_capacity(n);
-        let mut inputs = Vec::new();
-        for (d, mut program) in rw.programs.into_iter().enumerate() {
-            // Pass 4: allocate the device's compute buffer from its local shapes.
-            let mut alloc = GraphAllocator::new(self.shared.devices[d].buffer_type());
-            alloc.alloc_graph(&mut program.graph)?;
-            compute_bytes.push(alloc.buffer_size());
-            // Pass 5: the device backend's plan of its program.
-            let plan = backends[d].graph_plan(&program.graph)?;
-            stage_names.push(
-                program
-                    .stages
-                    .iter()
-                    .map(|st| describe_stage(&program.graph, st))
-                    .collect(),
-            );
-            for (_, up) in &program.uploads {
-                if let Upload::User(u) = up
-                    && !inputs.contains(u)
-                {
-                    inputs.push(*u);
-                }
-            }
-            runs.push(Mutex::new(DeviceRun { program, plan }));
-        }
-        // Outputs computed here are registered in a meta buffer the user reads through.
-        let outputs = Arc::new(MetaBuffer::for_results(self.shared.clone(), usize::MAX / 2));
-        let mut out_roots = Vec::new();
-        let mut offset = 0usize;
-        for id in g.ids() {
-            let node = g.node(id);
-            if !node.flags.contains(Flags::OUTPUT) {
-                continue;
-            }
-            let r = g.root(id);
-            // Leaves the user placed are read through their own storage; everything else the
-            // user reads (computed roots, and inline inputs written or returned) is registered.
-            let placed_leaf = g.node(r).is_leaf() && g.node(r).storage.is_some();
-            if placed_leaf || out_roots.iter().any(|&(x, _)| x == r) {
-                continue;
-            }
-            let rl = *g.layout(r);
-            let mut locals = Vec::with_capacity(n);
-            for (d, run) in runs.iter().enumerate() {
-                let run = run.lock();
-                let lid = local[d][r.index()];
-                let st = run
-                    .program
-                    .graph
-                    .storage(lid)
-                    .ok_or_else(|| Error::NoStorage {
-                        tensor: node.name.clone(),
-                        reason: format!("output has no storage on device {d}"),
-                    })?;
-                locals.push((st, *run.program.graph.layout(lid)));
-            }
-            outputs.register(
-                offset,
-                MetaTensor {
-                    name: g.name(r).to_string(),
-                    layout: Layout::contiguous(rl.dtype, rl.ne),
-                    state: mp.states[r.index()].clone(),
-                    local: locals,
-                },
-            )?;
-            out_roots.push((r, offset));
-            offset += rl.nbytes().next_multiple_of(64).max(64);
-        }
-        let mut bound: Vec<std::sync::Weak<dyn Buffer>> = Vec::new();
-        for n in g.nodes() {
-            if let Some(st) = &n.storage
-                && !bound
-                    .iter()
-                    .any(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&st.buffer)))
-            {
-                bound.push(Arc::downgrade(&st.buffer));
-            }
-        }
-        self.plans_built.fetch_add(1, Ordering::Relaxed);
+        let (runs, stage_names, inputs) = compile(programs, &backends)?;
+        let (outputs, out_roots) = register_outputs(&self.shared, g, &sharding, &runs, &rw.local)?;
+        self.graphs_prepared.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Prepared {
             key,
-            bound,
-            plan: mp,
+            bound: bound_buffers(g),
+            sharding,
             runs,
             stage_names,
             inputs,
@@ -373,6 +303,141 @@ impl MetaBackend {
         }
         Ok(())
     }
+}
+
+/// The sharding at debug level, once per new graph structure.
+fn log_sharding(g: &Graph, sharding: &Sharding) {
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        let collectives = sharding
+            .conversions
+            .iter()
+            .filter(|c| c.kind.communicates())
+            .count();
+        tracing::debug!(
+            "sharding of a new graph over {} devices: {} nodes, {} collectives, {} bytes \
+             communicated\n{}",
+            sharding.n,
+            g.len(),
+            collectives,
+            sharding.communicated_bytes(),
+            sharding.describe(g)
+        );
+    }
+}
+
+/// Pass 3: each device's compute buffer, from the local shapes of its program.
+fn allocate(programs: &mut [DeviceProgram], devices: &[Arc<dyn Device>]) -> Result<Vec<usize>> {
+    programs
+        .iter_mut()
+        .zip(devices)
+        .map(|(program, device)| {
+            let mut alloc = GraphAllocator::new(device.buffer_type());
+            alloc.alloc_graph(&mut program.graph)?;
+            Ok(alloc.buffer_size())
+        })
+        .collect()
+}
+
+/// What [`compile`] returns: each device's run, its stages in words, and the user leaves the
+/// programs upload.
+type Compiled = (Vec<Mutex<DeviceRun>>, Vec<Vec<String>>, Vec<TensorId>);
+
+/// Pass 4: each device backend's plan of its program.
+fn compile(programs: Vec<DeviceProgram>, backends: &[Arc<dyn Backend>]) -> Result<Compiled> {
+    let mut runs = Vec::with_capacity(programs.len());
+    let mut stage_names = Vec::with_capacity(programs.len());
+    let mut inputs = Vec::new();
+    for (program, backend) in programs.into_iter().zip(backends) {
+        let plan = backend.graph_plan(&program.graph)?;
+        stage_names.push(
+            program
+                .stages
+                .iter()
+                .map(|st| describe_stage(&program.graph, st))
+                .collect(),
+        );
+        for (_, up) in &program.uploads {
+            if let Upload::User(u) = up
+                && !inputs.contains(u)
+            {
+                inputs.push(*u);
+            }
+        }
+        runs.push(Mutex::new(DeviceRun { program, plan }));
+    }
+    Ok((runs, stage_names, inputs))
+}
+
+/// User roots bound after each run, with their offsets in the outputs buffer.
+type OutRoots = Vec<(TensorId, usize)>;
+
+/// Pass 5: the user's outputs computed on the devices, registered in a meta buffer the user
+/// reads through (it gathers slices and sums partials); returns it and each root's offset.
+fn register_outputs(
+    shared: &Arc<MetaShared>,
+    g: &Graph,
+    sharding: &Sharding,
+    runs: &[Mutex<DeviceRun>],
+    local: &[Vec<TensorId>],
+) -> Result<(Arc<MetaBuffer>, OutRoots)> {
+    let outputs = Arc::new(MetaBuffer::for_results(shared.clone(), usize::MAX / 2));
+    let mut out_roots = Vec::new();
+    let mut offset = 0usize;
+    for id in g.ids() {
+        let node = g.node(id);
+        if !node.flags.contains(Flags::OUTPUT) {
+            continue;
+        }
+        let r = g.root(id);
+        // Leaves the user placed are read through their own storage; everything else the
+        // user reads (computed roots, and inline inputs written or returned) is registered.
+        let placed_leaf = g.node(r).is_leaf() && g.node(r).storage.is_some();
+        if placed_leaf || out_roots.iter().any(|&(x, _)| x == r) {
+            continue;
+        }
+        let rl = *g.layout(r);
+        let mut locals = Vec::with_capacity(runs.len());
+        for (d, run) in runs.iter().enumerate() {
+            let run = run.lock();
+            let lid = local[d][r.index()];
+            let st = run
+                .program
+                .graph
+                .storage(lid)
+                .ok_or_else(|| Error::NoStorage {
+                    tensor: node.name.clone(),
+                    reason: format!("output has no storage on device {d}"),
+                })?;
+            locals.push((st, *run.program.graph.layout(lid)));
+        }
+        outputs.register(
+            offset,
+            MetaTensor {
+                name: g.name(r).to_string(),
+                layout: Layout::contiguous(rl.dtype, rl.ne),
+                state: sharding.states[r.index()].clone(),
+                local: locals,
+            },
+        )?;
+        out_roots.push((r, offset));
+        offset += rl.nbytes().next_multiple_of(64).max(64);
+    }
+    Ok((outputs, out_roots))
+}
+
+/// The distinct buffers `g`'s storage is bound to, held weakly (see `Prepared::bound`).
+fn bound_buffers(g: &Graph) -> Vec<std::sync::Weak<dyn Buffer>> {
+    let mut bound: Vec<std::sync::Weak<dyn Buffer>> = Vec::new();
+    for n in g.nodes() {
+        if let Some(st) = &n.storage
+            && !bound
+                .iter()
+                .any(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&st.buffer)))
+        {
+            bound.push(Arc::downgrade(&st.buffer));
+        }
+    }
+    bound
 }
 
 /// A stage in words, for errors.
@@ -499,7 +564,7 @@ impl StepJob {
 }
 
 /// Drop the bindings an earlier compute of this graph made to its results: they are computed
-/// again, and a graph computed again must plan (and hit the plan cache) as it did the first
+/// again, and a graph computed again must prepare (and hit the cache) as it did the first
 /// time, with its inline inputs uploaded again rather than read from old results.
 fn unbind_results(g: &mut Graph) {
     for id in g.ids() {

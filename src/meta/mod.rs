@@ -10,12 +10,12 @@
 
 pub mod backend;
 pub mod buffer;
-pub mod plan;
 mod rewrite;
+pub mod sharding;
 
 pub use backend::{MemoryReport, MetaBackend};
 pub use buffer::{MetaBuffer, MetaBufferType, MetaTensor};
-pub use plan::{Conversion, ConversionKind, MetaPlan};
+pub use sharding::{Conversion, ConversionKind, Sharding};
 
 use crate::backend::{Backend, Device, DeviceCaps, DeviceKind, MemoryInfo};
 use crate::buffer::BufferType;

@@ -1,4 +1,4 @@
-//! Pass 3 of the meta backend: rewrite a planned graph into one program per device. Each user
+//! Pass 2 of the meta backend: rewrite a sharded graph into one program per device. Each user
 //! node becomes a node of each device's local graph with the device's shapes (the builders
 //! re-check them); each conversion becomes local nodes (slices: view + cont, concatenated per
 //! segment; to-partial: zeros on devices other than 0; pad-to-partial: each slice padded with
@@ -6,7 +6,7 @@
 //! `split_state::view` derived. Stages cut each program at its collectives.
 
 use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
-use super::plan::{ConversionKind, MetaPlan, conversion_kind};
+use super::sharding::{ConversionKind, Sharding, conversion_kind};
 use crate::backend::Device;
 use crate::collectives::SliceLayout;
 use crate::graph::{Flags, Graph, Node, TensorId};
@@ -58,7 +58,7 @@ pub struct Rewritten {
 
 struct Rewriter<'a> {
     g: &'a Graph,
-    plan: &'a MetaPlan,
+    sharding: &'a Sharding,
     n: usize,
     graphs: Vec<Graph>,
     uploads: Vec<Vec<(TensorId, Upload)>>,
@@ -86,7 +86,7 @@ impl Rewriter<'_> {
         if let Some(v) = self.made.get(&(u, want.clone())) {
             return Ok(v.clone());
         }
-        let have = self.plan.states[u.index()].clone();
+        let have = self.sharding.states[u.index()].clone();
         let base = self
             .made
             .get(&(u, have.clone()))
@@ -402,8 +402,8 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
 }
 
 /// Build every device's program for the planned graph `g`.
-pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Result<Rewritten> {
-    let n = plan.n;
+pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> Result<Rewritten> {
+    let n = sharding.n;
     // A node's all-reduce may run in place when all its consumers want the same state and the
     // user does not read it. Never a leaf's, nor a view's (whose bytes are its root's): a leaf's
     // bytes are the user's, and a partial weight placed in a meta buffer would hold the sum on
@@ -421,7 +421,7 @@ pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Resul
         } else {
             node.src.to_vec()
         };
-        for (s, want) in srcs.iter().zip(&plan.required[id.index()]) {
+        for (s, want) in srcs.iter().zip(&sharding.required[id.index()]) {
             let slot = &mut wants[s.index()];
             match slot {
                 None => *slot = Some(want.clone()),
@@ -436,7 +436,7 @@ pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Resul
     }
     let mut rw = Rewriter {
         g,
-        plan,
+        sharding,
         n,
         graphs: (0..n).map(|_| Graph::new()).collect(),
         uploads: vec![Vec::new(); n],
@@ -447,13 +447,13 @@ pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Resul
     let mut local = vec![Vec::with_capacity(g.len()); n];
     for id in g.ids() {
         let node = g.node(id);
-        let state = plan.states[id.index()].clone();
+        let state = sharding.states[id.index()].clone();
         let ids = if node.is_leaf() {
             rw.leaf(id, node, devices)?
         } else if node.op.is_view() {
             let root = g.root(id);
-            let roots = rw.get(root, &plan.required[id.index()][0])?;
-            let vs = plan.views[id.index()]
+            let roots = rw.get(root, &sharding.required[id.index()][0])?;
+            let vs = sharding.views[id.index()]
                 .as_ref()
                 .ok_or_else(|| internal(format!("view `{}` without layouts", node.name)))?;
             let mut v = Vec::new();
@@ -481,7 +481,7 @@ pub fn rewrite(g: &Graph, plan: &MetaPlan, devices: &[Arc<dyn Device>]) -> Resul
                 }
             }
             let mut srcs: Vec<Vec<TensorId>> = Vec::new();
-            for (&s, want) in node.src.iter().zip(&plan.required[id.index()]) {
+            for (&s, want) in node.src.iter().zip(&sharding.required[id.index()]) {
                 srcs.push(rw.get(s, want)?);
             }
             let mut v = Vec::new();

@@ -149,7 +149,7 @@ pub fn check_places(
         }
     };
     if explicit {
-        let plan = setup.backend.last_plan().expect("computed");
+        let plan = setup.backend.last_sharding().expect("computed");
         prop_assert!(
             plan.conversions.iter().all(|c| c.kind.planned()),
             "explicit mode ran unplanned communication ({desc})"
@@ -261,7 +261,7 @@ pub fn check_chain_steps(
     let outs2 = (case.build)(&mut g2, &ids2).map_err(|e| fail("build", e))?;
     step(&leaves, &mut g2, &outs2, "second step")?;
     prop_assert_eq!(
-        setup.backend.plans_built(),
+        setup.backend.graphs_prepared(),
         1,
         "the second step must reuse the plan"
     );

@@ -1,14 +1,16 @@
-//! Planning a graph for the meta device: the state of every node and the conversions its
-//! sources need, with no device work. Two passes:
+//! Pass 1 of the meta backend, the *sharding* of a graph: the split state of every node and
+//! the conversions its sources need, with no device work. (One name per concept: a
+//! [`Sharding`] is this derivation; `GraphPlan` is a backend's prepared graph, the matmul
+//! `Plan` a kernel choice.) In graph order:
 //!
-//! 1. *leaf states*: weights and caches placed in a meta buffer carry the state the split
-//!    callback gave them; every other leaf (inline inputs, host buffers) is mirrored.
-//! 2. *derive*: in graph order, a view takes its state from its root (`split_state::view`),
-//!    gathering the root first when the view cannot be cut per device; any other node takes the
-//!    cheapest pattern of its op's rule (`split_state::rules`), where each source whose state
-//!    differs from the pattern's costs its conversion (local slice: nearly free; reductions and
-//!    gathers: the bytes they move plus a fixed latency; a conversion an earlier consumer
-//!    already caused costs nothing). The chosen conversions are recorded.
+//! - *leaves*: weights and caches placed in a meta buffer carry the state the split
+//!   callback gave them; every other leaf (inline inputs, host buffers) is mirrored.
+//! - *every other node*: a view takes its state from its root (`split_state::view`),
+//!   gathering the root first when the view cannot be cut per device; any other node takes the
+//!   cheapest pattern of its op's rule (`split_state::rules`), where each source whose state
+//!   differs from the pattern's costs its conversion (local slice: nearly free; reductions and
+//!   gathers: the bytes they move plus a fixed latency; a conversion an earlier consumer
+//!   already caused costs nothing). The chosen conversions are recorded.
 //!
 //! In explicit mode, gathers and all-to-alls are refused: a pattern needing one is skipped, and
 //! if no pattern remains the error names the node, the source and the states.
@@ -110,7 +112,7 @@ fn cost(from: &SplitState, to: &SplitState, bytes: usize, n: usize, explicit: bo
     }
 }
 
-/// One conversion the plan inserts.
+/// One conversion the sharding inserts.
 #[derive(Clone, Debug)]
 pub struct Conversion {
     /// The node whose source is converted (the first consumer needing it).
@@ -124,9 +126,9 @@ pub struct Conversion {
     pub bytes: usize,
 }
 
-/// States and conversions of one graph on a meta device of `n` devices.
+/// The sharding of one graph on a meta device of `n` devices: states and conversions.
 #[derive(Clone, Debug)]
-pub struct MetaPlan {
+pub struct Sharding {
     pub n: usize,
     /// The state of every node's output.
     pub states: Vec<SplitState>,
@@ -138,7 +140,7 @@ pub struct MetaPlan {
     pub conversions: Vec<Conversion>,
 }
 
-impl MetaPlan {
+impl Sharding {
     /// Count conversions of a kind.
     pub fn count(&self, kind: ConversionKind) -> usize {
         self.conversions.iter().filter(|c| c.kind == kind).count()
@@ -153,7 +155,7 @@ impl MetaPlan {
             .sum()
     }
 
-    /// A readable plan: one line per node with its state, and the conversions.
+    /// A readable sharding: one line per node with its state, and the conversions.
     pub fn describe(&self, g: &Graph) -> String {
         let mut s = String::new();
         for id in g.ids() {
@@ -180,15 +182,16 @@ impl MetaPlan {
     }
 }
 
-/// Plan `g` for `n` devices. `leaf_state(id)` gives a leaf's state (None: mirrored).
-pub fn plan(
+/// Derive the sharding of `g` over `n` devices. `leaf_state(id)` gives a leaf's state (None:
+/// mirrored).
+pub fn derive_sharding(
     g: &Graph,
     n: usize,
     explicit: bool,
     leaf_state: &dyn Fn(TensorId) -> Option<SplitState>,
-) -> Result<MetaPlan> {
+) -> Result<Sharding> {
     let len = g.len();
-    let mut p = MetaPlan {
+    let mut p = Sharding {
         n,
         states: Vec::with_capacity(len),
         required: Vec::with_capacity(len),
@@ -199,7 +202,7 @@ pub fn plan(
     for id in g.ids() {
         let node = g.node(id);
         let bytes_of = |t: TensorId| Layout::contiguous(g.layout(t).dtype, g.layout(t).ne).nbytes();
-        // Pass 1: leaves.
+        // Leaves.
         if node.is_leaf() {
             p.states
                 .push(leaf_state(id).unwrap_or_else(|| SplitState::mirrored(n)));
@@ -229,7 +232,7 @@ pub fn plan(
             p.views[id.index()] = Some(vs);
             continue;
         }
-        // Pass 2: the cheapest admissible pattern.
+        // Every other node: the cheapest admissible pattern.
         let cur: Vec<SplitState> = node
             .src
             .iter()
@@ -294,7 +297,7 @@ pub fn plan(
 }
 
 fn record(
-    p: &mut MetaPlan,
+    p: &mut Sharding,
     seen: &mut HashMap<(TensorId, SplitState), ()>,
     consumer: TensorId,
     source: TensorId,

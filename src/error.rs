@@ -139,6 +139,16 @@ pub enum Error {
         conversion: String,
     },
 
+    /// A tensor is placed, bound or registered where the meta device cannot use it.
+    #[error("meta device: tensor `{tensor}`: {reason}")]
+    MetaPlacement { tensor: String, reason: String },
+    /// An internal invariant failed: a bug, reported as an error instead of a panic.
+    #[error("internal error in {component}: {reason} (a bug; please report it)")]
+    Internal {
+        component: &'static str,
+        reason: String,
+    },
+
     // ---- collectives ------------------------------------------------------------------
     /// A collective failed on this rank, or another rank failed and this one was released.
     #[error("collective {collective} on rank {rank} of {world}: {reason}")]

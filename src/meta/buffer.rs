@@ -151,12 +151,15 @@ impl MetaBuffer {
     /// Place an already-split tensor (per-device storages owned elsewhere) at `offset`.
     pub fn register(&self, offset: usize, t: MetaTensor) -> Result<()> {
         if t.local.len() != self.n_devices() {
-            return Err(Error::msg(format!(
-                "register `{}`: {} slices for {} devices",
-                t.name,
-                t.local.len(),
-                self.n_devices()
-            )));
+            return Err(Error::Internal {
+                component: "meta buffer",
+                reason: format!(
+                    "register `{}`: {} slices for {} devices",
+                    t.name,
+                    t.local.len(),
+                    self.n_devices()
+                ),
+            });
         }
         self.tensors.write().insert(offset, Arc::new(t));
         Ok(())
@@ -198,10 +201,10 @@ impl MetaBuffer {
             }
             SplitAxis::Axis(_) => {
                 if !t.layout.is_contiguous() {
-                    return Err(Error::msg(format!(
-                        "meta tensor `{}` must be packed",
-                        t.name
-                    )));
+                    return Err(Error::MetaPlacement {
+                        tensor: t.name.clone(),
+                        reason: "a split tensor must be packed (contiguous)".into(),
+                    });
                 }
                 let sl = slice_layout(&t.layout, &t.state)?;
                 for d in 0..n {
@@ -222,10 +225,10 @@ impl MetaBuffer {
 fn sum_into(dtype: DType, parts: &[Vec<u8>], out: &mut [u8]) -> Result<()> {
     let ts = dtype.type_size();
     if !dtype.is_float() || !out.len().is_multiple_of(ts) {
-        return Err(Error::msg(format!(
-            "cannot sum partial {dtype} data of {} bytes",
-            out.len()
-        )));
+        return Err(Error::InvalidSplit {
+            tensor: format!("a partial {dtype} tensor of {} bytes", out.len()),
+            reason: "partial sums need a float dtype (F32, F16, BF16) and whole elements".into(),
+        });
     }
     let n = out.len() / ts;
     let mut acc = vec![0f32; n];
@@ -253,15 +256,21 @@ impl Buffer for MetaBuffer {
             if t.layout == *layout {
                 return Ok(());
             }
-            return Err(Error::msg(format!(
-                "meta buffer: `{name}` {} placed at offset {offset}, where `{}` {} already is",
-                layout.shape(),
-                t.name,
-                t.layout.shape()
-            )));
+            return Err(Error::MetaPlacement {
+                tensor: name.to_string(),
+                reason: format!(
+                    "{} placed at offset {offset} of a meta buffer, where `{}` {} already is",
+                    layout.shape(),
+                    t.name,
+                    t.layout.shape()
+                ),
+            });
         }
         if !layout.is_contiguous() {
-            return Err(Error::msg(format!("meta buffer: `{name}` must be packed")));
+            return Err(Error::MetaPlacement {
+                tensor: name.to_string(),
+                reason: "a tensor placed in a meta buffer must be packed (contiguous)".into(),
+            });
         }
         let n = self.n_devices();
         let state = (self.shared.split_fn)(&TensorInfo {

@@ -72,7 +72,10 @@ struct Rewriter<'a> {
 }
 
 fn internal(what: String) -> Error {
-    Error::msg(format!("meta rewrite (internal): {what}"))
+    Error::Internal {
+        component: "meta rewrite",
+        reason: what,
+    }
 }
 
 impl Rewriter<'_> {
@@ -473,11 +476,15 @@ pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> R
                     .as_ref()
                     .is_some_and(|st| !st.buffer.as_any().is::<MetaBuffer>());
                 if shared {
-                    return Err(Error::msg(format!(
-                        "`{}` writes into `{}`, which is bound to a plain buffer shared by all devices; \
-                         place it in the meta device's buffer instead",
-                        node.name, dn.name
-                    )));
+                    return Err(Error::MetaPlacement {
+                        tensor: dn.name.clone(),
+                        reason: format!(
+                            "`{}` writes into it, but it is bound to a plain buffer shared by \
+                             all devices (each would write it at once); place it in the meta \
+                             device's buffer instead",
+                            node.name
+                        ),
+                    });
                 }
             }
             let mut srcs: Vec<Vec<TensorId>> = Vec::new();

@@ -39,6 +39,17 @@ impl DType {
         DType::Q4_1,
     ];
 
+    /// The weight types the kernels take as `mul_mat` src0 (and `get_rows` tables): the float
+    /// types and every quantized type. I32 is not a weight type.
+    pub const WEIGHT_TYPES: &[DType] = &[
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ];
+
     /// Elements per block: 1 for plain types, 32 for the quantized ones.
     pub const fn block_size(self) -> usize {
         match self {

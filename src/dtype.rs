@@ -39,8 +39,8 @@ impl DType {
         DType::Q4_1,
     ];
 
-    /// The weight types the kernels take as `mul_mat` src0 (and `get_rows` tables): the float
-    /// types and every quantized type. I32 is not a weight type.
+    /// The types a weight may be stored in, each taken by the `mul_mat` kernels as src0: the
+    /// float types and every quantized type (not I32).
     pub const WEIGHT_TYPES: &[DType] = &[
         DType::F32,
         DType::F16,

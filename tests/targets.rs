@@ -1,0 +1,9 @@
+//! The whole harness on every target, one line per backend: the op-by-op list against the
+//! float64 reference (one device at 1, 2 and 3 threads; meta devices with mirrored inputs), the
+//! meta properties on N = 1..=8 devices, and the meta regressions (see `support/mod.rs`).
+//!
+//! `cargo test --release --test targets -- --nocapture` prints one report line per op case.
+
+mod support;
+
+support::harness_tests!(cpu, support::CPU);

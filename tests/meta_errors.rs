@@ -18,7 +18,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use support::compare::{max_diff, scale_of};
 use support::target::{compute_and_read, run_single};
-use support::{CPU, Input, Place, Rng};
+use support::{CPU, Input, Place, Rng, quantized_weight_types};
 
 /// Bind a tensor named `name` of `layout` into a meta buffer of `n` devices whose callback
 /// answers `state`, and return the error.
@@ -66,7 +66,7 @@ fn extents_that_do_not_add_up() {
 
 #[test]
 fn quantized_axis0_extents_must_be_whole_blocks() {
-    for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dt in quantized_weight_types() {
         let l = Layout::contiguous(dt, [96, 4, 1, 1]);
         let e = bind_error(
             2,
@@ -121,7 +121,7 @@ fn segments_that_do_not_add_up() {
 /// the state is refused when the tensor is placed, not on the first read.
 #[test]
 fn partial_state_of_a_non_float_tensor() {
-    for dt in [DType::I32, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dt in DType::ALL.into_iter().filter(|d| !d.is_float()) {
         let l = Layout::contiguous(dt, [32, 2, 1, 1]);
         let e = bind_error(2, "ids", l, SplitState::partial(2));
         assert_invalid(e, "ids", "Partial");

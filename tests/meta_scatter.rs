@@ -274,13 +274,7 @@ fn every_dtype_axis_and_device_count() {
 #[test]
 fn megatron_weights_allocate_one_nth_plus_mirrored() {
     let (d, f, heads, hd) = (192, 320, 6, 32);
-    for dt in [
-        DType::F32,
-        DType::F16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ] {
+    for &dt in DType::WEIGHT_TYPES {
         for n in 1..=8 {
             let weights: Vec<(&str, Layout)> = vec![
                 ("attn_q", Layout::contiguous(dt, [d, heads * hd, 1, 1])),

@@ -1,8 +1,9 @@
-//! The op-by-op harness itself, on the CPU backend: every case of `support::all_cases()`
-//! against the float64 reference in exact mode (a CPU option); a check that the case list
-//! covers every op and the dtypes and shapes that matter; self-tests showing the harness
-//! catches out-of-bounds writes, unwritten outputs, wrong values and clobbered inputs. The list
-//! on every target (threads, meta devices) runs in `targets.rs`.
+//! The harness itself, on the CPU backend: every case of `support::all_cases()` against the
+//! float64 reference in exact mode (a CPU option); a check that the case list covers every op
+//! and the dtypes and shapes that matter; self-tests showing the op harness catches
+//! out-of-bounds writes, unwritten outputs, wrong values and clobbered inputs, and the meta
+//! check catches a meta run that differs from one device. The list on every target (threads,
+//! meta devices) and the meta properties run in `targets.rs`.
 
 mod support;
 
@@ -12,7 +13,11 @@ use metashard::graph::Flags;
 use metashard::{Backend, DType, Graph, Layout};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use support::{Case, Fill, RunOptions, all_cases, case, run_case, run_cases};
+use support::check::{check_placed, check_refused};
+use support::meta::partial_pieces;
+use support::{
+    CPU, Case, Fill, Input, Place, Rng, RunOptions, all_cases, case, run_case, run_cases,
+};
 
 fn cpu(spec: &str, exact: bool) -> Arc<dyn Backend> {
     let options = if exact {
@@ -274,4 +279,44 @@ fn inputs_are_seeded_and_reproducible() {
     };
     assert_eq!(run(1), run(1));
     assert_ne!(run(1), run(2));
+}
+
+/// The meta check fails when the meta device holds something other than the case's inputs
+/// (here a partial input whose pieces sum to another tensor than its value), and
+/// `check_refused` fails when the run is not refused.
+#[test]
+fn the_meta_check_catches_wrong_results() {
+    let mut rng = Rng::new(9);
+    let a = Input::random(&mut rng, "a", DType::F32, [7, 3, 1, 1]);
+    let b = Input::random(&mut rng, "b", DType::F32, [7, 3, 1, 1]);
+    let case = Case::new("add", vec![a, b], |g, l| Ok(vec![g.add(l[0], l[1])?]));
+    // Not explicit mode (which may end a run early), two threads per device.
+    let seed = 1 << 9;
+    for n in [2, 3] {
+        let mut honest = case.clone();
+        let pieces = partial_pieces(&mut rng, &mut honest.inputs[0], n);
+        let honest = honest.placed(n, vec![Place::Partial(pieces), Place::Inline]);
+        check_placed(&CPU, &honest, seed).expect("honest pieces pass");
+        let err = check_refused(&CPU, &honest, "add").expect_err("the run is not refused");
+        assert!(
+            err.to_string().contains("expected NoSplitRule, ran"),
+            "{err}"
+        );
+
+        let mut other = Input::random(&mut rng, "a", DType::F32, [7, 3, 1, 1]);
+        let wrong = partial_pieces(&mut rng, &mut other, n);
+        let wrong = case
+            .clone()
+            .placed(n, vec![Place::Partial(wrong), Place::Inline]);
+        let err = check_placed(&CPU, &wrong, seed).expect_err("wrong pieces must be caught");
+        // The placed input reads back as the pieces' sum: caught before the outputs are.
+        assert!(err.to_string().contains("changed input `a`"), "{err}");
+        // Not compared as an input (as if the graph wrote it): the outputs differ.
+        let unchecked = Case {
+            written: vec![0],
+            ..wrong
+        };
+        let err = check_placed(&CPU, &unchecked, seed).expect_err("a wrong output is caught");
+        assert!(err.to_string().contains("output 0: max diff"), "{err}");
+    }
 }

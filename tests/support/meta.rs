@@ -14,7 +14,8 @@ use metashard::split_state::SplitState;
 pub enum Place {
     /// Inline input data (mirrored, uploaded every run).
     Inline,
-    /// Placed in the meta buffer in this state. Partial leaves hold the given per-device pieces.
+    /// Placed in the meta buffer in this state (written through the buffer: a Partial state
+    /// gives device 0 the value and the others zeros).
     State(SplitState),
     /// Placed in the meta buffer as Partial with these per-device pieces (bytes of the dtype).
     Partial(Vec<Vec<u8>>),

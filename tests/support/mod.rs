@@ -109,7 +109,7 @@ macro_rules! harness_tests {
                 }
 
                 #[test]
-                fn mul_mat_quantized(n in 1usize..=8, seed: u64, dt in prop::sample::select(suite::quantized()), p in [1usize..=9, 1usize..=5, 1usize..=4, 1usize..=3, 1usize..=2, 1usize..=2, 1usize..=2]) {
+                fn mul_mat_quantized(n in 1usize..=8, seed: u64, dt in prop::sample::select(crate::support::quantized_weight_types()), p in [1usize..=9, 1usize..=5, 1usize..=4, 1usize..=3, 1usize..=2, 1usize..=2, 1usize..=2]) {
                     suite::mul_mat_quantized(&TARGET, n, seed, dt, p)?;
                 }
 

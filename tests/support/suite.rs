@@ -4,7 +4,6 @@
 //! target against one device). The strategies live in the macro; each property here takes
 //! what they drew.
 
-use super::case::quantized_weight_types;
 use super::cases::all_cases;
 use super::check::{check, check_refused, check_steps};
 use super::meta::{Place, random_split};
@@ -246,9 +245,4 @@ pub fn attention_block(t: &Target, n: usize, seed: u64, z: AttnSizes, megatron: 
         n,
         seed,
     )
-}
-
-/// The quantized weight types, for the strategies.
-pub fn quantized() -> Vec<DType> {
-    quantized_weight_types()
 }

@@ -4,7 +4,7 @@
 //! the place the case's placement gives. [`run_single`], the graph on one plain CPU device with
 //! every input as inline data, is the reference of the meta runs.
 
-use super::case::{Case, Input};
+use super::case::{BuildFn, Case, Input};
 use super::compare::{Out, read_outputs};
 use super::meta::Place;
 use super::run::{CaseReport, RunOptions, Summary, run_case};
@@ -14,19 +14,31 @@ use metashard::meta::{MetaBackend, MetaBuffer, MetaDevice, MetaOptions, SplitFn,
 use metashard::split_state::{SplitAxis, SplitState};
 use metashard::{Backend, Device, Graph, Result, Storage, TensorId, parse_devices};
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex};
+
+/// `n` devices of a backend, each with `threads` worker threads where the backend has such a
+/// notion (others ignore it).
+pub type DevicesFn = fn(n: usize, threads: usize) -> Result<Vec<Arc<dyn Device>>>;
+
+/// A meta device over devices of a target, with a split callback and options.
+pub type MetaFn = fn(Vec<Arc<dyn Device>>, SplitFn, MetaOptions) -> Result<Arc<MetaDevice>>;
 
 /// A backend the whole harness runs on (see the `support` module doc).
 #[derive(Clone, Copy)]
 pub struct Target {
     /// Names the target in reports.
     pub name: &'static str,
-    /// `n` devices of the backend, each with `threads` worker threads where the backend has
-    /// such a notion (others ignore it).
-    pub devices: fn(n: usize, threads: usize) -> Result<Vec<Arc<dyn Device>>>,
-    /// A meta device over devices of this target: `MetaDevice::with_options` unless the
-    /// backend brings its own way of joining them.
-    pub meta: fn(Vec<Arc<dyn Device>>, SplitFn, MetaOptions) -> Result<Arc<MetaDevice>>,
+    pub devices: DevicesFn,
+    /// `MetaDevice::with_options` unless the backend brings its own way of joining devices.
+    pub meta: MetaFn,
+}
+
+/// A meta backend of one device count for many op cases, and the split table its callback
+/// answers from (set before each case from the case's places).
+struct MetaRig {
+    backend: Arc<dyn Backend>,
+    table: Arc<Mutex<HashMap<String, SplitState>>>,
 }
 
 fn cpu_devices(n: usize, threads: usize) -> Result<Vec<Arc<dyn Device>>> {
@@ -38,10 +50,7 @@ pub const CPU: Target = Target::new("cpu", cpu_devices);
 
 impl Target {
     /// A target joined into meta devices by `MetaDevice::with_options`.
-    pub const fn new(
-        name: &'static str,
-        devices: fn(usize, usize) -> Result<Vec<Arc<dyn Device>>>,
-    ) -> Target {
+    pub const fn new(name: &'static str, devices: DevicesFn) -> Target {
         Target {
             name,
             devices,
@@ -159,8 +168,7 @@ impl Target {
     /// device count runs all its cases, as a model's steps would.
     pub fn run_cases(&self, cases: &[Case], opts: &RunOptions) -> Summary {
         let mut single: Option<Arc<dyn Backend>> = None;
-        let mut metas: HashMap<usize, (Arc<dyn Backend>, Arc<Mutex<HashMap<String, SplitState>>>)> =
-            HashMap::new();
+        let mut rigs: HashMap<usize, MetaRig> = HashMap::new();
         let mut one = |c: &Case| -> std::result::Result<CaseReport, String> {
             let fail = |e: String| format!("{c:?} [{}]: {e}", self.name);
             let Some(p) = &c.placement else {
@@ -169,23 +177,10 @@ impl Target {
                 }
                 return run_case(single.as_deref().unwrap(), c, opts);
             };
-            if !metas.contains_key(&p.n) {
-                let table = Arc::new(Mutex::new(HashMap::new()));
-                let t = table.clone();
-                let split: SplitFn = Arc::new(move |info: &TensorInfo| {
-                    Ok(t.lock()
-                        .unwrap()
-                        .get(info.name)
-                        .cloned()
-                        .unwrap_or_else(|| SplitState::mirrored(info.n_devices)))
-                });
-                let dev = (self.devices)(p.n, 1)
-                    .and_then(|d| (self.meta)(d, split, MetaOptions::default()))
-                    .and_then(|m| m.init_backend())
-                    .map_err(|e| fail(e.to_string()))?;
-                metas.insert(p.n, (dev, table));
+            if let Entry::Vacant(v) = rigs.entry(p.n) {
+                v.insert(self.meta_rig(p.n).map_err(|e| fail(e.to_string()))?);
             }
-            let (backend, table) = &metas[&p.n];
+            let rig = &rigs[&p.n];
             let mut states = HashMap::new();
             for (inp, place) in c.inputs.iter().zip(&p.places) {
                 let Place::State(s) = place else {
@@ -197,12 +192,30 @@ impl Target {
                 };
                 states.insert(inp.name.clone(), s.clone());
             }
-            *table.lock().unwrap() = states;
-            run_case(backend.as_ref(), c, opts)
+            *rig.table.lock().unwrap() = states;
+            run_case(rig.backend.as_ref(), c, opts)
         };
         Summary {
             results: cases.iter().map(&mut one).collect(),
         }
+    }
+
+    /// A meta backend over `n` devices of one thread whose split table can change.
+    fn meta_rig(&self, n: usize) -> Result<MetaRig> {
+        let table = Arc::new(Mutex::new(HashMap::new()));
+        let t = table.clone();
+        let split: SplitFn = Arc::new(move |info: &TensorInfo| {
+            Ok(t.lock()
+                .unwrap()
+                .get(info.name)
+                .cloned()
+                .unwrap_or_else(|| SplitState::mirrored(info.n_devices)))
+        });
+        let device = (self.meta)((self.devices)(n, 1)?, split, MetaOptions::default())?;
+        Ok(MetaRig {
+            backend: device.init_backend()?,
+            table,
+        })
     }
 }
 
@@ -269,12 +282,9 @@ impl MetaSetup {
     }
 }
 
-/// Builds a graph from its inputs; returns the tensors to compare.
-pub type Build<'a> = dyn Fn(&mut Graph, &[TensorId]) -> Result<Vec<TensorId>> + 'a;
-
 /// The reference of the meta runs: the graph on one plain CPU device (`cpu:1x1`) with every
 /// input as inline data.
-pub fn run_single(inputs: &[Input], build: &Build) -> Result<Vec<Out>> {
+pub fn run_single(inputs: &[Input], build: &BuildFn) -> Result<Vec<Out>> {
     let backend = CPU.backend(1)?;
     let mut g = Graph::new();
     let mut ids = Vec::new();

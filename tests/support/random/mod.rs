@@ -1,5 +1,6 @@
-//! Op cases of the meta-device tests: for every op of the op set (and views, and chains of
-//! ops), random small shapes, random data, and the states each input may take.
+//! The randomized cases of the meta properties: for every op of the op set, random small
+//! shapes, random grid data, and the states each input may take (`blocks.rs`: views, KV
+//! caches, chains of ops, an attention block).
 
 use super::case::{Case, Input, quantized_weight_types};
 use super::meta::{Space, random_extents};

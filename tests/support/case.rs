@@ -241,7 +241,7 @@ pub struct Placement {
 /// meta-device run with one CPU device within `rel`, `quant_mm` and the output dtype's bound.
 #[derive(Clone)]
 pub struct Case {
-    /// The op under test (as `Op::name`).
+    /// The op under test (as `Op::name`; a composite's name for randomized blocks).
     pub op: &'static str,
     /// Parameters and operands, for reports; `op` and `params` together seed the inputs.
     pub params: String,

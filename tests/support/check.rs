@@ -49,6 +49,12 @@ pub fn quant_mm_tol(case: &Case) -> f32 {
     (p.n + 1) as f32 * max_row * amax / 254.0
 }
 
+/// The case with fixed input values (those filled at run time generated for `seed`).
+fn fixed(case: Case, seed: u64) -> std::result::Result<Case, TestCaseError> {
+    case.materialized(seed)
+        .map_err(|e| TestCaseError::fail(format!("{case:?}: inputs: {e}")))
+}
+
 /// Run the case with random places on `n` devices of `target` and compare with one device.
 pub fn check(
     target: &Target,
@@ -56,6 +62,7 @@ pub fn check(
     n: usize,
     seed: u64,
 ) -> std::result::Result<(), TestCaseError> {
+    let case = fixed(case, seed)?;
     let mut rng = Rng::new(seed);
     check_placed(target, &case.placed_randomly(&mut rng, n), seed)
 }
@@ -74,7 +81,8 @@ pub fn describe(case: &Case) -> String {
     format!("{} n={} [{}]", case.op, p.n, v.join("; "))
 }
 
-/// Run the placed case on `target` and compare with one device. `seed` also picks 2 threads
+/// Run the placed case (its inputs with fixed values) on `target` and compare with one
+/// device. `seed` also picks 2 threads
 /// per device in some runs on few devices, and one run in four is in explicit mode: it either
 /// matches with only planned conversions, or fails with `UnrequestedCommunication`.
 pub fn check_placed(
@@ -180,6 +188,7 @@ pub fn check_steps(
     n: usize,
     seed: u64,
 ) -> std::result::Result<(), TestCaseError> {
+    let case = &fixed(case.clone(), seed)?;
     let mut rng = Rng::new(seed);
     let placed = case.placed_randomly(&mut rng, n);
     check_placed(target, &placed, seed)?;

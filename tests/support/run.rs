@@ -6,9 +6,9 @@
 //! the output root with the float64 reference interpreter (`reference.rs`) by normalized mean
 //! squared error `sum((a - b)^2) / sum(b^2)`.
 //!
-//! Pluggable: `run_case` takes any `&dyn Backend`; buffers come from the backend's device
-//! buffer type unless [`RunOptions::buffer_type`] names another one. `Target::run_case` makes
-//! the backend a case's placement asks for.
+//! Pluggable: `run_case` takes any `&dyn Backend` and compares a case's one output; buffers
+//! come from the backend's device buffer type unless [`RunOptions::buffer_type`] names another
+//! one. `Target::run_cases` makes the backend each case's placement asks for.
 
 use super::case::Case;
 use super::compare::nmse;
@@ -173,7 +173,9 @@ fn exact_mode(backend: &dyn Backend, opts: &RunOptions) -> bool {
 }
 
 /// Run one case on `backend` and compare with the float64 reference. `Err` says what failed:
-/// building, computing, a guard, an input that changed, a non-finite or wrong output.
+/// building, computing, a guard, an input that changed, a non-finite or wrong output. Where
+/// the inputs live is the backend's business (`Target::run_cases` makes the backend a case's
+/// placement asks for).
 pub fn run_case(
     backend: &dyn Backend,
     case: &Case,

@@ -39,6 +39,17 @@ impl DType {
         DType::Q4_1,
     ];
 
+    /// The types a weight may be stored in, each taken by the `mul_mat` kernels as src0: the
+    /// float types and every quantized type (not I32).
+    pub const WEIGHT_TYPES: &[DType] = &[
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ];
+
     /// Elements per block: 1 for plain types, 32 for the quantized ones.
     pub const fn block_size(self) -> usize {
         match self {

@@ -1,24 +1,23 @@
-//! The op-by-op harness: every case of `common::all_cases()` against the float64 reference
-//! on the CPU backend at 1, 2 and 3 threads (the three must agree bit for bit) and in exact
-//! mode, and on the meta device over 1-3 CPU devices; a check that the case list covers every
-//! op and the dtypes and shapes that matter; self-tests showing the harness catches
-//! out-of-bounds writes, unwritten outputs, wrong values and clobbered inputs.
-//!
-//! `cargo test --release --test backend_ops -- --nocapture` prints one report line per case.
+//! The harness itself, on the CPU backend: every case of `support::all_cases()` against the
+//! float64 reference in exact mode (a CPU option); a check that the case list covers every op
+//! and the dtypes and shapes that matter; self-tests showing the op harness catches
+//! out-of-bounds writes, unwritten outputs, wrong values and clobbered inputs, and the meta
+//! check catches a meta run that differs from one device. The list on every target (threads,
+//! meta devices) and the meta properties run in `targets.rs`.
 
-mod common;
+mod support;
 
-use common::all_cases;
-use common::harness::{Case, Fill, RunOptions, case, run_case, run_cases};
 use metashard::backend::Device;
 use metashard::cpu::{CpuOptions, parse_cpu_spec_with};
 use metashard::graph::Flags;
-use metashard::meta::{MetaDevice, SplitFn, TensorInfo};
-use metashard::split_state::SplitState;
-use metashard::{Backend, DType, Graph, Layout, parse_devices};
+use metashard::{Backend, DType, Graph, Layout};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Instant;
+use support::check::{check_placed, check_refused};
+use support::meta::partial_pieces;
+use support::{
+    CPU, Case, Fill, Input, Place, Rng, RunOptions, all_cases, case, run_case, run_cases,
+};
 
 fn cpu(spec: &str, exact: bool) -> Arc<dyn Backend> {
     let options = if exact {
@@ -28,60 +27,6 @@ fn cpu(spec: &str, exact: bool) -> Arc<dyn Backend> {
     };
     let devs = parse_cpu_spec_with(spec, options).expect("cpu spec");
     devs[0].init_backend().expect("cpu backend")
-}
-
-#[test]
-fn every_case_matches_the_reference_at_1_2_3_threads_and_they_agree() {
-    let cases = all_cases();
-    let opts = RunOptions::default();
-    let mut failures = Vec::new();
-    let mut outputs: Vec<Vec<Option<Vec<u8>>>> = Vec::new();
-    for spec in ["cpu:1x1", "cpu:1x2", "cpu:1x3"] {
-        let be = cpu(spec, false);
-        let t = Instant::now();
-        let summary = run_cases(be.as_ref(), &cases, &opts);
-        println!("---- {spec}: {} cases in {:.2?}", cases.len(), t.elapsed());
-        if spec == "cpu:1x2" {
-            summary.print();
-        }
-        failures.extend(
-            summary
-                .failures()
-                .into_iter()
-                .map(|f| format!("{spec}: {f}")),
-        );
-        // CPU buffers are plain bytes: every case must have had its guards checked.
-        failures.extend(
-            summary
-                .results
-                .iter()
-                .flatten()
-                .filter(|r| !r.guarded)
-                .map(|r| format!("{spec}: {r}: guards were not checked")),
-        );
-        outputs.push(
-            summary
-                .results
-                .iter()
-                .map(|r| r.as_ref().ok().map(|rep| rep.output.clone()))
-                .collect(),
-        );
-    }
-    // Kernels split work by output rows, so the thread count must not change a single bit.
-    for (i, c) in cases.iter().enumerate() {
-        if let (Some(a), Some(b), Some(d)) = (&outputs[0][i], &outputs[1][i], &outputs[2][i])
-            && (a != b || a != d)
-        {
-            failures.push(format!("{c:?}: outputs differ between 1, 2 and 3 threads"));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} failing case runs (of {} cases x 3 thread counts):\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
 }
 
 #[test]
@@ -110,35 +55,6 @@ fn every_case_matches_the_reference_in_exact_mode() {
     assert_eq!(q.tol, 1e-10, "{q}");
 }
 
-/// The harness is pluggable: the same cases on the meta device over 1, 2 and 3 CPU devices,
-/// every input mirrored (each device computes the whole graph; split inputs are the meta
-/// backend's own tests' business). The output root is bound by the harness (with guards and
-/// poison): the meta backend gathers the computed output into it.
-#[test]
-fn every_case_runs_on_the_meta_device_with_mirrored_inputs() {
-    let mirrored: SplitFn = Arc::new(|t: &TensorInfo| Ok(SplitState::mirrored(t.n_devices)));
-    let cases = all_cases();
-    let opts = RunOptions::default();
-    let mut failures = Vec::new();
-    for spec in ["cpu:1x1", "cpu:2x1", "cpu:3x1"] {
-        let meta = MetaDevice::new(parse_devices(spec).unwrap(), mirrored.clone()).unwrap();
-        let be = meta.init_backend().unwrap();
-        let summary = run_cases(be.as_ref(), &cases, &opts);
-        failures.extend(
-            summary
-                .failures()
-                .into_iter()
-                .map(|f| format!("meta {spec}: {f}")),
-        );
-    }
-    assert!(
-        failures.is_empty(),
-        "{} failing case runs on the meta device:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
-}
-
 /// Every op of `Op` appears in some case graph, with the dtypes and shapes the brief asks for;
 /// case descriptions are unique (they seed the inputs and name failures).
 #[test]
@@ -150,7 +66,9 @@ fn the_case_list_covers_every_op_dtype_and_shape_family() {
     let mut seen = BTreeSet::new();
     for c in &cases {
         assert!(seen.insert(format!("{c:?}")), "duplicate case {c:?}");
-        let (g, _, out) = c.graph().unwrap_or_else(|e| panic!("{c:?}: {e}"));
+        let (g, _, outs) = c.graph().unwrap_or_else(|e| panic!("{c:?}: {e}"));
+        assert_eq!(outs.len(), 1, "{c:?}: the op list compares one output");
+        let out = outs[0];
         for n in g.nodes() {
             ops.insert(n.op.name());
             if let Some(&s) = n.src.first() {
@@ -220,10 +138,11 @@ fn the_case_list_covers_every_op_dtype_and_shape_family() {
             assert!(got.contains(x), "{k}: no case with {x} (have {got:?})");
         }
     };
-    want("mul_mat", &[F32, F16, BF16, Q8_0, Q4_0, Q4_1]);
-    want("get_rows", &[F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1]);
-    want("cont", &[F32, F16, BF16, Q8_0, Q4_0, Q4_1]);
-    want("cont->", &[F32, F16, BF16, Q8_0, Q4_0, Q4_1]);
+    want("mul_mat", DType::WEIGHT_TYPES);
+    want("get_rows", DType::WEIGHT_TYPES);
+    want("get_rows", &[I32]);
+    want("cont", DType::WEIGHT_TYPES);
+    want("cont->", DType::WEIGHT_TYPES);
     want("set_rows dst", &[F32, F16, BF16]);
     want("rope", &[F32, F16]);
     want("flash_attn", &[F32]);
@@ -360,4 +279,44 @@ fn inputs_are_seeded_and_reproducible() {
     };
     assert_eq!(run(1), run(1));
     assert_ne!(run(1), run(2));
+}
+
+/// The meta check fails when the meta device holds something other than the case's inputs
+/// (here a partial input whose pieces sum to another tensor than its value), and
+/// `check_refused` fails when the run is not refused.
+#[test]
+fn the_meta_check_catches_wrong_results() {
+    let mut rng = Rng::new(9);
+    let a = Input::random(&mut rng, "a", DType::F32, [7, 3, 1, 1]);
+    let b = Input::random(&mut rng, "b", DType::F32, [7, 3, 1, 1]);
+    let case = Case::new("add", vec![a, b], |g, l| Ok(vec![g.add(l[0], l[1])?]));
+    // Not explicit mode (which may end a run early), two threads per device.
+    let seed = 1 << 9;
+    for n in [2, 3] {
+        let mut honest = case.clone();
+        let pieces = partial_pieces(&mut rng, &mut honest.inputs[0], n);
+        let honest = honest.placed(n, vec![Place::Partial(pieces), Place::Inline]);
+        check_placed(&CPU, &honest, seed).expect("honest pieces pass");
+        let err = check_refused(&CPU, &honest, "add").expect_err("the run is not refused");
+        assert!(
+            err.to_string().contains("expected NoSplitRule, ran"),
+            "{err}"
+        );
+
+        let mut other = Input::random(&mut rng, "a", DType::F32, [7, 3, 1, 1]);
+        let wrong = partial_pieces(&mut rng, &mut other, n);
+        let wrong = case
+            .clone()
+            .placed(n, vec![Place::Partial(wrong), Place::Inline]);
+        let err = check_placed(&CPU, &wrong, seed).expect_err("wrong pieces must be caught");
+        // The placed input reads back as the pieces' sum: caught before the outputs are.
+        assert!(err.to_string().contains("changed input `a`"), "{err}");
+        // Not compared as an input (as if the graph wrote it): the outputs differ.
+        let unchecked = Case {
+            written: vec![0],
+            ..wrong
+        };
+        let err = check_placed(&CPU, &unchecked, seed).expect_err("a wrong output is caught");
+        assert!(err.to_string().contains("output 0: max diff"), "{err}");
+    }
 }

@@ -2,11 +2,14 @@
 //! collective against straightforward references for 1..=8 and 16 ranks, byte counts, and the
 //! failure model (abort, timeout, panic, mismatched calls).
 
+mod support;
+
 use half::{bf16, f16};
 use metashard::collectives::{AbortOnPanic, Communicator, CpuCommunicator, SliceLayout};
 use metashard::{DType, Error};
 use proptest::prelude::*;
 use std::time::{Duration, Instant};
+use support::Rng;
 
 const WORLDS: [usize; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 16];
 const REDUCIBLE: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
@@ -18,29 +21,6 @@ fn on_ranks<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         let hs: Vec<_> = (0..n).map(|r| s.spawn(move || f(r))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
-}
-
-/// SplitMix64: a small deterministic generator for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
 }
 
 fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
@@ -113,9 +93,14 @@ fn all_reduce_is_the_rank_order_sum_on_every_rank() {
         let comm = CpuCommunicator::new(n).unwrap();
         for dtype in REDUCIBLE {
             for elems in [0, 1, 7, 33, 576, 4099] {
-                let mut rng = Rng((n * 1000 + elems) as u64);
+                let mut rng = Rng::new((n * 1000 + elems) as u64);
                 let inputs: Vec<Vec<u8>> = (0..n)
-                    .map(|_| encode(dtype, &(0..elems).map(|_| rng.unit()).collect::<Vec<_>>()))
+                    .map(|_| {
+                        encode(
+                            dtype,
+                            &(0..elems).map(|_| rng.signed_unit()).collect::<Vec<_>>(),
+                        )
+                    })
                     .collect();
                 let outs = on_ranks(n, |r| {
                     let mut buf = inputs[r].clone();
@@ -180,7 +165,7 @@ fn random_segments(rng: &mut Rng, n: usize, n_seg: usize) -> Vec<Vec<usize>> {
 fn all_gather_matches_the_layout_definition() {
     for n in WORLDS {
         let comm = CpuCommunicator::new(n).unwrap();
-        let mut rng = Rng(n as u64);
+        let mut rng = Rng::new(n as u64);
         for case in 0..6 {
             let n_seg = 1 + case % 3;
             let outer = 1 + rng.below(4);
@@ -211,7 +196,7 @@ fn all_gather_matches_the_layout_definition() {
 fn reduce_scatter_matches_the_reference_and_composes_to_all_reduce() {
     for n in WORLDS {
         let comm = CpuCommunicator::new(n).unwrap();
-        let mut rng = Rng(100 + n as u64);
+        let mut rng = Rng::new(100 + n as u64);
         for (case, dtype) in REDUCIBLE.into_iter().cycle().take(6).enumerate() {
             let esz = dtype.type_size();
             let outer = 1 + rng.below(3);
@@ -220,7 +205,12 @@ fn reduce_scatter_matches_the_reference_and_composes_to_all_reduce() {
             let layout = SliceLayout::new(outer, unit, &segs).unwrap();
             let elems = layout.full_bytes() / esz;
             let fulls: Vec<Vec<u8>> = (0..n)
-                .map(|_| encode(dtype, &(0..elems).map(|_| rng.unit()).collect::<Vec<_>>()))
+                .map(|_| {
+                    encode(
+                        dtype,
+                        &(0..elems).map(|_| rng.signed_unit()).collect::<Vec<_>>(),
+                    )
+                })
                 .collect();
             let summed = documented_sum(dtype, &fulls);
             let want = reference_scatter(outer, unit, &segs, &summed);
@@ -252,7 +242,7 @@ fn broadcast_from_every_root() {
     for n in WORLDS {
         let comm = CpuCommunicator::new(n).unwrap();
         for root in 0..n {
-            let mut rng = Rng((n * 100 + root) as u64);
+            let mut rng = Rng::new((n * 100 + root) as u64);
             let bufs: Vec<Vec<u8>> = (0..n).map(|_| rng.bytes(1000 + root)).collect();
             let outs = on_ranks(n, |r| {
                 let mut b = bufs[r].clone();
@@ -566,7 +556,7 @@ proptest! {
     #[test]
     fn scatter_then_gather_is_the_identity((outer, unit, segs) in layout_strategy(), seed in any::<u64>()) {
         let layout = SliceLayout::new(outer, unit, &segs).unwrap();
-        let full = Rng(seed).bytes(layout.full_bytes());
+        let full = Rng::new(seed).bytes(layout.full_bytes());
         let want = reference_scatter(outer, unit, &segs, &full);
         let mut rebuilt = vec![0u8; full.len()];
         let mut covered = vec![0u8; full.len()];

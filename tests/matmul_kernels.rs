@@ -7,10 +7,13 @@
 //! larger M; 8-bit activations; the automatic choice). dst sits between guard bytes that must
 //! stay untouched.
 
+mod support;
+
 use metashard::DType;
 use metashard::cpu::matmul::{self, Isa, Precision};
 use metashard::cpu::{ComputeParams, TensorView, ThreadPool};
 use metashard::dtype::{row_from_f32, row_to_f32};
+use support::{Rng, quantized_weight_types};
 
 /// A byte buffer with 64-byte alignment.
 struct Buf {
@@ -37,16 +40,6 @@ impl Buf {
     fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, exclusively borrowed.
         unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
 
@@ -90,7 +83,7 @@ struct Operands {
 }
 
 fn make_operands(c: &Case, seed: u64) -> Operands {
-    let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15 + 1);
+    let mut rng = Rng::new(seed);
     let [ne02, ne03] = c.wb;
     let row = c.wt.row_size(c.k) + c.w_pad;
     let nb = [c.wt.type_size(), row, row * c.n, row * c.n * ne02];
@@ -99,7 +92,7 @@ fn make_operands(c: &Case, seed: u64) -> Operands {
     let mut vals = vec![0f32; c.k];
     let mut deq = vec![0f32; c.k];
     for r in 0..c.n * ne02 * ne03 {
-        vals.iter_mut().for_each(|v| *v = rng.next());
+        vals.iter_mut().for_each(|v| *v = rng.signed_unit());
         let bytes = &mut wbuf.bytes_mut()[r * row..r * row + c.wt.row_size(c.k)];
         row_from_f32(c.wt, &vals, bytes).unwrap();
         row_to_f32(c.wt, bytes, &mut deq).unwrap();
@@ -137,7 +130,7 @@ fn make_operands(c: &Case, seed: u64) -> Operands {
         for i2 in 0..ne12 {
             for i1 in 0..c.m {
                 for i0 in 0..c.k {
-                    let v = rng.next();
+                    let v = rng.signed_unit();
                     let off = i0 * nbx[0] + i1 * nbx[1] + i2 * nbx[2] + i3 * nbx[3];
                     xbuf.bytes_mut()[off..off + 4].copy_from_slice(&v.to_le_bytes());
                     xref.push(v as f64);
@@ -242,15 +235,10 @@ fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, precision: Precision
     out
 }
 
+/// The shared NMSE of f32 results against an f64 reference.
 fn nmse(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let err: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - w).powi(2))
-        .sum();
-    let norm: f64 = want.iter().map(|w| w * w).sum();
-    if norm == 0.0 { err } else { err / norm }
+    let got: Vec<f64> = got.iter().map(|&v| v as f64).collect();
+    support::compare::nmse(&got, want).0
 }
 
 fn nmse32(a: &[f32], b: &[f32]) -> f64 {
@@ -336,15 +324,6 @@ fn pools() -> Vec<ThreadPool> {
     (1..=3).map(|n| ThreadPool::new(n, "mm-test")).collect()
 }
 
-const ALL: [DType; 6] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-];
-
 fn base(wt: DType, m: usize) -> Case {
     let k = if wt.is_quantized() { 96 } else { 67 };
     Case {
@@ -365,7 +344,7 @@ fn every_dtype_m_layout_and_broadcast_matches_the_reference() {
     // The full product: dtype x M x src1 layout x (no broadcast, broadcast over dim 2) x
     // threads {1, 2, 3} x every SIMD level x every precision; odd N and K.
     let pools = pools();
-    for wt in ALL {
+    for &wt in DType::WEIGHT_TYPES {
         for m in [1, 2, 7, 32, 33] {
             for x in [
                 XLayout::Contiguous,
@@ -393,7 +372,7 @@ fn fused_tiles_at_every_small_m() {
     // N = 37 leaves single rows after the full tiles. Long rows (K = 4096) cross the prefetch
     // distance many times.
     let pools = pools();
-    for wt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for wt in quantized_weight_types() {
         for m in 1..=9 {
             check(&base(wt, m), &pools, 30 + m as u64);
         }
@@ -423,7 +402,7 @@ fn only_q8_quantizes_activations_and_only_for_quantized_weights() {
 #[test]
 fn long_rows_and_odd_k() {
     let pools = pools();
-    for wt in ALL {
+    for &wt in DType::WEIGHT_TYPES {
         for (k, n) in [(if wt.is_quantized() { 32 } else { 1 }, 5), (1024, 19)] {
             for m in [1, 3] {
                 check(
@@ -450,7 +429,7 @@ fn medium_and_gemm_sized_m() {
     // M from 48 to 511 uses the register tiles at these K; M >= 512, and M >= 64 with K <= 64,
     // use the packed GEMM (with weights converted to f32 for non-f32 dtypes).
     let pools = pools();
-    for wt in ALL {
+    for &wt in DType::WEIGHT_TYPES {
         for m in [48, 65, 130, 520] {
             check(
                 &Case {
@@ -476,7 +455,7 @@ fn medium_and_gemm_sized_m() {
 #[test]
 fn strided_activations_weights_and_outputs() {
     let pools = pools();
-    for wt in ALL {
+    for &wt in DType::WEIGHT_TYPES {
         for x in [XLayout::PaddedRows, XLayout::Transposed] {
             for m in [1, 7, 33, 130] {
                 let c = Case {
@@ -511,7 +490,7 @@ fn strided_activations_weights_and_outputs() {
 #[test]
 fn broadcast_batch_dims() {
     let pools = pools();
-    for wt in ALL {
+    for &wt in DType::WEIGHT_TYPES {
         for (wb, xb, m) in [
             ([2, 1], [4, 1], 3),
             ([1, 1], [3, 2], 1),
@@ -536,7 +515,7 @@ fn kv_cache_views() {
     // A cache of n_kv positions, each holding 3 heads of 64: K = 64, nb1 = one position,
     // nb2 = one head. Six query heads share three KV heads (r2 = 2).
     let pools = pools();
-    for wt in ALL {
+    for &wt in DType::WEIGHT_TYPES {
         for n_kv in [1, 7, 40] {
             for m in [1, 5] {
                 let head = wt.row_size(64);
@@ -592,7 +571,7 @@ fn kv_cache_views() {
 #[test]
 fn zero_sized_dims() {
     let pools = pools();
-    for wt in ALL {
+    for &wt in DType::WEIGHT_TYPES {
         // K = 0 writes zeros (an empty sum) over whatever dst held.
         let c = Case {
             k: 0,

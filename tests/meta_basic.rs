@@ -1,21 +1,20 @@
+//! The meta device end to end on a Megatron-split MLP: column-parallel W1, row-parallel W2
+//! over 1..=3 CPU devices equals one device, weights read back through the meta buffer are the
+//! originals, and the plan prints.
+
+mod support;
+
 use metashard::backend::alloc_tensors;
 use metashard::meta::{MetaDevice, SplitFn, TensorInfo};
 use metashard::split_state::{Granularity, SplitState, split_even};
 use metashard::{Backend, DType, Device, Graph, Layout, Storage, parse_devices};
 use std::sync::Arc;
+use support::Rng;
 
+/// `n` values uniform in [-0.5, 0.5), the same for the same seed.
 fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        })
-        .collect()
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.uniform(-0.5, 0.5)).collect()
 }
 
 fn megatron() -> SplitFn {

@@ -6,9 +6,8 @@
 //! peers wait in a collective: the compute returns the cause promptly (no hang) and the same
 //! backend then runs a good graph.
 
-mod common_meta;
+mod support;
 
-use common_meta::*;
 use metashard::backend::alloc_tensors;
 use metashard::meta::{MetaBackend, MetaDevice, MetaOptions, TensorInfo};
 use metashard::split_state::{Granularity, SplitState, split_even};
@@ -17,13 +16,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use support::compare::{max_diff, scale_of};
+use support::target::{compute_and_read, run_single};
+use support::{CPU, Input, Place, Rng, quantized_weight_types};
 
 /// Bind a tensor named `name` of `layout` into a meta buffer of `n` devices whose callback
 /// answers `state`, and return the error.
 fn bind_error(n: usize, name: &str, layout: Layout, state: SplitState) -> Error {
     let mut states = HashMap::new();
     states.insert(name.to_string(), state);
-    let dev = meta_device(n, states, MetaOptions::default()).unwrap();
+    let dev = CPU
+        .meta_device(n, 1, states, MetaOptions::default())
+        .unwrap();
     let (buf, offs) = alloc_tensors(dev.buffer_type().as_ref(), &[layout]).unwrap();
     let mut g = Graph::new();
     let id = g.weight(name, layout.dtype, layout.ne).unwrap();
@@ -62,7 +66,7 @@ fn extents_that_do_not_add_up() {
 
 #[test]
 fn quantized_axis0_extents_must_be_whole_blocks() {
-    for dt in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dt in quantized_weight_types() {
         let l = Layout::contiguous(dt, [96, 4, 1, 1]);
         let e = bind_error(
             2,
@@ -74,7 +78,9 @@ fn quantized_axis0_extents_must_be_whole_blocks() {
         // Whole blocks, unevenly and with a zero, are fine.
         let mut states = HashMap::new();
         states.insert("w".to_string(), SplitState::axis(0, &[64, 0, 32]));
-        let dev = meta_device(3, states, MetaOptions::default()).unwrap();
+        let dev = CPU
+            .meta_device(3, 1, states, MetaOptions::default())
+            .unwrap();
         let (buf, offs) = alloc_tensors(dev.buffer_type().as_ref(), &[l]).unwrap();
         buf.init_tensor("w", &l, offs[0]).unwrap();
     }
@@ -115,7 +121,7 @@ fn segments_that_do_not_add_up() {
 /// the state is refused when the tensor is placed, not on the first read.
 #[test]
 fn partial_state_of_a_non_float_tensor() {
-    for dt in [DType::I32, DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+    for dt in DType::ALL.into_iter().filter(|d| !d.is_float()) {
         let l = Layout::contiguous(dt, [32, 2, 1, 1]);
         let e = bind_error(2, "ids", l, SplitState::partial(2));
         assert_invalid(e, "ids", "Partial");
@@ -123,7 +129,9 @@ fn partial_state_of_a_non_float_tensor() {
     let l = Layout::contiguous(DType::BF16, [3, 2, 1, 1]);
     let mut states = HashMap::new();
     states.insert("p".to_string(), SplitState::partial(2));
-    let dev = meta_device(2, states, MetaOptions::default()).unwrap();
+    let dev = CPU
+        .meta_device(2, 1, states, MetaOptions::default())
+        .unwrap();
     let (buf, offs) = alloc_tensors(dev.buffer_type().as_ref(), &[l]).unwrap();
     buf.init_tensor("p", &l, offs[0]).unwrap();
 }
@@ -154,17 +162,17 @@ fn megatron_setup(
     (d, f, t): (usize, usize, usize),
     w2_rotation: usize,
 ) -> (
-    Vec<Leaf>,
+    Vec<Input>,
     Vec<Place>,
     Arc<MetaBackend>,
     Graph,
     Vec<TensorId>,
 ) {
-    let mut rng = TestRng(11);
+    let mut rng = Rng::new(11);
     let leaves = vec![
-        Leaf::random(&mut rng, "w1", DType::F32, [d, f, 1, 1]),
-        Leaf::random(&mut rng, "w2", DType::F32, [f, d, 1, 1]),
-        Leaf::random(&mut rng, "x", DType::F32, [d, t, 1, 1]),
+        Input::random(&mut rng, "w1", DType::F32, [d, f, 1, 1]),
+        Input::random(&mut rng, "w2", DType::F32, [f, d, 1, 1]),
+        Input::random(&mut rng, "x", DType::F32, [d, t, 1, 1]),
     ];
     let places = vec![
         Place::State(SplitState::axis(
@@ -177,8 +185,10 @@ fn megatron_setup(
         )),
         Place::Inline,
     ];
-    let s = meta_setup(&leaves, &places, n, MetaOptions::explicit(explicit)).unwrap();
-    (leaves, places, s.backend, s.graph, s.leaves)
+    let s = CPU
+        .meta_setup(&leaves, &places, (n, 1), MetaOptions::explicit(explicit))
+        .unwrap();
+    (leaves, places, s.backend, s.graph, s.inputs)
 }
 
 #[test]
@@ -249,9 +259,11 @@ fn explicit_mode_runs_a_megatron_mlp() {
             plan.describe(&g)
         );
         // The same graph in the default mode plans the same conversions.
-        let lax = meta_setup(&leaves, &places, n, MetaOptions::default()).unwrap();
+        let lax = CPU
+            .meta_setup(&leaves, &places, (n, 1), MetaOptions::default())
+            .unwrap();
         let mut g2 = lax.graph;
-        build(&mut g2, &lax.leaves).unwrap();
+        build(&mut g2, &lax.inputs).unwrap();
         let p2 = lax.backend.sharding(&g2).unwrap();
         let kinds = |p: &metashard::meta::Sharding| {
             p.conversions.iter().map(|c| c.kind).collect::<Vec<_>>()
@@ -277,15 +289,17 @@ fn explicit_mode_runs_a_megatron_mlp() {
 #[test]
 fn set_rows_into_a_partial_or_axis1_destination() {
     let n = 3;
-    let mut rng = TestRng(12);
-    let cache = Leaf::random(&mut rng, "cache_k", DType::F16, [6, 8, 1, 1]);
-    let rows = Leaf::random(&mut rng, "k_cur", DType::F32, [6, 2, 1, 1]);
-    let ids = Leaf::from_i32("pos", [2, 1, 1, 1], &[5, 1]);
+    let mut rng = Rng::new(12);
+    let cache = Input::random(&mut rng, "cache_k", DType::F16, [6, 8, 1, 1]);
+    let rows = Input::random(&mut rng, "k_cur", DType::F32, [6, 2, 1, 1]);
+    let ids = Input::from_i32("pos", [2, 1, 1, 1], &[5, 1]);
     let leaves = vec![cache, rows, ids];
     for dst in [SplitState::partial(n), SplitState::axis(1, &[3, 0, 5])] {
         let places = vec![Place::State(dst.clone()), Place::Inline, Place::Inline];
-        let mut s = meta_setup(&leaves, &places, n, MetaOptions::default()).unwrap();
-        let l = s.leaves.clone();
+        let mut s = CPU
+            .meta_setup(&leaves, &places, (n, 1), MetaOptions::default())
+            .unwrap();
+        let l = s.inputs.clone();
         let w = s.graph.set_rows(l[0], l[1], l[2]).unwrap();
         s.graph.set_name(w, "kv_write");
         s.graph.set_output(w);
@@ -301,7 +315,7 @@ fn set_rows_into_a_partial_or_axis1_destination() {
             other => panic!("expected NoSplitRule, got {other}"),
         }
         // The cache is untouched.
-        let now = placed_values(&s, &leaves, 0).unwrap().unwrap();
+        let now = s.placed_values(&leaves, 0).unwrap().unwrap();
         assert_eq!(now, leaves[0].values());
     }
 }
@@ -312,14 +326,14 @@ fn set_rows_into_a_partial_or_axis1_destination() {
 /// tensor along the split axis (an all-gather). Device `bad`'s id is out of range, so its
 /// get_rows kernel fails while the others wait in the all-gather.
 fn failing_rank(n: usize, bad: usize) {
-    let mut rng = TestRng(13 + n as u64);
+    let mut rng = Rng::new(13 + n as u64);
     let rows = 5;
-    let table = Leaf::random(&mut rng, "tok_embd", DType::F32, [4, rows, 1, 1]);
-    let other = Leaf::random(&mut rng, "prev", DType::F32, [4, 2, 1, 1]);
+    let table = Input::random(&mut rng, "tok_embd", DType::F32, [4, rows, 1, 1]);
+    let other = Input::random(&mut rng, "prev", DType::F32, [4, 2, 1, 1]);
     let good: Vec<i32> = (0..n).map(|i| (i % rows) as i32).collect();
     let mut ids = good.clone();
     ids[bad] = 99;
-    let mut leaves = vec![table, Leaf::from_i32("tokens", [n, 1, 1, 1], &ids), other];
+    let mut leaves = vec![table, Input::from_i32("tokens", [n, 1, 1, 1], &ids), other];
     let places = vec![
         Place::Inline,
         Place::State(SplitState::axis(0, &vec![1; n])),
@@ -330,8 +344,10 @@ fn failing_rank(n: usize, bad: usize) {
         g.set_name(e, "embd");
         Ok(vec![g.concat(e, l[2], 1)?])
     };
-    let mut s = meta_setup(&leaves, &places, n, MetaOptions::default()).unwrap();
-    let outs = build(&mut s.graph, &s.leaves).unwrap();
+    let mut s = CPU
+        .meta_setup(&leaves, &places, (n, 1), MetaOptions::default())
+        .unwrap();
+    let outs = build(&mut s.graph, &s.inputs).unwrap();
     if n > 1 {
         // The plan has the collective the healthy devices wait in.
         let plan = s.backend.sharding(&s.graph).unwrap();
@@ -362,13 +378,13 @@ fn failing_rank(n: usize, bad: usize) {
     assert!(took < Duration::from_secs(5), "n={n}: took {took:?}");
 
     // The same backend then runs a good graph.
-    leaves[1] = Leaf::from_i32("tokens", [n, 1, 1, 1], &good);
+    leaves[1] = Input::from_i32("tokens", [n, 1, 1, 1], &good);
     let ids_storage = s.buffer.clone().unwrap();
     ids_storage
         .set_tensor(
             &leaves[1].layout(),
             s.offsets[1].unwrap(),
-            &leaves[1].bytes,
+            leaves[1].bytes(),
             0,
         )
         .unwrap();

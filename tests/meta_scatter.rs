@@ -5,9 +5,8 @@
 //! device allocates exactly its slice: the local layouts and `device_bytes` are checked against
 //! byte counts computed here from the extents.
 
-mod common_meta;
+mod support;
 
-use common_meta::*;
 use metashard::Device;
 use metashard::backend::alloc_tensors;
 use metashard::buffer::Buffer;
@@ -17,24 +16,13 @@ use metashard::{DType, Layout};
 use proptest::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
-
-fn cfg(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
+use support::check::cfg;
+use support::meta::random_extents;
+use support::{CPU, Rng};
 
 /// Random extents in segments along `axis`: 1..=4 segments of random sizes (empty segments
 /// included), each spread over the devices with zeros.
-fn random_segments(
-    rng: &mut TestRng,
-    ne: [usize; 4],
-    axis: usize,
-    g: usize,
-    n: usize,
-) -> SplitState {
+fn random_segments(rng: &mut Rng, ne: [usize; 4], axis: usize, g: usize, n: usize) -> SplitState {
     let units = ne[axis] / g;
     let nseg = 1 + rng.below(4);
     let mut sizes = vec![0usize; nseg];
@@ -58,7 +46,7 @@ fn expected_bytes(l: &Layout, s: &SplitState, d: usize) -> usize {
 }
 
 /// Values that survive a sum with zeros bit for bit (no -0, no NaN): grid values.
-fn summable_bytes(rng: &mut TestRng, dt: DType, count: usize) -> Vec<u8> {
+fn summable_bytes(rng: &mut Rng, dt: DType, count: usize) -> Vec<u8> {
     let v: Vec<f32> = (0..count).map(|_| rng.grid()).collect();
     metashard::dtype::f32_to_bytes(dt, &v).unwrap()
 }
@@ -83,7 +71,7 @@ fn check_buffer(
     seed: u64,
     tensors: &[(DType, [usize; 4], Kind)],
 ) -> Result<(), TestCaseError> {
-    let mut rng = TestRng(seed);
+    let mut rng = Rng::new(seed);
     let mut states = HashMap::new();
     let mut placed = Vec::new();
     for (i, (dt, ne, kind)) in tensors.iter().enumerate() {
@@ -109,7 +97,9 @@ fn check_buffer(
             model: Vec::new(),
         });
     }
-    let dev = meta_device(n, states, MetaOptions::default()).unwrap();
+    let dev = CPU
+        .meta_device(n, 1, states, MetaOptions::default())
+        .unwrap();
     let layouts: Vec<Layout> = placed.iter().map(|p| p.layout).collect();
     let (buf, offs) = alloc_tensors(dev.buffer_type().as_ref(), &layouts).unwrap();
     let mb = buf
@@ -161,7 +151,7 @@ fn check_buffer(
         p.model = if p.state.is_partial() {
             summable_bytes(&mut rng, p.layout.dtype, p.layout.nelements())
         } else {
-            (0..len).map(|_| rng.next() as u8).collect()
+            (0..len).map(|_| rng.next_u64() as u8).collect()
         };
         buf.set_tensor(&p.layout, p.offset, &p.model, 0).unwrap();
     }
@@ -187,7 +177,7 @@ fn check_buffer(
             let data = if p.state.is_partial() {
                 summable_bytes(&mut rng, p.layout.dtype, (b - a) / unit)
             } else {
-                (a..b).map(|_| rng.next() as u8).collect()
+                (a..b).map(|_| rng.next_u64() as u8).collect()
             };
             buf.set_tensor(&p.layout, p.offset, &data, a).unwrap();
             p.model[a..b].copy_from_slice(&data);
@@ -284,13 +274,7 @@ fn every_dtype_axis_and_device_count() {
 #[test]
 fn megatron_weights_allocate_one_nth_plus_mirrored() {
     let (d, f, heads, hd) = (192, 320, 6, 32);
-    for dt in [
-        DType::F32,
-        DType::F16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ] {
+    for &dt in DType::WEIGHT_TYPES {
         for n in 1..=8 {
             let weights: Vec<(&str, Layout)> = vec![
                 ("attn_q", Layout::contiguous(dt, [d, heads * hd, 1, 1])),
@@ -323,7 +307,9 @@ fn megatron_weights_allocate_one_nth_plus_mirrored() {
                 split.push((lay.nbytes(), lay.nbytes() * g.0 / lay.ne[axis]));
                 states.insert(name.to_string(), s);
             }
-            let dev = meta_device(n, states, MetaOptions::default()).unwrap();
+            let dev = CPU
+                .meta_device(n, 1, states, MetaOptions::default())
+                .unwrap();
             let layouts: Vec<Layout> = weights.iter().map(|w| w.1).collect();
             let (buf, offs) = alloc_tensors(dev.buffer_type().as_ref(), &layouts).unwrap();
             for ((name, lay), &off) in weights.iter().zip(&offs) {
@@ -354,7 +340,9 @@ fn megatron_weights_allocate_one_nth_plus_mirrored() {
 fn placing_again_is_idempotent() {
     let mut states = HashMap::new();
     states.insert("w".to_string(), SplitState::axis(1, &[2, 0, 3]));
-    let dev = meta_device(3, states, MetaOptions::default()).unwrap();
+    let dev = CPU
+        .meta_device(3, 1, states, MetaOptions::default())
+        .unwrap();
     let l = Layout::contiguous(DType::F32, [4, 5, 1, 1]);
     let (buf, offs) = alloc_tensors(dev.buffer_type().as_ref(), &[l]).unwrap();
     buf.init_tensor("w", &l, offs[0]).unwrap();

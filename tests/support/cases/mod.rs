@@ -1,14 +1,19 @@
-//! The case list: [`all_cases`] gathers every family. This file holds the element-wise ops,
-//! the row-wise ops (norms, soft_max, reductions, argmax), rope, and multi-node chains that
-//! exercise intermediates and in-place reuse; `cases_data.rs` holds data movement and
-//! `cases_mm.rs` mul_mat and flash_attn.
+//! The op-by-op case list: [`all_cases`] gathers every family. This file holds the element-wise
+//! ops, the row-wise ops (norms, soft_max, reductions, argmax), rope, and multi-node chains that
+//! exercise intermediates and in-place reuse; `data.rs` holds data movement and `mm.rs`
+//! mul_mat and flash_attn.
 //!
 //! Shapes are odd on purpose (1, 3, 7, 33, 65) so that no kernel gets away with assuming
 //! multiples of a vector width; zero extents appear where the builders accept them.
 
-use super::harness::{Case, Fill, Lay, TRANSPOSED, case};
+use super::case::{Case, Fill, Lay, TRANSPOSED, case};
 use metashard::DType::{self, BF16, F16, F32, I32};
 use metashard::op::{BinaryOp, RopeMode, RopeParams, UnaryOp};
+
+mod data;
+mod mm;
+
+pub use mm::{kv_view, mul_mat_tols};
 
 /// Every case, in a fixed order.
 pub fn all_cases() -> Vec<Case> {
@@ -21,9 +26,9 @@ pub fn all_cases() -> Vec<Case> {
     rope_cases(&mut v);
     reduction_cases(&mut v);
     chain_cases(&mut v);
-    super::cases_data::data_cases(&mut v);
-    super::cases_mm::mul_mat_cases(&mut v);
-    super::cases_mm::flash_attn_cases(&mut v);
+    data::data_cases(&mut v);
+    mm::mul_mat_cases(&mut v);
+    mm::flash_attn_cases(&mut v);
     v
 }
 

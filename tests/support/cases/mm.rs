@@ -6,8 +6,8 @@
 //! Shapes stay modest (K, N <= 256, M <= 33) but for one larger mul_mat, so the whole list runs
 //! in seconds even on the placeholder matmul.
 
-use super::cases::u;
-use super::harness::{Case, Fill, Lay, TRANSPOSED, case, dtype_tol};
+use super::u;
+use crate::support::case::{Case, Fill, Lay, TRANSPOSED, case, dtype_tol, quantized_weight_types};
 use metashard::DType::{self, BF16, F16, F32, Q4_0, Q4_1, Q8_0};
 use metashard::{Graph, TensorId};
 
@@ -49,7 +49,12 @@ pub fn kv_view(g: &mut Graph, cache: TensorId, n: usize) -> metashard::Result<Te
 pub fn mul_mat_cases(v: &mut Vec<Case>) {
     let p = Lay::Packed;
     let mnk = |m: usize, n: usize, k: usize| format!("M={m} N={n} K={k}");
-    for dt in [F32, F16, BF16] {
+    // The float weight types.
+    for dt in DType::WEIGHT_TYPES
+        .iter()
+        .copied()
+        .filter(|d| !d.is_quantized())
+    {
         for m in [1, 2, 7, 32, 33] {
             for (k, n) in [(33, 17), (65, 7)] {
                 v.push(mm_case(
@@ -65,7 +70,7 @@ pub fn mul_mat_cases(v: &mut Vec<Case>) {
             ([1, 2, 1, 1], p),
         ));
     }
-    for dt in [Q8_0, Q4_0, Q4_1] {
+    for dt in quantized_weight_types() {
         for m in [1, 2, 7, 32, 33] {
             for (k, n) in [(32, 7), (96, 33), (256, 16)] {
                 v.push(mm_case(
@@ -93,7 +98,7 @@ pub fn mul_mat_cases(v: &mut Vec<Case>) {
         ([64, 5, 1, 1], p),
     ));
     // Batches, and src0 broadcast over dims 2 and 3 (r2 = 3, r3 = 2).
-    for dt in [F32, F16, BF16, Q8_0, Q4_0, Q4_1] {
+    for &dt in DType::WEIGHT_TYPES {
         v.push(mm_case(
             "batch 3 x 2".into(),
             (dt, [64, 9, 3, 2], p),

@@ -3,8 +3,8 @@
 //! `cont`/`cast` (including to and from quantized types), `concat`, and the view ops
 //! (`reshape`, `view`, `view_2d`, `view_3d`, `permute`, `transpose`) seen through `cont`.
 
-use super::cases::u;
-use super::harness::{Case, Fill, Lay, TRANSPOSED, case};
+use super::u;
+use crate::support::case::{Case, Fill, Lay, TRANSPOSED, case, quantized_weight_types};
 use metashard::DType::{self, BF16, F16, F32, I32, Q4_0, Q4_1, Q8_0};
 
 pub fn data_cases(v: &mut Vec<Case>) {
@@ -32,7 +32,7 @@ fn get_rows_case(dt: DType, table: [usize; 4], lay: Lay, ids: [usize; 4]) -> Cas
 }
 
 fn get_rows_cases(v: &mut Vec<Case>) {
-    for dt in [F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1] {
+    for dt in DType::WEIGHT_TYPES.iter().copied().chain([I32]) {
         let ne0 = if dt.is_quantized() { 64 } else { 7 };
         let p = Lay::Packed;
         v.push(get_rows_case(dt, [ne0, 10, 1, 1], p, [13, 1, 1, 1]));
@@ -170,7 +170,7 @@ fn cont_cases(v: &mut Vec<Case>) {
                 .build(|g, s| g.cont(s[0])),
         );
     }
-    for dt in [Q8_0, Q4_0, Q4_1] {
+    for dt in quantized_weight_types() {
         v.push(
             case("cont", "")
                 .packed("a", dt, [64, 3, 2, 1], u())

@@ -320,6 +320,52 @@ fn set_rows_into_a_partial_or_axis1_destination() {
     }
 }
 
+/// Tensors placed where the meta device cannot use them: two layouts at one offset of a meta
+/// buffer, and a node writing into a plain host buffer every device would write at once.
+#[test]
+fn misplaced_tensors_are_named() {
+    let dev = CPU
+        .meta_device(2, 1, HashMap::new(), MetaOptions::default())
+        .unwrap();
+    let l = Layout::contiguous(DType::F32, [8, 4, 1, 1]);
+    let (buf, offs) = alloc_tensors(dev.buffer_type().as_ref(), &[l]).unwrap();
+    buf.init_tensor("first", &l, offs[0]).unwrap();
+    let other = Layout::contiguous(DType::F32, [4, 4, 1, 1]);
+    match buf.init_tensor("second", &other, offs[0]).unwrap_err() {
+        Error::MetaPlacement { tensor, reason } => {
+            assert_eq!(tensor, "second");
+            assert!(reason.contains("`first`"), "{reason}");
+        }
+        e => panic!("expected MetaPlacement, got {e}"),
+    }
+    // A cache in a plain CPU buffer, written by set_rows on a meta backend of 2 devices.
+    let plain = parse_devices("cpu:1x1").unwrap().remove(0);
+    let cl = Layout::contiguous(DType::F32, [6, 8, 1, 1]);
+    let (cbuf, coffs) = alloc_tensors(plain.buffer_type().as_ref(), &[cl]).unwrap();
+    let mut g = Graph::new();
+    let cache = g.new_tensor("plain_cache", DType::F32, cl.ne).unwrap();
+    g.bind(cache, Storage::new(cbuf, coffs[0])).unwrap();
+    let rows = g.input("rows", DType::F32, [6, 1, 1, 1]).unwrap();
+    g.set_data(rows, vec![0u8; 24]).unwrap();
+    let ids = g.input("ids", DType::I32, [1, 1, 1, 1]).unwrap();
+    g.set_data(ids, 3i32.to_le_bytes().to_vec()).unwrap();
+    let w = g.set_rows(cache, rows, ids).unwrap();
+    g.set_name(w, "kv_write");
+    g.set_output(w);
+    let e = dev
+        .init_backend()
+        .unwrap()
+        .graph_compute(&mut g)
+        .unwrap_err();
+    match &e {
+        Error::MetaPlacement { tensor, reason } => {
+            assert_eq!(tensor, "plain_cache");
+            assert!(reason.contains("`kv_write` writes into it"), "{e}");
+        }
+        other => panic!("expected MetaPlacement, got {other}"),
+    }
+}
+
 // ---- a device failing mid-program --------------------------------------------------------------
 
 /// Rows of a table picked by ids split over the devices (one id each), joined with another

@@ -92,7 +92,9 @@ struct Slot {
 struct Batch {
     remaining: Mutex<usize>,
     done: Condvar,
-    finished: Vec<AtomicBool>,
+    /// Set once per device, by whoever settles it first: its worker finishing, or the caller
+    /// declaring it stalled. The one that sets it decrements `remaining`.
+    settled: Vec<AtomicBool>,
     panic: Mutex<Option<(usize, String)>>,
 }
 
@@ -169,10 +171,16 @@ impl DeviceWorkers {
     ) -> Result<Outcome> {
         let n = self.slots.len();
         assert_eq!(jobs.len(), n, "one job per worker");
+        // A worker abandoned by an earlier run whose replacement could not be spawned.
+        for d in 0..n {
+            if self.slots[d].abandoned.load(Ordering::Acquire) {
+                self.slots[d] = self.spawn(d)?;
+            }
+        }
         let batch = Arc::new(Batch {
             remaining: Mutex::new(n),
             done: Condvar::new(),
-            finished: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            settled: (0..n).map(|_| AtomicBool::new(false)).collect(),
             panic: Mutex::new(None),
         });
         let start = nanos_since(self.epoch);
@@ -206,7 +214,7 @@ impl DeviceWorkers {
                 let mut own_work_running = false;
                 let mut next = u64::MAX;
                 for (d, slot) in self.slots.iter().enumerate() {
-                    if batch.finished[d].load(Ordering::Acquire) || stalled.contains(&d) {
+                    if batch.settled[d].load(Ordering::Acquire) {
                         continue;
                     }
                     let waits = slot.waits_for_peers.load(Ordering::Relaxed);
@@ -228,11 +236,15 @@ impl DeviceWorkers {
                     .filter(|&(waits, _, _)| !waits || !own_work_running)
                     .map(|(_, since, d)| (d, since));
                 if let Some((d, _)) = oldest {
-                    stalled.push(d);
-                    stages.push(self.slots[d].stage.load(Ordering::Relaxed));
-                    *remaining -= 1;
-                    floor = now;
-                    on_stall(d);
+                    // Unless its worker settled it in the meantime (it just finished).
+                    if !batch.settled[d].swap(true, Ordering::AcqRel) {
+                        self.slots[d].abandoned.store(true, Ordering::Release);
+                        stalled.push(d);
+                        stages.push(self.slots[d].stage.load(Ordering::Relaxed));
+                        *remaining -= 1;
+                        floor = now;
+                        on_stall(d);
+                    }
                     continue;
                 }
                 let wait = Duration::from_nanos(next.saturating_sub(now))
@@ -250,8 +262,6 @@ impl DeviceWorkers {
             return Ok(Outcome::Done);
         }
         for &d in &stalled {
-            let old = &self.slots[d];
-            old.abandoned.store(true, Ordering::Release);
             self.slots[d] = self.spawn(d)?;
         }
         let waited = Duration::from_nanos(nanos_since(self.epoch).saturating_sub(start));
@@ -316,8 +326,7 @@ fn worker_loop(d: usize, slot: Arc<Slot>, epoch: Instant) {
                     };
                     b.panic.lock().get_or_insert((d, msg));
                 }
-                if !slot.abandoned.load(Ordering::Acquire) {
-                    b.finished[d].store(true, Ordering::Release);
+                if !b.settled[d].swap(true, Ordering::AcqRel) {
                     let mut rem = b.remaining.lock();
                     *rem -= 1;
                     if *rem == 0 {

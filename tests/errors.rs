@@ -485,3 +485,49 @@ fn out_of_range_ids_are_device_errors_and_the_backend_recovers() {
         assert_small_graph_runs(be.as_ref());
     }
 }
+
+/// A device list that would start an absurd number of threads is refused before any starts
+/// (`cpu:16x1024` used to spawn 16384 threads and abort on a stack guard after 25 s), and the
+/// error says how to raise the limit.
+#[test]
+fn absurd_thread_totals_are_refused_before_any_thread_starts() {
+    if std::env::var_os(metashard::cpu::MAX_THREADS_ENV).is_some() {
+        eprintln!(
+            "NOTE: {} is set: the default limit is not tested",
+            metashard::cpu::MAX_THREADS_ENV
+        );
+        return;
+    }
+    let limit = metashard::cpu::default_max_threads();
+    assert!(limit >= 64);
+    let t = std::time::Instant::now();
+    for (spec, total) in [
+        ("cpu:16x1024".to_string(), (16 * 1024).to_string()),
+        (format!("cpu:1x{}", limit + 1), (limit + 1).to_string()),
+        (
+            format!("cpu:2x{}", usize::MAX),
+            "more than usize::MAX".to_string(),
+        ),
+    ] {
+        let e = parse_devices(&spec)
+            .err()
+            .unwrap_or_else(|| panic!("{spec} must fail"));
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Device { .. }), "{spec}: {e:?}");
+        for want in [
+            spec.as_str(),
+            &format!("{total} threads"),
+            &format!("limit of {limit}"),
+            metashard::cpu::MAX_THREADS_ENV,
+        ] {
+            assert!(msg.contains(want), "{spec}: `{msg}` lacks {want:?}");
+        }
+    }
+    assert!(t.elapsed().as_secs() < 2, "took {:?}", t.elapsed());
+    // At the limit, the devices are made (threads start only with a backend).
+    assert_eq!(parse_devices(&format!("cpu:1x{limit}")).unwrap().len(), 1);
+    assert_eq!(parse_devices("cpu:16x4").unwrap().len(), 16);
+    // A pool starts its threads and reports them.
+    let pool = metashard::cpu::ThreadPool::new(3, "t").unwrap();
+    assert_eq!(pool.nth(), 3);
+}

@@ -96,7 +96,7 @@ impl MetaBackend {
             .collect::<Result<Vec<_>>>()?;
         Ok(MetaBackend {
             backends,
-            pool: ThreadPool::new(n, "meta"),
+            pool: ThreadPool::new(n, "meta")?,
             comm: Mutex::new(Arc::new(CpuCommunicator::new(n)?)),
             cache: Mutex::new(Vec::new()),
             last: Mutex::new(None),

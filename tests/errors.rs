@@ -531,3 +531,52 @@ fn absurd_thread_totals_are_refused_before_any_thread_starts() {
     let pool = metashard::cpu::ThreadPool::new(3, "t").unwrap();
     assert_eq!(pool.nth(), 3);
 }
+
+/// Split axes are checked, never wrapped (`axis(256, ..)` used to become axis 0), and extents
+/// are summed with checked arithmetic (`[usize::MAX, 97]` used to wrap and pass validation).
+#[test]
+fn split_state_axes_are_checked_and_extent_sums_cannot_wrap() {
+    use metashard::split_state::SplitState;
+    let l = Layout::contiguous(DType::F32, [8, 96, 1, 1]);
+    for axis in [4, 255, 256, usize::MAX] {
+        let s = SplitState::axis(axis, &[4, 4]);
+        assert_ne!(s.split_dim(), Some(0), "axis {axis} wrapped to 0");
+        let e = s.validate("w", &l, 2).unwrap_err().to_string();
+        assert!(
+            e.contains("`w`") && e.contains("not in 0..=3"),
+            "{axis}: {e}"
+        );
+        let e = SplitState::try_axis(axis, &[4, 4]).unwrap_err().to_string();
+        assert!(e.contains(&format!("split axis {axis}")), "{axis}: {e}");
+        assert!(SplitState::axis(0, &[4, 4]).rescaled(axis, 1, 1).is_none());
+    }
+    let wraps = [usize::MAX, 97];
+    let e = SplitState::axis(1, &wraps)
+        .validate("w", &l, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`w`") && e.contains("sum past usize::MAX"),
+        "{e}"
+    );
+    let e = SplitState::try_axis(1, &wraps).unwrap_err().to_string();
+    assert!(e.contains("sum past usize::MAX"), "{e}");
+    let e = SplitState::segmented(1, &[vec![usize::MAX, 1], vec![0, 96]])
+        .validate("w", &l, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sum past usize::MAX"), "{e}");
+    let e = SplitState::try_segmented(1, &[vec![48, 48], vec![0]])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("segment 1 has 1 extents"), "{e}");
+    assert!(
+        SplitState::axis(1, &[usize::MAX, 0])
+            .rescaled(1, 2, 1)
+            .is_none()
+    );
+    // Valid states still are.
+    let s = SplitState::try_axis(1, &[40, 56]).unwrap();
+    s.validate("w", &l, 2).unwrap();
+    assert_eq!(s, SplitState::axis(1, &[40, 56]));
+}

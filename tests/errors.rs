@@ -580,3 +580,78 @@ fn split_state_axes_are_checked_and_extent_sums_cannot_wrap() {
     s.validate("w", &l, 2).unwrap();
     assert_eq!(s, SplitState::axis(1, &[40, 56]));
 }
+
+/// Sampling settings out of range are refused by the library, naming the setting
+/// (`--temp NaN` used to generate garbage; `inf`, top-p 0, 2 or NaN and top-k 0 were taken).
+#[test]
+fn sampling_settings_out_of_range_are_refused() {
+    use metashard::models::llama::{Sampler, SamplerConfig};
+    let d = SamplerConfig::default();
+    let cases = [
+        (
+            SamplerConfig {
+                temperature: f32::NAN,
+                ..d
+            },
+            "temperature",
+            "NaN",
+        ),
+        (
+            SamplerConfig {
+                temperature: f32::INFINITY,
+                ..d
+            },
+            "temperature",
+            "inf",
+        ),
+        (
+            SamplerConfig {
+                temperature: -1.0,
+                ..d
+            },
+            "temperature",
+            "-1",
+        ),
+        (SamplerConfig { top_k: 0, ..d }, "top_k", "0"),
+        (SamplerConfig { top_p: 0.0, ..d }, "top_p", "0"),
+        (SamplerConfig { top_p: 2.0, ..d }, "top_p", "2"),
+        (
+            SamplerConfig {
+                top_p: f32::NAN,
+                ..d
+            },
+            "top_p",
+            "NaN",
+        ),
+    ];
+    for (cfg, name, value) in cases {
+        let e = Sampler::new(cfg)
+            .err()
+            .unwrap_or_else(|| panic!("{cfg:?} must fail"));
+        match &e {
+            Error::InvalidArgument {
+                name: n, value: v, ..
+            } => {
+                assert_eq!((n.as_str(), v.as_str()), (name, value), "{e}");
+            }
+            other => panic!("{cfg:?}: {other:?}"),
+        }
+    }
+    // Edges that are fine: greedy, top-p 1, top-k 1, a huge finite temperature.
+    for cfg in [
+        d,
+        SamplerConfig {
+            top_p: 1.0,
+            top_k: 1,
+            ..d
+        },
+        SamplerConfig {
+            temperature: 1e30,
+            ..d
+        },
+    ] {
+        let mut s = Sampler::new(cfg).unwrap();
+        let t = s.sample(&[0.0, 3.0, 1.0]);
+        assert!(t < 3, "{t}");
+    }
+}

@@ -109,7 +109,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
         top_k: a.top_k,
         top_p: a.top_p,
         seed: a.seed,
-    });
+    })?;
     let eos = m.tokenizer.eos();
     let mut stdout = std::io::stdout();
     let mut pending = Vec::new();

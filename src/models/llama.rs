@@ -1,8 +1,10 @@
 //! Llama-family decoders from GGUF files: hyper-parameters from the metadata
-//! (`{arch}.block_count`, `{arch}.embedding_length`, ... per GGUF's llama conventions), weights
-//! checked against them and placed in any buffer type (a meta buffer scatters them to the
-//! devices as they are placed), the byte-level BPE tokenizer and chat template, and a `Session`
-//! that evaluates tokens into a KV cache in batches.
+//! (`{arch}.block_count`, `{arch}.embedding_length`, ... per GGUF's llama conventions), each
+//! count checked against the tensors present before anything is sized by it (errors name the
+//! file and the key), weights checked against them and placed in any buffer type (a meta
+//! buffer scatters them to the devices as they are placed), the byte-level BPE tokenizer and
+//! chat template, a `Session` that evaluates tokens into a KV cache in batches, and sampling
+//! (settings out of range are refused) with a generation loop bounded by the context.
 //!
 //! When the output projection is tied to the token embedding (no `output.weight`), the
 //! embedding's bytes are placed a second time as `output.weight`, so the embedding can stay
@@ -413,7 +415,9 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    /// A session with a cache of `ctx` positions placed in `bt` (the backend's buffer type).
+    /// A session with a cache of `ctx` positions placed in `bt` (the backend's buffer type):
+    /// at most the model's context length, rounded up to a multiple of [`KV_PAD`] (see
+    /// [`Session::capacity`]). A context of 0 is an error.
     pub fn new(
         model: &'m LlamaModel,
         backend: Arc<dyn Backend>,
@@ -421,8 +425,19 @@ impl<'m> Session<'m> {
         ctx: usize,
     ) -> Result<Self> {
         let ctx = ctx
-            .next_multiple_of(KV_PAD)
-            .min(model.context_length.next_multiple_of(KV_PAD));
+            .min(model.context_length)
+            .checked_next_multiple_of(KV_PAD)
+            .filter(|&c| c > 0)
+            .ok_or_else(|| {
+                Error::invalid_argument(
+                    "context",
+                    ctx,
+                    format!(
+                        "must be in 1..={} (the model's context length)",
+                        model.context_length
+                    ),
+                )
+            })?;
         let (buf, cache) = alloc_kv_cache(&model.cfg, ctx, bt)?;
         Ok(Session {
             model,
@@ -510,13 +525,50 @@ impl<'m> Session<'m> {
     }
 }
 
-/// Sampling settings: temperature 0 is greedy.
+/// Sampling settings: temperature 0 is greedy. [`SamplerConfig::validate`] says which values
+/// are accepted; [`Sampler::new`] refuses the others.
 #[derive(Clone, Copy, Debug)]
 pub struct SamplerConfig {
+    /// Finite and >= 0; 0 is greedy.
     pub temperature: f32,
+    /// At least 1: sample among the `top_k` most likely tokens (1 is greedy; a value at or
+    /// above the vocabulary size keeps every token).
     pub top_k: usize,
+    /// In (0, 1]: then among the fewest tokens whose probability adds up to `top_p`.
     pub top_p: f32,
     pub seed: u64,
+}
+
+impl SamplerConfig {
+    /// An [`Error::InvalidArgument`] naming the first setting out of range: a NaN or infinite
+    /// or negative temperature, `top_k` 0, `top_p` outside (0, 1] or NaN.
+    pub fn validate(&self) -> Result<()> {
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(Error::invalid_argument(
+                "temperature",
+                t,
+                "must be a finite number >= 0 (0 is greedy)",
+            ));
+        }
+        if self.top_k == 0 {
+            return Err(Error::invalid_argument(
+                "top_k",
+                0,
+                "must be at least 1 (1 is greedy; a value at or above the vocabulary size keeps \
+                 every token)",
+            ));
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(Error::invalid_argument(
+                "top_p",
+                p,
+                "must be in (0, 1] (1 keeps every token)",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for SamplerConfig {
@@ -537,11 +589,14 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn new(cfg: SamplerConfig) -> Self {
-        Sampler {
+    /// A sampler with `cfg`; an error naming the setting when [`SamplerConfig::validate`]
+    /// refuses it.
+    pub fn new(cfg: SamplerConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Sampler {
             cfg,
             state: cfg.seed ^ 0x5DEE_CE66_D1CE_4E5B,
-        }
+        })
     }
 
     fn next_f64(&mut self) -> f64 {
@@ -560,9 +615,7 @@ impl Sampler {
         }
         let mut idx: Vec<usize> = (0..logits.len()).collect();
         idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        if self.cfg.top_k > 0 {
-            idx.truncate(self.cfg.top_k);
-        }
+        idx.truncate(self.cfg.top_k.max(1));
         let t = self.cfg.temperature as f64;
         let m = logits[idx[0]] as f64;
         let mut p: Vec<f64> = idx
@@ -604,7 +657,33 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-/// Timings of one generation.
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The requested number of tokens was generated.
+    #[default]
+    Count,
+    /// The end-of-sequence token was generated.
+    Eos,
+    /// The `on_token` callback asked to stop.
+    Callback,
+    /// The context (the session's KV cache) is full: no further token can be evaluated.
+    Context,
+}
+
+impl StopReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::Count => "count",
+            StopReason::Eos => "eos",
+            StopReason::Callback => "callback",
+            StopReason::Context => "context",
+        }
+    }
+}
+
+/// Timings of one generation, and why it stopped.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GenStats {
     pub prompt_tokens: usize,
@@ -613,6 +692,7 @@ pub struct GenStats {
     /// Decode steps run (each evaluates one token); the first token comes from the prompt.
     pub gen_evals: usize,
     pub gen_secs: f64,
+    pub stop: StopReason,
 }
 
 impl GenStats {
@@ -626,7 +706,9 @@ impl GenStats {
 }
 
 /// Evaluate `prompt`, then generate up to `n` tokens; `on_token` sees each and may stop the
-/// generation by returning false. Stops at the end-of-sequence token unless `ignore_eos`.
+/// generation by returning false. Stops at the end-of-sequence token unless `ignore_eos`, and
+/// when the session's context is full ([`GenStats::stop`] says which), so any `n` is safe:
+/// nothing is sized by `n` beyond what the context can hold.
 pub fn generate(
     s: &mut Session,
     prompt: &[u32],
@@ -643,13 +725,27 @@ pub fn generate(
     let mut logits = s.eval(prompt, false)?;
     stats.prompt_secs = t0.elapsed().as_secs_f64();
     let eos = s.model.tokenizer.eos();
-    let mut out = Vec::with_capacity(n);
+    // Each token but the last is evaluated, so at most `capacity - n_past + 1` come out.
+    let room = s.capacity().saturating_sub(s.n_past()).saturating_add(1);
+    let mut out = Vec::with_capacity(n.min(room));
     let t0 = std::time::Instant::now();
     for i in 0..n {
         let t = sampler.sample(&logits);
         out.push(t);
         let go_on = on_token(t);
-        if (!ignore_eos && Some(t) == eos) || !go_on || i + 1 == n || s.n_past() >= s.capacity() {
+        let stop = if !ignore_eos && Some(t) == eos {
+            Some(StopReason::Eos)
+        } else if !go_on {
+            Some(StopReason::Callback)
+        } else if i + 1 == n {
+            Some(StopReason::Count)
+        } else if s.n_past() >= s.capacity() {
+            Some(StopReason::Context)
+        } else {
+            None
+        };
+        if let Some(r) = stop {
+            stats.stop = r;
             break;
         }
         logits = s.eval(&[t], false)?;

@@ -6,7 +6,7 @@
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
 use metashard::models::llama::LlamaModel;
-use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
+use metashard::models::open::{OpenOptions, PromptOptions, open_decoder, prompt_tokens};
 use metashard::models::paths::{ModelPath, resolve};
 use metashard::verify::{greedy, max_abs, nmse, reference};
 use std::path::PathBuf;
@@ -51,7 +51,11 @@ fn load(
 
 fn tokens_of(m: &LlamaModel, i: usize) -> Vec<u32> {
     let (chat, p) = PROMPTS[i];
-    prompt_tokens(m, p, None, !chat).unwrap()
+    let opts = PromptOptions {
+        raw: !chat,
+        ..PromptOptions::default()
+    };
+    prompt_tokens(m, p, &opts).unwrap()
 }
 
 /// The reference's greedy tokens and last-prompt-position logits.

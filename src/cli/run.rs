@@ -7,7 +7,7 @@ use metashard::Result;
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
 use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, generate};
-use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
+use metashard::models::open::{OpenOptions, PromptOptions, open_decoder, prompt_tokens};
 use metashard::tokenizer::Tokenizer;
 use std::io::Write;
 
@@ -101,7 +101,12 @@ pub fn run(a: &RunArgs) -> Result<()> {
         a.json,
     )?;
     m.cfg.fused_attn = !a.no_flash;
-    let prompt = prompt_tokens(&m, &a.prompt, a.system.as_deref(), a.raw)?;
+    let opts = PromptOptions {
+        system: a.system.as_deref(),
+        raw: a.raw,
+        special: false,
+    };
+    let prompt = prompt_tokens(&m, &a.prompt, &opts)?;
     let ctx = a.ctx.unwrap_or(prompt.len() + a.n_predict + 1);
     let mut session = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
     let mut sampler = Sampler::new(SamplerConfig {

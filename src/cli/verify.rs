@@ -6,7 +6,7 @@
 
 use super::run::load;
 use metashard::cpu::Precision;
-use metashard::models::open::prompt_tokens;
+use metashard::models::open::{PromptOptions, prompt_tokens};
 use metashard::verify::{compare_nodes, greedy, max_abs, nmse, reference};
 use metashard::{Error, Result};
 
@@ -55,7 +55,11 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         a.mirror_attention,
         a.json,
     )?;
-    let prompt = prompt_tokens(&m1, &a.prompt, None, a.raw)?;
+    let opts = PromptOptions {
+        raw: a.raw,
+        ..PromptOptions::default()
+    };
+    let prompt = prompt_tokens(&m1, &a.prompt, &opts)?;
     let (l1, t1) = greedy(&m1, &single, &prompt, a.steps)?;
     let (l2, t2) = greedy(&m2, &sharded, &prompt, a.steps)?;
     let same = t1.iter().zip(&t2).take_while(|(x, y)| x == y).count();

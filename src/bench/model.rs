@@ -19,6 +19,8 @@ pub struct ModelBenchOptions {
     /// Precisions of products with quantized weights (each device set runs at each; empty:
     /// [`Precision::Exact`]).
     pub precisions: Vec<Precision>,
+    /// `--tensor-split` and `--mirror-attention` for the device sets of several devices.
+    pub split: crate::cli::SplitArgs,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -99,7 +101,27 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     for spec in &opts.devices {
         for &precision in &precisions {
             progress(&format!("loading {} on {spec} ({precision})", opts.model));
-            let (set, m) = load(&opts.model, spec, precision, None, false, true)?;
+            let (set, m) = load(
+                &opts.model,
+                spec,
+                precision,
+                opts.split.tensor_split.clone(),
+                opts.split.mirror_attention,
+                true,
+            )?;
+            // The prompt, the steps and the warm-up token must fit the context.
+            let need = opts.pp.checked_add(opts.tg).and_then(|n| n.checked_add(2));
+            if opts.pp == 0 || need.is_none_or(|n| n > m.context_length) {
+                return Err(metashard::Error::invalid_argument(
+                    "--pp + --tg",
+                    format!("{} + {}", opts.pp, opts.tg),
+                    format!(
+                        "the prompt (at least 1 token), the steps and 2 more must fit the \
+                         model's context of {} tokens",
+                        m.context_length
+                    ),
+                ));
+            }
             configs.push(Config {
                 spec: spec.clone(),
                 precision,

@@ -116,7 +116,10 @@ fn run(pool: &ThreadPool, s: &Setup) {
 }
 
 fn bench_dtype(c: &mut Criterion, dtype: DType) {
-    let pools: Vec<ThreadPool> = [1, 2].iter().map(|&t| ThreadPool::new(t, "crit")).collect();
+    let pools: Vec<ThreadPool> = [1, 2]
+        .iter()
+        .map(|&t| ThreadPool::new(t, "crit").unwrap())
+        .collect();
     let mut g = c.benchmark_group(dtype.name());
     g.sample_size(20);
     let mut shapes = vec![(1, 4096, 4096), (32, 4096, 4096)];

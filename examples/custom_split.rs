@@ -58,7 +58,7 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
         set.buffer_type.as_ref(),
         tokens.len() + n + 1,
     )?;
-    let mut sampler = Sampler::new(SamplerConfig::default());
+    let mut sampler = Sampler::new(SamplerConfig::default())?;
     let (out, stats) = generate(&mut session, &tokens, n, &mut sampler, false, |_| true)?;
     let eos = model.tokenizer.eos();
     let out: Vec<u32> = out.into_iter().filter(|&t| Some(t) != eos).collect();

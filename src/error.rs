@@ -178,6 +178,16 @@ pub enum Error {
     #[error("model {model}: {reason}")]
     Model { model: String, reason: String },
 
+    // ---- parameters -------------------------------------------------------------------
+    /// A parameter (a sampling setting, a count, a thread total, a command-line flag) has a
+    /// value it cannot take; `name` is the parameter or flag, `value` what was given.
+    #[error("{name} {value}: {reason}")]
+    InvalidArgument {
+        name: String,
+        value: String,
+        reason: String,
+    },
+
     /// Anything else, with a sentence that says what.
     #[error("{0}")]
     Msg(String),
@@ -217,6 +227,18 @@ impl Error {
         Error::Format {
             path: path.into(),
             field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn invalid_argument(
+        name: impl Into<String>,
+        value: impl std::fmt::Display,
+        reason: impl Into<String>,
+    ) -> Self {
+        Error::InvalidArgument {
+            name: name.into(),
+            value: value.to_string(),
             reason: reason.into(),
         }
     }

@@ -26,6 +26,7 @@ enum Cmd {
         /// A device list: `cpu`, `cpu:N`, `cpu:NxT`.
         #[arg(long)]
         devices: Option<String>,
+        /// Print a JSON array (name, kind, description, memory) instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -68,21 +69,27 @@ enum BenchCmd {
         /// Keep one copy of the weights (may stay in cache, as ggml's perf mode does).
         #[arg(long)]
         no_rotate: bool,
+        /// Print the results as JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
     /// A real model's prompt (pp) and generation (tg) tokens/s on each device set.
     Model {
+        /// Model name (`smollm2`) or path to a `.gguf` file.
         #[arg(long, default_value = "smollm2")]
         model: String,
         /// Device sets to compare (repeat the flag); the first is the baseline of the ratios.
         #[arg(long, default_values_t = vec!["cpu:1x2".to_string(), "cpu:2x1".to_string()])]
         devices: Vec<String>,
-        #[arg(long, default_value_t = 128)]
+        /// Prompt tokens evaluated in one batch (at least 1; with --tg, within the model's
+        /// context).
+        #[arg(long, default_value_t = 128, value_parser = cli::parse_positive)]
         pp: usize,
+        /// Generation steps timed after the prompt.
         #[arg(long, default_value_t = 64)]
         tg: usize,
-        #[arg(long, default_value_t = 3)]
+        /// Repetitions of each configuration (median reported; at least 1).
+        #[arg(long, default_value_t = 3, value_parser = cli::parse_positive)]
         reps: usize,
         /// Precisions of products with quantized weights, e.g. `exact,q8` (every device
         /// set runs at each; repetitions interleave).
@@ -91,6 +98,10 @@ enum BenchCmd {
         /// Shorthand for `--precision q8`.
         #[arg(long, conflicts_with = "precision")]
         q8: bool,
+        // The split flags apply to the device sets of several devices.
+        #[command(flatten)]
+        split: cli::SplitArgs,
+        /// Print the report as JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -99,15 +110,16 @@ enum BenchCmd {
         /// The graph: a transformer block or ggml's 4-layer MLP stack.
         #[arg(long, value_enum, default_value = "block")]
         graph: bench::meta::BenchGraph,
-        /// Token counts per step.
+        /// Token counts per step (each in 1..=4096).
         #[arg(long, value_delimiter = ',', default_value = "1,128")]
         tokens: Vec<usize>,
-        /// Timed steps per configuration (median reported).
-        #[arg(long, default_value_t = 20)]
+        /// Timed steps per configuration (median reported; at least 1).
+        #[arg(long, default_value_t = 20, value_parser = cli::parse_positive)]
         reps: usize,
         /// Use the fused attention kernel in the block.
         #[arg(long)]
         fused_attn: bool,
+        /// Print the report as JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -165,8 +177,15 @@ fn run(cli: Cli) -> Result<()> {
                 reps,
                 precision,
                 q8,
+                split,
                 json,
             } => {
+                // The split flags apply to the device sets of several devices.
+                for d in &devices {
+                    if parse_devices(d)?.len() > 1 {
+                        split.check(d)?;
+                    }
+                }
                 let opts = bench::model::ModelBenchOptions {
                     model,
                     devices,
@@ -174,6 +193,7 @@ fn run(cli: Cli) -> Result<()> {
                     tg,
                     reps,
                     precisions: precisions(precision, q8),
+                    split,
                 };
                 let report = bench::model::run(&opts, &|line| eprintln!("{line}"))?;
                 if json {
@@ -190,10 +210,17 @@ fn run(cli: Cli) -> Result<()> {
                 fused_attn,
                 json,
             } => {
+                if let Some(&t) = tokens.iter().find(|&&t| t == 0 || t > 4096) {
+                    return Err(metashard::Error::invalid_argument(
+                        "--tokens",
+                        t,
+                        "token counts must be in 1..=4096",
+                    ));
+                }
                 let opts = bench::meta::MetaBenchOptions {
                     graph,
                     tokens,
-                    reps: reps.max(1),
+                    reps,
                     fused_attn,
                 };
                 let report = bench::meta::run(&opts, &|line| eprintln!("{line}"))?;

@@ -25,19 +25,19 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Prompt logits and `steps` greedy tokens.
+/// Prompt logits and `steps` greedy tokens. The prompt and the steps must fit the model's
+/// context: an [`Error::InvalidArgument`] naming `steps` otherwise.
 pub fn greedy(
     m: &LlamaModel,
     set: &DeviceSet,
     prompt: &[u32],
     steps: usize,
 ) -> Result<(Vec<f32>, Vec<u32>)> {
-    let mut s = Session::new(
-        m,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        prompt.len() + steps + 1,
-    )?;
+    let ctx = max_steps(m, prompt.len())
+        .filter(|&max| steps <= max)
+        .map(|_| prompt.len() + steps)
+        .ok_or_else(|| steps_error(m, prompt.len(), "steps", steps))?;
+    let mut s = Session::new(m, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
     let first = s.eval(prompt, false)?;
     let mut logits = first.clone();
     let mut toks = Vec::with_capacity(steps);
@@ -49,6 +49,32 @@ pub fn greedy(
         }
     }
     Ok((first, toks))
+}
+
+/// The most greedy steps after a prompt of `prompt_len` tokens in the model's context (`None`
+/// when the prompt alone fills it).
+pub fn max_steps(m: &LlamaModel, prompt_len: usize) -> Option<usize> {
+    m.context_length
+        .checked_sub(prompt_len)
+        .filter(|_| prompt_len > 0)
+}
+
+/// The error for `steps` (named `name`, e.g. `--steps`) that do not fit after the prompt.
+pub fn steps_error(m: &LlamaModel, prompt_len: usize, name: &str, steps: usize) -> Error {
+    let reason = match max_steps(m, prompt_len) {
+        Some(max) => format!(
+            "the prompt ({prompt_len} tokens) and the steps must fit the model's context of {} \
+             positions: at most {max} steps",
+            m.context_length
+        ),
+        None if prompt_len == 0 => "the prompt has no tokens".to_string(),
+        None => format!(
+            "the prompt ({prompt_len} tokens) alone does not fit the model's context of {} \
+             positions",
+            m.context_length
+        ),
+    };
+    Error::invalid_argument(name, steps, reason)
 }
 
 /// Run the numpy reference on `prompt`: its greedy tokens and last-prompt-position logits.

@@ -485,3 +485,173 @@ fn out_of_range_ids_are_device_errors_and_the_backend_recovers() {
         assert_small_graph_runs(be.as_ref());
     }
 }
+
+/// A device list that would start an absurd number of threads is refused before any starts
+/// (`cpu:16x1024` used to spawn 16384 threads and abort on a stack guard after 25 s), and the
+/// error says how to raise the limit.
+#[test]
+fn absurd_thread_totals_are_refused_before_any_thread_starts() {
+    if std::env::var_os(metashard::cpu::MAX_THREADS_ENV).is_some() {
+        eprintln!(
+            "NOTE: {} is set: the default limit is not tested",
+            metashard::cpu::MAX_THREADS_ENV
+        );
+        return;
+    }
+    let limit = metashard::cpu::default_max_threads();
+    assert!(limit >= 64);
+    let t = std::time::Instant::now();
+    for (spec, total) in [
+        ("cpu:16x1024".to_string(), (16 * 1024).to_string()),
+        (format!("cpu:1x{}", limit + 1), (limit + 1).to_string()),
+        (
+            format!("cpu:2x{}", usize::MAX),
+            "more than usize::MAX".to_string(),
+        ),
+    ] {
+        let e = parse_devices(&spec)
+            .err()
+            .unwrap_or_else(|| panic!("{spec} must fail"));
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Device { .. }), "{spec}: {e:?}");
+        for want in [
+            spec.as_str(),
+            &format!("{total} threads"),
+            &format!("limit of {limit}"),
+            metashard::cpu::MAX_THREADS_ENV,
+        ] {
+            assert!(msg.contains(want), "{spec}: `{msg}` lacks {want:?}");
+        }
+    }
+    assert!(t.elapsed().as_secs() < 2, "took {:?}", t.elapsed());
+    // At the limit, the devices are made (threads start only with a backend).
+    assert_eq!(parse_devices(&format!("cpu:1x{limit}")).unwrap().len(), 1);
+    assert_eq!(parse_devices("cpu:16x4").unwrap().len(), 16);
+    // A pool starts its threads and reports them.
+    let pool = metashard::cpu::ThreadPool::new(3, "t").unwrap();
+    assert_eq!(pool.nth(), 3);
+}
+
+/// Split axes are checked, never wrapped (`axis(256, ..)` used to become axis 0), and extents
+/// are summed with checked arithmetic (`[usize::MAX, 97]` used to wrap and pass validation).
+#[test]
+fn split_state_axes_are_checked_and_extent_sums_cannot_wrap() {
+    use metashard::split_state::SplitState;
+    let l = Layout::contiguous(DType::F32, [8, 96, 1, 1]);
+    for axis in [4, 255, 256, usize::MAX] {
+        let s = SplitState::axis(axis, &[4, 4]);
+        assert_ne!(s.split_dim(), Some(0), "axis {axis} wrapped to 0");
+        let e = s.validate("w", &l, 2).unwrap_err().to_string();
+        assert!(
+            e.contains("`w`") && e.contains("not in 0..=3"),
+            "{axis}: {e}"
+        );
+        let e = SplitState::try_axis(axis, &[4, 4]).unwrap_err().to_string();
+        assert!(e.contains(&format!("split axis {axis}")), "{axis}: {e}");
+        assert!(SplitState::axis(0, &[4, 4]).rescaled(axis, 1, 1).is_none());
+    }
+    let wraps = [usize::MAX, 97];
+    let e = SplitState::axis(1, &wraps)
+        .validate("w", &l, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`w`") && e.contains("sum past usize::MAX"),
+        "{e}"
+    );
+    let e = SplitState::try_axis(1, &wraps).unwrap_err().to_string();
+    assert!(e.contains("sum past usize::MAX"), "{e}");
+    let e = SplitState::segmented(1, &[vec![usize::MAX, 1], vec![0, 96]])
+        .validate("w", &l, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sum past usize::MAX"), "{e}");
+    let e = SplitState::try_segmented(1, &[vec![48, 48], vec![0]])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("segment 1 has 1 extents"), "{e}");
+    assert!(
+        SplitState::axis(1, &[usize::MAX, 0])
+            .rescaled(1, 2, 1)
+            .is_none()
+    );
+    // Valid states still are.
+    let s = SplitState::try_axis(1, &[40, 56]).unwrap();
+    s.validate("w", &l, 2).unwrap();
+    assert_eq!(s, SplitState::axis(1, &[40, 56]));
+}
+
+/// Sampling settings out of range are refused by the library, naming the setting
+/// (`--temp NaN` used to generate garbage; `inf`, top-p 0, 2 or NaN and top-k 0 were taken).
+#[test]
+fn sampling_settings_out_of_range_are_refused() {
+    use metashard::models::llama::{Sampler, SamplerConfig};
+    let d = SamplerConfig::default();
+    let cases = [
+        (
+            SamplerConfig {
+                temperature: f32::NAN,
+                ..d
+            },
+            "temperature",
+            "NaN",
+        ),
+        (
+            SamplerConfig {
+                temperature: f32::INFINITY,
+                ..d
+            },
+            "temperature",
+            "inf",
+        ),
+        (
+            SamplerConfig {
+                temperature: -1.0,
+                ..d
+            },
+            "temperature",
+            "-1",
+        ),
+        (SamplerConfig { top_k: 0, ..d }, "top_k", "0"),
+        (SamplerConfig { top_p: 0.0, ..d }, "top_p", "0"),
+        (SamplerConfig { top_p: 2.0, ..d }, "top_p", "2"),
+        (
+            SamplerConfig {
+                top_p: f32::NAN,
+                ..d
+            },
+            "top_p",
+            "NaN",
+        ),
+    ];
+    for (cfg, name, value) in cases {
+        let e = Sampler::new(cfg)
+            .err()
+            .unwrap_or_else(|| panic!("{cfg:?} must fail"));
+        match &e {
+            Error::InvalidArgument {
+                name: n, value: v, ..
+            } => {
+                assert_eq!((n.as_str(), v.as_str()), (name, value), "{e}");
+            }
+            other => panic!("{cfg:?}: {other:?}"),
+        }
+    }
+    // Edges that are fine: greedy, top-p 1, top-k 1, a huge finite temperature.
+    for cfg in [
+        d,
+        SamplerConfig {
+            top_p: 1.0,
+            top_k: 1,
+            ..d
+        },
+        SamplerConfig {
+            temperature: 1e30,
+            ..d
+        },
+    ] {
+        let mut s = Sampler::new(cfg).unwrap();
+        let t = s.sample(&[0.0, 3.0, 1.0]);
+        assert!(t < 3, "{t}");
+    }
+}

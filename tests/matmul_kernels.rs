@@ -321,7 +321,9 @@ fn check(c: &Case, pools: &[ThreadPool], seed: u64) {
 }
 
 fn pools() -> Vec<ThreadPool> {
-    (1..=3).map(|n| ThreadPool::new(n, "mm-test")).collect()
+    (1..=3)
+        .map(|n| ThreadPool::new(n, "mm-test").unwrap())
+        .collect()
 }
 
 fn base(wt: DType, m: usize) -> Case {

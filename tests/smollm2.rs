@@ -6,7 +6,7 @@
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
 use metashard::models::llama::LlamaModel;
-use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
+use metashard::models::open::{OpenOptions, PromptOptions, open_decoder, prompt_tokens};
 use metashard::models::paths::{ModelPath, resolve};
 use metashard::verify::{greedy, max_abs, nmse, reference};
 use std::path::PathBuf;
@@ -51,7 +51,11 @@ fn load(
 
 fn tokens_of(m: &LlamaModel, i: usize) -> Vec<u32> {
     let (chat, p) = PROMPTS[i];
-    prompt_tokens(m, p, None, !chat).unwrap()
+    let opts = PromptOptions {
+        raw: !chat,
+        ..PromptOptions::default()
+    };
+    prompt_tokens(m, p, &opts).unwrap()
 }
 
 /// The reference's greedy tokens and last-prompt-position logits.
@@ -172,6 +176,56 @@ fn the_chat_answer_is_coherent() {
     let (_, toks) = greedy(&m, &set, &tokens_of(&m, 0), 12).unwrap();
     let text = String::from_utf8_lossy(&m.tokenizer.decode_bytes(&toks).unwrap()).to_string();
     assert!(text.contains("Paris"), "{text}");
+}
+
+/// Generation is bounded by the context whatever `n` asks (`-n 18446744073709551615` used to
+/// panic with `capacity overflow`, `-n 1000000000000` to abort allocating 4 TB) and says why
+/// it stopped; greedy steps past the context and a context of 0 are errors naming them.
+#[test]
+fn generation_stops_at_the_context_and_says_so() {
+    use metashard::models::llama::{Sampler, SamplerConfig, Session, StopReason, generate};
+    let (set, m) = load("smollm2", "cpu:1x1", Precision::Exact, None, false).unwrap();
+    let prompt = tokens_of(&m, 0);
+    let session = |ctx| Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), ctx);
+    let mut sampler = Sampler::new(SamplerConfig::default()).unwrap();
+    let mut s = session(prompt.len() + 4).unwrap();
+    let cap = s.capacity();
+    assert!(cap > prompt.len() && cap < prompt.len() + 64, "{cap}");
+    for n in [usize::MAX, 1_000_000_000_000] {
+        s.reset();
+        let t = std::time::Instant::now();
+        let (out, stats) = generate(&mut s, &prompt, n, &mut sampler, true, |_| true).unwrap();
+        assert_eq!(stats.stop, StopReason::Context);
+        // Every position holds a token, and the last sampled one is not evaluated.
+        assert_eq!(out.len(), cap - prompt.len() + 1);
+        assert_eq!(s.n_past(), cap);
+        assert!(t.elapsed().as_secs() < 60, "took {:?}", t.elapsed());
+    }
+    s.reset();
+    let (out, stats) = generate(&mut s, &prompt, 3, &mut sampler, true, |_| true).unwrap();
+    assert_eq!((out.len(), stats.stop), (3, StopReason::Count));
+    s.reset();
+    let (_, stats) = generate(&mut s, &prompt, 3, &mut sampler, true, |_| false).unwrap();
+    assert_eq!(stats.stop, StopReason::Callback);
+    s.reset();
+    let (out, stats) = generate(&mut s, &prompt, 64, &mut sampler, false, |_| true).unwrap();
+    assert_eq!(stats.stop, StopReason::Eos, "{out:?}");
+
+    let e = session(0).err().expect("a context of 0").to_string();
+    assert!(e.contains("context 0"), "{e}");
+    for steps in [usize::MAX, m.context_length] {
+        let e = greedy(&m, &set, &prompt, steps)
+            .expect_err("steps past the context")
+            .to_string();
+        assert!(
+            e.contains(&format!("steps {steps}"))
+                && e.contains(&format!(
+                    "at most {} steps",
+                    m.context_length - prompt.len()
+                )),
+            "{e}"
+        );
+    }
 }
 
 #[test]

@@ -250,7 +250,7 @@ fn bandwidth() -> Result<Vec<BandwidthRow>> {
                 )
             })
             .collect();
-        let pool = metashard::cpu::ThreadPool::new(2, "bench-ar");
+        let pool = metashard::cpu::ThreadPool::new(2, "bench-ar")?;
         let start = Instant::now();
         pool.run(&|r, _| {
             let mut b = bufs[r].lock();

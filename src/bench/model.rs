@@ -19,6 +19,8 @@ pub struct ModelBenchOptions {
     /// Precisions of products with quantized weights (each device set runs at each; empty:
     /// [`Precision::Exact`]).
     pub precisions: Vec<Precision>,
+    /// `--tensor-split` and `--mirror-attention` for the device sets of several devices.
+    pub split: crate::cli::SplitArgs,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -48,10 +50,10 @@ pub struct ModelBenchReport {
 
 /// Read `bytes` once per thread share and sum, `reps` times (after one untimed read); the GB/s
 /// of each.
-pub fn stream_read_samples(threads: usize, bytes: usize, reps: usize) -> Vec<f64> {
+pub fn stream_read_samples(threads: usize, bytes: usize, reps: usize) -> Result<Vec<f64>> {
     let n = bytes / 4;
     let data: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
-    let pool = ThreadPool::new(threads, "stream");
+    let pool = ThreadPool::new(threads, "stream")?;
     let sink = parking_lot::Mutex::new(0f32);
     let mut times = Vec::new();
     for _ in 0..reps + 1 {
@@ -71,7 +73,7 @@ pub fn stream_read_samples(threads: usize, bytes: usize, reps: usize) -> Vec<f64
     }
     std::hint::black_box(*sink.lock());
     times.remove(0);
-    times.iter().map(|t| bytes as f64 / t / 1e9).collect()
+    Ok(times.iter().map(|t| bytes as f64 / t / 1e9).collect())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -94,12 +96,32 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
         opts.precisions.clone()
     };
     progress("measuring streaming bandwidth");
-    let mut stream = stream_read_samples(2, 512 << 20, 5);
+    let mut stream = stream_read_samples(2, 512 << 20, 5)?;
     let mut configs = Vec::new();
     for spec in &opts.devices {
         for &precision in &precisions {
             progress(&format!("loading {} on {spec} ({precision})", opts.model));
-            let (set, m) = load(&opts.model, spec, precision, None, false, true)?;
+            let (set, m) = load(
+                &opts.model,
+                spec,
+                precision,
+                opts.split.tensor_split.clone(),
+                opts.split.mirror_attention,
+                true,
+            )?;
+            // The prompt, the steps and the warm-up token must fit the context.
+            let need = opts.pp.checked_add(opts.tg).and_then(|n| n.checked_add(2));
+            if opts.pp == 0 || need.is_none_or(|n| n > m.context_length) {
+                return Err(metashard::Error::invalid_argument(
+                    "--pp + --tg",
+                    format!("{} + {}", opts.pp, opts.tg),
+                    format!(
+                        "the prompt (at least 1 token), the steps and 2 more must fit the \
+                         model's context of {} tokens",
+                        m.context_length
+                    ),
+                ));
+            }
             configs.push(Config {
                 spec: spec.clone(),
                 precision,
@@ -178,7 +200,7 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     // The bandwidth of a shared machine drifts: measured before and after the model runs, and
     // the median of both sets reported.
     progress("measuring streaming bandwidth");
-    stream.extend(stream_read_samples(2, 512 << 20, 5));
+    stream.extend(stream_read_samples(2, 512 << 20, 5)?);
     let stream_gbps = median(stream);
     Ok(ModelBenchReport {
         model: name,

@@ -200,7 +200,7 @@ pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
         .threads
         .iter()
         .map(|&t| ThreadPool::new(t, "bench"))
-        .collect();
+        .collect::<Result<_>>()?;
     let total = selected.len() * pools.len();
     let mut out = Vec::with_capacity(total);
     for (ci, case) in selected.iter().enumerate() {

@@ -20,11 +20,11 @@ pub struct EmbedOptions {
     #[arg(long)]
     pub json: bool,
     /// Sentences per batch (each batch is padded to its longest sentence), as
-    /// sentence-transformers' default.
-    #[arg(long, default_value_t = 32)]
+    /// sentence-transformers' default; at least 1.
+    #[arg(long, default_value_t = 32, value_parser = super::parse_positive)]
     pub batch_size: usize,
-    /// Run the batches this many times; the median time goes to stderr.
-    #[arg(long, default_value_t = 1)]
+    /// Run the batches this many times (at least 1); the median time goes to stderr.
+    #[arg(long, default_value_t = 1, value_parser = super::parse_positive)]
     pub repeat: usize,
     /// The sentences, embedded as one padded batch.
     #[arg(required = true)]

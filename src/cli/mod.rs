@@ -1,11 +1,169 @@
 //! Command implementations of the `metashard` binary (not part of the library, so a user of
-//! the crate does not pull clap and indicatif): `run`, `verify`, `embed`, progress bars and
-//! memory summaries. What they compute lives in the library (`devices`, `models::open`,
+//! the crate does not pull clap and indicatif): `run`, `verify`, `embed`, the flags they share
+//! (split and prompt flags) with the parsers that refuse bad values naming the flag, progress
+//! bars and memory summaries. What they compute lives in the library (`devices`, `models::open`,
 //! `verify`).
 
 pub mod embed;
 pub mod run;
 pub mod verify;
+
+use metashard::models::llama::SamplerConfig;
+use metashard::models::open::PromptOptions;
+use metashard::{Error, Result};
+
+/// How a decoder is split over several devices: the flags `run`, `verify` and `bench model`
+/// share.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct SplitArgs {
+    /// Per-device shares of the split, e.g. `3,1` (in whole heads and blocks): one finite,
+    /// non-negative share per device, not all zero. Default: even shares.
+    #[arg(long, value_delimiter = ',', value_parser = parse_share)]
+    pub tensor_split: Option<Vec<f64>>,
+    /// Keep attention mirrored on every device instead of head-split.
+    #[arg(long)]
+    pub mirror_attention: bool,
+}
+
+impl SplitArgs {
+    /// `--tensor-split` against the device list `devices`: one share per device, not all 0.
+    pub fn check(&self, devices: &str) -> Result<()> {
+        let Some(shares) = &self.tensor_split else {
+            return Ok(());
+        };
+        let n = metashard::parse_devices(devices)?.len();
+        let given = shares
+            .iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        if shares.len() != n {
+            return Err(Error::invalid_argument(
+                "--tensor-split",
+                given,
+                format!(
+                    "{} share{} for the {n} device{} of `{devices}`: give one per device",
+                    shares.len(),
+                    if shares.len() == 1 { "" } else { "s" },
+                    if n == 1 { "" } else { "s" },
+                ),
+            ));
+        }
+        if shares.iter().all(|&x| x == 0.0) || !shares.iter().sum::<f64>().is_finite() {
+            return Err(Error::invalid_argument(
+                "--tensor-split",
+                given,
+                "the shares must not all be 0, and their sum must be finite",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The prompt and how it is tokenized: the flags `run` and `verify` share.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PromptArgs {
+    /// The prompt: the user's message in the model's chat template, or the whole text with
+    /// --raw.
+    #[arg(long, short = 'p', default_value = "What is the capital of France?")]
+    pub prompt: String,
+    /// Feed the prompt as is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Read control tokens such as `<|im_start|>` written in the prompt (and the system
+    /// message) as control tokens. Default: off, the user's text is plain text and cannot
+    /// open or close chat turns; the chat template's own markup gives control tokens either
+    /// way. Use with --raw to write a chat template by hand.
+    #[arg(long)]
+    pub special: bool,
+}
+
+impl PromptArgs {
+    pub fn options<'a>(&self, system: Option<&'a str>) -> PromptOptions<'a> {
+        PromptOptions {
+            system,
+            raw: self.raw,
+            special: self.special,
+        }
+    }
+}
+
+/// One `--tensor-split` share: finite and >= 0.
+fn parse_share(s: &str) -> std::result::Result<f64, String> {
+    let x: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number"))?;
+    if x.is_finite() && x >= 0.0 {
+        Ok(x)
+    } else {
+        Err(format!("share `{s}` must be finite and >= 0"))
+    }
+}
+
+/// An integer of at least 1.
+pub fn parse_positive(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(e) => Err(format!("`{s}` is not a count: {e}")),
+    }
+}
+
+/// A sampling setting checked by the library's [`SamplerConfig::validate`].
+fn sampling<T>(s: &str, set: impl FnOnce(&mut SamplerConfig, T)) -> std::result::Result<T, String>
+where
+    T: Copy + std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    let v: T = s
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{s}` is not a number: {e}"))?;
+    let mut cfg = SamplerConfig::default();
+    set(&mut cfg, v);
+    match cfg.validate() {
+        Ok(()) => Ok(v),
+        Err(Error::InvalidArgument { reason, .. }) => Err(reason),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+pub fn parse_temp(s: &str) -> std::result::Result<f32, String> {
+    sampling(s, |c, v| c.temperature = v)
+}
+
+pub fn parse_top_k(s: &str) -> std::result::Result<usize, String> {
+    sampling(s, |c, v| c.top_k = v)
+}
+
+pub fn parse_top_p(s: &str) -> std::result::Result<f32, String> {
+    sampling(s, |c, v| c.top_p = v)
+}
+
+/// A library error about a sampling setting, renamed after the flag that gave it.
+pub fn sampling_flag(e: Error) -> Error {
+    match e {
+        Error::InvalidArgument {
+            name,
+            value,
+            reason,
+        } => {
+            let flag = match name.as_str() {
+                "temperature" => "--temp",
+                "top_k" => "--top-k",
+                "top_p" => "--top-p",
+                _ => name.as_str(),
+            };
+            Error::InvalidArgument {
+                name: flag.to_string(),
+                value,
+                reason,
+            }
+        }
+        e => e,
+    }
+}
 
 /// A progress bar on stderr for `total` bytes (hidden when stderr is not a terminal).
 pub fn bytes_bar(total: usize, msg: &str) -> indicatif::ProgressBar {

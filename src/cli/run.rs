@@ -1,14 +1,16 @@
 //! `metashard run`: load a GGUF decoder on a device set (the built-in split callback, or
 //! `--tensor-split` ratios), show a memory summary, generate text from a prompt (through the
-//! model's chat template unless `--raw`), and report prompt and generation tokens/s.
+//! model's chat template unless `--raw`; the user's text stays text unless `--special`), and
+//! report prompt and generation tokens/s and why generation stopped. Bad sampling flags and
+//! `--ctx` values are errors naming the flag; `-n` is bounded by the context.
 
-use super::{bytes_bar, memory_table};
-use metashard::Result;
+use super::{PromptArgs, SplitArgs, bytes_bar, memory_table};
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
-use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, generate};
+use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, StopReason, generate};
 use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
 use metashard::tokenizer::Tokenizer;
+use metashard::{Error, Result};
 use std::io::Write;
 
 #[derive(Clone, Debug, clap::Args)]
@@ -19,46 +21,45 @@ pub struct RunArgs {
     /// Devices: `cpu`, `cpu:N`, `cpu:NxT`.
     #[arg(long, default_value = "cpu")]
     pub devices: String,
-    #[arg(long, short = 'p', default_value = "What is the capital of France?")]
-    pub prompt: String,
-    /// Tokens to generate.
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+    /// Tokens to generate at most; generation also stops at the end-of-sequence token and
+    /// when the context is full (and says so).
     #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
     pub n_predict: usize,
-    /// Feed the prompt as is, without the chat template.
-    #[arg(long)]
-    pub raw: bool,
     /// System message for the chat template (the template's default when absent).
     #[arg(long)]
     pub system: Option<String>,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature, finite and >= 0; 0 is greedy.
+    #[arg(long, default_value_t = 0.0, value_parser = super::parse_temp)]
     pub temp: f32,
-    #[arg(long, default_value_t = 40)]
+    /// Sample among this many most likely tokens (at least 1).
+    #[arg(long, default_value_t = 40, value_parser = super::parse_top_k)]
     pub top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
+    /// Then among the fewest tokens whose probabilities add up to this, in (0, 1].
+    #[arg(long, default_value_t = 0.95, value_parser = super::parse_top_p)]
     pub top_p: f32,
+    /// Seed of the sampler's random numbers.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Quantized weights times 8-bit activations (ggml's CPU behaviour; faster decoding on
     /// some CPUs, less accurate). Default: f32 activations.
     #[arg(long)]
     pub q8: bool,
-    /// Per-device shares of the split, e.g. `3,1` (in whole heads and blocks).
-    #[arg(long, value_delimiter = ',')]
-    pub tensor_split: Option<Vec<f64>>,
-    /// Keep attention mirrored on every device instead of head-split.
-    #[arg(long)]
-    pub mirror_attention: bool,
+    #[command(flatten)]
+    pub split: SplitArgs,
     /// Attention through mul_mat + soft_max instead of the fused kernel.
     #[arg(long)]
     pub no_flash: bool,
-    /// Context size (default: prompt + n, rounded up).
-    #[arg(long)]
+    /// Context size in tokens, at most the model's trained context (default: prompt + n,
+    /// within that).
+    #[arg(long, value_parser = super::parse_positive)]
     pub ctx: Option<usize>,
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// Print one JSON object instead of streaming text.
+    /// Print one JSON object (text, tokens, timings, memory, `stop_reason`) instead of
+    /// streaming text.
     #[arg(long)]
     pub json: bool,
 }
@@ -91,25 +92,68 @@ pub fn load(
     r
 }
 
+/// The context size for `run`: `--ctx` checked against the model and the prompt, or the
+/// prompt plus `-n` (and the token after), within the model's context.
+fn context_size(a: &RunArgs, m: &LlamaModel, prompt_len: usize) -> Result<usize> {
+    let max = m.context_length;
+    if prompt_len == 0 {
+        return Err(Error::invalid_argument(
+            "--prompt",
+            format!("{:?}", a.prompt.prompt),
+            "gives no tokens",
+        ));
+    }
+    if prompt_len >= max {
+        return Err(Error::invalid_argument(
+            "--prompt",
+            format!("of {prompt_len} tokens"),
+            format!("does not fit the model's context of {max} tokens with a token to generate"),
+        ));
+    }
+    match a.ctx {
+        Some(c) if c > max => Err(Error::invalid_argument(
+            "--ctx",
+            c,
+            format!("more than the model's trained context of {max} tokens"),
+        )),
+        Some(c) if c <= prompt_len => Err(Error::invalid_argument(
+            "--ctx",
+            c,
+            format!(
+                "the prompt has {prompt_len} tokens: the context must hold it and a generated \
+                 token (at least {})",
+                prompt_len + 1
+            ),
+        )),
+        Some(c) => Ok(c),
+        None => Ok(prompt_len
+            .saturating_add(a.n_predict)
+            .saturating_add(1)
+            .min(max)),
+    }
+}
+
 pub fn run(a: &RunArgs) -> Result<()> {
-    let (set, mut m) = load(
-        &a.model,
-        &a.devices,
-        Precision::from_q8_flag(a.q8),
-        a.tensor_split.clone(),
-        a.mirror_attention,
-        a.json,
-    )?;
-    m.cfg.fused_attn = !a.no_flash;
-    let prompt = prompt_tokens(&m, &a.prompt, a.system.as_deref(), a.raw)?;
-    let ctx = a.ctx.unwrap_or(prompt.len() + a.n_predict + 1);
-    let mut session = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
-    let mut sampler = Sampler::new(SamplerConfig {
+    let sampler = Sampler::new(SamplerConfig {
         temperature: a.temp,
         top_k: a.top_k,
         top_p: a.top_p,
         seed: a.seed,
     });
+    let mut sampler = sampler.map_err(super::sampling_flag)?;
+    a.split.check(&a.devices)?;
+    let (set, mut m) = load(
+        &a.model,
+        &a.devices,
+        Precision::from_q8_flag(a.q8),
+        a.split.tensor_split.clone(),
+        a.split.mirror_attention,
+        a.json,
+    )?;
+    m.cfg.fused_attn = !a.no_flash;
+    let prompt = prompt_tokens(&m, &a.prompt.prompt, &a.prompt.options(a.system.as_deref()))?;
+    let ctx = context_size(a, &m, prompt.len())?;
+    let mut session = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
     let eos = m.tokenizer.eos();
     let mut stdout = std::io::stdout();
     let mut pending = Vec::new();
@@ -147,12 +191,24 @@ pub fn run(a: &RunArgs) -> Result<()> {
             "tokens": tokens,
             "prompt_tokens_per_s": stats.prompt_tps(),
             "gen_tokens_per_s": stats.gen_tps(),
+            "stop_reason": stats.stop.name(),
+            "context_size": session.capacity(),
             "memory": { "weights": weights, "kv_cache": cache, "compute": compute },
         });
         println!("{v}");
     } else {
         println!();
         eprintln!();
+        if stats.stop == StopReason::Context {
+            eprintln!(
+                "generation stopped: the context of {} tokens is full ({} of -n {} tokens \
+                 generated; --ctx raises it up to the model's {})",
+                session.capacity(),
+                stats.generated,
+                a.n_predict,
+                m.context_length
+            );
+        }
         eprint!(
             "{}",
             memory_table(

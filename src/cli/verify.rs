@@ -5,13 +5,15 @@
 //! split state.
 
 use super::run::load;
+use super::{PromptArgs, SplitArgs};
 use metashard::cpu::Precision;
 use metashard::models::open::prompt_tokens;
-use metashard::verify::{compare_nodes, greedy, max_abs, nmse, reference};
+use metashard::verify::{compare_nodes, greedy, max_abs, max_steps, nmse, reference, steps_error};
 use metashard::{Error, Result};
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct VerifyArgs {
+    /// Model name (`smollm2`) or path to a `.gguf` file.
     #[arg(long, default_value = "smollm2")]
     pub model: String,
     /// The sharded device set to check.
@@ -20,42 +22,43 @@ pub struct VerifyArgs {
     /// The single device it is checked against.
     #[arg(long, default_value = "cpu:1x1")]
     pub against: String,
-    #[arg(long, short = 'p', default_value = "What is the capital of France?")]
-    pub prompt: String,
-    #[arg(long)]
-    pub raw: bool,
-    /// Greedy steps compared.
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+    /// Greedy steps compared (the prompt and the steps must fit the model's context).
     #[arg(long, default_value_t = 32)]
     pub steps: usize,
     /// Quantized weights times 8-bit activations (default: f32 activations).
     #[arg(long)]
     pub q8: bool,
-    #[arg(long, value_delimiter = ',')]
-    pub tensor_split: Option<Vec<f64>>,
-    #[arg(long)]
-    pub mirror_attention: bool,
+    #[command(flatten)]
+    pub split: SplitArgs,
     /// Also compare with the numpy reference (needs python3 with numpy and gguf).
     #[arg(long)]
     pub reference: bool,
     /// Compare every node of the prompt step and name the first that diverges.
     #[arg(long)]
     pub nodes: bool,
+    /// Print the report as one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(a: &VerifyArgs) -> Result<()> {
     let precision = Precision::from_q8_flag(a.q8);
+    a.split.check(&a.devices)?;
     let (single, m1) = load(&a.model, &a.against, precision, None, false, a.json)?;
+    let prompt = prompt_tokens(&m1, &a.prompt.prompt, &a.prompt.options(None))?;
+    if max_steps(&m1, prompt.len()).is_none_or(|max| a.steps > max) {
+        return Err(steps_error(&m1, prompt.len(), "--steps", a.steps));
+    }
     let (sharded, m2) = load(
         &a.model,
         &a.devices,
         precision,
-        a.tensor_split.clone(),
-        a.mirror_attention,
+        a.split.tensor_split.clone(),
+        a.split.mirror_attention,
         a.json,
     )?;
-    let prompt = prompt_tokens(&m1, &a.prompt, None, a.raw)?;
     let (l1, t1) = greedy(&m1, &single, &prompt, a.steps)?;
     let (l2, t2) = greedy(&m2, &sharded, &prompt, a.steps)?;
     let same = t1.iter().zip(&t2).take_while(|(x, y)| x == y).count();

@@ -57,16 +57,17 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    pub fn new(device: CpuDevice) -> Self {
-        let pool = ThreadPool::new(device.threads, &format!("cpu{}", device.index));
-        CpuBackend {
+    /// The backend of `device` with its thread pool; an error when the system refuses a thread.
+    pub fn new(device: CpuDevice) -> Result<Self> {
+        let pool = ThreadPool::new(device.threads, &format!("cpu{}", device.index))?;
+        Ok(CpuBackend {
             inner: Arc::new(Inner {
                 device,
                 pool,
                 spare_work: Mutex::new(Vec::new()),
             }),
             alloc: Mutex::new(GraphAllocator::new(Arc::new(super::buffer::CpuBufferType))),
-        }
+        })
     }
 
     pub fn threads(&self) -> usize {

@@ -1,5 +1,7 @@
 //! CPU registry and devices. `cpu` is one device using every core; `cpu:N` makes N logical
-//! devices splitting the cores; `cpu:NxT` makes N devices of T threads each (N up to 16).
+//! devices splitting the cores; `cpu:NxT` makes N devices of T threads each (N up to 16, and
+//! N x T up to [`max_total_threads`]: 4 per core and at least 64 unless `METASHARD_MAX_THREADS`
+//! says otherwise).
 //! Each device's backend owns its own thread pool, so N devices run at the same time, which is
 //! how tensor parallelism runs and is tested on one host.
 
@@ -15,6 +17,38 @@ use std::sync::Arc;
 
 /// Most logical CPU devices in one list.
 pub const MAX_CPU_DEVICES: usize = 16;
+
+/// The environment variable that sets the most threads a CPU device list may start in all
+/// (devices x threads per device), overriding [`default_max_threads`].
+pub const MAX_THREADS_ENV: &str = "METASHARD_MAX_THREADS";
+
+/// The default limit on a device list's threads in all: 4 per logical core of this host, and
+/// at least 64. More only oversubscribes the cores (every thread spins at each barrier), and
+/// thousands exhaust the system's thread and memory limits.
+pub fn default_max_threads() -> usize {
+    (4 * host_threads()).max(64)
+}
+
+/// The limit on a device list's threads in all: `METASHARD_MAX_THREADS` when set, else
+/// [`default_max_threads`]. An error names the variable when it is not a positive integer.
+pub fn max_total_threads() -> Result<usize> {
+    match std::env::var(MAX_THREADS_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(default_max_threads()),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(Error::invalid_argument(
+                MAX_THREADS_ENV,
+                format!("{v:?}"),
+                "must be a positive integer (the most threads a device list may start)",
+            )),
+        },
+        Err(e) => Err(Error::invalid_argument(
+            MAX_THREADS_ENV,
+            "(not UTF-8)",
+            e.to_string(),
+        )),
+    }
+}
 
 /// Options shared by the devices of one spec.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -131,7 +165,7 @@ impl Device for CpuDevice {
             self.count,
             self.threads,
             self.options,
-        ))))
+        ))?))
     }
 
     fn supports_op(&self, graph: &Graph, id: TensorId) -> std::result::Result<(), String> {
@@ -202,8 +236,22 @@ pub fn parse_cpu_spec_with(spec: &str, options: CpuOptions) -> Result<Vec<Arc<dy
             "device count {n} must be in 1..={MAX_CPU_DEVICES}"
         )));
     }
-    if t == 0 || t > 1024 {
-        return Err(bad(format!("threads per device {t} must be in 1..=1024")));
+    if t == 0 {
+        return Err(bad("threads per device must be at least 1".into()));
+    }
+    let limit = max_total_threads()?;
+    match n.checked_mul(t) {
+        Some(total) if total <= limit => {}
+        total => {
+            let total = total.map_or("more than usize::MAX".to_string(), |x| x.to_string());
+            return Err(bad(format!(
+                "{n} device{} x {t} threads = {total} threads, more than the limit of {limit} \
+                 (default: 4 per logical core of this host, {}, and at least 64); set \
+                 {MAX_THREADS_ENV}={total} to start them anyway",
+                if n == 1 { "" } else { "s" },
+                host_threads()
+            )));
+        }
     }
     Ok((0..n)
         .map(|i| Arc::new(CpuDevice::new(i, n, t, options)) as Arc<dyn Device>)

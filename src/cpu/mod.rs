@@ -13,6 +13,9 @@ pub mod view;
 
 pub use backend::CpuBackend;
 pub use buffer::{CpuBuffer, CpuBufferType};
-pub use device::{CpuDevice, CpuOptions, CpuRegistry, parse_cpu_spec, parse_cpu_spec_with};
+pub use device::{
+    CpuDevice, CpuOptions, CpuRegistry, MAX_THREADS_ENV, default_max_threads, host_threads,
+    max_total_threads, parse_cpu_spec, parse_cpu_spec_with,
+};
 pub use pool::{Barrier, ThreadPool};
 pub use view::{ComputeParams, Precision, TensorView, split_range};

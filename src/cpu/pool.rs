@@ -6,8 +6,10 @@
 //! Waiting spins briefly, then yields, then parks (workers between jobs), so an
 //! oversubscribed host (tests running in parallel) still makes progress.
 //! A panic inside a job poisons the barrier: every thread unwinds at its next barrier and
-//! [`ThreadPool::run`] returns the panic message as an error instead of hanging.
+//! [`ThreadPool::run`] returns the panic message as an error instead of hanging. A thread the
+//! system refuses to start is an error from [`ThreadPool::new`], not a panic.
 
+use crate::{Error, Result};
 use parking_lot::{Condvar, Mutex};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -147,8 +149,10 @@ pub struct ThreadPool {
 }
 
 impl ThreadPool {
-    /// A pool of `nth >= 1` threads (`nth - 1` are spawned).
-    pub fn new(nth: usize, name: &str) -> Self {
+    /// A pool of `nth >= 1` threads (`nth - 1` are spawned, named `{name}-w{ith}`). A thread
+    /// the system refuses to start (thread or memory limits) is an [`Error::Device`] naming
+    /// the pool and how many threads had started; those are stopped and joined first.
+    pub fn new(nth: usize, name: &str) -> Result<Self> {
         let nth = nth.max(1);
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
@@ -160,21 +164,33 @@ impl ThreadPool {
             wake_lock: Mutex::new(()),
             shutdown: AtomicBool::new(false),
         });
-        let workers = (1..nth)
-            .map(|ith| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("{name}-w{ith}"))
-                    .spawn(move || worker_loop(ith, &shared))
-                    .expect("spawning a pool thread")
-            })
-            .collect();
-        ThreadPool {
+        let mut pool = ThreadPool {
             nth,
             shared,
-            workers,
+            workers: Vec::new(),
             running: Mutex::new(()),
+        };
+        for ith in 1..nth {
+            let shared = pool.shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("{name}-w{ith}"))
+                .spawn(move || worker_loop(ith, &shared));
+            match spawned {
+                Ok(h) => pool.workers.push(h),
+                Err(e) => {
+                    // Dropping the pool stops and joins the workers already started.
+                    drop(pool);
+                    return Err(Error::Device {
+                        device: name.to_string(),
+                        reason: format!(
+                            "cannot start thread {ith} of a pool of {nth} threads: {e} (the \
+                             system's limit on threads or memory; use fewer threads)"
+                        ),
+                    });
+                }
+            }
         }
+        Ok(pool)
     }
 
     pub fn nth(&self) -> usize {
@@ -308,7 +324,7 @@ mod tests {
     #[test]
     fn every_thread_runs_and_barrier_orders_phases() {
         for nth in [1, 2, 3, 5] {
-            let pool = ThreadPool::new(nth, "t");
+            let pool = ThreadPool::new(nth, "t").unwrap();
             let a: Vec<AtomicUsize> = (0..nth).map(|_| AtomicUsize::new(0)).collect();
             for round in 1..=20 {
                 pool.run(&|ith, b| {
@@ -327,7 +343,7 @@ mod tests {
 
     #[test]
     fn a_panicking_thread_is_an_error_not_a_hang() {
-        let pool = ThreadPool::new(3, "t");
+        let pool = ThreadPool::new(3, "t").unwrap();
         let r = pool.run(&|ith, b| {
             if ith == 2 {
                 panic!("kernel failed on thread 2");

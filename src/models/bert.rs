@@ -222,6 +222,23 @@ pub fn weight_layouts(cfg: &BertConfig) -> Vec<(String, Layout)> {
     t
 }
 
+/// One more than the largest `N` of an `[bert.]encoder.layer.N.*` tensor (0 when none).
+fn layers_present(file: &SafetensorsFile) -> usize {
+    file.tensors()
+        .iter()
+        .filter_map(|t| {
+            let name = t.name.strip_prefix("bert.").unwrap_or(&t.name);
+            name.strip_prefix("encoder.layer.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .map(|i| i.saturating_add(1))
+        .max()
+        .unwrap_or(0)
+}
+
 fn assemble(cfg: &BertConfig, refs: &[WeightRef]) -> BertWeights {
     // `refs` is in `weight_layouts` order: 5 embedding tensors, then 16 per layer.
     let layers = (0..cfg.n_layer)
@@ -264,6 +281,20 @@ pub fn load_weights(
     cfg: &BertConfig,
     bt: &dyn BufferType,
 ) -> Result<(Arc<dyn Buffer>, BertWeights)> {
+    // The layer count sizes the list below: check it against the layers present first.
+    let present = layers_present(file);
+    if cfg.n_layer != present {
+        return Err(Error::format(
+            file.path(),
+            "encoder layers",
+            format!(
+                "config.json's num_hidden_layers is {}, but this file holds tensors for {present} \
+                 layers (encoder.layer.0 to encoder.layer.{})",
+                cfg.n_layer,
+                present.saturating_sub(1)
+            ),
+        ));
+    }
     let tensors = weight_layouts(cfg);
     // Some checkpoints (BertForX) prefix the encoder's names with `bert.`.
     let prefix = if file.tensor(&tensors[0].0).is_none()

@@ -51,13 +51,19 @@ impl DecoderConfig {
                 reason: r,
             })
         };
-        if self.n_head == 0 || self.n_head_kv == 0 || !self.n_embd.is_multiple_of(self.n_head) {
+        if self.n_layer == 0 || self.n_embd == 0 || self.n_ff == 0 || self.n_vocab == 0 {
+            return bad(format!(
+                "n_layer {}, n_embd {}, n_ff {} and n_vocab {} must all be at least 1",
+                self.n_layer, self.n_embd, self.n_ff, self.n_vocab
+            ));
+        }
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
             return bad(format!(
                 "n_embd {} is not a multiple of n_head {}",
                 self.n_embd, self.n_head
             ));
         }
-        if !self.n_head.is_multiple_of(self.n_head_kv) {
+        if self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
             return bad(format!(
                 "n_head {} is not a multiple of n_head_kv {}",
                 self.n_head, self.n_head_kv

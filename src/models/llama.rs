@@ -1,8 +1,10 @@
 //! Llama-family decoders from GGUF files: hyper-parameters from the metadata
-//! (`{arch}.block_count`, `{arch}.embedding_length`, ... per GGUF's llama conventions), weights
-//! checked against them and placed in any buffer type (a meta buffer scatters them to the
-//! devices as they are placed), the byte-level BPE tokenizer and chat template, and a `Session`
-//! that evaluates tokens into a KV cache in batches.
+//! (`{arch}.block_count`, `{arch}.embedding_length`, ... per GGUF's llama conventions), each
+//! count checked against the tensors present before anything is sized by it (errors name the
+//! file and the key), weights checked against them and placed in any buffer type (a meta
+//! buffer scatters them to the devices as they are placed), the byte-level BPE tokenizer and
+//! chat template, a `Session` that evaluates tokens into a KV cache in batches, and sampling
+//! (settings out of range are refused) with a generation loop bounded by the context.
 //!
 //! When the output projection is tied to the token embedding (no `output.weight`), the
 //! embedding's bytes are placed a second time as `output.weight`, so the embedding can stay
@@ -45,7 +47,37 @@ fn model_err(g: &GgufFile, reason: String) -> Error {
     }
 }
 
-/// The decoder configuration from GGUF metadata.
+/// An error naming the file and the metadata key.
+fn key_err(g: &GgufFile, key: &str, reason: String) -> Error {
+    Error::format(g.path(), format!("metadata key '{key}'"), reason)
+}
+
+/// The number of decoder blocks the file holds tensors for: one more than the largest `N` of a
+/// `blk.N.*` tensor name (0 when there are none).
+fn blocks_present(g: &GgufFile) -> usize {
+    g.tensors()
+        .iter()
+        .filter_map(|t| {
+            t.name
+                .strip_prefix("blk.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .map(|i| i.saturating_add(1))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Positions are i32 in the step graph: the most a context may hold.
+pub const MAX_CONTEXT: usize = i32::MAX as usize;
+
+/// The decoder configuration from GGUF metadata. Every count that sizes an allocation is
+/// checked against the tensors the file holds first (the block count against the `blk.N`
+/// tensors, the widths, head counts and vocabulary against the shapes of `token_embd`,
+/// `blk.0.attn_k` and `blk.0.ffn_gate`), so a corrupt count is an error naming its key, not a
+/// huge allocation.
 pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
     let arch = g.architecture()?;
     if !ARCHS.contains(&arch) {
@@ -55,35 +87,153 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         ));
     }
     let k = |s: &str| format!("{arch}.{s}");
-    let n_embd = g.get_usize(&k("embedding_length"))?;
-    let n_head = g.get_usize(&k("attention.head_count"))?;
-    let n_head_kv = g
-        .opt_u64(&k("attention.head_count_kv"))?
-        .map_or(n_head, |v| v as usize);
-    let n_vocab = match g.opt_u64(&k("vocab_size"))? {
-        Some(v) => v as usize,
-        None => g.get_str_array("tokenizer.ggml.tokens")?.len(),
+    let n_layer = g.get_usize(&k("block_count"))?;
+    let n_blocks = blocks_present(g);
+    if n_layer != n_blocks || n_layer == 0 {
+        return Err(key_err(
+            g,
+            &k("block_count"),
+            match n_blocks {
+                0 => format!("{n_layer} blocks, but the file holds no blk.N tensors"),
+                n => format!(
+                    "{n_layer} blocks, but the file holds tensors for {n} (blk.0 to blk.{})",
+                    n - 1
+                ),
+            },
+        ));
+    }
+    let shape_of = |name: &str| {
+        g.tensor(name)
+            .map(|t| t.ne)
+            .ok_or_else(|| model_err(g, format!("tensor `{name}` is missing")))
     };
-    let head_dim = n_embd.checked_div(n_head).unwrap_or(0);
+    let embd = shape_of("token_embd.weight")?;
+    let n_embd = g.get_usize(&k("embedding_length"))?;
+    if n_embd != embd[0] {
+        return Err(key_err(
+            g,
+            &k("embedding_length"),
+            format!(
+                "{n_embd}, but token_embd.weight is {} (width {})",
+                crate::Shape(embd),
+                embd[0]
+            ),
+        ));
+    }
+    let (vocab_key, n_vocab) = match g.opt_u64(&k("vocab_size"))? {
+        Some(v) => (k("vocab_size"), usize::try_from(v).unwrap_or(usize::MAX)),
+        None => (
+            "tokenizer.ggml.tokens".to_string(),
+            g.get_str_array("tokenizer.ggml.tokens")?.len(),
+        ),
+    };
+    if n_vocab != embd[1] {
+        return Err(key_err(
+            g,
+            &vocab_key,
+            format!(
+                "{n_vocab} tokens, but token_embd.weight is {} ({} rows)",
+                crate::Shape(embd),
+                embd[1]
+            ),
+        ));
+    }
+    let n_ff = g.get_usize(&k("feed_forward_length"))?;
+    let gate = shape_of("blk.0.ffn_gate.weight")?;
+    if n_ff != gate[1] {
+        return Err(key_err(
+            g,
+            &k("feed_forward_length"),
+            format!(
+                "{n_ff}, but blk.0.ffn_gate.weight is {}",
+                crate::Shape(gate)
+            ),
+        ));
+    }
+    let n_head = g.get_usize(&k("attention.head_count"))?;
+    if n_head == 0 || !n_embd.is_multiple_of(n_head) {
+        return Err(key_err(
+            g,
+            &k("attention.head_count"),
+            format!("{n_head} heads do not divide the width {n_embd}"),
+        ));
+    }
+    let head_dim = n_embd / n_head;
+    let n_head_kv = match g.opt_u64(&k("attention.head_count_kv"))? {
+        Some(v) => usize::try_from(v).unwrap_or(usize::MAX),
+        None => n_head,
+    };
+    if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
+        return Err(key_err(
+            g,
+            &k("attention.head_count_kv"),
+            format!("{n_head_kv} KV heads do not divide the {n_head} heads"),
+        ));
+    }
+    let wk = shape_of("blk.0.attn_k.weight")?;
+    if n_head_kv.checked_mul(head_dim) != Some(wk[1]) {
+        return Err(Error::format(
+            g.path(),
+            format!(
+                "metadata keys '{}' and '{}'",
+                k("attention.head_count"),
+                k("attention.head_count_kv")
+            ),
+            format!(
+                "{n_head_kv} KV heads of size {head_dim} (width {n_embd} / {n_head} heads) \
+                 make {} rows, but blk.0.attn_k.weight has {}",
+                n_head_kv * head_dim,
+                wk[1]
+            ),
+        ));
+    }
+    let rope_dims = match g.opt_u64(&k("rope.dimension_count"))? {
+        Some(v) => usize::try_from(v).unwrap_or(usize::MAX),
+        None => head_dim,
+    };
+    if rope_dims == 0 || rope_dims > head_dim || !rope_dims.is_multiple_of(2) {
+        return Err(key_err(
+            g,
+            &k("rope.dimension_count"),
+            format!("{rope_dims}: must be even and in 2..={head_dim} (the head size)"),
+        ));
+    }
+    let rms_eps = g
+        .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
+        .unwrap_or(1e-5);
+    if !(rms_eps.is_finite() && rms_eps >= 0.0) {
+        return Err(key_err(
+            g,
+            &k("attention.layer_norm_rms_epsilon"),
+            format!("{rms_eps}: must be finite and >= 0"),
+        ));
+    }
+    let rope_base = g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0);
+    if !(rope_base.is_finite() && rope_base > 0.0) {
+        return Err(key_err(
+            g,
+            &k("rope.freq_base"),
+            format!("{rope_base}: must be finite and > 0"),
+        ));
+    }
     let cfg = DecoderConfig {
-        n_layer: g.get_usize(&k("block_count"))?,
+        n_layer,
         n_embd,
-        n_ff: g.get_usize(&k("feed_forward_length"))?,
+        n_ff,
         n_head,
         n_head_kv,
         n_vocab,
-        rms_eps: g
-            .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-5),
-        rope_base: g.opt_f32(&k("rope.freq_base"))?.unwrap_or(10000.0),
+        rms_eps,
+        rope_base,
         // GGUF llama conversions permute Q and K so that the normal (adjacent-pair) mode applies.
         rope_mode: RopeMode::Normal,
-        rope_dims: g
-            .opt_u64(&k("rope.dimension_count"))?
-            .map_or(head_dim, |v| v as usize),
+        rope_dims,
         fused_attn: true,
     };
-    cfg.validate().map_err(|e| model_err(g, e.to_string()))?;
+    cfg.validate().map_err(|e| match e {
+        Error::Model { reason, .. } => model_err(g, reason),
+        e => e,
+    })?;
     if let Some(s) = g.opt_f32(&k("rope.scaling.factor"))?
         && s != 1.0
     {
@@ -92,7 +242,23 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
             format!("rope scaling factor {s} is not supported"),
         ));
     }
+    context_length_from_gguf(g)?;
     Ok(cfg)
+}
+
+/// `{arch}.context_length` (2048 when absent): an error naming the key unless it is in
+/// 1..=[`MAX_CONTEXT`].
+pub fn context_length_from_gguf(g: &GgufFile) -> Result<usize> {
+    let key = format!("{}.context_length", g.architecture()?);
+    match g.opt_u64(&key)? {
+        None => Ok(2048),
+        Some(v) if v >= 1 && v <= MAX_CONTEXT as u64 => Ok(v as usize),
+        Some(v) => Err(key_err(
+            g,
+            &key,
+            format!("{v}: must be in 1..={MAX_CONTEXT} (positions are 32-bit)"),
+        )),
+    }
 }
 
 /// Expected layouts (ggml order) of every weight, by name, for `cfg`.
@@ -189,10 +355,7 @@ impl LlamaModel {
             ));
         }
         let chat = ChatTemplate::from_gguf(&g).ok();
-        let arch = g.architecture()?.to_string();
-        let context_length = g
-            .opt_u64(&format!("{arch}.context_length"))?
-            .map_or(2048, |v| v as usize);
+        let context_length = context_length_from_gguf(&g)?;
         let weight_bytes = total
             - if tied {
                 weights.output.layout.nbytes()
@@ -252,7 +415,9 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    /// A session with a cache of `ctx` positions placed in `bt` (the backend's buffer type).
+    /// A session with a cache of `ctx` positions placed in `bt` (the backend's buffer type):
+    /// at most the model's context length, rounded up to a multiple of [`KV_PAD`] (see
+    /// [`Session::capacity`]). A context of 0 is an error.
     pub fn new(
         model: &'m LlamaModel,
         backend: Arc<dyn Backend>,
@@ -260,8 +425,19 @@ impl<'m> Session<'m> {
         ctx: usize,
     ) -> Result<Self> {
         let ctx = ctx
-            .next_multiple_of(KV_PAD)
-            .min(model.context_length.next_multiple_of(KV_PAD));
+            .min(model.context_length)
+            .checked_next_multiple_of(KV_PAD)
+            .filter(|&c| c > 0)
+            .ok_or_else(|| {
+                Error::invalid_argument(
+                    "context",
+                    ctx,
+                    format!(
+                        "must be in 1..={} (the model's context length)",
+                        model.context_length
+                    ),
+                )
+            })?;
         let (buf, cache) = alloc_kv_cache(&model.cfg, ctx, bt)?;
         Ok(Session {
             model,
@@ -349,13 +525,50 @@ impl<'m> Session<'m> {
     }
 }
 
-/// Sampling settings: temperature 0 is greedy.
+/// Sampling settings: temperature 0 is greedy. [`SamplerConfig::validate`] says which values
+/// are accepted; [`Sampler::new`] refuses the others.
 #[derive(Clone, Copy, Debug)]
 pub struct SamplerConfig {
+    /// Finite and >= 0; 0 is greedy.
     pub temperature: f32,
+    /// At least 1: sample among the `top_k` most likely tokens (1 is greedy; a value at or
+    /// above the vocabulary size keeps every token).
     pub top_k: usize,
+    /// In (0, 1]: then among the fewest tokens whose probability adds up to `top_p`.
     pub top_p: f32,
     pub seed: u64,
+}
+
+impl SamplerConfig {
+    /// An [`Error::InvalidArgument`] naming the first setting out of range: a NaN or infinite
+    /// or negative temperature, `top_k` 0, `top_p` outside (0, 1] or NaN.
+    pub fn validate(&self) -> Result<()> {
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(Error::invalid_argument(
+                "temperature",
+                t,
+                "must be a finite number >= 0 (0 is greedy)",
+            ));
+        }
+        if self.top_k == 0 {
+            return Err(Error::invalid_argument(
+                "top_k",
+                0,
+                "must be at least 1 (1 is greedy; a value at or above the vocabulary size keeps \
+                 every token)",
+            ));
+        }
+        let p = self.top_p;
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(Error::invalid_argument(
+                "top_p",
+                p,
+                "must be in (0, 1] (1 keeps every token)",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Default for SamplerConfig {
@@ -376,11 +589,14 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn new(cfg: SamplerConfig) -> Self {
-        Sampler {
+    /// A sampler with `cfg`; an error naming the setting when [`SamplerConfig::validate`]
+    /// refuses it.
+    pub fn new(cfg: SamplerConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(Sampler {
             cfg,
             state: cfg.seed ^ 0x5DEE_CE66_D1CE_4E5B,
-        }
+        })
     }
 
     fn next_f64(&mut self) -> f64 {
@@ -399,9 +615,7 @@ impl Sampler {
         }
         let mut idx: Vec<usize> = (0..logits.len()).collect();
         idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        if self.cfg.top_k > 0 {
-            idx.truncate(self.cfg.top_k);
-        }
+        idx.truncate(self.cfg.top_k.max(1));
         let t = self.cfg.temperature as f64;
         let m = logits[idx[0]] as f64;
         let mut p: Vec<f64> = idx
@@ -443,7 +657,33 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-/// Timings of one generation.
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The requested number of tokens was generated.
+    #[default]
+    Count,
+    /// The end-of-sequence token was generated.
+    Eos,
+    /// The `on_token` callback asked to stop.
+    Callback,
+    /// The context (the session's KV cache) is full: no further token can be evaluated.
+    Context,
+}
+
+impl StopReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::Count => "count",
+            StopReason::Eos => "eos",
+            StopReason::Callback => "callback",
+            StopReason::Context => "context",
+        }
+    }
+}
+
+/// Timings of one generation, and why it stopped.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct GenStats {
     pub prompt_tokens: usize,
@@ -452,6 +692,7 @@ pub struct GenStats {
     /// Decode steps run (each evaluates one token); the first token comes from the prompt.
     pub gen_evals: usize,
     pub gen_secs: f64,
+    pub stop: StopReason,
 }
 
 impl GenStats {
@@ -465,7 +706,9 @@ impl GenStats {
 }
 
 /// Evaluate `prompt`, then generate up to `n` tokens; `on_token` sees each and may stop the
-/// generation by returning false. Stops at the end-of-sequence token unless `ignore_eos`.
+/// generation by returning false. Stops at the end-of-sequence token unless `ignore_eos`, and
+/// when the session's context is full ([`GenStats::stop`] says which), so any `n` is safe:
+/// nothing is sized by `n` beyond what the context can hold.
 pub fn generate(
     s: &mut Session,
     prompt: &[u32],
@@ -482,13 +725,27 @@ pub fn generate(
     let mut logits = s.eval(prompt, false)?;
     stats.prompt_secs = t0.elapsed().as_secs_f64();
     let eos = s.model.tokenizer.eos();
-    let mut out = Vec::with_capacity(n);
+    // Each token but the last is evaluated, so at most `capacity - n_past + 1` come out.
+    let room = s.capacity().saturating_sub(s.n_past()).saturating_add(1);
+    let mut out = Vec::with_capacity(n.min(room));
     let t0 = std::time::Instant::now();
     for i in 0..n {
         let t = sampler.sample(&logits);
         out.push(t);
         let go_on = on_token(t);
-        if (!ignore_eos && Some(t) == eos) || !go_on || i + 1 == n || s.n_past() >= s.capacity() {
+        let stop = if !ignore_eos && Some(t) == eos {
+            Some(StopReason::Eos)
+        } else if !go_on {
+            Some(StopReason::Callback)
+        } else if i + 1 == n {
+            Some(StopReason::Count)
+        } else if s.n_past() >= s.capacity() {
+            Some(StopReason::Context)
+        } else {
+            None
+        };
+        if let Some(r) = stop {
+            stats.stop = r;
             break;
         }
         logits = s.eval(&[t], false)?;

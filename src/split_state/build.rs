@@ -57,7 +57,8 @@ pub fn split_ratios(
 ) -> Result<Vec<usize>> {
     let n = ratios.len();
     let sum: f64 = ratios.iter().sum();
-    if n == 0 || sum.is_nan() || sum <= 0.0 || ratios.iter().any(|r| !r.is_finite() || *r < 0.0) {
+    if n == 0 || !sum.is_finite() || sum <= 0.0 || ratios.iter().any(|r| !r.is_finite() || *r < 0.0)
+    {
         return Err(Error::msg(format!(
             "split ratios {ratios:?} must be finite, non-negative and not all zero"
         )));
@@ -122,6 +123,8 @@ mod tests {
         let v = split_ratios(10, &[0.0, 1.0, 1.0], Granularity(1), 0).unwrap();
         assert_eq!(v, vec![0, 5, 5]);
         assert!(split_ratios(10, &[0.0, 0.0], Granularity(1), 0).is_err());
+        // Finite ratios whose sum is not: an error, not a split of NaN shares.
+        assert!(split_ratios(10, &[f64::MAX, f64::MAX], Granularity(1), 0).is_err());
         assert_eq!(Granularity(64).and(Granularity(32)), Granularity(64));
         assert_eq!(Granularity(192).and(Granularity(32)), Granularity(192));
     }

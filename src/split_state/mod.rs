@@ -56,23 +56,57 @@ impl SplitState {
         }
     }
 
-    /// Split along `axis` with one extent per device.
+    /// Split along `axis` with one extent per device. An axis above 3 gives a state that
+    /// [`SplitState::validate`] rejects (it is never wrapped into 0..=3); [`SplitState::try_axis`]
+    /// rejects it at once.
     pub fn axis(axis: usize, extents: &[usize]) -> Self {
         SplitState {
-            axis: SplitAxis::Axis(axis as u8),
+            axis: SplitAxis::Axis(stored_axis(axis)),
             n: extents.len(),
             extents: extents.iter().copied().collect(),
         }
     }
 
-    /// Split along `axis` in segments, each with one extent per device (`segments[s][d]`).
+    /// Split along `axis` in segments, each with one extent per device (`segments[s][d]`). An
+    /// axis above 3 or segments of different lengths give a state that
+    /// [`SplitState::validate`] rejects; [`SplitState::try_segmented`] rejects them at once.
     pub fn segmented(axis: usize, segments: &[Vec<usize>]) -> Self {
         let n = segments.first().map_or(0, |s| s.len());
         SplitState {
-            axis: SplitAxis::Axis(axis as u8),
+            axis: SplitAxis::Axis(stored_axis(axis)),
             n,
             extents: segments.iter().flatten().copied().collect(),
         }
+    }
+
+    /// [`SplitState::axis`], with an error for an axis outside 0..=3, no devices, or extents
+    /// whose sum overflows.
+    pub fn try_axis(axis: usize, extents: &[usize]) -> Result<Self> {
+        Self::try_segmented(axis, &[extents.to_vec()])
+    }
+
+    /// [`SplitState::segmented`], with an error for an axis outside 0..=3, no segments or
+    /// devices, segments of different lengths, or extents whose sum overflows.
+    pub fn try_segmented(axis: usize, segments: &[Vec<usize>]) -> Result<Self> {
+        let bad = |reason: String| Error::invalid_argument("split axis", axis, reason);
+        if axis > 3 {
+            return Err(bad("a tensor has dimensions 0..=3".into()));
+        }
+        let n = segments.first().map_or(0, |s| s.len());
+        if n == 0 {
+            return Err(bad(
+                "an axis split needs at least one device and segment".into()
+            ));
+        }
+        if let Some((i, s)) = segments.iter().enumerate().find(|(_, s)| s.len() != n) {
+            return Err(bad(format!(
+                "segment {i} has {} extents but segment 0 has {n} (one per device)",
+                s.len()
+            )));
+        }
+        checked_sum(segments.iter().flatten().copied())
+            .ok_or_else(|| bad(format!("extents {segments:?} sum past usize::MAX")))?;
+        Ok(Self::segmented(axis, segments))
     }
 
     pub fn n_devices(&self) -> usize {
@@ -159,16 +193,19 @@ impl SplitState {
     /// The same split with every extent multiplied by `num` and divided by `den` (exactly), for
     /// reshapes that merge or split the split dimension. `None` if a division is inexact.
     pub fn rescaled(&self, axis: usize, num: usize, den: usize) -> Option<SplitState> {
+        if axis > 3 {
+            return None;
+        }
         let mut extents = SmallVec::new();
         for &e in &self.extents {
-            let x = e * num;
+            let x = e.checked_mul(num)?;
             if den == 0 || !x.is_multiple_of(den) {
                 return None;
             }
             extents.push(x / den);
         }
         Some(SplitState {
-            axis: SplitAxis::Axis(axis as u8),
+            axis: SplitAxis::Axis(stored_axis(axis)),
             n: self.n,
             extents,
         })
@@ -199,7 +236,14 @@ impl SplitState {
         };
         let k = k as usize;
         if k > 3 {
-            return Err(err(format!("axis {k} is not in 0..=3")));
+            let k = if k == u8::MAX as usize {
+                format!("{k} or more")
+            } else {
+                k.to_string()
+            };
+            return Err(err(format!(
+                "axis {k} is not in 0..=3 (a tensor has 4 dimensions)"
+            )));
         }
         if self.extents.is_empty() || !self.extents.len().is_multiple_of(self.n) {
             return Err(err(format!(
@@ -208,7 +252,14 @@ impl SplitState {
                 self.n
             )));
         }
-        let total: usize = self.extents.iter().sum();
+        let Some(total) = checked_sum(self.extents.iter().copied()) else {
+            return Err(err(format!(
+                "extents {:?} sum past usize::MAX but dimension {k} of {} is {}",
+                self.segments(),
+                layout.shape(),
+                layout.ne[k]
+            )));
+        };
         if total != layout.ne[k] {
             return Err(err(format!(
                 "extents {:?} sum to {total} but dimension {k} of {} is {}",
@@ -229,6 +280,17 @@ impl SplitState {
         }
         Ok(())
     }
+}
+
+/// The axis as stored: values above `u8::MAX` become `u8::MAX`, which `validate` rejects like
+/// any axis above 3 (a plain `as u8` would wrap 256 into axis 0).
+fn stored_axis(axis: usize) -> u8 {
+    u8::try_from(axis).unwrap_or(u8::MAX)
+}
+
+/// The sum of `v`, or `None` when it overflows.
+fn checked_sum(v: impl IntoIterator<Item = usize>) -> Option<usize> {
+    v.into_iter().try_fold(0usize, |a, x| a.checked_add(x))
 }
 
 impl std::fmt::Display for SplitState {

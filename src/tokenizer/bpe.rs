@@ -1,7 +1,8 @@
 //! GPT-2-style byte-level BPE built from GGUF metadata (`tokenizer.ggml.model` = "gpt2").
 //!
 //! Pipeline (GPT-2's `encoder.py`, HF tokenizers' ByteLevel + BPE, llama.cpp's
-//! `llm_tokenizer_bpe`): split out special tokens written in the text, pre-tokenize each
+//! `llm_tokenizer_bpe`): split out special tokens written in the text (control tokens only
+//! where the caller allows: not in the user's text of a chat prompt), pre-tokenize each
 //! text piece into words ([`PreTokenizer`]), map each word's UTF-8 bytes to GPT-2's printable
 //! byte chars, then merge adjacent symbols by merge rank (lowest first, leftmost on ties)
 //! until no ranked pair is left. Merges are `tokenizer.ggml.merges` strings "a b" whose rank
@@ -292,22 +293,88 @@ impl BpeTokenizer {
         add_special: bool,
         parse_special: bool,
     ) -> Result<Vec<u32>> {
+        let whole = 0..text.len();
+        let literal = if parse_special {
+            &[]
+        } else {
+            std::slice::from_ref(&whole)
+        };
+        self.encode_with_literals(text, add_special, literal)
+    }
+
+    /// Encodes `text` recognizing control tokens only outside the `literal` byte ranges
+    /// (sorted, disjoint, on character boundaries): a chat prompt's markup gives control
+    /// tokens while the user's text in it stays text, so `<|im_end|>` typed by a user cannot
+    /// close a turn. User-defined tokens are recognized everywhere. Text on both sides of a
+    /// range boundary is pre-tokenized as one piece, so without control tokens in the literal
+    /// ranges the ids are those of [`Tokenizer::encode`].
+    pub fn encode_with_literals(
+        &self,
+        text: &str,
+        add_special: bool,
+        literal: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>> {
+        let mut pos = 0;
+        for r in literal {
+            if r.start < pos
+                || r.start > r.end
+                || r.end > text.len()
+                || !text.is_char_boundary(r.start)
+                || !text.is_char_boundary(r.end)
+            {
+                return Err(Error::invalid_argument(
+                    "literal range",
+                    format!("{r:?}"),
+                    format!(
+                        "ranges must be sorted, disjoint and on character boundaries of the \
+                         {}-byte text",
+                        text.len()
+                    ),
+                ));
+            }
+            pos = r.end;
+        }
+        // Pieces as byte ranges of `text` (adjacent text joined) or special ids.
+        enum Piece {
+            Text(std::ops::Range<usize>),
+            Special(u32),
+        }
+        let mut pieces: Vec<Piece> = Vec::new();
+        let base = text.as_ptr() as usize;
+        let mut push = |part: std::ops::Range<usize>, matcher: &SpecialMatcher| {
+            for seg in matcher.split(&text[part]) {
+                match seg {
+                    Segment::Special(id) => pieces.push(Piece::Special(id)),
+                    Segment::Text(t) => {
+                        let start = t.as_ptr() as usize - base;
+                        let r = start..start + t.len();
+                        match pieces.last_mut() {
+                            Some(Piece::Text(prev)) if prev.end == r.start => prev.end = r.end,
+                            _ => pieces.push(Piece::Text(r)),
+                        }
+                    }
+                }
+            }
+        };
+        let mut pos = 0;
+        for r in literal {
+            push(pos..r.start, &self.specials);
+            push(r.clone(), &self.user_defined);
+            pos = r.end;
+        }
+        push(pos..text.len(), &self.specials);
+
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
         if add_special && self.add_bos {
             out.extend(self.bos);
         }
-        let matcher = if parse_special {
-            &self.specials
-        } else {
-            &self.user_defined
-        };
         let mut words = Vec::new();
-        for seg in matcher.split(text) {
-            match seg {
-                Segment::Special(id) => out.push(id),
-                Segment::Text(t) => {
+        for piece in pieces {
+            match piece {
+                Piece::Special(id) => out.push(id),
+                Piece::Text(r) => {
                     words.clear();
-                    self.pre.split(t, &mut words);
+                    self.pre.split(&text[r], &mut words);
                     for w in &words {
                         self.encode_word(w, &mut out)?;
                     }

@@ -11,6 +11,8 @@
 //! Families: ChatML (`<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
 //! `<|im_start|>assistant\n` for a generation prompt), optionally with a default system
 //! prompt emitted when the first message is not a system message (SmolLM2's template).
+//! [`ChatTemplate::render_spans`] also returns where the messages' text lies in the prompt,
+//! so a tokenizer can keep it literal and take control tokens from the markup only.
 
 use crate::io::GgufFile;
 use crate::{Error, Result};
@@ -133,8 +135,28 @@ impl ChatTemplate {
 
     /// The prompt for `messages`; `add_generation_prompt` opens the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        Ok(self.render_spans(messages, add_generation_prompt)?.0)
+    }
+
+    /// [`ChatTemplate::render`], with the byte ranges of the text that came from the messages
+    /// (roles and contents, in order): what a tokenizer should keep as literal text, so that
+    /// control tokens come only from the template's markup
+    /// ([`crate::tokenizer::BpeTokenizer::encode_with_literals`]).
+    pub fn render_spans(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<std::ops::Range<usize>>)> {
         let ChatFamily::ChatMl { default_system } = &self.family;
         let mut out = String::new();
+        let mut spans = Vec::new();
+        let mut literal = |out: &mut String, text: &str| {
+            let start = out.len();
+            out.push_str(text);
+            if !text.is_empty() {
+                spans.push(start..out.len());
+            }
+        };
         for (i, m) in messages.iter().enumerate() {
             if i == 0
                 && messages[0].role != "system"
@@ -145,15 +167,15 @@ impl ChatTemplate {
                 out.push_str("<|im_end|>\n");
             }
             out.push_str("<|im_start|>");
-            out.push_str(&m.role);
+            literal(&mut out, &m.role);
             out.push('\n');
-            out.push_str(&m.content);
+            literal(&mut out, &m.content);
             out.push_str("<|im_end|>\n");
         }
         if add_generation_prompt {
             out.push_str("<|im_start|>assistant\n");
         }
-        Ok(out)
+        Ok((out, spans))
     }
 }
 

@@ -269,3 +269,65 @@ fn unknown_and_unsupported_types_keep_metadata_readable() {
         &[0u8; 8][..]
     );
 }
+
+/// A copy of `bytes` (a GGUF image) with the u32 metadata value of `key` set to `v`.
+fn with_u32_key(bytes: &[u8], key: &str, v: u32) -> Vec<u8> {
+    let mut pat = (key.len() as u64).to_le_bytes().to_vec();
+    pat.extend_from_slice(key.as_bytes());
+    pat.extend_from_slice(&GgufType::U32.id().to_le_bytes());
+    let at = bytes
+        .windows(pat.len())
+        .position(|w| w == pat)
+        .unwrap_or_else(|| panic!("no u32 key {key}"))
+        + pat.len();
+    let mut b = bytes.to_vec();
+    put_u32(&mut b, at, v);
+    b
+}
+
+/// The counts in the real SmolLM2 file that size allocations, mutated (4 bytes each): every
+/// bad value is an error naming the file and the key, checked against the tensors present
+/// before anything is allocated (`llama.block_count` = 2^31 - 1 used to abort the process
+/// with `memory allocation of 4831838208 bytes failed`). The unmutated file still loads.
+#[test]
+fn count_keys_of_the_real_model_are_checked_against_its_tensors() {
+    use metashard::models::llama::{config_from_gguf, context_length_from_gguf};
+    let src = std::fs::read(smollm_path()).unwrap();
+    let name = Path::new("mutated-smollm2.gguf");
+    let open = |b: Vec<u8>| GgufFile::from_bytes(name, b).unwrap();
+    let cfg = config_from_gguf(&open(src.clone())).unwrap();
+    assert_eq!(
+        (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv),
+        (30, 576, 9, 3)
+    );
+    let big = [i32::MAX as u32, u32::MAX];
+    let cases: &[(&str, &[u32])] = &[
+        ("llama.block_count", &[0, 1, 29, 31, big[0], big[1]]),
+        (
+            "llama.embedding_length",
+            &[0, 575, 577, 1152, big[0], big[1]],
+        ),
+        ("llama.feed_forward_length", &[0, 1535, big[0], big[1]]),
+        (
+            "llama.attention.head_count",
+            &[0, 5, 18, 576, big[0], big[1]],
+        ),
+        (
+            "llama.attention.head_count_kv",
+            &[0, 1, 2, 9, big[0], big[1]],
+        ),
+        ("llama.vocab_size", &[0, 49151, 49153, big[0], big[1]]),
+        ("llama.rope.dimension_count", &[0, 3, 66, big[0], big[1]]),
+        ("llama.context_length", &[0, big[1]]),
+    ];
+    let t = std::time::Instant::now();
+    for &(key, values) in cases {
+        for &v in values {
+            let g = open(with_u32_key(&src, key, v));
+            let r = config_from_gguf(&g).and_then(|_| context_length_from_gguf(&g));
+            let e = expect_err(r, name, &["metadata key", &format!("'{key}'")]);
+            assert!(e.contains(&v.to_string()), "{key} = {v}: {e}");
+        }
+    }
+    assert!(t.elapsed().as_secs() < 60, "took {:?}", t.elapsed());
+}

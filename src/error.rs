@@ -69,6 +69,17 @@ pub enum Error {
         tensor: String,
         buffer_type: String,
     },
+    /// A kernel read an I32 row id outside the rows it indexes (a token id past the table, a
+    /// KV slot past the cache). `index` is where the id sits in the ids tensor.
+    #[error("{device}: node `{node}` ({op}): row id {id} is outside 0..{rows} (at ids{index:?})")]
+    RowIdOutOfRange {
+        device: String,
+        node: String,
+        op: &'static str,
+        id: i64,
+        index: [usize; 3],
+        rows: usize,
+    },
     /// A device string or device failure.
     #[error("device {device}: {reason}")]
     Device { device: String, reason: String },

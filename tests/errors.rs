@@ -299,6 +299,81 @@ fn foreign_tensor_ids_are_errors() {
     ));
 }
 
+/// Binding storage and inline data: a view, a misaligned offset, a computed node and a tensor
+/// too large to address are typed errors naming the tensor and what was expected.
+#[test]
+fn binding_and_data_errors_name_the_tensor() {
+    let mut g = Graph::new();
+    let w = g
+        .weight("blk.0.attn_q.weight", DType::F32, [8, 4, 1, 1])
+        .unwrap();
+    let t = g.transpose(w).unwrap();
+    g.set_name(t, "wt");
+    let buf = CpuBufferType.alloc_buffer(256).unwrap();
+    match g.bind(t, Storage::new(buf.clone(), 0)).unwrap_err() {
+        Error::BindToView { tensor, root } => {
+            assert_eq!(
+                (tensor.as_str(), root.as_str()),
+                ("wt", "blk.0.attn_q.weight")
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    match g.bind(w, Storage::new(buf.clone(), 6)).unwrap_err() {
+        Error::MisalignedBinding {
+            tensor,
+            offset,
+            dtype,
+            align,
+        } => assert_eq!(
+            (tensor.as_str(), offset, dtype, align),
+            ("blk.0.attn_q.weight", 6, DType::F32, 4)
+        ),
+        other => panic!("{other:?}"),
+    }
+    let r = g.relu(w).unwrap();
+    g.set_name(r, "act");
+    let e = g.set_data(r, vec![0u8; 128]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::NotALeaf {
+                action: "set_data",
+                op: "relu",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("`act`"), "{e}");
+    match g
+        .input("huge", DType::F16, [1 << 32, 1 << 32, 1, 1])
+        .unwrap_err()
+    {
+        Error::TensorTooLarge {
+            tensor,
+            shape,
+            dtype,
+        } => assert_eq!(
+            (tensor.as_str(), shape, dtype),
+            ("huge", Shape([1 << 32, 1 << 32, 1, 1]), DType::F16)
+        ),
+        other => panic!("{other:?}"),
+    }
+    match g.input("w_q4", DType::Q4_0, [48, 2, 1, 1]).unwrap_err() {
+        Error::PartialBlock {
+            what,
+            ne0,
+            dtype,
+            block,
+        } => assert_eq!(
+            (what.as_str(), ne0, dtype, block),
+            ("w_q4", 48, DType::Q4_0, 32)
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// An op the kernels refuse is an `UnsupportedOp` naming the op and the node, and no node
 /// ran: an earlier node's bound output keeps its poison and no input was allocated.
 #[test]

@@ -169,11 +169,10 @@ impl Graph {
     pub fn bind(&mut self, id: TensorId, storage: Storage) -> Result<()> {
         let n = self.get(id)?;
         if n.view_src.is_some() {
-            return Err(Error::msg(format!(
-                "cannot bind storage to `{}`: it is a view; bind its root `{}`",
-                n.name,
-                self.nodes[self.root(id).index()].name
-            )));
+            return Err(Error::BindToView {
+                tensor: n.name.clone(),
+                root: self.nodes[self.root(id).index()].name.clone(),
+            });
         }
         // Kernels read f32/i32 through aligned pointers, halves and blocks (f16 scales) by
         // 2-byte units; buffers themselves are aligned far beyond this.
@@ -182,10 +181,12 @@ impl Graph {
             _ => 2,
         };
         if !storage.offset.is_multiple_of(align) {
-            return Err(Error::msg(format!(
-                "cannot bind `{}` at offset {}: {} data must be {align}-byte aligned",
-                n.name, storage.offset, n.layout.dtype
-            )));
+            return Err(Error::MisalignedBinding {
+                tensor: n.name.clone(),
+                offset: storage.offset,
+                dtype: n.layout.dtype,
+                align,
+            });
         }
         let span = n.layout.nbytes();
         let size = storage.buffer.size();
@@ -208,11 +209,11 @@ impl Graph {
         let bytes = bytes.into();
         let n = self.get(id)?;
         if !n.is_leaf() {
-            return Err(Error::msg(format!(
-                "set_data: `{}` is not a leaf ({})",
-                n.name,
-                n.op.name()
-            )));
+            return Err(Error::NotALeaf {
+                action: "set_data",
+                tensor: n.name.clone(),
+                op: n.op.name(),
+            });
         }
         if !n.layout.is_contiguous() || bytes.len() != n.layout.nbytes() {
             return Err(Error::BufferTooSmall {

@@ -87,10 +87,12 @@ impl DType {
     /// An error if `ne0` is not a whole number of blocks.
     pub fn check_row(self, ne0: usize, what: &str) -> Result<()> {
         if !ne0.is_multiple_of(self.block_size()) {
-            return Err(Error::msg(format!(
-                "{what}: row length {ne0} is not a multiple of the {self} block size {}",
-                self.block_size()
-            )));
+            return Err(Error::PartialBlock {
+                what: what.to_string(),
+                ne0,
+                dtype: self,
+                block: self.block_size(),
+            });
         }
         Ok(())
     }
@@ -204,6 +206,16 @@ unsafe impl Pod for u8 {}
 // SAFETY: as above.
 unsafe impl Pod for i8 {}
 
+fn byte_view_error<T>(bytes: &[u8]) -> Error {
+    Error::ByteView {
+        len: bytes.len(),
+        addr: bytes.as_ptr() as usize,
+        elem: std::any::type_name::<T>(),
+        size: std::mem::size_of::<T>(),
+        align: std::mem::align_of::<T>(),
+    }
+}
+
 /// View bytes as a slice of `T`. Errors if the length is not a multiple of `size_of::<T>()` or
 /// the pointer is misaligned for `T`.
 pub fn cast_slice<T: Pod>(bytes: &[u8]) -> Result<&[T]> {
@@ -211,12 +223,7 @@ pub fn cast_slice<T: Pod>(bytes: &[u8]) -> Result<&[T]> {
     if !bytes.len().is_multiple_of(sz)
         || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
     {
-        return Err(Error::msg(format!(
-            "cannot view {} bytes at {:p} as {}",
-            bytes.len(),
-            bytes.as_ptr(),
-            std::any::type_name::<T>()
-        )));
+        return Err(byte_view_error::<T>(bytes));
     }
     // SAFETY: length and alignment checked above; T is Pod so any bytes are a valid T.
     Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<T>(), bytes.len() / sz) })
@@ -228,12 +235,7 @@ pub fn cast_slice_mut<T: Pod>(bytes: &mut [u8]) -> Result<&mut [T]> {
     if !bytes.len().is_multiple_of(sz)
         || !(bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
     {
-        return Err(Error::msg(format!(
-            "cannot view {} bytes at {:p} as {}",
-            bytes.len(),
-            bytes.as_ptr(),
-            std::any::type_name::<T>()
-        )));
+        return Err(byte_view_error::<T>(bytes));
     }
     // SAFETY: length and alignment checked above; T is Pod so any bytes are a valid T, and the
     // exclusive borrow of `bytes` is moved into the result.
@@ -353,16 +355,26 @@ pub fn dequantize_q4_1(x: &[BlockQ4_1], y: &mut [f32]) {
     }
 }
 
+/// An error unless `n` elements of `dtype` are whole blocks taking exactly `bytes` bytes.
+fn check_row_bytes(what: &'static str, dtype: DType, n: usize, bytes: usize) -> Result<()> {
+    dtype.check_row(n, what)?;
+    if bytes != dtype.row_size(n) {
+        return Err(Error::RowBytes {
+            what,
+            dtype,
+            elements: n,
+            expected: dtype.row_size(n),
+            got: bytes,
+        });
+    }
+    Ok(())
+}
+
 /// Convert one contiguous row of `dtype` bytes to f32. `src` holds exactly
 /// `dtype.row_size(dst.len())` bytes.
 pub fn row_to_f32(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
     let n = dst.len();
-    if src.len() != dtype.row_size(n) || !n.is_multiple_of(dtype.block_size()) {
-        return Err(Error::msg(format!(
-            "row_to_f32: {} bytes of {dtype} do not hold {n} elements",
-            src.len()
-        )));
-    }
+    check_row_bytes("row_to_f32", dtype, n, src.len())?;
     match dtype {
         DType::F32 => dst.copy_from_slice(cast_unaligned_f32(src, n).as_slice()),
         DType::F16 => {
@@ -390,12 +402,7 @@ pub fn row_to_f32(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
 /// Convert one row of f32 to `dtype` bytes (`dst.len() == dtype.row_size(src.len())`).
 pub fn row_from_f32(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<()> {
     let n = src.len();
-    if dst.len() != dtype.row_size(n) || !n.is_multiple_of(dtype.block_size()) {
-        return Err(Error::msg(format!(
-            "row_from_f32: {} bytes of {dtype} do not hold {n} elements",
-            dst.len()
-        )));
-    }
+    check_row_bytes("row_from_f32", dtype, n, dst.len())?;
     match dtype {
         DType::F32 => dst.copy_from_slice(as_bytes(src)),
         DType::F16 => {
@@ -520,6 +527,72 @@ mod tests {
     #[test]
     fn partial_blocks_are_an_error() {
         assert!(f32_to_bytes(DType::Q8_0, &[1.0; 31]).is_err());
-        assert!(DType::Q4_1.check_row(48, "t").is_err());
+        assert!(matches!(
+            DType::Q4_1.check_row(48, "t"),
+            Err(Error::PartialBlock {
+                ne0: 48,
+                dtype: DType::Q4_1,
+                block: 32,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn rows_and_views_of_the_wrong_size_are_typed_errors() {
+        let mut out = [0f32; 32];
+        let e = row_to_f32(DType::Q8_0, &[0u8; 30], &mut out).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::RowBytes {
+                    what: "row_to_f32",
+                    dtype: DType::Q8_0,
+                    elements: 32,
+                    expected: 34,
+                    got: 30,
+                }
+            ),
+            "{e:?}"
+        );
+        let e = row_from_f32(DType::F16, &[0.0; 3], &mut [0u8; 8]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::RowBytes {
+                    expected: 6,
+                    got: 8,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = row_to_f32(DType::Q4_0, &[0u8; 18], &mut out[..16]).unwrap_err();
+        assert!(matches!(e, Error::PartialBlock { ne0: 16, .. }), "{e:?}");
+        let bytes = [0i32; 4];
+        let e = cast_slice::<f32>(&as_bytes(&bytes)[..6]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::ByteView {
+                    len: 6,
+                    size: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = cast_slice::<i32>(&as_bytes(&bytes)[1..5]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::ByteView {
+                    len: 4,
+                    align: 4,
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 }

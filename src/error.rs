@@ -2,6 +2,7 @@
 //! [`Result`] alias. Variants carry what a user needs to act: the op, the tensor name, the
 //! shapes, the split states, the file and the field.
 
+use crate::DType;
 use std::path::PathBuf;
 
 /// Shapes in errors are printed in ggml order, `[ne0, ne1, ne2, ne3]`.
@@ -47,6 +48,39 @@ pub enum Error {
     /// A tensor id does not belong to the graph.
     #[error("tensor id {id} is not in this graph (graph has {len} tensors)")]
     UnknownTensor { id: usize, len: usize },
+    /// A row of a quantized type that is not a whole number of blocks.
+    #[error("{what}: row length {ne0} is not a multiple of the {dtype} block size {block}")]
+    PartialBlock {
+        what: String,
+        ne0: usize,
+        dtype: DType,
+        block: usize,
+    },
+    /// A tensor whose bytes do not fit the address space.
+    #[error("tensor `{tensor}` {shape} of {dtype} needs more bytes than memory can address")]
+    TensorTooLarge {
+        tensor: String,
+        shape: Shape,
+        dtype: DType,
+    },
+    /// Storage bound to a view: only roots own bytes.
+    #[error("cannot bind storage to `{tensor}`: it is a view; bind its root `{root}`")]
+    BindToView { tensor: String, root: String },
+    /// Storage at an offset the tensor's kernels cannot read from.
+    #[error("cannot bind `{tensor}` at offset {offset}: {dtype} data must be {align}-byte aligned")]
+    MisalignedBinding {
+        tensor: String,
+        offset: usize,
+        dtype: DType,
+        align: usize,
+    },
+    /// Something only a leaf can have (inline data) given to a computed node.
+    #[error("{action}: `{tensor}` is not a leaf but a {op} node")]
+    NotALeaf {
+        action: &'static str,
+        tensor: String,
+        op: &'static str,
+    },
 
     // ---- backends ---------------------------------------------------------------------
     /// The backend has no kernel for this op with these operand types and layouts.
@@ -68,6 +102,17 @@ pub enum Error {
         backend: String,
         tensor: String,
         buffer_type: String,
+    },
+    /// A kernel read an I32 row id outside the rows it indexes (a token id past the table, a
+    /// KV slot past the cache). `index` is where the id sits in the ids tensor.
+    #[error("{device}: node `{node}` ({op}): row id {id} is outside 0..{rows} (at ids{index:?})")]
+    RowIdOutOfRange {
+        device: String,
+        node: String,
+        op: &'static str,
+        id: i64,
+        index: [usize; 3],
+        rows: usize,
     },
     /// A device string or device failure.
     #[error("device {device}: {reason}")]
@@ -104,6 +149,26 @@ pub enum Error {
         what: String,
         needed: usize,
         available: usize,
+    },
+    /// Bytes that cannot be seen as a slice of `elem` (length or alignment).
+    #[error(
+        "cannot view {len} bytes at {addr:#x} as {elem}: a multiple of {size} bytes, {align}-byte aligned, is needed"
+    )]
+    ByteView {
+        len: usize,
+        addr: usize,
+        elem: &'static str,
+        size: usize,
+        align: usize,
+    },
+    /// A row's bytes do not match its element count.
+    #[error("{what}: {elements} {dtype} elements take {expected} bytes, got {got}")]
+    RowBytes {
+        what: &'static str,
+        dtype: DType,
+        elements: usize,
+        expected: usize,
+        got: usize,
     },
     /// An allocation failed or exceeds the buffer type's maximum.
     #[error("{buffer_type}: cannot allocate {size} bytes: {reason}")]
@@ -188,6 +253,31 @@ pub enum Error {
         reason: String,
     },
 
+    // ---- inputs and outside programs --------------------------------------------------
+    /// An argument of a call (tokens, positions, a batch, a device list) is not what the call
+    /// takes.
+    #[error("{context}: {what}: expected {expected}, got {got}")]
+    InvalidInput {
+        context: &'static str,
+        what: String,
+        expected: String,
+        got: String,
+    },
+    /// An outside program (a reference script) failed.
+    #[error("{} failed ({status}): {stderr}", program.display())]
+    ProgramFailed {
+        program: PathBuf,
+        status: String,
+        stderr: String,
+    },
+    /// A value could not be written as JSON.
+    #[error("{what}: cannot write JSON: {source}")]
+    Json {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+
     /// Anything else, with a sentence that says what.
     #[error("{0}")]
     Msg(String),
@@ -247,6 +337,20 @@ impl Error {
         Error::Io {
             path: path.into(),
             source,
+        }
+    }
+
+    pub fn invalid_input(
+        context: &'static str,
+        what: impl Into<String>,
+        expected: impl std::fmt::Display,
+        got: impl std::fmt::Display,
+    ) -> Self {
+        Error::InvalidInput {
+            context,
+            what: what.into(),
+            expected: expected.to_string(),
+            got: got.to_string(),
         }
     }
 }

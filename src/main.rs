@@ -227,8 +227,12 @@ fn run(cli: Cli) -> Result<()> {
                 if json {
                     println!(
                         "{}",
-                        serde_json::to_string_pretty(&report)
-                            .map_err(|e| metashard::Error::msg(e.to_string()))?
+                        serde_json::to_string_pretty(&report).map_err(|source| {
+                            metashard::Error::Json {
+                                what: "bench meta report",
+                                source,
+                            }
+                        })?
                     );
                 } else {
                     bench::meta::print_table(&report);
@@ -266,11 +270,11 @@ fn bench_ops(opts: bench::ops::OpsBenchOptions, numpy: bool, json: bool) -> Resu
         eprintln!("timing numpy ...");
         let out = cmd.output().map_err(|e| metashard::Error::io(&script, e))?;
         if !out.status.success() {
-            return Err(metashard::Error::msg(format!(
-                "{} failed: {}",
-                script.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(metashard::Error::ProgramFailed {
+                program: script,
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+            });
         }
         bench::ops::parse_refs(
             &String::from_utf8_lossy(&out.stdout),
@@ -288,7 +292,10 @@ fn bench_ops(opts: bench::ops::OpsBenchOptions, numpy: bool, json: bool) -> Resu
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String> {
-    serde_json::to_string_pretty(v).map_err(|e| metashard::Error::msg(e.to_string()))
+    serde_json::to_string_pretty(v).map_err(|source| metashard::Error::Json {
+        what: "command output",
+        source,
+    })
 }
 
 fn devices_cmd(spec: Option<&str>, json: bool) -> Result<()> {

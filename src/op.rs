@@ -1,10 +1,13 @@
 //! The typed op set: one `Op` variant per operation with typed parameters (no int arrays),
-//! and the classification other modules need (views, elementwise, in place).
+//! the classification other modules need (views, elementwise, in place), and the hash of every
+//! parameter that keys cached plans.
 //!
 //! Semantics follow ggml's ops of the same names (ggml-org/ggml `include/ggml.h`): `mul_mat`
 //! contracts dimension 0 of both operands, binary ops broadcast `src1` over `src0`, row-wise
 //! ops reduce dimension 0, `rope` rotates pairs per position, `flash_attn` returns
 //! `[Dv, n_head, n_q, batch]`.
+
+use std::hash::{Hash, Hasher};
 
 /// Data movement between the devices of a meta device, as it appears in per-device programs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,7 +74,7 @@ pub enum RopeMode {
 }
 
 /// Parameters of `rope`: `theta_i = pos * freq_scale * freq_base^(-2i/n_dims)`; dimensions
-/// at and beyond `n_dims` pass through unchanged.
+/// at and beyond `n_dims` pass through unchanged. Hashed like [`Op`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RopeParams {
     pub mode: RopeMode,
@@ -82,6 +85,8 @@ pub struct RopeParams {
 
 /// One operation. `Graph` nodes hold an `Op` and up to four sources; the sources' meaning is
 /// given per variant.
+///
+/// `Op` is `Hash` (see the impl below) so that a graph's structure hash covers every parameter.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Op {
     /// No computation: a weight, an input, a cache; its data comes from storage or inline bytes.
@@ -212,5 +217,305 @@ impl Op {
             self,
             Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_)
         )
+    }
+}
+
+/// The f32 parameters of ops hash by bit pattern.
+fn hash_f32<H: Hasher>(x: f32, h: &mut H) {
+    x.to_bits().hash(h);
+}
+
+/// Every parameter is hashed, floats by bit pattern, so two ops that differ in any parameter
+/// hash apart (and so do `0.0` and `-0.0`, which `==` calls equal: the hash is never coarser
+/// than `==`; `Op` is not `Eq`, so no std map keys on it). The patterns name every field, with
+/// no `..` and no wildcard: a new variant or a new field does not compile until it is hashed.
+impl Hash for Op {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        std::mem::discriminant(self).hash(h);
+        match *self {
+            Op::Leaf
+            | Op::Reshape
+            | Op::Cont
+            | Op::Cpy
+            | Op::GetRows
+            | Op::SetRows
+            | Op::MulMat
+            | Op::Swiglu
+            | Op::SumRows
+            | Op::Mean
+            | Op::Argmax => {}
+            Op::View { offset } => offset.hash(h),
+            Op::Permute { axes } => axes.hash(h),
+            Op::Concat { dim } => dim.hash(h),
+            Op::Binary(op) => op.hash(h),
+            Op::Scale { scale, bias } => {
+                hash_f32(scale, h);
+                hash_f32(bias, h);
+            }
+            Op::Clamp { min, max } => {
+                hash_f32(min, h);
+                hash_f32(max, h);
+            }
+            Op::Unary(op) => op.hash(h),
+            Op::RmsNorm { eps } | Op::Norm { eps } => hash_f32(eps, h),
+            Op::SoftMax { scale } | Op::FlashAttn { scale } => hash_f32(scale, h),
+            Op::Rope(params) => params.hash(h),
+            Op::Collective(kind) => kind.hash(h),
+        }
+    }
+}
+
+impl Hash for RopeParams {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        let RopeParams {
+            mode,
+            n_dims,
+            freq_base,
+            freq_scale,
+        } = *self;
+        mode.hash(h);
+        n_dims.hash(h);
+        hash_f32(freq_base, h);
+        hash_f32(freq_scale, h);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hash_of(op: &Op) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        op.hash(&mut h);
+        h.finish()
+    }
+
+    /// Values that differ from `self` in one parameter each, covering every parameter.
+    trait Changes: Sized {
+        fn changes(&self) -> Vec<Self>;
+    }
+
+    impl Changes for f32 {
+        // Negation also turns 0.0 into -0.0: equal by `==`, apart by bits.
+        fn changes(&self) -> Vec<f32> {
+            vec![*self + 1.0, -*self]
+        }
+    }
+
+    impl Changes for usize {
+        fn changes(&self) -> Vec<usize> {
+            vec![*self + 1]
+        }
+    }
+
+    impl Changes for [usize; 4] {
+        fn changes(&self) -> Vec<[usize; 4]> {
+            (0..4)
+                .map(|i| {
+                    let mut a = *self;
+                    a[i] += 1;
+                    a
+                })
+                .collect()
+        }
+    }
+
+    /// Every other value of a fieldless enum, by cycling through `next` (an exhaustive match).
+    fn others<T: Copy + PartialEq>(start: T, next: fn(T) -> T) -> Vec<T> {
+        let mut v = Vec::new();
+        let mut x = next(start);
+        while x != start {
+            assert!(v.len() < 64, "`next` does not cycle back");
+            v.push(x);
+            x = next(x);
+        }
+        v
+    }
+
+    impl Changes for BinaryOp {
+        fn changes(&self) -> Vec<BinaryOp> {
+            others(*self, |b| match b {
+                BinaryOp::Add => BinaryOp::Sub,
+                BinaryOp::Sub => BinaryOp::Mul,
+                BinaryOp::Mul => BinaryOp::Div,
+                BinaryOp::Div => BinaryOp::Add,
+            })
+        }
+    }
+
+    impl Changes for UnaryOp {
+        fn changes(&self) -> Vec<UnaryOp> {
+            others(*self, |u| match u {
+                UnaryOp::Silu => UnaryOp::Gelu,
+                UnaryOp::Gelu => UnaryOp::GeluErf,
+                UnaryOp::GeluErf => UnaryOp::Relu,
+                UnaryOp::Relu => UnaryOp::Tanh,
+                UnaryOp::Tanh => UnaryOp::Silu,
+            })
+        }
+    }
+
+    impl Changes for RopeMode {
+        fn changes(&self) -> Vec<RopeMode> {
+            others(*self, |m| match m {
+                RopeMode::Normal => RopeMode::NeoX,
+                RopeMode::NeoX => RopeMode::Normal,
+            })
+        }
+    }
+
+    impl Changes for CollectiveKind {
+        fn changes(&self) -> Vec<CollectiveKind> {
+            use CollectiveKind::*;
+            match *self {
+                AllReduce => vec![AllGather { axis: 0 }, ReduceScatter { axis: 0 }],
+                AllGather { axis } => vec![
+                    AllGather { axis: axis + 1 },
+                    ReduceScatter { axis },
+                    AllReduce,
+                ],
+                ReduceScatter { axis } => vec![
+                    ReduceScatter { axis: axis + 1 },
+                    AllGather { axis },
+                    AllReduce,
+                ],
+            }
+        }
+    }
+
+    impl Changes for RopeParams {
+        fn changes(&self) -> Vec<RopeParams> {
+            // Names every field: a new one does not compile until it is changed here too.
+            let RopeParams {
+                mode,
+                n_dims,
+                freq_base,
+                freq_scale,
+            } = *self;
+            let mut v = Vec::new();
+            v.extend(
+                mode.changes()
+                    .into_iter()
+                    .map(|mode| RopeParams { mode, ..*self }),
+            );
+            v.extend(
+                n_dims
+                    .changes()
+                    .into_iter()
+                    .map(|n_dims| RopeParams { n_dims, ..*self }),
+            );
+            v.extend(
+                freq_base
+                    .changes()
+                    .into_iter()
+                    .map(|freq_base| RopeParams { freq_base, ..*self }),
+            );
+            v.extend(
+                freq_scale
+                    .changes()
+                    .into_iter()
+                    .map(|freq_scale| RopeParams {
+                        freq_scale,
+                        ..*self
+                    }),
+            );
+            v
+        }
+    }
+
+    /// Defines `every_op()`: one sample of every variant, each with the ops that differ from it
+    /// in exactly one parameter (every field of a struct variant is changed in turn). The
+    /// `listed` match is exhaustive and its struct patterns name every field, so a new variant
+    /// or field fails to compile until it is listed here.
+    macro_rules! every_op {
+        (
+            units: $($unit:ident),* ;
+            structs: $($sv:ident { $($field:ident : $value:expr),* }),* ;
+            tuples: $($tv:ident ( $t:expr )),* ;
+        ) => {
+            fn every_op() -> Vec<(Op, Vec<Op>)> {
+                fn listed(op: &Op) {
+                    match *op {
+                        $(Op::$unit => {})*
+                        $(Op::$sv { $($field: _),* } => {})*
+                        $(Op::$tv(_) => {})*
+                    }
+                }
+                let mut all: Vec<(Op, Vec<Op>)> = vec![$((Op::$unit, Vec::new())),*];
+                $({
+                    let sample = Op::$sv { $($field: $value),* };
+                    let mut changed = Vec::new();
+                    $(
+                        if let Op::$sv { $field: value, .. } = sample {
+                            for c in Changes::changes(&value) {
+                                let mut op = sample;
+                                if let Op::$sv { $field: slot, .. } = &mut op {
+                                    *slot = c;
+                                }
+                                changed.push(op);
+                            }
+                        }
+                    )*
+                    all.push((sample, changed));
+                })*
+                $({
+                    let value = $t;
+                    let changed = Changes::changes(&value).into_iter().map(Op::$tv).collect();
+                    all.push((Op::$tv(value), changed));
+                })*
+                all.iter().for_each(|(op, _)| listed(op));
+                all
+            }
+        };
+    }
+
+    every_op! {
+        units: Leaf, Reshape, Cont, Cpy, GetRows, SetRows, MulMat, Swiglu, SumRows, Mean, Argmax;
+        structs:
+            View { offset: 64 },
+            Permute { axes: [1, 0, 2, 3] },
+            Concat { dim: 1 },
+            Scale { scale: 0.5, bias: 0.0 },
+            Clamp { min: -1.0, max: 1.0 },
+            RmsNorm { eps: 1e-6 },
+            Norm { eps: 1e-5 },
+            SoftMax { scale: 0.125 },
+            FlashAttn { scale: 0.125 };
+        tuples:
+            Binary(BinaryOp::Mul),
+            Unary(UnaryOp::Gelu),
+            Rope(RopeParams {
+                mode: RopeMode::NeoX,
+                n_dims: 64,
+                freq_base: 10000.0,
+                freq_scale: 1.0,
+            }),
+            Collective(CollectiveKind::AllGather { axis: 1 });
+    }
+
+    #[test]
+    fn changing_any_parameter_of_any_op_changes_its_hash() {
+        let all = every_op();
+        // Each variant listed once; distinct variants hash apart.
+        for (i, (a, _)) in all.iter().enumerate() {
+            assert_eq!(hash_of(a), hash_of(&a.clone()), "{a:?}");
+            for (b, _) in &all[..i] {
+                assert_ne!(
+                    std::mem::discriminant(a),
+                    std::mem::discriminant(b),
+                    "{a:?} listed twice"
+                );
+                assert_ne!(hash_of(a), hash_of(b), "{a:?} and {b:?}");
+            }
+        }
+        for (op, changed) in &all {
+            let has_params = format!("{op:?}").contains(['{', '(']);
+            assert_eq!(has_params, !changed.is_empty(), "{op:?}: {changed:?}");
+            for c in changed {
+                // The change is real (Debug shows -0.0 apart from 0.0), and the hash sees it.
+                assert_ne!(format!("{op:?}"), format!("{c:?}"));
+                assert_ne!(hash_of(op), hash_of(c), "{op:?} and {c:?} hash alike");
+            }
+        }
     }
 }

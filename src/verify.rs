@@ -96,17 +96,17 @@ pub fn reference(gguf: &Path, prompt: &[u32], steps: usize) -> Result<(Vec<u32>,
         .output()
         .map_err(|e| Error::io(&script, e))?;
     if !out.status.success() {
-        return Err(Error::msg(format!(
-            "reference {} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(Error::ProgramFailed {
+            program: script,
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .map_err(|e| Error::msg(format!("reference output is not JSON: {e}")))?;
+        .map_err(|e| Error::format(&script, "standard output", format!("not JSON: {e}")))?;
     let toks = v["generated"]
         .as_array()
-        .ok_or_else(|| Error::msg("reference output has no `generated`"))?
+        .ok_or_else(|| Error::format(&script, "standard output", "no `generated` array"))?
         .iter()
         .filter_map(|x| x.as_u64().map(|x| x as u32))
         .collect();

@@ -258,7 +258,10 @@ fn bandwidth() -> Result<Vec<BandwidthRow>> {
                 comm.all_reduce(r, &mut b, DType::F32).expect("all-reduce");
             }
         })
-        .map_err(metashard::Error::Msg)?;
+        .map_err(|msg| metashard::Error::Device {
+            device: "bench-ar pool".into(),
+            reason: format!("a thread panicked: {msg}"),
+        })?;
         let ar = (bytes * reps) as f64 / start.elapsed().as_secs_f64() / 1e9;
         let src = vec![1u8; bytes];
         let mut dst = vec![0u8; bytes];

@@ -177,9 +177,12 @@ pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     let isa = opts.isa.unwrap_or_else(Isa::detect).clamp();
     let ms = opts.ms.clone().unwrap_or_else(|| vec![1, 32]);
     if ms.iter().any(|&m| m == 0 || m > 4096) {
-        return Err(metashard::Error::msg(format!(
-            "bench ops: M values must be 1..=4096, got {ms:?}"
-        )));
+        return Err(metashard::Error::invalid_input(
+            "bench ops",
+            "M values",
+            "each in 1..=4096",
+            format!("{ms:?}"),
+        ));
     }
     let precisions = if opts.precisions.is_empty() {
         vec![Precision::Exact]
@@ -191,10 +194,12 @@ pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.label().contains(f)))
         .collect();
     if opts.threads.is_empty() || opts.threads.iter().any(|&t| t == 0 || t > 256) {
-        return Err(metashard::Error::msg(format!(
-            "bench ops: thread counts must be 1..=256, got {:?}",
-            opts.threads
-        )));
+        return Err(metashard::Error::invalid_input(
+            "bench ops",
+            "thread counts",
+            "at least one, each in 1..=256",
+            format!("{:?}", opts.threads),
+        ));
     }
     let pools: Vec<ThreadPool> = opts
         .threads
@@ -392,10 +397,10 @@ impl CaseData {
                 }
             });
             if let Some(e) = err {
-                return Err(metashard::Error::msg(format!(
-                    "bench ops {}: {e}",
-                    c.label()
-                )));
+                return Err(metashard::Error::Device {
+                    device: format!("bench ops pool ({nth} threads)"),
+                    reason: format!("{}: a kernel panicked: {e}", c.label()),
+                });
             }
             t
         };

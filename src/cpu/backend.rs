@@ -2,7 +2,9 @@
 //! unallocated roots in its compute buffer, uploads inline inputs, and runs the nodes in order
 //! on the device's thread pool, all threads working on each node and meeting at a barrier
 //! between nodes (ggml's CPU execution model). `graph_plan` prepares an allocated graph once
-//! and computes node ranges of it on demand (used by the meta backend between collectives).
+//! and computes node ranges of it on demand (used by the meta backend between collectives). A
+//! kernel that reports an error (a row id out of range) stops every thread at the next barrier
+//! and the error names the node; a kernel that panics is caught by the pool.
 
 use super::device::CpuDevice;
 use super::ops;
@@ -268,6 +270,13 @@ impl GraphPlan for CpuPlan {
         let (shared, slot) = (self.shared, self.slot);
         let wdata = WorkPtr(self.work.as_mut_ptr().cast::<u8>());
         let current = AtomicUsize::new(0);
+        // A kernel's error, per thread: the position in `nodes` and what it reported. The
+        // lowest failing position is published in `failed_at` before the thread reaches the
+        // next barrier, so every thread reads the same verdict after that barrier and all stop
+        // there together (a thread stopping alone would leave the others waiting).
+        let errors: Vec<Mutex<Option<(usize, ops::KernelError)>>> =
+            (0..nth).map(|_| Mutex::new(None)).collect();
+        let failed_at = AtomicUsize::new(usize::MAX);
         let run = pool.run(&|ith, barrier| {
             let base = wdata.get();
             let p = ComputeParams {
@@ -285,9 +294,15 @@ impl GraphPlan for CpuPlan {
                 if ith == 0 {
                     current.store(i, Ordering::Relaxed);
                 }
-                ops::forward(&p, &e.op, &e.dst, &e.src);
+                if let Err(err) = ops::forward(&p, &e.op, &e.dst, &e.src) {
+                    errors[ith].lock().get_or_insert((i, err));
+                    failed_at.fetch_min(i, Ordering::AcqRel);
+                }
                 if e.barrier_after {
                     barrier.wait();
+                    if failed_at.load(Ordering::Acquire) <= i {
+                        break;
+                    }
                 }
             }
         });
@@ -299,7 +314,30 @@ impl GraphPlan for CpuPlan {
                 device: self.inner.device.name(),
                 reason: format!("a kernel panicked at node `{node}`: {msg}"),
             }
-        })
+        })?;
+        // The first failing node's error (several threads may have failed there).
+        let first = errors
+            .into_iter()
+            .filter_map(|m| m.into_inner())
+            .min_by_key(|&(i, _)| i);
+        match first {
+            None => Ok(()),
+            Some((i, err)) => Err(kernel_error(&self.inner.device.name(), &nodes[i], err)),
+        }
+    }
+}
+
+/// A kernel's report as an error naming the device, the node and its op.
+fn kernel_error(device: &str, e: &ExecNode, err: ops::KernelError) -> Error {
+    match err {
+        ops::KernelError::RowId { id, at, rows } => Error::RowIdOutOfRange {
+            device: device.to_string(),
+            node: e.name.clone(),
+            op: e.op.name(),
+            id,
+            index: at,
+            rows,
+        },
     }
 }
 

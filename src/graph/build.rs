@@ -21,11 +21,10 @@ impl Graph {
 
     fn leaf(&mut self, name: &str, dtype: DType, ne: [usize; 4], flags: Flags) -> Result<TensorId> {
         dtype.check_row(ne[0], name)?;
-        let layout = packed_layout(dtype, ne).ok_or_else(|| {
-            Error::msg(format!(
-                "tensor `{name}` {} of {dtype} needs more bytes than memory can address",
-                crate::Shape(ne)
-            ))
+        let layout = packed_layout(dtype, ne).ok_or_else(|| Error::TensorTooLarge {
+            tensor: name.to_string(),
+            shape: crate::Shape(ne),
+            dtype,
         })?;
         Ok(self.push(Node {
             layout,

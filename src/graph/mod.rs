@@ -169,11 +169,10 @@ impl Graph {
     pub fn bind(&mut self, id: TensorId, storage: Storage) -> Result<()> {
         let n = self.get(id)?;
         if n.view_src.is_some() {
-            return Err(Error::msg(format!(
-                "cannot bind storage to `{}`: it is a view; bind its root `{}`",
-                n.name,
-                self.nodes[self.root(id).index()].name
-            )));
+            return Err(Error::BindToView {
+                tensor: n.name.clone(),
+                root: self.nodes[self.root(id).index()].name.clone(),
+            });
         }
         // Kernels read f32/i32 through aligned pointers, halves and blocks (f16 scales) by
         // 2-byte units; buffers themselves are aligned far beyond this.
@@ -182,10 +181,12 @@ impl Graph {
             _ => 2,
         };
         if !storage.offset.is_multiple_of(align) {
-            return Err(Error::msg(format!(
-                "cannot bind `{}` at offset {}: {} data must be {align}-byte aligned",
-                n.name, storage.offset, n.layout.dtype
-            )));
+            return Err(Error::MisalignedBinding {
+                tensor: n.name.clone(),
+                offset: storage.offset,
+                dtype: n.layout.dtype,
+                align,
+            });
         }
         let span = n.layout.nbytes();
         let size = storage.buffer.size();
@@ -208,11 +209,11 @@ impl Graph {
         let bytes = bytes.into();
         let n = self.get(id)?;
         if !n.is_leaf() {
-            return Err(Error::msg(format!(
-                "set_data: `{}` is not a leaf ({})",
-                n.name,
-                n.op.name()
-            )));
+            return Err(Error::NotALeaf {
+                action: "set_data",
+                tensor: n.name.clone(),
+                op: n.op.name(),
+            });
         }
         if !n.layout.is_contiguous() || bytes.len() != n.layout.nbytes() {
             return Err(Error::BufferTooSmall {
@@ -292,7 +293,7 @@ impl Graph {
         self.nodes.len().hash(&mut h);
         for n in &self.nodes {
             n.layout.hash(&mut h);
-            hash_op(&n.op, &mut h);
+            n.op.hash(&mut h);
             n.src.hash(&mut h);
             n.view_src.hash(&mut h);
             n.view_offs.hash(&mut h);
@@ -304,29 +305,6 @@ impl Graph {
             }
         }
         h.finish()
-    }
-}
-
-fn hash_op(op: &Op, h: &mut impl Hasher) {
-    // Op holds f32 parameters; hash their bits through the Debug form's discriminant plus bits.
-    std::mem::discriminant(op).hash(h);
-    match *op {
-        Op::View { offset } => offset.hash(h),
-        Op::Permute { axes } => axes.hash(h),
-        Op::Concat { dim } => dim.hash(h),
-        Op::Binary(b) => b.hash(h),
-        Op::Unary(u) => u.hash(h),
-        Op::Scale { scale, bias } => (scale.to_bits(), bias.to_bits()).hash(h),
-        Op::Clamp { min, max } => (min.to_bits(), max.to_bits()).hash(h),
-        Op::RmsNorm { eps } | Op::Norm { eps } => eps.to_bits().hash(h),
-        Op::SoftMax { scale } | Op::FlashAttn { scale } => scale.to_bits().hash(h),
-        Op::Collective(c) => c.hash(h),
-        Op::Rope(p) => {
-            p.mode.hash(h);
-            p.n_dims.hash(h);
-            (p.freq_base.to_bits(), p.freq_scale.to_bits()).hash(h);
-        }
-        _ => {}
     }
 }
 
@@ -363,4 +341,41 @@ pub fn layout_to_f32(layout: &Layout, span: &[u8]) -> Result<Vec<f32>> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::{RopeMode, RopeParams};
+
+    /// x -> rope -> scale -> rms_norm, with the parameters given.
+    fn graph(freq_base: f32, scale: f32, eps: f32) -> Graph {
+        let mut g = Graph::new();
+        let x = g.input("x", DType::F32, [8, 2, 3, 1]).unwrap();
+        let pos = g.input("pos", DType::I32, [3, 1, 1, 1]).unwrap();
+        let params = RopeParams {
+            mode: RopeMode::Normal,
+            n_dims: 8,
+            freq_base,
+            freq_scale: 1.0,
+        };
+        let r = g.rope(x, pos, params).unwrap();
+        let s = g.scale(r, scale).unwrap();
+        let n = g.rms_norm(s, eps).unwrap();
+        g.set_output(n);
+        g
+    }
+
+    #[test]
+    fn the_structure_hash_sees_op_parameters() {
+        let h = graph(1e4, 0.5, 1e-6).structure_hash();
+        assert_eq!(graph(1e4, 0.5, 1e-6).structure_hash(), h);
+        for other in [
+            graph(5e5, 0.5, 1e-6),
+            graph(1e4, 0.25, 1e-6),
+            graph(1e4, 0.5, 1e-5),
+        ] {
+            assert_ne!(other.structure_hash(), h);
+        }
+    }
 }

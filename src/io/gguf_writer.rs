@@ -50,9 +50,11 @@ impl GgufWriter {
     /// Sets the data alignment and records it as `general.alignment` (u32).
     pub fn set_alignment(&mut self, alignment: u32) -> Result<&mut Self> {
         if alignment == 0 || !alignment.is_power_of_two() {
-            return Err(Error::msg(format!(
-                "GgufWriter: alignment {alignment} is not a power of two"
-            )));
+            return Err(Error::invalid_argument(
+                "GgufWriter: alignment",
+                alignment,
+                "not a power of two",
+            ));
         }
         self.alignment = alignment as usize;
         self.metadata.retain(|(k, _)| k != "general.alignment");
@@ -77,22 +79,30 @@ impl GgufWriter {
     ) -> Result<&mut Self> {
         let name = name.into();
         if ne.is_empty() || ne.len() > 4 {
-            return Err(Error::msg(format!(
-                "GgufWriter: tensor '{name}' has {} dimensions",
-                ne.len()
-            )));
+            return Err(Error::invalid_argument(
+                format!("GgufWriter: dimensions of tensor '{name}'"),
+                ne.len(),
+                "a tensor has 1 to 4 dimensions",
+            ));
         }
         dtype.check_row(ne[0], &format!("GgufWriter: tensor '{name}'"))?;
         let n = ne
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::msg(format!("GgufWriter: tensor '{name}' {ne:?} overflows")))?;
+            .ok_or_else(|| {
+                Error::invalid_argument(
+                    format!("GgufWriter: shape of tensor '{name}'"),
+                    format!("{ne:?}"),
+                    "its element count overflows",
+                )
+            })?;
         let want = dtype.row_size(n);
         if data.len() != want {
-            return Err(Error::msg(format!(
-                "GgufWriter: tensor '{name}' ({dtype} {ne:?}) needs {want} bytes, got {}",
-                data.len()
-            )));
+            return Err(Error::invalid_argument(
+                format!("GgufWriter: data of tensor '{name}' ({dtype} {ne:?})"),
+                format!("{} bytes", data.len()),
+                format!("the tensor needs exactly {want} bytes"),
+            ));
         }
         let dims = ne.iter().map(|&d| d as u64).collect();
         Ok(self.add_raw_tensor(name, dtype.ggml_type(), dims, data))

@@ -373,53 +373,61 @@ pub struct BertGraph {
 /// real token per sequence (mean pooling divides by the count).
 pub fn check_batch(cfg: &BertConfig, enc: &BatchEncoding) -> Result<()> {
     let (b, t) = (enc.batch, enc.seq_len);
-    let bad = |r: String| Err(Error::msg(format!("bert batch: {r}")));
+    let bad = |what: String, expected: String, got: String| {
+        Err(Error::invalid_input("bert batch", what, expected, got))
+    };
     if b == 0 || t == 0 {
-        return bad(format!("empty batch ({b} sequences of {t} tokens)"));
+        return bad(
+            "sequences x tokens".into(),
+            "at least 1 x 1".into(),
+            format!("{b} x {t}"),
+        );
     }
     let n = b.saturating_mul(t);
-    if enc.ids.len() != n || enc.attention_mask.len() != n || enc.type_ids.len() != n {
-        return bad(format!(
-            "{b} x {t} tokens but {} ids, {} mask values, {} type ids",
-            enc.ids.len(),
-            enc.attention_mask.len(),
-            enc.type_ids.len()
-        ));
+    for (what, len) in [
+        ("ids", enc.ids.len()),
+        ("attention mask values", enc.attention_mask.len()),
+        ("type ids", enc.type_ids.len()),
+    ] {
+        if len != n {
+            return bad(what.into(), format!("{b} x {t} = {n}"), len.to_string());
+        }
     }
     if t > cfg.n_pos {
-        return bad(format!(
-            "sequence length {t} exceeds max_position_embeddings {}",
-            cfg.n_pos
-        ));
+        return bad(
+            "sequence length".into(),
+            format!("at most max_position_embeddings {}", cfg.n_pos),
+            t.to_string(),
+        );
     }
     if let Some(i) = enc.ids.iter().position(|&id| id as usize >= cfg.n_vocab) {
-        return bad(format!(
-            "sequence {} token {}: id {} is not below vocab_size {}",
-            i / t,
-            i % t,
-            enc.ids[i],
-            cfg.n_vocab
-        ));
+        return bad(
+            format!("sequence {} token {}: id", i / t, i % t),
+            format!("below vocab_size {}", cfg.n_vocab),
+            enc.ids[i].to_string(),
+        );
     }
     if let Some(i) = enc
         .type_ids
         .iter()
         .position(|&id| id as usize >= cfg.n_type)
     {
-        return bad(format!(
-            "sequence {} token {}: type id {} is not below type_vocab_size {}",
-            i / t,
-            i % t,
-            enc.type_ids[i],
-            cfg.n_type
-        ));
+        return bad(
+            format!("sequence {} token {}: type id", i / t, i % t),
+            format!("below type_vocab_size {}", cfg.n_type),
+            enc.type_ids[i].to_string(),
+        );
     }
     for s in 0..b {
         if enc.attention_mask[s * t..(s + 1) * t]
             .iter()
             .all(|&m| m == 0)
         {
-            return bad(format!("sequence {s} has no unmasked token"));
+            return bad(
+                format!("sequence {s}"),
+                "at least one unmasked token".into(),
+                "none".into(),
+            );
         }
     }
     Ok(())
@@ -452,11 +460,12 @@ pub fn build_graph(cfg: &BertConfig, w: &BertWeights, enc: &BatchEncoding) -> Re
     cfg.validate()?;
     check_batch(cfg, enc)?;
     if w.layers.len() != cfg.n_layer {
-        return Err(Error::msg(format!(
-            "bert graph: {} layers of weights for num_hidden_layers {}",
+        return Err(Error::invalid_input(
+            "bert graph",
+            "layers of weights",
+            format!("num_hidden_layers {}", cfg.n_layer),
             w.layers.len(),
-            cfg.n_layer
-        )));
+        ));
     }
     let (b, t, e) = (enc.batch, enc.seq_len, cfg.n_embd);
     let (nh, hd) = (cfg.n_head, cfg.head_dim());
@@ -586,7 +595,14 @@ impl BertEncoder {
         let dir = dir.as_ref();
         let cfg = BertConfig::from_model_dir(dir)?;
         let device: Arc<dyn Device> = match devices.len() {
-            0 => return Err(Error::msg("bert: no devices given")),
+            0 => {
+                return Err(Error::invalid_input(
+                    "bert",
+                    "devices",
+                    "at least one",
+                    "none",
+                ));
+            }
             1 => devices.into_iter().next().expect("one device"),
             _ => MetaDevice::new(devices, bert_split(&cfg))?,
         };
@@ -634,7 +650,12 @@ impl BertEncoder {
     /// Tokenize, pad to the longest and truncate at the tokenizer's maximum length.
     pub fn encode(&self, texts: &[&str]) -> Result<BatchEncoding> {
         if texts.is_empty() {
-            return Err(Error::msg("bert: no sentences given"));
+            return Err(Error::invalid_input(
+                "bert",
+                "sentences",
+                "at least one",
+                "none",
+            ));
         }
         self.tokenizer.encode_batch(texts)
     }
@@ -664,5 +685,60 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
         0.0
     } else {
         dot / (na * nb)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_batches_name_what_and_where() {
+        let cfg = BertConfig {
+            n_layer: 1,
+            n_embd: 8,
+            n_head: 2,
+            n_ff: 16,
+            n_vocab: 100,
+            n_pos: 4,
+            n_type: 2,
+            ln_eps: 1e-12,
+            act: UnaryOp::GeluErf,
+        };
+        let enc = |ids: Vec<u32>, mask: Vec<u32>| BatchEncoding {
+            batch: 2,
+            seq_len: 2,
+            type_ids: vec![0; ids.len()],
+            ids,
+            attention_mask: mask,
+            lengths: vec![2, 2],
+        };
+        check_batch(&cfg, &enc(vec![1, 2, 3, 4], vec![1; 4])).unwrap();
+        let cases = [
+            (enc(vec![1, 2, 3], vec![1; 3]), "ids", "2 x 2 = 4", "3"),
+            (
+                enc(vec![1, 2, 3, 100], vec![1; 4]),
+                "sequence 1 token 1: id",
+                "below vocab_size 100",
+                "100",
+            ),
+            (
+                enc(vec![1, 2, 3, 4], vec![1, 1, 0, 0]),
+                "sequence 1",
+                "at least one unmasked token",
+                "none",
+            ),
+        ];
+        for (e, what, expected, got) in cases {
+            match check_batch(&cfg, &e).unwrap_err() {
+                Error::InvalidInput {
+                    context: "bert batch",
+                    what: w,
+                    expected: x,
+                    got: g,
+                } => assert_eq!((w.as_str(), x.as_str(), g.as_str()), (what, expected, got)),
+                other => panic!("{other:?}"),
+            }
+        }
     }
 }

@@ -177,25 +177,36 @@ pub fn build_step(
 ) -> Result<StepGraph> {
     cfg.validate()?;
     let t = inp.tokens.len();
-    if t == 0 || inp.positions.len() != t || inp.slots.len() != t {
-        return Err(Error::msg(format!(
-            "decoder step: {} tokens, {} positions, {} slots",
-            t,
-            inp.positions.len(),
-            inp.slots.len()
-        )));
+    let bad = |what: &str, expected: String, got: String| {
+        Err(Error::invalid_input("decoder step", what, expected, got))
+    };
+    if t == 0 {
+        return bad("tokens", "at least one".into(), "none".into());
     }
-    if inp.n_kv == 0 || inp.n_kv > cache.size || inp.kv_positions.len() != inp.n_kv {
-        return Err(Error::msg(format!(
-            "decoder step: n_kv {} must be in 1..={} with one position per row",
-            inp.n_kv, cache.size
-        )));
+    for (what, len) in [
+        ("positions", inp.positions.len()),
+        ("slots", inp.slots.len()),
+    ] {
+        if len != t {
+            return bad(what, format!("one per token ({t})"), len.to_string());
+        }
+    }
+    if inp.n_kv == 0 || inp.n_kv > cache.size {
+        return bad("n_kv", format!("1..={}", cache.size), inp.n_kv.to_string());
+    }
+    if inp.kv_positions.len() != inp.n_kv {
+        return bad(
+            "kv_positions",
+            format!("one per cache row in use ({})", inp.n_kv),
+            inp.kv_positions.len().to_string(),
+        );
     }
     if inp.logits_rows.is_empty() || inp.logits_rows.end > t {
-        return Err(Error::msg(format!(
-            "decoder step: logits rows {:?} of {t} tokens",
-            inp.logits_rows
-        )));
+        return bad(
+            "logits rows",
+            format!("a non-empty range within 0..{t}"),
+            format!("{:?}", inp.logits_rows),
+        );
     }
     let mut g = Graph::new();
     let tokens = g.input_i32("tokens", [t, 1, 1, 1], inp.tokens)?;

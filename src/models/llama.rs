@@ -476,21 +476,34 @@ impl<'m> Session<'m> {
     /// of every token (`n_vocab` each, in order) with `all_logits`.
     pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         if tokens.is_empty() {
-            return Err(Error::msg("eval: no tokens"));
+            return Err(Error::invalid_input(
+                "eval",
+                "tokens",
+                "at least one",
+                "none",
+            ));
         }
         if self.n_past + tokens.len() > self.cache.size {
-            return Err(Error::msg(format!(
-                "eval: {} tokens after {} do not fit the context of {}",
+            return Err(Error::invalid_input(
+                "eval",
+                "tokens",
+                format!(
+                    "at most {} after {} in a context of {}",
+                    self.cache.size - self.n_past,
+                    self.n_past,
+                    self.cache.size
+                ),
                 tokens.len(),
-                self.n_past,
-                self.cache.size
-            )));
+            ));
         }
         let nv = self.model.cfg.n_vocab;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= nv) {
-            return Err(Error::msg(format!(
-                "eval: token id {bad} is outside the vocabulary of {nv}"
-            )));
+            return Err(Error::invalid_input(
+                "eval",
+                "token id",
+                format!("below the vocabulary size {nv}"),
+                bad,
+            ));
         }
         let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.ubatch.max(1));

@@ -81,10 +81,12 @@ fn extents(
     let v = match ratios {
         Some(r) => {
             if r.len() != n {
-                return Err(Error::msg(format!(
-                    "{} split ratios for {n} devices",
-                    r.len()
-                )));
+                return Err(Error::invalid_input(
+                    "tensor split",
+                    "split ratios",
+                    format!("one per device ({n})"),
+                    r.len(),
+                ));
             }
             split_ratios(units, r, Granularity(1), rotation)?
         }
@@ -207,5 +209,25 @@ mod tests {
             state(&f, "blk.0.ffn_up.weight", [576, 1536, 1, 1], 2),
             SplitState::axis(1, &[1152, 384])
         );
+        // Two ratios for three devices.
+        let l = Layout::contiguous(DType::Q4_1, [576, 1536, 1, 1]);
+        let e = f(&TensorInfo {
+            name: "blk.0.ffn_up.weight",
+            layout: &l,
+            n_devices: 3,
+        })
+        .unwrap_err();
+        match e {
+            Error::InvalidInput {
+                what,
+                expected,
+                got,
+                ..
+            } => assert_eq!(
+                (what.as_str(), expected.as_str(), got.as_str()),
+                ("split ratios", "one per device (3)", "2")
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 }

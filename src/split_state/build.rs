@@ -24,9 +24,11 @@ fn gcd(a: usize, b: usize) -> usize {
 fn units(total: usize, g: Granularity, what: &str) -> Result<usize> {
     let g = g.0.max(1);
     if !total.is_multiple_of(g) {
-        return Err(Error::msg(format!(
-            "{what}: extent {total} is not a whole number of units of {g}"
-        )));
+        return Err(Error::invalid_argument(
+            format!("{what}: extent"),
+            total,
+            format!("not a whole number of units of {g}"),
+        ));
     }
     Ok(total / g)
 }
@@ -35,7 +37,11 @@ fn units(total: usize, g: Granularity, what: &str) -> Result<usize> {
 /// units go one each to devices `rotation, rotation+1, ...` (mod n).
 pub fn split_even(total: usize, n: usize, g: Granularity, rotation: usize) -> Result<Vec<usize>> {
     if n == 0 {
-        return Err(Error::msg("split_even: no devices"));
+        return Err(Error::invalid_argument(
+            "split_even: device count",
+            n,
+            "at least one device is needed",
+        ));
     }
     let u = units(total, g, "split_even")?;
     let (base, rem) = (u / n, u % n);
@@ -59,9 +65,11 @@ pub fn split_ratios(
     let sum: f64 = ratios.iter().sum();
     if n == 0 || !sum.is_finite() || sum <= 0.0 || ratios.iter().any(|r| !r.is_finite() || *r < 0.0)
     {
-        return Err(Error::msg(format!(
-            "split ratios {ratios:?} must be finite, non-negative and not all zero"
-        )));
+        return Err(Error::invalid_argument(
+            "split ratios",
+            format!("{ratios:?}"),
+            "must be finite, non-negative and not all zero",
+        ));
     }
     let u = units(total, g, "split_ratios")?;
     let exact: Vec<f64> = ratios.iter().map(|r| u as f64 * r / sum).collect();

@@ -8,7 +8,7 @@
 //! the full shape and the value is their sum.
 //!
 //! This module owns the type, its validation and constructors (`build.rs`), the per-op rules
-//! (`rules.rs`) and the derivation of view states (`view.rs`). It knows nothing of devices.
+//! (`rules/`, one function per op family) and the derivation of view states (`view.rs`). It knows nothing of devices.
 
 mod build;
 pub mod rules;

@@ -1,6 +1,7 @@
 //! CPU kernels by op family, and the one place that fans an `Op` out to them: `supports`
 //! (which operand types and layouts each kernel takes), `scratch` (shared and per-thread bytes) and
-//! `forward` (run one node on one thread of the pool).
+//! `forward` (run one node on one thread of the pool; a kernel that meets an operand value it
+//! cannot use, such as an out-of-range row id, returns a [`KernelError`] instead of panicking).
 //!
 //! Every kernel splits its output by `(ith, nth)` so threads write disjoint bytes, reads its
 //! inputs through their strides, and converts half types through f32.
@@ -114,9 +115,30 @@ pub fn scratch(
     }
 }
 
+/// An operand value a kernel cannot use, found at run time; the executor turns it into an
+/// error naming the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelError {
+    /// The I32 id `ids[at]` is `id`, outside the `0..rows` rows it indexes.
+    RowId {
+        id: i64,
+        at: [usize; 3],
+        rows: usize,
+    },
+}
+
 /// Run one node on thread `p.ith` of `p.nth`.
-pub fn forward(p: &ComputeParams, op: &Op, dst: &TensorView, src: &[TensorView]) {
+pub fn forward(
+    p: &ComputeParams,
+    op: &Op,
+    dst: &TensorView,
+    src: &[TensorView],
+) -> Result<(), KernelError> {
     match *op {
+        // The kernels that index by I32 ids check them; the others cannot fail at run time
+        // (operands were checked by `supports` and the builder).
+        Op::GetRows => return rows::get_rows(p, dst, &src[0], &src[1]),
+        Op::SetRows => return rows::set_rows(p, dst, &src[1], &src[2]),
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => {}
         Op::MulMat => matmul::forward(p, &src[0], &src[1], dst),
         Op::Binary(b) => elementwise::binary(p, b, dst, &src[0], &src[1]),
@@ -131,14 +153,13 @@ pub fn forward(p: &ComputeParams, op: &Op, dst: &TensorView, src: &[TensorView])
         Op::Mean => norm::sum_rows(p, dst, &src[0], true),
         Op::Argmax => norm::argmax(p, dst, &src[0]),
         Op::Rope(params) => rope::rope(p, dst, &src[0], &src[1], &params),
-        Op::GetRows => rows::get_rows(p, dst, &src[0], &src[1]),
-        Op::SetRows => rows::set_rows(p, dst, &src[1], &src[2]),
         Op::Cont => copy::cont(p, dst, &src[0]),
         Op::Cpy => copy::cpy(p, dst, &src[0]),
         Op::Concat { dim } => copy::concat(p, dst, &src[0], &src[1], dim),
         Op::FlashAttn { scale } => attn::flash_attn(p, dst, src, scale),
         Op::Collective(_) => {}
     }
+    Ok(())
 }
 
 /// Decompose a row index of a tensor with extents `ne` into `(i1, i2, i3)`.

@@ -1,0 +1,101 @@
+//! The rules of row-wise normalizations: `rms_norm` and `norm` (which reduce dimension 0, so
+//! keep any split but of it, and never Partial), and `soft_max` (likewise, with an optional
+//! mask that follows the input's split or broadcasts along it).
+
+use super::{Ctx, Pattern, pat};
+use crate::split_state::SplitState;
+
+/// The row-wise normalizations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    /// `rms_norm`, `norm`: one source.
+    Row,
+    /// `soft_max`: `[x, mask?]`.
+    SoftMax,
+}
+
+pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Norm) -> Vec<Pattern> {
+    let s = &src[0];
+    let mut out = Vec::new();
+    match kind {
+        Norm::Row => {
+            if s.split_dim().is_some_and(|k| k > 0) {
+                out.push(pat(vec![s.clone()], s.clone()));
+            }
+        }
+        Norm::SoftMax => {
+            if let Some(k) = s.split_dim().filter(|&k| k > 0)
+                && let Some(ins) = with_mask(cx, s, k)
+            {
+                out.push(pat(ins, s.clone()));
+            }
+        }
+    }
+    out.push(cx.all_mirrored());
+    out
+}
+
+/// Sources of `soft_max` for the input split `s` on dimension `k`: the mask broadcasts along k
+/// (shared) or spans it (split alike); `None` if it does neither.
+fn with_mask(cx: &Ctx, s: &SplitState, k: usize) -> Option<Vec<SplitState>> {
+    let mut ins = vec![s.clone()];
+    if cx.n_src() == 2 {
+        let (na, nm) = (cx.ne(0), cx.ne(1));
+        if nm[k] == 1 {
+            ins.push(cx.mirrored());
+        } else if nm[k] == na[k] {
+            ins.push(s.clone());
+        } else {
+            return None;
+        }
+    }
+    Some(ins)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use crate::graph::Graph;
+
+    #[test]
+    fn row_norms_keep_splits_of_other_dimensions() {
+        let mut g = Graph::new();
+        let x = f32_in(&mut g, "x", [8, 4, 2, 1]);
+        let rms = g.rms_norm(x, 1e-6).unwrap();
+        g.set_name(rms, "attn_norm");
+        let ln = g.norm(x, 1e-5).unwrap();
+        for id in [rms, ln] {
+            keeps(&g, id, &[ax(1, &[3, 1])], ax(1, &[3, 1]));
+            keeps(&g, id, &[ax(2, &[1, 1])], ax(2, &[1, 1]));
+            keeps(&g, id, &[m()], m());
+            admits(&g, id, &[ax(0, &[4, 4])], &[pt(&[m()], m())]);
+            refuses(&g, id, &[p()]);
+        }
+        // The reduced dimension cannot be split: the error says what is admitted.
+        let msg = refuses(&g, rms, &[ax(0, &[4, 4])]);
+        assert!(
+            msg.contains("rms_norm")
+                && msg.contains("`attn_norm`")
+                && msg.contains("Axis0[4, 4]")
+                && msg.contains("[Mirrored] -> Mirrored"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn soft_max_masks_follow_or_broadcast() {
+        let mut g = Graph::new();
+        // Scores [kv 6, q 3, heads 4]; the mask [6, 3] broadcasts over heads.
+        let x = f32_in(&mut g, "kq", [6, 3, 4, 1]);
+        let mask = f32_in(&mut g, "mask", [6, 3, 1, 1]);
+        let sm = g.soft_max(x, Some(mask), 0.125).unwrap();
+        let plain = g.soft_max(x, None, 1.0).unwrap();
+        keeps(&g, sm, &[ax(2, &[3, 1]), m()], ax(2, &[3, 1]));
+        keeps(&g, sm, &[ax(1, &[2, 1]), ax(1, &[2, 1])], ax(1, &[2, 1]));
+        keeps(&g, plain, &[ax(2, &[2, 2])], ax(2, &[2, 2]));
+        // The mask must be shared along the heads it broadcasts over.
+        refuses(&g, sm, &[ax(2, &[3, 1]), ax(2, &[3, 1])]);
+        refuses(&g, sm, &[ax(0, &[3, 3]), m()]);
+        refuses(&g, plain, &[p()]);
+    }
+}

@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 const SPIN_LIMIT: u32 = 1 << 10;
 /// Yields before it parks.
 const YIELD_LIMIT: u32 = 16;
+/// Spin iterations of the caller waiting for the last device (about 100 us).
+const LAST_SPIN_LIMIT: u32 = 1 << 12;
 
 /// A device's job for one step. It reports each stage it starts through the [`Progress`].
 pub type Job = Box<dyn FnOnce(&Progress) + Send + 'static>;
@@ -128,7 +130,7 @@ impl DeviceWorkers {
     /// pinned; `bench meta --graph block --tokens 1`: 0.90x -> 0.96x of the plain device).
     pub fn new(n: usize, name: &str) -> Result<Self> {
         let allowed = allowed_cpus();
-        let pin = n > 1 && allowed.len() >= n && std::env::var_os("METASHARD_NO_PIN").is_none();
+        let pin = allowed.len() >= n && std::env::var_os("METASHARD_NO_PIN").is_none();
         let mut w = DeviceWorkers {
             name: name.to_string(),
             epoch: Instant::now(),
@@ -231,6 +233,21 @@ impl DeviceWorkers {
         // step of the block 1.6x slower on 2 cores).
         let mut guard = batch.lock.lock();
         while batch.left.load(Ordering::Acquire) > 0 {
+            if n > 1 && batch.left.load(Ordering::Acquire) == 1 {
+                // One device left: the others' cores are free, so wait for it awake a little
+                // (the devices of a step usually finish within microseconds of each other,
+                // and a sleeping caller takes tens of microseconds to wake).
+                drop(guard);
+                let mut spins = 0u32;
+                while batch.left.load(Ordering::Acquire) == 1 && spins < LAST_SPIN_LIMIT {
+                    std::hint::spin_loop();
+                    spins += 1;
+                }
+                guard = batch.lock.lock();
+                if batch.left.load(Ordering::Acquire) == 0 {
+                    break;
+                }
+            }
             let now = nanos_since(self.epoch);
             // The late device to blame (in work of its own first, then the one late
             // longest), and when the next is due.
@@ -378,8 +395,10 @@ fn worker_loop(d: usize, slot: Arc<Slot>, epoch: Instant, cpu: Option<usize>) {
                     };
                     b.panic.lock().get_or_insert((d, msg));
                 }
+                // The caller is woken when one device is left (it then spins for the last, on
+                // the core this worker leaves free) and when none is.
                 if !b.settled[d].swap(true, Ordering::AcqRel)
-                    && b.left.fetch_sub(1, Ordering::AcqRel) == 1
+                    && b.left.fetch_sub(1, Ordering::AcqRel) <= 2
                 {
                     // Under the lock: the caller checks `left` and sleeps under it too.
                     let _g = b.lock.lock();

@@ -122,15 +122,17 @@ impl DeviceWorkers {
     /// `n` workers named `{name}-d{index}`. Fails (does not abort) if a thread cannot be
     /// spawned.
     ///
-    /// When the process may run on at least `n` CPUs, worker d is pinned to the d-th of them
-    /// (`METASHARD_NO_PIN=1` turns this off). Unpinned, the scheduler often queues a second
+    /// When there are several workers and the process may run on at least `n` CPUs, worker d
+    /// is pinned to the d-th of them (`METASHARD_NO_PIN=1` turns this off). Unpinned, the scheduler often queues a second
     /// woken worker behind the first on one core while another core idles, and that worker
     /// starts only when the first yields in a collective: on the 2-core test machine, 10-15% of
     /// decode steps started device 1 about 1 ms late (p90 of its start 1.06 ms unpinned, 51 us
     /// pinned; `bench meta --graph block --tokens 1`: 0.90x -> 0.96x of the plain device).
     pub fn new(n: usize, name: &str) -> Result<Self> {
         let allowed = allowed_cpus();
-        let pin = allowed.len() >= n && std::env::var_os("METASHARD_NO_PIN").is_none();
+        // One worker is not pinned: it has no sibling to collide with, and pinned it ran the
+        // MLP decode step of `bench meta` 3-5% slower (its device's own pool threads float).
+        let pin = n > 1 && allowed.len() >= n && std::env::var_os("METASHARD_NO_PIN").is_none();
         let mut w = DeviceWorkers {
             name: name.to_string(),
             epoch: Instant::now(),

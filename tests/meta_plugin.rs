@@ -154,6 +154,7 @@ fn a_stalled_device_fails_the_compute_within_the_timeout_and_the_next_compute_wo
     let t = Instant::now();
     let err = model.step(&PROMPT, 0).unwrap_err();
     let took = t.elapsed();
+    println!("a 3 s stall under a 300 ms timeout was reported after {took:?}: {err}");
     match &err {
         Error::DeviceStalled { device, stage, .. } => {
             assert_eq!(device, "wrapped-cpu1", "{err}");

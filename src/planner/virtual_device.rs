@@ -21,7 +21,7 @@ pub struct VirtualDevice {
 }
 
 impl VirtualDevice {
-    pub fn new(name: impl Into<String>, memory: u64) -> Arc<dyn Device> {
+    pub fn shared(name: impl Into<String>, memory: u64) -> Arc<dyn Device> {
         Arc::new(VirtualDevice {
             name: name.into(),
             memory,

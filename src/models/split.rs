@@ -8,6 +8,10 @@
 //! it), the MLP in whole quantization blocks; the rounding remainder rotates with the layer
 //! index. `--tensor-split` ratios are honoured in the same units. With more devices than
 //! groups some devices get no attention heads (zero extents) unless attention is mirrored.
+//!
+//! [`by_layer`] is the general form the planner uses: per layer, attention and MLP split or
+//! mirrored ([`LayerSplit`]); the output projection and the token embedding split by
+//! vocabulary or mirrored ([`DecoderSplit`]); [`megatron`] is its every-layer case.
 
 use super::decoder::DecoderConfig;
 use crate::meta::{SplitFn, TensorInfo};
@@ -37,6 +41,7 @@ pub enum Role {
     CacheK,
     CacheV,
     Output,
+    Embedding,
     Other,
 }
 
@@ -65,6 +70,9 @@ pub fn role(name: &str) -> (Role, usize) {
     }
     if name == "output.weight" {
         return (Role::Output, 0);
+    }
+    if name == "token_embd.weight" {
+        return (Role::Embedding, 0);
     }
     (Role::Other, 0)
 }
@@ -95,31 +103,84 @@ fn extents(
     Ok(v.into_iter().map(|u| u * unit).collect())
 }
 
-/// The built-in callback for a decoder with this configuration.
+/// What one layer splits: attention by whole KV-head groups (Q, K, V, output, KV cache),
+/// the MLP column then row (gate/up by columns, down by rows). What is not split is mirrored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct LayerSplit {
+    pub attention: bool,
+    pub mlp: bool,
+}
+
+/// Which parts of a decoder are split, per layer and at the ends; the shares of the devices.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DecoderSplit {
+    /// One entry per layer.
+    pub layers: Vec<LayerSplit>,
+    /// The output projection split by vocabulary (logits gathered on read).
+    pub output: bool,
+    /// The token embedding split by vocabulary (rows looked up where they live, summed).
+    pub embedding: bool,
+    /// Per-device shares (in whole heads and blocks); even when absent.
+    pub ratios: Option<Vec<f64>>,
+}
+
+impl DecoderSplit {
+    /// Every layer alike.
+    pub fn uniform(n_layer: usize, layer: LayerSplit, output: bool, embedding: bool) -> Self {
+        DecoderSplit {
+            layers: vec![layer; n_layer],
+            output,
+            embedding,
+            ratios: None,
+        }
+    }
+}
+
+/// The built-in callback for a decoder with this configuration: attention and MLP split in
+/// every layer (attention mirrored with `mirror_attention`), the output projection
+/// vocabulary-split, the embedding mirrored.
 pub fn megatron(cfg: &DecoderConfig, opts: SplitOptions) -> SplitFn {
+    let layer = LayerSplit {
+        attention: !opts.mirror_attention,
+        mlp: true,
+    };
+    let mut plan = DecoderSplit::uniform(cfg.n_layer, layer, true, false);
+    plan.ratios = opts.ratios;
+    by_layer(cfg, plan)
+}
+
+/// The callback for a per-layer choice of splits (`plan.layers[i]` for layer i; layers past
+/// the list, and caches of such layers, are mirrored).
+pub fn by_layer(cfg: &DecoderConfig, plan: DecoderSplit) -> SplitFn {
     let cfg = cfg.clone();
     Arc::new(move |t: &TensorInfo| -> Result<SplitState> {
         let n = t.n_devices;
         let (role, layer) = role(t.name);
         let hd = cfg.head_dim();
-        let groups = |unit: usize| extents(cfg.n_head_kv, unit, n, &opts.ratios, layer);
+        let groups = |unit: usize| extents(cfg.n_head_kv, unit, n, &plan.ratios, layer);
         // The MLP in whole blocks of 32 (quantized rows along K need whole blocks).
         let ffn = |total: usize| -> Result<Vec<usize>> {
             if total.is_multiple_of(32) {
-                extents(total / 32, 32, n, &opts.ratios, layer)
+                extents(total / 32, 32, n, &plan.ratios, layer)
             } else {
-                extents(total, 1, n, &opts.ratios, layer)
+                extents(total, 1, n, &plan.ratios, layer)
             }
         };
-        let attn = !opts.mirror_attention;
+        let split = plan.layers.get(layer).copied().unwrap_or(LayerSplit {
+            attention: false,
+            mlp: false,
+        });
+        let (attn, mlp) = (split.attention, split.mlp);
+        let vocab = |v: usize| extents(v, 1, n, &plan.ratios, 0);
         Ok(match role {
             Role::Q if attn => SplitState::axis(1, &groups(hd * cfg.group())?),
             Role::K | Role::V if attn => SplitState::axis(1, &groups(hd)?),
             Role::AttnOut if attn => SplitState::axis(0, &groups(hd * cfg.group())?),
             Role::CacheK | Role::CacheV if attn => SplitState::axis(0, &groups(hd)?),
-            Role::Gate | Role::Up => SplitState::axis(1, &ffn(t.layout.ne[1])?),
-            Role::Down => SplitState::axis(0, &ffn(t.layout.ne[0])?),
-            Role::Output => SplitState::axis(1, &extents(t.layout.ne[1], 1, n, &opts.ratios, 0)?),
+            Role::Gate | Role::Up if mlp => SplitState::axis(1, &ffn(t.layout.ne[1])?),
+            Role::Down if mlp => SplitState::axis(0, &ffn(t.layout.ne[0])?),
+            Role::Output if plan.output => SplitState::axis(1, &vocab(t.layout.ne[1])?),
+            Role::Embedding if plan.embedding => SplitState::axis(1, &vocab(t.layout.ne[1])?),
             _ => SplitState::mirrored(n),
         })
     })

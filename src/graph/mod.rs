@@ -17,6 +17,24 @@ use smallvec::SmallVec;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+/// `len` zero bytes, shared while any graph holds them.
+pub fn zero_bytes(len: usize) -> Arc<[u8]> {
+    static POOL: parking_lot::Mutex<Vec<(usize, std::sync::Weak<[u8]>)>> =
+        parking_lot::Mutex::new(Vec::new());
+    let mut pool = POOL.lock();
+    pool.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(a) = pool
+        .iter()
+        .find(|(l, _)| *l == len)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return a;
+    }
+    let a: Arc<[u8]> = vec![0u8; len].into();
+    pool.push((len, Arc::downgrade(&a)));
+    a
+}
+
 /// Index of a node in its graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TensorId(pub u32);
@@ -224,6 +242,14 @@ impl Graph {
         }
         self.nodes[id.index()].data = Some(bytes);
         Ok(())
+    }
+
+    /// Attach `len` zero bytes to a leaf, shared with every other zero leaf of that size in the
+    /// process (the meta rewrite's zero tensors: a prefill graph of a large model has many of
+    /// one size, and materializing each cost gigabytes and most of the planning time).
+    pub fn set_zeros(&mut self, id: TensorId) -> Result<()> {
+        let len = self.get(id)?.layout.nbytes();
+        self.set_data(id, zero_bytes(len))
     }
 
     /// Attach f32 values to an F32 leaf.

@@ -10,7 +10,7 @@
 
 pub mod backend;
 pub mod buffer;
-mod rewrite;
+pub(crate) mod rewrite;
 pub mod sharding;
 
 pub use backend::{MemoryReport, MetaBackend};

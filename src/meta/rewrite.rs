@@ -114,7 +114,7 @@ impl Rewriter<'_> {
                 for d in 1..self.n {
                     let lg = &mut self.graphs[d];
                     let z = lg.input(&format!("{}.zeros", self.g.name(u)), full.dtype, full.ne)?;
-                    lg.set_data(z, vec![0u8; full.nbytes()])?;
+                    lg.set_zeros(z)?;
                     self.uploads[d].push((z, Upload::Zeros));
                     v.push(z);
                 }
@@ -233,7 +233,7 @@ impl Rewriter<'_> {
                     None => {
                         let z = Layout::contiguous(full.dtype, ne);
                         let id = lg.input(&format!("{}.zeros", lg.name(src)), z.dtype, ne)?;
-                        lg.set_data(id, vec![0u8; z.nbytes()])?;
+                        lg.set_zeros(id)?;
                         self.uploads[d].push((id, Upload::Zeros));
                         id
                     }
@@ -354,7 +354,7 @@ fn slice_by_copies(lg: &mut Graph, src: TensorId, want: &SplitState, d: usize) -
     let local = Layout::contiguous(sl.dtype, want.local_ne(sl.ne, d));
     let name = format!("{}.slice", lg.name(src));
     let dst = lg.input(&name, local.dtype, local.ne)?;
-    lg.set_data(dst, vec![0u8; local.nbytes()])?;
+    lg.set_zeros(dst)?;
     let at = |l: &Layout, pos: usize| {
         if k == 0 {
             pos / l.dtype.block_size() * l.nb[0]

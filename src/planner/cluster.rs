@@ -296,6 +296,22 @@ impl Cluster {
         serde_json::to_string_pretty(self).expect("a cluster serializes")
     }
 
+    /// `n` copies of `device` (named `{name}{i}`) joined by `links`.
+    pub fn homogeneous(name: &str, n: usize, device: &DeviceProfile, links: Links) -> Cluster {
+        Cluster {
+            name: name.to_string(),
+            description: String::new(),
+            devices: (0..n)
+                .map(|i| DeviceProfile {
+                    name: format!("{}{i}", device.name),
+                    ..device.clone()
+                })
+                .collect(),
+            links,
+            sources: Vec::new(),
+        }
+    }
+
     /// The same cluster restricted to its first `n` devices.
     pub fn take(&self, n: usize) -> Cluster {
         let mut c = self.clone();

@@ -5,13 +5,17 @@
 //!   JSON profiles.
 //! - `shape.rs`: [`ModelShape`], a decoder without its weights (GGUF header, config.json,
 //!   presets).
+//! - `evaluate.rs`: the cost model: predicted prefill and decode time, collectives and memory
+//!   per device of any split callback for a [`Workload`], from the real per-device programs.
 //! - `virtual_device.rs`: devices without memory, so a model is placed and sharded exactly as
 //!   a run would, without weights.
 
 pub mod cluster;
+pub mod evaluate;
 pub mod shape;
 pub mod virtual_device;
 
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
+pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use shape::{ModelShape, WeightTypes};
 pub use virtual_device::VirtualDevice;

@@ -1,0 +1,600 @@
+//! The cost model: predicted time and memory of one assignment of split states (any split
+//! callback: a strategy, a search result, a user's own) for a workload on a cluster, without
+//! running it.
+//!
+//! The model is placed on [`VirtualDevice`]s through a real meta device, so every weight and
+//! cache slice has the size a run would give it. A prefill step and a decode step are built
+//! with the real decoder builder, sharded by the meta backend's own pass
+//! ([`derive_sharding`]) and rewritten into the per-device programs a run would execute
+//! (`meta::rewrite`). Each program node is then costed on its device's profile:
+//!
+//! - a product with a weight: weight bytes / GEMV bandwidth of its type when at most 8 rows of
+//!   activations meet it, else 2·M·N·K / GEMM flop rate of its type;
+//! - a product of two activations (attention without the fused kernel) and fused attention:
+//!   the larger of bytes moved / memory bandwidth and flops / the F32 GEMM rate;
+//! - everything else: bytes read and written / memory bandwidth;
+//! - every executed node: the device's per-node overhead; every step: its per-step overhead.
+//!
+//! The devices run their programs at the same time and meet at each collective, so a step
+//! takes the sum over stages of the slowest device's compute, plus each collective's
+//! alpha-beta time on the cluster's links. Memory per device: its weight and cache slices
+//! (exact) and the peak of its compute buffer (the graph allocator's measure pass).
+
+use super::cluster::{Cluster, Collective};
+use super::shape::ModelShape;
+use super::virtual_device::{VirtualBufferType, VirtualDevice};
+use crate::backend::Device;
+use crate::buffer::{Buffer, BufferUsage};
+use crate::graph::{Graph, TensorId};
+use crate::meta::rewrite::{Rewritten, Stage, rewrite};
+use crate::meta::sharding::{Sharding, derive_sharding};
+use crate::meta::{MetaBuffer, MetaDevice, SplitFn};
+use crate::models::decoder::{StepInput, build_step};
+use crate::models::synthetic::{alloc_kv_cache, decoder_weights, place};
+use crate::op::{CollectiveKind, Op};
+use crate::{DType, Error, Result};
+use serde::Serialize;
+use std::sync::Arc;
+
+/// What the model is asked to do: a prompt of `prefill` tokens, then `decode` generated tokens,
+/// for `batch` sequences, in a context of `context` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Workload {
+    pub prefill: usize,
+    pub decode: usize,
+    pub batch: usize,
+    pub context: usize,
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Workload {
+            prefill: 512,
+            decode: 128,
+            batch: 1,
+            context: 4096,
+        }
+    }
+}
+
+impl Workload {
+    /// `pp=512,tg=128,batch=1,ctx=4096` (any subset; the rest default).
+    pub fn parse(spec: &str) -> Result<Workload> {
+        let mut w = Workload::default();
+        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part.split_once('=').ok_or_else(|| {
+                Error::invalid_argument(
+                    "--workload",
+                    part,
+                    "expected key=value (pp, tg, batch, ctx)",
+                )
+            })?;
+            let n: usize = v.trim().parse().map_err(|_| {
+                Error::invalid_argument(format!("--workload {k}"), v, "not a whole number")
+            })?;
+            match k.trim() {
+                "pp" | "prefill" => w.prefill = n,
+                "tg" | "decode" => w.decode = n,
+                "batch" => w.batch = n,
+                "ctx" | "context" => w.context = n,
+                other => {
+                    return Err(Error::invalid_argument(
+                        "--workload",
+                        other,
+                        "unknown key (pp, tg, batch, ctx)",
+                    ));
+                }
+            }
+        }
+        w.validate()?;
+        Ok(w)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.batch == 0 || self.batch > 4096 {
+            return Err(Error::invalid_argument(
+                "workload batch",
+                self.batch,
+                "must be 1..=4096",
+            ));
+        }
+        if self.prefill + self.decode == 0 {
+            return Err(Error::invalid_argument(
+                "workload",
+                "pp=0,tg=0",
+                "nothing to do",
+            ));
+        }
+        if self.context < self.prefill + self.decode || self.context == 0 {
+            return Err(Error::invalid_argument(
+                "workload ctx",
+                self.context,
+                format!(
+                    "must hold the prompt and the generated tokens ({})",
+                    self.prefill + self.decode
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Tokens of the prefill step the cost model builds (longer prompts are costed in chunks of
+    /// this size, at the middle chunk's context).
+    const CHUNK: usize = 512;
+}
+
+impl std::fmt::Display for Workload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pp={},tg={},batch={},ctx={}",
+            self.prefill, self.decode, self.batch, self.context
+        )
+    }
+}
+
+/// One collective kind's count and bytes in a step.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct CommCount {
+    pub kind: &'static str,
+    pub count: usize,
+    /// Bytes of the full tensors.
+    pub bytes: usize,
+    pub seconds: f64,
+}
+
+/// Predicted time of one step (a prefill chunk or a decode step).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StepCost {
+    /// Tokens in the step.
+    pub tokens: usize,
+    pub seconds: f64,
+    /// Slowest device's compute, summed over stages.
+    pub compute_s: f64,
+    /// Collectives.
+    pub comm_s: f64,
+    /// Per-step and per-node overheads (included in `compute_s`).
+    pub overhead_s: f64,
+    pub collectives: Vec<CommCount>,
+    /// Per segment (`embedding`, `layer 0` .. `layer L-1`, `output`): compute (slowest
+    /// device) and communication seconds.
+    pub segments: Vec<SegmentCost>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SegmentCost {
+    pub name: String,
+    pub compute_s: f64,
+    pub comm_s: f64,
+}
+
+/// Bytes per device.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DeviceMemory {
+    pub device: String,
+    pub weights: usize,
+    pub kv_cache: usize,
+    /// Peak of the compute buffer over the steps.
+    pub activations: usize,
+    pub total: usize,
+    pub budget: u64,
+}
+
+/// The prediction for one assignment.
+#[derive(Clone, Debug, Serialize)]
+pub struct Evaluation {
+    pub workload: Workload,
+    /// One prefill step of `prefill.tokens` tokens.
+    pub prefill: Option<StepCost>,
+    /// Chunks of that size making up the prompt.
+    pub prefill_chunks: usize,
+    /// One decode step, at the middle of the generation.
+    pub decode: Option<StepCost>,
+    pub memory: Vec<DeviceMemory>,
+    /// Prompt plus generation, seconds.
+    pub total_s: f64,
+}
+
+impl Evaluation {
+    /// Prompt tokens per second (0 without a prompt).
+    pub fn prefill_tps(&self) -> f64 {
+        self.prefill.as_ref().map_or(0.0, |p| {
+            p.tokens as f64 * self.workload.batch.max(1) as f64 / p.seconds.max(1e-12)
+        })
+    }
+
+    /// Generated tokens per second per sequence (0 without generation).
+    pub fn decode_tps(&self) -> f64 {
+        self.decode
+            .as_ref()
+            .map_or(0.0, |d| 1.0 / d.seconds.max(1e-12))
+    }
+
+    /// The first device over its budget, and by how much.
+    pub fn over_budget(&self) -> Option<(&DeviceMemory, u64)> {
+        self.memory
+            .iter()
+            .filter(|m| m.total as u64 > m.budget)
+            .map(|m| (m, m.total as u64 - m.budget))
+            .max_by_key(|(_, over)| *over)
+    }
+}
+
+/// A model placed on a cluster's virtual devices with one split callback.
+pub struct Placed {
+    pub shape: ModelShape,
+    pub devices: Vec<Arc<dyn Device>>,
+    weights: crate::models::decoder::DecoderWeights,
+    cache: crate::models::decoder::KvCache,
+    weight_buffer: Arc<dyn Buffer>,
+    cache_buffer: Arc<dyn Buffer>,
+}
+
+impl Placed {
+    /// Place `shape`'s weights and a cache of `context` rows per layer on virtual devices
+    /// named and budgeted like `cluster`'s, splitting every tensor with `split`.
+    pub fn new(
+        shape: &ModelShape,
+        cluster: &Cluster,
+        split: SplitFn,
+        context: usize,
+    ) -> Result<Placed> {
+        let devices: Vec<Arc<dyn Device>> = cluster
+            .devices
+            .iter()
+            .map(|d| VirtualDevice::shared(d.name.clone(), d.memory_bytes))
+            .collect();
+        let meta = MetaDevice::new(devices.clone(), split)?;
+        let bt = meta.buffer_type();
+        let (weight_buffer, refs) =
+            place(bt.as_ref(), &shape.weight_layouts(), BufferUsage::Weights)?;
+        let weights = decoder_weights(&shape.cfg, &refs);
+        let (cache_buffer, cache) = alloc_kv_cache(&shape.cfg, context, bt.as_ref())?;
+        Ok(Placed {
+            shape: shape.clone(),
+            devices,
+            weights,
+            cache,
+            weight_buffer,
+            cache_buffer,
+        })
+    }
+
+    /// The state a leaf was placed in (None: inline data, mirrored).
+    fn leaf_state(g: &Graph, id: TensorId) -> Option<crate::split_state::SplitState> {
+        let st = g.node(id).storage.as_ref()?;
+        let mb = st.buffer.as_any().downcast_ref::<MetaBuffer>()?;
+        mb.tensor_at(st.offset).map(|t| t.state.clone())
+    }
+
+    /// A step of `tokens` tokens at positions `start..`, attending to `start + tokens` rows.
+    pub fn step_graph(&self, tokens: usize, start: usize) -> Result<Graph> {
+        let ids: Vec<i32> = (0..tokens).map(|i| (i % 7) as i32).collect();
+        let pos: Vec<i32> = (start..start + tokens).map(|p| p as i32).collect();
+        let n_kv = start + tokens;
+        let kvp: Vec<i32> = (0..n_kv as i32).collect();
+        let inp = StepInput {
+            tokens: &ids,
+            positions: &pos,
+            slots: &pos,
+            n_kv,
+            kv_positions: &kvp,
+            logits_rows: tokens - 1..tokens,
+        };
+        Ok(build_step(&self.shape.cfg, &self.weights, &self.cache, &inp)?.graph)
+    }
+
+    /// The sharding and the per-device programs of `g`.
+    pub fn shard(&self, g: &Graph) -> Result<(Sharding, Rewritten)> {
+        let n = self.devices.len();
+        let sharding = derive_sharding(g, n, false, &|id| Self::leaf_state(g, id))?;
+        let rw = rewrite(g, &sharding, &self.devices)?;
+        Ok((sharding, rw))
+    }
+
+    /// Weight and cache bytes per device.
+    pub fn resident_bytes(&self) -> (Vec<usize>, Vec<usize>) {
+        let bytes = |b: &Arc<dyn Buffer>| {
+            b.as_any().downcast_ref::<MetaBuffer>().map_or_else(
+                || vec![b.size(); self.devices.len()],
+                MetaBuffer::device_bytes,
+            )
+        };
+        (bytes(&self.weight_buffer), bytes(&self.cache_buffer))
+    }
+}
+
+/// Predict `split` for `workload` on `cluster`.
+pub fn evaluate(
+    shape: &ModelShape,
+    split: SplitFn,
+    cluster: &Cluster,
+    workload: &Workload,
+) -> Result<Evaluation> {
+    workload.validate()?;
+    cluster.validate()?;
+    let placed = Placed::new(shape, cluster, split, workload.context)?;
+    evaluate_placed(&placed, cluster, workload)
+}
+
+/// As [`evaluate`], for a model already placed.
+pub fn evaluate_placed(
+    placed: &Placed,
+    cluster: &Cluster,
+    workload: &Workload,
+) -> Result<Evaluation> {
+    let (weights, kv) = placed.resident_bytes();
+    let mut activations = vec![0usize; placed.devices.len()];
+    let mut run_step = |tokens: usize, start: usize| -> Result<StepCost> {
+        let g = placed.step_graph(tokens, start)?;
+        let (_, rw) = placed.shard(&g)?;
+        for (d, p) in rw.programs.iter().enumerate() {
+            let plan = crate::alloc::measure(&p.graph, &VirtualBufferType)?;
+            activations[d] = activations[d].max(plan.peak);
+        }
+        Ok(step_cost(&g, &rw, cluster, tokens))
+    };
+    let b = workload.batch.max(1);
+    let (prefill, chunks) = if workload.prefill > 0 {
+        let chunk = workload.prefill.min(Workload::CHUNK);
+        let chunks = workload.prefill.div_ceil(chunk);
+        // The middle chunk's context stands for all of them; a batch is costed as one longer
+        // sequence (the same rows for every product, more attention).
+        let tokens = (chunk * b).min(workload.context);
+        let start = ((chunks / 2) * chunk).min(workload.context - tokens);
+        (Some(run_step(tokens, start)?), chunks)
+    } else {
+        (None, 0)
+    };
+    let decode = if workload.decode > 0 {
+        let tokens = b.min(workload.context);
+        let at = (workload.prefill + workload.decode / 2).min(workload.context - tokens);
+        Some(run_step(tokens, at)?)
+    } else {
+        None
+    };
+    let memory = placed
+        .devices
+        .iter()
+        .enumerate()
+        .map(|(d, dev)| DeviceMemory {
+            device: dev.name(),
+            weights: weights[d],
+            kv_cache: kv[d],
+            activations: activations[d],
+            total: weights[d] + kv[d] + activations[d],
+            budget: cluster.devices[d].memory_bytes,
+        })
+        .collect();
+    let total_s = prefill.as_ref().map_or(0.0, |p| p.seconds * chunks as f64)
+        + decode
+            .as_ref()
+            .map_or(0.0, |d| d.seconds * workload.decode as f64);
+    Ok(Evaluation {
+        workload: *workload,
+        prefill,
+        prefill_chunks: chunks,
+        decode,
+        memory,
+        total_s,
+    })
+}
+
+/// The segment (0: before the first layer, 1..=L: layers, L+1: output) of every user node.
+fn segments_of(g: &Graph) -> (Vec<usize>, Vec<String>) {
+    let mut starts: Vec<(usize, usize)> = Vec::new(); // (node index, segment)
+    let mut n_layer = 0;
+    for id in g.ids() {
+        let name = g.name(id);
+        if let Some(rest) = name.strip_prefix("blk.")
+            && rest.ends_with(".attn_norm.weight")
+            && let Some(l) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok())
+        {
+            starts.push((id.index(), l + 1));
+            n_layer = n_layer.max(l + 1);
+        }
+    }
+    let out_start = g
+        .ids()
+        .find(|&id| g.name(id) == "output_norm.weight")
+        .map_or(g.len(), |id| id.index());
+    let mut seg = vec![0; g.len()];
+    for (i, s) in seg.iter_mut().enumerate() {
+        if i >= out_start {
+            *s = n_layer + 1;
+        } else if let Some((_, l)) = starts.iter().rev().find(|(st, _)| *st <= i) {
+            *s = *l;
+        }
+    }
+    let mut names = vec!["embedding".to_string()];
+    names.extend((0..n_layer).map(|l| format!("layer {l}")));
+    names.push("output".to_string());
+    (seg, names)
+}
+
+/// Cost of the per-device programs `rw` of the user graph `g` on `cluster`.
+fn step_cost(g: &Graph, rw: &Rewritten, cluster: &Cluster, tokens: usize) -> StepCost {
+    let n = rw.programs.len();
+    let (user_seg, names) = segments_of(g);
+    // The segment of each local node: that of the first user node at or after it.
+    let local_seg: Vec<Vec<usize>> = (0..n)
+        .map(|d| {
+            let lg = &rw.programs[d].graph;
+            let mut seg = vec![names.len() - 1; lg.len()];
+            let mut next = 0usize;
+            for (u, &lid) in rw.local[d].iter().enumerate() {
+                for s in seg.iter_mut().take(lid.index() + 1).skip(next) {
+                    *s = user_seg[u];
+                }
+                next = next.max(lid.index() + 1);
+            }
+            seg
+        })
+        .collect();
+    let mut seg_compute = vec![vec![0f64; names.len()]; n];
+    let mut seg_comm = vec![0f64; names.len()];
+    let mut compute_s = 0.0;
+    let mut overhead_s = 0.0;
+    let mut comm_s = 0.0;
+    let mut counts: Vec<CommCount> = Vec::new();
+    let stages = rw
+        .programs
+        .iter()
+        .map(|p| p.stages.len())
+        .max()
+        .unwrap_or(0);
+    for i in 0..stages {
+        let mut slowest = 0f64;
+        let mut slowest_overhead = 0f64;
+        let mut collective: Option<(Collective, usize, usize)> = None;
+        for d in 0..n {
+            let p = &rw.programs[d];
+            let prof = &cluster.devices[d];
+            match p.stages.get(i) {
+                Some(Stage::Compute(r)) => {
+                    let (mut t, mut o) = (0.0, 0.0);
+                    for idx in r.clone() {
+                        let id = TensorId(idx as u32);
+                        let (c, ov) = node_cost(&p.graph, id, prof);
+                        t += c + ov;
+                        o += ov;
+                        seg_compute[d][local_seg[d][idx]] += c + ov;
+                    }
+                    if t > slowest {
+                        slowest = t;
+                        slowest_overhead = o;
+                    }
+                }
+                Some(Stage::Collective { kind, src, dst, .. }) => {
+                    let full = match kind {
+                        CollectiveKind::ReduceScatter { .. } => p.graph.layout(*src).nbytes(),
+                        _ => p.graph.layout(*dst).nbytes(),
+                    };
+                    let c = match kind {
+                        CollectiveKind::AllReduce => Collective::AllReduce,
+                        CollectiveKind::AllGather { .. } => Collective::AllGather,
+                        CollectiveKind::ReduceScatter { .. } => Collective::ReduceScatter,
+                    };
+                    if d == 0 {
+                        collective = Some((c, full, local_seg[d][dst.index()]));
+                    }
+                }
+                None => {}
+            }
+        }
+        compute_s += slowest;
+        overhead_s += slowest_overhead;
+        if let Some((c, bytes, seg)) = collective {
+            let t = cluster.links.time(c, n, bytes as f64);
+            comm_s += t;
+            seg_comm[seg] += t;
+            match counts.iter_mut().find(|x| x.kind == c.name()) {
+                Some(x) => {
+                    x.count += 1;
+                    x.bytes += bytes;
+                    x.seconds += t;
+                }
+                None => counts.push(CommCount {
+                    kind: c.name(),
+                    count: 1,
+                    bytes,
+                    seconds: t,
+                }),
+            }
+        }
+    }
+    let step_overhead = cluster
+        .devices
+        .iter()
+        .map(|d| d.step_overhead_s)
+        .fold(0.0, f64::max);
+    compute_s += step_overhead;
+    overhead_s += step_overhead;
+    let segments = names
+        .into_iter()
+        .enumerate()
+        .map(|(s, name)| SegmentCost {
+            name,
+            compute_s: (0..n).map(|d| seg_compute[d][s]).fold(0.0, f64::max),
+            comm_s: seg_comm[s],
+        })
+        .collect();
+    StepCost {
+        tokens,
+        seconds: compute_s + comm_s,
+        compute_s,
+        comm_s,
+        overhead_s,
+        collectives: counts,
+        segments,
+    }
+}
+
+/// Seconds of one local node on `prof`: (work, fixed overhead).
+fn node_cost(g: &Graph, id: TensorId, prof: &super::cluster::DeviceProfile) -> (f64, f64) {
+    let node = g.node(id);
+    if node.op.is_noop() || matches!(node.op, Op::Collective(_)) {
+        return (0.0, 0.0);
+    }
+    let out = node.layout.nbytes() as f64;
+    if node.layout.ne.contains(&0) {
+        return (0.0, 0.0);
+    }
+    let src_bytes = |i: usize| {
+        node.src
+            .get(i)
+            .map_or(0.0, |&s| g.layout(s).nbytes() as f64)
+    };
+    let mem = |bytes: f64| bytes / prof.mem_bw.max(1.0);
+    let work = match &node.op {
+        Op::MulMat => {
+            let a = g.layout(node.src[0]);
+            let b = g.layout(node.src[1]);
+            let (k, nn) = (a.ne[0] as f64, a.ne[1] as f64);
+            let m = (b.ne[1] * b.ne[2] * b.ne[3]) as f64;
+            let flops = 2.0 * k * nn * m;
+            if is_weight(g, node.src[0]) {
+                let wbytes = a.nbytes() as f64;
+                let t = if m <= 8.0 {
+                    wbytes / prof.gemv(a.dtype).max(1.0)
+                } else {
+                    flops / prof.gemm(a.dtype).max(1.0)
+                };
+                t + mem(src_bytes(1) + out)
+            } else {
+                // Activations times activations (attention scores and values): every row of b
+                // meets the N rows of its head of a.
+                mem(src_bytes(0) + src_bytes(1) + out).max(flops / prof.gemm(DType::F32).max(1.0))
+            }
+        }
+        Op::FlashAttn { .. } => {
+            let q = g.layout(node.src[0]);
+            let k = g.layout(node.src[1]);
+            // q: [dk, n_q, n_head, b], k: [dk, n_kv, n_head_kv, b]
+            let flops =
+                4.0 * q.ne[0] as f64 * k.ne[1] as f64 * (q.ne[1] * q.ne[2] * q.ne[3]) as f64;
+            mem(src_bytes(0) + src_bytes(1) + src_bytes(2) + src_bytes(3) + out)
+                .max(flops / prof.gemm(DType::F32).max(1.0))
+        }
+        // Rows read and written (set_rows' node is a view of the whole destination).
+        Op::GetRows => mem(2.0 * out),
+        Op::SetRows => mem(2.0 * src_bytes(1)),
+        _ => mem(node
+            .src
+            .iter()
+            .map(|&s| g.layout(s).nbytes() as f64)
+            .sum::<f64>()
+            + out),
+    };
+    (work, prof.node_overhead_s)
+}
+
+/// Whether `id` reads a weight (a leaf, or a view of one, in a weights buffer).
+fn is_weight(g: &Graph, id: TensorId) -> bool {
+    let r = g.root(id);
+    g.node(r).is_leaf()
+        && g.node(r)
+            .storage
+            .as_ref()
+            .is_some_and(|st| st.buffer.usage() == BufferUsage::Weights)
+}

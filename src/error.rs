@@ -214,6 +214,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// No assignment of the planner fits: `device` is over its budget by `over` bytes even
+    /// with everything split that can be.
+    #[error(
+        "{model} does not fit on {cluster}: with everything split, device {device} needs \
+         {over} bytes more than its budget of {budget} bytes"
+    )]
+    DoesNotFit {
+        model: String,
+        cluster: String,
+        device: String,
+        over: u64,
+        budget: u64,
+    },
+
     // ---- collectives ------------------------------------------------------------------
     /// A collective failed on this rank, or another rank failed and this one was released.
     #[error("collective {collective} on rank {rank} of {world}: {reason}")]

@@ -224,6 +224,7 @@ impl Evaluation {
 pub struct Placed {
     pub shape: ModelShape,
     pub devices: Vec<Arc<dyn Device>>,
+    refs: Vec<crate::models::decoder::WeightRef>,
     weights: crate::models::decoder::DecoderWeights,
     cache: crate::models::decoder::KvCache,
     weight_buffer: Arc<dyn Buffer>,
@@ -249,10 +250,12 @@ impl Placed {
         let (weight_buffer, refs) =
             place(bt.as_ref(), &shape.weight_layouts(), BufferUsage::Weights)?;
         let weights = decoder_weights(&shape.cfg, &refs);
+        let refs: Vec<_> = refs.into_iter().collect();
         let (cache_buffer, cache) = alloc_kv_cache(&shape.cfg, context, bt.as_ref())?;
         Ok(Placed {
             shape: shape.clone(),
             devices,
+            refs,
             weights,
             cache,
             weight_buffer,
@@ -290,6 +293,32 @@ impl Placed {
         let sharding = derive_sharding(g, n, false, &|id| Self::leaf_state(g, id))?;
         let rw = rewrite(g, &sharding, &self.devices)?;
         Ok((sharding, rw))
+    }
+
+    /// Resident bytes (weights and cache) per segment (0: embedding, 1..=L: layers, L+1:
+    /// output norm and projection) and device.
+    pub fn bytes_by_segment(&self) -> Vec<Vec<usize>> {
+        let n = self.devices.len();
+        let layers = self.shape.n_layer();
+        let mut out = vec![vec![0usize; n]; layers + 2];
+        let caches = self.cache.k.iter().chain(&self.cache.v);
+        for r in self.refs.iter().chain(caches) {
+            let seg = match crate::models::split::role(&r.name) {
+                (crate::models::split::Role::Embedding, _) => 0,
+                (crate::models::split::Role::Output, _) => layers + 1,
+                _ if r.name == "output_norm.weight" => layers + 1,
+                (_, l) => l + 1,
+            };
+            let Some(mb) = r.storage.buffer.as_any().downcast_ref::<MetaBuffer>() else {
+                continue;
+            };
+            if let Some(t) = mb.tensor_at(r.storage.offset) {
+                for (d, x) in out[seg].iter_mut().enumerate() {
+                    *x += t.local_bytes(d);
+                }
+            }
+        }
+        out
     }
 
     /// Weight and cache bytes per device.

@@ -7,15 +7,21 @@
 //!   presets).
 //! - `evaluate.rs`: the cost model: predicted prefill and decode time, collectives and memory
 //!   per device of any split callback for a [`Workload`], from the real per-device programs.
+//! - `strategy.rs`: the named strategies (assignments of split states), device shares.
+//! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets.
 //! - `virtual_device.rs`: devices without memory, so a model is placed and sharded exactly as
 //!   a run would, without weights.
 
 pub mod cluster;
 pub mod evaluate;
+pub mod search;
 pub mod shape;
+pub mod strategy;
 pub mod virtual_device;
 
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
+pub use search::{SearchResult, auto};
 pub use shape::{ModelShape, WeightTypes};
+pub use strategy::{Shares, Strategy};
 pub use virtual_device::VirtualDevice;

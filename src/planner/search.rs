@@ -1,0 +1,495 @@
+//! `auto`: the cheapest assignment for a workload under every device's memory budget.
+//!
+//! Layers of a decoder are identical, so their costs are measured once ("tied"): for every
+//! ordered pair of layer patterns (p then q) a two-layer model is costed by the cost model
+//! (`evaluate.rs`), which gives the cost of a layer with pattern q after one with pattern p
+//! (the conversion between them included: a partial residual left by p is reduced in q's
+//! first node), of the first layer after the embedding, and of the output after the last
+//! layer; a one-layer model per pattern and per choice of ends (output projection and token
+//! embedding split by vocabulary or mirrored) gives the ends. Resident bytes per layer and
+//! pattern come from the same placements.
+//!
+//! The search is a dynamic program over layers whose state is the last layer's pattern and
+//! whose values are Pareto fronts of (time, bytes): exact for this additive model, and checked
+//! against brute force on small instances (tests). Memory is the sum over segments of the
+//! largest device's bytes (an upper bound of every device's), plus the largest activation
+//! peak. The chosen assignment is then costed whole; that evaluation is what the plan reports.
+
+use super::cluster::Cluster;
+use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed};
+use super::shape::ModelShape;
+use super::strategy::describe;
+use crate::models::split::{DecoderSplit, LayerSplit, by_layer};
+use crate::{Error, Result};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// The patterns a layer may take.
+pub const PATTERNS: [LayerSplit; 4] = [
+    LayerSplit {
+        attention: true,
+        mlp: true,
+    },
+    LayerSplit {
+        attention: false,
+        mlp: true,
+    },
+    LayerSplit {
+        attention: true,
+        mlp: false,
+    },
+    LayerSplit {
+        attention: false,
+        mlp: false,
+    },
+];
+
+/// Costs of one choice of ends, for the dynamic program. Times are seconds of the whole
+/// workload (all prefill chunks plus every decode step).
+#[derive(Clone, Debug)]
+pub struct Tables {
+    pub output: bool,
+    pub embedding: bool,
+    /// `pair[p][q]`: a layer with pattern q after one with pattern p.
+    pub pair: Vec<Vec<f64>>,
+    /// `first[p]`: the first layer with pattern p (after the embedding).
+    pub first: Vec<f64>,
+    /// `last[q]`: the output after a last layer with pattern q.
+    pub last: Vec<f64>,
+    /// The embedding and the per-step overheads.
+    pub fixed: f64,
+    /// Resident bytes of a layer with pattern p (largest device).
+    pub mem: Vec<usize>,
+    /// Resident bytes of the ends and the activation peak (largest device).
+    pub fixed_mem: usize,
+}
+
+/// Seconds of segment `s` over the workload.
+fn seg_time(e: &Evaluation, s: usize) -> f64 {
+    let t = |c: &Option<StepCost>| {
+        c.as_ref()
+            .and_then(|c| c.segments.get(s))
+            .map_or(0.0, |x| x.compute_s + x.comm_s)
+    };
+    t(&e.prefill) * e.prefill_chunks as f64 + t(&e.decode) * e.workload.decode as f64
+}
+
+/// Per-step overheads over the workload.
+fn overhead_time(e: &Evaluation, cluster: &Cluster) -> f64 {
+    let step = cluster
+        .devices
+        .iter()
+        .map(|d| d.step_overhead_s)
+        .fold(0.0, f64::max);
+    let steps = e.prefill.as_ref().map_or(0, |_| e.prefill_chunks)
+        + e.decode.as_ref().map_or(0, |_| e.workload.decode);
+    step * steps as f64
+}
+
+fn max_dev(v: &[usize]) -> usize {
+    v.iter().copied().max().unwrap_or(0)
+}
+
+fn costed(
+    shape: &ModelShape,
+    split: &DecoderSplit,
+    cluster: &Cluster,
+    w: &Workload,
+) -> Result<(Evaluation, Vec<Vec<usize>>)> {
+    let placed = Placed::new(
+        shape,
+        cluster,
+        by_layer(&shape.cfg, split.clone()),
+        w.context,
+    )?;
+    let e = evaluate_placed(&placed, cluster, w)?;
+    Ok((e, placed.bytes_by_segment()))
+}
+
+/// The costs of a layer after another, tied over layers: `pair[p][q]`, resident bytes per
+/// pattern and the largest activation peak. Independent of the ends (a layer after the first).
+pub struct LayerTables {
+    pub pair: Vec<Vec<f64>>,
+    pub mem: Vec<usize>,
+    pub activations: usize,
+}
+
+/// [`LayerTables`] from a two-layer model per ordered pair of patterns.
+pub fn layer_tables(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    ratios: &Option<Vec<f64>>,
+) -> Result<LayerTables> {
+    let np = PATTERNS.len();
+    let two = shape.with_layers(2);
+    let mut pair = vec![vec![0.0; np]; np];
+    let mut mem = vec![0usize; np];
+    let mut activations = 0usize;
+    for (p, &lp) in PATTERNS.iter().enumerate() {
+        for (q, &lq) in PATTERNS.iter().enumerate() {
+            let split = DecoderSplit {
+                layers: vec![lp, lq],
+                output: true,
+                embedding: false,
+                ratios: ratios.clone(),
+            };
+            let (e, bytes) = costed(&two, &split, cluster, w)?;
+            pair[p][q] = seg_time(&e, 2);
+            if p == q {
+                mem[q] = max_dev(&bytes[2]);
+            }
+            activations =
+                activations.max(e.memory.iter().map(|m| m.activations).max().unwrap_or(0));
+        }
+    }
+    Ok(LayerTables {
+        pair,
+        mem,
+        activations,
+    })
+}
+
+/// Cost tables for one choice of ends, from the layer tables and a one-layer model per
+/// pattern.
+pub fn tables(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    ratios: &Option<Vec<f64>>,
+    layers: &LayerTables,
+    output: bool,
+    embedding: bool,
+) -> Result<Tables> {
+    let np = PATTERNS.len();
+    let one = shape.with_layers(1);
+    let mut first = vec![0.0; np];
+    let mut last = vec![0.0; np];
+    let mut fixed = 0.0;
+    let mut ends_mem = 0usize;
+    let mut act = layers.activations;
+    for (p, &lp) in PATTERNS.iter().enumerate() {
+        let split = DecoderSplit {
+            layers: vec![lp],
+            output,
+            embedding,
+            ratios: ratios.clone(),
+        };
+        let (e, bytes) = costed(&one, &split, cluster, w)?;
+        first[p] = seg_time(&e, 1);
+        last[p] = seg_time(&e, 2);
+        fixed = seg_time(&e, 0) + overhead_time(&e, cluster);
+        ends_mem = max_dev(&bytes[0]) + max_dev(&bytes[2]);
+        act = act.max(e.memory.iter().map(|m| m.activations).max().unwrap_or(0));
+    }
+    Ok(Tables {
+        output,
+        embedding,
+        pair: layers.pair.clone(),
+        first,
+        last,
+        fixed,
+        mem: layers.mem.clone(),
+        fixed_mem: ends_mem + act,
+    })
+}
+
+/// A point of a Pareto front: time, bytes, and how it was reached.
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    time: f64,
+    mem: usize,
+    /// Index in the previous layer's front of `prev` (usize::MAX for the first layer).
+    back: usize,
+    prev: usize,
+}
+
+/// Keep the points no other point beats in both time and bytes.
+fn prune(mut v: Vec<Point>) -> Vec<Point> {
+    v.sort_by(|a, b| a.mem.cmp(&b.mem).then(a.time.total_cmp(&b.time)));
+    let mut out: Vec<Point> = Vec::with_capacity(v.len());
+    for p in v {
+        if out.last().is_none_or(|l| p.time < l.time) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The cheapest per-layer patterns for `n_layer` layers with total bytes at most `budget`:
+/// (time, bytes, pattern indices), or None if nothing fits.
+pub fn solve(t: &Tables, n_layer: usize, budget: usize) -> Option<(f64, usize, Vec<usize>)> {
+    let np = PATTERNS.len();
+    if n_layer == 0 {
+        return None;
+    }
+    let cap = budget.saturating_sub(t.fixed_mem);
+    if t.fixed_mem > budget {
+        return None;
+    }
+    // fronts[i][p]: layer i ends with pattern p.
+    let mut fronts: Vec<Vec<Vec<Point>>> = Vec::with_capacity(n_layer);
+    fronts.push(
+        (0..np)
+            .map(|p| {
+                let pt = Point {
+                    time: t.first[p],
+                    mem: t.mem[p],
+                    back: usize::MAX,
+                    prev: usize::MAX,
+                };
+                if pt.mem <= cap { vec![pt] } else { vec![] }
+            })
+            .collect(),
+    );
+    for i in 1..n_layer {
+        let prev = &fronts[i - 1];
+        let mut next = Vec::with_capacity(np);
+        for q in 0..np {
+            let mut cand = Vec::new();
+            for (p, front) in prev.iter().enumerate() {
+                for (k, pt) in front.iter().enumerate() {
+                    let mem = pt.mem + t.mem[q];
+                    if mem <= cap {
+                        cand.push(Point {
+                            time: pt.time + t.pair[p][q],
+                            mem,
+                            back: k,
+                            prev: p,
+                        });
+                    }
+                }
+            }
+            next.push(prune(cand));
+        }
+        fronts.push(next);
+    }
+    let lastf = &fronts[n_layer - 1];
+    let (q, k, time) = lastf
+        .iter()
+        .enumerate()
+        .flat_map(|(q, f)| f.iter().enumerate().map(move |(k, p)| (q, k, p.time)))
+        .map(|(q, k, time)| (q, k, time + t.last[q] + t.fixed))
+        .min_by(|a, b| a.2.total_cmp(&b.2))?;
+    let mem = lastf[q][k].mem + t.fixed_mem;
+    let mut pats = vec![0; n_layer];
+    let (mut p, mut idx) = (q, k);
+    for i in (0..n_layer).rev() {
+        pats[i] = p;
+        let pt = fronts[i][p][idx];
+        (p, idx) = (pt.prev, pt.back);
+    }
+    Some((time, mem, pats))
+}
+
+/// The same answer by trying every assignment (tests; `PATTERNS.len()^n_layer` of them).
+pub fn brute_force(t: &Tables, n_layer: usize, budget: usize) -> Option<(f64, usize, Vec<usize>)> {
+    let np = PATTERNS.len();
+    let total = np.checked_pow(n_layer as u32)?;
+    let mut best: Option<(f64, usize, Vec<usize>)> = None;
+    for code in 0..total {
+        let pats: Vec<usize> = (0..n_layer).map(|i| code / np.pow(i as u32) % np).collect();
+        let mut time = t.first[pats[0]] + t.fixed + t.last[pats[n_layer - 1]];
+        let mut mem = t.fixed_mem + t.mem[pats[0]];
+        for i in 1..n_layer {
+            time += t.pair[pats[i - 1]][pats[i]];
+            mem += t.mem[pats[i]];
+        }
+        if mem <= budget && best.as_ref().is_none_or(|b| time < b.0) {
+            best = Some((time, mem, pats));
+        }
+    }
+    best
+}
+
+/// One assignment the search considered, for the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct Candidate {
+    pub description: String,
+    /// Predicted seconds of the whole workload.
+    pub time_s: f64,
+    /// Largest device's bytes.
+    pub bytes: usize,
+}
+
+/// What `auto` found.
+#[derive(Clone, Debug)]
+pub struct SearchResult {
+    pub split: DecoderSplit,
+    /// The chosen assignment costed whole.
+    pub evaluation: Evaluation,
+    /// The best assignment of each choice of ends, best first (the runner-up is second).
+    pub candidates: Vec<Candidate>,
+    /// Time to build the tables and solve.
+    pub solve_time: Duration,
+}
+
+/// The cheapest assignment of `shape` for `w` on `cluster` that fits every device's budget.
+pub fn auto(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    ratios: Option<Vec<f64>>,
+) -> Result<SearchResult> {
+    w.validate()?;
+    cluster.validate()?;
+    let start = Instant::now();
+    let budget = cluster
+        .devices
+        .iter()
+        .map(|d| d.memory_bytes)
+        .min()
+        .unwrap_or(0) as usize;
+    let mut found: Vec<(f64, usize, DecoderSplit)> = Vec::new();
+    let mut smallest: Option<usize> = None;
+    let layers = layer_tables(shape, cluster, w, &ratios)?;
+    for (output, embedding) in [(true, false), (false, false), (true, true), (false, true)] {
+        // A choice the meta backend cannot run (a missing rule) is skipped.
+        let t = match tables(shape, cluster, w, &ratios, &layers, output, embedding) {
+            Ok(t) => t,
+            Err(Error::NoSplitRule { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        let least = t.fixed_mem + t.mem.iter().min().copied().unwrap_or(0) * shape.n_layer();
+        smallest = Some(smallest.map_or(least, |s: usize| s.min(least)));
+        if let Some((time, mem, pats)) = solve(&t, shape.n_layer(), budget) {
+            found.push((
+                time,
+                mem,
+                DecoderSplit {
+                    layers: pats.iter().map(|&p| PATTERNS[p]).collect(),
+                    output,
+                    embedding,
+                    ratios: ratios.clone(),
+                },
+            ));
+        }
+    }
+    let solve_time = start.elapsed();
+    found.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let Some((_, _, split)) = found.first().cloned() else {
+        // Name the device over its budget under the least-memory assignment.
+        let least = super::strategy::Strategy::Memory
+            .split(shape.n_layer())
+            .expect("a fixed strategy");
+        let least = DecoderSplit {
+            ratios: ratios.clone(),
+            ..least
+        };
+        let placed = Placed::new(shape, cluster, by_layer(&shape.cfg, least), w.context)?;
+        let e = evaluate_placed(&placed, cluster, w)?;
+        let (dev, over) = e
+            .over_budget()
+            .map(|(m, over)| (m.device.clone(), over))
+            .unwrap_or_else(|| {
+                let need = smallest.unwrap_or(0);
+                (
+                    cluster.devices[0].name.clone(),
+                    need.saturating_sub(budget) as u64,
+                )
+            });
+        return Err(Error::DoesNotFit {
+            model: shape.name.clone(),
+            cluster: cluster.name.clone(),
+            device: dev,
+            over,
+            budget: budget as u64,
+        });
+    };
+    let placed = Placed::new(
+        shape,
+        cluster,
+        by_layer(&shape.cfg, split.clone()),
+        w.context,
+    )?;
+    let evaluation = evaluate_placed(&placed, cluster, w)?;
+    let candidates = found
+        .iter()
+        .map(|(time, mem, s)| Candidate {
+            description: describe(s),
+            time_s: *time,
+            bytes: *mem,
+        })
+        .collect();
+    Ok(SearchResult {
+        split,
+        evaluation,
+        candidates,
+        solve_time,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tables with pseudo-random costs and sizes (SplitMix64).
+    fn random_tables(seed: u64) -> Tables {
+        let mut s = seed;
+        let mut next = move || {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let np = PATTERNS.len();
+        let mut f = || (next() % 1000) as f64 / 100.0;
+        let pair = (0..np).map(|_| (0..np).map(|_| f()).collect()).collect();
+        let first = (0..np).map(|_| f()).collect();
+        let last = (0..np).map(|_| f()).collect();
+        let fixed = f();
+        let mem = (0..np).map(|_| (f() * 10.0) as usize).collect();
+        Tables {
+            output: true,
+            embedding: false,
+            pair,
+            first,
+            last,
+            fixed,
+            mem,
+            fixed_mem: 7,
+        }
+    }
+
+    #[test]
+    fn the_dynamic_program_equals_brute_force() {
+        let mut checked = 0;
+        for seed in 0..300u64 {
+            let t = random_tables(seed);
+            for n_layer in 1..=5 {
+                for budget in [0, 20, 60, 150, 300, 10_000] {
+                    let a = solve(&t, n_layer, budget);
+                    let b = brute_force(&t, n_layer, budget);
+                    match (&a, &b) {
+                        (None, None) => {}
+                        (Some(a), Some(b)) => {
+                            assert!(
+                                (a.0 - b.0).abs() < 1e-9,
+                                "seed {seed} L={n_layer} budget {budget}: {a:?} vs {b:?}"
+                            );
+                            assert!(a.1 <= budget, "over budget: {a:?}");
+                            checked += 1;
+                        }
+                        _ => panic!("seed {seed} L={n_layer} budget {budget}: {a:?} vs {b:?}"),
+                    }
+                }
+            }
+        }
+        assert!(checked > 1000, "{checked} feasible instances");
+    }
+
+    #[test]
+    fn the_path_found_costs_what_the_program_says() {
+        let t = random_tables(7);
+        let (time, mem, pats) = solve(&t, 6, 10_000).unwrap();
+        let mut again = t.first[pats[0]] + t.fixed + t.last[pats[5]];
+        let mut m = t.fixed_mem + t.mem[pats[0]];
+        for i in 1..6 {
+            again += t.pair[pats[i - 1]][pats[i]];
+            m += t.mem[pats[i]];
+        }
+        assert!((again - time).abs() < 1e-9);
+        assert_eq!(m, mem);
+    }
+}

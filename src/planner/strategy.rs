@@ -1,0 +1,191 @@
+//! Named strategies and device shares. A strategy is an assignment of split states to a
+//! decoder's weights ([`DecoderSplit`]: per layer, attention by KV-head groups or mirrored, the
+//! MLP column/row or mirrored; the output projection and the token embedding by vocabulary or
+//! mirrored); `auto` is the search's answer for a workload. A plan file holds one assignment,
+//! so a plan is an ordinary split callback.
+
+use super::cluster::Cluster;
+use super::shape::ModelShape;
+use crate::DType;
+use crate::models::split::{DecoderSplit, LayerSplit};
+use crate::{Error, Result};
+
+/// The built-in strategies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// Attention by KV-head groups and the MLP column/row in every layer, the output by
+    /// vocabulary (llama.cpp's assignment; two all-reduces per layer).
+    Megatron,
+    /// Only the MLP split; attention mirrored (one all-reduce per layer).
+    MlpOnly,
+    /// Only attention split; the MLP mirrored (one all-reduce per layer).
+    AttnOnly,
+    /// Everything mirrored: no communication, every device does all the work.
+    Mirrored,
+    /// Layers mirrored, the output projection and the embedding split by vocabulary.
+    VocabSplit,
+    /// Everything that can be split is (least memory per device).
+    Memory,
+    /// The search's choice for the workload (see `search.rs`).
+    Auto,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 7] = [
+        Strategy::Megatron,
+        Strategy::MlpOnly,
+        Strategy::AttnOnly,
+        Strategy::Mirrored,
+        Strategy::VocabSplit,
+        Strategy::Memory,
+        Strategy::Auto,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Megatron => "megatron",
+            Strategy::MlpOnly => "mlp-only",
+            Strategy::AttnOnly => "attn-only",
+            Strategy::Mirrored => "mirrored",
+            Strategy::VocabSplit => "vocab-split",
+            Strategy::Memory => "memory",
+            Strategy::Auto => "auto",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Strategy> {
+        Strategy::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Strategy::ALL.iter().map(|x| x.name()).collect();
+                Error::invalid_argument("--strategy", s, format!("one of {}", names.join(", ")))
+            })
+    }
+
+    /// The assignment of a fixed strategy for `n_layer` layers (`None` for `auto`).
+    pub fn split(self, n_layer: usize) -> Option<DecoderSplit> {
+        let l = |attention, mlp| LayerSplit { attention, mlp };
+        let (layer, output, embedding) = match self {
+            Strategy::Megatron => (l(true, true), true, false),
+            Strategy::MlpOnly => (l(false, true), true, false),
+            Strategy::AttnOnly => (l(true, false), true, false),
+            Strategy::Mirrored => (l(false, false), false, false),
+            Strategy::VocabSplit => (l(false, false), true, true),
+            Strategy::Memory => (l(true, true), true, true),
+            Strategy::Auto => return None,
+        };
+        Some(DecoderSplit::uniform(n_layer, layer, output, embedding))
+    }
+}
+
+/// How the devices share split tensors.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Shares {
+    Even,
+    Ratios(Vec<f64>),
+    /// In proportion to each device's matrix-vector throughput for the model's main weight type
+    /// (its decode speed), from the cluster profile.
+    Throughput,
+}
+
+impl Shares {
+    /// `even`, `throughput`, or ratios such as `3,1`.
+    pub fn parse(s: &str) -> Result<Shares> {
+        match s {
+            "even" => Ok(Shares::Even),
+            "throughput" => Ok(Shares::Throughput),
+            _ => {
+                let v = s
+                    .split(',')
+                    .map(|x| x.trim().parse::<f64>())
+                    .collect::<std::result::Result<Vec<_>, _>>()
+                    .map_err(|_| {
+                        Error::invalid_argument(
+                            "--shares",
+                            s,
+                            "even, throughput, or ratios like 3,1",
+                        )
+                    })?;
+                Ok(Shares::Ratios(v))
+            }
+        }
+    }
+
+    /// Per-device ratios for `cluster` (None: even).
+    pub fn ratios(&self, shape: &ModelShape, cluster: &Cluster) -> Result<Option<Vec<f64>>> {
+        match self {
+            Shares::Even => Ok(None),
+            Shares::Ratios(r) => {
+                if r.len() != cluster.n_devices() {
+                    return Err(Error::invalid_argument(
+                        "--shares",
+                        format!("{r:?}"),
+                        format!("one share per device ({})", cluster.n_devices()),
+                    ));
+                }
+                if r.iter().any(|x| !x.is_finite() || *x < 0.0) || r.iter().sum::<f64>() <= 0.0 {
+                    return Err(Error::invalid_argument(
+                        "--shares",
+                        format!("{r:?}"),
+                        "shares must be finite, non-negative and not all zero",
+                    ));
+                }
+                Ok(Some(r.clone()))
+            }
+            Shares::Throughput => {
+                let dt: DType = shape.types.ffn_gate_up;
+                let r: Vec<f64> = cluster.devices.iter().map(|d| d.gemv(dt)).collect();
+                let first = r[0];
+                Ok(
+                    if r.iter().all(|x| (x - first).abs() <= 1e-9 * first.abs()) {
+                        None
+                    } else {
+                        Some(r)
+                    },
+                )
+            }
+        }
+    }
+}
+
+/// A one-line description of an assignment: runs of layers with the same splits.
+pub fn describe(split: &DecoderSplit) -> String {
+    let word = |l: &LayerSplit| match (l.attention, l.mlp) {
+        (true, true) => "attn+mlp split",
+        (false, true) => "mlp split",
+        (true, false) => "attn split",
+        (false, false) => "mirrored",
+    };
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < split.layers.len() {
+        let mut j = i;
+        while j + 1 < split.layers.len() && split.layers[j + 1] == split.layers[i] {
+            j += 1;
+        }
+        parts.push(if i == j {
+            format!("layer {i}: {}", word(&split.layers[i]))
+        } else {
+            format!("layers {i}-{j}: {}", word(&split.layers[i]))
+        });
+        i = j + 1;
+    }
+    parts.push(format!(
+        "output: {}",
+        if split.output {
+            "vocab split"
+        } else {
+            "mirrored"
+        }
+    ));
+    parts.push(format!(
+        "embedding: {}",
+        if split.embedding {
+            "vocab split"
+        } else {
+            "mirrored"
+        }
+    ));
+    parts.join("; ")
+}

@@ -36,6 +36,8 @@ enum Cmd {
     Verify(cli::verify::VerifyArgs),
     /// Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2) on any device list.
     Embed(cli::embed::EmbedOptions),
+    /// Plan the split of a model on a cluster: predicted time, memory and communication.
+    Plan(cli::plan::PlanArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -148,6 +150,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Run(a) => cli::run::run(&a),
         Cmd::Verify(a) => cli::verify::run(&a),
         Cmd::Embed(opts) => cli::embed::run(&opts, &mut std::io::stdout().lock()),
+        Cmd::Plan(a) => cli::plan::run(&a),
         Cmd::Bench { what } => match what {
             BenchCmd::Ops {
                 threads,

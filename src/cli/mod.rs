@@ -5,6 +5,7 @@
 //! `verify`).
 
 pub mod embed;
+pub mod plan;
 pub mod run;
 pub mod verify;
 

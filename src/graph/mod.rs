@@ -30,7 +30,10 @@ pub fn zero_bytes(len: usize) -> Arc<[u8]> {
     {
         return a;
     }
-    let a: Arc<[u8]> = vec![0u8; len].into();
+    // Allocated zeroed in place (the pages stay untouched until read), not copied from a
+    // vector.
+    // SAFETY: all-zero bytes are valid `u8`s.
+    let a: Arc<[u8]> = unsafe { Arc::<[u8]>::new_zeroed_slice(len).assume_init() };
     pool.push((len, Arc::downgrade(&a)));
     a
 }

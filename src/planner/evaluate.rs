@@ -29,8 +29,8 @@ use crate::graph::{Graph, TensorId};
 use crate::meta::rewrite::{Rewritten, Stage, rewrite};
 use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{MetaBuffer, MetaDevice, SplitFn};
-use crate::models::decoder::{StepInput, build_step};
-use crate::models::synthetic::{alloc_kv_cache, decoder_weights, place};
+use crate::models::decoder::{StepInput, build_step, kv_cache_layouts};
+use crate::models::synthetic::{decoder_weights, place};
 use crate::op::{CollectiveKind, Op};
 use crate::{DType, Error, Result};
 use serde::Serialize;
@@ -250,8 +250,21 @@ impl Placed {
         let (weight_buffer, refs) =
             place(bt.as_ref(), &shape.weight_layouts(), BufferUsage::Weights)?;
         let weights = decoder_weights(&shape.cfg, &refs);
-        let refs: Vec<_> = refs.into_iter().collect();
-        let (cache_buffer, cache) = alloc_kv_cache(&shape.cfg, context, bt.as_ref())?;
+        // The cache is placed, not cleared: a virtual device has nothing to clear, and a meta
+        // buffer's clear walks every slice.
+        let (cache_buffer, cache_refs) = place(
+            bt.as_ref(),
+            &kv_cache_layouts(&shape.cfg, context),
+            BufferUsage::Compute,
+        )?;
+        let (k, v): (Vec<_>, Vec<_>) = cache_refs
+            .into_iter()
+            .partition(|r| r.name.starts_with("cache_k"));
+        let cache = crate::models::decoder::KvCache {
+            k,
+            v,
+            size: context,
+        };
         Ok(Placed {
             shape: shape.clone(),
             devices,
@@ -293,6 +306,16 @@ impl Placed {
         let sharding = derive_sharding(g, n, false, &|id| Self::leaf_state(g, id))?;
         let rw = rewrite(g, &sharding, &self.devices)?;
         Ok((sharding, rw))
+    }
+
+    /// Every placed tensor (weights and cache) by name.
+    pub fn tensors(&self) -> std::collections::HashMap<String, crate::buffer::Storage> {
+        self.refs
+            .iter()
+            .chain(&self.cache.k)
+            .chain(&self.cache.v)
+            .map(|r| (r.name.clone(), r.storage.clone()))
+            .collect()
     }
 
     /// Resident bytes (weights and cache) per segment (0: embedding, 1..=L: layers, L+1:

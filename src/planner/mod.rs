@@ -9,11 +9,13 @@
 //!   per device of any split callback for a [`Workload`], from the real per-device programs.
 //! - `strategy.rs`: the named strategies (assignments of split states), device shares.
 //! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets.
+//! - `report.rs`: the readable [`Plan`] (tables, JSON plan files, DOT of one layer).
 //! - `virtual_device.rs`: devices without memory, so a model is placed and sharded exactly as
 //!   a run would, without weights.
 
 pub mod cluster;
 pub mod evaluate;
+pub mod report;
 pub mod search;
 pub mod shape;
 pub mod strategy;
@@ -21,6 +23,7 @@ pub mod virtual_device;
 
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
+pub use report::{Plan, load_plan};
 pub use search::{SearchResult, auto};
 pub use shape::{ModelShape, WeightTypes};
 pub use strategy::{Shares, Strategy};

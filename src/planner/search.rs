@@ -121,27 +121,32 @@ pub fn layer_tables(
     w: &Workload,
     ratios: &Option<Vec<f64>>,
 ) -> Result<LayerTables> {
+    use rayon::prelude::*;
     let np = PATTERNS.len();
     let two = shape.with_layers(2);
     let mut pair = vec![vec![0.0; np]; np];
     let mut mem = vec![0usize; np];
     let mut activations = 0usize;
-    for (p, &lp) in PATTERNS.iter().enumerate() {
-        for (q, &lq) in PATTERNS.iter().enumerate() {
+    // The pairs are independent: cost them in parallel.
+    let results: Vec<(usize, usize, Evaluation, Vec<Vec<usize>>)> = (0..np * np)
+        .into_par_iter()
+        .map(|i| {
+            let (p, q) = (i / np, i % np);
             let split = DecoderSplit {
-                layers: vec![lp, lq],
+                layers: vec![PATTERNS[p], PATTERNS[q]],
                 output: true,
                 embedding: false,
                 ratios: ratios.clone(),
             };
-            let (e, bytes) = costed(&two, &split, cluster, w)?;
-            pair[p][q] = seg_time(&e, 2);
-            if p == q {
-                mem[q] = max_dev(&bytes[2]);
-            }
-            activations =
-                activations.max(e.memory.iter().map(|m| m.activations).max().unwrap_or(0));
+            costed(&two, &split, cluster, w).map(|(e, b)| (p, q, e, b))
+        })
+        .collect::<Result<_>>()?;
+    for (p, q, e, bytes) in results {
+        pair[p][q] = seg_time(&e, 2);
+        if p == q {
+            mem[q] = max_dev(&bytes[2]);
         }
+        activations = activations.max(e.memory.iter().map(|m| m.activations).max().unwrap_or(0));
     }
     Ok(LayerTables {
         pair,
@@ -161,6 +166,7 @@ pub fn tables(
     output: bool,
     embedding: bool,
 ) -> Result<Tables> {
+    use rayon::prelude::*;
     let np = PATTERNS.len();
     let one = shape.with_layers(1);
     let mut first = vec![0.0; np];
@@ -168,14 +174,19 @@ pub fn tables(
     let mut fixed = 0.0;
     let mut ends_mem = 0usize;
     let mut act = layers.activations;
-    for (p, &lp) in PATTERNS.iter().enumerate() {
-        let split = DecoderSplit {
-            layers: vec![lp],
-            output,
-            embedding,
-            ratios: ratios.clone(),
-        };
-        let (e, bytes) = costed(&one, &split, cluster, w)?;
+    let results: Vec<(Evaluation, Vec<Vec<usize>>)> = PATTERNS
+        .par_iter()
+        .map(|&lp| {
+            let split = DecoderSplit {
+                layers: vec![lp],
+                output,
+                embedding,
+                ratios: ratios.clone(),
+            };
+            costed(&one, &split, cluster, w)
+        })
+        .collect::<Result<_>>()?;
+    for (p, (e, bytes)) in results.into_iter().enumerate() {
         first[p] = seg_time(&e, 1);
         last[p] = seg_time(&e, 2);
         fixed = seg_time(&e, 0) + overhead_time(&e, cluster);
@@ -192,6 +203,33 @@ pub fn tables(
         mem: layers.mem.clone(),
         fixed_mem: ends_mem + act,
     })
+}
+
+impl Tables {
+    /// Time and bytes of a path of layer patterns (as `solve` counts them).
+    pub fn path(&self, pats: &[usize]) -> (f64, usize) {
+        let Some((&first, rest)) = pats.split_first() else {
+            return (self.fixed, self.fixed_mem);
+        };
+        let mut time = self.fixed + self.first[first] + self.last[*pats.last().unwrap_or(&first)];
+        let mut mem = self.fixed_mem + self.mem[first];
+        let mut prev = first;
+        for &q in rest {
+            time += self.pair[prev][q];
+            mem += self.mem[q];
+            prev = q;
+        }
+        (time, mem)
+    }
+}
+
+/// For a run of layers with one pattern, what each other pattern would cost instead.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunAlternatives {
+    pub first: usize,
+    pub last: usize,
+    /// (pattern, seconds added over the workload, bytes added on the largest device).
+    pub alternatives: Vec<(LayerSplit, f64, i64)>,
 }
 
 /// A point of a Pareto front: time, bytes, and how it was reached.
@@ -322,6 +360,40 @@ pub struct SearchResult {
     pub candidates: Vec<Candidate>,
     /// Time to build the tables and solve.
     pub solve_time: Duration,
+    /// The tables of the chosen ends and the chosen pattern per layer.
+    pub tables: Tables,
+    pub patterns: Vec<usize>,
+}
+
+impl SearchResult {
+    /// For each run of equal layers, the cost of every other pattern in its place.
+    pub fn alternatives(&self) -> Vec<RunAlternatives> {
+        let (base_t, base_m) = self.tables.path(&self.patterns);
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.patterns.len() {
+            let mut j = i;
+            while j + 1 < self.patterns.len() && self.patterns[j + 1] == self.patterns[i] {
+                j += 1;
+            }
+            let alternatives = (0..PATTERNS.len())
+                .filter(|&q| q != self.patterns[i])
+                .map(|q| {
+                    let mut p = self.patterns.clone();
+                    p[i..=j].iter_mut().for_each(|x| *x = q);
+                    let (t, m) = self.tables.path(&p);
+                    (PATTERNS[q], t - base_t, m as i64 - base_m as i64)
+                })
+                .collect();
+            out.push(RunAlternatives {
+                first: i,
+                last: j,
+                alternatives,
+            });
+            i = j + 1;
+        }
+        out
+    }
 }
 
 /// The cheapest assignment of `shape` for `w` on `cluster` that fits every device's budget.
@@ -340,7 +412,7 @@ pub fn auto(
         .map(|d| d.memory_bytes)
         .min()
         .unwrap_or(0) as usize;
-    let mut found: Vec<(f64, usize, DecoderSplit)> = Vec::new();
+    let mut found: Vec<(f64, usize, DecoderSplit, Tables, Vec<usize>)> = Vec::new();
     let mut smallest: Option<usize> = None;
     let layers = layer_tables(shape, cluster, w, &ratios)?;
     for (output, embedding) in [(true, false), (false, false), (true, true), (false, true)] {
@@ -353,21 +425,18 @@ pub fn auto(
         let least = t.fixed_mem + t.mem.iter().min().copied().unwrap_or(0) * shape.n_layer();
         smallest = Some(smallest.map_or(least, |s: usize| s.min(least)));
         if let Some((time, mem, pats)) = solve(&t, shape.n_layer(), budget) {
-            found.push((
-                time,
-                mem,
-                DecoderSplit {
-                    layers: pats.iter().map(|&p| PATTERNS[p]).collect(),
-                    output,
-                    embedding,
-                    ratios: ratios.clone(),
-                },
-            ));
+            let split = DecoderSplit {
+                layers: pats.iter().map(|&p| PATTERNS[p]).collect(),
+                output,
+                embedding,
+                ratios: ratios.clone(),
+            };
+            found.push((time, mem, split, t, pats));
         }
     }
     let solve_time = start.elapsed();
     found.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let Some((_, _, split)) = found.first().cloned() else {
+    let Some((_, _, split, tables, patterns)) = found.first().cloned() else {
         // Name the device over its budget under the least-memory assignment.
         let least = super::strategy::Strategy::Memory
             .split(shape.n_layer())
@@ -405,7 +474,7 @@ pub fn auto(
     let evaluation = evaluate_placed(&placed, cluster, w)?;
     let candidates = found
         .iter()
-        .map(|(time, mem, s)| Candidate {
+        .map(|(time, mem, s, _, _)| Candidate {
             description: describe(s),
             time_s: *time,
             bytes: *mem,
@@ -416,6 +485,8 @@ pub fn auto(
         evaluation,
         candidates,
         solve_time,
+        tables,
+        patterns,
     })
 }
 

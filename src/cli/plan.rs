@@ -1,0 +1,149 @@
+//! `metashard plan`: which split is fastest for a model on a cluster, whether it fits, and what
+//! it costs in communication, predicted without running it. A table by default, the plan file
+//! with `--json` or `-o`, DOT or SVG of one layer's per-device programs with `--dot`/`--svg`.
+
+use metashard::Result;
+use metashard::planner::evaluate::{Workload, evaluate};
+use metashard::planner::report::{Plan, dot, split_fn};
+use metashard::planner::{Cluster, ModelShape, Shares, Strategy, auto};
+use std::path::PathBuf;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct PlanArgs {
+    /// A model: a preset (smollm2-135m, llama3-8b, llama3-70b), `smollm2`, a `.gguf` file (only
+    /// its header is read) or a Hugging Face `config.json` (or its folder).
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// The cluster: a preset name or a profile JSON (`metashard calibrate -o FILE`).
+    #[arg(long, conflicts_with = "devices")]
+    pub cluster: Option<String>,
+    /// Plan for these devices of this machine, measured first (`cpu:2x1`; a quick calibration).
+    #[arg(long)]
+    pub devices: Option<String>,
+    /// The workload: `pp=512,tg=128,batch=1,ctx=4096` (any subset).
+    #[arg(long, default_value = "pp=512,tg=128,batch=1,ctx=4096")]
+    pub workload: String,
+    /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, or auto (the search).
+    #[arg(long, default_value = "auto")]
+    pub strategy: String,
+    /// Device shares of split tensors: even, throughput (by each device's measured speed), or
+    /// ratios like 3,1.
+    #[arg(long, default_value = "even")]
+    pub shares: String,
+    /// Print the plan as JSON (a plan file: `run --plan FILE` executes it).
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the plan file here.
+    #[arg(short = 'o', long)]
+    pub output: Option<PathBuf>,
+    /// Write DOT of layer 0's per-device programs (one decode step) with their collectives.
+    #[arg(long)]
+    pub dot: Option<PathBuf>,
+    /// Write that graph as SVG (through graphviz's `dot`; DOT is written instead, next to it,
+    /// when graphviz is missing).
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+/// The cluster of `--cluster` (preset or file) or `--devices` (measured now).
+pub fn cluster_of(cluster: Option<&str>, devices: Option<&str>) -> Result<Cluster> {
+    match (cluster, devices) {
+        (Some(c), _) => Cluster::load(std::path::Path::new(c)),
+        (None, Some(d)) => Err(metashard::Error::invalid_argument(
+            "--devices",
+            d,
+            "measuring devices is not available yet; give --cluster FILE",
+        )),
+        (None, None) => Err(metashard::Error::invalid_argument(
+            "plan",
+            "",
+            "give --cluster (a preset or a profile JSON) or --devices",
+        )),
+    }
+}
+
+pub fn run(a: &PlanArgs) -> Result<()> {
+    let shape = ModelShape::resolve(&a.model)?;
+    let cluster = cluster_of(a.cluster.as_deref(), a.devices.as_deref())?;
+    let workload = Workload::parse(&a.workload)?;
+    if workload.context > shape.context_length {
+        return Err(metashard::Error::invalid_argument(
+            "--workload ctx",
+            workload.context,
+            format!(
+                "more than the model's trained context of {}",
+                shape.context_length
+            ),
+        ));
+    }
+    let strategy = Strategy::parse(&a.strategy)?;
+    let ratios = Shares::parse(&a.shares)?.ratios(&shape, &cluster)?;
+    let plan = match strategy.split(shape.n_layer()) {
+        Some(mut split) => {
+            split.ratios = ratios;
+            let e = evaluate(&shape, split_fn(&shape, &split), &cluster, &workload)?;
+            Plan::fixed(&shape, &cluster, &workload, strategy.name(), split, e)?
+        }
+        None => {
+            let r = auto(&shape, &cluster, &workload, ratios)?;
+            Plan::searched(&shape, &cluster, &workload, r)?
+        }
+    };
+    if let Some(p) = &a.output {
+        std::fs::write(p, plan.to_json()).map_err(|e| metashard::Error::io(p, e))?;
+    }
+    if a.dot.is_some() || a.svg.is_some() {
+        let text = dot(&shape, &cluster, &plan.split)?;
+        if let Some(p) = &a.dot {
+            std::fs::write(p, &text).map_err(|e| metashard::Error::io(p, e))?;
+        }
+        if let Some(p) = &a.svg {
+            write_svg(p, &text)?;
+        }
+    }
+    if a.json {
+        println!("{}", plan.to_json());
+    } else {
+        print!("{}", plan.table());
+    }
+    Ok(())
+}
+
+/// SVG through graphviz's `dot`, or the DOT next to the requested file when `dot` is missing.
+fn write_svg(path: &std::path::Path, dot_text: &str) -> Result<()> {
+    use std::io::Write;
+    let child = std::process::Command::new("dot")
+        .arg("-Tsvg")
+        .arg("-o")
+        .arg(path)
+        .stdin(std::process::Stdio::piped())
+        .spawn();
+    match child {
+        Ok(mut c) => {
+            if let Some(mut stdin) = c.stdin.take() {
+                stdin
+                    .write_all(dot_text.as_bytes())
+                    .map_err(|e| metashard::Error::io(path, e))?;
+            }
+            let status = c.wait().map_err(|e| metashard::Error::io(path, e))?;
+            if !status.success() {
+                return Err(metashard::Error::ProgramFailed {
+                    program: "dot".into(),
+                    status: status.to_string(),
+                    stderr: String::new(),
+                });
+            }
+            Ok(())
+        }
+        Err(_) => {
+            let alt = path.with_extension("dot");
+            std::fs::write(&alt, dot_text).map_err(|e| metashard::Error::io(&alt, e))?;
+            eprintln!(
+                "graphviz's `dot` is not installed: wrote {} instead of {}",
+                alt.display(),
+                path.display()
+            );
+            Ok(())
+        }
+    }
+}

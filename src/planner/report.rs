@@ -1,0 +1,695 @@
+//! A readable plan: per tensor group its split state, bytes per device and why; per layer the
+//! predicted compute and communication time; totals per token for prefill and decode; memory
+//! per device against its budget; the search's runner-up. As a table, as JSON (a plan file:
+//! `run --plan FILE` executes exactly its `split`), and as DOT of one layer's per-device
+//! programs with their collectives.
+
+use super::cluster::Cluster;
+use super::evaluate::{Evaluation, Placed, StepCost, Workload};
+use super::search::{Candidate, RunAlternatives, SearchResult};
+use super::shape::ModelShape;
+use super::strategy::describe;
+use crate::meta::rewrite::Stage;
+use crate::meta::{MetaBuffer, SplitFn};
+use crate::models::split::{DecoderSplit, by_layer};
+use crate::op::Op;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// One group of tensors that share a split.
+#[derive(Clone, Debug, Serialize)]
+pub struct GroupRow {
+    pub group: String,
+    pub state: String,
+    /// Bytes each device holds of the whole group.
+    pub bytes: Vec<usize>,
+    pub why: String,
+}
+
+/// A plan: what `metashard plan` prints, and what `--plan FILE` runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub model: String,
+    pub cluster: String,
+    pub devices: Vec<String>,
+    pub workload: Workload,
+    pub strategy: String,
+    /// The assignment; a plan file is read back for this field.
+    pub split: DecoderSplit,
+    pub summary: String,
+    pub groups: Vec<GroupRow>,
+    pub evaluation: Evaluation,
+    /// The search's best assignment per choice of ends, best first.
+    pub candidates: Vec<Candidate>,
+    /// Per run of equal layers, what the other patterns would cost (search only).
+    pub alternatives: Vec<RunAlternatives>,
+    pub solve_ms: Option<f64>,
+}
+
+/// The part of a plan file `--plan` reads.
+#[derive(Deserialize)]
+struct PlanFile {
+    model: String,
+    devices: Vec<String>,
+    split: DecoderSplit,
+}
+
+/// Read a plan file's assignment, checking it against the model's layer count and the number
+/// of devices it will run on.
+pub fn load_plan(path: &Path, n_layer: usize, n_devices: usize) -> Result<DecoderSplit> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let p: PlanFile = serde_json::from_str(&text).map_err(|e| Error::Format {
+        path: path.to_path_buf(),
+        field: "plan".into(),
+        reason: e.to_string(),
+    })?;
+    let bad = |field: &str, reason: String| Error::Format {
+        path: path.to_path_buf(),
+        field: field.into(),
+        reason,
+    };
+    if p.split.layers.len() != n_layer {
+        return Err(bad(
+            "split.layers",
+            format!(
+                "the plan (for `{}`) has {} layers, the model {n_layer}",
+                p.model,
+                p.split.layers.len()
+            ),
+        ));
+    }
+    if p.devices.len() != n_devices {
+        return Err(bad(
+            "devices",
+            format!(
+                "the plan is for {} devices ({}), the run has {n_devices}",
+                p.devices.len(),
+                p.devices.join(",")
+            ),
+        ));
+    }
+    if let Some(r) = &p.split.ratios
+        && r.len() != n_devices
+    {
+        return Err(bad(
+            "split.ratios",
+            format!("{} shares for {n_devices} devices", r.len()),
+        ));
+    }
+    Ok(p.split)
+}
+
+/// The split callback of an assignment for `shape`.
+pub fn split_fn(shape: &ModelShape, split: &DecoderSplit) -> SplitFn {
+    by_layer(&shape.cfg, split.clone())
+}
+
+impl Plan {
+    /// The plan of a fixed strategy's `split`, evaluated as `evaluation`.
+    pub fn fixed(
+        shape: &ModelShape,
+        cluster: &Cluster,
+        workload: &Workload,
+        strategy: &str,
+        split: DecoderSplit,
+        evaluation: Evaluation,
+    ) -> Result<Plan> {
+        Self::new(
+            shape,
+            cluster,
+            workload,
+            strategy,
+            split,
+            evaluation,
+            Vec::new(),
+            Vec::new(),
+            None,
+        )
+    }
+
+    /// The plan the search found.
+    pub fn searched(
+        shape: &ModelShape,
+        cluster: &Cluster,
+        workload: &Workload,
+        r: SearchResult,
+    ) -> Result<Plan> {
+        let alternatives = r.alternatives();
+        Self::new(
+            shape,
+            cluster,
+            workload,
+            "auto",
+            r.split,
+            r.evaluation,
+            r.candidates,
+            alternatives,
+            Some(r.solve_time.as_secs_f64() * 1e3),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        shape: &ModelShape,
+        cluster: &Cluster,
+        workload: &Workload,
+        strategy: &str,
+        split: DecoderSplit,
+        evaluation: Evaluation,
+        candidates: Vec<Candidate>,
+        alternatives: Vec<RunAlternatives>,
+        solve_ms: Option<f64>,
+    ) -> Result<Plan> {
+        let placed = Placed::new(shape, cluster, split_fn(shape, &split), workload.context)?;
+        let groups = groups(
+            &placed,
+            &split,
+            strategy,
+            &candidates,
+            &alternatives,
+            evaluation.total_s,
+        )?;
+        Ok(Plan {
+            model: shape.name.clone(),
+            cluster: cluster.name.clone(),
+            devices: cluster.devices.iter().map(|d| d.name.clone()).collect(),
+            workload: *workload,
+            strategy: strategy.to_string(),
+            summary: describe(&split),
+            split,
+            groups,
+            evaluation,
+            candidates,
+            alternatives,
+            solve_ms,
+        })
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a plan serializes")
+    }
+
+    /// The plan as text tables.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let mib = |b: usize| b as f64 / 1048576.0;
+        let _ = writeln!(
+            s,
+            "plan: {} on {} ({} devices), workload {}, strategy {}",
+            self.model,
+            self.cluster,
+            self.devices.len(),
+            self.workload,
+            self.strategy
+        );
+        let _ = writeln!(s, "assignment: {}", self.summary);
+        if let Some(ms) = self.solve_ms {
+            let _ = writeln!(s, "search: {ms:.1} ms");
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "{:<34} {:<28} {:>14}  why",
+            "tensor group", "state", "MiB/device"
+        );
+        for g in &self.groups {
+            let max = g.bytes.iter().copied().max().unwrap_or(0);
+            let min = g.bytes.iter().copied().min().unwrap_or(0);
+            let bytes = if max == min {
+                format!("{:.2}", mib(max))
+            } else {
+                format!("{:.2}-{:.2}", mib(min), mib(max))
+            };
+            let _ = writeln!(
+                s,
+                "{:<34} {:<28} {:>14}  {}",
+                g.group, g.state, bytes, g.why
+            );
+        }
+        let _ = writeln!(s);
+        let e = &self.evaluation;
+        let _ = writeln!(
+            s,
+            "{:<14} {:>14} {:>14} {:>14} {:>14}",
+            "segment", "prefill ms", "prefill comm", "decode us", "decode comm"
+        );
+        for row in segment_rows(e) {
+            let _ = writeln!(s, "{row}");
+        }
+        let _ = writeln!(s);
+        if let Some(p) = &e.prefill {
+            let _ = writeln!(
+                s,
+                "prefill: {:.2} ms per chunk of {} tokens ({} chunk{}), {:.1} tokens/s; compute \
+                 {:.2} ms, communication {:.2} ms{}",
+                p.seconds * 1e3,
+                p.tokens,
+                e.prefill_chunks,
+                if e.prefill_chunks == 1 { "" } else { "s" },
+                e.prefill_tps(),
+                p.compute_s * 1e3,
+                p.comm_s * 1e3,
+                collectives(p)
+            );
+        }
+        if let Some(d) = &e.decode {
+            let _ = writeln!(
+                s,
+                "decode:  {:.3} ms per token, {:.1} tokens/s; compute {:.3} ms, communication \
+                 {:.3} ms{}",
+                d.seconds * 1e3,
+                e.decode_tps(),
+                d.compute_s * 1e3,
+                d.comm_s * 1e3,
+                collectives(d)
+            );
+        }
+        let _ = writeln!(s, "workload total: {:.3} s", e.total_s);
+        let _ = writeln!(s);
+        let _ = writeln!(
+            s,
+            "{:<12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "device", "weights MiB", "kv MiB", "act MiB", "total MiB", "budget MiB"
+        );
+        for m in &e.memory {
+            let _ = writeln!(
+                s,
+                "{:<12} {:>12.1} {:>12.1} {:>12.1} {:>12.1} {:>12.1}{}",
+                m.device,
+                mib(m.weights),
+                mib(m.kv_cache),
+                mib(m.activations),
+                mib(m.total),
+                m.budget as f64 / 1048576.0,
+                if m.total as u64 > m.budget {
+                    "  OVER"
+                } else {
+                    ""
+                }
+            );
+        }
+        if self.candidates.len() > 1 {
+            let _ = writeln!(s);
+            let best = self.candidates[0].time_s;
+            let _ = writeln!(s, "search candidates (whole workload):");
+            for c in &self.candidates {
+                let _ = writeln!(
+                    s,
+                    "  {:>10.3} s ({:+.1}%) {:>10.1} MiB  {}",
+                    c.time_s,
+                    (c.time_s / best - 1.0) * 100.0,
+                    mib(c.bytes),
+                    c.description
+                );
+            }
+        }
+        s
+    }
+}
+
+/// A state with equal extents written once: `Axis1[1024 x8]`.
+fn compact(state: &str) -> String {
+    let (Some(a), Some(b)) = (state.find('['), state.rfind(']')) else {
+        return state.to_string();
+    };
+    let inner = &state[a + 1..b];
+    if inner.contains('[') {
+        return state.to_string();
+    }
+    let v: Vec<&str> = inner.split(',').map(str::trim).collect();
+    if v.len() > 2 && v.iter().all(|x| *x == v[0]) {
+        format!("{}[{} x{}]{}", &state[..a], v[0], v.len(), &state[b + 1..])
+    } else {
+        state.to_string()
+    }
+}
+
+fn collectives(c: &StepCost) -> String {
+    if c.collectives.is_empty() {
+        return String::new();
+    }
+    let v: Vec<String> = c
+        .collectives
+        .iter()
+        .map(|x| {
+            format!(
+                "{} {} ({:.1} KiB)",
+                x.count,
+                x.kind,
+                x.bytes as f64 / 1024.0
+            )
+        })
+        .collect();
+    format!(" [{}]", v.join(", "))
+}
+
+/// Per segment rows, consecutive layers with equal costs folded.
+fn segment_rows(e: &Evaluation) -> Vec<String> {
+    let seg = |c: &Option<StepCost>, i: usize| {
+        c.as_ref()
+            .and_then(|c| c.segments.get(i))
+            .map_or((0.0, 0.0), |x| (x.compute_s, x.comm_s))
+    };
+    let n = e
+        .prefill
+        .as_ref()
+        .or(e.decode.as_ref())
+        .map_or(0, |c| c.segments.len());
+    let names: Vec<String> = e
+        .prefill
+        .as_ref()
+        .or(e.decode.as_ref())
+        .map_or(Vec::new(), |c| {
+            c.segments.iter().map(|x| x.name.clone()).collect()
+        });
+    let vals: Vec<[f64; 4]> = (0..n)
+        .map(|i| {
+            let (pc, pm) = seg(&e.prefill, i);
+            let (dc, dm) = seg(&e.decode, i);
+            [(pc + pm) * 1e3, pm * 1e3, (dc + dm) * 1e6, dm * 1e6]
+        })
+        .collect();
+    let close = |a: &[f64; 4], b: &[f64; 4]| {
+        a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 0.005 * x.abs().max(y.abs()).max(1e-9))
+    };
+    let mut rows = Vec::new();
+    let mut i = 0;
+    while i < n {
+        let mut j = i;
+        let is_layer = names[i].starts_with("layer");
+        while is_layer
+            && j + 1 < n
+            && names[j + 1].starts_with("layer")
+            && close(&vals[i], &vals[j + 1])
+        {
+            j += 1;
+        }
+        let name = if j > i {
+            format!(
+                "layers {}-{}",
+                names[i].trim_start_matches("layer "),
+                names[j].trim_start_matches("layer ")
+            )
+        } else {
+            names[i].clone()
+        };
+        let v = vals[i];
+        rows.push(format!(
+            "{:<14} {:>14.3} {:>14.3} {:>14.1} {:>14.1}{}",
+            name,
+            v[0],
+            v[1],
+            v[2],
+            v[3],
+            if j > i { "  (each)" } else { "" }
+        ));
+        i = j + 1;
+    }
+    rows
+}
+
+/// Tensor groups: the ends, then each run of layers with one pattern, split into attention
+/// (Q, K, V, output, KV cache), MLP and norms.
+fn groups(
+    placed: &Placed,
+    split: &DecoderSplit,
+    strategy: &str,
+    candidates: &[Candidate],
+    alternatives: &[RunAlternatives],
+    total_s: f64,
+) -> Result<Vec<GroupRow>> {
+    let n = placed.devices.len();
+    let tensors = placed.tensors();
+    let state_of = |name: &str| -> Option<(String, Vec<usize>)> {
+        let st = tensors.get(name)?;
+        let mb = st.buffer.as_any().downcast_ref::<MetaBuffer>()?;
+        let t = mb.tensor_at(st.offset)?;
+        Some((
+            compact(&t.state.to_string()),
+            (0..n).map(|d| t.local_bytes(d)).collect(),
+        ))
+    };
+    let sum = |names: &[String]| -> Vec<usize> {
+        let mut v = vec![0; n];
+        for nm in names {
+            if let Some((_, b)) = state_of(nm) {
+                v.iter_mut().zip(b).for_each(|(a, x)| *a += x);
+            }
+        }
+        v
+    };
+    let searched = strategy == "auto";
+    // The ends: the best candidate with the other choice of this end.
+    let ends_why = |what: &str, alt: &str, differs: &dyn Fn(&str) -> bool| -> String {
+        if !searched {
+            return format!("strategy {strategy}: {what} ({alt} otherwise)");
+        }
+        let best = candidates.first().map_or(0.0, |c| c.time_s);
+        match candidates.iter().skip(1).find(|c| differs(&c.description)) {
+            Some(r) => format!(
+                "search: {what}; {alt}: {:+.1}% time, {:+.1} MiB",
+                (r.time_s / best.max(1e-12) - 1.0) * 100.0,
+                (r.bytes as f64 - candidates[0].bytes as f64) / 1048576.0
+            ),
+            None => format!("search: {what}"),
+        }
+    };
+    // A run of layers: what the best other pattern changing this part would cost.
+    let layer_why = |first: usize, what: &str, alt: &str, attention: bool| -> String {
+        if !searched {
+            return format!("strategy {strategy}: {what} ({alt} otherwise)");
+        }
+        let Some(run) = alternatives.iter().find(|r| r.first == first) else {
+            return format!("search: {what}");
+        };
+        let cur = split.layers[first];
+        let flipped = run.alternatives.iter().find(|(p, _, _)| {
+            if attention {
+                p.attention != cur.attention && p.mlp == cur.mlp
+            } else {
+                p.mlp != cur.mlp && p.attention == cur.attention
+            }
+        });
+        match flipped {
+            Some((_, dt, dm)) => format!(
+                "search: {what}; {alt}: {:+.1}% time, {:+.1} MiB",
+                dt / total_s.max(1e-12) * 100.0,
+                *dm as f64 / 1048576.0
+            ),
+            None => format!("search: {what}"),
+        }
+    };
+    let mut rows = Vec::new();
+    let mut push = |group: String, rep: &str, names: Vec<String>, why: String| {
+        if let Some((state, _)) = state_of(rep) {
+            rows.push(GroupRow {
+                group,
+                state,
+                bytes: sum(&names),
+                why,
+            });
+        }
+    };
+    push(
+        "token_embd.weight".into(),
+        "token_embd.weight",
+        vec!["token_embd.weight".into()],
+        if split.embedding {
+            ends_why(
+                "rows split by vocabulary, looked up where they live",
+                "mirrored",
+                &|d| d.contains("embedding: mirrored"),
+            )
+        } else {
+            ends_why(
+                "mirrored: every device looks up its tokens",
+                "vocab split",
+                &|d| d.contains("embedding: vocab split"),
+            )
+        },
+    );
+    let mut i = 0;
+    while i < split.layers.len() {
+        let mut j = i;
+        while j + 1 < split.layers.len() && split.layers[j + 1] == split.layers[i] {
+            j += 1;
+        }
+        let l = split.layers[i];
+        let range = if i == j {
+            format!("blk.{i}")
+        } else {
+            format!("blk.{i}-{j}")
+        };
+        let names = |kinds: &[&str]| -> Vec<String> {
+            (i..=j)
+                .flat_map(|b| kinds.iter().map(move |k| format!("blk.{b}.{k}.weight")))
+                .collect()
+        };
+        let caches: Vec<String> = (i..=j)
+            .flat_map(|b| [format!("cache_k_l{b}"), format!("cache_v_l{b}")])
+            .collect();
+        let mut attn = names(&["attn_q", "attn_k", "attn_v", "attn_output"]);
+        attn.extend(caches);
+        push(
+            format!("{range}.attn_q/k/v"),
+            &format!("blk.{i}.attn_q.weight"),
+            names(&["attn_q", "attn_k", "attn_v"]),
+            if l.attention {
+                layer_why(i, "columns by whole KV-head groups", "mirrored", true)
+            } else {
+                layer_why(i, "attention mirrored", "head split", true)
+            },
+        );
+        push(
+            format!("{range}.attn_output"),
+            &format!("blk.{i}.attn_output.weight"),
+            names(&["attn_output"]),
+            if l.attention {
+                "rows by heads: partial sums, one all-reduce".into()
+            } else {
+                "mirrored with its inputs".into()
+            },
+        );
+        push(
+            format!("{range} kv cache"),
+            &format!("cache_k_l{i}"),
+            (i..=j)
+                .flat_map(|b| [format!("cache_k_l{b}"), format!("cache_v_l{b}")])
+                .collect(),
+            if l.attention {
+                "by KV heads, with the attention".into()
+            } else {
+                "mirrored with the attention".into()
+            },
+        );
+        push(
+            format!("{range}.ffn_gate/up"),
+            &format!("blk.{i}.ffn_up.weight"),
+            names(&["ffn_gate", "ffn_up"]),
+            if l.mlp {
+                layer_why(i, "columns in whole blocks", "mirrored", false)
+            } else {
+                layer_why(i, "MLP mirrored", "column/row split", false)
+            },
+        );
+        push(
+            format!("{range}.ffn_down"),
+            &format!("blk.{i}.ffn_down.weight"),
+            names(&["ffn_down"]),
+            if l.mlp {
+                "rows: partial sums, one all-reduce".into()
+            } else {
+                "mirrored with its inputs".into()
+            },
+        );
+        push(
+            format!("{range} norms"),
+            &format!("blk.{i}.attn_norm.weight"),
+            names(&["attn_norm", "ffn_norm"]),
+            "mirrored: row-wise over the whole width".into(),
+        );
+        i = j + 1;
+    }
+    push(
+        "output_norm.weight".into(),
+        "output_norm.weight",
+        vec!["output_norm.weight".into()],
+        "mirrored: row-wise over the whole width".into(),
+    );
+    push(
+        "output.weight".into(),
+        "output.weight",
+        vec!["output.weight".into()],
+        if split.output {
+            ends_why(
+                "columns by vocabulary, logits gathered on read",
+                "mirrored",
+                &|d| d.contains("output: mirrored"),
+            )
+        } else {
+            ends_why("mirrored", "vocab split", &|d| {
+                d.contains("output: vocab split")
+            })
+        },
+    );
+    Ok(rows)
+}
+
+/// DOT of the per-device programs of layer 0 for one decode step: a cluster per device, nodes
+/// with their local shapes, collectives joined across devices by dashed edges.
+pub fn dot(shape: &ModelShape, cluster: &Cluster, split: &DecoderSplit) -> Result<String> {
+    let one = shape.with_layers(1);
+    let mut s1 = split.clone();
+    s1.layers.truncate(1);
+    let placed = Placed::new(&one, cluster, split_fn(&one, &s1), 64)?;
+    let g = placed.step_graph(1, 8)?;
+    let (_, rw) = placed.shard(&g)?;
+    let mut out = String::from("digraph plan {\n  rankdir=TB;\n  node [shape=box, fontsize=10];\n");
+    let mut collectives: Vec<Vec<String>> = Vec::new();
+    for (d, p) in rw.programs.iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  subgraph cluster_{d} {{\n    label=\"{}\";",
+            placed.devices[d].name()
+        );
+        let lg = &p.graph;
+        let mut k = 0;
+        for id in lg.ids() {
+            let node = lg.node(id);
+            if node.is_leaf() && node.storage.is_none() && node.data.is_none() {
+                continue;
+            }
+            let ne = node.layout.ne;
+            let label = format!(
+                "{}\\n{}\\n[{},{},{},{}]",
+                node.op.name(),
+                node.name.replace('"', ""),
+                ne[0],
+                ne[1],
+                ne[2],
+                ne[3]
+            );
+            let style = match node.op {
+                Op::Collective(_) => ", style=filled, fillcolor=\"#f4c7a1\"",
+                Op::Leaf => ", style=dashed",
+                _ => "",
+            };
+            let _ = writeln!(out, "    d{d}n{} [label=\"{label}\"{style}];", id.index());
+            for &src in &node.src {
+                let _ = writeln!(out, "    d{d}n{} -> d{d}n{};", src.index(), id.index());
+            }
+            if matches!(node.op, Op::Collective(_)) {
+                if collectives.len() <= k {
+                    collectives.push(Vec::new());
+                }
+                collectives[k].push(format!("d{d}n{}", id.index()));
+                k += 1;
+            }
+        }
+        let stages = p
+            .stages
+            .iter()
+            .filter(|s| matches!(s, Stage::Collective { .. }))
+            .count();
+        let _ = writeln!(
+            out,
+            "    label=\"{} ({stages} collectives)\";\n  }}",
+            placed.devices[d].name()
+        );
+    }
+    for group in collectives {
+        for w in group.windows(2) {
+            let _ = writeln!(
+                out,
+                "  {} -> {} [style=dashed, dir=none, constraint=false, color=\"#c05000\"];",
+                w[0], w[1]
+            );
+        }
+    }
+    out.push_str("}\n");
+    Ok(out)
+}

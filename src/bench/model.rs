@@ -98,6 +98,7 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     progress("measuring streaming bandwidth");
     let mut stream = stream_read_samples(2, 512 << 20, 5)?;
     let mut configs = Vec::new();
+    let unsplit = crate::cli::SplitArgs::default();
     for spec in &opts.devices {
         for &precision in &precisions {
             progress(&format!("loading {} on {spec} ({precision})", opts.model));
@@ -105,8 +106,11 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
                 &opts.model,
                 spec,
                 precision,
-                opts.split.tensor_split.clone(),
-                opts.split.mirror_attention,
+                if metashard::parse_devices(spec)?.len() > 1 {
+                    &opts.split
+                } else {
+                    &unsplit
+                },
                 true,
             )?;
             // The prompt, the steps and the warm-up token must fit the context.

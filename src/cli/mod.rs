@@ -24,9 +24,49 @@ pub struct SplitArgs {
     /// Keep attention mirrored on every device instead of head-split.
     #[arg(long)]
     pub mirror_attention: bool,
+    /// A named split strategy instead of the built-in one: megatron (the default), mlp-only,
+    /// attn-only, mirrored, vocab-split, memory (see `metashard plan`).
+    #[arg(long, conflicts_with_all = ["plan", "mirror_attention"])]
+    pub strategy: Option<String>,
+    /// Run exactly the assignment of a plan file written by `metashard plan -o FILE`.
+    #[arg(long, conflicts_with = "mirror_attention")]
+    pub plan: Option<std::path::PathBuf>,
 }
 
 impl SplitArgs {
+    /// The per-layer assignment `--strategy` or `--plan` asks for on `devices`, with the
+    /// `--tensor-split` shares; `None` for the built-in split.
+    pub fn decoder_split(
+        &self,
+        model: &str,
+        devices: &str,
+    ) -> Result<Option<metashard::models::split::DecoderSplit>> {
+        if self.strategy.is_none() && self.plan.is_none() {
+            return Ok(None);
+        }
+        let n_layer = metashard::planner::ModelShape::resolve(model)?.n_layer();
+        let n_devices = metashard::parse_devices(devices)?.len();
+        let mut split = match (&self.strategy, &self.plan) {
+            (_, Some(path)) => metashard::planner::load_plan(path, n_layer, n_devices)?,
+            (Some(name), None) => {
+                let s = metashard::planner::Strategy::parse(name)?;
+                s.split(n_layer).ok_or_else(|| {
+                    Error::invalid_argument(
+                        "--strategy",
+                        name,
+                        "auto is a search: run `metashard plan --devices SPEC -o plan.json`, \
+                         then `--plan plan.json`",
+                    )
+                })?
+            }
+            (None, None) => return Ok(None),
+        };
+        if let Some(r) = &self.tensor_split {
+            split.ratios = Some(r.clone());
+        }
+        Ok(Some(split))
+    }
+
     /// `--tensor-split` against the device list `devices`: one share per device, not all 0.
     pub fn check(&self, devices: &str) -> Result<()> {
         let Some(shares) = &self.tensor_split else {

@@ -64,26 +64,26 @@ pub struct RunArgs {
     pub json: bool,
 }
 
-/// Open the devices and load the model with the built-in split (or ratios), with a progress
-/// bar on stderr unless `quiet`.
+/// Open the devices and load the model with the split the flags ask for (the built-in one,
+/// ratios, a strategy or a plan file), with a progress bar on stderr unless `quiet`.
 pub fn load(
     model: &str,
     devices: &str,
     precision: Precision,
-    ratios: Option<Vec<f64>>,
-    mirror_attention: bool,
+    split: &SplitArgs,
     quiet: bool,
 ) -> Result<(DeviceSet, LlamaModel)> {
+    let opts = OpenOptions {
+        precision,
+        ratios: split.tensor_split.clone(),
+        mirror_attention: split.mirror_attention,
+        split: split.decoder_split(model, devices)?,
+        ..OpenOptions::default()
+    };
     let bar = bytes_bar(0, "loading weights");
     if quiet {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let opts = OpenOptions {
-        precision,
-        ratios,
-        mirror_attention,
-        ..OpenOptions::default()
-    };
     let r = open_decoder(model, devices, &opts, &|done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -146,8 +146,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
         &a.model,
         &a.devices,
         Precision::from_q8_flag(a.q8),
-        a.split.tensor_split.clone(),
-        a.split.mirror_attention,
+        &a.split,
         a.json,
     )?;
     m.cfg.fused_attn = !a.no_flash;

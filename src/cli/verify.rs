@@ -46,19 +46,18 @@ pub struct VerifyArgs {
 pub fn run(a: &VerifyArgs) -> Result<()> {
     let precision = Precision::from_q8_flag(a.q8);
     a.split.check(&a.devices)?;
-    let (single, m1) = load(&a.model, &a.against, precision, None, false, a.json)?;
+    let (single, m1) = load(
+        &a.model,
+        &a.against,
+        precision,
+        &SplitArgs::default(),
+        a.json,
+    )?;
     let prompt = prompt_tokens(&m1, &a.prompt.prompt, &a.prompt.options(None))?;
     if max_steps(&m1, prompt.len()).is_none_or(|max| a.steps > max) {
         return Err(steps_error(&m1, prompt.len(), "--steps", a.steps));
     }
-    let (sharded, m2) = load(
-        &a.model,
-        &a.devices,
-        precision,
-        a.split.tensor_split.clone(),
-        a.split.mirror_attention,
-        a.json,
-    )?;
+    let (sharded, m2) = load(&a.model, &a.devices, precision, &a.split, a.json)?;
     let (l1, t1) = greedy(&m1, &single, &prompt, a.steps)?;
     let (l2, t2) = greedy(&m2, &sharded, &prompt, a.steps)?;
     let same = t1.iter().zip(&t2).take_while(|(x, y)| x == y).count();

@@ -5,7 +5,7 @@
 
 use super::llama::{LlamaModel, config_from_gguf};
 use super::paths::{ModelPath, resolve};
-use super::split::{SplitOptions, megatron};
+use super::split::{DecoderSplit, SplitOptions, by_layer, megatron};
 use crate::cpu::Precision;
 use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
@@ -20,6 +20,9 @@ pub struct OpenOptions {
     pub ratios: Option<Vec<f64>>,
     /// Keep attention mirrored on every device instead of head-split.
     pub mirror_attention: bool,
+    /// A per-layer assignment (a strategy or a plan) instead of the built-in split; its
+    /// layer count must be the model's.
+    pub split: Option<DecoderSplit>,
     pub meta: MetaOptions,
 }
 
@@ -40,13 +43,30 @@ pub fn open_decoder(
     let g = crate::io::gguf::GgufFile::open(&path)?;
     let cfg = config_from_gguf(&g)?;
     drop(g);
-    let split = SplitOptions {
-        ratios: opts.ratios.clone(),
-        mirror_attention: opts.mirror_attention,
+    let split_fn = match &opts.split {
+        Some(plan) => {
+            if plan.layers.len() != cfg.n_layer {
+                return Err(Error::invalid_argument(
+                    "split plan",
+                    format!("{} layers", plan.layers.len()),
+                    format!("the model has {} layers", cfg.n_layer),
+                ));
+            }
+            let mut plan = plan.clone();
+            if plan.ratios.is_none() {
+                plan.ratios = opts.ratios.clone();
+            }
+            by_layer(&cfg, plan)
+        }
+        None => megatron(
+            &cfg,
+            SplitOptions {
+                ratios: opts.ratios.clone(),
+                mirror_attention: opts.mirror_attention,
+            },
+        ),
     };
-    let set = DeviceSet::open(devices, opts.precision, opts.meta, |_| {
-        megatron(&cfg, split)
-    })?;
+    let set = DeviceSet::open(devices, opts.precision, opts.meta, |_| split_fn)?;
     let m = LlamaModel::load(&path, set.buffer_type.as_ref(), progress)?;
     Ok((set, m))
 }

@@ -58,10 +58,16 @@ pub struct Tables {
     pub last: Vec<f64>,
     /// The embedding and the per-step overheads.
     pub fixed: f64,
-    /// Resident bytes of a layer with pattern p (largest device).
+    /// Resident bytes of a layer with pattern p (mean over devices: remainders of uneven
+    /// splits rotate with the layer index, so over many layers every device holds about the
+    /// mean).
     pub mem: Vec<usize>,
-    /// Resident bytes of the ends and the activation peak (largest device).
+    /// Resident bytes of the ends (largest device), plus one layer's largest deviation from
+    /// the mean (what rotation leaves uneven).
     pub fixed_mem: usize,
+    /// Peak of the compute buffer when layers have pattern p (largest device): the memory of
+    /// an assignment adds the largest of its patterns' peaks.
+    pub act: Vec<usize>,
 }
 
 /// Seconds of segment `s` over the workload.
@@ -110,8 +116,12 @@ fn costed(
 /// pattern and the largest activation peak. Independent of the ends (a layer after the first).
 pub struct LayerTables {
     pub pair: Vec<Vec<f64>>,
+    /// Mean resident bytes per device of a layer with each pattern.
     pub mem: Vec<usize>,
-    pub activations: usize,
+    /// The largest device's excess over that mean, over the patterns.
+    pub slack: usize,
+    /// Activation peak per pattern (of the two-layer model with that pattern twice).
+    pub act: Vec<usize>,
 }
 
 /// [`LayerTables`] from a two-layer model per ordered pair of patterns.
@@ -126,7 +136,8 @@ pub fn layer_tables(
     let two = shape.with_layers(2);
     let mut pair = vec![vec![0.0; np]; np];
     let mut mem = vec![0usize; np];
-    let mut activations = 0usize;
+    let mut slack = 0usize;
+    let mut act = vec![0usize; np];
     // The pairs are independent: cost them in parallel.
     let results: Vec<(usize, usize, Evaluation, Vec<Vec<usize>>)> = (0..np * np)
         .into_par_iter()
@@ -144,14 +155,17 @@ pub fn layer_tables(
     for (p, q, e, bytes) in results {
         pair[p][q] = seg_time(&e, 2);
         if p == q {
-            mem[q] = max_dev(&bytes[2]);
+            let b = &bytes[2];
+            mem[q] = b.iter().sum::<usize>().div_ceil(b.len().max(1));
+            slack = slack.max(max_dev(b) - mem[q].min(max_dev(b)));
+            act[q] = e.memory.iter().map(|m| m.activations).max().unwrap_or(0);
         }
-        activations = activations.max(e.memory.iter().map(|m| m.activations).max().unwrap_or(0));
     }
     Ok(LayerTables {
         pair,
         mem,
-        activations,
+        slack,
+        act,
     })
 }
 
@@ -173,7 +187,7 @@ pub fn tables(
     let mut last = vec![0.0; np];
     let mut fixed = 0.0;
     let mut ends_mem = 0usize;
-    let mut act = layers.activations;
+    let mut act = layers.act.clone();
     let results: Vec<(Evaluation, Vec<Vec<usize>>)> = PATTERNS
         .par_iter()
         .map(|&lp| {
@@ -191,7 +205,8 @@ pub fn tables(
         last[p] = seg_time(&e, 2);
         fixed = seg_time(&e, 0) + overhead_time(&e, cluster);
         ends_mem = max_dev(&bytes[0]) + max_dev(&bytes[2]);
-        act = act.max(e.memory.iter().map(|m| m.activations).max().unwrap_or(0));
+        // The one-layer model's peak covers the ends' activations (the logits).
+        act[p] = act[p].max(e.memory.iter().map(|m| m.activations).max().unwrap_or(0));
     }
     Ok(Tables {
         output,
@@ -201,7 +216,8 @@ pub fn tables(
         last,
         fixed,
         mem: layers.mem.clone(),
-        fixed_mem: ends_mem + act,
+        fixed_mem: ends_mem + layers.slack,
+        act,
     })
 }
 
@@ -219,7 +235,10 @@ impl Tables {
             mem += self.mem[q];
             prev = q;
         }
-        (time, mem)
+        (
+            time,
+            mem + pats.iter().map(|&p| self.act[p]).max().unwrap_or(0),
+        )
     }
 }
 
@@ -255,8 +274,30 @@ fn prune(mut v: Vec<Point>) -> Vec<Point> {
 }
 
 /// The cheapest per-layer patterns for `n_layer` layers with total bytes at most `budget`:
-/// (time, bytes, pattern indices), or None if nothing fits.
+/// (time, bytes, pattern indices), or None if nothing fits. Bytes are the resident bytes plus
+/// the largest activation peak of the patterns used: for each possible largest peak, the
+/// patterns under it are searched with that peak set aside, and the best answer wins.
 pub fn solve(t: &Tables, n_layer: usize, budget: usize) -> Option<(f64, usize, Vec<usize>)> {
+    let mut caps = t.act.clone();
+    caps.sort_unstable();
+    caps.dedup();
+    caps.into_iter()
+        .filter_map(|cap| {
+            let allowed: Vec<bool> = t.act.iter().map(|&a| a <= cap).collect();
+            let r = solve_resident(t, n_layer, budget.checked_sub(cap)?, &allowed)?;
+            let peak = r.2.iter().map(|&p| t.act[p]).max().unwrap_or(0);
+            Some((r.0, r.1 + peak, r.2))
+        })
+        .min_by(|a, b| a.0.total_cmp(&b.0))
+}
+
+/// The dynamic program over resident bytes only, with patterns restricted to `allowed`.
+fn solve_resident(
+    t: &Tables,
+    n_layer: usize,
+    budget: usize,
+    allowed: &[bool],
+) -> Option<(f64, usize, Vec<usize>)> {
     let np = PATTERNS.len();
     if n_layer == 0 {
         return None;
@@ -276,7 +317,11 @@ pub fn solve(t: &Tables, n_layer: usize, budget: usize) -> Option<(f64, usize, V
                     back: usize::MAX,
                     prev: usize::MAX,
                 };
-                if pt.mem <= cap { vec![pt] } else { vec![] }
+                if pt.mem <= cap && allowed[p] {
+                    vec![pt]
+                } else {
+                    vec![]
+                }
             })
             .collect(),
     );
@@ -285,6 +330,10 @@ pub fn solve(t: &Tables, n_layer: usize, budget: usize) -> Option<(f64, usize, V
         let mut next = Vec::with_capacity(np);
         for q in 0..np {
             let mut cand = Vec::new();
+            if !allowed[q] {
+                next.push(cand);
+                continue;
+            }
             for (p, front) in prev.iter().enumerate() {
                 for (k, pt) in front.iter().enumerate() {
                     let mem = pt.mem + t.mem[q];
@@ -333,6 +382,7 @@ pub fn brute_force(t: &Tables, n_layer: usize, budget: usize) -> Option<(f64, us
             time += t.pair[pats[i - 1]][pats[i]];
             mem += t.mem[pats[i]];
         }
+        mem += pats.iter().map(|&p| t.act[p]).max().unwrap_or(0);
         if mem <= budget && best.as_ref().is_none_or(|b| time < b.0) {
             best = Some((time, mem, pats));
         }
@@ -422,7 +472,9 @@ pub fn auto(
             Err(Error::NoSplitRule { .. }) => continue,
             Err(e) => return Err(e),
         };
-        let least = t.fixed_mem + t.mem.iter().min().copied().unwrap_or(0) * shape.n_layer();
+        let least = t.fixed_mem
+            + t.mem.iter().min().copied().unwrap_or(0) * shape.n_layer()
+            + t.act.iter().min().copied().unwrap_or(0);
         smallest = Some(smallest.map_or(least, |s: usize| s.min(least)));
         if let Some((time, mem, pats)) = solve(&t, shape.n_layer(), budget) {
             let split = DecoderSplit {
@@ -434,9 +486,39 @@ pub fn auto(
             found.push((time, mem, split, t, pats));
         }
     }
-    let solve_time = start.elapsed();
     found.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let Some((_, _, split, tables, patterns)) = found.first().cloned() else {
+    // The tables' bytes are estimates: cost the best candidate whole, and while some device is
+    // over its budget, search again with the budget lowered by the excess.
+    let mut chosen: Option<(usize, Evaluation)> = None;
+    'candidates: for i in 0..found.len() {
+        let mut b = budget;
+        for _ in 0..4 {
+            let split = found[i].2.clone();
+            let placed = Placed::new(shape, cluster, by_layer(&shape.cfg, split), w.context)?;
+            let e = evaluate_placed(&placed, cluster, w)?;
+            let Some((_, over)) = e.over_budget() else {
+                chosen = Some((i, e));
+                break 'candidates;
+            };
+            b = b.saturating_sub(over as usize + (over as usize / 8).max(1 << 20));
+            let t = found[i].3.clone();
+            match solve(&t, shape.n_layer(), b) {
+                Some((time, mem, pats)) => {
+                    found[i].0 = time;
+                    found[i].1 = mem;
+                    found[i].2.layers = pats.iter().map(|&p| PATTERNS[p]).collect();
+                    found[i].4 = pats;
+                }
+                None => continue 'candidates,
+            }
+        }
+    }
+    if let Some((i, _)) = &chosen {
+        let best = found.remove(*i);
+        found.insert(0, best);
+    }
+    let solve_time = start.elapsed();
+    let Some((_, evaluation)) = chosen else {
         // Name the device over its budget under the least-memory assignment.
         let least = super::strategy::Strategy::Memory
             .split(shape.n_layer())
@@ -465,13 +547,7 @@ pub fn auto(
             budget: budget as u64,
         });
     };
-    let placed = Placed::new(
-        shape,
-        cluster,
-        by_layer(&shape.cfg, split.clone()),
-        w.context,
-    )?;
-    let evaluation = evaluate_placed(&placed, cluster, w)?;
+    let (_, _, split, tables, patterns) = found[0].clone();
     let candidates = found
         .iter()
         .map(|(time, mem, s, _, _)| Candidate {
@@ -511,6 +587,7 @@ mod tests {
         let last = (0..np).map(|_| f()).collect();
         let fixed = f();
         let mem = (0..np).map(|_| (f() * 10.0) as usize).collect();
+        let act = (0..np).map(|_| (f() * 3.0) as usize).collect();
         Tables {
             output: true,
             embedding: false,
@@ -520,6 +597,7 @@ mod tests {
             fixed,
             mem,
             fixed_mem: 7,
+            act,
         }
     }
 
@@ -560,7 +638,9 @@ mod tests {
             again += t.pair[pats[i - 1]][pats[i]];
             m += t.mem[pats[i]];
         }
+        m += pats.iter().map(|&p| t.act[p]).max().unwrap();
         assert!((again - time).abs() < 1e-9);
         assert_eq!(m, mem);
+        assert_eq!(t.path(&pats), (time, mem));
     }
 }

@@ -328,9 +328,9 @@ fn solve_resident(
     for i in 1..n_layer {
         let prev = &fronts[i - 1];
         let mut next = Vec::with_capacity(np);
-        for q in 0..np {
+        for (q, &ok) in allowed.iter().enumerate().take(np) {
             let mut cand = Vec::new();
-            if !allowed[q] {
+            if !ok {
                 next.push(cand);
                 continue;
             }
@@ -490,6 +490,7 @@ pub fn auto(
     // The tables' bytes are estimates: cost the best candidate whole, and while some device is
     // over its budget, search again with the budget lowered by the excess.
     let mut chosen: Option<(usize, Evaluation)> = None;
+    #[allow(clippy::needless_range_loop)] // `found[i]` is updated in the loop.
     'candidates: for i in 0..found.len() {
         let mut b = budget;
         for _ in 0..4 {

@@ -5,7 +5,8 @@
 //! Semantics follow ggml's ops of the same names (ggml-org/ggml `include/ggml.h`): `mul_mat`
 //! contracts dimension 0 of both operands, binary ops broadcast `src1` over `src0`, row-wise
 //! ops reduce dimension 0, `rope` rotates pairs per position, `flash_attn` returns
-//! `[Dv, n_head, n_q, batch]`.
+//! `[Dv, n_head, n_q, batch]`. `get_rows` and `set_rows` may carry a [`RowWindow`] (this
+//! crate's own: one device's share of a table or destination split by rows).
 
 use std::hash::{Hash, Hasher};
 
@@ -83,6 +84,79 @@ pub struct RopeParams {
     pub freq_scale: f32,
 }
 
+/// The rows of a table or destination that one device holds when it is split by rows (axis 1)
+/// over devices: ids in `lo..hi` are held here, at local row `at + (id - lo)`; every other id in
+/// `0..rows` is held elsewhere (`get_rows` writes zeros for it, `set_rows` skips it), and an id
+/// outside `0..rows` is an error, as without a window. `rows` is the whole tensor's row count.
+///
+/// The meta backend sets one per device (per segment of a segmented split) from the split's
+/// extents; users build the plain ops, whose window is `None` (every row of the operand).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RowWindow {
+    pub rows: usize,
+    pub lo: usize,
+    pub hi: usize,
+    pub at: usize,
+}
+
+impl RowWindow {
+    /// Every row of a tensor of `rows` rows, where it is: what `None` means.
+    pub fn whole(rows: usize) -> RowWindow {
+        RowWindow {
+            rows,
+            lo: 0,
+            hi: rows,
+            at: 0,
+        }
+    }
+
+    /// The ids this window holds.
+    pub fn len(&self) -> usize {
+        self.hi.saturating_sub(self.lo)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether `id` names a row at all (is in `0..rows`).
+    #[inline]
+    pub fn valid(&self, id: i64) -> bool {
+        id >= 0 && (id as u64) < self.rows as u64
+    }
+
+    /// The local row of the valid id `id`, if this window holds it.
+    #[inline]
+    pub fn local_row(&self, id: usize) -> Option<usize> {
+        (self.lo..self.hi)
+            .contains(&id)
+            .then(|| self.at + (id - self.lo))
+    }
+
+    /// This window narrowed to the rows `piece` of the operand it addresses (operand rows
+    /// `piece.start..piece.end`), which sit at local row `at` of a tensor holding only them:
+    /// how one device's share of a split operand is addressed.
+    pub fn restrict(&self, piece: std::ops::Range<usize>, at: usize) -> RowWindow {
+        // Ids in lo..hi address operand rows self.at + (id - lo); keep those in `piece`.
+        let lo = self.lo + piece.start.saturating_sub(self.at);
+        let hi = self.hi.min(self.lo + piece.end.saturating_sub(self.at));
+        if hi <= lo {
+            return RowWindow {
+                rows: self.rows,
+                lo: 0,
+                hi: 0,
+                at: 0,
+            };
+        }
+        RowWindow {
+            rows: self.rows,
+            lo,
+            hi,
+            at: at + (self.at + (lo - self.lo) - piece.start),
+        }
+    }
+}
+
 /// One operation. `Graph` nodes hold an `Op` and up to four sources; the sources' meaning is
 /// given per variant.
 ///
@@ -112,10 +186,16 @@ pub enum Op {
     Concat {
         dim: usize,
     },
-    /// `[table, ids]`: rows of `table` picked by I32 `ids` `[n, ne2, ne3]`, as f32.
-    GetRows,
+    /// `[table, ids]`: rows of `table` picked by I32 `ids` `[n, ne2, ne3]`, as f32; with a
+    /// window, only the ids it holds (zeros for the others).
+    GetRows {
+        window: Option<RowWindow>,
+    },
     /// `[dst, rows, ids]`: `dst[:, ids[i]] = rows[:, i]` per batch; the node is a view of `dst`.
-    SetRows,
+    /// With a window, only the rows whose id it holds are written.
+    SetRows {
+        window: Option<RowWindow>,
+    },
     // ---- arithmetic ---------------------------------------------------------------------
     /// `[a, b]` -> `[a.ne1, b.ne1, b.ne2, b.ne3]`, each output `dot(a row, b row)`.
     MulMat,
@@ -173,8 +253,8 @@ impl Op {
             Op::Cont => "cont",
             Op::Cpy => "cpy",
             Op::Concat { .. } => "concat",
-            Op::GetRows => "get_rows",
-            Op::SetRows => "set_rows",
+            Op::GetRows { .. } => "get_rows",
+            Op::SetRows { .. } => "set_rows",
             Op::MulMat => "mul_mat",
             Op::Binary(b) => b.name(),
             Op::Scale { .. } => "scale",
@@ -202,7 +282,7 @@ impl Op {
 
     /// Ops that write into an existing tensor (`dst` is a source) and return a view of it.
     pub fn writes_into_source(&self) -> bool {
-        matches!(self, Op::Cpy | Op::SetRows)
+        matches!(self, Op::Cpy | Op::SetRows { .. })
     }
 
     /// Ops that do no work when executed (leaves and views).
@@ -237,8 +317,6 @@ impl Hash for Op {
             | Op::Reshape
             | Op::Cont
             | Op::Cpy
-            | Op::GetRows
-            | Op::SetRows
             | Op::MulMat
             | Op::Swiglu
             | Op::SumRows
@@ -247,6 +325,7 @@ impl Hash for Op {
             Op::View { offset } => offset.hash(h),
             Op::Permute { axes } => axes.hash(h),
             Op::Concat { dim } => dim.hash(h),
+            Op::GetRows { window } | Op::SetRows { window } => window.hash(h),
             Op::Binary(op) => op.hash(h),
             Op::Scale { scale, bias } => {
                 hash_f32(scale, h);
@@ -423,6 +502,34 @@ mod tests {
         }
     }
 
+    impl Changes for RowWindow {
+        fn changes(&self) -> Vec<RowWindow> {
+            // Names every field: a new one does not compile until it is changed here too.
+            let RowWindow { rows, lo, hi, at } = *self;
+            let mut v = Vec::new();
+            v.extend(
+                rows.changes()
+                    .into_iter()
+                    .map(|rows| RowWindow { rows, ..*self }),
+            );
+            v.extend(lo.changes().into_iter().map(|lo| RowWindow { lo, ..*self }));
+            v.extend(hi.changes().into_iter().map(|hi| RowWindow { hi, ..*self }));
+            v.extend(at.changes().into_iter().map(|at| RowWindow { at, ..*self }));
+            v
+        }
+    }
+
+    impl Changes for Option<RowWindow> {
+        fn changes(&self) -> Vec<Option<RowWindow>> {
+            match self {
+                None => vec![Some(RowWindow::whole(4))],
+                Some(w) => std::iter::once(None)
+                    .chain(w.changes().into_iter().map(Some))
+                    .collect(),
+            }
+        }
+    }
+
     /// Defines `every_op()`: one sample of every variant, each with the ops that differ from it
     /// in exactly one parameter (every field of a struct variant is changed in turn). The
     /// `listed` match is exhaustive and its struct patterns name every field, so a new variant
@@ -470,8 +577,10 @@ mod tests {
     }
 
     every_op! {
-        units: Leaf, Reshape, Cont, Cpy, GetRows, SetRows, MulMat, Swiglu, SumRows, Mean, Argmax;
+        units: Leaf, Reshape, Cont, Cpy, MulMat, Swiglu, SumRows, Mean, Argmax;
         structs:
+            GetRows { window: Some(RowWindow { rows: 10, lo: 2, hi: 5, at: 1 }) },
+            SetRows { window: Some(RowWindow { rows: 8, lo: 4, hi: 8, at: 0 }) },
             View { offset: 64 },
             Permute { axes: [1, 0, 2, 3] },
             Concat { dim: 1 },
@@ -491,6 +600,57 @@ mod tests {
                 freq_scale: 1.0,
             }),
             Collective(CollectiveKind::AllGather { axis: 1 });
+    }
+
+    #[test]
+    fn a_window_locates_ids_and_narrows_to_a_piece() {
+        let w = RowWindow::whole(10);
+        assert!(w.valid(0) && w.valid(9) && !w.valid(10) && !w.valid(-1));
+        assert_eq!(w.local_row(7), Some(7));
+        // Device rows 4..7 of the table, at local row 2 (after a 2-row piece of an earlier
+        // segment).
+        let d = w.restrict(4..7, 2);
+        assert_eq!(
+            d,
+            RowWindow {
+                rows: 10,
+                lo: 4,
+                hi: 7,
+                at: 2
+            }
+        );
+        assert_eq!(
+            (
+                d.local_row(3),
+                d.local_row(4),
+                d.local_row(6),
+                d.local_row(7)
+            ),
+            (None, Some(2), Some(4), None)
+        );
+        assert!(d.valid(9) && !d.valid(10), "validity is the whole table's");
+        // A window of a window: ids 5..9 read operand rows 1..5; the piece 3..8 of the operand
+        // holds ids 7..9 (rows 3, 4), at local rows 0, 1.
+        let u = RowWindow {
+            rows: 12,
+            lo: 5,
+            hi: 9,
+            at: 1,
+        };
+        let r = u.restrict(3..8, 0);
+        assert_eq!(
+            r,
+            RowWindow {
+                rows: 12,
+                lo: 7,
+                hi: 9,
+                at: 0
+            }
+        );
+        // A piece before the window's rows, and an empty piece: nothing.
+        assert!(u.restrict(0..1, 0).is_empty());
+        assert!(w.restrict(3..3, 5).is_empty());
+        assert_eq!(u.restrict(0..1, 0).rows, 12);
     }
 
     #[test]

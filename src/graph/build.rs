@@ -2,7 +2,7 @@
 //! returning an error that names the op and both shapes.
 
 use super::{Flags, Graph, Node, TensorId};
-use crate::op::{BinaryOp, Op, RopeParams, UnaryOp};
+use crate::op::{BinaryOp, Op, RopeParams, RowWindow, UnaryOp};
 use crate::tensor::{Layout, can_repeat};
 use crate::{DType, Error, Result};
 use smallvec::SmallVec;
@@ -14,6 +14,30 @@ fn dtype_err(op: &'static str, operand: &str, expected: &str, got: DType) -> Err
         expected: expected.to_string(),
         got: got.to_string(),
     }
+}
+
+/// A row window must lie within the rows of the operand it addresses (`ne[1]`).
+fn check_window(op: &'static str, window: Option<RowWindow>, ne: [usize; 4]) -> Result<()> {
+    let Some(w) = window else {
+        return Ok(());
+    };
+    let fits = w.lo <= w.hi
+        && w.hi <= w.rows
+        && w.at
+            .checked_add(w.hi - w.lo)
+            .is_some_and(|end| end <= ne[1]);
+    if fits {
+        return Ok(());
+    }
+    Err(Error::invalid_op(
+        op,
+        format!(
+            "window {w:?} must hold ids lo..hi within 0..rows at local rows at..at + (hi - lo) \
+             within the {} rows of {}",
+            ne[1],
+            crate::Shape(ne)
+        ),
+    ))
 }
 
 impl Graph {
@@ -488,6 +512,27 @@ impl Graph {
     /// Rows of `table [ne0, rows, ne2, ne3]` picked by I32 `ids [n, ne2, ne3]`, as f32
     /// `[ne0, n, ne2, ne3]` (i32 tables give i32).
     pub fn get_rows(&mut self, table: TensorId, ids: TensorId) -> Result<TensorId> {
+        self.get_rows_op(table, ids, None)
+    }
+
+    /// [`Graph::get_rows`] of the ids `window` holds, from a table holding only its rows
+    /// (at `window.at..`): the other ids give rows of zeros, ids outside `0..window.rows` are
+    /// errors. How one device looks up its share of a table split by rows.
+    pub fn get_rows_windowed(
+        &mut self,
+        table: TensorId,
+        ids: TensorId,
+        window: RowWindow,
+    ) -> Result<TensorId> {
+        self.get_rows_op(table, ids, Some(window))
+    }
+
+    fn get_rows_op(
+        &mut self,
+        table: TensorId,
+        ids: TensorId,
+        window: Option<RowWindow>,
+    ) -> Result<TensorId> {
         let (lt, li) = (self.lay(table)?, self.lay(ids)?);
         if li.dtype != DType::I32 {
             return Err(dtype_err("get_rows", self.name(ids), "i32", li.dtype));
@@ -500,19 +545,44 @@ impl Graph {
                 "ids must be [n, ne2, ne3] of the table",
             ));
         }
+        check_window("get_rows", window, lt.ne)?;
         let out = if lt.dtype == DType::I32 {
             DType::I32
         } else {
             DType::F32
         };
         let ne = [lt.ne[0], li.ne[0], li.ne[1], li.ne[2]];
-        self.computed(Op::GetRows, out, ne, &[table, ids])
+        self.computed(Op::GetRows { window }, out, ne, &[table, ids])
     }
 
     /// `dst[:, ids[i], j, k] = rows[:, i, j, k]`: `rows [ne0, n, d2, d3]` (f32) into
     /// `dst [ne0, R, d2, d3]` (f32, f16 or bf16) with I32 `ids [n, e2, e3]`, `e2 | d2`, `e3 | d3`.
     /// Returns a view of `dst`.
     pub fn set_rows(&mut self, dst: TensorId, rows: TensorId, ids: TensorId) -> Result<TensorId> {
+        self.set_rows_op(dst, rows, ids, None)
+    }
+
+    /// [`Graph::set_rows`] of the rows whose id `window` holds, into a destination holding only
+    /// the window's rows (at `window.at..`): the other rows are skipped, ids outside
+    /// `0..window.rows` are errors. How one device writes its share of a destination split by
+    /// rows (a KV cache split by slots).
+    pub fn set_rows_windowed(
+        &mut self,
+        dst: TensorId,
+        rows: TensorId,
+        ids: TensorId,
+        window: RowWindow,
+    ) -> Result<TensorId> {
+        self.set_rows_op(dst, rows, ids, Some(window))
+    }
+
+    fn set_rows_op(
+        &mut self,
+        dst: TensorId,
+        rows: TensorId,
+        ids: TensorId,
+        window: Option<RowWindow>,
+    ) -> Result<TensorId> {
         let (ld, lr, li) = (self.lay(dst)?, self.lay(rows)?, self.lay(ids)?);
         if !ld.dtype.is_float() {
             return Err(dtype_err(
@@ -549,7 +619,8 @@ impl Graph {
                 "ids must be [n rows, e2 | d2, e3 | d3]",
             ));
         }
-        Ok(self.view_node(Op::SetRows, ld, &[dst, rows, ids], dst, 0))
+        check_window("set_rows", window, ld.ne)?;
+        Ok(self.view_node(Op::SetRows { window }, ld, &[dst, rows, ids], dst, 0))
     }
 
     /// Copy `a`'s elements in logical order into `b` (same element count, any dtypes/strides).

@@ -1,16 +1,19 @@
 //! Pass 2 of the meta backend: rewrite a sharded graph into one program per device. Each user
 //! node becomes a node of each device's local graph with the device's shapes (the builders
-//! re-check them); each conversion becomes local nodes (slices: view + cont, concatenated per
-//! segment; to-partial: zeros on devices other than 0; pad-to-partial: each slice padded with
-//! zeros to the full shape) or a collective node; views become local views with the layouts
-//! `split_state::view` derived. Stages cut each program at its collectives.
+//! re-check them); a `get_rows` from a table split by rows, or a `set_rows` into a destination
+//! split by rows, becomes one windowed op per segment piece the device holds (`RowWindow`:
+//! the piece's ids at their local rows; the lookups summed). Each conversion becomes local
+//! nodes (slices: view + cont, concatenated per segment; to-partial: zeros on devices other
+//! than 0; pad-to-partial: each slice padded with zeros to the full shape) or a collective
+//! node; views become local views with the layouts `split_state::view` derived. Stages cut
+//! each program at its collectives.
 
 use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
 use super::sharding::{ConversionKind, Sharding, conversion_kind};
 use crate::backend::Device;
 use crate::collectives::SliceLayout;
 use crate::graph::{Flags, Graph, Node, TensorId};
-use crate::op::{CollectiveKind, Op};
+use crate::op::{CollectiveKind, Op, RowWindow};
 use crate::split_state::SplitState;
 use crate::tensor::Layout;
 use crate::{Error, Result};
@@ -375,6 +378,68 @@ fn slice_by_copies(lg: &mut Graph, src: TensorId, want: &SplitState, d: usize) -
     lg.view(dst, local.ne, local.nb, 0)
 }
 
+/// Device `d`'s windows of an operand split by rows in `state` (one per segment piece it
+/// holds), within `user` (the op's own window, `None` for every row of an operand of `rows`
+/// rows). Never empty: a device holding none of the ids gets one empty window, so its op
+/// still checks the ids (and `get_rows` writes zeros).
+fn row_windows(
+    state: &SplitState,
+    d: usize,
+    user: Option<RowWindow>,
+    rows: usize,
+) -> Vec<RowWindow> {
+    let base = user.unwrap_or(RowWindow::whole(rows));
+    let mut v: Vec<RowWindow> = (0..state.n_segments())
+        .map(|s| {
+            let lo = state.full_start(s, d);
+            base.restrict(lo..lo + state.extent(s, d), state.local_start(s, d))
+        })
+        .filter(|w| !w.is_empty())
+        .collect();
+    if v.is_empty() {
+        v.push(base.restrict(0..0, 0));
+    }
+    v
+}
+
+/// Rebuild one op on device `d`'s local graph from local sources, the sources consumed in the
+/// states `req` (the user graph `g` gives their full shapes): a table split by rows is looked
+/// up per window and the pieces summed (a partial sum), a destination split by rows is written
+/// per window; every other op is [`rebuild`].
+fn rebuild_on(
+    lg: &mut Graph,
+    g: &Graph,
+    node: &Node,
+    s: &[TensorId],
+    req: &[SplitState],
+    d: usize,
+) -> Result<TensorId> {
+    let by_rows = req.first().is_some_and(|r| r.split_dim() == Some(1));
+    match node.op {
+        Op::GetRows { window } if by_rows => {
+            let rows = g.layout(node.src[0]).ne[1];
+            let mut acc: Option<TensorId> = None;
+            for w in row_windows(&req[0], d, window, rows) {
+                let r = lg.get_rows_windowed(s[0], s[1], w)?;
+                acc = Some(match acc {
+                    None => r,
+                    Some(a) => lg.add(a, r)?,
+                });
+            }
+            acc.ok_or_else(|| internal("a lookup with no window".into()))
+        }
+        Op::SetRows { window } if by_rows => {
+            let rows = g.layout(node.src[0]).ne[1];
+            let mut dst = s[0];
+            for w in row_windows(&req[0], d, window, rows) {
+                dst = lg.set_rows_windowed(dst, s[1], s[2], w)?;
+            }
+            Ok(dst)
+        }
+        _ => rebuild(lg, node, s),
+    }
+}
+
 /// Rebuild one op on a local graph from local sources (views and leaves are handled apart).
 fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
     match node.op {
@@ -393,8 +458,10 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
         Op::Mean => lg.mean(s[0]),
         Op::Argmax => lg.argmax(s[0]),
         Op::FlashAttn { scale } => lg.flash_attn(s[0], s[1], s[2], s.get(3).copied(), scale),
-        Op::GetRows => lg.get_rows(s[0], s[1]),
-        Op::SetRows => lg.set_rows(s[0], s[1], s[2]),
+        Op::GetRows { window: None } => lg.get_rows(s[0], s[1]),
+        Op::GetRows { window: Some(w) } => lg.get_rows_windowed(s[0], s[1], w),
+        Op::SetRows { window: None } => lg.set_rows(s[0], s[1], s[2]),
+        Op::SetRows { window: Some(w) } => lg.set_rows_windowed(s[0], s[1], s[2], w),
         Op::Cpy => lg.cpy(s[0], s[1]),
         Op::Cont => lg.cast(s[0], node.layout.dtype),
         Op::Concat { dim } => lg.concat(s[0], s[1], dim),
@@ -487,8 +554,9 @@ pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> R
                     });
                 }
             }
+            let req = &sharding.required[id.index()];
             let mut srcs: Vec<Vec<TensorId>> = Vec::new();
-            for (&s, want) in node.src.iter().zip(&sharding.required[id.index()]) {
+            for (&s, want) in node.src.iter().zip(req) {
                 srcs.push(rw.get(s, want)?);
             }
             let mut v = Vec::new();
@@ -502,7 +570,7 @@ pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> R
                     lg.set_data(id, Vec::<u8>::new())?;
                     id
                 } else {
-                    rebuild(lg, node, &s)?
+                    rebuild_on(lg, g, node, &s, req, d)?
                 };
                 if lg.layout(lid).ne != expect {
                     return Err(internal(format!(

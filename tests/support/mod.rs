@@ -15,7 +15,9 @@
 //! - `compare.rs`: NMSE, outputs read back, differences and tolerances between runs.
 //! - `check.rs`: the meta check (a placed case against one device; refusals; plan reuse).
 //! - `cases/`: the op-by-op list, [`all_cases`]; `random/`: the randomized meta cases.
-//! - `suite.rs`, `regressions.rs`: the bodies of the tests [`harness_tests!`] emits.
+//! - `suite.rs`, `regressions.rs`, `row_splits.rs`: the bodies of the tests
+//!   [`harness_tests!`] emits (`row_splits.rs`: tables and destinations split by rows, case by
+//!   case, with their plans).
 //! - `plugin.rs`: a backend from outside the crate (a wrapped CPU device with its own
 //!   communicator), [`plugin::PLUGIN`].
 //!
@@ -58,6 +60,7 @@ pub mod random;
 pub mod reference;
 pub mod regressions;
 pub mod rng;
+pub mod row_splits;
 pub mod run;
 pub mod suite;
 pub mod target;
@@ -216,6 +219,23 @@ macro_rules! harness_tests {
                     let z = AttnSizes { hd: 2 * hd, hk, group, t, past, f16_cache };
                     suite::attention_block(&TARGET, n, seed, z, megatron)?;
                 }
+            }
+
+            // ---- splits by rows: a vocabulary-split table, a cache split by slots ----
+
+            #[test]
+            fn row_split_table_gives_a_partial_lookup() {
+                crate::support::row_splits::table_split_by_rows_gives_a_partial_lookup(&TARGET);
+            }
+
+            #[test]
+            fn row_split_table_keeps_out_of_range_ids_errors() {
+                crate::support::row_splits::out_of_range_ids_of_a_table_split_by_rows_are_errors(&TARGET);
+            }
+
+            #[test]
+            fn row_split_destination_takes_its_window() {
+                crate::support::row_splits::destination_split_by_rows_takes_its_window(&TARGET);
             }
 
             // ---- meta regressions: cases the properties found, fixed in src/ ----

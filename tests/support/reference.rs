@@ -8,7 +8,7 @@
 
 use metashard::dtype::{bytes_to_f32, f32_to_bytes};
 use metashard::graph::Node;
-use metashard::op::{BinaryOp, RopeMode, RopeParams, UnaryOp};
+use metashard::op::{BinaryOp, RopeMode, RopeParams, RowWindow, UnaryOp};
 use metashard::{DType, Graph, Op, TensorId};
 
 type R<T> = Result<T, String>;
@@ -191,9 +191,9 @@ pub fn evaluate(g: &Graph, inputs: &[(TensorId, Vec<f64>)]) -> R<Memory> {
                     },
                 )?;
             }
-            Op::SetRows => {
+            Op::SetRows { window } => {
                 let srcs = sources(g, &mem, n)?;
-                let out = set_rows(&srcs[0], &srcs[1], &srcs[2])?;
+                let out = set_rows(&srcs[0], &srcs[1], &srcs[2], window)?;
                 scatter(g, &mut mem, id, &out)?;
             }
             _ => {
@@ -237,10 +237,15 @@ fn compute(op: &Op, s: &[T]) -> R<T> {
         Op::Mean => reduce_rows(&s[0], |r| r.iter().sum::<f64>() / r.len() as f64),
         Op::Argmax => argmax(&s[0]),
         Op::FlashAttn { scale } => flash_attn(&s[0], &s[1], &s[2], s.get(3), scale as f64),
-        Op::GetRows => get_rows(&s[0], &s[1])?,
+        Op::GetRows { window } => get_rows(&s[0], &s[1], window)?,
         Op::Cont => s[0].clone(),
         Op::Concat { dim } => concat(&s[0], &s[1], dim),
-        Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Cpy | Op::SetRows => {
+        Op::Leaf
+        | Op::Reshape
+        | Op::View { .. }
+        | Op::Permute { .. }
+        | Op::Cpy
+        | Op::SetRows { .. } => {
             return Err(format!("{} is not computed", op.name()));
         }
         // Only in the meta backend's per-device programs; its results depend on other devices.
@@ -455,30 +460,43 @@ fn id_of(ids: &T, i: usize, j: usize, k: usize, rows: usize, op: &str) -> R<usiz
     Ok(id as usize)
 }
 
-/// `out[:, i, j2, j3] = table[:, ids[i, j2, j3], j2, j3]`.
-fn get_rows(table: &T, ids: &T) -> R<T> {
+/// The operand row of `ids[i, j, k]` under `window` (ids `lo..hi` at rows `at..`; other ids
+/// of `0..rows` held elsewhere: `None`), or every row of an operand of `rows` rows.
+fn row_of(
+    ids: &T,
+    (i, j, k): (usize, usize, usize),
+    rows: usize,
+    window: Option<RowWindow>,
+    op: &str,
+) -> R<Option<usize>> {
+    let Some(w) = window else {
+        return id_of(ids, i, j, k, rows, op).map(Some);
+    };
+    let id = id_of(ids, i, j, k, w.rows, op)?;
+    Ok((w.lo..w.hi).contains(&id).then(|| w.at + id - w.lo))
+}
+
+/// `out[:, i, j2, j3] = table[:, ids[i, j2, j3], j2, j3]` (zeros for ids outside the window).
+fn get_rows(table: &T, ids: &T, window: Option<RowWindow>) -> R<T> {
     let mut out = T::zeros([table.ne[0], ids.ne[0], ids.ne[1], ids.ne[2]]);
     for (i, j2, j3) in out.rows() {
-        let r = id_of(ids, i, j2, j3, table.ne[1], "get_rows")?;
-        let src = table.row(r, j2, j3).to_vec();
-        out.row_mut(i, j2, j3).copy_from_slice(&src);
+        if let Some(r) = row_of(ids, (i, j2, j3), table.ne[1], window, "get_rows")? {
+            let src = table.row(r, j2, j3).to_vec();
+            out.row_mut(i, j2, j3).copy_from_slice(&src);
+        }
     }
     Ok(out)
 }
 
-/// `dst[:, ids[i, j2 % e2, j3 % e3], j2, j3] = rows[:, i, j2, j3]`, other rows unchanged.
-fn set_rows(dst: &T, rows: &T, ids: &T) -> R<T> {
+/// `dst[:, ids[i, j2 % e2, j3 % e3], j2, j3] = rows[:, i, j2, j3]`, other rows unchanged (and
+/// rows whose id is outside the window skipped).
+fn set_rows(dst: &T, rows: &T, ids: &T, window: Option<RowWindow>) -> R<T> {
     let mut out = dst.clone();
     for (i, j2, j3) in rows.rows() {
-        let r = id_of(
-            ids,
-            i,
-            j2 % ids.ne[1],
-            j3 % ids.ne[2],
-            dst.ne[1],
-            "set_rows",
-        )?;
-        out.row_mut(r, j2, j3).copy_from_slice(rows.row(i, j2, j3));
+        let at = (i, j2 % ids.ne[1], j3 % ids.ne[2]);
+        if let Some(r) = row_of(ids, at, dst.ne[1], window, "set_rows")? {
+            out.row_mut(r, j2, j3).copy_from_slice(rows.row(i, j2, j3));
+        }
     }
     Ok(out)
 }

@@ -172,11 +172,16 @@ pub fn set_rows(t: &Target, n: usize, seed: u64, p: [usize; 5], refuse: usize) -
     }
     let mut placed = case.placed_randomly(&mut rng, n);
     let bad: Vec<usize> = (1..4).filter(|k| !axes.contains(k)).collect();
-    let k = rng.pick(&bad);
     let ne = placed.inputs[0].ne;
-    placed.placement.as_mut().unwrap().places[0] = if n > 1 && rng.chance(1, 3) {
+    // Every axis admitted: only Partial is refused, drawn on several devices (as before).
+    if bad.is_empty() && n == 1 {
+        return check(t, case, n, seed);
+    }
+    placed.placement.as_mut().unwrap().places[0] = if bad.is_empty() || (n > 1 && rng.chance(1, 3))
+    {
         Place::State(SplitState::partial(n))
     } else {
+        let k = rng.pick(&bad);
         Place::State(random_split(&mut rng, k, ne, 1, n, true))
     };
     check_refused(t, &placed, "set_rows_out")

@@ -54,11 +54,12 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
         Op::Rope(_) => need(matches!(src[0].dtype, DType::F32 | DType::F16), || {
             format!("rope takes f32 or f16, not {}", src[0].dtype)
         }),
-        Op::GetRows => need(
+        // A window is any part of the table or destination (checked by the builder).
+        Op::GetRows { window: _ } => need(
             src[0].rows_contiguous() || !src[0].dtype.is_quantized(),
             || "quantized tables need packed rows".into(),
         ),
-        Op::SetRows => need(dst.dtype.is_float(), || {
+        Op::SetRows { window: _ } => need(dst.dtype.is_float(), || {
             format!("set_rows into {} is not supported", dst.dtype)
         }),
         Op::Cont | Op::Cpy => copy::supports(&src[0], dst),
@@ -104,8 +105,8 @@ pub fn scratch(
         | Op::Mean
         | Op::Argmax
         | Op::Rope(_)
-        | Op::GetRows
-        | Op::SetRows
+        | Op::GetRows { .. }
+        | Op::SetRows { .. }
         | Op::Cont
         | Op::Cpy => Scratch {
             shared: 0,
@@ -137,8 +138,8 @@ pub fn forward(
     match *op {
         // The kernels that index by I32 ids check them; the others cannot fail at run time
         // (operands were checked by `supports` and the builder).
-        Op::GetRows => return rows::get_rows(p, dst, &src[0], &src[1]),
-        Op::SetRows => return rows::set_rows(p, dst, &src[1], &src[2]),
+        Op::GetRows { window } => return rows::get_rows(p, dst, &src[0], &src[1], window),
+        Op::SetRows { window } => return rows::set_rows(p, dst, &src[1], &src[2], window),
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => {}
         Op::MulMat => matmul::forward(p, &src[0], &src[1], dst),
         Op::Binary(b) => elementwise::binary(p, b, dst, &src[0], &src[1]),

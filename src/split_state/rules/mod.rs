@@ -83,8 +83,9 @@ pub fn family(op: &Op) -> Family {
         Op::SoftMax { .. } => Family::Norm(Norm::SoftMax),
         Op::Rope(_) => Family::Attention(Attention::Rope),
         Op::FlashAttn { .. } => Family::Attention(Attention::FlashAttn),
-        Op::GetRows => Family::Rows(Rows::Get),
-        Op::SetRows => Family::Rows(Rows::Set),
+        // A window addresses rows within the operand it is given; the rules see whole ops.
+        Op::GetRows { .. } => Family::Rows(Rows::Get),
+        Op::SetRows { .. } => Family::Rows(Rows::Set),
         Op::SumRows => Family::Reduction(Reduction::Sum),
         Op::Mean => Family::Reduction(Reduction::Mean),
         Op::Argmax => Family::Reduction(Reduction::Argmax),
@@ -342,7 +343,7 @@ mod tests {
             ),
             (Op::SoftMax { scale: 1.0 }, Family::Norm(Norm::SoftMax)),
             (Op::Rope(rope), Family::Attention(Attention::Rope)),
-            (Op::SetRows, Family::Rows(Rows::Set)),
+            (Op::SetRows { window: None }, Family::Rows(Rows::Set)),
             (Op::Mean, Family::Reduction(Reduction::Mean)),
         ];
         for (op, want) in cases {

@@ -1,7 +1,23 @@
 //! The rules of row gathers and scatters. `get_rows` keeps a table split by features (or
-//! Partial: picking rows is linear), or splits its output like the ids (with the table split
-//! alike along the batch dimensions it shares with them). `set_rows` writes into a destination
-//! that cannot be converted (a KV cache), so the rows and ids follow it.
+//! Partial: picking rows is linear), gives a Partial lookup from a table split by rows (each
+//! device looks up the ids its rows hold and zeros for the others: a vocabulary-split token
+//! embedding), or splits its output like the ids (with the table split alike along the batch
+//! dimensions it shares with them). `set_rows` writes into a destination that cannot be
+//! converted (a KV cache), so the rows and ids follow it; a destination split by rows (a cache
+//! split by slots) takes every row and id, and each device writes the rows its slots hold.
+//!
+//! | op | sources | output |
+//! |---|---|---|
+//! | `get_rows` | table Axis(0) or Partial, ids Mirrored | the table's state |
+//! | `get_rows` | table Axis(1) (by rows), ids Mirrored | Partial (float tables) |
+//! | `get_rows` | ids Axis(k < 3), table Mirrored (k = 0) or Axis(k + 1) alike | Axis(k + 1) |
+//! | `set_rows` | dst Axis(0), rows alike, ids Mirrored | dst's state |
+//! | `set_rows` | dst Axis(1) (by rows), rows and ids Mirrored | dst's state |
+//! | `set_rows` | dst Axis(k >= 2), rows alike, ids Mirrored or alike | dst's state |
+//! | both | every source Mirrored (`set_rows`: when dst is) | Mirrored |
+//!
+//! The rows a device holds are its window of the split (per segment); the meta rewrite gives
+//! its local op that window (`op::RowWindow`).
 
 use super::{Ctx, Pattern, moved, pat};
 use crate::split_state::{SplitAxis, SplitState};
@@ -28,6 +44,11 @@ fn get_rows(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
     if matches!(st.axis, SplitAxis::Axis(0) | SplitAxis::Partial) {
         out.push(pat(vec![st.clone(), cx.mirrored()], st.clone()));
     }
+    // Split by rows: each device's lookup of the ids it holds, zeros elsewhere; their sum is
+    // the lookup (partial sums are of float types: not for i32 tables).
+    if st.axis == SplitAxis::Axis(1) && cx.dtype().is_float() {
+        out.push(pat(vec![st.clone(), cx.mirrored()], cx.partial()));
+    }
     if let Some(k) = si.split_dim().filter(|&k| k < 3) {
         // ids [n, e2, e3] split on k gives output split on k + 1.
         let table = if k == 0 {
@@ -50,6 +71,11 @@ fn set_rows(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
         SplitAxis::Axis(0) => {
             out.push(pat(vec![sd.clone(), sd.clone(), cx.mirrored()], sd.clone()))
         }
+        // Rows (slots) split: every device sees every row and id, and writes those it holds.
+        SplitAxis::Axis(1) => out.push(pat(
+            vec![sd.clone(), cx.mirrored(), cx.mirrored()],
+            sd.clone(),
+        )),
         // Batch dimensions split: rows alike; ids too unless they broadcast along k.
         SplitAxis::Axis(k) if k >= 2 => {
             let k = k as usize;
@@ -65,7 +91,7 @@ fn set_rows(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
                 out.push(pat(vec![sd.clone(), sd.clone(), ids], sd.clone()));
             }
         }
-        // The rows dimension itself, or Partial: no rule.
+        // Partial: no rule (a sum of destinations cannot take a write).
         _ => {}
     }
     out
@@ -76,6 +102,7 @@ mod tests {
     use super::super::testing::*;
     use crate::DType;
     use crate::graph::Graph;
+    use crate::split_state::SplitState;
 
     #[test]
     fn get_rows_follows_the_table_or_the_ids() {
@@ -98,9 +125,36 @@ mod tests {
                 pt(&[m(), m()], m()),
             ],
         );
-        // A table split by rows would need each device to own the ids it holds.
-        let msg = refuses(&g, e, &[ax(1, &[5, 5]), m()]);
+        // A table split by rows (a vocabulary-split embedding): each device looks up the ids
+        // it holds, a partial sum; even, uneven, zero and segmented extents alike.
+        let segs = SplitState::segmented(1, &[vec![3, 0], vec![2, 5]]);
+        for t in [ax(1, &[5, 5]), ax(1, &[9, 1]), ax(1, &[0, 10]), segs] {
+            keeps(&g, e, &[t.clone(), m()], p());
+            admits(
+                &g,
+                e,
+                &[t.clone(), m()],
+                &[pt(&[t.clone(), m()], p()), pt(&[m(), m()], m())],
+            );
+        }
+        // With split ids too, no pattern takes both as they are.
+        let msg = refuses(&g, e, &[ax(1, &[5, 5]), ax(0, &[2, 2])]);
         assert!(msg.contains("get_rows") && msg.contains("`embd`"), "{msg}");
+        assert!(
+            msg.contains("-> Partial"),
+            "the row split's pattern is listed: {msg}"
+        );
+    }
+
+    #[test]
+    fn an_i32_table_split_by_rows_is_never_partial() {
+        let mut g = Graph::new();
+        let table = g.input("codes", DType::I32, [3, 10, 1, 1]).unwrap();
+        let ids = g.input("tokens", DType::I32, [4, 1, 1, 1]).unwrap();
+        let e = g.get_rows(table, ids).unwrap();
+        let t = ax(1, &[4, 6]);
+        admits(&g, e, &[t.clone(), m()], &[pt(&[m(), m()], m())]);
+        refuses(&g, e, &[t, m()]);
     }
 
     #[test]
@@ -126,16 +180,27 @@ mod tests {
             ax(2, &[1, 1]),
         );
         keeps(&g, w, &[m(), m(), m()], m());
-        // The destination cannot be converted: a split of its rows or a Partial one has no
-        // pattern at all.
-        for dst in [ax(1, &[3, 3]), p()] {
-            let src = [dst.clone(), m(), m()];
-            admits(&g, w, &src, &[]);
-            let msg = refuses(&g, w, &src);
-            assert!(
-                msg.contains("set_rows") && msg.contains("admits no split"),
-                "{msg}"
+        // Slots split (a cache split along its tokens): every row and id on every device,
+        // each writing those its slots hold; uneven, zero and segmented extents alike.
+        let segs = SplitState::segmented(1, &[vec![1, 2], vec![3, 0]]);
+        for dst in [ax(1, &[3, 3]), ax(1, &[5, 1]), ax(1, &[0, 6]), segs] {
+            keeps(&g, w, &[dst.clone(), m(), m()], dst.clone());
+            // Split rows are gathered first: the only pattern wants them mirrored.
+            admits(
+                &g,
+                w,
+                &[dst.clone(), ax(1, &[2, 1]), m()],
+                &[pt(&[dst.clone(), m(), m()], dst.clone())],
             );
+            refuses(&g, w, &[dst, ax(1, &[2, 1]), m()]);
         }
+        // The destination cannot be converted: a Partial one has no pattern at all.
+        let src = [p(), m(), m()];
+        admits(&g, w, &src, &[]);
+        let msg = refuses(&g, w, &src);
+        assert!(
+            msg.contains("set_rows") && msg.contains("admits no split"),
+            "{msg}"
+        );
     }
 }

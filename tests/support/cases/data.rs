@@ -1,11 +1,13 @@
-//! Cases for data movement: `get_rows` (every table dtype), `set_rows` (f32 rows into
-//! f32/f16/bf16 destinations, ids broadcasting), `cpy` (between layouts, shapes and dtypes),
+//! Cases for data movement: `get_rows` (every table dtype; windowed: one device's share of a
+//! table split by rows), `set_rows` (f32 rows into f32/f16/bf16 destinations, ids
+//! broadcasting; windowed), `cpy` (between layouts, shapes and dtypes),
 //! `cont`/`cast` (including to and from quantized types), `concat`, and the view ops
 //! (`reshape`, `view`, `view_2d`, `view_3d`, `permute`, `transpose`) seen through `cont`.
 
 use super::u;
 use crate::support::case::{Case, Fill, Lay, TRANSPOSED, case, quantized_weight_types};
 use metashard::DType::{self, BF16, F16, F32, I32, Q4_0, Q4_1, Q8_0};
+use metashard::op::RowWindow;
 
 pub fn data_cases(v: &mut Vec<Case>) {
     get_rows_cases(v);
@@ -55,6 +57,28 @@ fn get_rows_cases(v: &mut Vec<Case>) {
             .build(|g, s| g.get_rows(s[0], s[1])),
     );
     v.push(get_rows_case(F16, [1, 3, 1, 1], Lay::Packed, [5, 1, 1, 1]));
+    // One device's share of a 10-row table: ids of 0..10, a table of 5 rows holding the
+    // window's ids at rows at.., zeros for the other ids; an empty window gives all zeros.
+    let w = |lo, hi, at| RowWindow {
+        rows: 10,
+        lo,
+        hi,
+        at,
+    };
+    for dt in DType::WEIGHT_TYPES.iter().copied().chain([I32]) {
+        let ne0 = if dt.is_quantized() { 64 } else { 7 };
+        for win in [w(3, 7, 0), w(6, 10, 1), w(0, 5, 0), w(0, 0, 0)] {
+            v.push(
+                case(
+                    "get_rows",
+                    format!("window {}..{} at {}", win.lo, win.hi, win.at),
+                )
+                .packed("table", dt, [ne0, 5, 2, 1], fill_for(dt))
+                .packed("ids", I32, [6, 2, 1, 1], Fill::Ints(0, 10))
+                .build(move |g, s| g.get_rows_windowed(s[0], s[1], win)),
+            );
+        }
+    }
 }
 
 /// `set_rows(dst, rows, ids)` with `ids [n, e2, e3]` broadcasting over the rows' dims 2, 3.
@@ -91,6 +115,25 @@ fn set_rows_cases(v: &mut Vec<Case>) {
             .packed("ids", I32, [7, 1, 1, 1], Fill::DistinctIds(33))
             .build(|g, s| g.set_rows(s[0], s[1], s[2])),
     );
+    // One device's share of a 10-row destination: the rows whose id is in the window are
+    // written at rows at.., the others skipped (an empty window writes nothing).
+    for dt in [F32, F16, BF16] {
+        for (lo, hi, at) in [(2, 6, 1), (5, 10, 0), (0, 0, 0)] {
+            let win = RowWindow {
+                rows: 10,
+                lo,
+                hi,
+                at,
+            };
+            v.push(
+                case("set_rows", format!("window {lo}..{hi} at {at}"))
+                    .packed("dst", dt, [7, 6, 3, 2], u())
+                    .packed("rows", F32, [7, 4, 3, 2], u())
+                    .packed("ids", I32, [4, 3, 1, 1], Fill::DistinctIds(10))
+                    .build(move |g, s| g.set_rows_windowed(s[0], s[1], s[2], win)),
+            );
+        }
+    }
     v.push(
         case("set_rows", "no rows")
             .packed("dst", F32, [5, 4, 1, 1], u())

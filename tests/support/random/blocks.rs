@@ -41,7 +41,7 @@ pub fn random_permute(rng: &mut Rng, ne: [usize; 4], consumer: usize) -> Case {
     })
 }
 
-/// A KV cache `[heads * hd, kv_size]` split by whole heads (or anyhow), new rows written with
+/// A KV cache `[heads * hd, kv_size]` split by whole heads, by slots (or anyhow), new rows written with
 /// `set_rows`, then viewed as `[hd, n_kv, heads]` from position `p0` and consumed by
 /// flash attention or by a batched `mul_mat` (attention scores with GQA broadcast).
 pub fn random_kv_cache(rng: &mut Rng, n: usize, p: [usize; 7]) -> Case {
@@ -66,7 +66,13 @@ pub fn random_kv_cache(rng: &mut Rng, n: usize, p: [usize; 7]) -> Case {
     let p0 = rng.below(kv);
     let nkv = 1 + rng.below(kv - p0);
     let heads = SplitState::axis(0, &random_extents(rng, emb, hd, n));
-    let cache_space = |l: &Input| Space::any(l).no_partial().axes(&[0]).extra(heads.clone());
+    // By heads (axis 0) or by slots (axis 1: each device writes the rows its slots hold).
+    let cache_space = |l: &Input| {
+        Space::any(l)
+            .no_partial()
+            .axes(&[0, 1])
+            .extra(heads.clone())
+    };
     let (sk, sv) = (cache_space(&ck), cache_space(&cv));
     let inputs = vec![ck, cv, q, knew, vnew, pos];
     let ts = dt.type_size();
@@ -278,9 +284,10 @@ pub fn random_attention_block(rng: &mut Rng, n: usize, z: AttnSizes, megatron: b
         &mask,
     ));
     let mut spaces: Vec<Space> = inputs.iter().map(Space::any).collect();
-    // Caches are set_rows destinations: axis 0 (by heads) or mirrored; the mask has -inf.
+    // Caches are set_rows destinations: axis 0 (by heads), axis 1 (by slots) or mirrored; the
+    // mask has -inf.
     for i in [6, 7] {
-        spaces[i] = Space::any(&inputs[i]).no_partial().axes(&[0]);
+        spaces[i] = Space::any(&inputs[i]).no_partial().axes(&[0, 1]);
     }
     spaces[9] = spaces[9].clone().no_partial();
     if megatron {

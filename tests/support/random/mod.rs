@@ -253,8 +253,9 @@ pub fn random_set_rows(rng: &mut Rng, p: [usize; 5]) -> (Case, Vec<usize>) {
         ids.extend(rng.perm(r).into_iter().take(nr).map(|x| x as i32));
     }
     let ids = Input::from_i32("ids", [nr, e2, e3, 1], &ids);
-    // The rule: dst Axis(0); Axis(k >= 2) when ids broadcast along k or match rows there.
-    let mut axes = vec![0];
+    // The rule: dst Axis(0); Axis(1) (its rows: each device writes those it holds, rows and
+    // ids gathered); Axis(k >= 2) when ids broadcast along k or match rows there.
+    let mut axes = vec![0, 1];
     for (k, e) in [(2, e2), (3, e3)] {
         if e == 1 || e == rows.ne[k] {
             axes.push(k);

@@ -629,8 +629,8 @@ fn node_cost(g: &Graph, id: TensorId, prof: &super::cluster::DeviceProfile) -> (
                 .max(flops / prof.gemm(DType::F32).max(1.0))
         }
         // Rows read and written (set_rows' node is a view of the whole destination).
-        Op::GetRows => mem(2.0 * out),
-        Op::SetRows => mem(2.0 * src_bytes(1)),
+        Op::GetRows { .. } => mem(2.0 * out),
+        Op::SetRows { .. } => mem(2.0 * src_bytes(1)),
         _ => mem(node
             .src
             .iter()

@@ -9,9 +9,11 @@
 //!   a run would, without weights.
 
 pub mod cluster;
+pub mod presets;
 pub mod shape;
 pub mod virtual_device;
 
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
+pub use presets::PRESET_NAMES;
 pub use shape::{ModelShape, WeightTypes};
 pub use virtual_device::VirtualDevice;

@@ -8,11 +8,13 @@
 //! - `virtual_device.rs`: devices without memory, so a model is placed and sharded exactly as
 //!   a run would, without weights.
 
+pub mod calibrate;
 pub mod cluster;
 pub mod presets;
 pub mod shape;
 pub mod virtual_device;
 
+pub use calibrate::{CalibrateOptions, Calibration, calibrate, calibrate_report};
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
 pub use presets::PRESET_NAMES;
 pub use shape::{ModelShape, WeightTypes};

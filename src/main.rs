@@ -1,5 +1,5 @@
-//! The `metashard` command line: list devices, run and verify models across devices, and
-//! benchmark kernels, the meta backend and models.
+//! The `metashard` command line: list devices, run and verify models across devices,
+//! calibrate the planner's cost model, and benchmark kernels, the meta backend and models.
 
 mod bench;
 mod cli;
@@ -36,6 +36,9 @@ enum Cmd {
     Verify(cli::verify::VerifyArgs),
     /// Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2) on any device list.
     Embed(cli::embed::EmbedOptions),
+    /// Measure a device list (rates per weight type, overheads, collective links) into a
+    /// cluster profile (JSON) for the planner.
+    Calibrate(cli::calibrate::CalibrateArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -148,6 +151,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Run(a) => cli::run::run(&a),
         Cmd::Verify(a) => cli::verify::run(&a),
         Cmd::Embed(opts) => cli::embed::run(&opts, &mut std::io::stdout().lock()),
+        Cmd::Calibrate(a) => cli::calibrate::run(&a),
         Cmd::Bench { what } => match what {
             BenchCmd::Ops {
                 threads,

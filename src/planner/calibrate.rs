@@ -12,7 +12,9 @@
 //! - **Device rates** run on all devices of the list at once, each device's graph computed
 //!   through its own backend's plan by a [`DeviceWorkers`] worker (pinned as the meta device
 //!   pins its workers), so devices that share memory bandwidth are measured sharing it, as in a
-//!   tensor-parallel step. Each figure is a median over repeated runs, per device:
+//!   tensor-parallel step. Each figure is a median over repeated runs of the time from the
+//!   first device starting to the last one finishing (what a step waits for), the same for
+//!   every device of the list (they are identical):
 //!   - GEMV: M = 1 products over weights shaped like a small decoder's projections
 //!     (K = 576, 1536, 2048, 4096; see [`SHAPES`]), repeated until they far exceed the last-level
 //!     cache so weights stream from memory as in a decode step; `gemv_bw` = weight bytes per
@@ -24,10 +26,11 @@
 //!     three above so they are kernel rates.
 //! - **Overheads** through the backend a run uses: the device's own for one device, the meta
 //!   device's over the whole list for several. A step is timed as a program runs it (graph
-//!   built, then `graph_compute`) for a chain of 1 and of many tiny nodes: the slope is
-//!   `node_overhead_s` (building, planning from the cache, dispatching and running one more
-//!   node), the intercept `step_overhead_s` (the meta dispatch to every device's worker and
-//!   back included).
+//!   built, then `graph_compute`). Chains of 1 and of many tiny nodes run back to back: the
+//!   slope is `node_overhead_s` (building, hashing for the plan cache, dispatching and running
+//!   one more node). A one-node step after an idle gap ([`STEP_GAP`], as the sampling between
+//!   two decode steps leaves the workers parked) gives `step_overhead_s` (the meta dispatch to
+//!   every device's worker and back included).
 //! - **Links**: for each group size N = 2..=n, [`CpuCommunicator`] ranks on N workers pinned
 //!   like the meta device's, timing all-reduce, all-gather and reduce-scatter of F32 tensors of
 //!   4 KiB .. 16 MiB (median per size), fitted to `alpha(N) + factor(N) B / bus_bw` by weighted
@@ -191,8 +194,8 @@ impl Budget {
                 stream_total: (2 * llc).max(32 << 20),
                 warmup: 1,
                 reps: 3,
-                chain: 129,
-                step_reps: 15,
+                chain: 257,
+                step_reps: 31,
                 link_sizes: vec![4 << 10, 64 << 10, 1 << 20, 4 << 20],
                 link_time: 0.01,
                 link_min_reps: 5,
@@ -391,18 +394,19 @@ pub fn calibrate_report(
                 .map_or(0, |d| d.as_secs())
         ),
         format!(
-            "device rates: medians of {} runs of every device computing at once (the devices \
-             of one list are identical: their timings are pooled); GEMV at M = {GEMV_M}, GEMM \
-             at M = {GEMM_M} over (K, N) shapes {:?}; mem_bw from F32 adds (bytes read + \
-             written); precision {}",
+            "device rates: medians of {} runs of every device computing at once (first start \
+             to last finish; the devices of one list are identical and get the same figures); \
+             GEMV at M = {GEMV_M}, GEMM at M = {GEMM_M} over (K, N) shapes {:?}; mem_bw from \
+             F32 adds (bytes read + written); precision {}",
             budget.reps,
             &SHAPES[..],
             opts.precision
         ),
         format!(
-            "overheads: steps built and computed through {}, each after {STEP_GAP:?} idle, \
-             with chains of {SHORT_CHAIN} and {} tiny nodes; node_overhead_s is the slope, \
-             step_overhead_s the intercept ({:.1} us back to back)",
+            "overheads: steps built and computed through {}; node_overhead_s is the slope \
+             between chains of {SHORT_CHAIN} and {} tiny nodes run back to back, \
+             step_overhead_s the cost of a one-node step after {STEP_GAP:?} idle less its \
+             node ({:.1} us back to back)",
             if n > 1 {
                 "the meta device's backend"
             } else {
@@ -465,6 +469,14 @@ struct Rig {
     workers: DeviceWorkers,
 }
 
+/// What [`Rig::time`] measured, in seconds per timed run.
+struct Timings {
+    /// From the first device starting to the last one finishing.
+    spans: Vec<f64>,
+    /// Each device's own time, every device and run.
+    device: Vec<f64>,
+}
+
 /// One graph per device, computed once (allocation, uploads, pages touched) and planned.
 struct Prepared {
     plans: Vec<Arc<Mutex<Box<dyn GraphPlan>>>>,
@@ -503,13 +515,17 @@ impl Rig {
     }
 
     /// Run every device's plan at the same time, `warmup + reps` times; the seconds of each
-    /// timed run, per device.
-    fn time(&mut self, p: &Prepared, warmup: usize, reps: usize) -> Result<Vec<Vec<f64>>> {
+    /// timed run, from the first device starting to the last one finishing (what a step
+    /// waits for; devices sharing cores or memory slow each other down in it).
+    fn time(&mut self, p: &Prepared, warmup: usize, reps: usize) -> Result<Timings> {
         let n = self.devices.len();
-        let mut times = vec![Vec::with_capacity(reps); n];
+        let mut times = Timings {
+            spans: Vec::with_capacity(reps),
+            device: Vec::with_capacity(n * reps),
+        };
+        type Span = Option<Result<(Instant, Instant)>>;
         for rep in 0..warmup + reps {
-            let slots: Vec<Arc<Mutex<Option<Result<f64>>>>> =
-                (0..n).map(|_| Arc::new(Mutex::new(None))).collect();
+            let slots: Vec<Arc<Mutex<Span>>> = (0..n).map(|_| Arc::new(Mutex::new(None))).collect();
             let jobs: Vec<Job> = (0..n)
                 .map(|d| {
                     let (plan, len, slot) = (p.plans[d].clone(), p.lens[d], slots[d].clone());
@@ -517,7 +533,7 @@ impl Rig {
                         prog.stage(0, false);
                         let mut plan = plan.lock();
                         let t = Instant::now();
-                        let r = plan.compute(0..len).map(|()| t.elapsed().as_secs_f64());
+                        let r = plan.compute(0..len).map(|()| (t, Instant::now()));
                         *slot.lock() = Some(r);
                     }) as Job
                 })
@@ -533,16 +549,30 @@ impl Rig {
                     });
                 }
             }
+            let mut spans = Vec::with_capacity(n);
             for (d, slot) in slots.iter().enumerate() {
-                let t = slot.lock().take().unwrap_or_else(|| {
+                spans.push(slot.lock().take().unwrap_or_else(|| {
                     Err(Error::Device {
                         device: self.devices[d].name(),
                         reason: "a calibration job returned no timing".into(),
                     })
-                })?;
-                if rep >= warmup {
-                    times[d].push(t);
-                }
+                })?);
+            }
+            let first = spans
+                .iter()
+                .map(|s| s.0)
+                .min()
+                .expect("at least one device");
+            let last = spans
+                .iter()
+                .map(|s| s.1)
+                .max()
+                .expect("at least one device");
+            if rep >= warmup {
+                times.spans.push((last - first).as_secs_f64());
+                times
+                    .device
+                    .extend(spans.iter().map(|s| (s.1 - s.0).as_secs_f64()));
             }
         }
         Ok(times)
@@ -656,12 +686,6 @@ fn kernel_time(t: f64, nodes: usize, node_s: f64) -> f64 {
     if k > 0.5 * t { k } else { t }
 }
 
-/// The median of every device's timings together: the devices of one list are identical, so
-/// pooling halves the effect of one device being interrupted.
-fn pooled(t: &[Vec<f64>]) -> f64 {
-    median(&t.concat())
-}
-
 fn measure_devices(
     rig: &mut Rig,
     opts: &CalibrateOptions,
@@ -677,7 +701,9 @@ fn measure_devices(
         rig.time(&short, b.warmup, b.reps * 3)?,
         rig.time(&long, b.warmup, b.reps * 3)?,
     );
-    let kernel_node_s = ((pooled(&tl) - pooled(&ts)) / (b.chain - SHORT_CHAIN) as f64).max(0.0);
+    // Each device's own time: the dispatch skew between devices is not a cost of its nodes.
+    let kernel_node_s =
+        ((median(&tl.device) - median(&ts.device)) / (b.chain - SHORT_CHAIN) as f64).max(0.0);
     drop((short, long));
     let mut r = Rates {
         gemv: BTreeMap::new(),
@@ -705,7 +731,7 @@ fn measure_devices(
         let t = rig.time(&p, b.warmup, b.reps)?;
         drop(p);
         let bytes = cycles * cycle;
-        let k = kernel_time(pooled(&t), shapes.len(), kernel_node_s);
+        let k = kernel_time(median(&t.spans), shapes.len(), kernel_node_s);
         r.gemv.insert(dt.name().into(), bytes as f64 / k);
         r.gemv_bytes.insert(dt.name().into(), bytes);
         r.gemv_nodes.insert(dt.name().into(), shapes.len());
@@ -722,7 +748,7 @@ fn measure_devices(
         })?;
         let t = rig.time(&p, b.warmup, b.reps)?;
         drop(p);
-        let k = kernel_time(pooled(&t), shapes.len(), kernel_node_s);
+        let k = kernel_time(median(&t.spans), shapes.len(), kernel_node_s);
         r.gemm.insert(dt.name().into(), flops / k);
     }
     // Memory: F32 adds of distinct 4 MiB tensors, results kept (outputs), so every byte comes
@@ -750,7 +776,7 @@ fn measure_devices(
         Ok(g)
     })?;
     let t = rig.time(&p, b.warmup, b.reps)?;
-    let k = kernel_time(pooled(&t), adds, kernel_node_s);
+    let k = kernel_time(median(&t.spans), adds, kernel_node_s);
     r.mem_bw = (adds * moved_per_add) as f64 / k;
     Ok(r)
 }
@@ -769,39 +795,43 @@ struct Overheads {
     back_to_back_s: f64,
 }
 
-/// Step and node overheads through the backend `DeviceSet::open` gives for `spec`: each
-/// timed step (graph built, then computed) follows an idle gap of [`STEP_GAP`]; a third series
-/// of one-node steps runs back to back.
+/// Step and node overheads through the backend `DeviceSet::open` gives for `spec` (each step
+/// timed as a program runs it: graph built, then computed). The per-node cost is the slope
+/// between the fastest chains of [`SHORT_CHAIN`] and `b.chain` nodes run back to back; the
+/// step overhead
+/// is that of a one-node step after an idle gap of [`STEP_GAP`] (workers parked, as between
+/// two decode steps), less its node.
 fn measure_overheads(spec: &str, precision: Precision, b: &Budget) -> Result<Overheads> {
     let set = DeviceSet::open(spec, precision, MetaOptions::default(), |_| mirrored())?;
-    let (mut short, mut long, mut b2b) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut gap, mut short, mut long) = (Vec::new(), Vec::new(), Vec::new());
     let timed = |k: usize| -> Result<f64> {
         let t = Instant::now();
         let mut g = chain_graph(k)?;
         set.backend.graph_compute(&mut g)?;
         Ok(t.elapsed().as_secs_f64())
     };
-    // Alternate the lengths, so a drift in machine speed hits all series alike.
+    // The series interleave, so a drift in machine speed hits all of them alike.
     for rep in 0..b.step_reps + 3 {
-        for (k, out) in [(SHORT_CHAIN, &mut short), (b.chain, &mut long)] {
-            std::thread::sleep(STEP_GAP);
-            let s = timed(k)?;
-            if rep >= 3 {
-                out.push(s);
-            }
-        }
+        std::thread::sleep(STEP_GAP);
+        let g = timed(SHORT_CHAIN)?;
         let s = timed(SHORT_CHAIN)?;
+        let l = timed(b.chain)?;
         if rep >= 3 {
-            b2b.push(s);
+            gap.push(g);
+            short.push(s);
+            long.push(l);
         }
     }
-    let (ts, tl) = (median(&short), median(&long));
-    let node_s = ((tl - ts) / (b.chain - SHORT_CHAIN) as f64).max(0.0);
-    let shift = SHORT_CHAIN as f64 * node_s;
+    // The per-node cost is work done every time; interference (a worker that shares its core
+    // with the caller, another process) is not, so the slope is taken between the fastest
+    // steps of each length. The overheads are medians: interference is part of a step.
+    let fastest = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    let node_s = ((fastest(&long) - fastest(&short)) / (b.chain - SHORT_CHAIN) as f64).max(0.0);
+    let own = SHORT_CHAIN as f64 * node_s;
     Ok(Overheads {
-        step_s: (ts - shift).max(0.0),
+        step_s: (median(&gap) - own).max(0.0),
         node_s,
-        back_to_back_s: (median(&b2b) - shift).max(0.0),
+        back_to_back_s: (median(&short) - own).max(0.0),
     })
 }
 

@@ -1,5 +1,5 @@
-//! The `metashard` command line: list devices, run and verify models across devices, and
-//! benchmark kernels, the meta backend and models.
+//! The `metashard` command line: list devices, run and verify models across devices,
+//! calibrate the planner's cost model, and benchmark kernels, the meta backend and models.
 
 mod bench;
 mod cli;
@@ -38,6 +38,9 @@ enum Cmd {
     Embed(cli::embed::EmbedOptions),
     /// Plan the split of a model on a cluster: predicted time, memory and communication.
     Plan(cli::plan::PlanArgs),
+    /// Measure a device list (rates per weight type, overheads, collective links) into a
+    /// cluster profile (JSON) for the planner.
+    Calibrate(cli::calibrate::CalibrateArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -151,6 +154,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Verify(a) => cli::verify::run(&a),
         Cmd::Embed(opts) => cli::embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Plan(a) => cli::plan::run(&a),
+        Cmd::Calibrate(a) => cli::calibrate::run(&a),
         Cmd::Bench { what } => match what {
             BenchCmd::Ops {
                 threads,

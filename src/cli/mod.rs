@@ -4,6 +4,7 @@
 //! bars and memory summaries. What they compute lives in the library (`devices`, `models::open`,
 //! `verify`).
 
+pub mod calibrate;
 pub mod embed;
 pub mod plan;
 pub mod run;

@@ -13,18 +13,22 @@
 //! - `virtual_device.rs`: devices without memory, so a model is placed and sharded exactly as
 //!   a run would, without weights.
 
+pub mod calibrate;
 pub mod cluster;
 pub mod evaluate;
 pub mod report;
 pub mod search;
+pub mod presets;
 pub mod shape;
 pub mod strategy;
 pub mod virtual_device;
 
+pub use calibrate::{CalibrateOptions, Calibration, calibrate, calibrate_report};
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use report::{Plan, load_plan};
 pub use search::{SearchResult, auto};
+pub use presets::PRESET_NAMES;
 pub use shape::{ModelShape, WeightTypes};
 pub use strategy::{Shares, Strategy};
 pub use virtual_device::VirtualDevice;

@@ -1,0 +1,200 @@
+//! `metashard calibrate`: measure a device list's rates, overheads and links (the library's
+//! `planner::calibrate`), show a progress bar on stderr, print the figures as a table and write
+//! the profile as JSON (`-o FILE`, or stdout with `--json`) for `Cluster::load`.
+
+use metashard::cpu::Precision;
+use metashard::planner::{CalibrateOptions, Calibration, calibrate_report};
+use metashard::{DType, Error, Result};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct CalibrateArgs {
+    /// The device list to measure: `cpu`, `cpu:N`, `cpu:NxT` (devices of one list run at once,
+    /// as a tensor-parallel step runs them).
+    #[arg(long)]
+    pub devices: String,
+    /// Write the profile (JSON, read back by the planner) to this file.
+    #[arg(long, short = 'o')]
+    pub output: Option<PathBuf>,
+    /// A few seconds instead of a few tens: fewer repetitions, sizes and shapes.
+    #[arg(long)]
+    pub quick: bool,
+    /// Print the profile as JSON on stdout (the table then goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Precision of products with quantized weights, as the runs to be planned will use it.
+    #[arg(long, value_parser = crate::parse_precision, default_value = "exact")]
+    pub precision: Precision,
+}
+
+pub fn run(a: &CalibrateArgs) -> Result<()> {
+    // An unknown device list is an error naming it, before anything is measured.
+    metashard::parse_devices(&a.devices)?;
+    if let Some(p) = &a.output
+        && p.is_dir()
+    {
+        return Err(Error::invalid_argument(
+            "--output",
+            p.display(),
+            "is a directory; give a file name for the profile",
+        ));
+    }
+    let opts = CalibrateOptions {
+        quick: a.quick,
+        precision: a.precision,
+        ..Default::default()
+    };
+    let pb = indicatif::ProgressBar::new(1000);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg:<34} [{bar:40}] {percent:>3}% {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    let report = calibrate_report(&a.devices, &opts, &|what, done| {
+        pb.set_message(what.to_string());
+        pb.set_position((done.clamp(0.0, 1.0) * 1000.0) as u64);
+    });
+    pb.finish_and_clear();
+    let report = report?;
+    let json = report.cluster.to_json();
+    if let Some(p) = &a.output {
+        std::fs::write(p, format!("{json}\n")).map_err(|e| Error::io(p, e))?;
+    }
+    let mut text = table(&report);
+    if let Some(p) = &a.output {
+        let _ = writeln!(text, "\nprofile written to {}", p.display());
+    }
+    if a.json {
+        eprint!("{text}");
+        println!("{json}");
+    } else {
+        print!("{text}");
+    }
+    Ok(())
+}
+
+/// The figures of a calibration as text tables.
+pub fn table(r: &Calibration) -> String {
+    let c = &r.cluster;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{} ({} mode, {:.1} s)\n{}",
+        c.name,
+        if r.quick { "quick" } else { "full" },
+        r.seconds,
+        c.description
+    );
+    let _ = writeln!(
+        s,
+        "\n{:<8} {:>11} {:>10} {:>9} {:>9}",
+        "device", "memory GiB", "mem GB/s", "step us", "node us"
+    );
+    for d in &c.devices {
+        let _ = writeln!(
+            s,
+            "{:<8} {:>11.2} {:>10.2} {:>9.1} {:>9.2}",
+            d.name,
+            d.memory_bytes as f64 / (1u64 << 30) as f64,
+            d.mem_bw / 1e9,
+            d.step_overhead_s * 1e6,
+            d.node_overhead_s * 1e6,
+        );
+    }
+    let _ = writeln!(
+        s,
+        "(step: after {:?} idle; {:.1} us back to back. node: graph building to kernel; \
+         {:.2} us of it in the device's own program)",
+        metashard::planner::calibrate::STEP_GAP,
+        r.step_back_to_back_s * 1e6,
+        r.kernel_node_s * 1e6
+    );
+    let types: Vec<&str> = DType::WEIGHT_TYPES
+        .iter()
+        .map(|t| t.name())
+        .filter(|t| c.devices.iter().any(|d| d.gemv_bw.contains_key(*t)))
+        .collect();
+    for (title, unit, get) in [
+        (
+            "GEMV (M = 1), weight GB/s",
+            1e9,
+            (|d: &metashard::planner::DeviceProfile, t: &str| d.gemv_bw.get(t).copied())
+                as fn(&metashard::planner::DeviceProfile, &str) -> Option<f64>,
+        ),
+        ("GEMM (M = 128), GFLOP/s", 1e9, |d, t| {
+            d.gemm_flops.get(t).copied()
+        }),
+    ] {
+        let _ = write!(s, "\n{title}\n{:<8}", "device");
+        for t in &types {
+            let _ = write!(s, " {t:>8}");
+        }
+        s.push('\n');
+        for d in &c.devices {
+            let _ = write!(s, "{:<8}", d.name);
+            for t in &types {
+                match get(d, t) {
+                    Some(v) => {
+                        let _ = write!(s, " {:>8.2}", v / unit);
+                    }
+                    None => {
+                        let _ = write!(s, " {:>8}", "-");
+                    }
+                }
+            }
+            s.push('\n');
+        }
+    }
+    let l = &c.links.intra;
+    if r.links.is_empty() {
+        let _ = writeln!(s, "\nlinks: {}", l.kind);
+        return s;
+    }
+    let ns: Vec<usize> = r.links[0].fit.alpha_s.iter().map(|&(n, _)| n).collect();
+    let _ = writeln!(
+        s,
+        "\nlinks: {}\nt = alpha(N) + factor(N) * bytes / bus_bw (factor: 2(N-1)/N all-reduce, \
+         (N-1)/N gather, scatter)",
+        l.kind
+    );
+    let _ = write!(s, "{:<15} {:>9}", "collective", "bus GB/s");
+    for n in &ns {
+        let _ = write!(s, " {:>9}", format!("a({n}) us"));
+    }
+    let _ = writeln!(s, " {:>9} {:>9}", "fit rms", "fit max");
+    for f in &r.links {
+        let _ = write!(s, "{:<15} {:>9.2}", f.collective.name(), f.fit.bus_bw / 1e9);
+        for &(_, a) in &f.fit.alpha_s {
+            let _ = write!(s, " {:>9.2}", a * 1e6);
+        }
+        let _ = writeln!(
+            s,
+            " {:>8.1}% {:>8.1}%",
+            100.0 * f.rel_rms,
+            100.0 * f.max_rel
+        );
+    }
+    let _ = writeln!(s, "\nmeasured (median per call):");
+    let _ = writeln!(
+        s,
+        "{:<15} {:>3} {:>10} {:>11} {:>11} {:>9}",
+        "collective", "N", "bytes", "measured us", "fitted us", "bus GB/s"
+    );
+    for f in &r.links {
+        for smp in &f.samples {
+            let fitted = l.time(f.collective, smp.n, smp.bytes as f64);
+            let _ = writeln!(
+                s,
+                "{:<15} {:>3} {:>10} {:>11.2} {:>11.2} {:>9.2}",
+                f.collective.name(),
+                smp.n,
+                smp.bytes,
+                smp.seconds * 1e6,
+                fitted * 1e6,
+                f.collective.factor(smp.n) * smp.bytes as f64 / smp.seconds / 1e9
+            );
+        }
+    }
+    s
+}

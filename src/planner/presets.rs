@@ -1,0 +1,320 @@
+//! Built-in clusters nobody can run here, from public figures: [`Cluster::preset`] and
+//! [`PRESET_NAMES`].
+//!
+//! Every figure below names its source. Three kinds of figure appear, and the comments say
+//! which each one is:
+//!
+//! - a **datasheet** peak (memory size and bandwidth, tensor-core FLOP/s);
+//! - a **measurement** someone published (nccl-tests bus bandwidth, a matmul FLOP/s sweep);
+//! - a **derived** figure: a stated fraction of a datasheet or measured one, where nobody
+//!   published the quantity the cost model needs (GEMV weight bandwidth per quantized type,
+//!   FP32 GEMM on the tensor-core GPUs), or one the planner's issue gave without a public
+//!   measurement behind it (marked "the issue's figure").
+//!
+//! Conventions shared by all presets:
+//!
+//! - Memory budget: 95% of the datasheet capacity (GB = 10^9 bytes), leaving room for the
+//!   runtime's context, the allocator's fragmentation and the communicator's buffers. This is
+//!   our choice, not a published figure.
+//! - GEMV weight bandwidth (the matrix-vector regime is bound by reading the weights once):
+//!   90% of the measured copy bandwidth for f32/f16/bf16 weights, 75% for the block-quantized
+//!   types (their kernels also load per-block scales and unpack nibbles). Both fractions are
+//!   assumptions, stated here and in each preset's `sources`.
+//! - Collective latencies: where only the all-reduce latency is known, all-gather and
+//!   reduce-scatter get half of it, the ratio of ring steps in NCCL's own cost model
+//!   (NVIDIA/nccl `src/graph/tuning.cc`, `ncclTopoTuneModel`: a ring all-reduce takes
+//!   2(N-1) steps, a ring all-gather or reduce-scatter N-1).
+//! - Bus bandwidths follow nccl-tests' convention (NVIDIA/nccl-tests `doc/PERFORMANCE.md`),
+//!   the same one [`crate::planner::cluster`] uses, so a `busbw` column of `all_reduce_perf`
+//!   can be copied in as is.
+
+use super::cluster::{Cluster, CollectiveFit, DeviceProfile, LinkLevel, Links};
+use std::collections::BTreeMap;
+
+/// Names [`Cluster::preset`] knows, in the order `metashard` lists them.
+pub const PRESET_NAMES: &[&str] = &["h100x8-nvswitch", "h100x16-ib", "rtx4090x4-pcie"];
+
+/// Share of the datasheet memory the planner may fill (see the module doc).
+const MEMORY_HEADROOM: f64 = 0.95;
+/// GEMV weight bandwidth as a share of copy bandwidth: float weights, quantized weights.
+const GEMV_FLOAT_SHARE: f64 = 0.90;
+const GEMV_QUANT_SHARE: f64 = 0.75;
+
+// ---- sources -----------------------------------------------------------------------------
+
+const SRC_H100_DATASHEET: &str = "NVIDIA H100 Tensor Core GPU datasheet / product page \
+    (https://www.nvidia.com/en-us/data-center/h100/): H100 SXM 80 GB HBM3, 3.35 TB/s, \
+    BF16/FP16 tensor 1,979 TFLOP/s with sparsity (989 dense), FP32 67 TFLOP/s, NVLink 900 GB/s";
+const SRC_H100_MAMF: &str = "stas00/ml-engineering compute/accelerator/README.md, Maximum \
+    Achievable Matmul FLOPS table (https://github.com/stas00/ml-engineering/tree/master/\
+    compute/accelerator): H100 SXM BF16 794.5 TFLOP/s measured (80.3% of 989)";
+const SRC_H100_COPY: &str = "H100 SXM copy bandwidth ~3.0 TB/s: the issue's figure (~90% of \
+    the 3.35 TB/s peak); not confirmed by a primary measurement. Consistent with \
+    pytorch/FBGEMM#3993 (https://github.com/pytorch/FBGEMM/pull/3993): gather/scatter kernels \
+    at 2.54-2.77 TB/s on H100 SXM5";
+const SRC_NVLINK_RING: &str = "NVIDIA/nccl-tests#212 (https://github.com/NVIDIA/nccl-tests/\
+    issues/212), NCCL maintainer: 'NCCL can get an effective NVLink bandwidth of 370GB/s, \
+    which you can observe as BusBw when running non-allreduce operations, or when running with \
+    NCCL_ALGO=RING' (H100 SXM, NVLink 4 / NVSwitch); the preset uses 365 GB/s";
+const SRC_NVLINK_ALPHA: &str = "all-reduce latency 10 / 15 / 31 us at 2 / 4 / 8 H100s on \
+    NVSwitch: the issue's figures (fitted alpha), not confirmed by a public measurement; \
+    all-gather and reduce-scatter take half (ring steps N-1 vs 2(N-1), NVIDIA/nccl \
+    src/graph/tuning.cc)";
+const SRC_IB: &str = "NVIDIA/nccl-tests#290 (https://github.com/NVIDIA/nccl-tests/issues/290), \
+    NCCL maintainer: 'For NDR @ 400Gbps you should see 46-48GB/s per NIC' (two H100 nodes, \
+    NCCL_ALGO=RING); the preset uses 47 GB/s per GPU's NIC";
+const SRC_IB_ALPHA: &str = "inter-node all-reduce latency ~47 us over InfiniBand NDR: the \
+    issue's figure, not confirmed by a public measurement; all-gather and reduce-scatter \
+    take half (ring steps, NVIDIA/nccl src/graph/tuning.cc)";
+const SRC_4090_DATASHEET: &str = "NVIDIA Ada GPU architecture whitepaper, appendix A \
+    (https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf) \
+    and the RTX 4090 product page (https://www.nvidia.com/en-us/geforce/graphics-cards/\
+    40-series/rtx-4090/): 24 GB GDDR6X, 1008 GB/s, FP16/BF16 tensor with FP32 accumulate \
+    165.2 TFLOP/s dense, FP32 82.6 TFLOP/s";
+const SRC_4090_MATMUL: &str = "mli/transformers-benchmarks#4 (https://github.com/mli/\
+    transformers-benchmarks/issues/4): torch.float16 matmul 158.6 TFLOP/s at n = 8192 on an \
+    RTX 4090 (BF16 runs at the FP16 rate per the Ada whitepaper)";
+const SRC_4090_COPY: &str = "RTX 4090 copy bandwidth assumed 0.9 x 1008 GB/s (the H100's \
+    measured/peak ratio 3.0/3.35); the device-local entries of p2pBandwidthLatencyTest on \
+    RTX 4090s read 918-924 GB/s (tinygrad/open-gpu-kernel-modules#6, https://github.com/\
+    tinygrad/open-gpu-kernel-modules/issues/6)";
+const SRC_PCIE: &str = "tinygrad/open-gpu-kernel-modules#26 (https://github.com/tinygrad/\
+    open-gpu-kernel-modules/issues/26): two RTX 4090s on PCIe 4.0/5.0 AMD hosts reach ~25 GB/s \
+    in all_reduce_perf and nvbandwidth; the issue's figure is ~26 GB/s; the preset uses 25 GB/s";
+const SRC_PCIE_ALPHA: &str = "all-reduce latency ~40 us over PCIe for 4 RTX 4090s: the \
+    issue's figure, not confirmed by a public measurement (constant in N); all-gather and \
+    reduce-scatter take half (ring steps, NVIDIA/nccl src/graph/tuning.cc)";
+const SRC_LAUNCH: &str = "GPU overheads: ~4-6 us per kernel launch measured in 'pegainfer \
+    (3): From Launch Overhead to CUDA Graph' (https://susun-blog.com/blog/\
+    pegainfer-3-cuda-graph, RTX 5070 Ti) -> node_overhead_s 4 us; ~20 us for a launch round \
+    trip (NVIDIA Nsight Systems guide, as quoted by https://groundy.com/articles/\
+    every-cuda-kernel-pays-a-launch-tax-the-host-to-device-walkthrough/) -> step_overhead_s \
+    20 us; both are estimates for a runtime without CUDA graphs";
+const SRC_RING: &str = "alpha-beta ring model and bus-bandwidth convention: NVIDIA/nccl-tests \
+    doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)";
+const SRC_DERIVED: &str = "derived (assumptions of this preset): memory budget 95% of \
+    capacity; GEMV weight bandwidth 90% (f32/f16/bf16) or 75% (q8_0/q4_0/q4_1) of the copy \
+    bandwidth; quantized GEMM at the BF16 tensor-core rate (weights dequantized to 16 bits); \
+    FP32 GEMM 80% of the non-tensor FP32 peak";
+
+// ---- figures -----------------------------------------------------------------------------
+
+/// H100 SXM: 80 GB HBM3 (datasheet).
+const H100_MEMORY: f64 = 80e9;
+/// Measured copy bandwidth, bytes/s (the issue's figure; SRC_H100_COPY).
+const H100_COPY_BW: f64 = 3.0e12;
+/// BF16 matmul, measured (SRC_H100_MAMF).
+const H100_BF16_FLOPS: f64 = 794.5e12;
+/// FP32 non-tensor peak (datasheet), of which 80% is assumed reachable (SRC_DERIVED).
+const H100_F32_FLOPS: f64 = 0.8 * 66.9e12;
+
+/// RTX 4090: 24 GB GDDR6X (datasheet).
+const RTX4090_MEMORY: f64 = 24e9;
+/// 0.9 x the 1008 GB/s peak (SRC_4090_COPY).
+const RTX4090_COPY_BW: f64 = 0.9 * 1008e9;
+/// FP16 matmul, measured (SRC_4090_MATMUL).
+const RTX4090_BF16_FLOPS: f64 = 158.6e12;
+/// FP32 non-tensor peak 82.6 TFLOP/s (datasheet), 80% assumed reachable (SRC_DERIVED).
+const RTX4090_F32_FLOPS: f64 = 0.8 * 82.6e12;
+
+/// Launch costs of a GPU runtime (SRC_LAUNCH).
+const GPU_NODE_OVERHEAD_S: f64 = 4e-6;
+const GPU_STEP_OVERHEAD_S: f64 = 20e-6;
+
+/// A GPU whose GEMV rates follow from its copy bandwidth and whose GEMM rates are the BF16
+/// figure for 16-bit and quantized weights (see the module doc).
+fn gpu(name: &str, memory: f64, copy_bw: f64, bf16_flops: f64, f32_flops: f64) -> DeviceProfile {
+    let mut gemv_bw = BTreeMap::new();
+    let mut gemm_flops = BTreeMap::new();
+    for t in ["f32", "f16", "bf16"] {
+        gemv_bw.insert(t.to_string(), GEMV_FLOAT_SHARE * copy_bw);
+    }
+    for t in ["q8_0", "q4_0", "q4_1"] {
+        gemv_bw.insert(t.to_string(), GEMV_QUANT_SHARE * copy_bw);
+    }
+    gemm_flops.insert("f32".to_string(), f32_flops);
+    for t in ["f16", "bf16", "q8_0", "q4_0", "q4_1"] {
+        gemm_flops.insert(t.to_string(), bf16_flops);
+    }
+    DeviceProfile {
+        name: name.to_string(),
+        memory_bytes: (MEMORY_HEADROOM * memory) as u64,
+        mem_bw: copy_bw,
+        gemv_bw,
+        gemm_flops,
+        step_overhead_s: GPU_STEP_OVERHEAD_S,
+        node_overhead_s: GPU_NODE_OVERHEAD_S,
+    }
+}
+
+/// One level of links: all-reduce latencies `ar_alpha` (`[N, seconds]`), all-gather and
+/// reduce-scatter at half of them (ring steps), one bus bandwidth for all three.
+fn level(kind: &str, ar_alpha: &[(usize, f64)], bus_bw: f64) -> LinkLevel {
+    let half: Vec<(usize, f64)> = ar_alpha.iter().map(|&(n, a)| (n, a / 2.0)).collect();
+    let fit = |alpha_s: Vec<(usize, f64)>| CollectiveFit { alpha_s, bus_bw };
+    LinkLevel {
+        kind: kind.to_string(),
+        all_reduce: fit(ar_alpha.to_vec()),
+        all_gather: fit(half.clone()),
+        reduce_scatter: fit(half),
+        broadcast: None,
+    }
+}
+
+/// NVSwitch inside an HGX H100 node: 365 GB/s ring bus bandwidth (SRC_NVLINK_RING),
+/// all-reduce latency 10 / 15 / 31 us at 2 / 4 / 8 GPUs (the issue's figures).
+fn nvswitch() -> LinkLevel {
+    level(
+        "NVSwitch (NVLink 4, 18 links x 25 GB/s per direction)",
+        &[(2, 10e-6), (4, 15e-6), (8, 31e-6)],
+        365e9,
+    )
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+fn h100s(n: usize) -> Vec<DeviceProfile> {
+    (0..n)
+        .map(|i| {
+            gpu(
+                &format!("h100-{i}"),
+                H100_MEMORY,
+                H100_COPY_BW,
+                H100_BF16_FLOPS,
+                H100_F32_FLOPS,
+            )
+        })
+        .collect()
+}
+
+impl Cluster {
+    /// A built-in cluster by name (see [`PRESET_NAMES`]); `None` for an unknown name.
+    pub fn preset(name: &str) -> Option<Cluster> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "h100x8-nvswitch" => Some(Cluster {
+                name: "h100x8-nvswitch".into(),
+                description: "8 x NVIDIA H100 SXM 80 GB in one HGX node, NVSwitch (NVLink 4)"
+                    .into(),
+                devices: h100s(8),
+                links: Links {
+                    devices_per_node: 8,
+                    intra: nvswitch(),
+                    inter: None,
+                },
+                sources: strings(&[
+                    SRC_H100_DATASHEET,
+                    SRC_H100_MAMF,
+                    SRC_H100_COPY,
+                    SRC_NVLINK_RING,
+                    SRC_NVLINK_ALPHA,
+                    SRC_LAUNCH,
+                    SRC_RING,
+                    SRC_DERIVED,
+                ]),
+            }),
+            "h100x16-ib" => Some(Cluster {
+                name: "h100x16-ib".into(),
+                description: "2 HGX nodes of 8 x NVIDIA H100 SXM 80 GB: NVSwitch inside a \
+                              node, InfiniBand NDR 400 Gb/s (one NIC per GPU) between nodes"
+                    .into(),
+                devices: h100s(16),
+                links: Links {
+                    devices_per_node: 8,
+                    intra: nvswitch(),
+                    // 47 GB/s per NIC (SRC_IB), ~47 us all-reduce latency (the issue's).
+                    inter: Some(level(
+                        "InfiniBand NDR 400 Gb/s (ConnectX-7), one NIC per GPU",
+                        &[(2, 47e-6)],
+                        47e9,
+                    )),
+                },
+                sources: strings(&[
+                    SRC_H100_DATASHEET,
+                    SRC_H100_MAMF,
+                    SRC_H100_COPY,
+                    SRC_NVLINK_RING,
+                    SRC_NVLINK_ALPHA,
+                    SRC_IB,
+                    SRC_IB_ALPHA,
+                    SRC_LAUNCH,
+                    SRC_RING,
+                    SRC_DERIVED,
+                ]),
+            }),
+            "rtx4090x4-pcie" => Some(Cluster {
+                name: "rtx4090x4-pcie".into(),
+                description: "4 x NVIDIA GeForce RTX 4090 24 GB on PCIe 4.0 x16 (no NVLink)".into(),
+                devices: (0..4)
+                    .map(|i| {
+                        gpu(
+                            &format!("rtx4090-{i}"),
+                            RTX4090_MEMORY,
+                            RTX4090_COPY_BW,
+                            RTX4090_BF16_FLOPS,
+                            RTX4090_F32_FLOPS,
+                        )
+                    })
+                    .collect(),
+                links: Links {
+                    devices_per_node: 4,
+                    // 25 GB/s (SRC_PCIE), ~40 us all-reduce latency (the issue's).
+                    intra: level("PCIe 4.0 x16", &[(4, 40e-6)], 25e9),
+                    inter: None,
+                },
+                sources: strings(&[
+                    SRC_4090_DATASHEET,
+                    SRC_4090_MATMUL,
+                    SRC_4090_COPY,
+                    SRC_PCIE,
+                    SRC_PCIE_ALPHA,
+                    SRC_LAUNCH,
+                    SRC_RING,
+                    SRC_DERIVED,
+                ]),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The names [`Cluster::preset`] knows.
+    pub fn preset_names() -> &'static [&'static str] {
+        PRESET_NAMES
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use crate::planner::Collective;
+
+    #[test]
+    fn every_name_resolves_and_unknown_names_do_not() {
+        for n in PRESET_NAMES {
+            let c = Cluster::preset(n).unwrap();
+            assert_eq!(c.name, *n);
+            c.validate().unwrap();
+        }
+        assert!(Cluster::preset("h100x9").is_none());
+        assert_eq!(
+            Cluster::preset(" H100x8-NVSwitch ").unwrap().name,
+            "h100x8-nvswitch"
+        );
+    }
+
+    #[test]
+    fn quantized_gemv_is_a_stated_share_of_copy_bandwidth() {
+        let c = Cluster::preset("rtx4090x4-pcie").unwrap();
+        let d = &c.devices[0];
+        assert!((d.gemv(DType::Q4_0) - GEMV_QUANT_SHARE * d.mem_bw).abs() < 1.0);
+        assert!((d.gemv(DType::BF16) - GEMV_FLOAT_SHARE * d.mem_bw).abs() < 1.0);
+        // All-gather latency is half the all-reduce's on every level.
+        let l = &c.links.intra;
+        assert_eq!(
+            l.fit(Collective::AllGather).alpha(4) * 2.0,
+            l.fit(Collective::AllReduce).alpha(4)
+        );
+    }
+}

@@ -1,0 +1,319 @@
+//! The planner's hardware figures: the built-in cluster presets (valid, in sane ranges, their
+//! ring formulas give the published collective times, JSON round trips) and `calibrate`, which
+//! measures this machine (a valid profile with positive finite rates for every weight type and
+//! fitted links; a second run agrees with the first within a factor of a few; bad device lists
+//! are errors naming them; the binary writes a profile `Cluster::load` reads back).
+//!
+//! Calibrations here are the quick mode's (about a second each on the 2-core test machine).
+//! They run one at a time (a lock), so they do not halve each other's bandwidth.
+
+use metashard::DType;
+use metashard::planner::{
+    CalibrateOptions, Cluster, Collective, PRESET_NAMES, calibrate, calibrate_report,
+};
+use parking_lot::Mutex;
+use std::process::Command;
+
+/// Serializes the tests that measure this machine.
+static MEASURING: Mutex<()> = Mutex::new(());
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn no_progress(_: &str, _: f64) {}
+
+#[test]
+fn presets_validate_and_their_figures_are_in_sane_ranges() {
+    assert_eq!(Cluster::preset_names(), PRESET_NAMES);
+    assert!(PRESET_NAMES.len() >= 3);
+    for name in PRESET_NAMES {
+        let c = Cluster::preset(name).unwrap_or_else(|| panic!("{name}"));
+        c.validate().unwrap();
+        assert!(!c.sources.is_empty(), "{name} cites no source");
+        assert!(
+            c.sources.iter().any(|s| s.contains("https://")),
+            "{name}: sources without links"
+        );
+        for d in &c.devices {
+            // 16 to 200 GB of device memory, with headroom below the datasheet's.
+            assert!(
+                (16e9..200e9).contains(&(d.memory_bytes as f64)),
+                "{name} {d:?}"
+            );
+            // HBM or GDDR: 0.5 to 10 TB/s.
+            assert!((0.5e12..10e12).contains(&d.mem_bw), "{name} {}", d.mem_bw);
+            for t in DType::WEIGHT_TYPES {
+                let g = d.gemv(*t);
+                // Reading weights is at most as fast as copying memory, and not much slower.
+                assert!(g <= d.mem_bw && g >= 0.5 * d.mem_bw, "{name} {t}: {g}");
+                assert!(d.gemv_bw.contains_key(t.name()), "{name}: no gemv {t}");
+                let f = d.gemm(*t);
+                assert!((1e13..2e15).contains(&f), "{name} {t}: {f}");
+            }
+            assert!(d.gemm(DType::BF16) > d.gemm(DType::F32), "{name}");
+            assert!((1e-7..1e-3).contains(&d.node_overhead_s), "{name}");
+            assert!((1e-7..1e-3).contains(&d.step_overhead_s), "{name}");
+        }
+        // Every level's all-reduce moves bytes at 10 GB/s .. 1 TB/s, latencies 1 us .. 1 ms.
+        for l in std::iter::once(&c.links.intra).chain(c.links.inter.as_ref()) {
+            for coll in [
+                Collective::AllReduce,
+                Collective::AllGather,
+                Collective::ReduceScatter,
+            ] {
+                let f = l.fit(coll);
+                assert!((10e9..1e12).contains(&f.bus_bw), "{name} {}", l.kind);
+                for &(n, a) in &f.alpha_s {
+                    assert!(n >= 2 && (1e-6..1e-3).contains(&a), "{name} {n} {a}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn preset_collective_times_follow_the_ring_formulas() {
+    // 8 H100s on NVSwitch: an all-reduce of 1 GiB moves 2 (7/8) GiB per rank at 365 GB/s, plus
+    // the 31 us latency at 8 GPUs.
+    let c = Cluster::preset("h100x8-nvswitch").unwrap();
+    assert_eq!(c.n_devices(), 8);
+    let t = c.links.time(Collective::AllReduce, 8, GIB);
+    let want = 2.0 * 7.0 / 8.0 * GIB / 365e9 + 31e-6;
+    assert!((t / want - 1.0).abs() < 1e-9, "{t} vs {want}");
+    // About 5.2 ms.
+    assert!((5.0e-3..5.4e-3).contains(&t), "{t}");
+    // The latency at 2 and 4 GPUs is the 10 and 15 us.
+    let l = &c.links.intra;
+    assert!((l.time(Collective::AllReduce, 2, 0.0) - 10e-6).abs() < 1e-12);
+    assert!((l.time(Collective::AllReduce, 4, 0.0) - 15e-6).abs() < 1e-12);
+    // An all-gather of the same bytes moves half as much: (7/8) GiB.
+    let g = l.time(Collective::AllGather, 8, GIB);
+    assert!(
+        (g - (7.0 / 8.0 * GIB / 365e9 + 15.5e-6)).abs() < 1e-12,
+        "{g}"
+    );
+
+    // 4 RTX 4090s on PCIe: 2 (3/4) GiB at 25 GB/s plus 40 us.
+    let c = Cluster::preset("rtx4090x4-pcie").unwrap();
+    let t = c.links.time(Collective::AllReduce, 4, GIB);
+    let want = 1.5 * GIB / 25e9 + 40e-6;
+    assert!((t / want - 1.0).abs() < 1e-9, "{t} vs {want}");
+
+    // Two H100 nodes: 8 per node, InfiniBand between them; 16 GPUs cost more than 8 (the
+    // inter-node share runs at 47 GB/s), but less than a flat 16-GPU ring at 47 GB/s.
+    let c = Cluster::preset("h100x16-ib").unwrap();
+    assert_eq!((c.n_devices(), c.links.devices_per_node), (16, 8));
+    let inter = c.links.inter.as_ref().expect("two levels");
+    assert!((inter.all_reduce.bus_bw - 47e9).abs() < 1.0);
+    let (t8, t16) = (
+        c.links.time(Collective::AllReduce, 8, GIB),
+        c.links.time(Collective::AllReduce, 16, GIB),
+    );
+    let flat = 2.0 * 15.0 / 16.0 * GIB / 47e9;
+    assert!(t16 > t8 && t16 < flat, "{t8} {t16} {flat}");
+    // Within one node, the two-node preset is the one-node preset.
+    let one = Cluster::preset("h100x8-nvswitch").unwrap();
+    assert_eq!(t8, one.links.time(Collective::AllReduce, 8, GIB));
+}
+
+#[test]
+fn presets_round_trip_through_json_files() {
+    let dir = std::env::temp_dir().join(format!("metashard-presets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in PRESET_NAMES {
+        let c = Cluster::preset(name).unwrap();
+        let path = dir.join(format!("{name}.json"));
+        std::fs::write(&path, c.to_json()).unwrap();
+        let back = Cluster::load(&path).unwrap();
+        assert_eq!(back, c, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+fn assert_valid_calibration(c: &Cluster, n: usize) {
+    c.validate().unwrap();
+    assert_eq!(c.n_devices(), n);
+    assert_eq!(c.links.devices_per_node, n);
+    for d in &c.devices {
+        assert!(d.memory_bytes > 0, "{d:?}");
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        assert!(pos(d.mem_bw) && pos(d.step_overhead_s) && pos(d.node_overhead_s));
+        // A CPU reads memory at 0.1 GB/s .. 1 TB/s.
+        assert!((1e8..1e12).contains(&d.mem_bw), "{}", d.mem_bw);
+        for t in DType::WEIGHT_TYPES {
+            let g = d.gemv_bw[t.name()];
+            let f = d.gemm_flops[t.name()];
+            assert!(pos(g) && (1e8..1e12).contains(&g), "gemv {t}: {g}");
+            assert!(pos(f) && (1e8..1e13).contains(&f), "gemm {t}: {f}");
+        }
+        // Overheads of microseconds, not seconds.
+        assert!(d.step_overhead_s < 0.1 && d.node_overhead_s < 1e-3, "{d:?}");
+    }
+}
+
+fn within(a: f64, b: f64, factor: f64) -> bool {
+    a / b <= factor && b / a <= factor
+}
+
+#[test]
+fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
+    let _g = MEASURING.lock();
+    let opts = CalibrateOptions::quick();
+    let seen = Mutex::new(Vec::new());
+    let r = calibrate_report("cpu:2x1", &opts, &|what, f| {
+        seen.lock().push((what.to_string(), f))
+    })
+    .unwrap();
+    let c = &r.cluster;
+    assert_valid_calibration(c, 2);
+    // Progress went from 0 to 1, in order.
+    let seen = seen.into_inner();
+    assert!(seen.len() > 5);
+    assert!(seen.windows(2).all(|w| w[0].1 <= w[1].1), "{seen:?}");
+    assert_eq!(seen.last().unwrap().1, 1.0);
+    // Links: all three collectives fitted at N = 2, from every size measured.
+    for coll in [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ] {
+        let f = c.links.intra.fit(coll);
+        assert_eq!(f.alpha_s.len(), 1, "{coll:?}");
+        assert_eq!(f.alpha_s[0].0, 2);
+        assert!(f.alpha_s[0].1 >= 0.0 && f.alpha_s[0].1 < 1e-3, "{f:?}");
+        assert!((1e8..1e12).contains(&f.bus_bw), "{coll:?} {}", f.bus_bw);
+        let rep = r.links.iter().find(|l| l.collective == coll).unwrap();
+        assert!(rep.samples.len() >= 3 && rep.rel_rms.is_finite());
+        // Bigger collectives take longer.
+        let t: Vec<f64> = rep.samples.iter().map(|s| s.seconds).collect();
+        assert!(t.last() > t.first(), "{coll:?} {t:?}");
+    }
+    // The profile says where it comes from.
+    assert!(c.sources.iter().any(|s| s.contains("cpu:2x1")));
+
+    // A second run: device rates and the all-reduce bandwidth within a factor of 5.
+    let c2 = calibrate("cpu:2x1", &opts, &no_progress).unwrap();
+    let (a, b) = (&c.devices[0], &c2.devices[0]);
+    for t in DType::WEIGHT_TYPES {
+        let k = t.name();
+        assert!(
+            within(a.gemv_bw[k], b.gemv_bw[k], 5.0),
+            "gemv {k}: {a:?} {b:?}"
+        );
+        assert!(within(a.gemm_flops[k], b.gemm_flops[k], 5.0), "gemm {k}");
+    }
+    assert!(within(a.mem_bw, b.mem_bw, 5.0), "{} {}", a.mem_bw, b.mem_bw);
+    let (x, y) = (
+        c.links.intra.all_reduce.bus_bw,
+        c2.links.intra.all_reduce.bus_bw,
+    );
+    assert!(within(x, y, 5.0), "{x} {y}");
+}
+
+#[test]
+fn calibrate_one_device_has_no_links_to_fit() {
+    let _g = MEASURING.lock();
+    let opts = CalibrateOptions {
+        weight_types: vec![DType::F32, DType::Q4_0],
+        ..CalibrateOptions::quick()
+    };
+    let r = calibrate_report("cpu:1x2", &opts, &no_progress).unwrap();
+    let c = &r.cluster;
+    c.validate().unwrap();
+    assert_eq!(c.n_devices(), 1);
+    assert!(r.links.is_empty());
+    assert!(c.links.intra.all_reduce.alpha_s.is_empty());
+    let d = &c.devices[0];
+    assert_eq!(d.gemv_bw.len(), 2);
+    assert!(d.gemv_bw["q4_0"] > 0.0 && d.gemm_flops["f32"] > 0.0);
+    // Unmeasured types fall back to the F32 figure (`DeviceProfile::gemv`).
+    assert_eq!(d.gemv(DType::BF16), d.gemv_bw["f32"]);
+}
+
+#[test]
+fn bad_device_lists_and_options_are_errors_naming_them() {
+    let opts = CalibrateOptions::quick();
+    for spec in ["gpu:7", "cpu:0", "cpu:2xq", "", "cpu:99"] {
+        let e = calibrate(spec, &opts, &no_progress)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(spec.trim()) || spec.is_empty(), "`{spec}`: {e}");
+    }
+    let bad = CalibrateOptions {
+        weight_types: vec![DType::I32],
+        ..CalibrateOptions::quick()
+    };
+    let e = calibrate("cpu:2x1", &bad, &no_progress)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("i32") && e.contains("weight type"), "{e}");
+    let none = CalibrateOptions {
+        weight_types: vec![],
+        ..CalibrateOptions::quick()
+    };
+    assert!(calibrate("cpu:2x1", &none, &no_progress).is_err());
+}
+
+fn metashard(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_metashard"))
+        .args(args)
+        .env_remove("METASHARD_MAX_THREADS")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_binary_writes_a_profile_cluster_load_accepts() {
+    let _g = MEASURING.lock();
+    let dir = std::env::temp_dir().join(format!("metashard-calibrate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("profile.json");
+    let p = path.to_str().unwrap();
+    let o = metashard(&["calibrate", "--devices", "cpu:2x1", "--quick", "-o", p]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{stderr}");
+    let c = Cluster::load(&path).unwrap();
+    assert_valid_calibration(&c, 2);
+    // The table names every weight type, the collectives and the file.
+    for want in ["q4_1", "all-reduce", "reduce-scatter", "bus GB/s", p] {
+        assert!(stdout.contains(want), "no `{want}` in\n{stdout}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+
+    // --json: the profile on stdout, parseable; the table on stderr.
+    let o = metashard(&["calibrate", "--devices", "cpu:1x1", "--quick", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let c: Cluster = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(c.n_devices(), 1);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("GEMV"));
+}
+
+#[test]
+fn the_binary_refuses_a_bad_device_list_naming_it() {
+    let o = metashard(&["calibrate", "--devices", "tpu:3", "--quick"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("tpu:3") && !err.contains("panicked"), "{err}");
+    // A directory is not a profile file.
+    let dir = std::env::temp_dir();
+    let o = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--quick",
+        "-o",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--output") && err.contains("directory"),
+        "{err}"
+    );
+    // --json has a help line.
+    let o = metashard(&["calibrate", "--help"]);
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("--json") && help.contains("Print the profile as JSON"));
+}

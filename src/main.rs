@@ -110,6 +110,35 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Every split strategy's predicted speed and memory against a measurement, per device set.
+    Strategies {
+        #[arg(long, default_value = "smollm2")]
+        model: String,
+        /// Device sets (repeat the flag); each is calibrated first unless --profile is given.
+        #[arg(long, default_values_t = vec!["cpu:2x1".to_string(), "cpu:3x1".to_string()])]
+        devices: Vec<String>,
+        /// Calibrated profiles (`metashard calibrate -o FILE`), one per --devices, in order.
+        #[arg(long)]
+        profile: Vec<std::path::PathBuf>,
+        /// Prompt tokens.
+        #[arg(long, default_value_t = 128, value_parser = cli::parse_positive)]
+        pp: usize,
+        /// Generated tokens.
+        #[arg(long, default_value_t = 64, value_parser = cli::parse_positive)]
+        tg: usize,
+        /// Repetitions (interleaved over the strategies; medians reported).
+        #[arg(long, default_value_t = 3, value_parser = cli::parse_positive)]
+        reps: usize,
+        /// A full calibration of each device set instead of a quick one.
+        #[arg(long)]
+        full_calibration: bool,
+        /// Write an SVG plot of predicted against measured tokens/s with the diagonal.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+        /// Print the report as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
     Meta {
         /// The graph: a transformer block or ggml's 4-layer MLP stack.
@@ -207,6 +236,49 @@ fn run(cli: Cli) -> Result<()> {
                     println!("{}", to_json(&report)?);
                 } else {
                     bench::model::print_table(&report);
+                }
+                Ok(())
+            }
+            BenchCmd::Strategies {
+                model,
+                devices,
+                profile,
+                pp,
+                tg,
+                reps,
+                full_calibration,
+                svg,
+                json,
+            } => {
+                for d in &devices {
+                    metashard::parse_devices(d)?;
+                }
+                let opts = bench::strategies::StrategiesBenchOptions {
+                    model,
+                    devices,
+                    profiles: profile,
+                    pp,
+                    tg,
+                    reps,
+                    full_calibration,
+                };
+                let report = bench::strategies::run(&opts, &|line| eprintln!("{line}"))?;
+                if let Some(p) = &svg {
+                    std::fs::write(p, bench::strategies::svg(&report))
+                        .map_err(|e| metashard::Error::io(p, e))?;
+                }
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&report).map_err(|source| {
+                            metashard::Error::Json {
+                                what: "bench strategies report",
+                                source,
+                            }
+                        })?
+                    );
+                } else {
+                    bench::strategies::print_table(&report);
                 }
                 Ok(())
             }

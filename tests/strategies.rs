@@ -72,7 +72,10 @@ fn every_strategy_equals_one_device() {
     for (devices, n) in [("cpu:2x1", 2), ("cpu:3x1", 3)] {
         let mut splits: Vec<(String, DecoderSplit)> = Strategy::ALL
             .iter()
-            .filter_map(|s| s.split(shape.n_layer()).map(|sp| (s.name().to_string(), sp)))
+            .filter_map(|s| {
+                s.split(shape.n_layer())
+                    .map(|sp| (s.name().to_string(), sp))
+            })
             .collect();
         let found = auto(&shape, &cpu_like(n), &w, None).unwrap();
         splits.push(("auto".into(), found.split));

@@ -5,6 +5,7 @@
 pub mod meta;
 pub mod model;
 pub mod ops;
+pub mod strategies;
 
 use std::time::{Duration, Instant};
 

@@ -198,3 +198,54 @@ pub fn table(r: &Calibration) -> String {
     }
     s
 }
+
+/// A cluster for the planner: a preset name or a profile file (`--cluster`), or the devices of
+/// this machine measured now with a quick calibration (`--devices`), with a progress bar.
+pub fn resolve_cluster(
+    cluster: Option<&str>,
+    devices: Option<&str>,
+) -> Result<metashard::planner::Cluster> {
+    use metashard::planner::Cluster;
+    match (cluster, devices) {
+        (Some(c), _) => {
+            if let Some(p) = Cluster::preset(c) {
+                return Ok(p);
+            }
+            let path = std::path::Path::new(c);
+            if path.exists() {
+                return Cluster::load(path);
+            }
+            Err(Error::invalid_argument(
+                "--cluster",
+                c,
+                format!(
+                    "neither a preset ({}) nor a profile file",
+                    Cluster::preset_names().join(", ")
+                ),
+            ))
+        }
+        (None, Some(d)) => {
+            metashard::parse_devices(d)?;
+            let pb = indicatif::ProgressBar::new(1000);
+            pb.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{msg:<34} [{bar:40}] {percent:>3}% {elapsed}",
+                )
+                .expect("a valid template")
+                .progress_chars("=> "),
+            );
+            pb.set_message(format!("calibrating {d}"));
+            let r = metashard::planner::calibrate(d, &CalibrateOptions::quick(), &|what, done| {
+                pb.set_message(what.to_string());
+                pb.set_position((done.clamp(0.0, 1.0) * 1000.0) as u64);
+            });
+            pb.finish_and_clear();
+            r
+        }
+        (None, None) => Err(Error::invalid_argument(
+            "--cluster",
+            "(none)",
+            "give a cluster (a preset or a profile file) or --devices to measure this machine's",
+        )),
+    }
+}

@@ -51,14 +51,23 @@ impl SplitArgs {
             (_, Some(path)) => metashard::planner::load_plan(path, n_layer, n_devices)?,
             (Some(name), None) => {
                 let s = metashard::planner::Strategy::parse(name)?;
-                s.split(n_layer).ok_or_else(|| {
-                    Error::invalid_argument(
-                        "--strategy",
-                        name,
-                        "auto is a search: run `metashard plan --devices SPEC -o plan.json`, \
-                         then `--plan plan.json`",
-                    )
-                })?
+                match s.split(n_layer) {
+                    Some(split) => split,
+                    None => {
+                        // auto: measure these devices (quickly) and search for a default
+                        // workload; `metashard plan` gives the full report and a plan file.
+                        let cluster = calibrate::resolve_cluster(None, Some(devices))?;
+                        let shape = metashard::planner::ModelShape::resolve(model)?;
+                        let w = metashard::planner::Workload::parse("pp=128,tg=128,ctx=512")?;
+                        let r = metashard::planner::auto(&shape, &cluster, &w, None)?;
+                        eprintln!(
+                            "auto ({} on {devices}, {w}): {}",
+                            shape.name,
+                            metashard::planner::strategy::describe(&r.split)
+                        );
+                        r.split
+                    }
+                }
             }
             (None, None) => return Ok(None),
         };

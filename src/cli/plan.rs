@@ -47,19 +47,7 @@ pub struct PlanArgs {
 
 /// The cluster of `--cluster` (preset or file) or `--devices` (measured now).
 pub fn cluster_of(cluster: Option<&str>, devices: Option<&str>) -> Result<Cluster> {
-    match (cluster, devices) {
-        (Some(c), _) => Cluster::load(std::path::Path::new(c)),
-        (None, Some(d)) => Err(metashard::Error::invalid_argument(
-            "--devices",
-            d,
-            "measuring devices is not available yet; give --cluster FILE",
-        )),
-        (None, None) => Err(metashard::Error::invalid_argument(
-            "plan",
-            "",
-            "give --cluster (a preset or a profile JSON) or --devices",
-        )),
-    }
+    super::calibrate::resolve_cluster(cluster, devices)
 }
 
 pub fn run(a: &PlanArgs) -> Result<()> {

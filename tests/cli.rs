@@ -274,6 +274,9 @@ fn every_json_flag_has_help() {
         &["bench", "ops"],
         &["bench", "model"],
         &["bench", "meta"],
+        &["bench", "strategies"],
+        &["plan"],
+        &["calibrate"],
     ] {
         let mut args = cmd.to_vec();
         args.push("--help");

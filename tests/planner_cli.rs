@@ -1,0 +1,217 @@
+//! `metashard plan`, `run --strategy/--plan` and `bench strategies` through the binary: a plan
+//! on a preset prints its table and writes a plan file that `run --plan` executes (the same
+//! answer as the built-in split); DOT of layer 0 names its collectives; bad clusters,
+//! strategies and plans are errors naming the flag; `bench strategies` reports every strategy
+//! predicted against measured.
+
+use std::process::Command;
+
+fn metashard(args: &[&str]) -> (i32, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_metashard"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("metashard-planner-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+#[test]
+fn plan_on_a_preset_prints_tables_and_a_plan_file() {
+    let (code, out, err) = metashard(&[
+        "plan",
+        "--model",
+        "llama3-70b",
+        "--cluster",
+        "h100x8-nvswitch",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    for needle in [
+        "strategy auto",
+        "blk.0-79",
+        "Axis1[1024 x8]",
+        "decode:",
+        "all-reduce",
+        "budget MiB",
+        "search candidates",
+    ] {
+        assert!(out.contains(needle), "lacks {needle:?}:\n{out}");
+    }
+    // JSON: the plan file.
+    let (code, json, err) = metashard(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "rtx4090x4-pcie",
+        "--strategy",
+        "megatron",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["strategy"], "megatron");
+    assert_eq!(v["split"]["layers"].as_array().unwrap().len(), 32);
+    assert_eq!(v["devices"].as_array().unwrap().len(), 4);
+    assert!(v["evaluation"]["decode"]["seconds"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn a_plan_file_runs_as_planned_and_dot_shows_the_collectives() {
+    let plan = tmp("smol.json");
+    let dot = tmp("l0.dot");
+    let profile = tmp("cpu2.json");
+    // A profile of this machine, then a plan for it, written to a file.
+    let (code, _, err) = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--quick",
+        "-o",
+        profile.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = metashard(&[
+        "plan",
+        "--cluster",
+        profile.to_str().unwrap(),
+        "--strategy",
+        "mlp-only",
+        "--workload",
+        "pp=32,tg=8,ctx=128",
+        "-o",
+        plan.to_str().unwrap(),
+        "--dot",
+        dot.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("strategy mlp-only"), "{out}");
+    let d = std::fs::read_to_string(&dot).unwrap();
+    assert!(d.starts_with("digraph") && d.contains("all_reduce"), "{d}");
+    assert!(d.contains("cluster_0") && d.contains("cluster_1"), "{d}");
+    // The plan file runs and gives the built-in split's greedy tokens.
+    let tokens = |extra: &[&str]| {
+        let mut args = vec!["run", "--devices", "cpu:2x1", "-n", "6", "--json"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = metashard(&args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["tokens"].clone()
+    };
+    assert_eq!(tokens(&["--plan", plan.to_str().unwrap()]), tokens(&[]));
+    // On three devices the same plan is refused, naming the file and the count.
+    let (code, _, err) = metashard(&[
+        "run",
+        "--devices",
+        "cpu:3x1",
+        "--plan",
+        plan.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("smol.json") && err.contains("2 devices"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_planner_input_names_the_flag() {
+    for (args, needle) in [
+        (&["plan", "--cluster", "nowhere-x9"][..], "--cluster"),
+        (
+            &["plan", "--cluster", "h100x8-nvswitch", "--strategy", "fast"],
+            "--strategy",
+        ),
+        (
+            &["plan", "--cluster", "h100x8-nvswitch", "--workload", "pp=x"],
+            "--workload",
+        ),
+        (
+            &["plan", "--cluster", "h100x8-nvswitch", "--shares", "1,2,3"],
+            "--shares",
+        ),
+        (&["plan"], "--cluster"),
+        (&["run", "--strategy", "fastest"], "--strategy"),
+        (&["run", "--plan", "/nonexistent/plan.json"], "plan.json"),
+    ] {
+        let (code, _, err) = metashard(args);
+        assert_ne!(code, 0, "{args:?}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+    // Nothing fits: the error names the device and the bytes over.
+    let (code, _, err) = metashard(&[
+        "plan",
+        "--model",
+        "llama3-70b",
+        "--cluster",
+        "rtx4090x4-pcie",
+    ]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("does not fit") && err.contains("rtx4090"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bench_strategies_holds_predictions_against_measurements() {
+    let svg = tmp("strategies.svg");
+    let (code, out, err) = metashard(&[
+        "bench",
+        "strategies",
+        "--devices",
+        "cpu:2x1",
+        "--pp",
+        "16",
+        "--tg",
+        "4",
+        "--reps",
+        "1",
+        "--svg",
+        svg.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap())
+        .collect();
+    for s in [
+        "megatron",
+        "mlp-only",
+        "attn-only",
+        "mirrored",
+        "vocab-split",
+        "memory",
+        "auto",
+    ] {
+        assert!(names.contains(&s), "{s} missing: {names:?}");
+    }
+    for r in rows {
+        // Weights per device: the prediction is exact.
+        assert_eq!(
+            r["predicted_weight_bytes"], r["measured_weight_bytes"],
+            "{r}"
+        );
+        assert!(r["measured_tg_tps"].as_f64().unwrap() > 0.0);
+        assert!(r["predicted_tg_tps"].as_f64().unwrap() > 0.0);
+    }
+    let s = &v["summaries"][0];
+    assert!(s["spearman_tg"].as_f64().unwrap().is_finite());
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        plot.starts_with("<svg") && plot.contains("megatron"),
+        "{plot}"
+    );
+}

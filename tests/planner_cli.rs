@@ -68,6 +68,7 @@ fn plan_on_a_preset_prints_tables_and_a_plan_file() {
 fn a_plan_file_runs_as_planned_and_dot_shows_the_collectives() {
     let plan = tmp("smol.json");
     let dot = tmp("l0.dot");
+    let svg = tmp("l0.svg");
     let profile = tmp("cpu2.json");
     // A profile of this machine, then a plan for it, written to a file.
     let (code, _, err) = metashard(&[
@@ -91,12 +92,19 @@ fn a_plan_file_runs_as_planned_and_dot_shows_the_collectives() {
         plan.to_str().unwrap(),
         "--dot",
         dot.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("strategy mlp-only"), "{out}");
     let d = std::fs::read_to_string(&dot).unwrap();
     assert!(d.starts_with("digraph") && d.contains("all_reduce"), "{d}");
     assert!(d.contains("cluster_0") && d.contains("cluster_1"), "{d}");
+    // SVG through graphviz, or the DOT beside it when graphviz is missing.
+    match std::fs::read_to_string(&svg) {
+        Ok(s) => assert!(s.contains("<svg") && s.contains("all_reduce"), "{s}"),
+        Err(_) => assert!(svg.with_extension("dot").exists(), "neither SVG nor DOT"),
+    }
     // The plan file runs and gives the built-in split's greedy tokens.
     let tokens = |extra: &[&str]| {
         let mut args = vec!["run", "--devices", "cpu:2x1", "-n", "6", "--json"];

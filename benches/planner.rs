@@ -1,0 +1,31 @@
+//! Criterion benchmark of the planner's search: `auto` for Llama-3-70B shapes on the 8 x H100
+//! preset (80 layers, 8 devices, workload pp=512 tg=128 ctx=4096), and for SmolLM2 on a
+//! 2-device CPU-like profile. The timed region is the whole search (cost tables of tied layers,
+//! the dynamic program, the whole-model evaluation of the answer). The target for the
+//! first: under 100 ms.
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use metashard::planner::evaluate::Workload;
+use metashard::planner::{Cluster, ModelShape, auto};
+
+fn search(c: &mut Criterion) {
+    let mut g = c.benchmark_group("planner");
+    g.sample_size(10);
+    let cases = [
+        ("llama3-70b", "h100x8-nvswitch", "pp=512,tg=128,ctx=4096"),
+        ("llama3-8b", "rtx4090x4-pcie", "pp=512,tg=128,ctx=4096"),
+        ("smollm2-135m", "h100x8-nvswitch", "pp=128,tg=64,ctx=512"),
+    ];
+    for (model, cluster, workload) in cases {
+        let shape = ModelShape::preset(model).unwrap();
+        let cl = Cluster::preset(cluster).unwrap();
+        let w = Workload::parse(workload).unwrap();
+        g.bench_function(format!("auto {model} on {cluster}"), |b| {
+            b.iter(|| auto(&shape, &cl, &w, None).unwrap())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, search);
+criterion_main!(benches);

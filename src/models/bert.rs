@@ -1,6 +1,7 @@
 //! The BERT encoder (sentence-transformers models such as all-MiniLM-L6-v2): configuration from
 //! `config.json`, weights from `model.safetensors` placed in any buffer type (a meta buffer
-//! splits them with [`bert_split`](super::bert_split::bert_split)), the forward graph for a
+//! splits them with [`bert_split`](super::bert_split::bert_split) or any
+//! [`bert_by_layer`](super::bert_split::bert_by_layer) assignment), the forward graph for a
 //! padded batch, and [`BertEncoder`], which tokenizes, runs and reads the embeddings on one
 //! device or on a meta device.
 //!
@@ -17,14 +18,15 @@
 //! A safetensors `Linear` weight is row-major `[out, in]`, i.e. ggml `ne = [in, out]`: exactly
 //! the layout of `mul_mat`'s first operand, so weights are used as stored.
 
-use super::bert_split::bert_split;
+use super::bert_split::{bert_by_layer, bert_split};
 use super::decoder::WeightRef;
+use super::split::DecoderSplit;
 use super::synthetic::place;
 use crate::backend::{Backend, Device};
 use crate::buffer::{Buffer, BufferType, BufferUsage};
 use crate::graph::{Graph, TensorId};
 use crate::io::{JsonConfig, SafetensorsFile};
-use crate::meta::MetaDevice;
+use crate::meta::{MetaBuffer, MetaDevice};
 use crate::op::UnaryOp;
 use crate::tensor::Layout;
 use crate::tokenizer::{BatchEncoding, WordPieceTokenizer};
@@ -584,7 +586,7 @@ pub struct BertEncoder {
     tokenizer: WordPieceTokenizer,
     device: Arc<dyn Device>,
     backend: Arc<dyn Backend>,
-    _buffer: Arc<dyn Buffer>,
+    buffer: Arc<dyn Buffer>,
 }
 
 impl BertEncoder {
@@ -592,6 +594,17 @@ impl BertEncoder {
     /// onto `devices`: one device runs the graph itself; several form a meta device with the
     /// built-in split [`bert_split`].
     pub fn load(dir: impl AsRef<Path>, devices: Vec<Arc<dyn Device>>) -> Result<BertEncoder> {
+        Self::load_with(dir, devices, None)
+    }
+
+    /// As [`load`](Self::load), with several devices split by `split` (a per-layer assignment,
+    /// e.g. `planner::Strategy::split(n_layer)`, see [`bert_by_layer`]) instead of the
+    /// built-in split when given. One device ignores it (there is nothing to split).
+    pub fn load_with(
+        dir: impl AsRef<Path>,
+        devices: Vec<Arc<dyn Device>>,
+        split: Option<DecoderSplit>,
+    ) -> Result<BertEncoder> {
         let dir = dir.as_ref();
         let cfg = BertConfig::from_model_dir(dir)?;
         let device: Arc<dyn Device> = match devices.len() {
@@ -604,7 +617,13 @@ impl BertEncoder {
                 ));
             }
             1 => devices.into_iter().next().expect("one device"),
-            _ => MetaDevice::new(devices, bert_split(&cfg))?,
+            _ => {
+                let f = match split {
+                    Some(s) => bert_by_layer(&cfg, s),
+                    None => bert_split(&cfg),
+                };
+                MetaDevice::new(devices, f)?
+            }
         };
         Self::load_on(dir, device)
     }
@@ -627,7 +646,7 @@ impl BertEncoder {
             tokenizer,
             device,
             backend,
-            _buffer: buffer,
+            buffer,
         })
     }
 
@@ -645,6 +664,15 @@ impl BertEncoder {
     }
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.device
+    }
+
+    /// Weight bytes held by each device: one entry on a plain device, one per device (its
+    /// slices of split tensors plus a full copy of each mirrored one) on a meta device.
+    pub fn weight_bytes_per_device(&self) -> Vec<usize> {
+        match self.buffer.as_any().downcast_ref::<MetaBuffer>() {
+            Some(mb) => mb.device_bytes(),
+            None => vec![self.buffer.size()],
+        }
     }
 
     /// Tokenize, pad to the longest and truncate at the tokenizer's maximum length.

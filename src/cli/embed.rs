@@ -1,9 +1,11 @@
 //! The `metashard embed` command: sentence embeddings with a BERT encoder (all-MiniLM-L6-v2)
 //! on any device list, printed as JSON (one object per sentence) or as a short summary with a
-//! table of pairwise cosine similarities.
+//! table of pairwise cosine similarities. `--strategy` picks a named split for several devices.
 
-use metashard::models::bert::{BertEncoder, cosine};
+use metashard::models::bert::{BertConfig, BertEncoder, cosine};
 use metashard::models::paths::{ModelPath, resolve};
+use metashard::models::split::DecoderSplit;
+use metashard::planner::Strategy;
 use metashard::{Error, Result, parse_devices};
 use std::time::Instant;
 
@@ -16,6 +18,11 @@ pub struct EmbedOptions {
     /// A device list: `cpu`, `cpu:N`, `cpu:NxT` (several devices: tensor parallelism).
     #[arg(long, default_value = "cpu")]
     pub devices: String,
+    /// A named split for several devices instead of the built-in one: megatron (the built-in
+    /// split's assignment), mlp-only, attn-only, mirrored, vocab-split (the word embedding by
+    /// vocabulary), memory (everything split); `auto` is for decoders only.
+    #[arg(long)]
+    pub strategy: Option<String>,
     /// Print JSON: an array with one object per sentence (text, tokens, embedding).
     #[arg(long)]
     pub json: bool,
@@ -58,8 +65,15 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
         }
     };
     let devices = parse_devices(&opts.devices)?;
+    let split = match &opts.strategy {
+        Some(name) => {
+            let cfg = BertConfig::from_model_dir(&dir)?;
+            Some(encoder_split(name, cfg.n_layer)?)
+        }
+        None => None,
+    };
     let t0 = Instant::now();
-    let enc = BertEncoder::load(&dir, devices)?;
+    let enc = BertEncoder::load_with(&dir, devices, split)?;
     let load_s = t0.elapsed().as_secs_f64();
     let texts: Vec<&str> = opts.sentences.iter().map(String::as_str).collect();
     let batches = texts
@@ -83,10 +97,13 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
         .map(|b| format!("{}x{}", b.batch, b.seq_len))
         .collect();
     eprintln!(
-        "embed: {} on {}: load {:.2} s, batches (sentences x tokens) {}: median {:.1} ms over \
-         {} run(s)",
+        "embed: {} on {}{}: load {:.2} s, batches (sentences x tokens) {}: median {:.1} ms \
+         over {} run(s)",
         dir.display(),
         enc.device().name(),
+        opts.strategy
+            .as_ref()
+            .map_or(String::new(), |s| format!(" (strategy {s})")),
         load_s,
         shapes.join(" "),
         median * 1e3,
@@ -111,6 +128,35 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
         write_summary(&records, out).map_err(w)?;
     }
     Ok(())
+}
+
+/// The strategies that apply to an encoder (every named one but `auto`).
+pub const ENCODER_STRATEGIES: [Strategy; 6] = [
+    Strategy::Megatron,
+    Strategy::MlpOnly,
+    Strategy::AttnOnly,
+    Strategy::Mirrored,
+    Strategy::VocabSplit,
+    Strategy::Memory,
+];
+
+/// The assignment `--strategy NAME` asks for on an encoder of `n_layer` layers (the output
+/// projection's entry is unused by an encoder); `auto` and unknown names are errors naming
+/// `--strategy`.
+pub fn encoder_split(name: &str, n_layer: usize) -> Result<DecoderSplit> {
+    let names: Vec<&str> = ENCODER_STRATEGIES.iter().map(|s| s.name()).collect();
+    let names = names.join(", ");
+    let s = Strategy::parse(name)
+        .map_err(|_| Error::invalid_argument("--strategy", name, format!("one of {names}")))?;
+    s.split(n_layer).ok_or_else(|| {
+        Error::invalid_argument(
+            "--strategy",
+            name,
+            format!(
+                "the planner's search covers decoders only; for an encoder name one of {names}"
+            ),
+        )
+    })
 }
 
 /// A readable summary: per sentence its token count, norm and first values; with several

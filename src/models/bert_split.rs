@@ -23,7 +23,8 @@
 use super::bert::BertConfig;
 use super::split::{DecoderSplit, LayerSplit};
 use crate::meta::{SplitFn, TensorInfo};
-use crate::split_state::{Granularity, SplitState, split_even, split_ratios};
+use super::split::extents;
+use crate::split_state::SplitState;
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -76,32 +77,6 @@ pub fn bert_role(name: &str) -> (BertRole, usize) {
         _ => BertRole::Other,
     };
     (role, layer)
-}
-
-/// `units` units of `unit` each over `n` devices (even, or by `ratios`: one per device),
-/// rotated by `rotation`.
-fn extents(
-    units: usize,
-    unit: usize,
-    n: usize,
-    ratios: Option<&[f64]>,
-    rotation: usize,
-) -> Result<Vec<usize>> {
-    let v = match ratios {
-        Some(r) => {
-            if r.len() != n {
-                return Err(Error::invalid_input(
-                    "bert split",
-                    "split ratios",
-                    format!("one per device ({n})"),
-                    r.len(),
-                ));
-            }
-            split_ratios(units, r, Granularity(1), rotation)?
-        }
-        None => split_even(units, n, Granularity(1), rotation)?,
-    };
-    Ok(v.into_iter().map(|u| u * unit).collect())
 }
 
 fn heads(cfg: &BertConfig, n: usize, ratios: Option<&[f64]>, layer: usize) -> Result<Vec<usize>> {

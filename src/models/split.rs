@@ -79,11 +79,11 @@ pub fn role(name: &str) -> (Role, usize) {
 
 /// Extents of `units` units of `unit` each over `n` devices (even or by ratios), rotated by
 /// `rotation`.
-fn extents(
+pub(crate) fn extents(
     units: usize,
     unit: usize,
     n: usize,
-    ratios: &Option<Vec<f64>>,
+    ratios: Option<&[f64]>,
     rotation: usize,
 ) -> Result<Vec<usize>> {
     let v = match ratios {
@@ -157,13 +157,13 @@ pub fn by_layer(cfg: &DecoderConfig, plan: DecoderSplit) -> SplitFn {
         let n = t.n_devices;
         let (role, layer) = role(t.name);
         let hd = cfg.head_dim();
-        let groups = |unit: usize| extents(cfg.n_head_kv, unit, n, &plan.ratios, layer);
+        let groups = |unit: usize| extents(cfg.n_head_kv, unit, n, plan.ratios.as_deref(), layer);
         // The MLP in whole blocks of 32 (quantized rows along K need whole blocks).
         let ffn = |total: usize| -> Result<Vec<usize>> {
             if total.is_multiple_of(32) {
-                extents(total / 32, 32, n, &plan.ratios, layer)
+                extents(total / 32, 32, n, plan.ratios.as_deref(), layer)
             } else {
-                extents(total, 1, n, &plan.ratios, layer)
+                extents(total, 1, n, plan.ratios.as_deref(), layer)
             }
         };
         let split = plan.layers.get(layer).copied().unwrap_or(LayerSplit {
@@ -171,7 +171,7 @@ pub fn by_layer(cfg: &DecoderConfig, plan: DecoderSplit) -> SplitFn {
             mlp: false,
         });
         let (attn, mlp) = (split.attention, split.mlp);
-        let vocab = |v: usize| extents(v, 1, n, &plan.ratios, 0);
+        let vocab = |v: usize| extents(v, 1, n, plan.ratios.as_deref(), 0);
         Ok(match role {
             Role::Q if attn => SplitState::axis(1, &groups(hd * cfg.group())?),
             Role::K | Role::V if attn => SplitState::axis(1, &groups(hd)?),

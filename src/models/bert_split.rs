@@ -21,9 +21,9 @@
 //! vocabulary rows in proportion.
 
 use super::bert::BertConfig;
+use super::split::extents;
 use super::split::{DecoderSplit, LayerSplit};
 use crate::meta::{SplitFn, TensorInfo};
-use super::split::extents;
 use crate::split_state::SplitState;
 use crate::{Error, Result};
 use std::sync::Arc;

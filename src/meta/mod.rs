@@ -39,17 +39,46 @@ pub struct TensorInfo<'a> {
 /// The user's split-state callback: called once for every tensor placed in a meta buffer.
 pub type SplitFn = Arc<dyn Fn(&TensorInfo) -> Result<SplitState> + Send + Sync>;
 
-/// State hints for computed nodes: called with a node's name, layout and the device count for
-/// every node of each new graph; `Some(state)` makes the sharding take a pattern giving that
-/// state where one is admissible (see `sharding.rs`). A meta device's hints are fixed for its
-/// life, so its backend's plan cache (keyed by graph structure) stays valid.
-pub type HintFn = Arc<dyn Fn(&TensorInfo) -> Option<SplitState> + Send + Sync>;
+/// What a state hint is told about a computed node: the node in its graph (its name, layout,
+/// op and sources) and the device count.
+#[derive(Clone, Copy)]
+pub struct NodeInfo<'a> {
+    pub graph: &'a Graph,
+    pub id: TensorId,
+    pub n_devices: usize,
+}
+
+impl<'a> NodeInfo<'a> {
+    pub fn name(&self) -> &'a str {
+        self.graph.name(self.id)
+    }
+
+    pub fn layout(&self) -> &'a Layout {
+        self.graph.layout(self.id)
+    }
+
+    pub fn op(&self) -> &'a crate::op::Op {
+        &self.graph.node(self.id).op
+    }
+
+    /// The names of the node's sources, in order.
+    pub fn source_names(&self) -> impl Iterator<Item = &'a str> + 'a {
+        let g = self.graph;
+        g.node(self.id).src.iter().map(move |&s| g.name(s))
+    }
+}
+
+/// State hints for computed nodes: called for every node of each new graph; `Some(state)`
+/// makes the sharding take a pattern giving that state where one is admissible (see
+/// `sharding.rs`). A meta device's hints are fixed for its life, so its backend's plan cache
+/// (keyed by graph structure) stays valid.
+pub type HintFn = Arc<dyn Fn(&NodeInfo) -> Option<SplitState> + Send + Sync>;
 
 /// The state `hints` give node `id` of `g` on `n` devices (None without hints).
 pub fn hint_for(hints: Option<&HintFn>, g: &Graph, id: TensorId, n: usize) -> Option<SplitState> {
-    hints?(&TensorInfo {
-        name: g.name(id),
-        layout: g.layout(id),
+    hints?(&NodeInfo {
+        graph: g,
+        id,
         n_devices: n,
     })
 }

@@ -8,7 +8,7 @@
 use crate::backend::{Backend, Device, Registry};
 use crate::buffer::{Buffer, BufferType};
 use crate::cpu::{CpuOptions, Precision};
-use crate::meta::{MetaBuffer, MetaDevice, MetaOptions, SplitFn};
+use crate::meta::{MetaBuffer, MetaDevice, MetaOptions, SplitPolicy};
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -54,12 +54,13 @@ pub struct DeviceSet {
 
 impl DeviceSet {
     /// Open `spec` with `precision` for products of quantized weights on CPU devices; several
-    /// devices run as one meta device with `split` (called only then, with the device count).
-    pub fn open(
+    /// devices run as one meta device with `split` (called only then, with the device count):
+    /// a split callback, or a [`SplitPolicy`] that adds state hints.
+    pub fn open<P: Into<SplitPolicy>>(
         spec: &str,
         precision: Precision,
         options: MetaOptions,
-        split: impl FnOnce(usize) -> SplitFn,
+        split: impl FnOnce(usize) -> P,
     ) -> Result<DeviceSet> {
         let devices = parse_devices_with(spec, CpuOptions { precision })?;
         if devices.len() == 1 {
@@ -72,7 +73,7 @@ impl DeviceSet {
                 meta: None,
             });
         }
-        let m = MetaDevice::with_options(devices.clone(), split(devices.len()), options)?;
+        let m = MetaDevice::with_policy(devices.clone(), split(devices.len()).into(), options)?;
         Ok(DeviceSet {
             spec: spec.to_string(),
             backend: m.init_backend()?,

@@ -86,6 +86,46 @@ fn megatron_has_two_all_reduces_per_layer_and_mirrored_none() -> Result<()> {
 }
 
 #[test]
+fn sequence_parallel_predicts_reduce_scatters_and_all_gathers_in_the_layers() -> Result<()> {
+    let s = smol();
+    let c = cluster(2, 8 << 30);
+    let l = s.n_layer();
+    let sp = Strategy::SequenceParallel.split(l).unwrap();
+    let e = evaluate(&s, split_fn(&s, &sp), &c, &w())?;
+    let mega = Strategy::Megatron.split(l).unwrap();
+    let m = evaluate(&s, split_fn(&s, &mega), &c, &w())?;
+    let count = |e: &metashard::planner::evaluate::StepCost, kind: &str| {
+        e.collectives
+            .iter()
+            .find(|x| x.kind == kind)
+            .map_or((0, 0), |x| (x.count, x.bytes))
+    };
+    // Prefill (32 tokens): the stream [576, 32] f32 is reduce-scattered after each split block
+    // and its normed form all-gathered before the next, except after the last layer, which keeps
+    // Megatron's all-reduce of the one row that gets logits (in the output segment).
+    let p = e.prefill.as_ref().unwrap();
+    let stream = 576 * 32 * 4;
+    assert_eq!(
+        count(p, "reduce-scatter"),
+        (2 * l - 1, (2 * l - 1) * stream)
+    );
+    assert_eq!(count(p, "all-gather"), (2 * l - 1, (2 * l - 1) * stream));
+    assert_eq!(count(p, "all-reduce"), (1, 576 * 4), "{:?}", p.collectives);
+    let mp = m.prefill.as_ref().unwrap();
+    assert_eq!(count(mp, "all-reduce").0, 2 * l);
+    assert_eq!(count(mp, "reduce-scatter").0, 0);
+    // Same bytes per rank as Megatron's all-reduces, in twice the collectives.
+    let last = |e: &metashard::planner::evaluate::StepCost| e.segments.last().unwrap().comm_s;
+    assert!(last(p) > 0.0 && (last(p) - last(mp)).abs() < 1e-12);
+    // Decode (one token, fewer than the devices): not hinted, exactly Megatron's prediction.
+    let (d, md) = (e.decode.as_ref().unwrap(), m.decode.as_ref().unwrap());
+    assert_eq!(d.collectives, md.collectives);
+    assert_eq!(d.seconds, md.seconds);
+    assert_eq!(e.memory[0].weights, m.memory[0].weights);
+    Ok(())
+}
+
+#[test]
 fn predicted_weight_bytes_equal_a_real_run_on_two_devices() -> Result<()> {
     // The real model, loaded on cpu:2x1 with the built-in split.
     let path = match metashard::models::paths::resolve("smollm2")? {

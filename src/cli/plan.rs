@@ -23,7 +23,8 @@ pub struct PlanArgs {
     /// The workload: `pp=512,tg=128,batch=1,ctx=4096` (any subset).
     #[arg(long, default_value = "pp=512,tg=128,batch=1,ctx=4096")]
     pub workload: String,
-    /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, or auto (the search).
+    /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel, or auto
+    /// (the search).
     #[arg(long, default_value = "auto")]
     pub strategy: String,
     /// Device shares of split tensors: even, throughput (by each device's measured speed), or

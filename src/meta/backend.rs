@@ -1,7 +1,8 @@
 //! `MetaBackend::graph_compute`. A graph structure seen for the first time goes through the
 //! passes of [`MetaBackend::prepare`], one function each:
 //!
-//! 1. [`derive_sharding`]: every node's split state and the conversions (`sharding.rs`);
+//! 1. [`derive_sharding`]: every node's split state and the conversions (`sharding.rs`),
+//!    following the meta device's state hints where it has them;
 //! 2. [`rewrite`]: one program per device, conversions as local nodes or collectives
 //!    (`rewrite.rs`);
 //! 3. [`allocate`]: each device's compute buffer, sized from its local shapes;
@@ -198,11 +199,17 @@ impl MetaBackend {
         self.last.lock().as_ref().map(|p| p.sharding.clone())
     }
 
-    /// The sharding of a graph (pass 1), without running it (for reports).
+    /// The sharding of a graph (pass 1), without running it (for reports): placed leaves in
+    /// their states, computed nodes by their rules and the device's state hints.
     pub fn sharding(&self, g: &Graph) -> Result<Sharding> {
-        derive_sharding(g, self.n_devices(), self.shared.options.explicit, &|id| {
-            leaf_state(g, id)
-        })
+        let n = self.n_devices();
+        derive_sharding(
+            g,
+            n,
+            self.shared.options.explicit,
+            &|id| leaf_state(g, id),
+            &|id| super::hint_for(self.shared.hints.as_ref(), g, id, n),
+        )
     }
 
     /// The local program of device `d` for the last graph (for inspection and tests).

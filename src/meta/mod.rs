@@ -1,10 +1,12 @@
 //! The meta device: N devices seen as one. Weight (static) tensors get their split state from a
-//! user callback when they are placed in a meta buffer; the meta backend rewrites each graph
-//! into one program per device joined by collectives and runs the devices at the same time.
+//! user callback when they are placed in a meta buffer; computed nodes take the cheapest state
+//! their op's rule admits, or the state an optional hint callback asks for ([`SplitPolicy`]);
+//! the meta backend rewrites each graph into one program per device joined by collectives and
+//! runs the devices at the same time.
 //!
 //! - `buffer.rs`: `MetaBufferType`, `MetaBuffer` (each device allocates only its slice;
 //!   set/get scatter and gather through the split, summing partials).
-//! - `plan.rs`: derive every node's state and the conversions its sources need (pure).
+//! - `sharding.rs`: derive every node's state and the conversions its sources need (pure).
 //! - `rewrite.rs`: build the per-device programs (local shapes, conversions, collectives).
 //! - `backend.rs`: `MetaBackend` (plan cache, per-device allocation, concurrent execution).
 
@@ -36,6 +38,73 @@ pub struct TensorInfo<'a> {
 
 /// The user's split-state callback: called once for every tensor placed in a meta buffer.
 pub type SplitFn = Arc<dyn Fn(&TensorInfo) -> Result<SplitState> + Send + Sync>;
+
+/// What a state hint is told about a computed node: the node in its graph (its name, layout,
+/// op and sources) and the device count.
+#[derive(Clone, Copy)]
+pub struct NodeInfo<'a> {
+    pub graph: &'a Graph,
+    pub id: TensorId,
+    pub n_devices: usize,
+}
+
+impl<'a> NodeInfo<'a> {
+    pub fn name(&self) -> &'a str {
+        self.graph.name(self.id)
+    }
+
+    pub fn layout(&self) -> &'a Layout {
+        self.graph.layout(self.id)
+    }
+
+    pub fn op(&self) -> &'a crate::op::Op {
+        &self.graph.node(self.id).op
+    }
+
+    /// The names of the node's sources, in order.
+    pub fn source_names(&self) -> impl Iterator<Item = &'a str> + 'a {
+        let g = self.graph;
+        g.node(self.id).src.iter().map(move |&s| g.name(s))
+    }
+}
+
+/// State hints for computed nodes: called for every node of each new graph; `Some(state)`
+/// makes the sharding take a pattern giving that state where one is admissible (see
+/// `sharding.rs`). A meta device's hints are fixed for its life, so its backend's plan cache
+/// (keyed by graph structure) stays valid.
+pub type HintFn = Arc<dyn Fn(&NodeInfo) -> Option<SplitState> + Send + Sync>;
+
+/// The state `hints` give node `id` of `g` on `n` devices (None without hints).
+pub fn hint_for(hints: Option<&HintFn>, g: &Graph, id: TensorId, n: usize) -> Option<SplitState> {
+    hints?(&NodeInfo {
+        graph: g,
+        id,
+        n_devices: n,
+    })
+}
+
+/// What decides the split states on a meta device: the split callback for placed tensors and
+/// optional state hints for computed nodes. A bare [`SplitFn`] converts into a policy without
+/// hints.
+#[derive(Clone)]
+pub struct SplitPolicy {
+    pub split: SplitFn,
+    pub hints: Option<HintFn>,
+}
+
+impl From<SplitFn> for SplitPolicy {
+    fn from(split: SplitFn) -> Self {
+        SplitPolicy { split, hints: None }
+    }
+}
+
+impl std::fmt::Debug for SplitPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SplitPolicy")
+            .field("hints", &self.hints.is_some())
+            .finish_non_exhaustive()
+    }
+}
 
 /// Options of a meta device.
 #[derive(Clone, Copy, Debug)]
@@ -72,6 +141,8 @@ impl MetaOptions {
 pub struct MetaShared {
     pub devices: Vec<Arc<dyn Device>>,
     pub split_fn: SplitFn,
+    /// State hints for computed nodes (see [`HintFn`]).
+    pub hints: Option<HintFn>,
     pub options: MetaOptions,
 }
 
@@ -91,6 +162,16 @@ impl MetaDevice {
         split_fn: SplitFn,
         options: MetaOptions,
     ) -> Result<Arc<MetaDevice>> {
+        Self::with_policy(devices, split_fn.into(), options)
+    }
+
+    /// A meta device whose split states follow `policy`: its split callback, and its state
+    /// hints for computed nodes.
+    pub fn with_policy(
+        devices: Vec<Arc<dyn Device>>,
+        policy: SplitPolicy,
+        options: MetaOptions,
+    ) -> Result<Arc<MetaDevice>> {
         if devices.is_empty() || devices.len() > 16 {
             return Err(Error::Device {
                 device: "meta".into(),
@@ -100,7 +181,8 @@ impl MetaDevice {
         Ok(Arc::new(MetaDevice {
             shared: Arc::new(MetaShared {
                 devices,
-                split_fn,
+                split_fn: policy.split,
+                hints: policy.hints,
                 options,
             }),
         }))

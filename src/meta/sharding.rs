@@ -12,6 +12,16 @@
 //!   gathers: the bytes they move plus a fixed latency; a conversion an earlier consumer
 //!   already caused costs nothing). The chosen conversions are recorded.
 //!
+//! *State hints* steer that greedy choice where a cheaper local step would lead somewhere
+//! worse later (sequence parallelism: a residual add reduce-scattered into a token split
+//! rather than kept Partial by padding the residual). A node with a hint takes only patterns
+//! whose output is the hinted state: the rule is asked with the sources as they are and again
+//! as if the sources spanning the hinted split already were in it (all of them, and each alone),
+//! so a pattern to the hinted state exists wherever the rule allows one; the cheapest is taken.
+//! When none is admissible (or the node is a leaf or a view, whose state is not chosen), the
+//! hint is ignored with a `tracing` debug line and the node takes its usual state. A hint that
+//! is not a valid state of its node is an error naming the node.
+//!
 //! In explicit mode, gathers and all-to-alls are refused: a pattern needing one is skipped, and
 //! if no pattern remains the error names the node, the source and the states.
 
@@ -182,13 +192,20 @@ impl Sharding {
     }
 }
 
+/// No state hints: every node takes the cheapest pattern of its rule.
+pub fn no_hints(_: TensorId) -> Option<SplitState> {
+    None
+}
+
 /// Derive the sharding of `g` over `n` devices. `leaf_state(id)` gives a leaf's state (None:
-/// mirrored).
+/// mirrored); `hint(id)` a computed node's wanted state (None: the cheapest; see the module
+/// doc; [`no_hints`] for none).
 pub fn derive_sharding(
     g: &Graph,
     n: usize,
     explicit: bool,
     leaf_state: &dyn Fn(TensorId) -> Option<SplitState>,
+    hint: &dyn Fn(TensorId) -> Option<SplitState>,
 ) -> Result<Sharding> {
     let len = g.len();
     let mut p = Sharding {
@@ -202,10 +219,28 @@ pub fn derive_sharding(
     for id in g.ids() {
         let node = g.node(id);
         let bytes_of = |t: TensorId| Layout::contiguous(g.layout(t).dtype, g.layout(t).ne).nbytes();
+        let want = hint(id);
+        if let Some(h) = &want {
+            h.validate(&node.name, &node.layout, n)
+                .map_err(|e| match e {
+                    Error::InvalidSplit { tensor, reason } => Error::InvalidSplit {
+                        tensor,
+                        reason: format!("state hint {h}: {reason}"),
+                    },
+                    other => other,
+                })?;
+        }
         // Leaves.
         if node.is_leaf() {
-            p.states
-                .push(leaf_state(id).unwrap_or_else(|| SplitState::mirrored(n)));
+            let st = leaf_state(id).unwrap_or_else(|| SplitState::mirrored(n));
+            ignored_hint(
+                g,
+                id,
+                want.as_ref(),
+                &st,
+                "a leaf keeps the state it was placed in",
+            );
+            p.states.push(st);
             p.required.push(Vec::new());
             continue;
         }
@@ -227,6 +262,8 @@ pub fn derive_sharding(
                 }
             };
             record(&mut p, &mut seen, id, root, &req, bytes_of(root));
+            let why = "a view's state follows its root";
+            ignored_hint(g, id, want.as_ref(), &vs.state, why);
             p.states.push(vs.state.clone());
             p.required.push(vec![req]);
             p.views[id.index()] = Some(vs);
@@ -254,12 +291,25 @@ pub fn derive_sharding(
                 })
                 .sum()
         };
-        let best = pats
-            .iter()
-            .map(|pt| (total(pt, explicit), pt))
-            .filter(|(c, _)| c.is_finite())
-            .min_by(|a, b| a.0.total_cmp(&b.0));
-        let Some((_, best)) = best else {
+        let cheapest = |pats: &[Pattern]| -> Option<Pattern> {
+            pats.iter()
+                .map(|pt| (total(pt, explicit), pt))
+                .filter(|(c, _)| c.is_finite())
+                .min_by(|a, b| a.0.total_cmp(&b.0))
+                .map(|(_, pt)| pt.clone())
+        };
+        let hinted = want
+            .as_ref()
+            .and_then(|h| cheapest(&hinted_patterns(g, id, &cur, &pats, h)));
+        let best = hinted.or_else(|| {
+            let best = cheapest(&pats);
+            if let Some(b) = &best {
+                let why = "no admissible pattern gives it";
+                ignored_hint(g, id, want.as_ref(), &b.output, why);
+            }
+            best
+        });
+        let Some(best) = best else {
             // Explain: in explicit mode, name the first refused conversion of the best pattern.
             if explicit
                 && let Some((_, pt)) = pats
@@ -294,6 +344,67 @@ pub fn derive_sharding(
         p.required.push(best.inputs.clone());
     }
     Ok(p)
+}
+
+/// The patterns of node `id` (sources in states `cur`, whose own patterns are `pats`) whose
+/// output is `want`: among `pats`, and among the rule's patterns when the sources that span
+/// `want`'s split (every source, for Mirrored or Partial) are taken as already in `want`, all
+/// together and each alone. A source state that is not valid for the source is not tried.
+fn hinted_patterns(
+    g: &Graph,
+    id: TensorId,
+    cur: &[SplitState],
+    pats: &[Pattern],
+    want: &SplitState,
+) -> Vec<Pattern> {
+    let node = g.node(id);
+    let n = want.n_devices();
+    let spans = |i: usize| {
+        let s = node.src[i];
+        let l = g.layout(s);
+        let fits = match want.split_dim() {
+            Some(k) => l.ne[k] == node.layout.ne[k],
+            None => true,
+        };
+        fits && want.validate(g.name(s), l, n).is_ok()
+    };
+    let spanning: Vec<usize> = (0..cur.len()).filter(|&i| spans(i)).collect();
+    let mut alternatives: Vec<Vec<SplitState>> = Vec::new();
+    let with = |which: &[usize]| {
+        let mut v = cur.to_vec();
+        for &i in which {
+            v[i] = want.clone();
+        }
+        v
+    };
+    alternatives.push(with(&spanning));
+    if spanning.len() > 1 {
+        alternatives.extend(spanning.iter().map(|&i| with(&[i])));
+    }
+    let mut out: Vec<Pattern> = pats.iter().filter(|p| &p.output == want).cloned().collect();
+    for alt in alternatives.iter().filter(|a| a.as_slice() != cur) {
+        for p in patterns(g, id, alt) {
+            if &p.output == want && !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// Log a hint node `id` does not follow (it takes `got` instead).
+fn ignored_hint(g: &Graph, id: TensorId, want: Option<&SplitState>, got: &SplitState, why: &str) {
+    if let Some(w) = want
+        && w != got
+    {
+        tracing::debug!(
+            node = %g.name(id),
+            op = g.node(id).op.name(),
+            hint = %w,
+            state = %got,
+            "state hint not followed: {why}"
+        );
+    }
 }
 
 fn record(
@@ -335,5 +446,119 @@ fn unrequested(
         conversion: conversion_kind(from, to)
             .map_or("a conversion", |k| k.name())
             .to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    const N: usize = 2;
+
+    fn ax1() -> SplitState {
+        SplitState::axis(1, &[2, 2])
+    }
+
+    /// `x` (Partial) + `r` (Mirrored), then an RMS norm of the sum: a residual add after a
+    /// row-parallel product, and the norm after it.
+    fn residual() -> (Graph, TensorId, TensorId, TensorId) {
+        let mut g = Graph::new();
+        let x = g.input("x", DType::F32, [8, 4, 1, 1]).unwrap();
+        let r = g.input("r", DType::F32, [8, 4, 1, 1]).unwrap();
+        let sum = g.add(x, r).unwrap();
+        g.set_name(sum, "sum");
+        let norm = g.rms_norm(sum, 1e-6).unwrap();
+        g.set_name(norm, "norm");
+        (g, x, sum, norm)
+    }
+
+    fn shard(
+        g: &Graph,
+        partial: TensorId,
+        explicit: bool,
+        hint: &dyn Fn(TensorId) -> Option<SplitState>,
+    ) -> Result<Sharding> {
+        let leaf = |id: TensorId| (id == partial).then(|| SplitState::partial(N));
+        derive_sharding(g, N, explicit, &leaf, hint)
+    }
+
+    fn kinds(s: &Sharding) -> Vec<ConversionKind> {
+        s.conversions.iter().map(|c| c.kind).collect()
+    }
+
+    #[test]
+    fn a_hinted_node_takes_the_hinted_state() {
+        let (g, x, sum, norm) = residual();
+        // Unhinted: the cheap local step (the mirrored residual made Partial), then an
+        // all-reduce before the norm.
+        let plain = shard(&g, x, false, &no_hints).unwrap();
+        assert_eq!(plain.states[sum.index()], SplitState::partial(N));
+        assert_eq!(
+            kinds(&plain),
+            [ConversionKind::ToPartial, ConversionKind::AllReduce]
+        );
+        // Hinted to a token split: the partial sum is reduce-scattered, the residual sliced,
+        // and the norm keeps the split.
+        let hint = |id: TensorId| (id == sum).then(ax1);
+        let s = shard(&g, x, false, &hint).unwrap();
+        assert_eq!(s.states[sum.index()], ax1());
+        assert_eq!(s.required[sum.index()], [ax1(), ax1()]);
+        assert_eq!(s.states[norm.index()], ax1());
+        assert_eq!(
+            kinds(&s),
+            [ConversionKind::ReduceScatter, ConversionKind::Slice]
+        );
+        // A hint the cheapest pattern already gives changes nothing.
+        let same = |id: TensorId| (id == sum).then(|| SplitState::partial(N));
+        let s = shard(&g, x, false, &same).unwrap();
+        assert_eq!(s.states, plain.states);
+        assert_eq!(kinds(&s), kinds(&plain));
+    }
+
+    #[test]
+    fn an_inadmissible_hint_falls_back_to_the_cheapest_pattern() {
+        let (g, x, sum, norm) = residual();
+        let plain = shard(&g, x, false, &no_hints).unwrap();
+        // The norm reduces dimension 0: no pattern splits its output there.
+        let hint = |id: TensorId| (id == norm).then(|| SplitState::axis(0, &[4, 4]));
+        let s = shard(&g, x, false, &hint).unwrap();
+        assert_eq!(s.states, plain.states);
+        assert_eq!(kinds(&s), kinds(&plain));
+        // Explicit mode refuses the all-gather a mirrored norm of a split sum would need.
+        let hint = |id: TensorId| {
+            if id == sum {
+                Some(ax1())
+            } else if id == norm {
+                Some(SplitState::mirrored(N))
+            } else {
+                None
+            }
+        };
+        let s = shard(&g, x, true, &hint).unwrap();
+        assert_eq!(s.states[sum.index()], ax1());
+        assert_eq!(s.states[norm.index()], ax1());
+        assert_eq!(s.count(ConversionKind::AllGather), 0);
+        // Without explicit mode the same hint is followed.
+        let s = shard(&g, x, false, &hint).unwrap();
+        assert_eq!(s.states[norm.index()], SplitState::mirrored(N));
+        assert_eq!(s.count(ConversionKind::AllGather), 1);
+        // Leaves keep the state they were placed in.
+        let hint = |id: TensorId| (id == x).then(|| SplitState::mirrored(N));
+        let s = shard(&g, x, false, &hint).unwrap();
+        assert_eq!(s.states[x.index()], SplitState::partial(N));
+    }
+
+    #[test]
+    fn an_invalid_hint_is_an_error_naming_the_node() {
+        let (g, x, sum, _) = residual();
+        let hint = |id: TensorId| (id == sum).then(|| SplitState::axis(1, &[3, 3]));
+        let e = shard(&g, x, false, &hint).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(&e, Error::InvalidSplit { tensor, .. } if tensor == "sum")
+                && msg.contains("state hint Axis1[3, 3]"),
+            "{msg}"
+        );
     }
 }

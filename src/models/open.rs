@@ -5,7 +5,7 @@
 
 use super::llama::{LlamaModel, config_from_gguf};
 use super::paths::{ModelPath, resolve};
-use super::split::{DecoderSplit, SplitOptions, by_layer, megatron};
+use super::split::{DecoderSplit, SplitOptions, megatron, policy};
 use crate::cpu::Precision;
 use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
@@ -21,7 +21,8 @@ pub struct OpenOptions {
     /// Keep attention mirrored on every device instead of head-split.
     pub mirror_attention: bool,
     /// A per-layer assignment (a strategy or a plan) instead of the built-in split; its
-    /// layer count must be the model's.
+    /// layer count must be the model's. Its sequence parallelism becomes the meta device's
+    /// state hints.
     pub split: Option<DecoderSplit>,
     pub meta: MetaOptions,
 }
@@ -56,7 +57,7 @@ pub fn open_decoder(
             if plan.ratios.is_none() {
                 plan.ratios = opts.ratios.clone();
             }
-            by_layer(&cfg, plan)
+            policy(&cfg, plan)
         }
         None => megatron(
             &cfg,
@@ -64,7 +65,8 @@ pub fn open_decoder(
                 ratios: opts.ratios.clone(),
                 mirror_attention: opts.mirror_attention,
             },
-        ),
+        )
+        .into(),
     };
     let set = DeviceSet::open(devices, opts.precision, opts.meta, |_| split_fn)?;
     let m = LlamaModel::load(&path, set.buffer_type.as_ref(), progress)?;

@@ -12,9 +12,18 @@
 //! [`by_layer`] is the general form the planner uses: per layer, attention and MLP split or
 //! mirrored ([`LayerSplit`]); the output projection and the token embedding split by
 //! vocabulary or mirrored ([`DecoderSplit`]); [`megatron`] is its every-layer case.
+//!
+//! Sequence parallelism ([`DecoderSplit::sequence_parallel`], [`sequence_parallel_hints`]) is
+//! not a split of weights but of the residual stream: state hints put the residual adds
+//! `l{i}.attn_out` and `l{i}.out` (`[n_embd, T]`) on Axis1 with even token shares, so each
+//! split block's partial output is reduce-scattered into the token split instead of
+//! all-reduced; the norms after them then run on each device's tokens (their cheapest
+//! pattern), and the normed activation is hinted Mirrored, all-gathered before the next
+//! column-parallel products. [`policy`] gives the callback and the hints together.
 
 use super::decoder::DecoderConfig;
-use crate::meta::{SplitFn, TensorInfo};
+use crate::meta::{HintFn, NodeInfo, SplitFn, SplitPolicy, TensorInfo};
+use crate::op::{BinaryOp, Op};
 use crate::split_state::{Granularity, SplitState, split_even, split_ratios};
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -122,6 +131,11 @@ pub struct DecoderSplit {
     pub embedding: bool,
     /// Per-device shares (in whole heads and blocks); even when absent.
     pub ratios: Option<Vec<f64>>,
+    /// Sequence parallelism: the residual stream after each split block split along tokens
+    /// (reduce-scatter and all-gather in place of the all-reduce; see
+    /// [`sequence_parallel_hints`]). Absent in older plan files: off.
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 impl DecoderSplit {
@@ -132,7 +146,104 @@ impl DecoderSplit {
             output,
             embedding,
             ratios: None,
+            sequence_parallel: false,
         }
+    }
+}
+
+/// The residual add a node name refers to: `l{i}.attn_out` (after attention: true) or
+/// `l{i}.out` (after the MLP: false), with the layer.
+fn residual(name: &str) -> Option<(usize, bool)> {
+    let rest = name.strip_prefix('l')?;
+    let (layer, kind) = rest.split_once('.')?;
+    let layer = layer.parse().ok()?;
+    match kind {
+        "attn_out" => Some((layer, true)),
+        "out" => Some((layer, false)),
+        _ => None,
+    }
+}
+
+/// The norm weight a tensor name refers to: `blk.{i}.attn_norm.weight` (before attention:
+/// true) or `blk.{i}.ffn_norm.weight` (before the MLP: false), with the layer.
+fn norm_weight(name: &str) -> Option<(usize, bool)> {
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, kind) = rest.split_once('.')?;
+    let layer = layer.parse().ok()?;
+    match kind {
+        "attn_norm.weight" => Some((layer, true)),
+        "ffn_norm.weight" => Some((layer, false)),
+        _ => None,
+    }
+}
+
+/// The state hints of sequence parallelism for a decoder split as `plan` (None when
+/// `plan.sequence_parallel` is off). Two kinds of node of a step of `T` tokens are hinted:
+///
+/// - the residual add after each split block (`l{i}.attn_out` when layer i's attention is
+///   split, `l{i}.out` when its MLP is): Axis1 (tokens), even shares with the remainder on the
+///   first devices, the same for every node so the stream never changes split. The block's
+///   partial output is then reduce-scattered into it (the greedy choice would keep it Partial,
+///   padding the residual locally, and all-reduce before the norm), and the RMS norm after it
+///   keeps the split by itself (rows are independent);
+/// - the normed activation after such a residual (the product with `blk.{i}.attn_norm.weight`
+///   or `blk.{i}.ffn_norm.weight`): Mirrored, so it is all-gathered once for the
+///   column-parallel products that read it. Without this hint a long prompt of a model with
+///   small (quantized) weights would gather each weight instead (fewer bytes for that product,
+///   but the attention after it then needs all-to-alls into the head-split cache).
+///
+/// Only steps of at least as many tokens as devices are hinted: a decode step (one token)
+/// would leave all but one device idle for the price of two collectives instead of one, so it
+/// keeps Megatron's all-reduce. The last layer's output is not hinted either: the step keeps
+/// it Partial and reduces only the rows that get logits (usually one) before the final norm,
+/// where a token split would gather the whole stream (a view of some rows of a token split is
+/// not cut per device).
+pub fn sequence_parallel_hints(plan: &DecoderSplit) -> Option<HintFn> {
+    if !plan.sequence_parallel {
+        return None;
+    }
+    let layers = plan.layers.clone();
+    // Whether the residual stream after layer `layer`'s attention (or MLP) is token-split.
+    let split_after = move |layer: usize, after_attention: bool| {
+        layers.get(layer).is_some_and(|l| {
+            if after_attention {
+                l.attention
+            } else {
+                l.mlp && layer + 1 < layers.len()
+            }
+        })
+    };
+    Some(Arc::new(move |node: &NodeInfo| -> Option<SplitState> {
+        let (n, ne) = (node.n_devices, node.layout().ne);
+        if n < 2 || ne[1] < n || ne[2] * ne[3] != 1 {
+            return None;
+        }
+        if let Some((layer, after_attention)) = residual(node.name()) {
+            if !split_after(layer, after_attention) {
+                return None;
+            }
+            let extents = split_even(ne[1], n, Granularity(1), 0).ok()?;
+            return Some(SplitState::axis(1, &extents));
+        }
+        if !matches!(node.op(), Op::Binary(BinaryOp::Mul)) {
+            return None;
+        }
+        let (layer, before_attention) = node.source_names().find_map(norm_weight)?;
+        let input_split = if before_attention {
+            layer > 0 && split_after(layer - 1, false)
+        } else {
+            split_after(layer, true)
+        };
+        input_split.then(|| SplitState::mirrored(n))
+    }))
+}
+
+/// The split callback and the state hints of `plan` ([`by_layer`] and
+/// [`sequence_parallel_hints`]).
+pub fn policy(cfg: &DecoderConfig, plan: DecoderSplit) -> SplitPolicy {
+    SplitPolicy {
+        hints: sequence_parallel_hints(&plan),
+        split: by_layer(cfg, plan),
     }
 }
 
@@ -290,5 +401,68 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn sequence_parallel_hints_the_residual_stream_of_split_blocks() {
+        let l = |attention, mlp| LayerSplit { attention, mlp };
+        let mut plan = DecoderSplit::uniform(3, l(true, true), true, false);
+        assert!(sequence_parallel_hints(&plan).is_none());
+        plan.sequence_parallel = true;
+        plan.layers[1] = l(false, true);
+        let h = sequence_parallel_hints(&plan).unwrap();
+        // A residual add named `name`, or the product with the norm weight `name`, of `t`
+        // tokens on `n` devices.
+        let hint = |name: &str, t: usize, n: usize| {
+            let mut g = crate::Graph::new();
+            let x = g.input("x", DType::F32, [576, t, 1, 1]).unwrap();
+            let id = if name.starts_with("blk.") {
+                let w = g.input(name, DType::F32, [576, 1, 1, 1]).unwrap();
+                g.mul(x, w).unwrap()
+            } else {
+                let a = g.add(x, x).unwrap();
+                g.set_name(a, name);
+                a
+            };
+            h(&NodeInfo {
+                graph: &g,
+                id,
+                n_devices: n,
+            })
+        };
+        let tokens = |e: &[usize]| Some(SplitState::axis(1, e));
+        assert_eq!(hint("l0.attn_out", 5, 2), tokens(&[3, 2]));
+        assert_eq!(hint("l0.out", 5, 2), tokens(&[3, 2]));
+        assert_eq!(hint("l2.attn_out", 7, 3), tokens(&[3, 2, 2]));
+        // Layer 1's attention is mirrored: its output is not partial, nothing to scatter.
+        assert_eq!(hint("l1.attn_out", 5, 2), None);
+        assert_eq!(hint("l1.out", 5, 2), tokens(&[3, 2]));
+        // The last layer's output, fewer tokens than devices, other nodes: no hint.
+        assert_eq!(hint("l2.out", 5, 2), None);
+        assert_eq!(hint("l0.out", 1, 2), None);
+        assert_eq!(hint("l0.out", 2, 3), None);
+        assert_eq!(hint("l3.out", 5, 2), None);
+        assert_eq!(hint("l0.outer", 5, 2), None);
+        // The normed activations after a token-split residual are gathered (mirrored).
+        let m = Some(SplitState::mirrored(2));
+        assert_eq!(hint("blk.0.ffn_norm.weight", 5, 2), m);
+        assert_eq!(hint("blk.1.attn_norm.weight", 5, 2), m);
+        assert_eq!(hint("blk.1.ffn_norm.weight", 5, 2), None);
+        assert_eq!(hint("blk.2.attn_norm.weight", 5, 2), m);
+        // Before the first layer the stream is the (mirrored) embedding.
+        assert_eq!(hint("blk.0.attn_norm.weight", 5, 2), None);
+        assert_eq!(hint("blk.0.ffn_norm.weight", 1, 2), None);
+        assert_eq!(hint("output_norm.weight", 5, 2), None);
+    }
+
+    #[test]
+    fn plan_files_without_sequence_parallelism_still_load() {
+        let old = r#"{"layers":[{"attention":true,"mlp":false}],"output":true,"embedding":false,"ratios":null}"#;
+        let p: DecoderSplit = serde_json::from_str(old).unwrap();
+        assert!(!p.sequence_parallel);
+        let mut q = p.clone();
+        q.sequence_parallel = true;
+        let back: DecoderSplit = serde_json::from_str(&serde_json::to_string(&q).unwrap()).unwrap();
+        assert_eq!(back, q);
     }
 }

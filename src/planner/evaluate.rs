@@ -1,12 +1,12 @@
 //! The cost model: predicted time and memory of one assignment of split states (any split
-//! callback: a strategy, a search result, a user's own) for a workload on a cluster, without
-//! running it.
+//! callback: a strategy, a search result, a user's own, with its state hints if it has them:
+//! a [`SplitPolicy`]) for a workload on a cluster, without running it.
 //!
 //! The model is placed on [`VirtualDevice`]s through a real meta device, so every weight and
 //! cache slice has the size a run would give it. A prefill step and a decode step are built
 //! with the real decoder builder, sharded by the meta backend's own pass
-//! ([`derive_sharding`]) and rewritten into the per-device programs a run would execute
-//! (`meta::rewrite`). Each program node is then costed on its device's profile:
+//! ([`derive_sharding`], with the same state hints a run's meta device follows) and rewritten
+//! into the per-device programs a run would execute (`meta::rewrite`). Each program node is then costed on its device's profile:
 //!
 //! - a product with a weight: weight bytes / GEMV bandwidth of its type when at most 8 rows of
 //!   activations meet it, else 2·M·N·K / GEMM flop rate of its type;
@@ -28,7 +28,7 @@ use crate::buffer::{Buffer, BufferUsage};
 use crate::graph::{Graph, TensorId};
 use crate::meta::rewrite::{Rewritten, Stage, rewrite};
 use crate::meta::sharding::{Sharding, derive_sharding};
-use crate::meta::{MetaBuffer, MetaDevice, SplitFn};
+use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
 use crate::models::decoder::{StepInput, build_step, kv_cache_layouts};
 use crate::models::synthetic::{decoder_weights, place};
 use crate::op::{CollectiveKind, Op};
@@ -229,15 +229,18 @@ pub struct Placed {
     cache: crate::models::decoder::KvCache,
     weight_buffer: Arc<dyn Buffer>,
     cache_buffer: Arc<dyn Buffer>,
+    /// The state hints the sharding follows, as a run's meta device would.
+    hints: Option<HintFn>,
 }
 
 impl Placed {
     /// Place `shape`'s weights and a cache of `context` rows per layer on virtual devices
-    /// named and budgeted like `cluster`'s, splitting every tensor with `split`.
+    /// named and budgeted like `cluster`'s, splitting every tensor with `split` (a split
+    /// callback, or a [`SplitPolicy`] whose state hints the sharding then follows).
     pub fn new(
         shape: &ModelShape,
         cluster: &Cluster,
-        split: SplitFn,
+        split: impl Into<SplitPolicy>,
         context: usize,
     ) -> Result<Placed> {
         let devices: Vec<Arc<dyn Device>> = cluster
@@ -245,7 +248,9 @@ impl Placed {
             .iter()
             .map(|d| VirtualDevice::shared(d.name.clone(), d.memory_bytes))
             .collect();
-        let meta = MetaDevice::new(devices.clone(), split)?;
+        let policy: SplitPolicy = split.into();
+        let hints = policy.hints.clone();
+        let meta = MetaDevice::with_policy(devices.clone(), policy, MetaOptions::default())?;
         let bt = meta.buffer_type();
         let (weight_buffer, refs) =
             place(bt.as_ref(), &shape.weight_layouts(), BufferUsage::Weights)?;
@@ -273,6 +278,7 @@ impl Placed {
             cache,
             weight_buffer,
             cache_buffer,
+            hints,
         })
     }
 
@@ -303,7 +309,8 @@ impl Placed {
     /// The sharding and the per-device programs of `g`.
     pub fn shard(&self, g: &Graph) -> Result<(Sharding, Rewritten)> {
         let n = self.devices.len();
-        let sharding = derive_sharding(g, n, false, &|id| Self::leaf_state(g, id))?;
+        let hint = |id| hint_for(self.hints.as_ref(), g, id, n);
+        let sharding = derive_sharding(g, n, false, &|id| Self::leaf_state(g, id), &hint)?;
         let rw = rewrite(g, &sharding, &self.devices)?;
         Ok((sharding, rw))
     }
@@ -356,10 +363,11 @@ impl Placed {
     }
 }
 
-/// Predict `split` for `workload` on `cluster`.
+/// Predict `split` (a split callback, or a [`SplitPolicy`] with state hints) for `workload` on
+/// `cluster`.
 pub fn evaluate(
     shape: &ModelShape,
-    split: SplitFn,
+    split: impl Into<SplitPolicy>,
     cluster: &Cluster,
     workload: &Workload,
 ) -> Result<Evaluation> {

@@ -10,8 +10,8 @@ use super::search::{Candidate, RunAlternatives, SearchResult};
 use super::shape::ModelShape;
 use super::strategy::describe;
 use crate::meta::rewrite::Stage;
-use crate::meta::{MetaBuffer, SplitFn};
-use crate::models::split::{DecoderSplit, by_layer};
+use crate::meta::{MetaBuffer, SplitPolicy};
+use crate::models::split::{DecoderSplit, policy};
 use crate::op::Op;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -101,9 +101,10 @@ pub fn load_plan(path: &Path, n_layer: usize, n_devices: usize) -> Result<Decode
     Ok(p.split)
 }
 
-/// The split callback of an assignment for `shape`.
-pub fn split_fn(shape: &ModelShape, split: &DecoderSplit) -> SplitFn {
-    by_layer(&shape.cfg, split.clone())
+/// The split callback of an assignment for `shape`, with its state hints (sequence
+/// parallelism).
+pub fn split_fn(shape: &ModelShape, split: &DecoderSplit) -> SplitPolicy {
+    policy(&shape.cfg, split.clone())
 }
 
 impl Plan {
@@ -548,7 +549,9 @@ fn groups(
             format!("{range}.attn_output"),
             &format!("blk.{i}.attn_output.weight"),
             names(&["attn_output"]),
-            if l.attention {
+            if l.attention && split.sequence_parallel {
+                "rows by heads: partial sums, reduce-scattered to tokens".into()
+            } else if l.attention {
                 "rows by heads: partial sums, one all-reduce".into()
             } else {
                 "mirrored with its inputs".into()
@@ -580,7 +583,9 @@ fn groups(
             format!("{range}.ffn_down"),
             &format!("blk.{i}.ffn_down.weight"),
             names(&["ffn_down"]),
-            if l.mlp {
+            if l.mlp && split.sequence_parallel {
+                "rows: partial sums, reduce-scattered to tokens".into()
+            } else if l.mlp {
                 "rows: partial sums, one all-reduce".into()
             } else {
                 "mirrored with its inputs".into()
@@ -590,7 +595,11 @@ fn groups(
             format!("{range} norms"),
             &format!("blk.{i}.attn_norm.weight"),
             names(&["attn_norm", "ffn_norm"]),
-            "mirrored: row-wise over the whole width".into(),
+            if split.sequence_parallel && (l.attention || l.mlp) {
+                "mirrored: row-wise, on each device's tokens (prompts)".into()
+            } else {
+                "mirrored: row-wise over the whole width".into()
+            },
         );
         i = j + 1;
     }

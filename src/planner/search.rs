@@ -148,6 +148,7 @@ pub fn layer_tables(
                 output: true,
                 embedding: false,
                 ratios: ratios.clone(),
+                sequence_parallel: false,
             };
             costed(&two, &split, cluster, w).map(|(e, b)| (p, q, e, b))
         })
@@ -196,6 +197,7 @@ pub fn tables(
                 output,
                 embedding,
                 ratios: ratios.clone(),
+                sequence_parallel: false,
             };
             costed(&one, &split, cluster, w)
         })
@@ -482,6 +484,7 @@ pub fn auto(
                 output,
                 embedding,
                 ratios: ratios.clone(),
+                sequence_parallel: false,
             };
             found.push((time, mem, split, t, pats));
         }

@@ -1,8 +1,9 @@
 //! Named strategies and device shares. A strategy is an assignment of split states to a
 //! decoder's weights ([`DecoderSplit`]: per layer, attention by KV-head groups or mirrored, the
 //! MLP column/row or mirrored; the output projection and the token embedding by vocabulary or
-//! mirrored); `auto` is the search's answer for a workload. A plan file holds one assignment,
-//! so a plan is an ordinary split callback.
+//! mirrored; sequence parallelism of the residual stream, as state hints); `auto` is the
+//! search's answer for a workload. A plan file holds one assignment, so a plan is an ordinary
+//! split callback (with its hints: `models::split::policy`).
 
 use super::cluster::Cluster;
 use super::shape::ModelShape;
@@ -26,18 +27,25 @@ pub enum Strategy {
     VocabSplit,
     /// Everything that can be split is (least memory per device).
     Memory,
+    /// Megatron's weights with the residual stream split along tokens between the blocks:
+    /// each block's partial output is reduce-scattered to the token split, the residual adds
+    /// and norms run on each device's tokens, the normed activation is all-gathered before the
+    /// next column-parallel products (same bytes as the all-reduce; prompts only, decode
+    /// steps of fewer tokens than devices stay Megatron).
+    SequenceParallel,
     /// The search's choice for the workload (see `search.rs`).
     Auto,
 }
 
 impl Strategy {
-    pub const ALL: [Strategy; 7] = [
+    pub const ALL: [Strategy; 8] = [
         Strategy::Megatron,
         Strategy::MlpOnly,
         Strategy::AttnOnly,
         Strategy::Mirrored,
         Strategy::VocabSplit,
         Strategy::Memory,
+        Strategy::SequenceParallel,
         Strategy::Auto,
     ];
 
@@ -49,6 +57,7 @@ impl Strategy {
             Strategy::Mirrored => "mirrored",
             Strategy::VocabSplit => "vocab-split",
             Strategy::Memory => "memory",
+            Strategy::SequenceParallel => "sequence-parallel",
             Strategy::Auto => "auto",
         }
     }
@@ -67,7 +76,7 @@ impl Strategy {
     pub fn split(self, n_layer: usize) -> Option<DecoderSplit> {
         let l = |attention, mlp| LayerSplit { attention, mlp };
         let (layer, output, embedding) = match self {
-            Strategy::Megatron => (l(true, true), true, false),
+            Strategy::Megatron | Strategy::SequenceParallel => (l(true, true), true, false),
             Strategy::MlpOnly => (l(false, true), true, false),
             Strategy::AttnOnly => (l(true, false), true, false),
             Strategy::Mirrored => (l(false, false), false, false),
@@ -75,7 +84,9 @@ impl Strategy {
             Strategy::Memory => (l(true, true), true, true),
             Strategy::Auto => return None,
         };
-        Some(DecoderSplit::uniform(n_layer, layer, output, embedding))
+        let mut split = DecoderSplit::uniform(n_layer, layer, output, embedding);
+        split.sequence_parallel = self == Strategy::SequenceParallel;
+        Some(split)
     }
 }
 
@@ -187,5 +198,8 @@ pub fn describe(split: &DecoderSplit) -> String {
             "mirrored"
         }
     ));
+    if split.sequence_parallel {
+        parts.push("residual stream: split by tokens".into());
+    }
     parts.join("; ")
 }

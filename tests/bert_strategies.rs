@@ -1,8 +1,8 @@
 //! The named strategies on the BERT encoder (all-MiniLM-L6-v2): for every strategy that
-//! applies to an encoder (all but `auto`), on cpu:2x1 and cpu:3x1, the embeddings equal the
-//! single device's, each device holds exactly the weight bytes the strategy implies, and the
-//! meta backend communicates what it implies (all-reduces per split part); the per-layer
-//! callback `bert_by_layer` (which tensors each flag splits, ratios, `output` ignored,
+//! applies to an encoder (all but `auto` and `sequence-parallel`), on cpu:2x1 and cpu:3x1,
+//! the embeddings equal the single device's, each device holds exactly the weight bytes the
+//! strategy implies, and the meta backend communicates what it implies (all-reduces per split
+//! part); the per-layer callback `bert_by_layer` (which tensors each flag splits, ratios, `output` ignored,
 //! `bert_split` as its every-layer case); `metashard embed --strategy`.
 
 use metashard::meta::{ConversionKind, MetaDevice, TensorInfo};
@@ -21,13 +21,19 @@ fn minilm_dir() -> PathBuf {
     models_dir().join("minilm")
 }
 
-/// Every named strategy but `auto`, with its assignment for `n_layer` layers.
+/// Every named strategy but `auto` and `sequence-parallel` (decoders only), with its
+/// assignment for `n_layer` layers.
 fn encoder_strategies(n_layer: usize) -> Vec<(Strategy, DecoderSplit)> {
     let v: Vec<_> = Strategy::ALL
         .into_iter()
+        .filter(|&s| s != Strategy::SequenceParallel)
         .filter_map(|s| s.split(n_layer).map(|sp| (s, sp)))
         .collect();
-    assert_eq!(v.len(), Strategy::ALL.len() - 1, "all but auto");
+    assert_eq!(
+        v.len(),
+        Strategy::ALL.len() - 2,
+        "all but auto and sequence-parallel"
+    );
     v
 }
 
@@ -382,8 +388,12 @@ fn embed_command_takes_a_strategy() {
         assert!(cosine(&got[0], &plain[0]) > 0.9999, "{what}");
     }
 
-    // Unknown names and `auto` are errors naming the flag, not panics.
-    for (name, says) in [("bogus", "one of megatron"), ("auto", "decoders")] {
+    // Unknown names, `auto` and `sequence-parallel` are errors naming the flag, not panics.
+    for (name, says) in [
+        ("bogus", "one of megatron"),
+        ("auto", "decoders"),
+        ("sequence-parallel", "decoders"),
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
             .args(["embed", "--devices", "cpu:2x1", "--strategy", name, text])
             .current_dir(env!("CARGO_MANIFEST_DIR"))

@@ -130,7 +130,8 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
     Ok(())
 }
 
-/// The strategies that apply to an encoder (every named one but `auto`).
+/// The strategies that apply to an encoder (every named one but `auto` and
+/// `sequence-parallel`, whose hints name a decoder's residual adds).
 pub const ENCODER_STRATEGIES: [Strategy; 6] = [
     Strategy::Megatron,
     Strategy::MlpOnly,
@@ -148,6 +149,15 @@ pub fn encoder_split(name: &str, n_layer: usize) -> Result<DecoderSplit> {
     let names = names.join(", ");
     let s = Strategy::parse(name)
         .map_err(|_| Error::invalid_argument("--strategy", name, format!("one of {names}")))?;
+    if s == Strategy::SequenceParallel {
+        return Err(Error::invalid_argument(
+            "--strategy",
+            name,
+            format!(
+                "sequence parallelism is built for decoders; for an encoder name one of {names}"
+            ),
+        ));
+    }
     s.split(n_layer).ok_or_else(|| {
         Error::invalid_argument(
             "--strategy",

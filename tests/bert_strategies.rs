@@ -2,8 +2,8 @@
 //! applies to an encoder (all but `auto` and `sequence-parallel`), on cpu:2x1 and cpu:3x1,
 //! the embeddings equal the single device's, each device holds exactly the weight bytes the
 //! strategy implies, and the meta backend communicates what it implies (all-reduces per split
-//! part); the per-layer callback `bert_by_layer` (which tensors each flag splits, ratios, `output` ignored,
-//! `bert_split` as its every-layer case); `metashard embed --strategy`.
+//! part); the per-layer callback `bert_by_layer` (which tensors each flag splits, ratios,
+//! `output` ignored, `bert_split` as its every-layer case); `metashard embed --strategy`.
 
 use metashard::meta::{ConversionKind, MetaDevice, TensorInfo};
 use metashard::models::bert::{BertConfig, BertEncoder, build_graph, cosine, weight_layouts};

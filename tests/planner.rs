@@ -4,7 +4,7 @@
 //! plan files round-trip; bad workloads and strategies are errors naming the flag.
 
 use metashard::meta::{SplitFn, TensorInfo};
-use metashard::models::split::{LayerSplit, Role, role};
+use metashard::models::split::{DecoderSplit, LayerSplit, Role, role};
 use metashard::planner::evaluate::{Workload, evaluate};
 use metashard::planner::report::{Plan, split_fn};
 use metashard::planner::{
@@ -193,6 +193,22 @@ fn auto_fits_the_budget_and_names_the_device_when_nothing_fits() -> Result<()> {
             r.evaluation.total_s
         );
     }
+    // Sequence parallelism: auto keeps the faster of its assignment with and without it, and
+    // a workload without a prompt never takes it (a decode step is not hinted).
+    let flipped = DecoderSplit {
+        sequence_parallel: !r.split.sequence_parallel,
+        ..r.split.clone()
+    };
+    let f = evaluate(&s, split_fn(&s, &flipped), &c, &w())?;
+    assert!(
+        f.total_s >= r.evaluation.total_s,
+        "sequence_parallel={} predicted {} < auto's {}",
+        flipped.sequence_parallel,
+        f.total_s,
+        r.evaluation.total_s
+    );
+    let decode_only = Workload::parse("pp=0,tg=16,ctx=256").unwrap();
+    assert!(!auto(&s, &c, &decode_only, None)?.split.sequence_parallel);
     // Tight: just under what Megatron needs, so some layers must be split further or the
     // search must pick the memory strategy's splits; the plan stays under the budget.
     let mega = Strategy::Megatron.split(s.n_layer()).unwrap();

@@ -304,7 +304,7 @@ pub fn print_table(r: &StrategiesReport) {
         r.model, r.workload
     );
     println!(
-        "{:<9} {:<12} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10}",
+        "{:<9} {:<17} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10}",
         "devices",
         "strategy",
         "pp pred",
@@ -319,7 +319,7 @@ pub fn print_table(r: &StrategiesReport) {
     for x in &r.rows {
         let e = |p: f64, m: f64| (p - m) / m.max(1e-12) * 100.0;
         println!(
-            "{:<9} {:<12} {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1}",
+            "{:<9} {:<17} {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1}",
             x.devices,
             x.strategy,
             x.predicted_pp_tps,

@@ -19,7 +19,7 @@ use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed};
 use super::shape::ModelShape;
 use super::strategy::describe;
-use crate::models::split::{DecoderSplit, LayerSplit, by_layer};
+use crate::models::split::{DecoderSplit, LayerSplit, by_layer, policy};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -514,6 +514,25 @@ pub fn auto(
                     found[i].4 = pats;
                 }
                 None => continue 'candidates,
+            }
+        }
+    }
+    // Sequence parallelism moves no weight, only a prompt's residual stream between split
+    // blocks (a reduce-scatter and an all-gather in place of each all-reduce: the same bytes,
+    // twice the latencies, the norms on each device's tokens): cost the chosen assignment with
+    // it too and keep whichever is faster and fits.
+    if let Some((i, e)) = &mut chosen {
+        let split = &found[*i].2;
+        if w.prefill > 0 && split.layers.iter().any(|l| l.attention || l.mlp) {
+            let sp = DecoderSplit {
+                sequence_parallel: true,
+                ..split.clone()
+            };
+            let placed = Placed::new(shape, cluster, policy(&shape.cfg, sp.clone()), w.context)?;
+            let with = evaluate_placed(&placed, cluster, w)?;
+            if with.over_budget().is_none() && with.total_s < e.total_s {
+                found[*i].2 = sp;
+                *e = with;
             }
         }
     }

@@ -1,5 +1,13 @@
-//! CUDA backend entry points. The backend itself is not built yet; without it (or without the
-//! `cuda` feature) these return a clear error so callers need no `cfg`.
+//! The CUDA backend (cargo feature `cuda`): NVIDIA GPUs through cudarc (driver API, NVRTC
+//! kernels, cuBLAS). The libraries are loaded at run time, so the crate builds without CUDA;
+//! every entry point probes for them first ([`libs`]) and reports a missing one as an error,
+//! never a panic. Without the feature, these functions return [`Error::CudaNotCompiled`] so
+//! callers need no `cfg`.
+
+#[cfg(feature = "cuda")]
+pub mod kernels;
+#[cfg(feature = "cuda")]
+pub mod libs;
 
 use crate::backend::{Device, Registry};
 use crate::{Error, Result};

@@ -1,0 +1,638 @@
+// metashard's CUDA kernels, compiled once per process by NVRTC (src/cuda/kernels.rs) for the
+// device's compute capability. No headers: NVRTC builds this without the CUDA toolkit's include
+// directory, so f16 and bf16 are handled as 16-bit integers with PTX conversions, and math comes
+// from NVRTC's built-in device functions.
+//
+// Every kernel reads and writes tensors through `Tensor` (a device pointer, ggml's `ne`/`nb`:
+// elements and byte strides per dimension, and a dtype code), so views, permutations and
+// broadcasts need no copies. The semantics are the CPU backend's (src/cpu/ops/), which follow
+// ggml's ops of the same names: row-wise ops reduce dimension 0, binary ops broadcast the second
+// source by index modulo its extent, `get_rows` / `set_rows` index dimension 1 by I32 ids.
+//
+// Quantized blocks (ggml's layouts, ggml-org/ggml `src/ggml-common.h`): Q8_0 is an f16 scale and
+// 32 int8 (x = d q); Q4_0 an f16 scale and 16 bytes of nibbles, element j in the low nibble of
+// byte j and element j + 16 in its high nibble (x = d (q - 8)); Q4_1 an f16 scale, an f16
+// minimum and the same nibbles (x = d q + m).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+#define T_F32 0
+#define T_F16 1
+#define T_BF16 2
+#define T_I32 3
+#define T_Q8_0 4
+#define T_Q4_0 5
+#define T_Q4_1 6
+
+// Matches `cuda::kernels::Tensor` (repr(C)): 80 bytes.
+struct Tensor {
+    char *p;
+    i64 ne[4];
+    i64 nb[4];
+    int type;
+    int pad;
+};
+
+// Where a kernel reports a bad operand (an I32 row id outside its table): the first report
+// wins; the host reads it after the graph and names the node. Matches `cuda::kernels::Fault`.
+struct Fault {
+    int flag;
+    int node;
+    i64 id;
+    i64 at[3];
+    i64 rows;
+};
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf2f(u16 b) { return __int_as_float(((u32)b) << 16); }
+
+// Round to nearest even, NaN kept quiet (as the `half` crate's bf16::from_f32).
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((x >> 16) | 0x0040u);
+    }
+    u32 lsb = (x >> 16) & 1u;
+    return (u16)((x + 0x7fffu + lsb) >> 16);
+}
+
+__device__ __forceinline__ i64 offset(const Tensor &t, i64 i0, i64 i1, i64 i2, i64 i3) {
+    return i0 * t.nb[0] + i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3];
+}
+
+__device__ __forceinline__ i64 nelements(const Tensor &t) {
+    return t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
+}
+
+__device__ __forceinline__ i64 nrows(const Tensor &t) { return t.ne[1] * t.ne[2] * t.ne[3]; }
+
+// Element i0 of the row at byte offset `row` of a quantized tensor.
+__device__ __forceinline__ float load_q(const char *row, int type, i64 i0) {
+    i64 b = i0 >> 5;
+    int j = (int)(i0 & 31);
+    if (type == T_Q8_0) {
+        const char *blk = row + b * 34;
+        float d = h2f(*(const u16 *)blk);
+        return d * (float)(signed char)blk[2 + j];
+    }
+    if (type == T_Q4_0) {
+        const char *blk = row + b * 18;
+        float d = h2f(*(const u16 *)blk);
+        unsigned char q = (unsigned char)blk[2 + (j & 15)];
+        int v = j < 16 ? (q & 15) : (q >> 4);
+        return d * (float)(v - 8);
+    }
+    // Q4_1
+    const char *blk = row + b * 20;
+    float d = h2f(*(const u16 *)blk);
+    float m = h2f(*(const u16 *)(blk + 2));
+    unsigned char q = (unsigned char)blk[4 + (j & 15)];
+    int v = j < 16 ? (q & 15) : (q >> 4);
+    return d * (float)v + m;
+}
+
+// Element (i0, i1, i2, i3) of `t` as f32 (I32 values converted).
+__device__ __forceinline__ float load(const Tensor &t, i64 i0, i64 i1, i64 i2, i64 i3) {
+    switch (t.type) {
+    case T_F32: return *(const float *)(t.p + offset(t, i0, i1, i2, i3));
+    case T_F16: return h2f(*(const u16 *)(t.p + offset(t, i0, i1, i2, i3)));
+    case T_BF16: return bf2f(*(const u16 *)(t.p + offset(t, i0, i1, i2, i3)));
+    case T_I32: return (float)*(const int *)(t.p + offset(t, i0, i1, i2, i3));
+    default: return load_q(t.p + offset(t, 0, i1, i2, i3), t.type, i0);
+    }
+}
+
+__device__ __forceinline__ void store(const Tensor &t, i64 i0, i64 i1, i64 i2, i64 i3, float v) {
+    char *a = t.p + offset(t, i0, i1, i2, i3);
+    switch (t.type) {
+    case T_F32: *(float *)a = v; break;
+    case T_F16: *(u16 *)a = f2h(v); break;
+    case T_BF16: *(u16 *)a = f2bf(v); break;
+    case T_I32: *(int *)a = (int)v; break;
+    default: break; // quantized destinations are refused by supports_op
+    }
+}
+
+__device__ __forceinline__ void unravel(i64 k, const i64 *ne, i64 *i) {
+    i[0] = k % ne[0];
+    k /= ne[0];
+    i[1] = k % ne[1];
+    k /= ne[1];
+    i[2] = k % ne[2];
+    i[3] = k / ne[2];
+}
+
+#define GRID_STRIDE(k, n) \
+    for (i64 k = (i64)blockIdx.x * blockDim.x + threadIdx.x; k < (n); k += (i64)gridDim.x * blockDim.x)
+
+// ---- copies -------------------------------------------------------------------------------
+
+// `cont` / `cpy`: element k of `src` (logical order) to element k of `dst`, converting. Equal
+// dtypes of 4 or 2 bytes move bits (no rounding through f32, so I32 and NaN payloads survive).
+extern "C" __global__ void k_cpy(Tensor dst, Tensor src) {
+    i64 n = nelements(dst);
+    GRID_STRIDE(k, n) {
+        i64 a[4], b[4];
+        unravel(k, src.ne, a);
+        unravel(k, dst.ne, b);
+        if (src.type == dst.type && (src.type == T_F32 || src.type == T_I32)) {
+            *(u32 *)(dst.p + offset(dst, b[0], b[1], b[2], b[3])) =
+                *(const u32 *)(src.p + offset(src, a[0], a[1], a[2], a[3]));
+        } else if (src.type == dst.type && (src.type == T_F16 || src.type == T_BF16)) {
+            *(u16 *)(dst.p + offset(dst, b[0], b[1], b[2], b[3])) =
+                *(const u16 *)(src.p + offset(src, a[0], a[1], a[2], a[3]));
+        } else {
+            store(dst, b[0], b[1], b[2], b[3], load(src, a[0], a[1], a[2], a[3]));
+        }
+    }
+}
+
+// Quantized rows copied as bytes (same dtype, same row length, packed rows).
+extern "C" __global__ void k_cpy_rows_bytes(Tensor dst, Tensor src, i64 row_bytes) {
+    i64 n = nrows(dst) * row_bytes;
+    GRID_STRIDE(k, n) {
+        i64 r = k / row_bytes, c = k % row_bytes;
+        i64 a[4], b[4];
+        i64 one[4] = {1, src.ne[1], src.ne[2], src.ne[3]};
+        i64 oned[4] = {1, dst.ne[1], dst.ne[2], dst.ne[3]};
+        unravel(r, one, a);
+        unravel(r, oned, b);
+        dst.p[offset(dst, 0, b[1], b[2], b[3]) + c] = src.p[offset(src, 0, a[1], a[2], a[3]) + c];
+    }
+}
+
+extern "C" __global__ void k_concat(Tensor dst, Tensor a, Tensor b, int dim) {
+    i64 n = nelements(dst);
+    GRID_STRIDE(k, n) {
+        i64 o[4], i[4];
+        unravel(k, dst.ne, o);
+        for (int d = 0; d < 4; d++) i[d] = o[d];
+        const Tensor *s = &a;
+        if (i[dim] >= a.ne[dim]) {
+            i[dim] -= a.ne[dim];
+            s = &b;
+        }
+        store(dst, o[0], o[1], o[2], o[3], load(*s, i[0], i[1], i[2], i[3]));
+    }
+}
+
+// ---- element-wise -------------------------------------------------------------------------
+
+// op: 0 add, 1 sub, 2 mul, 3 div. `b` broadcasts over `a` by index modulo its extents.
+extern "C" __global__ void k_binary(Tensor dst, Tensor a, Tensor b, int op) {
+    i64 n = nelements(dst);
+    GRID_STRIDE(k, n) {
+        i64 i[4];
+        unravel(k, dst.ne, i);
+        float x = load(a, i[0], i[1], i[2], i[3]);
+        float y = load(b, i[0] % b.ne[0], i[1] % b.ne[1], i[2] % b.ne[2], i[3] % b.ne[3]);
+        float r = op == 0 ? x + y : op == 1 ? x - y : op == 2 ? x * y : x / y;
+        store(dst, i[0], i[1], i[2], i[3], r);
+    }
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// op: 0 silu, 1 gelu (tanh), 2 gelu (erf), 3 relu, 4 tanh, 5 scale (x p0 + p1), 6 clamp (p0, p1).
+extern "C" __global__ void k_unary(Tensor dst, Tensor a, int op, float p0, float p1) {
+    i64 n = nelements(dst);
+    GRID_STRIDE(k, n) {
+        i64 i[4];
+        unravel(k, dst.ne, i);
+        float x = load(a, i[0], i[1], i[2], i[3]);
+        float r;
+        switch (op) {
+        case 0: r = silu(x); break;
+        case 1: r = 0.5f * x * (1.0f + tanhf(0.7978845608f * x * (1.0f + 0.044715f * x * x))); break;
+        case 2: r = 0.5f * x * (1.0f + erff(x * 0.70710678118f)); break;
+        case 3: r = fmaxf(x, 0.0f); break;
+        case 4: r = tanhf(x); break;
+        case 5: r = x * p0 + p1; break;
+        default: r = fminf(fmaxf(x, p0), p1); break;
+        }
+        store(dst, i[0], i[1], i[2], i[3], r);
+    }
+}
+
+// silu(gate) * up; `fused_off` > 0: one source, up at element offset `fused_off` of each row.
+extern "C" __global__ void k_swiglu(Tensor dst, Tensor g, Tensor u, i64 fused_off) {
+    i64 n = nelements(dst);
+    GRID_STRIDE(k, n) {
+        i64 i[4];
+        unravel(k, dst.ne, i);
+        float x = load(g, i[0], i[1], i[2], i[3]);
+        float y = load(u, i[0] + fused_off, i[1], i[2], i[3]);
+        store(dst, i[0], i[1], i[2], i[3], silu(x) * y);
+    }
+}
+
+// ---- row-wise (one block per row; blockDim.x a power of two <= 1024) -----------------------
+
+// Sum of `v` over the block, in double (as the CPU backend's norms accumulate in f64).
+__device__ double block_sum(double v, double *sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    double r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v, float *sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] = fmaxf(sh[t], sh[t + s]);
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ void row_index(i64 r, const Tensor &t, i64 *i1, i64 *i2, i64 *i3) {
+    *i1 = r % t.ne[1];
+    *i2 = (r / t.ne[1]) % t.ne[2];
+    *i3 = r / (t.ne[1] * t.ne[2]);
+}
+
+// mode 0: rms_norm, 1: norm (mean and variance), 2: sum_rows, 3: mean.
+extern "C" __global__ void k_row_reduce(Tensor dst, Tensor a, int mode, float eps) {
+    __shared__ double sh[1024];
+    i64 r = blockIdx.x;
+    i64 i1, i2, i3;
+    row_index(r, a, &i1, &i2, &i3);
+    i64 n = a.ne[0];
+    if (mode == 0) {
+        double ss = 0;
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+            double x = load(a, i, i1, i2, i3);
+            ss += x * x;
+        }
+        ss = block_sum(ss, sh);
+        float s = (float)(1.0 / sqrt(ss / (double)(n > 0 ? n : 1) + (double)eps));
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+            store(dst, i, i1, i2, i3, load(a, i, i1, i2, i3) * s);
+        }
+    } else if (mode == 1) {
+        double s1 = 0;
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) s1 += load(a, i, i1, i2, i3);
+        double mean = block_sum(s1, sh) / (double)(n > 0 ? n : 1);
+        double s2 = 0;
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+            double d = load(a, i, i1, i2, i3) - mean;
+            s2 += d * d;
+        }
+        double var = block_sum(s2, sh) / (double)(n > 0 ? n : 1);
+        double s = 1.0 / sqrt(var + (double)eps);
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+            store(dst, i, i1, i2, i3, (float)((load(a, i, i1, i2, i3) - mean) * s));
+        }
+    } else {
+        double s1 = 0;
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) s1 += load(a, i, i1, i2, i3);
+        s1 = block_sum(s1, sh);
+        if (threadIdx.x == 0) {
+            store(dst, 0, i1, i2, i3, (float)(mode == 3 ? s1 / (double)n : s1));
+        }
+    }
+}
+
+// softmax(x * scale + mask) per row; the mask (if `has_mask`) broadcasts over dims 2 and 3. A
+// row masked everywhere gives zeros (as the CPU backend), not NaN.
+extern "C" __global__ void k_soft_max(Tensor dst, Tensor a, Tensor mask, int has_mask, float scale) {
+    __shared__ double sh[1024];
+    float *shf = (float *)sh;
+    i64 r = blockIdx.x;
+    i64 i1, i2, i3;
+    row_index(r, a, &i1, &i2, &i3);
+    i64 n = a.ne[0];
+    float mx = NEG_INF;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        float x = load(a, i, i1, i2, i3) * scale;
+        if (has_mask) x += load(mask, i, i1, i2 % mask.ne[2], i3 % mask.ne[3]);
+        mx = fmaxf(mx, x);
+    }
+    mx = block_max(mx, shf);
+    if (mx == NEG_INF) {
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) store(dst, i, i1, i2, i3, 0.0f);
+        return;
+    }
+    double sum = 0;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        float x = load(a, i, i1, i2, i3) * scale;
+        if (has_mask) x += load(mask, i, i1, i2 % mask.ne[2], i3 % mask.ne[3]);
+        sum += (double)expf(x - mx);
+    }
+    sum = block_sum(sum, sh);
+    float inv = (float)(1.0 / sum);
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        float x = load(a, i, i1, i2, i3) * scale;
+        if (has_mask) x += load(mask, i, i1, i2 % mask.ne[2], i3 % mask.ne[3]);
+        store(dst, i, i1, i2, i3, expf(x - mx) * inv);
+    }
+}
+
+// Index of each row's first maximum, I32 [ne1].
+extern "C" __global__ void k_argmax(Tensor dst, Tensor a) {
+    __shared__ float sv[1024];
+    __shared__ i64 si[1024];
+    i64 r = blockIdx.x;
+    i64 n = a.ne[0];
+    float best = NEG_INF;
+    i64 bi = n;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+        float x = load(a, i, r, 0, 0);
+        if (bi == n || x > best) {
+            best = x;
+            bi = i;
+        }
+    }
+    int t = threadIdx.x;
+    sv[t] = best;
+    si[t] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            float o = sv[t + s];
+            i64 oi = si[t + s];
+            if (oi < n && (si[t] >= n || o > sv[t] || (o == sv[t] && oi < si[t]))) {
+                sv[t] = o;
+                si[t] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (t == 0) *(int *)(dst.p + r * dst.nb[0]) = (int)(si[0] < n ? si[0] : 0);
+}
+
+// Rotary embedding, one thread per (pair, row): theta_i = pos freq_scale freq_base^(-2i/n_dims)
+// in double; mode 0 rotates (2i, 2i+1), mode 1 (NeoX) (i, i + n_dims/2); dimensions from
+// n_dims on are copied.
+extern "C" __global__ void k_rope(Tensor dst, Tensor x, Tensor pos, int mode, int n_dims,
+                                  float freq_base, float freq_scale) {
+    i64 half_ = n_dims / 2;
+    i64 rest = x.ne[0] - 2 * half_;
+    i64 per_row = half_ + rest;
+    i64 n = nrows(x) * per_row;
+    GRID_STRIDE(k, n) {
+        i64 r = k / per_row, c = k % per_row;
+        i64 i1, i2, i3;
+        row_index(r, x, &i1, &i2, &i3);
+        if (c >= half_) {
+            i64 i0 = 2 * half_ + (c - half_);
+            store(dst, i0, i1, i2, i3, load(x, i0, i1, i2, i3));
+            continue;
+        }
+        double t = (double)*(const int *)(pos.p + i2 * pos.nb[0]);
+        double theta = t * (double)freq_scale * pow((double)freq_base, -2.0 * (double)c / (double)n_dims);
+        float cs = (float)cos(theta), sn = (float)sin(theta);
+        i64 ia = mode == 0 ? 2 * c : c;
+        i64 ib = mode == 0 ? 2 * c + 1 : c + half_;
+        float x0 = load(x, ia, i1, i2, i3), x1 = load(x, ib, i1, i2, i3);
+        store(dst, ia, i1, i2, i3, x0 * cs - x1 * sn);
+        store(dst, ib, i1, i2, i3, x0 * sn + x1 * cs);
+    }
+}
+
+// ---- rows by id ---------------------------------------------------------------------------
+
+__device__ void fault_row(Fault *f, int node, i64 id, i64 a0, i64 a1, i64 a2, i64 rows) {
+    if (atomicCAS(&f->flag, 0, 1) == 0) {
+        f->node = node;
+        f->id = id;
+        f->at[0] = a0;
+        f->at[1] = a1;
+        f->at[2] = a2;
+        f->rows = rows;
+    }
+}
+
+// dst[:, i, j2, j3] = table[:, ids[i, j2, j3], j2, j3]; with a window (`w_rows` > 0: the whole
+// table's rows, ids lo..hi held at local row at + id - lo) other valid ids give zeros. One
+// block per output row.
+extern "C" __global__ void k_get_rows(Tensor dst, Tensor table, Tensor ids, i64 w_rows, i64 lo,
+                                      i64 hi, i64 at, Fault *fault, int node) {
+    i64 r = blockIdx.x;
+    i64 n = dst.ne[1], e2 = dst.ne[2];
+    i64 i = r % n, j2 = (r / n) % e2, j3 = r / (n * e2);
+    i64 id = *(const int *)(ids.p + offset(ids, i, j2, j3, 0));
+    i64 rows = w_rows > 0 ? w_rows : table.ne[1];
+    if (id < 0 || id >= rows) {
+        if (threadIdx.x == 0) fault_row(fault, node, id, i, j2, j3, rows);
+        return;
+    }
+    i64 local = -1;
+    if (w_rows > 0) {
+        if (id >= lo && id < hi) local = at + (id - lo);
+    } else {
+        local = id;
+    }
+    for (i64 i0 = threadIdx.x; i0 < dst.ne[0]; i0 += blockDim.x) {
+        if (dst.type == T_I32) {
+            int v = local >= 0 ? *(const int *)(table.p + offset(table, i0, local, j2, j3)) : 0;
+            *(int *)(dst.p + offset(dst, i0, i, j2, j3)) = v;
+        } else {
+            store(dst, i0, i, j2, j3, local >= 0 ? load(table, i0, local, j2, j3) : 0.0f);
+        }
+    }
+}
+
+// dst[:, ids[i, j2 % e2, j3 % e3], j2, j3] = rows[:, i, j2, j3]; with a window, ids it does not
+// hold are skipped. One block per source row.
+extern "C" __global__ void k_set_rows(Tensor dst, Tensor rows_, Tensor ids, i64 w_rows, i64 lo,
+                                      i64 hi, i64 at, Fault *fault, int node) {
+    i64 r = blockIdx.x;
+    i64 n = rows_.ne[1], d2 = rows_.ne[2];
+    i64 i = r % n, j2 = (r / n) % d2, j3 = r / (n * d2);
+    i64 a1 = j2 % ids.ne[1], a2 = j3 % ids.ne[2];
+    i64 id = *(const int *)(ids.p + offset(ids, i, a1, a2, 0));
+    i64 total = w_rows > 0 ? w_rows : dst.ne[1];
+    if (id < 0 || id >= total) {
+        if (threadIdx.x == 0) fault_row(fault, node, id, i, a1, a2, total);
+        return;
+    }
+    i64 local = id;
+    if (w_rows > 0) {
+        if (id < lo || id >= hi) return;
+        local = at + (id - lo);
+    }
+    for (i64 i0 = threadIdx.x; i0 < rows_.ne[0]; i0 += blockDim.x) {
+        store(dst, i0, local, j2, j3, load(rows_, i0, i, j2, j3));
+    }
+}
+
+// ---- matrix products ----------------------------------------------------------------------
+
+// GEMV-like products (M <= 8 columns of activations): dst[n, m, b2, b3] = dot(w row n, x row m)
+// with f32 activations and any weight dtype, dequantized in registers. One warp per weight row
+// and up to 8 activation rows; weights broadcast over dims 2, 3 of x (ggml's rule: w.ne2 divides
+// x.ne2). Sums in f32 per lane, then a warp reduction.
+extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x) {
+    int lane = threadIdx.x & 31;
+    i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    i64 N = w.ne[1], K = w.ne[0], M = x.ne[1];
+    if (row >= N) return;
+    i64 b2 = blockIdx.y % x.ne[2], b3 = blockIdx.y / x.ne[2];
+    i64 w2 = b2 / (x.ne[2] / w.ne[2]), w3 = b3 / (x.ne[3] / w.ne[3]);
+    float acc[8];
+    for (int m = 0; m < 8; m++) acc[m] = 0.0f;
+    const char *wr = w.p + offset(w, 0, row, w2, w3);
+    if (w.type == T_F32 || w.type == T_F16 || w.type == T_BF16) {
+        for (i64 k = lane; k < K; k += 32) {
+            float wv = w.type == T_F32 ? *(const float *)(wr + k * w.nb[0])
+                     : w.type == T_F16 ? h2f(*(const u16 *)(wr + k * w.nb[0]))
+                                       : bf2f(*(const u16 *)(wr + k * w.nb[0]));
+            for (int m = 0; m < 8 && m < M; m++) {
+                acc[m] += wv * *(const float *)(x.p + offset(x, k, m, b2, b3));
+            }
+        }
+    } else {
+        // Quantized: lane l takes elements l of every block (32 per block: one per lane).
+        i64 nblk = K / 32;
+        for (i64 b = 0; b < nblk; b++) {
+            float wv = load_q(wr, w.type, b * 32 + lane);
+            i64 k = b * 32 + lane;
+            for (int m = 0; m < 8 && m < M; m++) {
+                acc[m] += wv * *(const float *)(x.p + offset(x, k, m, b2, b3));
+            }
+        }
+    }
+    for (int m = 0; m < 8 && m < M; m++) {
+        float v = acc[m];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) *(float *)(dst.p + offset(dst, row, m, b2, b3)) = v;
+    }
+}
+
+// Weights of any dtype to a packed f16 or f32 matrix [K, N * ne2 * ne3] for cuBLAS (out_type:
+// T_F16 or T_F32).
+extern "C" __global__ void k_to_dense(char *out, int out_type, Tensor w) {
+    i64 n = nelements(w);
+    GRID_STRIDE(k, n) {
+        i64 i[4];
+        unravel(k, w.ne, i);
+        float v = load(w, i[0], i[1], i[2], i[3]);
+        if (out_type == T_F16) ((u16 *)out)[k] = f2h(v);
+        else ((float *)out)[k] = v;
+    }
+}
+
+// ---- attention ----------------------------------------------------------------------------
+
+// softmax(q k^T scale + mask) v per (query row, head, batch), grouped-query heads (head h reads
+// kv head h / (H / Hkv)). q [D, n_q, H, B], k [D, n_kv, Hkv, B], v [Dv, n_kv, Hkv, B], mask
+// [n_kv, >= n_q] or none; out [Dv, H, n_q, B]. One block per (query row, head, batch), online
+// softmax over tiles of blockDim.x kv rows: each thread scores one row of the tile, then every
+// thread accumulates its share of the Dv outputs. Dv <= 4 * blockDim.x.
+extern "C" __global__ void k_flash_attn(Tensor dst, Tensor q, Tensor k, Tensor v, Tensor mask,
+                                        int has_mask, float scale) {
+    extern __shared__ float smem[];
+    i64 D = q.ne[0], Dv = v.ne[0], n_kv = k.ne[1];
+    i64 iq = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    i64 H = q.ne[2], Hk = k.ne[2];
+    i64 hk = h / ((H / Hk) > 0 ? (H / Hk) : 1);
+    float *qs = smem;              // D
+    float *sc = qs + D;            // blockDim.x scores
+    float *red = sc + blockDim.x;  // blockDim.x for reductions
+    int t = threadIdx.x;
+    for (i64 i = t; i < D; i += blockDim.x) qs[i] = load(q, i, iq, h, b);
+    float acc[4] = {0, 0, 0, 0};
+    float m = NEG_INF, l = 0.0f;
+    __syncthreads();
+    for (i64 j0 = 0; j0 < n_kv; j0 += blockDim.x) {
+        i64 j = j0 + t;
+        float s = NEG_INF;
+        if (j < n_kv) {
+            float mv = has_mask ? load(mask, j, iq, 0, 0) : 0.0f;
+            if (mv != NEG_INF) {
+                float d = 0.0f;
+                for (i64 i = 0; i < D; i++) d += qs[i] * load(k, i, j, hk, b);
+                s = d * scale + mv;
+            }
+        }
+        sc[t] = s;
+        // Tile maximum.
+        red[t] = s;
+        __syncthreads();
+        for (int st = blockDim.x / 2; st > 0; st >>= 1) {
+            if (t < st) red[t] = fmaxf(red[t], red[t + st]);
+            __syncthreads();
+        }
+        float tm = red[0];
+        __syncthreads();
+        if (tm == NEG_INF) continue;
+        float mn = fmaxf(m, tm);
+        float corr = m == NEG_INF ? 0.0f : expf(m - mn);
+        float p = sc[t] == NEG_INF ? 0.0f : expf(sc[t] - mn);
+        sc[t] = p;
+        red[t] = p;
+        __syncthreads();
+        for (int st = blockDim.x / 2; st > 0; st >>= 1) {
+            if (t < st) red[t] += red[t + st];
+            __syncthreads();
+        }
+        l = l * corr + red[0];
+        m = mn;
+        i64 jn = n_kv - j0 < (i64)blockDim.x ? n_kv - j0 : (i64)blockDim.x;
+        for (int c = 0; c < 4; c++) {
+            i64 o = t + (i64)c * blockDim.x;
+            if (o >= Dv) break;
+            float a = acc[c] * corr;
+            for (i64 jj = 0; jj < jn; jj++) {
+                float pj = sc[jj];
+                if (pj != 0.0f) a += pj * load(v, o, j0 + jj, hk, b);
+            }
+            acc[c] = a;
+        }
+        __syncthreads();
+    }
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int c = 0; c < 4; c++) {
+        i64 o = t + (i64)c * blockDim.x;
+        if (o >= Dv) break;
+        store(dst, o, h, iq, b, acc[c] * inv);
+    }
+}
+
+// ---- collectives between logical devices on one GPU ----------------------------------------
+
+// dst[i] = src_0[i] + src_1[i] + ... + src_{n-1}[i], in rank order in f32 (f16 and bf16 widened
+// exactly and rounded once), as the CPU communicator sums (src/collectives/reduce.rs), so the
+// results are bit-identical. `srcs` is a device array of `nsrc` pointers; `dst` may equal one.
+extern "C" __global__ void k_sum_ranks(char *dst, const char *const *srcs, int nsrc, i64 n, int type) {
+    GRID_STRIDE(k, n) {
+        float s = 0.0f;
+        for (int r = 0; r < nsrc; r++) {
+            const char *p = srcs[r];
+            float x = type == T_F32 ? ((const float *)p)[k]
+                    : type == T_F16 ? h2f(((const u16 *)p)[k])
+                                    : bf2f(((const u16 *)p)[k]);
+            s = r == 0 ? x : s + x;
+        }
+        if (type == T_F32) ((float *)dst)[k] = s;
+        else if (type == T_F16) ((u16 *)dst)[k] = f2h(s);
+        else ((u16 *)dst)[k] = f2bf(s);
+    }
+}

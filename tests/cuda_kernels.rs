@@ -1,0 +1,106 @@
+//! Every CUDA kernel compiles with NVRTC for sm_80 (A100) and sm_90 (H100), without a GPU:
+//! NVRTC needs none. CI installs NVRTC from PyPI (`nvidia-cuda-nvrtc-cu12`) and points
+//! `METASHARD_CUDA_LIBS` at it; elsewhere the test looks for that wheel through `python3`, and
+//! without NVRTC it skips with one line, unless `METASHARD_REQUIRE_NVRTC=1` (set by
+//! `scripts/test.sh`) makes that a failure.
+#![cfg(feature = "cuda")]
+
+use metashard::DType;
+use metashard::cuda::kernels::{Fault, KERNELS, SOURCE, Tensor, compile, dtype_code};
+use metashard::cuda::libs::{Lib, candidates_in, present};
+
+/// The `lib/` folder of the NVRTC wheel, asked of python3.
+fn wheel_dir() -> Option<String> {
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))",
+        ])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+#[test]
+fn every_kernel_compiles_for_sm80_and_sm90() {
+    if std::env::var_os("METASHARD_CUDA_LIBS").is_none()
+        && let Some(d) = wheel_dir()
+    {
+        // SAFETY: no other test of this binary reads or writes the environment.
+        unsafe { std::env::set_var("METASHARD_CUDA_LIBS", d) };
+    }
+    if !present(Lib::Nvrtc) {
+        let required = std::env::var("METASHARD_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+        assert!(
+            !required,
+            "METASHARD_REQUIRE_NVRTC=1 but NVRTC was not found"
+        );
+        println!("skipped: NVRTC not found (pip install nvidia-cuda-nvrtc-cu12)");
+        return;
+    }
+    for arch in ["compute_80", "compute_90"] {
+        let ptx = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            ptx.contains(&format!(".target sm_{}", &arch[8..])),
+            "{arch}"
+        );
+        for k in KERNELS {
+            assert!(
+                ptx.contains(&format!(".entry {k}(")),
+                "{k} missing from the PTX for {arch}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_listed_kernel_is_defined_once_and_every_defined_one_listed() {
+    let mut defined: Vec<&str> = SOURCE
+        .split("extern \"C\" __global__ void ")
+        .skip(1)
+        .map(|s| s.split('(').next().unwrap())
+        .collect();
+    defined.sort();
+    let mut listed = KERNELS.to_vec();
+    listed.sort();
+    assert_eq!(defined, listed);
+}
+
+#[test]
+fn argument_structs_have_the_kernels_layout() {
+    // struct Tensor: a pointer, ne[4], nb[4], two ints; struct Fault: two ints, five i64.
+    assert_eq!(std::mem::size_of::<Tensor>(), 80);
+    assert_eq!(std::mem::size_of::<Fault>(), 48);
+    let codes: Vec<i32> = DType::ALL.iter().map(|&d| dtype_code(d)).collect();
+    assert_eq!(codes, [0, 1, 2, 3, 4, 5, 6]);
+    for (name, code) in [("T_F32", 0), ("T_I32", 3), ("T_Q8_0", 4), ("T_Q4_1", 6)] {
+        assert!(SOURCE.contains(&format!("#define {name} {code}")), "{name}");
+    }
+}
+
+#[test]
+fn library_candidates_are_versions_of_the_library_only() {
+    let dir = std::env::temp_dir().join(format!("metashard-libs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for n in [
+        "libnvrtc.so.12",
+        "libnvrtc-builtins.so.12.9",
+        "libnvrtc.alt.so.12",
+        "libnvrtc.so",
+        "libcublas.so.13",
+    ] {
+        std::fs::write(dir.join(n), b"").unwrap();
+    }
+    let names = |stem| -> Vec<String> {
+        candidates_in(&dir, stem)
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    };
+    assert_eq!(names("nvrtc"), ["libnvrtc.so", "libnvrtc.so.12"]);
+    assert_eq!(names("cublas"), ["libcublas.so.13"]);
+    assert!(names("nccl").is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

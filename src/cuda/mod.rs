@@ -5,27 +5,41 @@
 //! callers need no `cfg`.
 
 #[cfg(feature = "cuda")]
+pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod device;
+#[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod libs;
 
+#[cfg(not(feature = "cuda"))]
+use crate::Error;
+use crate::Result;
 use crate::backend::{Device, Registry};
-use crate::{Error, Result};
 use std::sync::Arc;
 
-/// The CUDA registry, when compiled in and a driver is present.
+/// The CUDA registry, when compiled in and a driver with at least one GPU is present.
 pub fn registry() -> Option<Arc<dyn Registry>> {
-    None
+    #[cfg(feature = "cuda")]
+    {
+        device::registry()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
 }
 
-/// Parse `cuda`, `cuda:0,1`.
+/// Parse `cuda` (every GPU), `cuda:0,1` or `cuda:0x2` (two logical devices on GPU 0).
 pub fn parse_cuda_spec(spec: &str) -> Result<Vec<Arc<dyn Device>>> {
-    if cfg!(feature = "cuda") {
-        Err(Error::Device {
-            device: spec.to_string(),
-            reason: "the CUDA backend is not implemented in this build yet".into(),
-        })
-    } else {
+    #[cfg(feature = "cuda")]
+    {
+        device::parse_spec(spec)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = spec;
         Err(Error::CudaNotCompiled)
     }
 }

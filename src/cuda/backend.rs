@@ -1,0 +1,820 @@
+//! The CUDA stream: `CudaBackend::graph_compute` checks every node against the kernels,
+//! allocates unallocated roots in its compute buffer (the crate's graph allocator over device
+//! memory), uploads inline inputs, and launches one kernel per node, in order, on the logical
+//! device's stream. `graph_plan` resolves an allocated graph's device addresses once and
+//! launches node ranges of it on demand (the meta backend runs collectives between them); each
+//! range ends with a stream synchronization, so what the range wrote is visible to the
+//! communicator and to synchronous copies.
+//!
+//! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` reads the
+//! weights once in their own dtype, quantized blocks dequantized in registers, f32 activations
+//! (the CPU backend's default precision). Above that, weights are expanded to f32 in scratch
+//! memory and multiplied by cuBLAS `cublasGemmEx` in f32 (CUBLAS_COMPUTE_32F, no TF32), one
+//! call per (dim 2, dim 3) pair; cached f16 weights with f16 tensor-core products are the
+//! planned fast path.
+//!
+//! A kernel that finds a bad operand (an I32 row id outside its table) records it in a `Fault`
+//! word in device memory; the range's synchronization reads it and the error names the node.
+
+use super::device::{CudaBuffer, CudaDevice, driver_err};
+use super::kernels::{Fault, Tensor};
+use super::libs::{Lib, missing, present};
+use crate::alloc::GraphAllocator;
+use crate::backend::{Backend, Device, GraphPlan};
+use crate::buffer::Buffer;
+use crate::graph::{Graph, TensorId};
+use crate::op::{BinaryOp, Op, RopeMode, UnaryOp};
+use crate::tensor::Layout;
+use crate::{DType, Error, Result};
+use cudarc::cublas::{result as blas, sys as blas_sys};
+use cudarc::driver::{result as cu, sys};
+use parking_lot::Mutex;
+use smallvec::SmallVec;
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+/// Threads per block of the element-wise and row kernels.
+const BLOCK: u32 = 256;
+/// Threads per block of the attention kernel (kv rows per tile).
+const ATTN_BLOCK: u32 = 128;
+/// Activation columns up to which products go through `k_mul_mat_vec`.
+const GEMV_MAX_M: usize = 8;
+
+/// A CUDA stream handle.
+struct Stream(sys::CUstream);
+// SAFETY: a stream handle may be used from any thread with the context current; the backend
+// serializes its own launches (graph computes and plans are not run concurrently on one
+// backend, by the `Backend` contract).
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+/// A cuBLAS handle bound to the stream.
+struct Blas(blas_sys::cublasHandle_t);
+// SAFETY: as for `Stream`.
+unsafe impl Send for Blas {}
+// SAFETY: as for `Stream`.
+unsafe impl Sync for Blas {}
+
+/// Device scratch memory for dense weights and packed activations; grows, never shrinks.
+#[derive(Default)]
+struct Scratch {
+    ptr: u64,
+    size: usize,
+}
+
+struct Inner {
+    dev: CudaDevice,
+    stream: Stream,
+    blas: OnceLock<std::result::Result<Blas, String>>,
+    /// Device address of one `Fault`.
+    fault: u64,
+    scratch: Mutex<Scratch>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if self.dev.gpu.bind().is_ok() {
+            // SAFETY: handles and memory owned by this backend, released once; the stream is
+            // synchronized first so nothing in flight uses them.
+            unsafe {
+                let _ = cu::stream::synchronize(self.stream.0);
+                if let Some(Ok(b)) = self.blas.get() {
+                    let _ = blas::destroy_handle(b.0);
+                }
+                let _ = cu::free_sync(self.fault);
+                let s = self.scratch.get_mut();
+                if s.size > 0 {
+                    let _ = cu::free_sync(s.ptr);
+                }
+                let _ = cu::stream::destroy(self.stream.0);
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn name(&self) -> String {
+        self.dev.name()
+    }
+
+    fn err(&self, what: &str, e: cu::DriverError) -> Error {
+        driver_err(&self.name(), what, e)
+    }
+
+    fn sync(&self) -> Result<()> {
+        // SAFETY: this backend's stream.
+        unsafe { cu::stream::synchronize(self.stream.0) }
+            .map_err(|e| self.err("cuStreamSynchronize", e))
+    }
+
+    /// Launch kernel `name` on the stream with `args` (pointers to the argument values, which
+    /// the driver copies at launch).
+    fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        let f = self.dev.gpu.function(name)?;
+        // SAFETY: `f` is a kernel of the loaded module; `args` point at values of the kernel's
+        // parameter types (checked against kernels.cu by the argument structs' tests), alive
+        // for the call; every tensor address was resolved from a live buffer of this GPU.
+        unsafe { cu::launch_kernel(f, grid, block, shared, self.stream.0, args) }
+            .map_err(|e| self.err(&format!("launching {name}"), e))
+    }
+
+    /// At least `bytes` of scratch; the stream is drained before the old block is freed.
+    fn scratch(&self, bytes: usize) -> Result<u64> {
+        let mut s = self.scratch.lock();
+        if s.size < bytes {
+            self.sync()?;
+            if s.size > 0 {
+                // SAFETY: allocated below by a previous call; nothing in flight uses it.
+                unsafe { cu::free_sync(s.ptr) }.map_err(|e| self.err("cuMemFree", e))?;
+                *s = Scratch::default();
+            }
+            let size = bytes.next_power_of_two();
+            // SAFETY: the context is current (the caller bound it).
+            let ptr = unsafe { cu::malloc_sync(size) }.map_err(|e| Error::Device {
+                device: self.name(),
+                reason: format!("cannot allocate {size} bytes of scratch memory: {e:?}"),
+            })?;
+            *s = Scratch { ptr, size };
+        }
+        Ok(s.ptr)
+    }
+
+    fn blas(&self) -> Result<blas_sys::cublasHandle_t> {
+        let h = self.blas.get_or_init(|| {
+            if !present(Lib::Cublas) {
+                return Err(missing(Lib::Cublas));
+            }
+            let h = blas::create_handle().map_err(|e| format!("cublasCreate: {e:?}"))?;
+            // SAFETY: a handle just created; the stream belongs to this backend and outlives it
+            // (destroyed after the handle in Drop).
+            unsafe { blas::set_stream(h, self.stream.0 as _) }
+                .map_err(|e| format!("cublasSetStream: {e:?}"))?;
+            Ok(Blas(h))
+        });
+        match h {
+            Ok(b) => Ok(b.0),
+            Err(e) => Err(Error::Device {
+                device: self.name(),
+                reason: e.clone(),
+            }),
+        }
+    }
+}
+
+pub struct CudaBackend {
+    inner: Arc<Inner>,
+    alloc: Mutex<GraphAllocator>,
+}
+
+impl CudaBackend {
+    pub fn new(dev: CudaDevice) -> Result<CudaBackend> {
+        dev.gpu.bind()?;
+        let name = dev.name();
+        let stream = cu::stream::create(cu::stream::StreamKind::Default)
+            .map_err(|e| driver_err(&name, "cuStreamCreate", e))?;
+        // SAFETY: the context is current.
+        let fault = unsafe { cu::malloc_sync(std::mem::size_of::<Fault>()) }
+            .map_err(|e| driver_err(&name, "cuMemAlloc", e))?;
+        let bt = dev.buffer_type();
+        Ok(CudaBackend {
+            inner: Arc::new(Inner {
+                dev,
+                stream: Stream(stream),
+                blas: OnceLock::new(),
+                fault,
+                scratch: Mutex::new(Scratch::default()),
+            }),
+            alloc: Mutex::new(GraphAllocator::new(bt)),
+        })
+    }
+}
+
+/// `Ok` when the kernels compute node `id`; otherwise why not.
+pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String> {
+    let n = g.node(id);
+    let dst = &n.layout;
+    let src: SmallVec<[&Layout; 4]> = n.src.iter().map(|&s| g.layout(s)).collect();
+    let float = |l: &Layout, what: &str| {
+        if matches!(l.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            Ok(())
+        } else {
+            Err(format!("{what} must be f32, f16 or bf16, not {}", l.dtype))
+        }
+    };
+    let packed_blocks = |l: &Layout, what: &str| {
+        if l.dtype.is_quantized() && l.nb[0] != l.dtype.type_size() {
+            Err(format!("quantized {what} rows must be packed"))
+        } else {
+            Ok(())
+        }
+    };
+    match n.op {
+        Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => Ok(()),
+        Op::MulMat => {
+            let (w, x) = (src[0], src[1]);
+            if !matches!(
+                w.dtype,
+                DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1
+            ) {
+                return Err(format!("weights of dtype {} are not supported", w.dtype));
+            }
+            packed_blocks(w, "weight")?;
+            if x.dtype != DType::F32 || dst.dtype != DType::F32 {
+                return Err("src1 and dst must be f32".into());
+            }
+            if !dst.is_contiguous() {
+                return Err("the product's output must be packed".into());
+            }
+            if w.ne[2] == 0 || w.ne[3] == 0 || x.ne[2] % w.ne[2] != 0 || x.ne[3] % w.ne[3] != 0 {
+                return Err("weights must broadcast over dims 2 and 3 of src1".into());
+            }
+            Ok(())
+        }
+        Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Swiglu => {
+            for (i, s) in src.iter().enumerate() {
+                float(s, &format!("source {i}"))?;
+            }
+            float(dst, "the output")
+        }
+        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::Mean => {
+            float(src[0], "the input")?;
+            float(dst, "the output")
+        }
+        Op::SoftMax { .. } => {
+            for (i, s) in src.iter().enumerate() {
+                float(s, &format!("source {i}"))?;
+            }
+            float(dst, "the output")
+        }
+        Op::Argmax => {
+            if src[0].dtype == DType::F32 {
+                Ok(())
+            } else {
+                Err("argmax takes f32".into())
+            }
+        }
+        Op::Rope(_) => {
+            if !matches!(src[0].dtype, DType::F32 | DType::F16) {
+                return Err(format!("rope takes f32 or f16, not {}", src[0].dtype));
+            }
+            float(dst, "the output")
+        }
+        Op::GetRows { .. } => {
+            packed_blocks(src[0], "table")?;
+            if dst.dtype == DType::I32 {
+                return if src[0].dtype == DType::I32 {
+                    Ok(())
+                } else {
+                    Err("an I32 output needs an I32 table".into())
+                };
+            }
+            float(dst, "the output")
+        }
+        Op::SetRows { .. } => {
+            float(dst, "the destination")?;
+            float(src[1], "the rows")
+        }
+        Op::Cont | Op::Cpy => {
+            let s = src[0];
+            packed_blocks(s, "source")?;
+            if dst.dtype.is_quantized() {
+                if s.dtype != dst.dtype
+                    || s.ne[0] != dst.ne[0]
+                    || dst.nb[0] != dst.dtype.type_size()
+                {
+                    return Err(format!(
+                        "a copy into {} needs a packed source of the same type and row length",
+                        dst.dtype
+                    ));
+                }
+                return Ok(());
+            }
+            if s.dtype.is_quantized() && s.ne[0] != dst.ne[0] {
+                return Err("a quantized copy must keep the row length".into());
+            }
+            if (s.dtype == DType::I32) != (dst.dtype == DType::I32) {
+                return Err("I32 copies only to I32".into());
+            }
+            Ok(())
+        }
+        Op::Concat { .. } => {
+            if src[0].dtype != src[1].dtype || src[0].dtype != dst.dtype {
+                return Err("concat operands must share a dtype".into());
+            }
+            float(dst, "the output")
+        }
+        Op::FlashAttn { .. } => {
+            for (i, s) in src.iter().enumerate().take(3) {
+                float(s, &format!("source {i}"))?;
+            }
+            if let Some(m) = src.get(3) {
+                float(m, "the mask")?;
+            }
+            let dv = src[2].ne[0];
+            if dv > 4 * ATTN_BLOCK as usize {
+                return Err(format!(
+                    "value rows of {dv} elements (at most {})",
+                    4 * ATTN_BLOCK
+                ));
+            }
+            float(dst, "the output")
+        }
+        Op::Collective(_) => Err("collectives run in the meta backend, between node ranges".into()),
+    }
+}
+
+fn check_supported(g: &Graph, backend: &str, allow_collectives: bool) -> Result<()> {
+    for id in g.ids() {
+        if allow_collectives && matches!(g.node(id).op, Op::Collective(_)) {
+            continue;
+        }
+        if let Err(detail) = supports_node(g, id) {
+            let n = g.node(id);
+            return Err(Error::UnsupportedOp {
+                backend: backend.to_string(),
+                op: n.op.name().to_string(),
+                node: n.name.clone(),
+                detail,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Node `id` as kernels address it, or an error if its bytes are not on this GPU.
+fn device_tensor(g: &Graph, id: TensorId, inner: &Inner) -> Result<Tensor> {
+    let n = g.node(id);
+    let st = g.storage(id).ok_or_else(|| Error::NoStorage {
+        tensor: n.name.clone(),
+        reason: "not allocated".into(),
+    })?;
+    let b = st
+        .buffer
+        .as_any()
+        .downcast_ref::<CudaBuffer>()
+        .filter(|b| b.gpu.ordinal == inner.dev.gpu.ordinal)
+        .ok_or_else(|| Error::IncompatibleBuffer {
+            backend: inner.name(),
+            tensor: n.name.clone(),
+            buffer_type: st.buffer.buffer_type().name(),
+        })?;
+    Ok(Tensor::new(b.ptr + st.offset as u64, &n.layout))
+}
+
+/// One node ready to launch.
+struct ExecNode {
+    id: TensorId,
+    name: String,
+    op: Op,
+    dst: Tensor,
+    dst_layout: Layout,
+    src: SmallVec<[Tensor; 4]>,
+    src_layouts: SmallVec<[Layout; 4]>,
+}
+
+struct CudaPlan {
+    inner: Arc<Inner>,
+    exec: Vec<ExecNode>,
+    /// Keeps every buffer the addresses point into alive while the plan exists.
+    _buffers: Vec<Arc<dyn Buffer>>,
+}
+
+fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CudaPlan> {
+    let name = inner.name();
+    check_supported(g, &name, true)?;
+    let mut exec = Vec::new();
+    let mut buffers: Vec<Arc<dyn Buffer>> = Vec::new();
+    for id in g.ids() {
+        let n = g.node(id);
+        if let Some(st) = g.storage(id)
+            && !buffers.iter().any(|b| Arc::ptr_eq(b, &st.buffer))
+        {
+            buffers.push(st.buffer);
+        }
+        if n.op.is_noop() || matches!(n.op, Op::Collective(_)) || n.layout.nelements() == 0 {
+            continue;
+        }
+        let dst = device_tensor(g, id, inner)?;
+        let src = n
+            .src
+            .iter()
+            .map(|&s| device_tensor(g, s, inner))
+            .collect::<Result<SmallVec<_>>>()?;
+        exec.push(ExecNode {
+            id,
+            name: n.name.clone(),
+            op: n.op,
+            dst,
+            dst_layout: n.layout,
+            src,
+            src_layouts: n.src.iter().map(|&s| *g.layout(s)).collect(),
+        });
+    }
+    Ok(CudaPlan {
+        inner: inner.clone(),
+        exec,
+        _buffers: buffers,
+    })
+}
+
+/// A pointer to a kernel argument.
+fn arg<T>(v: &T) -> *mut c_void {
+    (v as *const T).cast_mut().cast()
+}
+
+/// Blocks for a grid-stride kernel over `n` items.
+fn blocks(n: usize) -> u32 {
+    n.div_ceil(BLOCK as usize).clamp(1, 1 << 20) as u32
+}
+
+fn nrows(t: &Tensor) -> usize {
+    (t.ne[1] * t.ne[2] * t.ne[3]) as usize
+}
+
+impl CudaPlan {
+    /// Launch node `e` (index `at` in the plan).
+    fn run(&self, at: usize, e: &ExecNode) -> Result<()> {
+        let inner = &self.inner;
+        let one = (BLOCK, 1, 1);
+        let n_dst = e.dst_layout.nelements();
+        let (d, s) = (&e.dst, &e.src);
+        match e.op {
+            Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Collective(_) => {
+                Ok(())
+            }
+            Op::Cont | Op::Cpy => {
+                let sl = &e.src_layouts[0];
+                if sl.dtype.is_quantized() && sl.dtype == e.dst_layout.dtype {
+                    let row = sl.dtype.row_size(sl.ne[0]) as i64;
+                    let n = nrows(d) * row as usize;
+                    inner.launch(
+                        "k_cpy_rows_bytes",
+                        (blocks(n), 1, 1),
+                        one,
+                        0,
+                        &mut [arg(d), arg(&s[0]), arg(&row)],
+                    )
+                } else {
+                    inner.launch(
+                        "k_cpy",
+                        (blocks(n_dst), 1, 1),
+                        one,
+                        0,
+                        &mut [arg(d), arg(&s[0])],
+                    )
+                }
+            }
+            Op::Concat { dim } => {
+                let dim = dim as i32;
+                inner.launch(
+                    "k_concat",
+                    (blocks(n_dst), 1, 1),
+                    one,
+                    0,
+                    &mut [arg(d), arg(&s[0]), arg(&s[1]), arg(&dim)],
+                )
+            }
+            Op::Binary(op) => {
+                let code: i32 = match op {
+                    BinaryOp::Add => 0,
+                    BinaryOp::Sub => 1,
+                    BinaryOp::Mul => 2,
+                    BinaryOp::Div => 3,
+                };
+                inner.launch(
+                    "k_binary",
+                    (blocks(n_dst), 1, 1),
+                    one,
+                    0,
+                    &mut [arg(d), arg(&s[0]), arg(&s[1]), arg(&code)],
+                )
+            }
+            Op::Unary(_) | Op::Scale { .. } | Op::Clamp { .. } => {
+                let (code, p0, p1): (i32, f32, f32) = match e.op {
+                    Op::Unary(UnaryOp::Silu) => (0, 0.0, 0.0),
+                    Op::Unary(UnaryOp::Gelu) => (1, 0.0, 0.0),
+                    Op::Unary(UnaryOp::GeluErf) => (2, 0.0, 0.0),
+                    Op::Unary(UnaryOp::Relu) => (3, 0.0, 0.0),
+                    Op::Unary(UnaryOp::Tanh) => (4, 0.0, 0.0),
+                    Op::Scale { scale, bias } => (5, scale, bias),
+                    Op::Clamp { min, max } => (6, min, max),
+                    _ => unreachable!("matched above"),
+                };
+                inner.launch(
+                    "k_unary",
+                    (blocks(n_dst), 1, 1),
+                    one,
+                    0,
+                    &mut [arg(d), arg(&s[0]), arg(&code), arg(&p0), arg(&p1)],
+                )
+            }
+            Op::Swiglu => {
+                let (u, off) = match s.get(1) {
+                    Some(u) => (*u, 0i64),
+                    None => (s[0], d.ne[0]),
+                };
+                inner.launch(
+                    "k_swiglu",
+                    (blocks(n_dst), 1, 1),
+                    one,
+                    0,
+                    &mut [arg(d), arg(&s[0]), arg(&u), arg(&off)],
+                )
+            }
+            Op::RmsNorm { eps } | Op::Norm { eps } => {
+                let mode: i32 = if matches!(e.op, Op::RmsNorm { .. }) {
+                    0
+                } else {
+                    1
+                };
+                self.row_reduce(e, mode, eps)
+            }
+            Op::SumRows => self.row_reduce(e, 2, 0.0),
+            Op::Mean => self.row_reduce(e, 3, 0.0),
+            Op::SoftMax { scale } => {
+                let (mask, has) = match s.get(1) {
+                    Some(m) => (*m, 1i32),
+                    None => (Tensor::none(), 0),
+                };
+                inner.launch(
+                    "k_soft_max",
+                    (nrows(&s[0]) as u32, 1, 1),
+                    one,
+                    0,
+                    &mut [arg(d), arg(&s[0]), arg(&mask), arg(&has), arg(&scale)],
+                )
+            }
+            Op::Argmax => inner.launch(
+                "k_argmax",
+                (s[0].ne[1] as u32, 1, 1),
+                one,
+                0,
+                &mut [arg(d), arg(&s[0])],
+            ),
+            Op::Rope(rp) => {
+                let mode: i32 = match rp.mode {
+                    RopeMode::Normal => 0,
+                    RopeMode::NeoX => 1,
+                };
+                let n_dims = rp.n_dims as i32;
+                let half = rp.n_dims / 2;
+                let per_row = half + (s[0].ne[0] as usize - 2 * half);
+                let n = nrows(&s[0]) * per_row;
+                inner.launch(
+                    "k_rope",
+                    (blocks(n), 1, 1),
+                    one,
+                    0,
+                    &mut [
+                        arg(d),
+                        arg(&s[0]),
+                        arg(&s[1]),
+                        arg(&mode),
+                        arg(&n_dims),
+                        arg(&rp.freq_base),
+                        arg(&rp.freq_scale),
+                    ],
+                )
+            }
+            Op::GetRows { window } | Op::SetRows { window } => {
+                let (rows, lo, hi, wat) = window.map_or((0i64, 0i64, 0i64, 0i64), |w| {
+                    (w.rows as i64, w.lo as i64, w.hi as i64, w.at as i64)
+                });
+                let node = at as i32;
+                let (kernel, grid, table, ids) = match e.op {
+                    Op::GetRows { .. } => ("k_get_rows", nrows(d), s[0], s[1]),
+                    _ => ("k_set_rows", nrows(&s[1]), s[1], s[2]),
+                };
+                inner.launch(
+                    kernel,
+                    (grid as u32, 1, 1),
+                    one,
+                    0,
+                    &mut [
+                        arg(d),
+                        arg(&table),
+                        arg(&ids),
+                        arg(&rows),
+                        arg(&lo),
+                        arg(&hi),
+                        arg(&wat),
+                        arg(&inner.fault),
+                        arg(&node),
+                    ],
+                )
+            }
+            Op::MulMat => self.mul_mat(e),
+            Op::FlashAttn { scale } => {
+                let (q, k, v) = (s[0], s[1], s[2]);
+                let (mask, has) = match s.get(3) {
+                    Some(m) => (*m, 1i32),
+                    None => (Tensor::none(), 0),
+                };
+                let shared = ((q.ne[0] as u32) + 2 * ATTN_BLOCK) * 4;
+                inner.launch(
+                    "k_flash_attn",
+                    (q.ne[1] as u32, q.ne[2] as u32, q.ne[3] as u32),
+                    (ATTN_BLOCK, 1, 1),
+                    shared,
+                    &mut [
+                        arg(d),
+                        arg(&q),
+                        arg(&k),
+                        arg(&v),
+                        arg(&mask),
+                        arg(&has),
+                        arg(&scale),
+                    ],
+                )
+            }
+        }
+    }
+
+    fn row_reduce(&self, e: &ExecNode, mode: i32, eps: f32) -> Result<()> {
+        self.inner.launch(
+            "k_row_reduce",
+            (nrows(&e.src[0]) as u32, 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [arg(&e.dst), arg(&e.src[0]), arg(&mode), arg(&eps)],
+        )
+    }
+
+    /// `dst [N, M, b2, b3] = w [K, N, w2, w3] x [K, M, b2, b3]` (each output a dot product of
+    /// a weight row and an activation row).
+    fn mul_mat(&self, e: &ExecNode) -> Result<()> {
+        let inner = &self.inner;
+        let (d, w, x) = (&e.dst, &e.src[0], &e.src[1]);
+        let (k, n, m) = (w.ne[0] as usize, w.ne[1] as usize, x.ne[1] as usize);
+        let (b2, b3) = (x.ne[2] as usize, x.ne[3] as usize);
+        if m <= GEMV_MAX_M {
+            let warps = BLOCK / 32;
+            return inner.launch(
+                "k_mul_mat_vec",
+                (n.div_ceil(warps as usize) as u32, (b2 * b3) as u32, 1),
+                (BLOCK, 1, 1),
+                0,
+                &mut [arg(d), arg(w), arg(x)],
+            );
+        }
+        // Dense f32 weights, then packed activations, in one scratch block.
+        let (w2, w3) = (w.ne[2] as usize, w.ne[3] as usize);
+        let w_elems = k * n * w2 * w3;
+        let x_elems = k * m * b2 * b3;
+        let base = inner.scratch((w_elems + x_elems) * 4)?;
+        let x_dense = base + (w_elems * 4) as u64;
+        let f32_code: i32 = 0;
+        inner.launch(
+            "k_to_dense",
+            (blocks(w_elems), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [arg(&base), arg(&f32_code), arg(w)],
+        )?;
+        let xl = &e.src_layouts[1];
+        let x_ptr = if xl.is_contiguous() {
+            x.ptr
+        } else {
+            let packed = Tensor::new(x_dense, &Layout::contiguous(DType::F32, xl.ne));
+            inner.launch(
+                "k_cpy",
+                (blocks(x_elems), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                &mut [arg(&packed), arg(x)],
+            )?;
+            x_dense
+        };
+        let h = inner.blas()?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        for i3 in 0..b3 {
+            for i2 in 0..b2 {
+                let (j2, j3) = (i2 / (b2 / w2), i3 / (b3 / w3));
+                let a = base + (((j3 * w2 + j2) * k * n) * 4) as u64;
+                let bp = x_ptr + (((i3 * b2 + i2) * k * m) * 4) as u64;
+                let c = d.ptr + (((i3 * b2 + i2) * n * m) * 4) as u64;
+                // Column-major: C (N x M) = A^T (N x K) B (K x M), A = the weight rows (K x N).
+                // SAFETY: the three matrices lie inside scratch and the output node (sizes from
+                // the checked layouts); the handle is bound to this backend's stream.
+                unsafe {
+                    blas::gemm_ex(
+                        h,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                        blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                        n as i32,
+                        m as i32,
+                        k as i32,
+                        arg(&alpha),
+                        a as *const c_void,
+                        blas_sys::cudaDataType::CUDA_R_32F,
+                        k as i32,
+                        bp as *const c_void,
+                        blas_sys::cudaDataType::CUDA_R_32F,
+                        k as i32,
+                        arg(&beta),
+                        c as *mut c_void,
+                        blas_sys::cudaDataType::CUDA_R_32F,
+                        n as i32,
+                        blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|err| Error::Device {
+                    device: inner.name(),
+                    reason: format!("cublasGemmEx at node `{}`: {err:?}", e.name),
+                })?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl GraphPlan for CudaPlan {
+    fn compute(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        let lo = self.exec.partition_point(|e| e.id.index() < range.start);
+        let hi = self.exec.partition_point(|e| e.id.index() < range.end);
+        if lo == hi {
+            return Ok(());
+        }
+        let inner = &self.inner;
+        inner.dev.gpu.bind()?;
+        // SAFETY: the fault word belongs to this backend; ordered on its stream.
+        unsafe {
+            cu::memset_d8_async(inner.fault, 0, std::mem::size_of::<Fault>(), inner.stream.0)
+        }
+        .map_err(|e| inner.err("cuMemsetD8Async", e))?;
+        for i in lo..hi {
+            let e = &self.exec[i];
+            self.run(i, e).map_err(|err| match err {
+                Error::Device { device, reason } => Error::Device {
+                    device,
+                    reason: format!("{reason} (node `{}`, {})", e.name, e.op.name()),
+                },
+                other => other,
+            })?;
+        }
+        inner.sync()?;
+        let mut f = [Fault::default()];
+        // SAFETY: reads the backend's fault word after the stream drained.
+        unsafe { cu::memcpy_dtoh_sync(&mut f, inner.fault) }
+            .map_err(|e| inner.err("cuMemcpyDtoH", e))?;
+        let f = f[0];
+        if f.flag != 0 {
+            let e = self.exec.get(f.node.max(0) as usize);
+            return Err(Error::RowIdOutOfRange {
+                device: inner.name(),
+                node: e.map_or_else(|| "?".into(), |e| e.name.clone()),
+                op: e.map_or("?", |e| e.op.name()),
+                id: f.id,
+                index: f.at.map(|v| v.max(0) as usize),
+                rows: f.rows.max(0) as usize,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    fn device(&self) -> Arc<dyn Device> {
+        Arc::new(self.inner.dev.clone())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.inner.dev.gpu.bind()?;
+        self.inner.sync()
+    }
+
+    fn graph_compute(&self, g: &mut Graph) -> Result<()> {
+        check_supported(g, &self.name(), false)?;
+        self.inner.dev.gpu.bind()?;
+        let mut alloc = self.alloc.lock();
+        alloc.alloc_graph(g)?;
+        for n in g.nodes() {
+            if let (Some(data), Some(st)) = (&n.data, &n.storage) {
+                st.set(&n.layout, data)?;
+            }
+        }
+        let mut plan = make_plan(&self.inner, g)?;
+        plan.compute(0..g.len())
+    }
+
+    fn compute_buffer_bytes(&self) -> Vec<usize> {
+        vec![self.alloc.lock().buffer_size()]
+    }
+
+    fn graph_plan(&self, g: &Graph) -> Result<Box<dyn GraphPlan>> {
+        Ok(Box::new(make_plan(&self.inner, g)?))
+    }
+}

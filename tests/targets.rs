@@ -1,5 +1,6 @@
 //! The whole harness on every target, one line per backend (the CPU; the plug-in of
-//! `support/plugin.rs`, a wrapped CPU device whose meta devices use its own communicator): the op-by-op list against the
+//! `support/plugin.rs`, a wrapped CPU device whose meta devices use its own communicator; with
+//! `--features cuda`, the CUDA backend, skipped without a GPU): the op-by-op list against the
 //! float64 reference (one device at 1, 2 and 3 threads; meta devices with mirrored inputs), the
 //! meta properties on N = 1..=8 devices, and the meta regressions (see `support/mod.rs`).
 //!
@@ -9,3 +10,6 @@ mod support;
 
 support::harness_tests!(cpu, support::CPU);
 support::harness_tests!(plugin, support::plugin::PLUGIN);
+// The CUDA backend on logical devices of GPU 0; every test passes at once without a GPU.
+#[cfg(feature = "cuda")]
+support::harness_tests!(cuda, support::CUDA);

@@ -107,6 +107,11 @@ pub fn present(lib: Lib) -> bool {
 
 /// An error naming a missing library and where it was looked for.
 pub fn missing(lib: Lib) -> String {
+    if lib == Lib::Driver {
+        return "the NVIDIA driver library (libcuda.so.1) was not found: no GPU driver on this \
+                machine"
+            .into();
+    }
     let dirs = search_dirs();
     format!(
         "lib{}.so was not found on the loader's path{} (set METASHARD_CUDA_LIBS to the folder \

@@ -32,6 +32,9 @@ pub struct Target {
     pub devices: DevicesFn,
     /// `MetaDevice::with_options` unless the backend brings its own way of joining devices.
     pub meta: MetaFn,
+    /// Why the target cannot run here (no GPU), or `None`: every harness test of an absent
+    /// target passes without running, after one printed line saying why.
+    pub absent_because: fn() -> Option<String>,
 }
 
 /// A meta backend of one device count for many op cases, and the split table its callback
@@ -48,6 +51,26 @@ fn cpu_devices(n: usize, threads: usize) -> Result<Vec<Arc<dyn Device>>> {
 /// The CPU backend: `cpu:NxT`.
 pub const CPU: Target = Target::new("cpu", cpu_devices);
 
+/// N logical devices on GPU 0 (`cuda:0xN`); threads do not apply.
+#[cfg(feature = "cuda")]
+fn cuda_devices(n: usize, _threads: usize) -> Result<Vec<Arc<dyn Device>>> {
+    parse_devices(&format!("cuda:0x{n}"))
+}
+
+/// Why the CUDA backend cannot run here, if it cannot.
+#[cfg(feature = "cuda")]
+pub fn no_gpu() -> Option<String> {
+    match metashard::cuda::device::gpu_count() {
+        Ok(0) => Some("the CUDA driver sees no GPU".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// The CUDA backend: `cuda:0xN`, absent without a GPU.
+#[cfg(feature = "cuda")]
+pub const CUDA: Target = Target::new("cuda", cuda_devices).unless(no_gpu);
+
 impl Target {
     /// A target joined into meta devices by `MetaDevice::with_options`.
     pub const fn new(name: &'static str, devices: DevicesFn) -> Target {
@@ -55,6 +78,27 @@ impl Target {
             name,
             devices,
             meta: MetaDevice::with_options,
+            absent_because: || None,
+        }
+    }
+
+    /// The same target, absent when `why` says so.
+    pub const fn unless(self, why: fn() -> Option<String>) -> Target {
+        Target {
+            absent_because: why,
+            ..self
+        }
+    }
+
+    /// Whether this target cannot run here; the first call per process prints why.
+    pub fn absent(&self) -> bool {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        match (self.absent_because)() {
+            None => false,
+            Some(why) => {
+                SAID.call_once(|| println!("skipped: the {} target: {why}", self.name));
+                true
+            }
         }
     }
 

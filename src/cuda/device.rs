@@ -255,6 +255,13 @@ impl Device for CudaDevice {
             .is_some_and(|b| b.gpu.ordinal == self.gpu.ordinal)
     }
 
+    /// Logical devices of one GPU reduce through each other's memory (`comm.rs`).
+    fn communicators(&self) -> Vec<Arc<dyn crate::collectives::CommunicatorFactory>> {
+        vec![Arc::new(super::comm::OneGpuFactory {
+            ordinal: self.gpu.ordinal,
+        })]
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }

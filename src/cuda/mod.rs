@@ -7,6 +7,8 @@
 #[cfg(feature = "cuda")]
 pub mod backend;
 #[cfg(feature = "cuda")]
+pub mod comm;
+#[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod kernels;

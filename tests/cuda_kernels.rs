@@ -161,8 +161,8 @@ fn rendezvous_names_the_late_rank_within_the_deadline() {
         rv.meet(r, Deposit::default(), "all-reduce")
     });
     let waited = start.elapsed();
-    for r in 0..2 {
-        let e = out[r].as_ref().unwrap_err().to_string();
+    for (r, res) in out.iter().take(2).enumerate() {
+        let e = res.as_ref().unwrap_err().to_string();
         assert!(e.contains("[2]"), "rank {r}: {e}");
     }
     assert!(waited < Duration::from_secs(5), "{waited:?}");

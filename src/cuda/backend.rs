@@ -8,10 +8,11 @@
 //!
 //! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` reads the
 //! weights once in their own dtype, quantized blocks dequantized in registers, f32 activations
-//! (the CPU backend's default precision). Above that, weights are expanded to f32 in scratch
-//! memory and multiplied by cuBLAS `cublasGemmEx` in f32 (CUBLAS_COMPUTE_32F, no TF32), one
-//! call per (dim 2, dim 3) pair; cached f16 weights with f16 tensor-core products are the
-//! planned fast path.
+//! (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
+//! (dim 2, dim 3) pair: F16 and BF16 weights in place on tensor cores with the activations
+//! rounded to the weight's type and f32 accumulation (ggml's CUDA backend does the same);
+//! quantized and F32 weights expanded to f32 in scratch memory and multiplied in f32
+//! (CUBLAS_COMPUTE_32F, no TF32). Cached dequantized weights for prompts are not done yet.
 //!
 //! A kernel that finds a bad operand (an I32 row id outside its table) records it in a `Fault`
 //! word in device memory; the range's synchronization reads it and the error names the node.
@@ -665,31 +666,52 @@ impl CudaPlan {
                 &mut [arg(d), arg(w), arg(x)],
             );
         }
-        // Dense f32 weights, then packed activations, in one scratch block.
+        // F16 and BF16 weights multiply on tensor cores: the activations are rounded to the
+        // weight's type (as ggml's CUDA backend does), products accumulate in f32. Other
+        // weights are expanded to f32 and multiplied in f32. Weights already packed in their
+        // own 16-bit type are read in place.
+        let wl = &e.src_layouts[0];
+        let half = matches!(wl.dtype, DType::F16 | DType::BF16);
+        let (esz, code, cu_type) = match wl.dtype {
+            DType::F16 => (2, 1i32, blas_sys::cudaDataType::CUDA_R_16F),
+            DType::BF16 => (2, 2i32, blas_sys::cudaDataType::CUDA_R_16BF),
+            _ => (4, 0i32, blas_sys::cudaDataType::CUDA_R_32F),
+        };
         let (w2, w3) = (w.ne[2] as usize, w.ne[3] as usize);
-        let w_elems = k * n * w2 * w3;
+        let w_in_place = half && wl.nb[0] == 2 && wl.nb[1].is_multiple_of(2) && wl.nb[1] / 2 >= k;
+        let w_elems = if w_in_place { 0 } else { k * n * w2 * w3 };
         let x_elems = k * m * b2 * b3;
-        let base = inner.scratch((w_elems + x_elems) * 4)?;
-        let x_dense = base + (w_elems * 4) as u64;
-        let f32_code: i32 = 0;
-        inner.launch(
-            "k_to_dense",
-            (blocks(w_elems), 1, 1),
-            (BLOCK, 1, 1),
-            0,
-            &mut [arg(&base), arg(&f32_code), arg(w)],
-        )?;
+        let base = inner.scratch((w_elems + x_elems) * esz)?;
+        let x_dense = base + (w_elems * esz) as u64;
+        if !w_in_place {
+            inner.launch(
+                "k_to_dense",
+                (blocks(w_elems), 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                &mut [arg(&base), arg(&code), arg(w)],
+            )?;
+        }
+        // Weight matrix (j2, j3) and its leading dimension, in elements.
+        let lda = if w_in_place { wl.nb[1] / 2 } else { k };
+        let (nb2, nb3) = (wl.nb[2], wl.nb[3]);
+        let a_at = |j2: usize, j3: usize| {
+            if w_in_place {
+                w.ptr + (j2 * nb2 + j3 * nb3) as u64
+            } else {
+                base + (((j3 * w2 + j2) * k * n) * esz) as u64
+            }
+        };
         let xl = &e.src_layouts[1];
-        let x_ptr = if xl.is_contiguous() {
+        let x_ptr = if !half && xl.is_contiguous() {
             x.ptr
         } else {
-            let packed = Tensor::new(x_dense, &Layout::contiguous(DType::F32, xl.ne));
             inner.launch(
-                "k_cpy",
+                "k_to_dense",
                 (blocks(x_elems), 1, 1),
                 (BLOCK, 1, 1),
                 0,
-                &mut [arg(&packed), arg(x)],
+                &mut [arg(&x_dense), arg(&code), arg(x)],
             )?;
             x_dense
         };
@@ -698,12 +720,13 @@ impl CudaPlan {
         for i3 in 0..b3 {
             for i2 in 0..b2 {
                 let (j2, j3) = (i2 / (b2 / w2), i3 / (b3 / w3));
-                let a = base + (((j3 * w2 + j2) * k * n) * 4) as u64;
-                let bp = x_ptr + (((i3 * b2 + i2) * k * m) * 4) as u64;
+                let a = a_at(j2, j3);
+                let bp = x_ptr + (((i3 * b2 + i2) * k * m) * esz) as u64;
                 let c = d.ptr + (((i3 * b2 + i2) * n * m) * 4) as u64;
                 // Column-major: C (N x M) = A^T (N x K) B (K x M), A = the weight rows (K x N).
-                // SAFETY: the three matrices lie inside scratch and the output node (sizes from
-                // the checked layouts); the handle is bound to this backend's stream.
+                // SAFETY: the three matrices lie inside scratch, the weight tensor and the
+                // output node (sizes from the checked layouts); the handle is bound to this
+                // backend's stream.
                 unsafe {
                     blas::gemm_ex(
                         h,
@@ -714,10 +737,10 @@ impl CudaPlan {
                         k as i32,
                         arg(&alpha),
                         a as *const c_void,
-                        blas_sys::cudaDataType::CUDA_R_32F,
-                        k as i32,
+                        cu_type,
+                        lda as i32,
                         bp as *const c_void,
-                        blas_sys::cudaDataType::CUDA_R_32F,
+                        cu_type,
                         k as i32,
                         arg(&beta),
                         c as *mut c_void,

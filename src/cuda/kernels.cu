@@ -526,8 +526,8 @@ extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x) {
     }
 }
 
-// Weights of any dtype to a packed f16 or f32 matrix [K, N * ne2 * ne3] for cuBLAS (out_type:
-// T_F16 or T_F32).
+// Any tensor to a packed f32, f16 or bf16 matrix [ne0, ne1 * ne2 * ne3] for cuBLAS (out_type:
+// T_F32, T_F16 or T_BF16), in ggml order.
 extern "C" __global__ void k_to_dense(char *out, int out_type, Tensor w) {
     i64 n = nelements(w);
     GRID_STRIDE(k, n) {
@@ -535,6 +535,7 @@ extern "C" __global__ void k_to_dense(char *out, int out_type, Tensor w) {
         unravel(k, w.ne, i);
         float v = load(w, i[0], i[1], i[2], i[3]);
         if (out_type == T_F16) ((u16 *)out)[k] = f2h(v);
+        else if (out_type == T_BF16) ((u16 *)out)[k] = f2bf(v);
         else ((float *)out)[k] = v;
     }
 }

@@ -46,7 +46,11 @@ for line in sys.stdin:
     bash scripts/fetch_models.sh >/dev/null
     models="${METASHARD_MODELS:-$repo/models-cache}"
     cp -r "$models/smollm2" "$models/minilm" "$dir/stage/models/"
-    cp scripts/gpu_check.sh "$dir/stage/"
+    mkdir -p "$dir/stage/scripts" "$dir/stage/wheels"
+    cp scripts/gpu_check.sh scripts/gpu_torch_ref.py "$dir/stage/scripts/"
+    # transformers reads GGUF files through the `gguf` package, which the GPU image lacks.
+    python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$dir/stage/wheels" \
+        "gguf==0.19.0" || echo "gguf wheel not fetched: the transformers comparison will be skipped"
     tar -C "$dir/stage" -cf "$dir/bundle.tar" .
     rm -rf "$dir/stage"
     (cd "$dir" && split -b 56m -d bundle.tar part- && rm bundle.tar)
@@ -118,14 +122,56 @@ run() {
     step "cuda_kernels" "$bin/cuda_kernels"
     step "op harness on cuda" "$bin/targets" cuda:: --nocapture
     step "models on cuda, cuda:0x2" "$bin/cuda_models" --nocapture
-    step "bench model" "$bin/metashard" bench model --model smollm2 --devices cpu \
-        --devices cuda --devices cuda:0x2 --pp 128 --tg 64 --reps 3
-    {
-        echo
-        echo '```'
-        sed -n '/== bench model/,$p' "$log" | tail -n 20
-        echo '```'
-    } >>"$md"
+    step "bench backend" sh -c "\"$bin/metashard\" bench backend --devices cuda --json >\"$out/backend.json\""
+    step "bench model" sh -c "\"$bin/metashard\" bench model --model smollm2 --devices cuda \
+        --devices cuda:0x2 --devices cpu --pp 128 --tg 64 --reps 3 --json >\"$out/model.json\""
+    if ls "$work"/wheels/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site "$work"/wheels/*.whl \
+            && export PYTHONPATH=/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    step "torch reference" sh -c "python3 \"$work/scripts/gpu_torch_ref.py\" \
+        --gguf \"$work/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\" >\"$out/torch_ref.json\""
+    python3 - "$out" >>"$md" 2>>"$log" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        return json.load(open(os.path.join(out, name)))
+    except Exception as e:
+        return None
+backend, model, torch = load("backend.json") or [], load("model.json") or {}, load("torch_ref.json") or {}
+ours = {r["case"]: r for r in backend}
+rows = []
+def ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "n/a"
+copy = ours.get("copy f32 256 MiB", {}).get("rate")
+tcopy = torch.get("copy f32 256 MiB", {}).get("rate")
+rows.append(("copy f32 256 MiB", f"{copy or 0:.0f} GB/s", f"torch {tcopy or 0:.0f} GB/s", ratio(copy, tcopy), "-"))
+for dt in ("f16", "bf16"):
+    k = f"gemm {dt} 4096^3"
+    a, b = ours.get(k, {}).get("rate"), torch.get(k, {}).get("rate")
+    rows.append((k, f"{a or 0:.0f} TFLOP/s", f"torch.matmul {b or 0:.0f} TFLOP/s", ratio(a, b), ">= 0.9x"))
+for dt in ("q4_0", "q8_0", "f16"):
+    k = f"gemv {dt} m=1 14336x4096"
+    a = ours.get(k, {}).get("rate")
+    rows.append((k, f"{a or 0:.0f} GB/s", f"copy {copy or 0:.0f} GB/s", ratio(a, copy), ">= 0.5x"))
+tg = {r["devices"]: r["tg_tokens_per_s"] for r in model.get("rows", [])}
+pp = {r["devices"]: r["pp_tokens_per_s"] for r in model.get("rows", [])}
+hf = torch.get("smollm2 decode f32", {}).get("rate")
+hf16 = torch.get("smollm2 decode f16", {}).get("rate")
+rows.append(("smollm2 decode, cuda", f"{tg.get('cuda', 0):.0f} t/s", f"transformers f32 {hf or 0:.0f} t/s", ratio(tg.get("cuda"), hf), ">= 1.0x"))
+rows.append(("smollm2 decode, cuda", f"{tg.get('cuda', 0):.0f} t/s", f"transformers f16 {hf16 or 0:.0f} t/s", ratio(tg.get("cuda"), hf16), "-"))
+rows.append(("smollm2 decode, cuda:0x2", f"{tg.get('cuda:0x2', 0):.0f} t/s", f"cuda {tg.get('cuda', 0):.0f} t/s", ratio(tg.get("cuda:0x2"), tg.get("cuda")), ">= 0.8x"))
+rows.append(("smollm2 prompt 128, cuda", f"{pp.get('cuda', 0):.0f} t/s", f"cpu {pp.get('cpu', 0):.0f} t/s", ratio(pp.get("cuda"), pp.get("cpu")), "-"))
+print()
+print("| measurement | metashard | against | ratio | target |")
+print("|---|---|---|---|---|")
+for r in rows:
+    print("| " + " | ".join(r) + " |")
+for k in ("kernels_error", "generate_error"):
+    if k in torch:
+        print(f"\ntorch reference: {k}: {torch[k]}")
+EOF
     cat "$md"
     return $status
 }

@@ -139,6 +139,25 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// One op at a time on any device through the backend API: a 256 MiB copy, GEMM 4096^3
+    /// (F16, BF16, F32 weights), decode GEMV 14336x4096 (Q4_0, Q8_0, F16); medians.
+    Backend {
+        /// Devices to time, one device each (repeat the flag), e.g. `cuda` or `cpu`.
+        #[arg(long, default_values_t = vec!["cpu".to_string()])]
+        devices: Vec<String>,
+        /// Shrink every shape (a quick check, not a measurement).
+        #[arg(long)]
+        small: bool,
+        /// Only cases whose label contains this text, e.g. "gemv".
+        #[arg(long)]
+        filter: Option<String>,
+        /// Seconds of timed repetitions per case (at least 5 repetitions).
+        #[arg(long, default_value_t = 1.0)]
+        seconds: f64,
+        /// Print the results as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
     Meta {
         /// The graph: a transformer block or ggml's 4-layer MLP stack.
@@ -185,6 +204,42 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Plan(a) => cli::plan::run(&a),
         Cmd::Calibrate(a) => cli::calibrate::run(&a),
         Cmd::Bench { what } => match what {
+            BenchCmd::Backend {
+                devices,
+                small,
+                filter,
+                seconds,
+                json,
+            } => {
+                if !(seconds.is_finite() && seconds >= 0.0) {
+                    return Err(metashard::Error::invalid_argument(
+                        "--seconds",
+                        seconds,
+                        "a finite, non-negative number of seconds",
+                    ));
+                }
+                let opts = bench::backend::BackendBenchOptions {
+                    devices,
+                    small,
+                    filter,
+                    min_time: std::time::Duration::from_secs_f64(seconds),
+                };
+                let results = bench::backend::run(&opts, &|line| eprintln!("{line}"))?;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&results).map_err(|source| {
+                            metashard::Error::Json {
+                                what: "bench backend results",
+                                source,
+                            }
+                        })?
+                    );
+                } else {
+                    bench::backend::print_table(&results);
+                }
+                Ok(())
+            }
             BenchCmd::Ops {
                 threads,
                 filter,

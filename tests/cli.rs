@@ -348,3 +348,32 @@ fn a_corrupt_block_count_is_an_error_naming_the_key() {
     let _ = std::fs::remove_file(&p);
     assert!(!e.contains("memory allocation"), "{e}");
 }
+
+#[test]
+fn bench_backend_times_every_case_on_a_cpu_device_and_refuses_device_groups() {
+    let r = metashard(&["bench", "backend", "--small", "--seconds", "0", "--json"]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    let rows = v.as_array().unwrap();
+    assert_eq!(rows.len(), 7, "{}", r.stdout);
+    for row in rows {
+        assert_eq!(row["device"], "cpu");
+        let rate = row["rate"].as_f64().unwrap();
+        assert!(rate.is_finite() && rate > 0.0, "{row}");
+        let unit = row["unit"].as_str().unwrap();
+        let case = row["case"].as_str().unwrap();
+        assert_eq!(unit == "TFLOP/s", case.starts_with("gemm"), "{row}");
+    }
+    refused(
+        &["bench", "backend", "--devices", "cpu:2", "--small"],
+        1,
+        30,
+        &["--devices", "cpu:2", "one device"],
+    );
+    refused(
+        &["bench", "backend", "--seconds", "NaN"],
+        1,
+        30,
+        &["--seconds"],
+    );
+}

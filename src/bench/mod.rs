@@ -1,7 +1,9 @@
 //! Benchmarks behind `metashard bench`: timing helpers that report medians, the per-op
 //! kernel benchmark ([`ops`]), the cost of tensor parallelism on one host ([`meta`]) and a real
-//! model's prompt and generation throughput per device set ([`model`]).
+//! model's prompt and generation throughput per device set ([`model`]), and one op at a time
+//! on any device through the backend API ([`backend`]).
 
+pub mod backend;
 pub mod meta;
 pub mod model;
 pub mod ops;

@@ -1,0 +1,215 @@
+//! `bench backend`: one op at a time on any device, through the backend API (a one-node graph,
+//! its plan computed again and again, medians): the figures the CUDA issue holds against the
+//! hardware and PyTorch. A device-to-device copy (`cont` of 256 MiB f32: bytes read and
+//! written per second, the bandwidth the other rows are held against), GEMM 4096^3 with F16,
+//! BF16 and F32 weights (TFLOP/s), and decode GEMV 14336 x 4096 at M = 1 with Q4_0, Q8_0 and
+//! F16 weights (weight bytes read per second). The same cases run on a CPU device, so the
+//! command is tested without a GPU (`--small` shrinks every shape).
+
+use crate::bench::{Repeat, time_it};
+use metashard::backend::{Device, alloc_tensors};
+use metashard::buffer::Storage;
+use metashard::dtype::f32_to_bytes;
+use metashard::{DType, Error, Graph, Result, parse_devices};
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What one case measures.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Kind {
+    /// `cont` of `n` f32 elements.
+    Copy { n: usize },
+    /// `mul_mat` of weights `[k, n]` of `dtype` by f32 activations `[k, m]`.
+    MulMat {
+        dtype: DType,
+        k: usize,
+        n: usize,
+        m: usize,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub label: String,
+    pub kind: Kind,
+}
+
+/// The cases, full size or shrunk for tests.
+pub fn cases(small: bool) -> Vec<Case> {
+    let (copy, g, (gn, gk)) = if small {
+        (1 << 16, 64, (256, 128))
+    } else {
+        (64 << 20, 4096, (14336, 4096))
+    };
+    let mut v = vec![Case {
+        label: if copy * 4 >= 1 << 20 {
+            format!("copy f32 {} MiB", copy * 4 >> 20)
+        } else {
+            format!("copy f32 {} KiB", copy * 4 >> 10)
+        },
+        kind: Kind::Copy { n: copy },
+    }];
+    for dt in [DType::F16, DType::BF16, DType::F32] {
+        v.push(Case {
+            label: format!("gemm {dt} {g}^3"),
+            kind: Kind::MulMat {
+                dtype: dt,
+                k: g,
+                n: g,
+                m: g,
+            },
+        });
+    }
+    for dt in [DType::Q4_0, DType::Q8_0, DType::F16] {
+        v.push(Case {
+            label: format!("gemv {dt} m=1 {gn}x{gk}"),
+            kind: Kind::MulMat {
+                dtype: dt,
+                k: gk,
+                n: gn,
+                m: 1,
+            },
+        });
+    }
+    v
+}
+
+pub struct BackendBenchOptions {
+    pub devices: Vec<String>,
+    pub small: bool,
+    /// Only cases whose label contains this.
+    pub filter: Option<String>,
+    pub min_time: Duration,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BackendResult {
+    pub device: String,
+    pub case: String,
+    pub median_us: f64,
+    /// GB/s (copy: read + written; GEMV: weight bytes) or TFLOP/s (GEMM).
+    pub rate: f64,
+    pub unit: &'static str,
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Time `case` on `device`.
+fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result<BackendResult> {
+    let backend = device.init_backend()?;
+    let mut g = Graph::new();
+    let inputs: Vec<(&str, DType, [usize; 4])> = match case.kind {
+        Kind::Copy { n } => vec![("x", DType::F32, [n, 1, 1, 1])],
+        Kind::MulMat { dtype, k, n, m } => {
+            vec![("w", dtype, [k, n, 1, 1]), ("x", DType::F32, [k, m, 1, 1])]
+        }
+    };
+    let layouts: Vec<_> = inputs
+        .iter()
+        .map(|&(_, dt, ne)| metashard::tensor::Layout::contiguous(dt, ne))
+        .collect();
+    let (buf, offs) = alloc_tensors(device.buffer_type().as_ref(), &layouts)?;
+    let mut ids = Vec::new();
+    for (i, &(name, dt, ne)) in inputs.iter().enumerate() {
+        let id = g.new_tensor(name, dt, ne)?;
+        let st = Storage::new(buf.clone(), offs[i]);
+        st.set(
+            &layouts[i],
+            &f32_to_bytes(dt, &values(ne.iter().product(), i as u64 + 1))?,
+        )?;
+        g.bind(id, st)?;
+        ids.push(id);
+    }
+    let out = match case.kind {
+        Kind::Copy { .. } => g.cont(ids[0])?,
+        Kind::MulMat { .. } => g.mul_mat(ids[0], ids[1])?,
+    };
+    g.set_name(out, "out");
+    backend.graph_compute(&mut g)?;
+    let mut plan = backend.graph_plan(&g)?;
+    let mut failed = None;
+    let rep = Repeat {
+        warmup: 2,
+        min_reps: 5,
+        min_time,
+        max_reps: 1000,
+    };
+    let t = time_it(&rep, |_| {
+        if failed.is_none()
+            && let Err(e) = plan.compute(0..g.len())
+        {
+            failed = Some(e);
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let s = t.median_us * 1e-6;
+    let (rate, unit) = match case.kind {
+        Kind::Copy { n } => ((2 * n * 4) as f64 / s / 1e9, "GB/s"),
+        Kind::MulMat { dtype, k, n, m } if m <= 8 => {
+            (dtype.row_size(k) as f64 * n as f64 / s / 1e9, "GB/s")
+        }
+        Kind::MulMat { k, n, m, .. } => (2.0 * (k * n * m) as f64 / s / 1e12, "TFLOP/s"),
+    };
+    Ok(BackendResult {
+        device: device.name(),
+        case: case.label.clone(),
+        median_us: t.median_us,
+        rate,
+        unit,
+    })
+}
+
+/// Every case on every device; `progress` gets a line per case.
+pub fn run(opts: &BackendBenchOptions, progress: &dyn Fn(&str)) -> Result<Vec<BackendResult>> {
+    let mut out = Vec::new();
+    for spec in &opts.devices {
+        let devs = parse_devices(spec)?;
+        let [device] = devs.as_slice() else {
+            return Err(Error::invalid_argument(
+                "--devices",
+                spec,
+                "bench backend times one device at a time (e.g. `cuda` or `cuda:1`, not \
+                 `cuda:0x2`)",
+            ));
+        };
+        for case in cases(opts.small) {
+            if opts
+                .filter
+                .as_ref()
+                .is_some_and(|f| !case.label.contains(f.as_str()))
+            {
+                continue;
+            }
+            progress(&format!("{}: {}", device.name(), case.label));
+            out.push(run_case(device, &case, opts.min_time)?);
+        }
+    }
+    Ok(out)
+}
+
+pub fn print_table(results: &[BackendResult]) {
+    println!(
+        "{:<10} {:<28} {:>12} {:>12}",
+        "device", "case", "median us", "rate"
+    );
+    for r in results {
+        println!(
+            "{:<10} {:<28} {:>12.1} {:>8.2} {}",
+            r.device, r.case, r.median_us, r.rate, r.unit
+        );
+    }
+}

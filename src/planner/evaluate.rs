@@ -307,6 +307,13 @@ impl Placed {
     }
 
     /// The sharding and the per-device programs of `g`.
+    /// Follow other state hints from now on (the placement of weights does not depend on
+    /// them): how the search costs an assignment with and without sequence parallelism
+    /// without placing it twice.
+    pub fn set_hints(&mut self, hints: Option<HintFn>) {
+        self.hints = hints;
+    }
+
     pub fn shard(&self, g: &Graph) -> Result<(Sharding, Rewritten)> {
         let n = self.devices.len();
         let hint = |id| hint_for(self.hints.as_ref(), g, id, n);
@@ -438,6 +445,31 @@ pub fn evaluate_placed(
         memory,
         total_s,
     })
+}
+
+impl Evaluation {
+    /// This evaluation with its prefill step replaced by `other`'s (an evaluation of the same
+    /// placement under other state hints, with a prompt and no decode): the total and the
+    /// activation peaks follow.
+    pub fn with_prefill_of(&self, other: &Evaluation) -> Evaluation {
+        let mut e = self.clone();
+        let old = self
+            .prefill
+            .as_ref()
+            .map_or(0.0, |p| p.seconds * self.prefill_chunks as f64);
+        let new = other
+            .prefill
+            .as_ref()
+            .map_or(0.0, |p| p.seconds * other.prefill_chunks as f64);
+        e.total_s = self.total_s - old + new;
+        e.prefill = other.prefill.clone();
+        e.prefill_chunks = other.prefill_chunks;
+        for (m, o) in e.memory.iter_mut().zip(&other.memory) {
+            m.activations = m.activations.max(o.activations);
+            m.total = m.weights + m.kv_cache + m.activations;
+        }
+        e
+    }
 }
 
 /// The segment (0: before the first layer, 1..=L: layers, L+1: output) of every user node.

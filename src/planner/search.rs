@@ -19,7 +19,7 @@ use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed};
 use super::shape::ModelShape;
 use super::strategy::describe;
-use crate::models::split::{DecoderSplit, LayerSplit, by_layer, policy};
+use crate::models::split::{DecoderSplit, LayerSplit, by_layer, sequence_parallel_hints};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -493,6 +493,7 @@ pub fn auto(
     // The tables' bytes are estimates: cost the best candidate whole, and while some device is
     // over its budget, search again with the budget lowered by the excess.
     let mut chosen: Option<(usize, Evaluation)> = None;
+    let mut chosen_placed: Option<Placed> = None;
     #[allow(clippy::needless_range_loop)] // `found[i]` is updated in the loop.
     'candidates: for i in 0..found.len() {
         let mut b = budget;
@@ -502,6 +503,7 @@ pub fn auto(
             let e = evaluate_placed(&placed, cluster, w)?;
             let Some((_, over)) = e.over_budget() else {
                 chosen = Some((i, e));
+                chosen_placed = Some(placed);
                 break 'candidates;
             };
             b = b.saturating_sub(over as usize + (over as usize / 8).max(1 << 20));
@@ -521,15 +523,18 @@ pub fn auto(
     // blocks (a reduce-scatter and an all-gather in place of each all-reduce: the same bytes,
     // twice the latencies, the norms on each device's tokens): cost the chosen assignment with
     // it too and keep whichever is faster and fits.
-    if let Some((i, e)) = &mut chosen {
+    // Only the prompt changes (a decode step is not hinted), so the placement is reused and
+    // only the prefill step is costed again.
+    if let (Some((i, e)), Some(placed)) = (&mut chosen, &mut chosen_placed) {
         let split = &found[*i].2;
         if w.prefill > 0 && split.layers.iter().any(|l| l.attention || l.mlp) {
             let sp = DecoderSplit {
                 sequence_parallel: true,
                 ..split.clone()
             };
-            let placed = Placed::new(shape, cluster, policy(&shape.cfg, sp.clone()), w.context)?;
-            let with = evaluate_placed(&placed, cluster, w)?;
+            placed.set_hints(sequence_parallel_hints(&sp));
+            let prompt_only = Workload { decode: 0, ..*w };
+            let with = e.with_prefill_of(&evaluate_placed(placed, cluster, &prompt_only)?);
             if with.over_budget().is_none() && with.total_s < e.total_s {
                 found[*i].2 = sp;
                 *e = with;

@@ -44,9 +44,9 @@ pub fn cases(small: bool) -> Vec<Case> {
     };
     let mut v = vec![Case {
         label: if copy * 4 >= 1 << 20 {
-            format!("copy f32 {} MiB", copy * 4 >> 20)
+            format!("copy f32 {} MiB", (copy * 4) >> 20)
         } else {
-            format!("copy f32 {} KiB", copy * 4 >> 10)
+            format!("copy f32 {} KiB", (copy * 4) >> 10)
         },
         kind: Kind::Copy { n: copy },
     }];

@@ -1,6 +1,8 @@
 //! `metashard bench model`: prompt processing (pp, default 128 tokens in one batch) and
 //! generation (tg, default 64 decode steps) tokens/s of a GGUF decoder on each given device
-//! set at each given precision (repetitions interleaved), the effective bandwidth of generation (weight bytes read per token x tokens/s), and
+//! set at each given precision and split mode (repetitions interleaved; ratios to the first row
+//! both of the medians and, steadier on a noisy machine, the median of per-repetition ratios),
+//! the effective bandwidth of generation (weight bytes read per token x tokens/s), and
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
 use crate::cli::run::load;
@@ -41,6 +43,10 @@ pub struct ModelBenchRow {
     /// Generation throughput relative to the first row (device set and precision).
     pub tg_vs_first: f64,
     pub pp_vs_first: f64,
+    /// The median over repetitions of this row's throughput over the first row's in the same
+    /// repetition: on a noisy machine, a steadier ratio than the ratio of the medians.
+    pub tg_vs_first_paired: f64,
+    pub pp_vs_first_paired: f64,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -198,7 +204,13 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     }
     drop(sessions);
     let mut rows: Vec<ModelBenchRow> = Vec::new();
+    let paired = |v: &[f64], first: &[f64]| {
+        median(v.iter().zip(first).map(|(x, f)| x / f).collect::<Vec<_>>())
+    };
+    let pp_first = pps.first().cloned().unwrap_or_default();
+    let tg_first = tgs.first().cloned().unwrap_or_default();
     for ((c, pp), tg) in configs.into_iter().zip(pps).zip(tgs) {
+        let (pp_paired, tg_paired) = (paired(&pp, &pp_first), paired(&tg, &tg_first));
         let (pp, tg) = (median(pp), median(tg));
         let bpt = c.m.bytes_per_token();
         let (tg0, pp0) = rows
@@ -216,6 +228,8 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
             tg_gbps: bpt as f64 * tg / 1e9,
             tg_vs_first: tg / tg0,
             pp_vs_first: pp / pp0,
+            tg_vs_first_paired: tg_paired,
+            pp_vs_first_paired: pp_paired,
         });
     }
     // The bandwidth of a shared machine drifts: measured before and after the model runs, and
@@ -233,19 +247,31 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
 pub fn print_table(r: &ModelBenchReport) {
     println!("model: {}", r.model);
     println!(
-        "{:<12} {:<7} {:<9} {:>10} {:>8} {:>10} {:>8} {:>12} {:>10}",
-        "devices", "split", "precision", "pp t/s", "pp x", "tg t/s", "tg x", "tg GB/s", "% stream"
+        "{:<12} {:<7} {:<9} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>12} {:>10}",
+        "devices",
+        "split",
+        "precision",
+        "pp t/s",
+        "pp x",
+        "paired",
+        "tg t/s",
+        "tg x",
+        "paired",
+        "tg GB/s",
+        "% stream"
     );
     for row in &r.rows {
         println!(
-            "{:<12} {:<7} {:<9} {:>10.1} {:>7.2}x {:>10.1} {:>7.2}x {:>12.2} {:>9.0}%",
+            "{:<12} {:<7} {:<9} {:>10.1} {:>7.2}x {:>7.3}x {:>10.1} {:>7.2}x {:>7.3}x {:>12.2} {:>9.0}%",
             row.devices,
             row.split_mode,
             row.precision,
             row.pp_tokens_per_s,
             row.pp_vs_first,
+            row.pp_vs_first_paired,
             row.tg_tokens_per_s,
             row.tg_vs_first,
+            row.tg_vs_first_paired,
             row.tg_gbps,
             100.0 * row.tg_gbps / r.stream_gbps
         );

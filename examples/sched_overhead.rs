@@ -36,7 +36,7 @@ fn main() -> metashard::Result<()> {
     };
     let (layered, ml) = open_decoder("smollm2", "cpu:1x2", &layer_opts, none)?;
     let ctx = 8 + steps + 2;
-    let mut sessions = vec![
+    let mut sessions = [
         (
             "plain cpu:1x2",
             Session::new(&m, plain.backend.clone(), plain.buffer_type.as_ref(), ctx)?,
@@ -47,7 +47,12 @@ fn main() -> metashard::Result<()> {
         ),
         (
             "layer split",
-            Session::new(&ml, layered.backend.clone(), layered.buffer_type.as_ref(), ctx)?,
+            Session::new(
+                &ml,
+                layered.backend.clone(),
+                layered.buffer_type.as_ref(),
+                ctx,
+            )?,
         ),
     ];
     let prompt: Vec<u32> = (0..8).map(|i| 100 + i * 7).collect();

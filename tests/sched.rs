@@ -333,6 +333,38 @@ fn a_meta_device_is_one_backend_among_others() {
         "{}",
         plan.describe()
     );
+    // The eval callback on a meta device: its split stays one program, its nodes are shown
+    // once each, in order, after it runs; the CPU device's split is cut at each node.
+    let m = model(&cfg, bt.as_ref());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    sched.set_eval_callback(Some(Box::new(Seen {
+        log: log.clone(),
+        stop_at: Some("l1.attn_out"),
+    })));
+    let (mut g, _) = step(&cfg, &m, 0, &[3, 9, 4]);
+    let e = sched.graph_compute(&mut g).unwrap_err();
+    assert!(e.to_string().contains("`l1.attn_out` on cpu2"), "{e}");
+    let plan = sched.last_plan().unwrap();
+    let computed: Vec<TensorId> = g
+        .ids()
+        .filter(|&id| !g.node(id).is_leaf() && !g.node(id).op.is_view())
+        .collect();
+    let meta_nodes = plan.splits.splits[0].nodes.len();
+    assert_eq!(plan.splits.splits[0].backend, 0);
+    assert_eq!(plan.n_splits(), 1 + computed.len() - meta_nodes);
+    let seen = std::mem::take(&mut *log.lock().unwrap());
+    let upto = computed
+        .iter()
+        .position(|&id| g.name(id) == "l1.attn_out")
+        .unwrap();
+    let seen_ids: Vec<TensorId> = seen.iter().map(|s| s.0).collect();
+    assert_eq!(seen_ids, computed[..=upto].to_vec());
+    assert_eq!(seen.iter().filter(|s| s.1 == "meta(2)").count(), meta_nodes);
+    // Values seen on the meta device are whole tensors (gathered).
+    for (id, _, n) in &seen {
+        assert_eq!(*n, g.layout(*id).nelements(), "`{}`", g.name(*id));
+    }
+    sched.set_eval_callback(None);
 }
 
 /// Records the nodes it sees; stops after `stop_at` when set.

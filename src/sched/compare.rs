@@ -85,7 +85,7 @@ impl EvalCallback for Check {
         };
         let mut out = self.out.lock();
         // NaN is never within the bound.
-        if out.first_over.is_none() && !(nmse <= self.bound) {
+        if out.first_over.is_none() && (nmse.is_nan() || nmse > self.bound) {
             out.first_over = Some(d.clone());
         }
         out.nodes.push(d);

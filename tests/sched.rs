@@ -176,13 +176,18 @@ fn step(cfg: &DecoderConfig, m: &Model, past: usize, tokens: &[i32]) -> (Graph, 
 }
 
 /// Logits of a 3-token prompt then one decode step on `backend` with weights in `bt`.
+/// Also layer 0's output, read by the user (on a backend that runs again later in the
+/// compute, the scheduler copies it out of that backend's compute buffer first).
 fn run(cfg: &DecoderConfig, backend: &dyn Backend, bt: &dyn BufferType) -> Vec<Vec<f32>> {
     let m = model(cfg, bt);
     let mut out = Vec::new();
     for (past, toks) in [(0, &[3, 9, 4][..]), (3, &[11][..])] {
         let (mut g, logits) = step(cfg, &m, past, toks);
+        let l0 = g.find("l0.out").unwrap();
+        g.set_output(l0);
         backend.graph_compute(&mut g).unwrap();
         out.push(g.read_f32(logits).unwrap());
+        out.push(g.read_f32(l0).unwrap());
     }
     out
 }
@@ -411,7 +416,7 @@ fn the_eval_callback_sees_every_node_once_in_order_and_can_stop_the_compute() {
     }
     // Each asked node ends a split on a CPU device, so a node is observed before the next runs;
     // the logits are still those of one device.
-    let want = single(&cfg).remove(0);
+    let want = single(&cfg).remove(0); // the prompt's logits
     assert_eq!(g.read_f32(logits).unwrap(), want);
     // Stopping after layer 0's attention: an error naming the node, and nothing after it ran.
     sched.set_eval_callback(Some(Box::new(Seen {

@@ -18,15 +18,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() -> metashard::Result<()> {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let (blocks, steps) = (
-        args.first().copied().unwrap_or(41),
-        args.get(1).copied().unwrap_or(16),
-    );
+/// One configuration's result: its name, median tokens/s, and the median over blocks of its
+/// tokens/s over plain's in the same block.
+pub struct Row {
+    pub name: &'static str,
+    pub tps: f64,
+    pub paired: f64,
+}
+
+/// `blocks` interleaved blocks of `steps` decode steps on each configuration (after one
+/// warm-up block).
+pub fn run(blocks: usize, steps: usize) -> metashard::Result<Vec<Row>> {
     let none = &|_: usize, _: usize| {};
     let (plain, m) = open_decoder("smollm2", "cpu:1x2", &OpenOptions::default(), none)?;
     let over_plain = Sched::new(vec![plain.backend.clone()])?;
@@ -57,26 +59,46 @@ fn main() -> metashard::Result<()> {
     ];
     let prompt: Vec<u32> = (0..8).map(|i| 100 + i * 7).collect();
     let mut tps = vec![Vec::new(); sessions.len()];
-    for b in 0..blocks + 1 {
+    for b in 0..blocks.max(1) + 1 {
         for (i, (_, s)) in sessions.iter_mut().enumerate() {
             s.reset();
             let mut logits = s.eval(&prompt, false)?;
             let t0 = Instant::now();
-            for _ in 0..steps {
+            for _ in 0..steps.max(1) {
                 logits = s.eval(&[argmax(&logits)], false)?;
             }
             // The first block warms up (plans, caches).
             if b > 0 {
-                tps[i].push(steps as f64 / t0.elapsed().as_secs_f64());
+                tps[i].push(steps.max(1) as f64 / t0.elapsed().as_secs_f64());
             }
         }
     }
+    Ok(sessions
+        .iter()
+        .enumerate()
+        .map(|(i, (name, _))| Row {
+            name,
+            tps: median(tps[i].clone()),
+            paired: median(tps[i].iter().zip(&tps[0]).map(|(x, p)| x / p).collect()),
+        })
+        .collect())
+}
+
+fn main() -> metashard::Result<()> {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let (blocks, steps) = (
+        args.first().copied().unwrap_or(41),
+        args.get(1).copied().unwrap_or(16),
+    );
+    let rows = run(blocks, steps)?;
     println!("{blocks} blocks of {steps} decode steps, interleaved");
-    for (i, (name, _)) in sessions.iter().enumerate() {
-        let paired = median(tps[i].iter().zip(&tps[0]).map(|(x, p)| x / p).collect());
+    for r in rows {
         println!(
-            "{name:<14} median {:>7.1} t/s, paired ratio to plain {paired:.3}x",
-            median(tps[i].clone())
+            "{:<14} median {:>7.1} t/s, paired ratio to plain {:.3}x",
+            r.name, r.tps, r.paired
         );
     }
     Ok(())

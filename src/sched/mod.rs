@@ -379,9 +379,12 @@ impl Backend for Sched {
         // Results of the last compute bound into this graph are computed again.
         let old = std::mem::take(&mut st.results);
         for id in g.ids() {
+            // A live weak pointer to the same allocation (a dead one's address may have been
+            // reused by a buffer the user bound).
             let ours = g.node(id).storage.as_ref().is_some_and(|s| {
-                old.iter()
-                    .any(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&s.buffer)))
+                old.iter().any(|w| {
+                    w.strong_count() > 0 && std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&s.buffer))
+                })
             });
             if ours {
                 g.node_mut(id).storage = None;

@@ -16,7 +16,9 @@ fn sched_overhead_example_runs_all_three_configurations() {
     assert_eq!(rows[0].paired, 1.0);
     for r in &rows {
         assert!(r.tps > 0.0 && r.paired > 0.0, "{}", r.name);
+        assert!((0.0..1.0).contains(&r.sched_share), "{}", r.name);
     }
+    assert_eq!(rows[0].sched_share, 0.0);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use crate::graph::Graph;
 use crate::meta::MetaDevice;
 use crate::models::decoder::{StepInput, build_step};
 use crate::models::llama::{LlamaModel, Session, argmax};
-use crate::sched::compare_graph_backend;
+use crate::sched::{Sched, compare_graph_sched};
 use crate::{Error, Result};
 use std::path::Path;
 
@@ -135,7 +135,7 @@ pub struct NodeDiff {
 }
 
 /// Every computed node of one prompt step on two device sets (`a` the reference, `b` checked),
-/// in graph order, through [`compare_graph_backend`]; and the first node whose NMSE exceeds
+/// in graph order, through [`compare_graph_sched`] (`compare_graph_backend`); and the first node whose NMSE exceeds
 /// `bound`. Any two device sets work: one device, a meta device, a layer split.
 pub fn compare_nodes(
     a: (&LlamaModel, &DeviceSet),
@@ -175,13 +175,14 @@ pub fn compare_nodes(
         Some(m) => Some(MetaDevice::meta_backend(m)?.sharding(&gb)?),
         None => None,
     };
-    let r = compare_graph_backend(
-        a.1.backend.clone(),
-        &mut ga,
-        b.1.backend.clone(),
-        &mut gb,
-        bound,
-    )?;
+    // A layer split's own scheduler holds its weights; anything else runs on one over its
+    // backend.
+    let sched = |set: &DeviceSet| match &set.sched {
+        Some((s, _)) => Ok(s.clone()),
+        None => Sched::new(vec![set.backend.clone()]),
+    };
+    let (sa, sb) = (sched(a.1)?, sched(b.1)?);
+    let r = compare_graph_sched(&sa, &mut ga, &sb, &mut gb, bound)?;
     let diff = |d: &crate::sched::NodeDiff| NodeDiff {
         index: d.index,
         name: d.name.clone(),

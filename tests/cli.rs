@@ -429,4 +429,21 @@ fn split_mode_dump_and_node_comparison_of_any_two_device_sets() {
     let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
     assert!(v["nodes_compared"].as_u64().unwrap() > 500, "{v}");
     assert_eq!(v["greedy_tokens_equal"], 2, "{v}");
+    // A layer split on its own scheduler, node by node: every node equals one device's.
+    let r = metashard(&[
+        "verify",
+        "--nodes",
+        "--devices",
+        "cpu:2x1",
+        "--split-mode",
+        "layer",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    assert!(v["nodes_compared"].as_u64().unwrap() > 500, "{v}");
+    assert_eq!(v["worst_node_nmse"], 0.0, "{v}");
+    assert!(v["first_divergent_node"].is_null(), "{v}");
 }

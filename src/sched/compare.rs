@@ -95,6 +95,8 @@ impl EvalCallback for Check {
 
 /// Run `ga` on `a` and `gb` on `b` (graphs of one structure) and compare every computed node;
 /// `bound` is the NMSE above which a node counts as divergent (NaN always does).
+/// A backend that is itself a scheduler (a layer split) is compared through
+/// [`compare_graph_sched`] on it instead: a scheduler does not run inside another.
 pub fn compare_graph_backend(
     a: Arc<dyn Backend>,
     ga: &mut Graph,
@@ -102,6 +104,62 @@ pub fn compare_graph_backend(
     gb: &mut Graph,
     bound: f64,
 ) -> Result<GraphComparison> {
+    let (sa, sb) = (Sched::new(vec![a])?, Sched::new(vec![b])?);
+    compare_graph_sched(&sa, ga, &sb, gb, bound)
+}
+
+/// As [`compare_graph_backend`] on two schedulers (a layer split's own, whose buffers hold the
+/// graph's weights); their eval callbacks are set aside for the comparison and put back.
+pub fn compare_graph_sched(
+    sa: &Sched,
+    ga: &mut Graph,
+    sb: &Sched,
+    gb: &mut Graph,
+    bound: f64,
+) -> Result<GraphComparison> {
+    check_structure(ga, gb)?;
+    let (keep_a, keep_b) = (sa.take_eval_callback(), sb.take_eval_callback());
+    let r = compare_inner(sa, ga, sb, gb, bound);
+    sa.set_eval_callback(keep_a);
+    sb.set_eval_callback(keep_b);
+    r
+}
+
+fn compare_inner(
+    sa: &Sched,
+    ga: &mut Graph,
+    sb: &Sched,
+    gb: &mut Graph,
+    bound: f64,
+) -> Result<GraphComparison> {
+    let values: Values = Arc::new(Mutex::new(vec![None; ga.len()]));
+    sa.set_eval_callback(Some(Box::new(Record {
+        values: values.clone(),
+    })));
+    sa.graph_compute(ga)?;
+    let reference = std::mem::take(&mut *values.lock());
+    let out = Arc::new(Mutex::new(GraphComparison {
+        nodes: Vec::new(),
+        first_over: None,
+    }));
+    sb.set_eval_callback(Some(Box::new(Check {
+        reference,
+        bound,
+        out: out.clone(),
+    })));
+    sb.graph_compute(gb)?;
+    let r = std::mem::replace(
+        &mut *out.lock(),
+        GraphComparison {
+            nodes: Vec::new(),
+            first_over: None,
+        },
+    );
+    Ok(r)
+}
+
+/// The same ops and shapes on the same node indices, else an error saying where they differ.
+fn check_structure(ga: &Graph, gb: &Graph) -> Result<()> {
     let differs = |id: TensorId| {
         gb.get(id).map_or(true, |n| {
             let m = ga.node(id);
@@ -123,30 +181,5 @@ pub fn compare_graph_backend(
             format!("{} nodes, differing at node {at}", gb.len()),
         ));
     }
-    let values: Values = Arc::new(Mutex::new(vec![None; ga.len()]));
-    let sa = Sched::new(vec![a])?;
-    sa.set_eval_callback(Some(Box::new(Record {
-        values: values.clone(),
-    })));
-    sa.graph_compute(ga)?;
-    let reference = std::mem::take(&mut *values.lock());
-    let out = Arc::new(Mutex::new(GraphComparison {
-        nodes: Vec::new(),
-        first_over: None,
-    }));
-    let sb = Sched::new(vec![b])?;
-    sb.set_eval_callback(Some(Box::new(Check {
-        reference,
-        bound,
-        out: out.clone(),
-    })));
-    sb.graph_compute(gb)?;
-    let r = std::mem::replace(
-        &mut *out.lock(),
-        GraphComparison {
-            nodes: Vec::new(),
-            first_over: None,
-        },
-    );
-    Ok(r)
+    Ok(())
 }

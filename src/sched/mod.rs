@@ -21,7 +21,8 @@
 //! - (d) `passes::assign_by_support`: the rest go to the highest-priority backend whose
 //!   `supports_op` accepts them; a node nobody supports is [`Error::NoBackendFor`];
 //! - (e) `split::build_splits`: maximal runs of computed nodes on one backend (also cut after
-//!   each node the eval callback asked for), each with its own graph, inputs and copies.
+//!   each node the eval callback asked for, except on a meta device), each with its own graph,
+//!   inputs and copies.
 //!
 //! Differences from ggml, each for a reason of this crate: views compute nothing and belong to
 //! no split (each split re-creates the views it reads); each split is computed through the
@@ -30,11 +31,12 @@
 //! read out after its split runs (so backends may reuse their compute buffer from one split to
 //! the next); logical CPU devices share host memory, so tensors are tied to a backend through
 //! the scheduler's buffer type ([`SchedBufferType`], `buffer.rs`) rather than by buffer type
-//! alone.
+//! alone. Copies are synchronous (no backend here has asynchronous copies or events yet), and
+//! splits run one after another on the caller's thread.
 //!
 //! The eval callback (ggml's `ggml_backend_sched_eval_callback`): before a compute, the
-//! callback is asked about every computed node; a split on a backend that computes node ranges
-//! is cut after each wanted node, so the callback sees it before the next node runs; a meta
+//! callback is asked about every computed node; a split on any backend but a meta device is
+//! cut after each wanted node, so the callback sees it before the next node runs; a meta
 //! device's split is one sharded program (cutting it would change its sharding), so its wanted
 //! nodes are kept as outputs and shown in order after the split. Returning false stops the
 //! compute with [`Error::EvalStopped`]; nothing is left half-done for the next compute.
@@ -48,7 +50,7 @@ mod passes;
 mod split;
 
 pub use buffer::{PlaceFn, Placed, SchedBuffer, SchedBufferType};
-pub use compare::{NodeDiff, compare_graph_backend};
+pub use compare::{GraphComparison, NodeDiff, compare_graph_backend, compare_graph_sched};
 pub use passes::{Assignment, Cause};
 pub use split::{CopyFrom, CopyIn, Split, Splits};
 

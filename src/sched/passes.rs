@@ -110,7 +110,10 @@ impl<'a> Ctx<'a> {
             reason: reason.to_string(),
         };
         if sb.sched_id() != self.sched_id {
-            return Err(bad("bound in the buffer of another scheduler"));
+            return Err(bad(
+                "bound in the buffer of another scheduler (a scheduler does not run inside \
+                 another: compute on that scheduler, or give this one its backends)",
+            ));
         }
         let (p, inside) = sb
             .resolve(st.offset)

@@ -93,7 +93,9 @@ pub fn run(blocks: usize, steps: usize) -> Result<Vec<Row>> {
     // The layer split of one device: weights placed through the scheduler's buffer type.
     let inner_c = Timed::new(dev.init_backend()?);
     let sched_c = Sched::new(vec![inner_c.clone()])?;
-    let bt_c = sched_c.buffer_type(placement(&[0..m.cfg.n_layer]));
+    // Every layer on the one backend.
+    let layers = 0..m.cfg.n_layer;
+    let bt_c = sched_c.buffer_type(placement(std::slice::from_ref(&layers)));
     let outer_c = Timed::new(sched_c);
     let mc = LlamaModel::load(&path, bt_c.as_ref(), none)?;
     let ctx = 8 + steps + 2;

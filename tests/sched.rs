@@ -8,7 +8,7 @@
 //! Update the snapshots with `UPDATE_EXPECT=1`.
 
 use expect_test::expect_file;
-use metashard::backend::{Backend, Device, DeviceKind, MemoryInfo};
+use metashard::backend::{Backend, Device, DeviceKind, GraphPlan, MemoryInfo};
 use metashard::buffer::{Buffer, BufferType};
 use metashard::graph::{Graph, TensorId};
 use metashard::meta::MetaDevice;
@@ -16,7 +16,7 @@ use metashard::models::decoder::{DecoderConfig, DecoderWeights, KvCache, StepInp
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
 use metashard::op::RopeMode;
-use metashard::sched::{Cause, EvalCallback, PlaceFn, Sched, compare_graph_backend};
+use metashard::sched::{Cause, CopyFrom, EvalCallback, PlaceFn, Sched, compare_graph_backend};
 use metashard::{DType, Error, Result, parse_devices};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
@@ -81,7 +81,7 @@ impl Device for Picky {
         self.inner.buffer_type()
     }
     fn init_backend(&self) -> Result<Arc<dyn Backend>> {
-        Err(Error::msg("use Picky::backend"))
+        Ok(Picky::open(self.inner.clone(), self.refuses).backend())
     }
     fn supports_op(&self, g: &Graph, id: TensorId) -> std::result::Result<(), String> {
         match self.refused(g, id) {
@@ -108,6 +108,18 @@ impl Backend for PickyBackend {
         Ok(())
     }
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
+        self.refuse(g)?;
+        self.inner.graph_compute(g)
+    }
+    fn graph_plan(&self, g: &Graph) -> Result<Box<dyn GraphPlan>> {
+        self.refuse(g)?;
+        self.inner.graph_plan(g)
+    }
+}
+
+impl PickyBackend {
+    /// An error if `g` holds an op this device refuses.
+    fn refuse(&self, g: &Graph) -> Result<()> {
         for id in g.ids() {
             if let Some(op) = self.device.refused(g, id) {
                 return Err(Error::UnsupportedOp {
@@ -118,7 +130,7 @@ impl Backend for PickyBackend {
                 });
             }
         }
-        self.inner.graph_compute(g)
+        Ok(())
     }
 }
 
@@ -370,6 +382,55 @@ fn a_meta_device_is_one_backend_among_others() {
         assert_eq!(*n, g.layout(*id).nelements(), "`{}`", g.name(*id));
     }
     sched.set_eval_callback(None);
+}
+
+#[test]
+fn a_meta_device_refusing_an_op_falls_back_with_its_weights_copied() {
+    // Both devices of the meta device refuse `mul` (the norms' weights): those nodes run on the
+    // CPU device, which cannot read meta buffers, so the norm weights are copied (gathered).
+    let cfg = cfg(2);
+    let devs = parse_devices("cpu:3x1").unwrap();
+    let picky: Vec<Arc<dyn Device>> = devs[..2]
+        .iter()
+        .map(|d| Picky::open(d.clone(), &["mul"]) as Arc<dyn Device>)
+        .collect();
+    let meta = MetaDevice::new(picky, megatron(&cfg, SplitOptions::default())).unwrap();
+    let sched = Sched::new(vec![
+        meta.init_backend().unwrap(),
+        devs[2].init_backend().unwrap(),
+    ])
+    .unwrap();
+    let bt = sched.buffer_type(Arc::new(|_: &str| 0));
+    let got = run(&cfg, sched.as_ref(), bt.as_ref());
+    for (a, b) in got.iter().zip(single(&cfg)) {
+        let e = metashard::verify::nmse(a, &b);
+        assert!(e < 1e-10, "nmse {e}");
+    }
+    let plan = sched.last_plan().unwrap();
+    let d = plan.describe();
+    let leaf_copies: Vec<usize> = plan
+        .splits
+        .splits
+        .iter()
+        .flat_map(|s| &s.copies)
+        .filter(|c| c.from == CopyFrom::Leaf)
+        .map(|c| c.bytes)
+        .collect();
+    // attn_norm and ffn_norm of 2 layers and the output norm: [64] f32 each.
+    assert_eq!(leaf_copies, vec![256; 5], "{d}");
+    assert!(d.contains("from its buffer"), "{d}");
+    // Exactly the `mul` nodes run on the CPU device.
+    let m = model(&cfg, bt.as_ref());
+    let (g, _) = step(&cfg, &m, 3, &[11]);
+    for id in g.ids().filter(|&id| !g.node(id).is_leaf()) {
+        let on_cpu = plan.assignment.backend[id.index()] == Some(1);
+        assert_eq!(
+            on_cpu,
+            g.node(id).op.name() == "mul",
+            "`{}`\n{d}",
+            g.name(id)
+        );
+    }
 }
 
 /// Records the nodes it sees; stops after `stop_at` when set.

@@ -226,3 +226,120 @@ impl Buffer for SchedBuffer {
         self
     }
 }
+
+/// Plain bytes the scheduler keeps a user's output in when the backend that computed it runs
+/// again in the same compute (and may reuse its compute buffer). Any backend's output fits:
+/// a meta device's buffers only hold tensors placed through its split callback.
+pub(crate) struct ResultBufferType;
+
+impl BufferType for ResultBufferType {
+    fn name(&self) -> String {
+        "sched-results".into()
+    }
+
+    fn alloc_buffer(&self, size: usize) -> Result<Arc<dyn Buffer>> {
+        let mut bytes = Vec::new();
+        bytes
+            .try_reserve_exact(size)
+            .map_err(|e| Error::AllocFailed {
+                buffer_type: self.name(),
+                size,
+                reason: e.to_string(),
+            })?;
+        bytes.resize(size, 0);
+        Ok(Arc::new(ResultBuffer {
+            bytes: Mutex::new(bytes),
+            usage: Mutex::new(BufferUsage::Compute),
+        }))
+    }
+
+    fn alignment(&self) -> usize {
+        64
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A buffer of [`ResultBufferType`].
+pub(crate) struct ResultBuffer {
+    bytes: Mutex<Vec<u8>>,
+    usage: Mutex<BufferUsage>,
+}
+
+impl Buffer for ResultBuffer {
+    fn buffer_type(&self) -> Arc<dyn BufferType> {
+        Arc::new(ResultBufferType)
+    }
+
+    fn size(&self) -> usize {
+        self.bytes.lock().len()
+    }
+
+    fn set_tensor(
+        &self,
+        layout: &Layout,
+        buf_offset: usize,
+        data: &[u8],
+        offset: usize,
+    ) -> Result<()> {
+        let mut b = self.bytes.lock();
+        crate::buffer::check_range(
+            "set_tensor",
+            layout,
+            buf_offset,
+            offset,
+            data.len(),
+            b.len(),
+        )?;
+        let at = buf_offset + offset;
+        b[at..at + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn get_tensor(
+        &self,
+        layout: &Layout,
+        buf_offset: usize,
+        out: &mut [u8],
+        offset: usize,
+    ) -> Result<()> {
+        let b = self.bytes.lock();
+        crate::buffer::check_range("get_tensor", layout, buf_offset, offset, out.len(), b.len())?;
+        let at = buf_offset + offset;
+        out.copy_from_slice(&b[at..at + out.len()]);
+        Ok(())
+    }
+
+    fn memset_tensor(
+        &self,
+        layout: &Layout,
+        buf_offset: usize,
+        value: u8,
+        offset: usize,
+        size: usize,
+    ) -> Result<()> {
+        let mut b = self.bytes.lock();
+        crate::buffer::check_range("memset_tensor", layout, buf_offset, offset, size, b.len())?;
+        let at = buf_offset + offset;
+        b[at..at + size].fill(value);
+        Ok(())
+    }
+
+    fn clear(&self, value: u8) {
+        self.bytes.lock().fill(value);
+    }
+
+    fn usage(&self) -> BufferUsage {
+        *self.usage.lock()
+    }
+
+    fn set_usage(&self, usage: BufferUsage) {
+        *self.usage.lock() = usage;
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -314,9 +314,11 @@ impl Sched {
                 })?;
                 let storage = if runs_again {
                     let layout = *lg.layout(l);
-                    let buf = slot.bt.alloc_buffer(layout.nbytes().max(1))?;
+                    let mut bytes = vec![0u8; layout.nbytes()];
+                    local.get(&layout, &mut bytes)?;
+                    let buf = buffer::ResultBufferType.alloc_buffer(bytes.len().max(1))?;
                     let dst = Storage::new(buf, 0);
-                    crate::buffer::tensor_copy(&local, &layout, &dst, &layout)?;
+                    dst.set(&layout, &bytes)?;
                     dst
                 } else {
                     local

@@ -431,6 +431,27 @@ fn a_meta_device_refusing_an_op_falls_back_with_its_weights_copied() {
             g.name(id)
         );
     }
+    // A write into a cache in the meta device's buffers cannot fall back to a device that
+    // cannot use them: an error naming the node, the backend and the buffer.
+    let picky: Vec<Arc<dyn Device>> = devs[..2]
+        .iter()
+        .map(|d| Picky::open(d.clone(), &["set_rows"]) as Arc<dyn Device>)
+        .collect();
+    let meta = MetaDevice::new(picky, megatron(&cfg, SplitOptions::default())).unwrap();
+    let sched = Sched::new(vec![
+        meta.init_backend().unwrap(),
+        devs[2].init_backend().unwrap(),
+    ])
+    .unwrap();
+    let m = model(&cfg, sched.buffer_type(Arc::new(|_: &str| 0)).as_ref());
+    let (mut g, _) = step(&cfg, &m, 0, &[3, 9]);
+    let e = sched.graph_compute(&mut g).unwrap_err();
+    assert!(matches!(e, Error::SchedPlacement { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("set_rows") && msg.contains("cpu2") && msg.contains("cannot use"),
+        "{msg}"
+    );
 }
 
 /// Records the nodes it sees; stops after `stop_at` when set.

@@ -9,6 +9,7 @@ use crate::backend::{Backend, Device, Registry};
 use crate::buffer::{Buffer, BufferType};
 use crate::cpu::{CpuOptions, Precision};
 use crate::meta::{MetaBuffer, MetaDevice, MetaOptions, SplitPolicy};
+use crate::sched::{Sched, SchedBuffer};
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -48,8 +49,11 @@ pub struct DeviceSet {
     pub devices: Vec<Arc<dyn Device>>,
     pub backend: Arc<dyn Backend>,
     pub buffer_type: Arc<dyn BufferType>,
-    /// Set when running on several devices.
+    /// Set when running on several devices with tensor parallelism.
     pub meta: Option<Arc<MetaDevice>>,
+    /// Set when the scheduler runs the graph (layer or hybrid split): it and the device
+    /// indices each of its backends covers.
+    pub sched: Option<(Arc<Sched>, Vec<std::ops::Range<usize>>)>,
 }
 
 impl DeviceSet {
@@ -71,6 +75,7 @@ impl DeviceSet {
                 buffer_type: d.buffer_type(),
                 devices,
                 meta: None,
+                sched: None,
             });
         }
         let m = MetaDevice::with_policy(devices.clone(), split(devices.len()).into(), options)?;
@@ -80,6 +85,7 @@ impl DeviceSet {
             buffer_type: m.buffer_type(),
             devices,
             meta: Some(m),
+            sched: None,
         })
     }
 
@@ -87,17 +93,50 @@ impl DeviceSet {
         self.devices.iter().map(|d| d.name()).collect()
     }
 
-    /// Bytes per device held by `buffers` (split buffers count each device's slices).
+    /// The scheduler over `devices` for a layer or hybrid split of a decoder of `cfg` (see
+    /// `models::layer_split`), with `precision` for products of quantized weights.
+    pub fn open_layered(
+        spec: &str,
+        precision: Precision,
+        options: MetaOptions,
+        cfg: &crate::models::decoder::DecoderConfig,
+        mode: crate::models::layer_split::SplitMode,
+        shares: Option<&[f64]>,
+        groups: usize,
+    ) -> Result<DeviceSet> {
+        let devices = parse_devices_with(spec, CpuOptions { precision })?;
+        let l = crate::models::layer_split::open(cfg, &devices, mode, shares, groups, options)?;
+        Ok(DeviceSet {
+            spec: spec.to_string(),
+            backend: l.sched.clone(),
+            buffer_type: l.buffer_type,
+            devices,
+            meta: None,
+            sched: Some((l.sched, l.groups)),
+        })
+    }
+
+    /// Bytes per device held by `buffers` (split buffers count each device's slices; a
+    /// scheduler's buffer counts each tensor on the devices of its backend).
     pub fn bytes_per_device(&self, buffers: &[&Arc<dyn Buffer>]) -> Vec<usize> {
         let mut v = vec![0; self.devices.len()];
+        let mut add = |b: &dyn Buffer, first: usize| match b.as_any().downcast_ref::<MetaBuffer>() {
+            Some(mb) => mb
+                .device_bytes()
+                .iter()
+                .enumerate()
+                .for_each(|(d, x)| v[first + d] += x),
+            None => v[first] += b.size(),
+        };
         for b in buffers {
-            match b.as_any().downcast_ref::<MetaBuffer>() {
-                Some(mb) => mb
-                    .device_bytes()
-                    .iter()
-                    .enumerate()
-                    .for_each(|(d, x)| v[d] += x),
-                None => v[0] += b.size(),
+            match (b.as_any().downcast_ref::<SchedBuffer>(), &self.sched) {
+                (Some(sb), Some((_, groups))) => {
+                    for p in sb.placed() {
+                        let first = groups.get(p.backend).map_or(0, |g| g.start);
+                        add(p.storage.buffer.as_ref(), first);
+                    }
+                }
+                _ => add(b.as_ref(), 0),
             }
         }
         v

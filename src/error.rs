@@ -130,6 +130,28 @@ pub enum Error {
         waited: std::time::Duration,
         timeout: std::time::Duration,
     },
+    // ---- scheduler ----------------------------------------------------------------------
+    /// No backend of a scheduler computes this node (each backend's reason is listed).
+    #[error("scheduler: no backend runs node `{node}` ({op}): {reasons}")]
+    NoBackendFor {
+        node: String,
+        op: &'static str,
+        reasons: String,
+    },
+    /// The scheduler cannot place a node on the backend the passes chose (it writes into a
+    /// buffer that backend cannot use, or reads across backends a tensor written in place).
+    #[error("scheduler: node `{node}` on {backend}: {reason}")]
+    SchedPlacement {
+        node: String,
+        backend: String,
+        reason: String,
+    },
+    /// The eval callback returned false after this node: the compute stopped there (the nodes
+    /// after it did not run); the next compute starts afresh.
+    #[error(
+        "the eval callback stopped the compute after node `{node}` on {backend}; later nodes          did not run"
+    )]
+    EvalStopped { node: String, backend: String },
     /// The crate was built without the `cuda` feature.
     #[error("CUDA support is not compiled in: rebuild with `--features cuda`")]
     CudaNotCompiled,

@@ -18,6 +18,7 @@ pub mod meta;
 pub mod models;
 pub mod op;
 pub mod planner;
+pub mod sched;
 pub mod split_state;
 pub mod tensor;
 pub mod tokenizer;

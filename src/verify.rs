@@ -1,13 +1,15 @@
 //! Checking a sharded run against another: NMSE and max-abs of two result vectors, greedy
 //! decoding of a few steps, the independent numpy reference of a GGUF decoder
-//! (`scripts/reference/smollm2_ref.py`), and a node-by-node comparison of one prompt step
-//! that lists every node's NMSE with its split state.
+//! (`scripts/reference/smollm2_ref.py`), and a node-by-node comparison of one prompt step on
+//! any two device sets (`compare_graph_backend`) that lists every node's NMSE with its split
+//! state.
 
 use crate::devices::DeviceSet;
 use crate::graph::Graph;
 use crate::meta::MetaDevice;
 use crate::models::decoder::{StepInput, build_step};
 use crate::models::llama::{LlamaModel, Session, argmax};
+use crate::sched::{Sched, compare_graph_sched};
 use crate::{Error, Result};
 use std::path::Path;
 
@@ -125,16 +127,23 @@ pub struct NodeDiff {
     pub index: usize,
     pub name: String,
     pub op: String,
+    /// Its split state on the second device set when that is a meta device, else `-`.
     pub state: String,
+    /// Where it ran on the second device set.
+    pub backend: String,
     pub nmse: f64,
 }
 
-/// Every node of one prompt step, sharded vs single; nodes in graph order.
+/// Every computed node of one prompt step on two device sets (`a` the reference, `b` checked),
+/// in graph order, through [`compare_graph_sched`] (`compare_graph_backend`); and the first node whose NMSE exceeds
+/// `bound`. Any two device sets work: one device, a meta device, a layer split.
 pub fn compare_nodes(
-    single: (&LlamaModel, &DeviceSet),
-    sharded: (&LlamaModel, &DeviceSet),
+    a: (&LlamaModel, &DeviceSet),
+    b: (&LlamaModel, &DeviceSet),
     prompt: &[u32],
-) -> Result<Vec<NodeDiff>> {
+    bound: f64,
+) -> Result<(Vec<NodeDiff>, Option<NodeDiff>)> {
+    // The graph holds the cache's storage, so the session may go.
     let build = |m: &LlamaModel, set: &DeviceSet| -> Result<Graph> {
         let s = Session::new(
             m,
@@ -157,37 +166,35 @@ pub fn compare_nodes(
             logits_rows: prompt.len() - 1..prompt.len(),
         };
         let cache = s.cache();
-        let mut sg = build_step(&m.cfg, &m.weights, &cache, &inp)?;
-        for id in sg.graph.ids() {
-            if !sg.graph.node(id).is_leaf() {
-                sg.graph.set_output(id);
-            }
-        }
-        set.backend.graph_compute(&mut sg.graph)?;
+        let sg = build_step(&m.cfg, &m.weights, &cache, &inp)?;
         Ok(sg.graph)
     };
-    let ga = build(single.0, single.1)?;
-    let gb = build(sharded.0, sharded.1)?;
-    let plan = match &sharded.1.meta {
+    let mut ga = build(a.0, a.1)?;
+    let mut gb = build(b.0, b.1)?;
+    let plan = match &b.1.meta {
         Some(m) => Some(MetaDevice::meta_backend(m)?.sharding(&gb)?),
         None => None,
     };
-    let mut out = Vec::new();
-    for id in ga.ids() {
-        let n = ga.node(id);
-        if n.is_leaf() || n.op.writes_into_source() {
-            continue;
-        }
-        let (a, b) = (ga.read_f32(id)?, gb.read_f32(id)?);
-        out.push(NodeDiff {
-            index: id.index(),
-            name: n.name.clone(),
-            op: n.op.name().to_string(),
-            state: plan
-                .as_ref()
-                .map_or("-".into(), |p| p.states[id.index()].to_string()),
-            nmse: nmse(&b, &a),
-        });
-    }
-    Ok(out)
+    // A layer split's own scheduler holds its weights; anything else runs on one over its
+    // backend.
+    let sched = |set: &DeviceSet| match &set.sched {
+        Some((s, _)) => Ok(s.clone()),
+        None => Sched::new(vec![set.backend.clone()]),
+    };
+    let (sa, sb) = (sched(a.1)?, sched(b.1)?);
+    let r = compare_graph_sched(&sa, &mut ga, &sb, &mut gb, bound)?;
+    let diff = |d: &crate::sched::NodeDiff| NodeDiff {
+        index: d.index,
+        name: d.name.clone(),
+        op: d.op.clone(),
+        state: plan
+            .as_ref()
+            .map_or("-".into(), |p| p.states[d.index].to_string()),
+        backend: d.backend.clone(),
+        nmse: d.nmse,
+    };
+    Ok((
+        r.nodes.iter().map(diff).collect(),
+        r.first_over.as_ref().map(diff),
+    ))
 }

@@ -377,3 +377,102 @@ fn bench_backend_times_every_case_on_a_cpu_device_and_refuses_device_groups() {
         &["--seconds"],
     );
 }
+
+/// `--split-mode` is documented for `run`, `verify` and `bench model`, checked (one mode for
+/// `run`), and a layer split runs; `--dump` prints statistics of matching nodes from the
+/// devices that computed them; `verify --nodes` compares any two device sets node by node.
+#[test]
+fn split_mode_dump_and_node_comparison_of_any_two_device_sets() {
+    for cmd in [&["run"][..], &["verify"], &["bench", "model"]] {
+        let mut args = cmd.to_vec();
+        args.push("--help");
+        let help = metashard(&args).stdout;
+        assert!(help.contains("--split-mode"), "{cmd:?}:\n{help}");
+    }
+    refused(
+        &["run", "--split-mode", "rows"],
+        2,
+        5,
+        &["--split-mode", "tensor, layer or hybrid"],
+    );
+    refused(
+        &[
+            "run",
+            "--devices",
+            "cpu:2x1",
+            "--split-mode",
+            "tensor,layer",
+        ],
+        1,
+        5,
+        &["--split-mode tensor,layer", "one mode"],
+    );
+    let r = metashard(&[
+        "run",
+        "--devices",
+        "cpu:2x1",
+        "--split-mode",
+        "layer",
+        "-n",
+        "2",
+        "--raw",
+        "-p",
+        "Hello",
+        "--dump",
+        "l*.out",
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().filter(|l| l.starts_with("dump")).collect();
+    // 30 layers' outputs in each of 2 steps (the prompt and one decode step), first and last
+    // layers on different devices.
+    assert_eq!(lines.len(), 60, "{}", r.stderr);
+    assert!(
+        lines[0].contains("step 0") && lines[0].contains("`l0.out`"),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[0].contains("on cpu0") && lines[59].contains("on cpu1"),
+        "{}",
+        r.stderr
+    );
+    assert!(lines[59].contains("step 1") && lines[59].contains("`l29.out`"));
+    for l in &lines {
+        assert!(
+            l.contains(" min ") && l.contains(" mean ") && l.ends_with("nan 0"),
+            "{l}"
+        );
+    }
+    let r = metashard(&[
+        "verify",
+        "--nodes",
+        "--devices",
+        "cpu",
+        "--against",
+        "cpu:3x1",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    assert!(v["nodes_compared"].as_u64().unwrap() > 500, "{v}");
+    assert_eq!(v["greedy_tokens_equal"], 2, "{v}");
+    // A layer split on its own scheduler, node by node: every node equals one device's.
+    let r = metashard(&[
+        "verify",
+        "--nodes",
+        "--devices",
+        "cpu:2x1",
+        "--split-mode",
+        "layer",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    assert!(v["nodes_compared"].as_u64().unwrap() > 500, "{v}");
+    assert_eq!(v["worst_node_nmse"], 0.0, "{v}");
+    assert!(v["first_divergent_node"].is_null(), "{v}");
+}

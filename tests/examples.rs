@@ -4,6 +4,23 @@
 #[allow(dead_code)]
 mod custom_split;
 
+#[path = "../examples/sched_overhead.rs"]
+#[allow(dead_code)]
+mod sched_overhead;
+
+#[test]
+fn sched_overhead_example_runs_all_three_configurations() {
+    let rows = sched_overhead::run(1, 2).unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r.name).collect();
+    assert_eq!(names, ["plain cpu:1x2", "sched over it", "layer split"]);
+    assert_eq!(rows[0].paired, 1.0);
+    for r in &rows {
+        assert!(r.tps > 0.0 && r.paired > 0.0, "{}", r.name);
+        assert!((0.0..1.0).contains(&r.sched_share), "{}", r.name);
+    }
+    assert_eq!(rows[0].sched_share, 0.0);
+}
+
 #[test]
 fn custom_split_example_runs_and_reduces_once_per_layer() {
     let (answer, reduces) =

@@ -1,11 +1,14 @@
 //! `metashard bench model`: prompt processing (pp, default 128 tokens in one batch) and
 //! generation (tg, default 64 decode steps) tokens/s of a GGUF decoder on each given device
-//! set at each given precision (repetitions interleaved), the effective bandwidth of generation (weight bytes read per token x tokens/s), and
+//! set at each given precision and split mode (repetitions interleaved; ratios to the first row
+//! both of the medians and, steadier on a noisy machine, the median of per-repetition ratios),
+//! the effective bandwidth of generation (weight bytes read per token x tokens/s), and
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
 use crate::cli::run::load;
 use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
+use metashard::models::layer_split::SplitMode;
 use metashard::models::llama::Session;
 use std::time::Instant;
 
@@ -26,6 +29,8 @@ pub struct ModelBenchOptions {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ModelBenchRow {
     pub devices: String,
+    /// tensor, layer or hybrid.
+    pub split_mode: String,
     pub precision: String,
     pub pp_tokens: usize,
     pub pp_tokens_per_s: f64,
@@ -38,6 +43,10 @@ pub struct ModelBenchRow {
     /// Generation throughput relative to the first row (device set and precision).
     pub tg_vs_first: f64,
     pub pp_vs_first: f64,
+    /// The median over repetitions of this row's throughput over the first row's in the same
+    /// repetition: on a noisy machine, a steadier ratio than the ratio of the medians.
+    pub tg_vs_first_paired: f64,
+    pub pp_vs_first_paired: f64,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -84,6 +93,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// One configuration being measured: a device set at a precision, and its model.
 struct Config {
     spec: String,
+    mode: SplitMode,
     precision: Precision,
     set: metashard::DeviceSet,
     m: metashard::models::llama::LlamaModel,
@@ -98,40 +108,51 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     progress("measuring streaming bandwidth");
     let mut stream = stream_read_samples(2, 512 << 20, 5)?;
     let mut configs = Vec::new();
-    let unsplit = crate::cli::SplitArgs::default();
+    let modes = if opts.split.split_mode.is_empty() {
+        vec![SplitMode::Tensor]
+    } else {
+        opts.split.split_mode.clone()
+    };
     for spec in &opts.devices {
-        for &precision in &precisions {
-            progress(&format!("loading {} on {spec} ({precision})", opts.model));
-            let (set, m) = load(
-                &opts.model,
-                spec,
-                precision,
-                if metashard::parse_devices(spec)?.len() > 1 {
-                    &opts.split
-                } else {
-                    &unsplit
-                },
-                true,
-            )?;
-            // The prompt, the steps and the warm-up token must fit the context.
-            let need = opts.pp.checked_add(opts.tg).and_then(|n| n.checked_add(2));
-            if opts.pp == 0 || need.is_none_or(|n| n > m.context_length) {
-                return Err(metashard::Error::invalid_argument(
-                    "--pp + --tg",
-                    format!("{} + {}", opts.pp, opts.tg),
-                    format!(
-                        "the prompt (at least 1 token), the steps and 2 more must fit the \
-                         model's context of {} tokens",
-                        m.context_length
-                    ),
+        for &mode in &modes {
+            for &precision in &precisions {
+                progress(&format!(
+                    "loading {} on {spec} ({mode} split, {precision})",
+                    opts.model
                 ));
+                // The split flags apply to device sets of several devices; the mode to all
+                // (a layer split of one device is the scheduler over its one backend).
+                let mut split = if metashard::parse_devices(spec)?.len() > 1 {
+                    opts.split.clone()
+                } else {
+                    crate::cli::SplitArgs {
+                        groups: opts.split.groups,
+                        ..Default::default()
+                    }
+                };
+                split.split_mode = vec![mode];
+                let (set, m) = load(&opts.model, spec, precision, &split, true)?;
+                // The prompt, the steps and the warm-up token must fit the context.
+                let need = opts.pp.checked_add(opts.tg).and_then(|n| n.checked_add(2));
+                if opts.pp == 0 || need.is_none_or(|n| n > m.context_length) {
+                    return Err(metashard::Error::invalid_argument(
+                        "--pp + --tg",
+                        format!("{} + {}", opts.pp, opts.tg),
+                        format!(
+                            "the prompt (at least 1 token), the steps and 2 more must fit the \
+                             model's context of {} tokens",
+                            m.context_length
+                        ),
+                    ));
+                }
+                configs.push(Config {
+                    spec: spec.clone(),
+                    mode,
+                    precision,
+                    set,
+                    m,
+                });
             }
-            configs.push(Config {
-                spec: spec.clone(),
-                precision,
-                set,
-                m,
-            });
         }
     }
     let name = configs.first().map_or(String::new(), |c| c.m.name.clone());
@@ -171,8 +192,9 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
             }
             tgs[ci].push(opts.tg as f64 / t0.elapsed().as_secs_f64());
             progress(&format!(
-                "{} ({}): rep {} pp {:.1} t/s, tg {:.1} t/s",
+                "{} ({} split, {}): rep {} pp {:.1} t/s, tg {:.1} t/s",
                 configs[ci].spec,
+                configs[ci].mode,
                 configs[ci].precision,
                 r + 1,
                 pps[ci][r],
@@ -182,7 +204,13 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     }
     drop(sessions);
     let mut rows: Vec<ModelBenchRow> = Vec::new();
+    let paired = |v: &[f64], first: &[f64]| {
+        median(v.iter().zip(first).map(|(x, f)| x / f).collect::<Vec<_>>())
+    };
+    let pp_first = pps.first().cloned().unwrap_or_default();
+    let tg_first = tgs.first().cloned().unwrap_or_default();
     for ((c, pp), tg) in configs.into_iter().zip(pps).zip(tgs) {
+        let (pp_paired, tg_paired) = (paired(&pp, &pp_first), paired(&tg, &tg_first));
         let (pp, tg) = (median(pp), median(tg));
         let bpt = c.m.bytes_per_token();
         let (tg0, pp0) = rows
@@ -190,6 +218,7 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
             .map_or((tg, pp), |r| (r.tg_tokens_per_s, r.pp_tokens_per_s));
         rows.push(ModelBenchRow {
             devices: c.spec,
+            split_mode: c.mode.name().to_string(),
             precision: c.precision.name().to_string(),
             pp_tokens: opts.pp,
             pp_tokens_per_s: pp,
@@ -199,6 +228,8 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
             tg_gbps: bpt as f64 * tg / 1e9,
             tg_vs_first: tg / tg0,
             pp_vs_first: pp / pp0,
+            tg_vs_first_paired: tg_paired,
+            pp_vs_first_paired: pp_paired,
         });
     }
     // The bandwidth of a shared machine drifts: measured before and after the model runs, and
@@ -216,18 +247,31 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
 pub fn print_table(r: &ModelBenchReport) {
     println!("model: {}", r.model);
     println!(
-        "{:<12} {:<9} {:>10} {:>8} {:>10} {:>8} {:>12} {:>10}",
-        "devices", "precision", "pp t/s", "pp x", "tg t/s", "tg x", "tg GB/s", "% stream"
+        "{:<12} {:<7} {:<9} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8} {:>12} {:>10}",
+        "devices",
+        "split",
+        "precision",
+        "pp t/s",
+        "pp x",
+        "paired",
+        "tg t/s",
+        "tg x",
+        "paired",
+        "tg GB/s",
+        "% stream"
     );
     for row in &r.rows {
         println!(
-            "{:<12} {:<9} {:>10.1} {:>7.2}x {:>10.1} {:>7.2}x {:>12.2} {:>9.0}%",
+            "{:<12} {:<7} {:<9} {:>10.1} {:>7.2}x {:>7.3}x {:>10.1} {:>7.2}x {:>7.3}x {:>12.2} {:>9.0}%",
             row.devices,
+            row.split_mode,
             row.precision,
             row.pp_tokens_per_s,
             row.pp_vs_first,
+            row.pp_vs_first_paired,
             row.tg_tokens_per_s,
             row.tg_vs_first,
+            row.tg_vs_first_paired,
             row.tg_gbps,
             100.0 * row.tg_gbps / r.stream_gbps
         );

@@ -32,9 +32,38 @@ pub struct SplitArgs {
     /// Run exactly the assignment of a plan file written by `metashard plan -o FILE`.
     #[arg(long, conflicts_with = "mirror_attention")]
     pub plan: Option<std::path::PathBuf>,
+    /// tensor (every layer on every device, the default), layer (whole layers per device in
+    /// proportion to --tensor-split, on the scheduler) or hybrid (groups of devices, each a
+    /// meta device, with whole layers per group). `bench model` takes a list, e.g.
+    /// `tensor,layer`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_split_mode)]
+    pub split_mode: Vec<metashard::models::layer_split::SplitMode>,
+    /// Device groups of --split-mode hybrid (each a meta device); default 2.
+    #[arg(long, value_parser = parse_positive)]
+    pub groups: Option<usize>,
+}
+
+fn parse_split_mode(
+    s: &str,
+) -> std::result::Result<metashard::models::layer_split::SplitMode, String> {
+    metashard::models::layer_split::SplitMode::parse(s).map_err(|e| e.to_string())
 }
 
 impl SplitArgs {
+    /// The one split mode of `run` and `verify` (tensor when not given); several are an error
+    /// naming the flag.
+    pub fn mode(&self) -> Result<metashard::models::layer_split::SplitMode> {
+        match self.split_mode.as_slice() {
+            [] => Ok(Default::default()),
+            [m] => Ok(*m),
+            many => Err(Error::invalid_argument(
+                "--split-mode",
+                many.iter().map(|m| m.name()).collect::<Vec<_>>().join(","),
+                "takes one mode here (a list only for `bench model`)",
+            )),
+        }
+    }
+
     /// The per-layer assignment `--strategy` or `--plan` asks for on `devices`, with the
     /// `--tensor-split` shares; `None` for the built-in split.
     pub fn decoder_split(

@@ -1,7 +1,8 @@
 //! `metashard run`: load a GGUF decoder on a device set (the built-in split callback, or
 //! `--tensor-split` ratios), show a memory summary, generate text from a prompt (through the
 //! model's chat template unless `--raw`; the user's text stays text unless `--special`), and
-//! report prompt and generation tokens/s and why generation stopped. Bad sampling flags and
+//! report prompt and generation tokens/s and why generation stopped; `--dump` prints
+//! statistics of matching nodes through the scheduler's eval callback. Bad sampling flags and
 //! `--ctx` values are errors naming the flag; `-n` is bounded by the context.
 
 use super::{PromptArgs, SplitArgs, bytes_bar, memory_table};
@@ -62,6 +63,80 @@ pub struct RunArgs {
     /// streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Print min, max, mean and NaN count of every node whose name matches NODE_PATTERN (a
+    /// glob with `*`; without `*`, names containing it) as it is computed, to stderr (the
+    /// scheduler's eval callback).
+    #[arg(long, value_name = "NODE_PATTERN")]
+    pub dump: Option<String>,
+}
+
+/// Whether `name` matches `pattern`: a glob with `*` (any run of characters), or without `*`
+/// a substring.
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    if !pattern.contains('*') {
+        return name.contains(pattern);
+    }
+    let parts: Vec<&str> = pattern.split('*').collect();
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !name.starts_with(first) || name.len() < first.len() + last.len() || !name.ends_with(last) {
+        return false;
+    }
+    let mut rest = &name[first.len()..name.len() - last.len()];
+    for p in &parts[1..parts.len() - 1] {
+        match rest.find(p) {
+            Some(i) => rest = &rest[i + p.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// The `--dump` eval callback: statistics of the matching nodes, one line each, to stderr.
+struct Dump {
+    pattern: String,
+    step: usize,
+    last: Option<metashard::TensorId>,
+}
+
+impl metashard::sched::EvalCallback for Dump {
+    fn ask(&mut self, g: &metashard::Graph, id: metashard::TensorId) -> bool {
+        name_matches(&self.pattern, g.name(id))
+    }
+
+    fn eval(
+        &mut self,
+        g: &metashard::Graph,
+        id: metashard::TensorId,
+        backend: &str,
+        values: &[f32],
+    ) -> bool {
+        // Node ids rise within a graph: a lower one starts the next step's graph.
+        if self.last.is_some_and(|l| id <= l) {
+            self.step += 1;
+        }
+        self.last = Some(id);
+        let nan = values.iter().filter(|v| v.is_nan()).count();
+        let finite = values.iter().copied().filter(|v| !v.is_nan());
+        let (mut min, mut max, mut sum, mut n) = (f32::INFINITY, f32::NEG_INFINITY, 0f64, 0usize);
+        for v in finite {
+            min = min.min(v);
+            max = max.max(v);
+            sum += v as f64;
+            n += 1;
+        }
+        let mean = if n > 0 { sum / n as f64 } else { f64::NAN };
+        let node = g.node(id);
+        eprintln!(
+            "dump step {} #{} `{}` {} {} on {backend}: min {min:.6} max {max:.6} mean {mean:.6} \
+             nan {nan}",
+            self.step,
+            id.index(),
+            node.name,
+            node.op.name(),
+            node.layout.shape()
+        );
+        true
+    }
 }
 
 /// Open the devices and load the model with the split the flags ask for (the built-in one,
@@ -78,6 +153,8 @@ pub fn load(
         ratios: split.tensor_split.clone(),
         mirror_attention: split.mirror_attention,
         split: split.decoder_split(model, devices)?,
+        split_mode: split.mode()?,
+        groups: split.groups,
         ..OpenOptions::default()
     };
     let bar = bytes_bar(0, "loading weights");
@@ -152,7 +229,24 @@ pub fn run(a: &RunArgs) -> Result<()> {
     m.cfg.fused_attn = !a.no_flash;
     let prompt = prompt_tokens(&m, &a.prompt.prompt, &a.prompt.options(a.system.as_deref()))?;
     let ctx = context_size(a, &m, prompt.len())?;
-    let mut session = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
+    let backend: std::sync::Arc<dyn metashard::Backend> = match &a.dump {
+        None => set.backend.clone(),
+        Some(pattern) => {
+            // The scheduler's eval callback: the layer split's own scheduler, or one over the
+            // device set's backend.
+            let sched = match &set.sched {
+                Some((s, _)) => s.clone(),
+                None => metashard::sched::Sched::new(vec![set.backend.clone()])?,
+            };
+            sched.set_eval_callback(Some(Box::new(Dump {
+                pattern: pattern.clone(),
+                step: 0,
+                last: None,
+            })));
+            sched
+        }
+    };
+    let mut session = Session::new(&m, backend, set.buffer_type.as_ref(), ctx)?;
     let eos = m.tokenizer.eos();
     let mut stdout = std::io::stdout();
     let mut pending = Vec::new();

@@ -19,7 +19,8 @@ pub struct VerifyArgs {
     /// The sharded device set to check.
     #[arg(long, default_value = "cpu:2x1")]
     pub devices: String,
-    /// The single device it is checked against.
+    /// The device set it is checked against (one device by default; any set works, e.g.
+    /// `--devices cpu --against cpu:3x1`).
     #[arg(long, default_value = "cpu:1x1")]
     pub against: String,
     #[command(flatten)]
@@ -85,12 +86,9 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     }
     let mut first_bad = None;
     if a.nodes {
-        let diffs = compare_nodes((&m1, &single), (&m2, &sharded), &prompt)?;
         let tol = if a.q8 { 1e-4 } else { 1e-8 };
-        first_bad = diffs
-            .iter()
-            .find(|d| d.nmse > tol || d.nmse.is_nan())
-            .cloned();
+        let (diffs, first) = compare_nodes((&m1, &single), (&m2, &sharded), &prompt, tol)?;
+        first_bad = first;
         report["nodes_compared"] = diffs.len().into();
         report["worst_node_nmse"] = diffs.iter().map(|d| d.nmse).fold(0.0, f64::max).into();
         report["first_divergent_node"] = serde_json::to_value(&first_bad).unwrap_or_default();
@@ -110,8 +108,8 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         }
         if let Some(d) = &first_bad {
             println!(
-                "  first divergent node: #{} `{}` ({}) state {} nmse {:.3e}",
-                d.index, d.name, d.op, d.state, d.nmse
+                "  first divergent node: #{} `{}` ({}) on {} state {} nmse {:.3e}",
+                d.index, d.name, d.op, d.backend, d.state, d.nmse
             );
         }
     }

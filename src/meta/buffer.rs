@@ -25,6 +25,11 @@ pub struct MetaBufferType {
 }
 
 impl MetaBufferType {
+    /// Whether this buffer type is the one of the meta device sharing `shared`.
+    pub(crate) fn belongs_to(&self, shared: &Arc<MetaShared>) -> bool {
+        Arc::ptr_eq(&self.shared, shared)
+    }
+
     pub fn new(shared: Arc<MetaShared>) -> Self {
         MetaBufferType { shared }
     }

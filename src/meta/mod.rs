@@ -254,8 +254,12 @@ impl Device for MetaDevice {
         Ok(())
     }
 
+    /// Its own meta buffers (not another meta device's: their slices lie on other devices),
+    /// or a buffer type every device can use.
     fn supports_buffer_type(&self, bt: &dyn BufferType) -> bool {
-        bt.as_any().is::<MetaBufferType>()
+        bt.as_any()
+            .downcast_ref::<MetaBufferType>()
+            .is_some_and(|m| m.belongs_to(&self.shared))
             || self
                 .shared
                 .devices

@@ -1,8 +1,10 @@
 //! Open a GGUF decoder on a device set in one call: resolve the model name, open the devices
-//! (one device, or a meta device with the built-in Megatron split or `--tensor-split` ratios),
+//! (one device, or a meta device with the built-in Megatron split or `--tensor-split` ratios,
+//! or the scheduler for a layer or hybrid split),
 //! load the weights with a progress callback, and turn a prompt into tokens (the user's text
 //! literal unless asked otherwise: control tokens come from the chat template's markup).
 
+use super::layer_split::SplitMode;
 use super::llama::{LlamaModel, config_from_gguf};
 use super::paths::{ModelPath, resolve};
 use super::split::{DecoderSplit, SplitOptions, megatron, policy};
@@ -25,6 +27,10 @@ pub struct OpenOptions {
     /// state hints.
     pub split: Option<DecoderSplit>,
     pub meta: MetaOptions,
+    /// Tensor parallelism (the meta device), or layer / hybrid split on the scheduler.
+    pub split_mode: SplitMode,
+    /// Device groups of the hybrid split (each a meta device); 2 when absent.
+    pub groups: Option<usize>,
 }
 
 /// Open `devices` and load the GGUF decoder `model` (`smollm2` or a path) on them.
@@ -44,6 +50,27 @@ pub fn open_decoder(
     let g = crate::io::gguf::GgufFile::open(&path)?;
     let cfg = config_from_gguf(&g)?;
     drop(g);
+    if opts.split_mode != SplitMode::Tensor {
+        if opts.split.is_some() || opts.mirror_attention {
+            return Err(Error::invalid_argument(
+                "--split-mode",
+                opts.split_mode.name(),
+                "--strategy, --plan and --mirror-attention choose a tensor split; use \
+                 --split-mode tensor with them",
+            ));
+        }
+        let set = DeviceSet::open_layered(
+            devices,
+            opts.precision,
+            opts.meta,
+            &cfg,
+            opts.split_mode,
+            opts.ratios.as_deref(),
+            opts.groups.unwrap_or(2),
+        )?;
+        let m = LlamaModel::load(&path, set.buffer_type.as_ref(), progress)?;
+        return Ok((set, m));
+    }
     let split_fn = match &opts.split {
         Some(plan) => {
             if plan.layers.len() != cfg.n_layer {

@@ -1,4 +1,6 @@
-//! The examples are part of the docs: each is compiled into this test and run.
+//! The examples are part of the docs. `cargo test` compiles every one of them; the two that
+//! show library use (`custom_split`, `sched_overhead`) are also run here. The others are
+//! benchmarks and probes (`collectives_bench`, `plan_probe`, `workers_latency`), run by hand.
 
 #[path = "../examples/custom_split.rs"]
 #[allow(dead_code)]

@@ -8,6 +8,7 @@
 use crate::backend::{Backend, Device, Registry};
 use crate::buffer::{Buffer, BufferType};
 use crate::cpu::{CpuOptions, Precision};
+use crate::dist::Dist;
 use crate::meta::{MetaBuffer, MetaDevice, MetaOptions, SplitPolicy};
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -50,6 +51,9 @@ pub struct DeviceSet {
     pub buffer_type: Arc<dyn BufferType>,
     /// Set when running on several devices.
     pub meta: Option<Arc<MetaDevice>>,
+    /// With ranks as processes (`Dist::Mpi`): this process's rank (its device's index in
+    /// `devices`; the others are `dist::RemoteDevice`s).
+    pub rank: Option<usize>,
 }
 
 impl DeviceSet {
@@ -62,7 +66,25 @@ impl DeviceSet {
         options: MetaOptions,
         split: impl FnOnce(usize) -> P,
     ) -> Result<DeviceSet> {
-        let devices = parse_devices_with(spec, CpuOptions { precision })?;
+        Self::open_dist(spec, Dist::Local, precision, options, split)
+    }
+
+    /// As [`DeviceSet::open`], with the devices spread over processes as `dist` says: with
+    /// `Dist::Mpi`, `spec` is this process's one device and the meta device has one rank per
+    /// process of the MPI job (see `crate::dist`).
+    pub fn open_dist<P: Into<SplitPolicy>>(
+        spec: &str,
+        dist: Dist,
+        precision: Precision,
+        options: MetaOptions,
+        split: impl FnOnce(usize) -> P,
+    ) -> Result<DeviceSet> {
+        let local = parse_devices_with(spec, CpuOptions { precision })?;
+        let devices = crate::dist::distributed_devices(spec, local, dist)?;
+        let rank = match dist {
+            Dist::Local => None,
+            Dist::Mpi => Some(crate::dist::rank_and_size(dist)?.0),
+        };
         if devices.len() == 1 {
             let d = devices[0].clone();
             return Ok(DeviceSet {
@@ -71,6 +93,7 @@ impl DeviceSet {
                 buffer_type: d.buffer_type(),
                 devices,
                 meta: None,
+                rank,
             });
         }
         let m = MetaDevice::with_policy(devices.clone(), split(devices.len()).into(), options)?;
@@ -80,7 +103,13 @@ impl DeviceSet {
             buffer_type: m.buffer_type(),
             devices,
             meta: Some(m),
+            rank,
         })
+    }
+
+    /// Whether this process prints: rank 0 of a distributed set, or any local set.
+    pub fn is_leader(&self) -> bool {
+        self.rank.is_none_or(|r| r == 0)
     }
 
     pub fn names(&self) -> Vec<String> {

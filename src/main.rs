@@ -46,6 +46,28 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// Self-checks of this build on this machine.
+    Selftest {
+        #[command(subcommand)]
+        what: SelftestCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum SelftestCmd {
+    /// The job's communicator (ranks as processes: `mpirun -np N metashard selftest comm
+    /// --dist mpi`) against the in-process one, bit for bit, on every collective.
+    Comm {
+        #[command(flatten)]
+        dist: cli::DistArgs,
+        /// How long a rank waits for a peer before naming it, in milliseconds.
+        #[arg(long, default_value_t = 10_000)]
+        timeout_ms: u64,
+        /// Inject a fault: `HOW@RANK:CALL` with HOW one of kill, exit, stall, error (rank
+        /// RANK does it before its collective number CALL).
+        #[arg(long, value_parser = bench::comm::parse_fault)]
+        fault: Option<bench::comm::Fault>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -139,6 +161,24 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Collective latency and bus bandwidth (all-reduce, all-gather of f32): in process over
+    /// --world threads, or over the job's processes with --dist mpi under mpirun.
+    Comm {
+        #[command(flatten)]
+        dist: cli::DistArgs,
+        /// Ranks of the in-process communicator (without --dist mpi).
+        #[arg(long, default_value_t = 2)]
+        world: usize,
+        /// Buffer sizes in bytes.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![65536usize, 1 << 20, 16 << 20])]
+        bytes: Vec<usize>,
+        /// Timed calls per size (median reported; at least 1).
+        #[arg(long, default_value_t = 20, value_parser = cli::parse_positive)]
+        reps: usize,
+        /// Print the rows as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
     Meta {
         /// The graph: a transformer block or ggml's 4-layer MLP stack.
@@ -171,9 +211,15 @@ fn main() {
         .init();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
-        eprintln!("error: {e}");
+        // Under mpirun, say which process failed.
+        match metashard::dist::current_rank() {
+            Some(r) => eprintln!("error (rank {r}): {e}"),
+            None => eprintln!("error: {e}"),
+        }
         std::process::exit(1);
     }
+    // With ranks as processes, leave the MPI job cleanly.
+    metashard::dist::finalize();
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -184,7 +230,45 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Embed(opts) => cli::embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Plan(a) => cli::plan::run(&a),
         Cmd::Calibrate(a) => cli::calibrate::run(&a),
+        Cmd::Selftest { what } => match what {
+            SelftestCmd::Comm {
+                dist,
+                timeout_ms,
+                fault,
+            } => {
+                let t = std::time::Instant::now();
+                let n = bench::comm::selftest(
+                    dist.dist,
+                    std::time::Duration::from_millis(timeout_ms),
+                    fault,
+                )?;
+                let (rank, world) = metashard::dist::rank_and_size(dist.dist)?;
+                println!(
+                    "rank {rank} of {world}: {n} collectives bit-identical to the in-process \
+                     communicator ({:.2} s)",
+                    t.elapsed().as_secs_f64()
+                );
+                Ok(())
+            }
+        },
         Cmd::Bench { what } => match what {
+            BenchCmd::Comm {
+                dist,
+                world,
+                bytes,
+                reps,
+                json,
+            } => {
+                let rows = bench::comm::bench(dist.dist, world, &bytes, reps)?;
+                if metashard::dist::rank_and_size(dist.dist)?.0 == 0 {
+                    if json {
+                        println!("{}", to_json(&rows)?);
+                    } else {
+                        bench::comm::print_table(&rows);
+                    }
+                }
+                Ok(())
+            }
             BenchCmd::Ops {
                 threads,
                 filter,

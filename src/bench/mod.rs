@@ -2,6 +2,7 @@
 //! kernel benchmark ([`ops`]), the cost of tensor parallelism on one host ([`meta`]) and a real
 //! model's prompt and generation throughput per device set ([`model`]).
 
+pub mod comm;
 pub mod meta;
 pub mod model;
 pub mod ops;

@@ -14,6 +14,20 @@ use metashard::models::llama::SamplerConfig;
 use metashard::models::open::PromptOptions;
 use metashard::{Error, Result};
 
+/// How the devices are spread over processes: the `--dist` flag.
+#[derive(Clone, Copy, Debug, Default, clap::Args)]
+pub struct DistArgs {
+    /// `local` (every device in this process) or `mpi` (one rank per process of an MPI job:
+    /// `mpirun -np N metashard ... --dist mpi --devices cpu:1xT`; needs a build with
+    /// `--features mpi`).
+    #[arg(long, default_value = "local", value_parser = parse_dist)]
+    pub dist: metashard::dist::Dist,
+}
+
+fn parse_dist(s: &str) -> std::result::Result<metashard::dist::Dist, String> {
+    metashard::dist::Dist::from_name(s).ok_or_else(|| format!("`{s}` is not one of local, mpi"))
+}
+
 /// How a decoder is split over several devices: the flags `run`, `verify` and `bench model`
 /// share.
 #[derive(Clone, Debug, Default, clap::Args)]

@@ -91,6 +91,29 @@ impl SplitArgs {
         Ok(Some(split))
     }
 
+    /// The split flags `--dist mpi` does not take yet (they count the devices of this
+    /// process's list, one with ranks as processes).
+    pub fn check_dist(&self) -> Result<()> {
+        let refuse = |flag: &str| {
+            Err(Error::invalid_argument(
+                flag,
+                "with --dist mpi",
+                "is not supported with ranks as processes yet (use the built-in split or a \
+                 named strategy)",
+            ))
+        };
+        if self.tensor_split.is_some() {
+            return refuse("--tensor-split");
+        }
+        if self.plan.is_some() {
+            return refuse("--plan");
+        }
+        if self.strategy.as_deref() == Some("auto") {
+            return refuse("--strategy auto");
+        }
+        Ok(())
+    }
+
     /// `--tensor-split` against the device list `devices`: one share per device, not all 0.
     pub fn check(&self, devices: &str) -> Result<()> {
         let Some(shares) = &self.tensor_split else {

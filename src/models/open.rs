@@ -25,6 +25,9 @@ pub struct OpenOptions {
     /// state hints.
     pub split: Option<DecoderSplit>,
     pub meta: MetaOptions,
+    /// How the devices are spread over processes (`Dist::Mpi`: `devices` is this process's
+    /// one device, and every process of the MPI job loads its own rank's slices).
+    pub dist: crate::dist::Dist,
 }
 
 /// Open `devices` and load the GGUF decoder `model` (`smollm2` or a path) on them.
@@ -68,7 +71,7 @@ pub fn open_decoder(
         )
         .into(),
     };
-    let set = DeviceSet::open(devices, opts.precision, opts.meta, |_| split_fn)?;
+    let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |_| split_fn)?;
     let m = LlamaModel::load(&path, set.buffer_type.as_ref(), progress)?;
     Ok((set, m))
 }

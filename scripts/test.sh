@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All set-up and the whole test suite on a fresh machine: the Python packages the reference
-# checks need (numpy, gguf, tokenizers), the model files, then `cargo test --release`.
+# checks need (numpy, gguf, tokenizers), OpenMPI (as root, with apt-get), the model files,
+# then `cargo test --release` (with `--features mpi` when OpenMPI is there).
 # A missing Python reference fails the tests (METASHARD_SKIP_PYREF=1 turns that into a skip).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,7 +17,22 @@ if ! command -v dot >/dev/null 2>&1; then
         echo "graphviz missing (not root or no apt-get): plan --svg writes DOT instead"
     fi
 fi
+echo "== OpenMPI and libclang (ranks as processes: the \`mpi\` feature, tests/mpi.rs)"
+features=()
+if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1 \
+    || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            libopenmpi-dev openmpi-bin libclang-dev >/dev/null) \
+            || echo "OpenMPI could not be installed: the MPI tests are left out"
+    else
+        echo "OpenMPI missing (not root or no apt-get): the MPI tests are left out"
+    fi
+fi
+if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then
+    features=(--features mpi)
+fi
 echo "== model files"
 bash scripts/fetch_models.sh
-echo "== cargo test --release"
-cargo test --release "$@"
+echo "== cargo test --release ${features[*]}"
+cargo test --release "${features[@]}" "$@"

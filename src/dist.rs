@@ -92,16 +92,7 @@ pub fn distributed_devices(
     if dist == Dist::Local {
         return Ok(local);
     }
-    if local.len() != 1 {
-        return Err(Error::Device {
-            device: spec.to_string(),
-            reason: format!(
-                "with --dist mpi each process is one rank and owns one device, but `{spec}` \
-                 lists {}: use `cpu:1xT` (T threads) and start more processes",
-                local.len()
-            ),
-        });
-    }
+    one_device_per_process(spec, local.len())?;
     let factory = mpi_factory()?;
     let (rank, size) = rank_and_size(dist)?;
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(size);
@@ -120,6 +111,20 @@ pub fn distributed_devices(
         }
     }
     Ok(devices)
+}
+
+/// With ranks as processes a process owns one device: `n`, the devices `spec` lists, must be 1.
+pub fn one_device_per_process(spec: &str, n: usize) -> Result<()> {
+    if n == 1 {
+        return Ok(());
+    }
+    Err(Error::Device {
+        device: spec.to_string(),
+        reason: format!(
+            "with --dist mpi each process is one rank and owns one device, but `{spec}` lists \
+             {n}: use `cpu:1xT` (T threads) and start more processes"
+        ),
+    })
 }
 
 #[cfg(feature = "mpi")]
@@ -148,7 +153,11 @@ impl Device for RankDevice {
         format!("rank{}:{}", self.rank, self.inner.name())
     }
     fn description(&self) -> String {
-        format!("{} (rank {}, this process)", self.inner.description(), self.rank)
+        format!(
+            "{} (rank {}, this process)",
+            self.inner.description(),
+            self.rank
+        )
     }
     fn memory(&self) -> MemoryInfo {
         self.inner.memory()

@@ -91,9 +91,7 @@ fn values(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         let v = m * 10f32.powi((x % 7) as i32 - 3);
         match dtype {
             DType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_bits().to_ne_bytes()),
-            DType::BF16 => {
-                out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_ne_bytes())
-            }
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_ne_bytes()),
             _ => out.extend_from_slice(&v.to_ne_bytes()),
         }
     }
@@ -251,13 +249,14 @@ pub fn selftest(dist: Dist, timeout: Duration, fault: Option<Fault>) -> Result<u
             inject(&f, comm.as_ref(), rank)?;
         }
         let t = Instant::now();
-        let got = run_case(comm.as_ref(), rank, case, &inputs(case, i, rank)).inspect_err(|_| {
-            eprintln!(
-                "rank {rank}: call {i} ({}) failed after {:.3} s",
-                case.describe(),
-                t.elapsed().as_secs_f64()
-            )
-        })?;
+        let got =
+            run_case(comm.as_ref(), rank, case, &inputs(case, i, rank)).inspect_err(|_| {
+                eprintln!(
+                    "rank {rank}: call {i} ({}) failed after {:.3} s",
+                    case.describe(),
+                    t.elapsed().as_secs_f64()
+                )
+            })?;
         let want = reference(world, case, i, rank)?;
         if got != want {
             let at = got.iter().zip(&want).position(|(a, b)| a != b);
@@ -296,8 +295,7 @@ pub struct CommRow {
 pub fn bench(dist: Dist, world: usize, sizes: &[usize], reps: usize) -> Result<Vec<CommRow>> {
     match dist {
         Dist::Mpi => {
-            let (rank, comm) =
-                metashard::dist::job_communicator(dist, Duration::from_secs(60))?;
+            let (rank, comm) = metashard::dist::job_communicator(dist, Duration::from_secs(60))?;
             bench_ranks(&[(rank, comm)], sizes, reps)
         }
         Dist::Local => {

@@ -92,6 +92,8 @@ pub fn load_dist(
 ) -> Result<(DeviceSet, LlamaModel)> {
     if dist == Dist::Mpi {
         split.check_dist()?;
+        let n = metashard::parse_devices(devices)?.len();
+        metashard::dist::one_device_per_process(devices, n)?;
     }
     let opts = OpenOptions {
         precision,
@@ -116,8 +118,10 @@ pub fn load_dist(
         eprintln!(
             "rank {r}: holds {:.1} MiB of weights, read {} of the model file's {:.1} MiB",
             held.get(r).copied().unwrap_or(0) as f64 / 1048576.0,
-            m.file_bytes_read
-                .map_or("?".to_string(), |b| format!("{:.1} MiB", b as f64 / 1048576.0)),
+            m.file_bytes_read.map_or("?".to_string(), |b| format!(
+                "{:.1} MiB",
+                b as f64 / 1048576.0
+            )),
             m.weight_bytes as f64 / 1048576.0
         );
     }

@@ -35,7 +35,7 @@
 //! - a rank whose call fails locally (bad arguments, mismatched calls) or whose meta backend
 //!   aborts sends an abort message to every peer (a receive for it is always posted, and every
 //!   wait polls it), so peers return at once;
-//! - a peer process that exits or is killed is seen within about 5 ms when it runs on the same
+//! - a peer process that exits or is killed is seen within about 1 ms when it runs on the same
 //!   host (its pid, exchanged at start-up, is polled in `/proc`);
 //! - a peer that sends nothing for the timeout (stalled, or on another host and gone) makes
 //!   the waiting rank give up then, naming it.
@@ -74,7 +74,7 @@ const CTRL_BYTES: usize = 1024;
 /// How long start-up waits for every process to say who it is.
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
 /// How often a waiting rank checks that its peers on the same host are alive.
-const LIVENESS_EVERY: Duration = Duration::from_millis(5);
+const LIVENESS_EVERY: Duration = Duration::from_millis(1);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
@@ -310,7 +310,9 @@ fn exited(pid: u32) -> bool {
         Err(_) => true,
         Ok(s) => {
             // The state is the first field after the parenthesized command name.
-            let state = s.rsplit_once(')').and_then(|(_, r)| r.trim_start().chars().next());
+            let state = s
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.trim_start().chars().next());
             matches!(state, Some('Z' | 'X'))
         }
     }
@@ -326,7 +328,10 @@ impl MpiWorld {
     fn init() -> std::result::Result<MpiWorld, String> {
         let mut flag: c_int = 0;
         // SAFETY: MPI_Initialized may be called at any time, even before MPI_Init.
-        check(unsafe { ffi::MPI_Initialized(&mut flag) }, "MPI_Initialized")?;
+        check(
+            unsafe { ffi::MPI_Initialized(&mut flag) },
+            "MPI_Initialized",
+        )?;
         // SAFETY: constants exported by the library.
         let (serialized, world) = unsafe { (ffi::RSMPI_THREAD_SERIALIZED, comm_world()) };
         if flag == 0 {
@@ -1077,10 +1082,8 @@ impl MpiCommunicator {
                 );
                 let peers: Vec<usize> = (0..w.size).filter(|&q| q != w.rank).collect();
                 let sends: Vec<(usize, usize)> = peers.iter().map(|&q| (q, local.len())).collect();
-                let recvs: Vec<(usize, usize)> = peers
-                    .iter()
-                    .map(|&q| (q, layout.local_bytes(q)))
-                    .collect();
+                let recvs: Vec<(usize, usize)> =
+                    peers.iter().map(|&q| (q, layout.local_bytes(q))).collect();
                 w.exchange(
                     st,
                     &sig,
@@ -1144,10 +1147,8 @@ impl MpiCommunicator {
                     layout.fingerprint(),
                 );
                 let peers: Vec<usize> = (0..w.size).filter(|&q| q != w.rank).collect();
-                let sends: Vec<(usize, usize)> = peers
-                    .iter()
-                    .map(|&q| (q, layout.local_bytes(q)))
-                    .collect();
+                let sends: Vec<(usize, usize)> =
+                    peers.iter().map(|&q| (q, layout.local_bytes(q))).collect();
                 let recvs: Vec<(usize, usize)> = peers.iter().map(|&q| (q, local.len())).collect();
                 w.exchange(
                     st,
@@ -1192,7 +1193,10 @@ impl MpiCommunicator {
                 let me = w.rank;
                 let len = buf.len();
                 let (sends, recvs): (Vec<(usize, usize)>, Vec<(usize, usize)>) = if me == root {
-                    ((0..w.size).filter(|&q| q != me).map(|q| (q, len)).collect(), vec![])
+                    (
+                        (0..w.size).filter(|&q| q != me).map(|q| (q, len)).collect(),
+                        vec![],
+                    )
                 } else {
                     (vec![], vec![(root, len)])
                 };

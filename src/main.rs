@@ -128,6 +128,10 @@ enum BenchCmd {
         // The split flags apply to the device sets of several devices.
         #[command(flatten)]
         split: cli::SplitArgs,
+        /// With `--dist mpi`, each --devices is this process's one device (one rank per
+        /// process of the MPI job); rank 0 prints the report.
+        #[command(flatten)]
+        dist: cli::DistArgs,
         /// Print the report as JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -298,14 +302,16 @@ fn run(cli: Cli) -> Result<()> {
                 precision,
                 q8,
                 split,
+                dist,
                 json,
             } => {
                 // The split flags apply to the device sets of several devices.
                 for d in &devices {
-                    if parse_devices(d)?.len() > 1 {
+                    if parse_devices(d)?.len() > 1 && dist.dist == metashard::dist::Dist::Local {
                         split.check(d)?;
                     }
                 }
+                let leader = metashard::dist::rank_and_size(dist.dist)?.0 == 0;
                 let opts = bench::model::ModelBenchOptions {
                     model,
                     devices,
@@ -314,8 +320,16 @@ fn run(cli: Cli) -> Result<()> {
                     reps,
                     precisions: precisions(precision, q8),
                     split,
+                    dist: dist.dist,
                 };
-                let report = bench::model::run(&opts, &|line| eprintln!("{line}"))?;
+                let report = bench::model::run(&opts, &|line| {
+                    if leader {
+                        eprintln!("{line}")
+                    }
+                })?;
+                if !leader {
+                    return Ok(());
+                }
                 if json {
                     println!("{}", to_json(&report)?);
                 } else {

@@ -3,7 +3,8 @@
 //! set at each given precision (repetitions interleaved), the effective bandwidth of generation (weight bytes read per token x tokens/s), and
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
-use crate::cli::run::load;
+use crate::cli::run::load_dist;
+use metashard::dist::Dist;
 use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
 use metashard::models::llama::Session;
@@ -21,6 +22,9 @@ pub struct ModelBenchOptions {
     pub precisions: Vec<Precision>,
     /// `--tensor-split` and `--mirror-attention` for the device sets of several devices.
     pub split: crate::cli::SplitArgs,
+    /// With `Dist::Mpi`, each device set is this process's one device of a meta device with
+    /// one rank per process (every rank calls `run`; rank 0's report is the one to print).
+    pub dist: Dist,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -102,11 +106,12 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
     for spec in &opts.devices {
         for &precision in &precisions {
             progress(&format!("loading {} on {spec} ({precision})", opts.model));
-            let (set, m) = load(
+            let (set, m) = load_dist(
                 &opts.model,
                 spec,
+                opts.dist,
                 precision,
-                if metashard::parse_devices(spec)?.len() > 1 {
+                if metashard::parse_devices(spec)?.len() > 1 || opts.dist != Dist::Local {
                     &opts.split
                 } else {
                     &unsplit
@@ -127,7 +132,10 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
                 ));
             }
             configs.push(Config {
-                spec: spec.clone(),
+                spec: match set.rank {
+                    Some(_) => format!("mpi {}x {spec}", set.devices.len()),
+                    None => spec.clone(),
+                },
                 precision,
                 set,
                 m,

@@ -4,9 +4,9 @@
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
 use crate::cli::run::load_dist;
-use metashard::dist::Dist;
 use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
+use metashard::dist::Dist;
 use metashard::models::llama::Session;
 use std::time::Instant;
 

@@ -5,9 +5,9 @@
 //! split state.
 
 use super::run::{load, load_dist};
-use metashard::dist::Dist;
 use super::{PromptArgs, SplitArgs};
 use metashard::cpu::Precision;
+use metashard::dist::Dist;
 use metashard::models::open::prompt_tokens;
 use metashard::verify::{compare_nodes, greedy, max_abs, max_steps, nmse, reference, steps_error};
 use metashard::{Error, Result};

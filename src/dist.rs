@@ -46,6 +46,19 @@ impl Dist {
     }
 }
 
+/// Whether this process was started by an MPI launcher (`mpirun`, `srun`): OpenMPI, PMIx and
+/// Slurm set these variables.
+pub fn launched_by_mpirun() -> bool {
+    [
+        "OMPI_COMM_WORLD_SIZE",
+        "PMIX_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+}
+
 /// This process's rank and the job size under `dist` (`(0, 1)` for `Local`). Initializes MPI
 /// on the first call with `Mpi`.
 pub fn rank_and_size(dist: Dist) -> Result<(usize, usize)> {

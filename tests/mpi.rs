@@ -225,6 +225,37 @@ mod with_mpi {
     }
 
     #[test]
+    fn verify_with_one_rank_per_process_agrees_with_one_device() {
+        if mpirun_missing() {
+            return;
+        }
+        let args = [
+            "verify",
+            "--dist",
+            "mpi",
+            "--devices",
+            "cpu:1x1",
+            "--steps",
+            "8",
+            "--json",
+        ];
+        let (out, _) = mpirun(2, &args);
+        let (o, e) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{o}\n{e}");
+        let line = o
+            .lines()
+            .find(|l| l.starts_with('{'))
+            .unwrap_or_else(|| panic!("{o}\n{e}"));
+        let v: serde_json::Value = serde_json::from_str(line).expect("verify --json prints JSON");
+        assert_eq!(v["greedy_tokens_equal"], 8, "{line}");
+        assert_eq!(v["dist"], "mpi", "{line}");
+        assert!(
+            v["logits_nmse"].as_f64().is_some_and(|x| x < 1e-4),
+            "{line}"
+        );
+    }
+
+    #[test]
     fn dist_mpi_takes_one_device_per_process() {
         let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
             .args(["run", "--dist", "mpi", "--devices", "cpu:2x1", "-n", "1"])

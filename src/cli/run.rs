@@ -90,6 +90,12 @@ pub fn load_dist(
     split: &SplitArgs,
     quiet: bool,
 ) -> Result<(DeviceSet, LlamaModel)> {
+    if dist == Dist::Local && metashard::dist::launched_by_mpirun() {
+        eprintln!(
+            "warning: started by mpirun without --dist mpi: this process runs the whole model on \
+             its own devices (add --dist mpi for one rank per process)"
+        );
+    }
     if dist == Dist::Mpi {
         split.check_dist()?;
         let n = metashard::parse_devices(devices)?.len();

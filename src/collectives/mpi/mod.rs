@@ -54,7 +54,7 @@
 
 mod world;
 
-pub use world::{MpiWorld, Peer, finalize, launched_by_mpirun, started_rank, world};
+pub use world::{MpiWorld, Peer, finalize, started_rank, world};
 
 use super::reduce::{reducible, sum_into};
 use super::{Communicator, CommunicatorFactory, SliceLayout};

@@ -179,19 +179,6 @@ pub struct MpiWorld {
 
 static WORLD: OnceLock<std::result::Result<Arc<MpiWorld>, String>> = OnceLock::new();
 
-/// Whether this process was started by an MPI launcher (`mpirun`, `srun`): OpenMPI, PMIx and
-/// Slurm set these variables.
-pub fn launched_by_mpirun() -> bool {
-    [
-        "OMPI_COMM_WORLD_SIZE",
-        "PMIX_RANK",
-        "PMI_RANK",
-        "SLURM_PROCID",
-    ]
-    .iter()
-    .any(|v| std::env::var_os(v).is_some())
-}
-
 /// This process's MPI world, initializing MPI on the first call.
 pub fn world() -> Result<Arc<MpiWorld>> {
     WORLD

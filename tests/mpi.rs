@@ -255,6 +255,86 @@ mod with_mpi {
         );
     }
 
+    /// The pid of rank `rank` among the children of process `parent` (OpenMPI starts local
+    /// ranks as children of mpirun and tells each its rank in its environment).
+    fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
+        let children =
+            std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
+        let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+        children
+            .split_whitespace()
+            .filter_map(|p| p.parse::<u32>().ok())
+            .find(|p| {
+                std::fs::read(format!("/proc/{p}/environ"))
+                    .is_ok_and(|e| e.split(|&b| b == 0).any(|v| v == want.as_bytes()))
+            })
+    }
+
+    #[test]
+    fn killing_a_rank_during_generation_fails_the_others_naming_it() {
+        use std::io::{BufRead, BufReader};
+        if mpirun_missing() {
+            return;
+        }
+        let mut child = Command::new("mpirun")
+            .args(["--oversubscribe", "-np", "3"])
+            .arg(env!("CARGO_BIN_EXE_metashard"))
+            .args([
+                "run",
+                "--dist",
+                "mpi",
+                "--devices",
+                "cpu:1x1",
+                "--ignore-eos",
+            ])
+            .args(["-n", "2000", "--prompt", "Tell me a long story."])
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("mpirun starts");
+        let stderr = child.stderr.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            for line in BufReader::new(stderr).lines().map_while(|l| l.ok()) {
+                let _ = tx.send(line.clone());
+                all.push(line);
+            }
+            all.join("\n")
+        });
+        // Every rank has loaded its weights: generation is under way.
+        let mut loaded = 0;
+        while loaded < 3 {
+            let line = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("ranks load");
+            loaded += usize::from(line.contains(": holds "));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let pid = rank_pid(child.id(), 1).expect("rank 1 is a child of mpirun");
+        let t = Instant::now();
+        // SAFETY: sending a signal to a process we started; no memory is involved.
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+        let status = child.wait().expect("mpirun ends");
+        let took = t.elapsed();
+        let e = reader.join().expect("reader");
+        assert!(!status.success(), "{e}");
+        assert!(took < Duration::from_secs(15), "took {took:?}\n{e}");
+        let reports: Vec<&str> = e
+            .lines()
+            .filter(|l| l.starts_with("error (rank 0)") || l.starts_with("error (rank 2)"))
+            .collect();
+        assert!(!reports.is_empty(), "no survivor reported\n{e}");
+        for r in reports {
+            assert!(
+                r.contains("rank 1 of 3 failed") && r.contains("exited"),
+                "{r}\n{e}"
+            );
+        }
+    }
+
     #[test]
     fn dist_mpi_takes_one_device_per_process() {
         let out = Command::new(env!("CARGO_BIN_EXE_metashard"))

@@ -138,10 +138,13 @@ impl MpiCommunicator {
                 ),
             });
         }
+        let mut st = w.state.lock();
         if w.failed.load(Acquire) || w.finalized.load(Acquire) {
+            // An abort from another thread that could not take the lock has not told the
+            // peers yet: tell them now (once).
+            w.notify(&mut st);
             return Err(w.failed_error(name));
         }
-        let mut st = w.state.lock();
         match body(w, &mut st) {
             Ok(()) => Ok(()),
             Err(Failure::Local(reason)) => {

@@ -575,6 +575,19 @@ impl MpiWorld {
             culprit: self.rank,
             reason,
         };
+        // Every size is checked before anything is posted, so an error here leaves no request
+        // in flight.
+        if let Some(&(_, b)) = sends
+            .iter()
+            .chain(recvs)
+            .find(|&&(_, b)| c_int::try_from(HDR + b).is_err())
+        {
+            return Err(local(format!(
+                "a message of {b} B is more than MPI's count of {} B",
+                c_int::MAX
+            )));
+        }
+        let count = |b: usize| (HDR + b) as c_int;
         let hdr = sig.encode();
         let total: usize = sends.iter().map(|&(_, b)| HDR + b).sum();
         // Resized, not refilled: every byte is written below or by MPI.
@@ -589,16 +602,10 @@ impl MpiWorld {
         for &(q, b) in recvs {
             st.recv[q].resize(HDR + b, 0);
         }
-        let too_big = |b: usize| {
-            local(format!(
-                "a message of {b} B is more than MPI's count of {} B",
-                c_int::MAX
-            ))
-        };
         let mut reqs: Vec<Req> = Vec::with_capacity(sends.len() + recvs.len());
         // Receives first, so peers' sends find them posted.
         for &(q, b) in recvs {
-            let count = c_int::try_from(HDR + b).map_err(|_| too_big(b))?;
+            let n = count(b);
             let mut req = null_request();
             let buf = st.recv[q].as_mut_ptr();
             // SAFETY: the receive buffer holds HDR + b bytes and stays alive and unmoved until
@@ -607,7 +614,7 @@ impl MpiWorld {
             let rc = unsafe {
                 ffi::MPI_Irecv(
                     buf.cast::<c_void>(),
-                    count,
+                    n,
                     bytes_type(),
                     q as c_int,
                     TAG_DATA,
@@ -622,14 +629,14 @@ impl MpiWorld {
         }
         let mut at = 0;
         for &(q, b) in sends {
-            let count = c_int::try_from(HDR + b).map_err(|_| too_big(b))?;
+            let n = count(b);
             let mut req = null_request();
             // SAFETY: as for the receives: the send buffer is not touched until the request
             // completes, or is leaked.
             let rc = unsafe {
                 ffi::MPI_Isend(
                     st.send.as_ptr().add(at).cast::<c_void>(),
-                    count,
+                    n,
                     bytes_type(),
                     q as c_int,
                     TAG_DATA,

@@ -395,3 +395,50 @@ fn mpi_job_communicator(
 ) -> Result<(usize, Arc<dyn crate::collectives::Communicator>)> {
     Err(Error::MpiNotCompiled)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collectives::HostCommunicatorFactory;
+
+    fn remote(rank: usize) -> RemoteDevice {
+        RemoteDevice {
+            rank,
+            factory: Arc::new(HostCommunicatorFactory),
+        }
+    }
+
+    #[test]
+    fn a_remote_buffer_drops_writes_and_refuses_reads_naming_the_rank() {
+        let d = remote(2);
+        assert!(d.is_remote());
+        assert_eq!(d.name(), "rank2");
+        let b = d.buffer_type().alloc_buffer(1 << 20).unwrap();
+        assert_eq!(b.size(), 1 << 20);
+        assert!(b.host_ptr().is_none());
+        let l = Layout::contiguous(crate::DType::F32, [4, 1, 1, 1]);
+        b.set_tensor(&l, 0, &[1u8; 16], 0).unwrap();
+        let e = b.get_tensor(&l, 0, &mut [0u8; 16], 0).unwrap_err();
+        assert!(e.to_string().contains("process of rank 2"), "{e}");
+        let e = d.init_backend().unwrap().graph_compute(&mut Graph::new());
+        assert!(e.is_err_and(|e| e.to_string().contains("rank2")));
+    }
+
+    #[test]
+    fn a_process_owns_exactly_one_device() {
+        let local = crate::parse_devices("cpu:2x1").unwrap();
+        let Err(e) = distributed_devices("cpu:2x1", local, Dist::Mpi) else {
+            panic!("two devices in one process were taken");
+        };
+        assert!(e.to_string().contains("lists 2: use `cpu:1xT`"), "{e}");
+        let local = crate::parse_devices("cpu:2x1").unwrap();
+        assert_eq!(
+            distributed_devices("cpu:2x1", local, Dist::Local)
+                .unwrap()
+                .len(),
+            2
+        );
+        assert_eq!(Dist::from_name("mpi"), Some(Dist::Mpi));
+        assert_eq!(Dist::from_name("nccl"), None);
+    }
+}

@@ -336,6 +336,30 @@ mod with_mpi {
     }
 
     #[test]
+    fn embed_with_one_rank_per_process_prints_the_in_process_embeddings() {
+        if mpirun_missing() {
+            return;
+        }
+        let sentences = [
+            "a cat sat on the mat",
+            "the dog ran fast",
+            "stocks fell sharply",
+        ];
+        let local = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(["embed", "--json", "--devices", "cpu:2x1"])
+            .args(sentences)
+            .output()
+            .expect("metashard runs");
+        assert!(local.status.success(), "{}", text(&local.stderr));
+        let mut args = vec!["embed", "--json", "--dist", "mpi", "--devices", "cpu:1x1"];
+        args.extend(sentences);
+        let (out, _) = mpirun(2, &args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        // Byte for byte: the same sums in the same order, printed by rank 0 only.
+        assert_eq!(text(&out.stdout), text(&local.stdout));
+    }
+
+    #[test]
     fn dist_mpi_takes_one_device_per_process() {
         let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
             .args(["run", "--dist", "mpi", "--devices", "cpu:2x1", "-n", "1"])

@@ -225,6 +225,49 @@ mod with_mpi {
     }
 
     #[test]
+    fn uneven_shares_and_a_named_strategy_work_across_processes() {
+        if mpirun_missing() {
+            return;
+        }
+        for flags in [["--tensor-split", "3,1"], ["--strategy", "mlp-only"]] {
+            let local = Command::new(env!("CARGO_BIN_EXE_metashard"))
+                .args(RUN)
+                .args(["--devices", "cpu:2x1"])
+                .args(flags)
+                .output()
+                .expect("metashard runs");
+            assert!(local.status.success(), "{}", text(&local.stderr));
+            let mut args = RUN.to_vec();
+            args.extend(["--dist", "mpi", "--devices", "cpu:1x1"]);
+            args.extend(flags);
+            let (out, _) = mpirun(2, &args);
+            assert!(out.status.success(), "{flags:?}: {}", text(&out.stderr));
+            assert_eq!(
+                tokens_of(&text(&out.stdout)),
+                tokens_of(&text(&local.stdout)),
+                "{flags:?}"
+            );
+        }
+        // One share per rank.
+        let mut args = RUN.to_vec();
+        args.extend([
+            "--dist",
+            "mpi",
+            "--devices",
+            "cpu:1x1",
+            "--tensor-split",
+            "1",
+        ]);
+        let (out, _) = mpirun(2, &args);
+        let e = text(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            e.contains("1 share for the 2 devices of `cpu:1x1 x 2 ranks`"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn verify_with_one_rank_per_process_agrees_with_one_device() {
         if mpirun_missing() {
             return;

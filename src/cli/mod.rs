@@ -91,9 +91,11 @@ impl SplitArgs {
         Ok(Some(split))
     }
 
-    /// The split flags `--dist mpi` does not take yet (they count the devices of this
-    /// process's list, one with ranks as processes).
-    pub fn check_dist(&self) -> Result<()> {
+    /// The split flags with ranks as processes: `--tensor-split` takes one share per rank of
+    /// the job (`world`); `--plan` and `--strategy auto` are not taken yet (they count the
+    /// devices of this process's list, one with ranks as processes).
+    pub fn check_dist(&self, devices: &str, world: usize) -> Result<()> {
+        self.check_n(&format!("{devices} x {world} ranks"), world)?;
         let refuse = |flag: &str| {
             Err(Error::invalid_argument(
                 flag,
@@ -102,9 +104,6 @@ impl SplitArgs {
                  named strategy)",
             ))
         };
-        if self.tensor_split.is_some() {
-            return refuse("--tensor-split");
-        }
         if self.plan.is_some() {
             return refuse("--plan");
         }
@@ -116,10 +115,17 @@ impl SplitArgs {
 
     /// `--tensor-split` against the device list `devices`: one share per device, not all 0.
     pub fn check(&self, devices: &str) -> Result<()> {
+        if self.tensor_split.is_none() {
+            return Ok(());
+        }
+        self.check_n(devices, metashard::parse_devices(devices)?.len())
+    }
+
+    /// `--tensor-split` against `n` devices (`devices` names them in errors).
+    pub fn check_n(&self, devices: &str, n: usize) -> Result<()> {
         let Some(shares) = &self.tensor_split else {
             return Ok(());
         };
-        let n = metashard::parse_devices(devices)?.len();
         let given = shares
             .iter()
             .map(|x| x.to_string())

@@ -97,9 +97,9 @@ pub fn load_dist(
         );
     }
     if dist == Dist::Mpi {
-        split.check_dist()?;
         let n = metashard::parse_devices(devices)?.len();
         metashard::dist::one_device_per_process(devices, n)?;
+        split.check_dist(devices, metashard::dist::rank_and_size(dist)?.1)?;
     }
     let opts = OpenOptions {
         precision,

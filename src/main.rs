@@ -215,11 +215,12 @@ fn main() {
         .init();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
-        // Under mpirun, say which process failed.
-        match metashard::dist::current_rank() {
-            Some(r) => eprintln!("error (rank {r}): {e}"),
-            None => eprintln!("error: {e}"),
-        }
+        // Under mpirun, say which process failed. One write of the whole line: stderr is
+        // unbuffered, and mpirun interleaves the ranks' output between writes.
+        cli::eprint_line(match metashard::dist::current_rank() {
+            Some(r) => format!("error (rank {r}): {e}"),
+            None => format!("error: {e}"),
+        });
         std::process::exit(1);
     }
     // With ranks as processes, leave the MPI job cleanly.

@@ -104,7 +104,8 @@ mod with_mpi {
             "{fault}: took {took:?} (bound {bound:?})\n{e}"
         );
         // mpirun ends the job once a rank is gone, so a survivor may be stopped before it
-        // reports; at least one reports, and every report names the culprit.
+        // reports; at least one reports, and every report names the culprit. Each report is
+        // one write, so mpirun's own banners do not cut it.
         let reports: Vec<&str> = e
             .lines()
             .filter(|l| {
@@ -115,11 +116,23 @@ mod with_mpi {
         let named = format!("rank {culprit} of {n} failed");
         for r in &reports {
             assert!(
-                r.contains(&named),
+                r.contains(&named) && failed_ranks(r).all(|q| q == culprit),
                 "{fault}: `{r}` does not name rank {culprit}\n{e}"
             );
         }
         reports.join("\n")
+    }
+
+    /// The ranks `line` says failed (`rank Q of N failed`).
+    fn failed_ranks(line: &str) -> impl Iterator<Item = usize> + '_ {
+        line.split("rank ").skip(1).filter_map(|rest| {
+            let (q, tail) = rest.split_once(' ')?;
+            if tail.starts_with("of ") && tail.contains(" failed") {
+                q.parse().ok()
+            } else {
+                None
+            }
+        })
     }
 
     #[test]

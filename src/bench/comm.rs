@@ -251,11 +251,11 @@ pub fn selftest(dist: Dist, timeout: Duration, fault: Option<Fault>) -> Result<u
         let t = Instant::now();
         let got =
             run_case(comm.as_ref(), rank, case, &inputs(case, i, rank)).inspect_err(|_| {
-                eprintln!(
+                crate::cli::eprint_line(format!(
                     "rank {rank}: call {i} ({}) failed after {:.3} s",
                     case.describe(),
                     t.elapsed().as_secs_f64()
-                )
+                ))
             })?;
         let want = reference(world, case, i, rank)?;
         if got != want {

@@ -14,6 +14,13 @@ use metashard::models::llama::SamplerConfig;
 use metashard::models::open::PromptOptions;
 use metashard::{Error, Result};
 
+/// Print `line` and a newline to stderr in one write: stderr is unbuffered, and under mpirun
+/// the ranks' output is interleaved between writes.
+pub fn eprint_line(line: String) {
+    let line = line + "\n";
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}
+
 /// How the devices are spread over processes: the `--dist` flag.
 #[derive(Clone, Copy, Debug, Default, clap::Args)]
 pub struct DistArgs {

@@ -121,7 +121,7 @@ pub fn load_dist(
     bar.finish_and_clear();
     if let (Ok((set, m)), Some(r)) = (&r, set_rank(&r)) {
         let held = set.bytes_per_device(&[&m.weight_buffer]);
-        eprintln!(
+        super::eprint_line(format!(
             "rank {r}: holds {:.1} MiB of weights, read {} of the model file's {:.1} MiB",
             held.get(r).copied().unwrap_or(0) as f64 / 1048576.0,
             m.file_bytes_read.map_or("?".to_string(), |b| format!(
@@ -129,7 +129,7 @@ pub fn load_dist(
                 b as f64 / 1048576.0
             )),
             m.weight_bytes as f64 / 1048576.0
-        );
+        ));
     }
     r
 }

@@ -80,6 +80,12 @@ pub trait Device: Send + Sync + Any {
     fn communicators(&self) -> Vec<Arc<dyn CommunicatorFactory>> {
         Vec::new()
     }
+    /// (optional) True for a stand-in of a device another process owns (a rank of a
+    /// distributed meta device, `crate::dist`): its buffers hold no data here and the meta
+    /// backend runs no program for it. Defaults to false.
+    fn is_remote(&self) -> bool {
+        false
+    }
     fn as_any(&self) -> &dyn Any;
 }
 

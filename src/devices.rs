@@ -8,6 +8,7 @@
 use crate::backend::{Backend, Device, Registry};
 use crate::buffer::{Buffer, BufferType};
 use crate::cpu::{CpuOptions, Precision};
+use crate::dist::Dist;
 use crate::meta::{MetaBuffer, MetaDevice, MetaOptions, SplitPolicy};
 use crate::sched::{Sched, SchedBuffer};
 use crate::{Error, Result};
@@ -54,6 +55,9 @@ pub struct DeviceSet {
     /// Set when the scheduler runs the graph (layer or hybrid split): it and the device
     /// indices each of its backends covers.
     pub sched: Option<(Arc<Sched>, Vec<std::ops::Range<usize>>)>,
+    /// With ranks as processes (`Dist::Mpi`): this process's rank (its device's index in
+    /// `devices`; the others are `dist::RemoteDevice`s).
+    pub rank: Option<usize>,
 }
 
 impl DeviceSet {
@@ -66,7 +70,25 @@ impl DeviceSet {
         options: MetaOptions,
         split: impl FnOnce(usize) -> P,
     ) -> Result<DeviceSet> {
-        let devices = parse_devices_with(spec, CpuOptions { precision })?;
+        Self::open_dist(spec, Dist::Local, precision, options, split)
+    }
+
+    /// As [`DeviceSet::open`], with the devices spread over processes as `dist` says: with
+    /// `Dist::Mpi`, `spec` is this process's one device and the meta device has one rank per
+    /// process of the MPI job (see `crate::dist`).
+    pub fn open_dist<P: Into<SplitPolicy>>(
+        spec: &str,
+        dist: Dist,
+        precision: Precision,
+        options: MetaOptions,
+        split: impl FnOnce(usize) -> P,
+    ) -> Result<DeviceSet> {
+        let local = parse_devices_with(spec, CpuOptions { precision })?;
+        let devices = crate::dist::distributed_devices(spec, local, dist)?;
+        let rank = match dist {
+            Dist::Local => None,
+            Dist::Mpi => Some(crate::dist::rank_and_size(dist)?.0),
+        };
         if devices.len() == 1 {
             let d = devices[0].clone();
             return Ok(DeviceSet {
@@ -76,6 +98,7 @@ impl DeviceSet {
                 devices,
                 meta: None,
                 sched: None,
+                rank,
             });
         }
         let m = MetaDevice::with_policy(devices.clone(), split(devices.len()).into(), options)?;
@@ -86,7 +109,13 @@ impl DeviceSet {
             devices,
             meta: Some(m),
             sched: None,
+            rank,
         })
+    }
+
+    /// Whether this process prints: rank 0 of a distributed set, or any local set.
+    pub fn is_leader(&self) -> bool {
+        self.rank.is_none_or(|r| r == 0)
     }
 
     pub fn names(&self) -> Vec<String> {
@@ -113,6 +142,7 @@ impl DeviceSet {
             devices,
             meta: None,
             sched: Some((l.sched, l.groups)),
+            rank: None,
         })
     }
 

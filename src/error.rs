@@ -155,6 +155,12 @@ pub enum Error {
     /// The crate was built without the `cuda` feature.
     #[error("CUDA support is not compiled in: rebuild with `--features cuda`")]
     CudaNotCompiled,
+    /// `--dist mpi` (ranks as processes) in a build without the `mpi` feature.
+    #[error(
+        "MPI support is not compiled in: rebuild with `--features mpi` (needs OpenMPI and \
+         libclang: `apt-get install libopenmpi-dev openmpi-bin libclang-dev`)"
+    )]
+    MpiNotCompiled,
 
     // ---- memory -----------------------------------------------------------------------
     /// A read or write falls outside a tensor or a buffer.
@@ -257,6 +263,15 @@ pub enum Error {
         collective: &'static str,
         rank: usize,
         world: usize,
+        reason: String,
+    },
+    /// Another rank of a group of processes failed, exited or stalled: `rank` is the one at
+    /// fault (not the reporting one); the group cannot recover (restart the job).
+    #[error("rank {rank} of {world} failed ({collective}): {reason}")]
+    RankFailed {
+        rank: usize,
+        world: usize,
+        collective: &'static str,
         reason: String,
     },
 

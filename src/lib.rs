@@ -10,6 +10,7 @@ pub mod collectives;
 pub mod cpu;
 pub mod cuda;
 pub mod devices;
+pub mod dist;
 pub mod dtype;
 pub mod error;
 pub mod graph;

@@ -46,6 +46,28 @@ enum Cmd {
         #[command(subcommand)]
         what: BenchCmd,
     },
+    /// Self-checks of this build on this machine.
+    Selftest {
+        #[command(subcommand)]
+        what: SelftestCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum SelftestCmd {
+    /// The job's communicator (ranks as processes: `mpirun -np N metashard selftest comm
+    /// --dist mpi`) against the in-process one, bit for bit, on every collective.
+    Comm {
+        #[command(flatten)]
+        dist: cli::DistArgs,
+        /// How long a rank waits for a peer before naming it, in milliseconds.
+        #[arg(long, default_value_t = 10_000)]
+        timeout_ms: u64,
+        /// Inject a fault: `HOW@RANK:CALL` with HOW one of kill, exit, stall, error (rank
+        /// RANK does it before its collective number CALL).
+        #[arg(long, value_parser = bench::comm::parse_fault)]
+        fault: Option<bench::comm::Fault>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -106,6 +128,10 @@ enum BenchCmd {
         // The split flags apply to the device sets of several devices.
         #[command(flatten)]
         split: cli::SplitArgs,
+        /// With `--dist mpi`, each --devices is this process's one device (one rank per
+        /// process of the MPI job); rank 0 prints the report.
+        #[command(flatten)]
+        dist: cli::DistArgs,
         /// Print the report as JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -158,6 +184,24 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Collective latency and bus bandwidth (all-reduce, all-gather of f32): in process over
+    /// --world threads, or over the job's processes with --dist mpi under mpirun.
+    Comm {
+        #[command(flatten)]
+        dist: cli::DistArgs,
+        /// Ranks of the in-process communicator (without --dist mpi).
+        #[arg(long, default_value_t = 2)]
+        world: usize,
+        /// Buffer sizes in bytes.
+        #[arg(long, value_delimiter = ',', default_values_t = vec![65536usize, 1 << 20, 16 << 20])]
+        bytes: Vec<usize>,
+        /// Timed calls per size (median reported; at least 1).
+        #[arg(long, default_value_t = 20, value_parser = cli::parse_positive)]
+        reps: usize,
+        /// Print the rows as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
     Meta {
         /// The graph: a transformer block or ggml's 4-layer MLP stack.
@@ -190,9 +234,16 @@ fn main() {
         .init();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
-        eprintln!("error: {e}");
+        // Under mpirun, say which process failed. One write of the whole line: stderr is
+        // unbuffered, and mpirun interleaves the ranks' output between writes.
+        cli::eprint_line(match metashard::dist::current_rank() {
+            Some(r) => format!("error (rank {r}): {e}"),
+            None => format!("error: {e}"),
+        });
         std::process::exit(1);
     }
+    // With ranks as processes, leave the MPI job cleanly.
+    metashard::dist::finalize();
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -203,6 +254,27 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Embed(opts) => cli::embed::run(&opts, &mut std::io::stdout().lock()),
         Cmd::Plan(a) => cli::plan::run(&a),
         Cmd::Calibrate(a) => cli::calibrate::run(&a),
+        Cmd::Selftest { what } => match what {
+            SelftestCmd::Comm {
+                dist,
+                timeout_ms,
+                fault,
+            } => {
+                let t = std::time::Instant::now();
+                let n = bench::comm::selftest(
+                    dist.dist,
+                    std::time::Duration::from_millis(timeout_ms),
+                    fault,
+                )?;
+                let (rank, world) = metashard::dist::rank_and_size(dist.dist)?;
+                println!(
+                    "rank {rank} of {world}: {n} collectives bit-identical to the in-process \
+                     communicator ({:.2} s)",
+                    t.elapsed().as_secs_f64()
+                );
+                Ok(())
+            }
+        },
         Cmd::Bench { what } => match what {
             BenchCmd::Backend {
                 devices,
@@ -240,6 +312,23 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 Ok(())
             }
+            BenchCmd::Comm {
+                dist,
+                world,
+                bytes,
+                reps,
+                json,
+            } => {
+                let rows = bench::comm::bench(dist.dist, world, &bytes, reps)?;
+                if metashard::dist::rank_and_size(dist.dist)?.0 == 0 {
+                    if json {
+                        println!("{}", to_json(&rows)?);
+                    } else {
+                        bench::comm::print_table(&rows);
+                    }
+                }
+                Ok(())
+            }
             BenchCmd::Ops {
                 threads,
                 filter,
@@ -269,14 +358,16 @@ fn run(cli: Cli) -> Result<()> {
                 precision,
                 q8,
                 split,
+                dist,
                 json,
             } => {
                 // The split flags apply to the device sets of several devices.
                 for d in &devices {
-                    if parse_devices(d)?.len() > 1 {
+                    if parse_devices(d)?.len() > 1 && dist.dist == metashard::dist::Dist::Local {
                         split.check(d)?;
                     }
                 }
+                let leader = metashard::dist::rank_and_size(dist.dist)?.0 == 0;
                 let opts = bench::model::ModelBenchOptions {
                     model,
                     devices,
@@ -285,8 +376,16 @@ fn run(cli: Cli) -> Result<()> {
                     reps,
                     precisions: precisions(precision, q8),
                     split,
+                    dist: dist.dist,
                 };
-                let report = bench::model::run(&opts, &|line| eprintln!("{line}"))?;
+                let report = bench::model::run(&opts, &|line| {
+                    if leader {
+                        eprintln!("{line}")
+                    }
+                })?;
+                if !leader {
+                    return Ok(());
+                }
                 if json {
                     println!("{}", to_json(&report)?);
                 } else {

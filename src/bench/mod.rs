@@ -4,6 +4,7 @@
 //! on any device through the backend API ([`backend`]).
 
 pub mod backend;
+pub mod comm;
 pub mod meta;
 pub mod model;
 pub mod ops;

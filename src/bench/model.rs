@@ -5,9 +5,10 @@
 //! the effective bandwidth of generation (weight bytes read per token x tokens/s), and
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
-use crate::cli::run::load;
+use crate::cli::run::load_dist;
 use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
+use metashard::dist::Dist;
 use metashard::models::layer_split::SplitMode;
 use metashard::models::llama::Session;
 use std::time::Instant;
@@ -24,6 +25,9 @@ pub struct ModelBenchOptions {
     pub precisions: Vec<Precision>,
     /// `--tensor-split` and `--mirror-attention` for the device sets of several devices.
     pub split: crate::cli::SplitArgs,
+    /// With `Dist::Mpi`, each device set is this process's one device of a meta device with
+    /// one rank per process (every rank calls `run`; rank 0's report is the one to print).
+    pub dist: Dist,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -120,18 +124,19 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
                     "loading {} on {spec} ({mode} split, {precision})",
                     opts.model
                 ));
-                // The split flags apply to device sets of several devices; the mode to all
-                // (a layer split of one device is the scheduler over its one backend).
-                let mut split = if metashard::parse_devices(spec)?.len() > 1 {
-                    opts.split.clone()
-                } else {
-                    crate::cli::SplitArgs {
-                        groups: opts.split.groups,
-                        ..Default::default()
-                    }
-                };
+                // The split flags apply to device sets of several devices (or ranks); the mode
+                // to all (a layer split of one device is the scheduler over its one backend).
+                let mut split =
+                    if metashard::parse_devices(spec)?.len() > 1 || opts.dist != Dist::Local {
+                        opts.split.clone()
+                    } else {
+                        crate::cli::SplitArgs {
+                            groups: opts.split.groups,
+                            ..Default::default()
+                        }
+                    };
                 split.split_mode = vec![mode];
-                let (set, m) = load(&opts.model, spec, precision, &split, true)?;
+                let (set, m) = load_dist(&opts.model, spec, opts.dist, precision, &split, true)?;
                 // The prompt, the steps and the warm-up token must fit the context.
                 let need = opts.pp.checked_add(opts.tg).and_then(|n| n.checked_add(2));
                 if opts.pp == 0 || need.is_none_or(|n| n > m.context_length) {
@@ -146,7 +151,10 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
                     ));
                 }
                 configs.push(Config {
-                    spec: spec.clone(),
+                    spec: match set.rank {
+                        Some(_) => format!("mpi {}x {spec}", set.devices.len()),
+                        None => spec.clone(),
+                    },
                     mode,
                     precision,
                     set,

@@ -23,6 +23,10 @@ pub struct EmbedOptions {
     /// vocabulary), memory (everything split); `auto` is for decoders only.
     #[arg(long)]
     pub strategy: Option<String>,
+    /// With `--dist mpi`, `--devices` is this process's one device (one rank per process of
+    /// the MPI job); rank 0 prints.
+    #[command(flatten)]
+    pub dist: super::DistArgs,
     /// Print JSON: an array with one object per sentence (text, tokens, embedding).
     #[arg(long)]
     pub json: bool,
@@ -64,7 +68,13 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
             });
         }
     };
-    let devices = parse_devices(&opts.devices)?;
+    let local = parse_devices(&opts.devices)?;
+    let dist = opts.dist.dist;
+    if dist == metashard::dist::Dist::Mpi {
+        metashard::dist::one_device_per_process(&opts.devices, local.len())?;
+    }
+    let devices = metashard::dist::distributed_devices(&opts.devices, local, dist)?;
+    let leader = metashard::dist::rank_and_size(dist)?.0 == 0;
     let split = match &opts.strategy {
         Some(name) => {
             let cfg = BertConfig::from_model_dir(&dir)?;
@@ -96,6 +106,10 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
         .iter()
         .map(|b| format!("{}x{}", b.batch, b.seq_len))
         .collect();
+    if !leader {
+        // Every rank computed the same embeddings; rank 0 prints them.
+        return Ok(());
+    }
     eprintln!(
         "embed: {} on {}{}: load {:.2} s, batches (sentences x tokens) {}: median {:.1} ms \
          over {} run(s)",

@@ -14,6 +14,27 @@ use metashard::models::llama::SamplerConfig;
 use metashard::models::open::PromptOptions;
 use metashard::{Error, Result};
 
+/// Print `line` and a newline to stderr in one write: stderr is unbuffered, and under mpirun
+/// the ranks' output is interleaved between writes.
+pub fn eprint_line(line: String) {
+    let line = line + "\n";
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}
+
+/// How the devices are spread over processes: the `--dist` flag.
+#[derive(Clone, Copy, Debug, Default, clap::Args)]
+pub struct DistArgs {
+    /// `local` (every device in this process) or `mpi` (one rank per process of an MPI job:
+    /// `mpirun -np N metashard ... --dist mpi --devices cpu:1xT`; needs a build with
+    /// `--features mpi`).
+    #[arg(long, default_value = "local", value_parser = parse_dist)]
+    pub dist: metashard::dist::Dist,
+}
+
+fn parse_dist(s: &str) -> std::result::Result<metashard::dist::Dist, String> {
+    metashard::dist::Dist::from_name(s).ok_or_else(|| format!("`{s}` is not one of local, mpi"))
+}
+
 /// How a decoder is split over several devices: the flags `run`, `verify` and `bench model`
 /// share.
 #[derive(Clone, Debug, Default, clap::Args)]
@@ -106,12 +127,41 @@ impl SplitArgs {
         Ok(Some(split))
     }
 
+    /// The split flags with ranks as processes: `--tensor-split` takes one share per rank of
+    /// the job (`world`); `--plan` and `--strategy auto` are not taken yet (they count the
+    /// devices of this process's list, one with ranks as processes).
+    pub fn check_dist(&self, devices: &str, world: usize) -> Result<()> {
+        self.check_n(&format!("{devices} x {world} ranks"), world)?;
+        let refuse = |flag: &str| {
+            Err(Error::invalid_argument(
+                flag,
+                "with --dist mpi",
+                "is not supported with ranks as processes yet (use the built-in split or a \
+                 named strategy)",
+            ))
+        };
+        if self.plan.is_some() {
+            return refuse("--plan");
+        }
+        if self.strategy.as_deref() == Some("auto") {
+            return refuse("--strategy auto");
+        }
+        Ok(())
+    }
+
     /// `--tensor-split` against the device list `devices`: one share per device, not all 0.
     pub fn check(&self, devices: &str) -> Result<()> {
+        if self.tensor_split.is_none() {
+            return Ok(());
+        }
+        self.check_n(devices, metashard::parse_devices(devices)?.len())
+    }
+
+    /// `--tensor-split` against `n` devices (`devices` names them in errors).
+    pub fn check_n(&self, devices: &str, n: usize) -> Result<()> {
         let Some(shares) = &self.tensor_split else {
             return Ok(());
         };
-        let n = metashard::parse_devices(devices)?.len();
         let given = shares
             .iter()
             .map(|x| x.to_string())

@@ -8,6 +8,7 @@
 use super::{PromptArgs, SplitArgs, bytes_bar, memory_table};
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
+use metashard::dist::Dist;
 use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, StopReason, generate};
 use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
 use metashard::tokenizer::Tokenizer;
@@ -49,6 +50,8 @@ pub struct RunArgs {
     pub q8: bool,
     #[command(flatten)]
     pub split: SplitArgs,
+    #[command(flatten)]
+    pub dist: super::DistArgs,
     /// Attention through mul_mat + soft_max instead of the fused kernel.
     #[arg(long)]
     pub no_flash: bool,
@@ -148,6 +151,31 @@ pub fn load(
     split: &SplitArgs,
     quiet: bool,
 ) -> Result<(DeviceSet, LlamaModel)> {
+    load_dist(model, devices, Dist::Local, precision, split, quiet)
+}
+
+/// As [`load`], with the devices spread over processes as `dist` says. With `Dist::Mpi`,
+/// only rank 0 shows progress, and every rank reports on stderr the weight bytes it holds and
+/// the bytes it read from the memory-mapped model file.
+pub fn load_dist(
+    model: &str,
+    devices: &str,
+    dist: Dist,
+    precision: Precision,
+    split: &SplitArgs,
+    quiet: bool,
+) -> Result<(DeviceSet, LlamaModel)> {
+    if dist == Dist::Local && metashard::dist::launched_by_mpirun() {
+        eprintln!(
+            "warning: started by mpirun without --dist mpi: this process runs the whole model on \
+             its own devices (add --dist mpi for one rank per process)"
+        );
+    }
+    if dist == Dist::Mpi {
+        let n = metashard::parse_devices(devices)?.len();
+        metashard::dist::one_device_per_process(devices, n)?;
+        split.check_dist(devices, metashard::dist::rank_and_size(dist)?.1)?;
+    }
     let opts = OpenOptions {
         precision,
         ratios: split.tensor_split.clone(),
@@ -155,10 +183,12 @@ pub fn load(
         split: split.decoder_split(model, devices)?,
         split_mode: split.mode()?,
         groups: split.groups,
+        dist,
         ..OpenOptions::default()
     };
+    let (rank, _) = metashard::dist::rank_and_size(dist)?;
     let bar = bytes_bar(0, "loading weights");
-    if quiet {
+    if quiet || rank != 0 {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let r = open_decoder(model, devices, &opts, &|done, total| {
@@ -166,7 +196,23 @@ pub fn load(
         bar.set_position(done as u64);
     });
     bar.finish_and_clear();
+    if let (Ok((set, m)), Some(r)) = (&r, set_rank(&r)) {
+        let held = set.bytes_per_device(&[&m.weight_buffer]);
+        super::eprint_line(format!(
+            "rank {r}: holds {:.1} MiB of weights, read {} of the model file's {:.1} MiB",
+            held.get(r).copied().unwrap_or(0) as f64 / 1048576.0,
+            m.file_bytes_read.map_or("?".to_string(), |b| format!(
+                "{:.1} MiB",
+                b as f64 / 1048576.0
+            )),
+            m.weight_bytes as f64 / 1048576.0
+        ));
+    }
     r
+}
+
+fn set_rank(r: &Result<(DeviceSet, LlamaModel)>) -> Option<usize> {
+    r.as_ref().ok().and_then(|(set, _)| set.rank)
 }
 
 /// The context size for `run`: `--ctx` checked against the model and the prompt, or the
@@ -218,14 +264,19 @@ pub fn run(a: &RunArgs) -> Result<()> {
         seed: a.seed,
     });
     let mut sampler = sampler.map_err(super::sampling_flag)?;
-    a.split.check(&a.devices)?;
-    let (set, mut m) = load(
+    if a.dist.dist == Dist::Local {
+        a.split.check(&a.devices)?;
+    }
+    let (set, mut m) = load_dist(
         &a.model,
         &a.devices,
+        a.dist.dist,
         Precision::from_q8_flag(a.q8),
         &a.split,
         a.json,
     )?;
+    // With ranks as processes every rank computes the same tokens; rank 0 prints.
+    let leader = set.is_leader();
     m.cfg.fused_attn = !a.no_flash;
     let prompt = prompt_tokens(&m, &a.prompt.prompt, &a.prompt.options(a.system.as_deref()))?;
     let ctx = context_size(a, &m, prompt.len())?;
@@ -257,7 +308,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
         &mut sampler,
         a.ignore_eos,
         |t| {
-            if !a.json && Some(t) != eos {
+            if leader && !a.json && Some(t) != eos {
                 // Stream whole UTF-8 characters only.
                 let _ = m.tokenizer.token_bytes(t, &mut pending);
                 if let Ok(s) = std::str::from_utf8(&pending) {
@@ -274,6 +325,9 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let weights = set.bytes_per_device(&[&m.weight_buffer]);
     let cache = set.bytes_per_device(&[&session.cache_buffer()]);
     let compute = set.backend.compute_buffer_bytes();
+    if !leader {
+        return Ok(());
+    }
     if a.json {
         let v = serde_json::json!({
             "model": m.name,

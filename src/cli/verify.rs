@@ -4,9 +4,10 @@
 //! comparison of one prompt step that names the first node whose values diverge, with its
 //! split state.
 
-use super::run::load;
+use super::run::{load, load_dist};
 use super::{PromptArgs, SplitArgs};
 use metashard::cpu::Precision;
+use metashard::dist::Dist;
 use metashard::models::open::prompt_tokens;
 use metashard::verify::{compare_nodes, greedy, max_abs, max_steps, nmse, reference, steps_error};
 use metashard::{Error, Result};
@@ -33,6 +34,10 @@ pub struct VerifyArgs {
     pub q8: bool,
     #[command(flatten)]
     pub split: SplitArgs,
+    /// With `--dist mpi`, `--devices` is this process's one device of the sharded run (one
+    /// rank per process); the single-device run happens in every process, rank 0 reports.
+    #[command(flatten)]
+    pub dist: super::DistArgs,
     /// Also compare with the numpy reference (needs python3 with numpy and gguf).
     #[arg(long)]
     pub reference: bool,
@@ -46,7 +51,18 @@ pub struct VerifyArgs {
 
 pub fn run(a: &VerifyArgs) -> Result<()> {
     let precision = Precision::from_q8_flag(a.q8);
-    a.split.check(&a.devices)?;
+    let dist = a.dist.dist;
+    if dist == Dist::Local {
+        a.split.check(&a.devices)?;
+    } else if a.nodes {
+        // Intermediate nodes live split across processes.
+        return Err(Error::invalid_argument(
+            "--nodes",
+            "with --dist mpi",
+            "compares every node, which needs all devices in one process",
+        ));
+    }
+    let leader = metashard::dist::rank_and_size(dist)?.0 == 0;
     let (single, m1) = load(
         &a.model,
         &a.against,
@@ -58,12 +74,13 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     if max_steps(&m1, prompt.len()).is_none_or(|max| a.steps > max) {
         return Err(steps_error(&m1, prompt.len(), "--steps", a.steps));
     }
-    let (sharded, m2) = load(&a.model, &a.devices, precision, &a.split, a.json)?;
+    let (sharded, m2) = load_dist(&a.model, &a.devices, dist, precision, &a.split, a.json)?;
     let (l1, t1) = greedy(&m1, &single, &prompt, a.steps)?;
     let (l2, t2) = greedy(&m2, &sharded, &prompt, a.steps)?;
     let same = t1.iter().zip(&t2).take_while(|(x, y)| x == y).count();
     let mut report = serde_json::json!({
         "devices": a.devices,
+        "dist": format!("{dist:?}").to_lowercase(),
         "precision": precision.name(),
         "against": a.against,
         "prompt_tokens": prompt.len(),
@@ -72,7 +89,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         "logits_nmse": nmse(&l2, &l1),
         "greedy_tokens_equal": same,
     });
-    if a.reference {
+    if a.reference && leader {
         let metashard::models::paths::ModelPath::Gguf(path) =
             metashard::models::paths::resolve(&a.model)?
         else {
@@ -93,12 +110,18 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         report["worst_node_nmse"] = diffs.iter().map(|d| d.nmse).fold(0.0, f64::max).into();
         report["first_divergent_node"] = serde_json::to_value(&first_bad).unwrap_or_default();
     }
-    if a.json {
+    if !leader {
+        // Rank 0 reports; every rank fails alike below if the tokens differ.
+    } else if a.json {
         println!("{report}");
     } else {
+        let label = match sharded.rank {
+            Some(_) => format!("mpi {}x {}", sharded.devices.len(), a.devices),
+            None => a.devices.clone(),
+        };
         println!(
             "verify {} against {} ({} prompt tokens, {} steps)",
-            a.devices,
+            label,
             a.against,
             prompt.len(),
             a.steps

@@ -57,7 +57,9 @@
 
 pub mod cpu;
 pub mod layout;
-mod reduce;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub(crate) mod reduce;
 
 pub use cpu::{CpuCommunicator, HostCommunicatorFactory};
 pub use layout::{Run, Runs, SliceLayout};

@@ -246,12 +246,12 @@ impl MetaBackend {
         let devices = &self.shared.devices;
         let sharding = self.sharding(g)?;
         log_sharding(g, &sharding);
-        let rw = rewrite(g, &sharding, devices)?;
-        let mut programs = rw.programs;
+        let mut rw = rewrite(g, &sharding, devices)?;
+        let mut programs = std::mem::take(&mut rw.programs);
         let compute_bytes = allocate(&mut programs, devices)?;
         let backends = self.backends.lock().clone();
         let (runs, stage_names, inputs) = compile(programs, &backends)?;
-        let (outputs, out_roots) = register_outputs(&self.shared, g, &sharding, &runs, &rw.local)?;
+        let (outputs, out_roots) = register_outputs(&self.shared, g, &sharding, &runs, &rw)?;
         self.graphs_prepared.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Prepared {
             key,
@@ -385,8 +385,9 @@ fn register_outputs(
     g: &Graph,
     sharding: &Sharding,
     runs: &[Mutex<DeviceRun>],
-    local: &[Vec<TensorId>],
+    rw: &super::rewrite::Rewritten,
 ) -> Result<(Arc<MetaBuffer>, OutRoots)> {
+    let local = &rw.local;
     let outputs = Arc::new(MetaBuffer::for_results(shared.clone(), usize::MAX / 2));
     let mut out_roots = Vec::new();
     let mut offset = 0usize;
@@ -422,7 +423,11 @@ fn register_outputs(
             MetaTensor {
                 name: g.name(r).to_string(),
                 layout: Layout::contiguous(rl.dtype, rl.ne),
-                state: sharding.states[r.index()].clone(),
+                state: if rw.mirrored_outputs.contains(&r) {
+                    crate::split_state::SplitState::mirrored(runs.len())
+                } else {
+                    sharding.states[r.index()].clone()
+                },
                 local: locals,
             },
         )?;
@@ -637,6 +642,10 @@ impl Backend for MetaBackend {
             (0..n).map(|_| Arc::new(Mutex::new(None))).collect();
         let jobs: Vec<Job> = (0..n)
             .map(|d| {
+                // Another process runs this rank's program.
+                if self.shared.devices[d].is_remote() {
+                    return Box::new(|_: &Progress| {}) as Job;
+                }
                 let job = StepJob {
                     d,
                     prep: prep.clone(),

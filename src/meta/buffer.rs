@@ -338,7 +338,12 @@ impl Buffer for MetaBuffer {
         let (t, pos) = self.find(buf_offset + offset, out.len(), "get_tensor")?;
         match t.state.axis {
             SplitAxis::Mirrored => {
-                let (st, ll) = &t.local[0];
+                // The first device whose memory this process holds (device 0 unless it is
+                // another process's rank).
+                let d = (0..t.local.len())
+                    .find(|&d| !self.shared.devices[d].is_remote())
+                    .unwrap_or(0);
+                let (st, ll) = &t.local[d];
                 st.buffer.get_tensor(ll, st.offset, out, pos)
             }
             SplitAxis::Partial => {

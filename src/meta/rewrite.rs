@@ -55,8 +55,13 @@ pub struct DeviceProgram {
 /// All devices' programs, and where each user node's value lives on each device.
 pub struct Rewritten {
     pub programs: Vec<DeviceProgram>,
-    /// Local id per device of each user node in its own state.
+    /// Local id per device of each user node in its own state (for the roots of
+    /// `mirrored_outputs`, of their mirrored copies).
     pub local: Vec<Vec<TensorId>>,
+    /// Output roots converted to mirrored at the end of every program, because some device
+    /// belongs to another process (`Device::is_remote`): each process then reads the outputs
+    /// from its own device.
+    pub mirrored_outputs: Vec<TensorId>,
 }
 
 struct Rewriter<'a> {
@@ -593,6 +598,28 @@ pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> R
         }
         rw.made.insert((id, state), ids);
     }
+    // Outputs another process's device holds part of: mirrored on every device.
+    let mut mirrored_outputs = Vec::new();
+    if n > 1 && devices.iter().any(|d| d.is_remote()) {
+        let m = SplitState::mirrored(n);
+        for id in g.ids() {
+            let r = g.root(id);
+            let placed_leaf = g.node(r).is_leaf() && g.node(r).storage.is_some();
+            if !g.node(id).flags.contains(Flags::OUTPUT)
+                || placed_leaf
+                || mirrored_outputs.contains(&r)
+                || sharding.states[r.index()] == m
+            {
+                continue;
+            }
+            let ids = rw.get(r, &m)?;
+            for (d, &lid) in ids.iter().enumerate() {
+                rw.graphs[d].set_output(lid);
+                local[d][r.index()] = lid;
+            }
+            mirrored_outputs.push(r);
+        }
+    }
     let programs = rw
         .graphs
         .into_iter()
@@ -607,7 +634,11 @@ pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> R
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Rewritten { programs, local })
+    Ok(Rewritten {
+        programs,
+        local,
+        mirrored_outputs,
+    })
 }
 
 /// Cut a local graph into compute ranges and collectives.

@@ -38,6 +38,10 @@ pub struct LlamaModel {
     pub context_length: usize,
     /// Bytes of all weights as stored (the tied output counted once).
     pub weight_bytes: usize,
+    /// Bytes of the memory-mapped file's tensor data this process touched while placing the
+    /// weights (resident file pages before and after, Linux only): with ranks as processes,
+    /// about the rank's own slices plus the mirrored tensors.
+    pub file_bytes_read: Option<u64>,
 }
 
 fn model_err(g: &GgufFile, reason: String) -> Error {
@@ -335,6 +339,7 @@ impl LlamaModel {
         }
         let total: usize = tensors.iter().map(|t| t.1.nbytes()).sum();
         let (buf, refs) = place(bt, &tensors, BufferUsage::Weights)?;
+        let rss_before = crate::dist::rss_file_bytes();
         let mut done = 0;
         for (r, src) in refs.iter().zip(&sources) {
             let t = g.tensor(src).expect("checked above");
@@ -342,6 +347,9 @@ impl LlamaModel {
             done += r.layout.nbytes();
             progress(done, total);
         }
+        let file_bytes_read = crate::dist::rss_file_bytes()
+            .zip(rss_before)
+            .map(|(a, b)| a.saturating_sub(b));
         let weights = decoder_weights(&cfg, &refs);
         let tokenizer = BpeTokenizer::from_gguf(&g)?;
         if tokenizer.vocab_size() != cfg.n_vocab {
@@ -372,6 +380,7 @@ impl LlamaModel {
             chat,
             context_length,
             weight_bytes,
+            file_bytes_read,
         })
     }
 

@@ -31,6 +31,9 @@ pub struct OpenOptions {
     pub split_mode: SplitMode,
     /// Device groups of the hybrid split (each a meta device); 2 when absent.
     pub groups: Option<usize>,
+    /// How the devices are spread over processes (`Dist::Mpi`: `devices` is this process's
+    /// one device, and every process of the MPI job loads its own rank's slices).
+    pub dist: crate::dist::Dist,
 }
 
 /// Open `devices` and load the GGUF decoder `model` (`smollm2` or a path) on them.
@@ -51,6 +54,14 @@ pub fn open_decoder(
     let cfg = config_from_gguf(&g)?;
     drop(g);
     if opts.split_mode != SplitMode::Tensor {
+        if opts.dist != crate::dist::Dist::Local {
+            return Err(Error::invalid_argument(
+                "--split-mode",
+                opts.split_mode.name(),
+                "a layer or hybrid split runs in one process; use --split-mode tensor with \
+                 --dist mpi",
+            ));
+        }
         if opts.split.is_some() || opts.mirror_attention {
             return Err(Error::invalid_argument(
                 "--split-mode",
@@ -95,7 +106,7 @@ pub fn open_decoder(
         )
         .into(),
     };
-    let set = DeviceSet::open(devices, opts.precision, opts.meta, |_| split_fn)?;
+    let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |_| split_fn)?;
     let m = LlamaModel::load(&path, set.buffer_type.as_ref(), progress)?;
     Ok((set, m))
 }

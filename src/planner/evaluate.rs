@@ -306,7 +306,6 @@ impl Placed {
         Ok(build_step(&self.shape.cfg, &self.weights, &self.cache, &inp)?.graph)
     }
 
-    /// The sharding and the per-device programs of `g`.
     /// Follow other state hints from now on (the placement of weights does not depend on
     /// them): how the search costs an assignment with and without sequence parallelism
     /// without placing it twice.
@@ -314,6 +313,7 @@ impl Placed {
         self.hints = hints;
     }
 
+    /// The sharding and the per-device programs of `g`.
     pub fn shard(&self, g: &Graph) -> Result<(Sharding, Rewritten)> {
         let n = self.devices.len();
         let hint = |id| hint_for(self.hints.as_ref(), g, id, n);

@@ -41,7 +41,8 @@ pub struct VerifyArgs {
     /// Also compare with the numpy reference (needs python3 with numpy and gguf).
     #[arg(long)]
     pub reference: bool,
-    /// Compare every node of the prompt step and name the first that diverges.
+    /// Compare every node of the prompt step and name the first whose NMSE exceeds 1e-4
+    /// (1e-3 with --q8).
     #[arg(long)]
     pub nodes: bool,
     /// Print the report as one JSON object instead of a table.
@@ -103,7 +104,10 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     }
     let mut first_bad = None;
     if a.nodes {
-        let tol = if a.q8 { 1e-4 } else { 1e-8 };
+        // f32 sums in another order (split K, other thread counts) drift with depth: SmolLM2's
+        // deepest attention on cpu:3x1 reaches NMSE 2.5e-6 against one device while the logits
+        // agree to 6e-8; a wrong split gives 1e-2 and more.
+        let tol = if a.q8 { 1e-3 } else { 1e-4 };
         let (diffs, first) = compare_nodes((&m1, &single), (&m2, &sharded), &prompt, tol)?;
         first_bad = first;
         report["nodes_compared"] = diffs.len().into();

@@ -187,3 +187,30 @@ pub fn alloc_tensors(
     let buf = bt.alloc_buffer(size.max(1))?;
     Ok((buf, offsets))
 }
+
+/// Every node of `g` that a backend must compute is one it supports (`supports` says why not):
+/// checked before anything runs, the error naming the node, its op and the backend. Plans of
+/// the meta backend's per-device programs may hold collectives (`allow_collectives`), which
+/// their caller runs between node ranges.
+pub fn check_supported(
+    g: &Graph,
+    backend: &str,
+    allow_collectives: bool,
+    supports: impl Fn(&Graph, TensorId) -> std::result::Result<(), String>,
+) -> Result<()> {
+    for id in g.ids() {
+        let n = g.node(id);
+        if allow_collectives && matches!(n.op, crate::op::Op::Collective(_)) {
+            continue;
+        }
+        if let Err(detail) = supports(g, id) {
+            return Err(Error::UnsupportedOp {
+                backend: backend.to_string(),
+                op: n.op.name().to_string(),
+                node: n.name.clone(),
+                detail,
+            });
+        }
+    }
+    Ok(())
+}

@@ -8,7 +8,7 @@
 //! spins, then yields, checks the failed flag every round and gives up after the timeout. No
 //! allocation, lock or system call on the path of a successful call when peers are on time.
 
-use super::reduce::{reducible, sum_into};
+use super::reduce::{check_reducible, sum_into};
 use super::{Communicator, CommunicatorFactory, SliceLayout};
 use crate::backend::Device;
 use crate::buffer::BufferRange;
@@ -430,19 +430,6 @@ fn check_layout(layout: &SliceLayout, world: usize) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-fn check_reducible(dtype: DType, what: &str, bytes: usize) -> Result<usize, String> {
-    if !reducible(dtype) {
-        return Err(format!("dtype {dtype} cannot be summed (F32, F16 or BF16)"));
-    }
-    let esz = dtype.type_size();
-    if !bytes.is_multiple_of(esz) {
-        return Err(format!(
-            "{what} of {bytes} B is not a whole number of {dtype} elements"
-        ));
-    }
-    Ok(esz)
 }
 
 /// The collectives over host slices: what the [`Communicator`] implementation calls once it has

@@ -16,6 +16,25 @@ pub(crate) fn reducible(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
 }
 
+/// The element size of `dtype` if the reducing collectives take it and `bytes` (of `what`) is
+/// a whole number of its elements; otherwise why not.
+pub(crate) fn check_reducible(
+    dtype: DType,
+    what: &str,
+    bytes: usize,
+) -> std::result::Result<usize, String> {
+    if !reducible(dtype) {
+        return Err(format!("dtype {dtype} cannot be summed (F32, F16 or BF16)"));
+    }
+    let esz = dtype.type_size();
+    if !bytes.is_multiple_of(esz) {
+        return Err(format!(
+            "{what} of {bytes} B is not a whole number of {dtype} elements"
+        ));
+    }
+    Ok(esz)
+}
+
 /// Sum `m <= BLOCK` elements at byte offset `off` of every source, in order, into `dst`.
 type SumFn = unsafe fn(srcs: &[*const u8], off: usize, dst: *mut u8, m: usize);
 

@@ -11,7 +11,7 @@ use super::ops;
 use super::pool::ThreadPool;
 use super::view::{ComputeParams, TensorView};
 use crate::alloc::GraphAllocator;
-use crate::backend::{Backend, Device, GraphPlan};
+use crate::backend::{Backend, Device, GraphPlan, check_supported};
 use crate::buffer::Buffer;
 use crate::graph::{Graph, TensorId};
 use crate::op::Op;
@@ -123,26 +123,6 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
     ops::supports(&n.op, &shape_view(g, id), &src)
 }
 
-/// Every node must have a kernel, before anything runs. Plans may contain collective nodes,
-/// which their caller runs between node ranges.
-fn check_supported(g: &Graph, backend: &str, allow_collectives: bool) -> Result<()> {
-    for id in g.ids() {
-        if allow_collectives && matches!(g.node(id).op, Op::Collective(_)) {
-            continue;
-        }
-        if let Err(detail) = supports_node(g, id) {
-            let n = g.node(id);
-            return Err(Error::UnsupportedOp {
-                backend: backend.to_string(),
-                op: n.op.name().to_string(),
-                node: n.name.clone(),
-                detail,
-            });
-        }
-    }
-    Ok(())
-}
-
 /// A prepared graph: resolved host views of every computed node, and scratch memory laid out
 /// as one shared region (as large as any node's shared need) followed by one private slot per
 /// thread (as large as any node's per-thread need).
@@ -205,7 +185,7 @@ fn plan_barriers(exec: &mut [ExecNode], shared: &[bool]) {
 
 fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
     let name = inner.device.name();
-    check_supported(g, &name, true)?;
+    check_supported(g, &name, true, supports_node)?;
     let (nth, precision) = (inner.pool.nth(), inner.device.options.precision);
     let mut exec = Vec::new();
     let mut uses_shared = Vec::new();
@@ -356,7 +336,7 @@ impl Backend for CpuBackend {
     }
 
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
-        check_supported(g, &self.name(), false)?;
+        check_supported(g, &self.name(), false, supports_node)?;
         let mut alloc = self.alloc.lock();
         alloc.alloc_graph(g)?;
         for n in g.nodes() {

@@ -21,7 +21,7 @@ use super::device::{CudaBuffer, CudaDevice, driver_err};
 use super::kernels::{Fault, Tensor};
 use super::libs::{Lib, missing, present};
 use crate::alloc::GraphAllocator;
-use crate::backend::{Backend, Device, GraphPlan};
+use crate::backend::{Backend, Device, GraphPlan, check_supported};
 use crate::buffer::Buffer;
 use crate::graph::{Graph, TensorId};
 use crate::op::{BinaryOp, Op, RopeMode, UnaryOp};
@@ -332,24 +332,6 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
     }
 }
 
-fn check_supported(g: &Graph, backend: &str, allow_collectives: bool) -> Result<()> {
-    for id in g.ids() {
-        if allow_collectives && matches!(g.node(id).op, Op::Collective(_)) {
-            continue;
-        }
-        if let Err(detail) = supports_node(g, id) {
-            let n = g.node(id);
-            return Err(Error::UnsupportedOp {
-                backend: backend.to_string(),
-                op: n.op.name().to_string(),
-                node: n.name.clone(),
-                detail,
-            });
-        }
-    }
-    Ok(())
-}
-
 /// Node `id` as kernels address it, or an error if its bytes are not on this GPU.
 fn device_tensor(g: &Graph, id: TensorId, inner: &Inner) -> Result<Tensor> {
     let n = g.node(id);
@@ -390,7 +372,7 @@ struct CudaPlan {
 
 fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CudaPlan> {
     let name = inner.name();
-    check_supported(g, &name, true)?;
+    check_supported(g, &name, true, supports_node)?;
     let mut exec = Vec::new();
     let mut buffers: Vec<Arc<dyn Buffer>> = Vec::new();
     for id in g.ids() {
@@ -820,7 +802,7 @@ impl Backend for CudaBackend {
     }
 
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
-        check_supported(g, &self.name(), false)?;
+        check_supported(g, &self.name(), false, supports_node)?;
         self.inner.dev.gpu.bind()?;
         let mut alloc = self.alloc.lock();
         alloc.alloc_graph(g)?;

@@ -56,7 +56,7 @@ mod world;
 
 pub use world::{MpiWorld, Peer, finalize, started_rank, world};
 
-use super::reduce::{reducible, sum_into};
+use super::reduce::{check_reducible, sum_into};
 use super::{Communicator, CommunicatorFactory, SliceLayout};
 use crate::backend::Device;
 use crate::buffer::BufferRange;
@@ -73,19 +73,6 @@ fn chunk(world: usize, n: usize, esz: usize, r: usize) -> (usize, usize) {
     let per = n.div_ceil(world).div_ceil(line) * line;
     let lo = per.saturating_mul(r).min(n);
     (lo, per.saturating_add(lo).min(n))
-}
-
-fn check_reducible(dtype: DType, what: &str, bytes: usize) -> std::result::Result<usize, String> {
-    if !reducible(dtype) {
-        return Err(format!("dtype {dtype} cannot be summed (F32, F16 or BF16)"));
-    }
-    let esz = dtype.type_size();
-    if !bytes.is_multiple_of(esz) {
-        return Err(format!(
-            "{what} of {bytes} B is not a whole number of {dtype} elements"
-        ));
-    }
-    Ok(esz)
 }
 
 /// A communicator over the process's [`MpiWorld`]: rank r of the group is MPI rank r, and only

@@ -22,6 +22,9 @@ const CTRL_BYTES: usize = 1024;
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long a waiting rank yields between polls before it starts sleeping between them.
 const YIELD_FOR: Duration = Duration::from_millis(20);
+/// How long a rank that saw a peer exit still polls for that peer's abort message.
+const EXIT_GRACE: Duration = Duration::from_millis(50);
+
 /// How often a waiting rank checks that its peers on the same host are alive.
 const LIVENESS_EVERY: Duration = Duration::from_millis(1);
 
@@ -743,6 +746,16 @@ impl MpiWorld {
                 for r in reqs.iter().filter(|r| r.req != null_request()) {
                     let p = &self.peers[r.peer];
                     if p.host == me.host && exited(p.pid) {
+                        // A rank that aborts sends its reason, then exits: the message may
+                        // still be on its way when the exit is seen. Give it a moment, so the
+                        // others report the reason rather than only the exit.
+                        let seen = Instant::now();
+                        while seen.elapsed() < EXIT_GRACE {
+                            if let Some(f) = self.poll_ctrl(st) {
+                                return Err(f);
+                            }
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
                         return Err(Fault {
                             culprit: r.peer,
                             reason: format!(

@@ -298,3 +298,41 @@ fn llama_70b_plans_on_eight_devices_without_weights() -> Result<()> {
     assert!(r.evaluation.decode_tps() > 0.0);
     Ok(())
 }
+
+#[test]
+fn a_layer_split_costs_one_device_at_a_time_plus_the_copies_between_them() -> Result<()> {
+    use metashard::planner::evaluate_layer_split;
+    let s = smol();
+    let c = cluster(2, 8 << 30);
+    let l = evaluate_layer_split(&s, &c, &w(), None)?;
+    // Even shares: 15 layers each, one copy of the stream per step.
+    let layers: Vec<(usize, usize)> = l.memory.iter().map(|m| m.layers).collect();
+    assert_eq!(layers, [(0, 15), (15, 30)]);
+    assert_eq!(l.copies, 1);
+    // The two devices hold together what one device holds alone (weights and cache).
+    let one = Cluster {
+        devices: vec![c.devices[0].clone()],
+        ..c.clone()
+    };
+    let mirrored = Strategy::Mirrored.split(s.n_layer()).unwrap();
+    let alone = evaluate(&s, split_fn(&s, &mirrored), &one, &w())?;
+    let resident: usize = l.memory.iter().map(|m| m.resident).sum();
+    let m0 = &alone.memory[0];
+    assert_eq!(resident, m0.weights + m0.kv_cache);
+    // A step is one device's step plus the copy (alpha + bytes / bandwidth at 2 devices) and
+    // the second device's step overhead.
+    let fit = &c.links.intra.all_gather;
+    let extra =
+        |tokens: usize| fit.alpha(2) + (s.cfg.n_embd * tokens * 4) as f64 / fit.bus_bw + 50e-6;
+    let d = alone.decode.as_ref().unwrap();
+    assert!((l.decode_s - (d.seconds + extra(1))).abs() < 1e-9 * d.seconds.max(1.0) + 1e-12);
+    let p = alone.prefill.as_ref().unwrap();
+    assert!((l.prefill_s - (p.seconds + extra(p.tokens))).abs() < 1e-9 + 1e-9 * p.seconds);
+    // Uneven shares move layers; a share of zero leaves a device out (no copy to it).
+    let l = evaluate_layer_split(&s, &c, &w(), Some(&[1.0, 0.0]))?;
+    assert_eq!(l.memory[1].layers, (30, 30));
+    assert_eq!(l.memory[1].resident, 0);
+    assert_eq!(l.copies, 0);
+    assert!(evaluate_layer_split(&s, &c, &w(), Some(&[1.0])).is_err());
+    Ok(())
+}

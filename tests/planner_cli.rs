@@ -223,3 +223,46 @@ fn bench_strategies_holds_predictions_against_measurements() {
         "{plot}"
     );
 }
+
+#[test]
+fn plan_counts_the_layer_split() {
+    let base = [
+        "plan",
+        "--model",
+        "smollm2-135m",
+        "--cluster",
+        "h100x8-nvswitch",
+    ];
+    let args =
+        |extra: &[&'static str]| -> Vec<&str> { base.iter().chain(extra).copied().collect() };
+    let (code, out, err) = metashard(&args(&["--strategy", "layer"]));
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("strategy layer") && out.contains("copies of the residual"),
+        "{out}"
+    );
+    // Eight devices, 30 layers: every layer on exactly one device.
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("h100-")).collect();
+    assert_eq!(rows.len(), 8, "{out}");
+    let (code, out, err) = metashard(&args(&["--strategy", "layer", "--json"]));
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let layers: u64 = v["memory"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["layers"][1].as_u64().unwrap() - m["layers"][0].as_u64().unwrap())
+        .sum();
+    assert_eq!(layers, 30);
+    // The search's plan says what a layer split would cost against it.
+    let (code, out, err) = metashard(&args(&[]));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("layer split (--split-mode layer):"), "{out}");
+    // A layer split has no plan file.
+    let (code, _, err) = metashard(&args(&["--strategy", "layer", "-o", "/tmp/x.json"]));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("--strategy") && err.contains("--split-mode layer"),
+        "{err}"
+    );
+}

@@ -5,7 +5,7 @@
 use metashard::Result;
 use metashard::planner::evaluate::{Workload, evaluate};
 use metashard::planner::report::{Plan, dot, split_fn};
-use metashard::planner::{Cluster, ModelShape, Shares, Strategy, auto};
+use metashard::planner::{Cluster, ModelShape, Shares, Strategy, auto, evaluate_layer_split};
 use std::path::PathBuf;
 
 #[derive(Clone, Debug, clap::Args)]
@@ -23,8 +23,8 @@ pub struct PlanArgs {
     /// The workload: `pp=512,tg=128,batch=1,ctx=4096` (any subset).
     #[arg(long, default_value = "pp=512,tg=128,batch=1,ctx=4096")]
     pub workload: String,
-    /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel, or auto
-    /// (the search).
+    /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel, auto
+    /// (the search), or layer (whole layers per device, as `--split-mode layer` runs them).
     #[arg(long, default_value = "auto")]
     pub strategy: String,
     /// Device shares of split tensors: even, throughput (by each device's measured speed), or
@@ -65,16 +65,48 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             ),
         ));
     }
-    let strategy = Strategy::parse(&a.strategy)?;
     let ratios = Shares::parse(&a.shares)?.ratios(&shape, &cluster)?;
+    if a.strategy.trim().eq_ignore_ascii_case("layer") {
+        // Whole layers per device (`run --split-mode layer`): not a tensor split, so no plan
+        // file or DOT of per-device programs.
+        if a.output.is_some() || a.dot.is_some() || a.svg.is_some() {
+            return Err(metashard::Error::invalid_argument(
+                "--strategy",
+                "layer",
+                "a layer split is run with `--split-mode layer [--tensor-split ...]`, not from a \
+                 plan file; -o, --dot and --svg describe tensor splits",
+            ));
+        }
+        let cost = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
+        if a.json {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&cost).map_err(|source| metashard::Error::Json {
+                    what: "layer split prediction",
+                    source,
+                })?
+            );
+        } else {
+            println!(
+                "plan: {} on {} ({} devices), workload {}, strategy layer",
+                shape.name,
+                cluster.name,
+                cluster.devices.len(),
+                workload
+            );
+            print!("{}", cost.table());
+        }
+        return Ok(());
+    }
+    let strategy = Strategy::parse(&a.strategy)?;
     let plan = match strategy.split(shape.n_layer()) {
         Some(mut split) => {
-            split.ratios = ratios;
+            split.ratios = ratios.clone();
             let e = evaluate(&shape, split_fn(&shape, &split), &cluster, &workload)?;
             Plan::fixed(&shape, &cluster, &workload, strategy.name(), split, e)?
         }
         None => {
-            let r = auto(&shape, &cluster, &workload, ratios)?;
+            let r = auto(&shape, &cluster, &workload, ratios.clone())?;
             Plan::searched(&shape, &cluster, &workload, r)?
         }
     };
@@ -94,6 +126,21 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         println!("{}", plan.to_json());
     } else {
         print!("{}", plan.table());
+        if strategy == Strategy::Auto {
+            // The other way to spread a model: whole layers per device.
+            let layer = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
+            let this = plan.evaluation.total_s;
+            println!(
+                "\nlayer split (--split-mode layer): {:.3} s for the workload ({:+.1}% against \
+                 this plan){}",
+                layer.total_s,
+                (layer.total_s / this.max(1e-12) - 1.0) * 100.0,
+                match layer.over_budget() {
+                    Some((m, over)) => format!(", {} over its budget by {over} B", m.device),
+                    None => String::new(),
+                }
+            );
+        }
     }
     Ok(())
 }

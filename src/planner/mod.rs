@@ -16,6 +16,7 @@
 pub mod calibrate;
 pub mod cluster;
 pub mod evaluate;
+pub mod layer;
 pub mod presets;
 pub mod report;
 pub mod search;
@@ -26,6 +27,7 @@ pub mod virtual_device;
 pub use calibrate::{CalibrateOptions, Calibration, calibrate, calibrate_report};
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
+pub use layer::{LayerSplitCost, evaluate_layer_split};
 pub use presets::PRESET_NAMES;
 pub use report::{Plan, load_plan};
 pub use search::{SearchResult, auto};

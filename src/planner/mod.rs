@@ -9,6 +9,8 @@
 //!   per device of any split callback for a [`Workload`], from the real per-device programs.
 //! - `strategy.rs`: the named strategies (assignments of split states), device shares.
 //! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets.
+//! - `layer.rs`: the layer split (whole layers per device, run one after another) in the same
+//!   cost model, for `plan --strategy layer` and the comparison in a searched plan.
 //! - `report.rs`: the readable [`Plan`] (tables, JSON plan files, DOT of one layer).
 //! - `virtual_device.rs`: devices without memory, so a model is placed and sharded exactly as
 //!   a run would, without weights.

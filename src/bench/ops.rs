@@ -169,6 +169,10 @@ pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
     // the Q4_1 FFN up/gate projection.
     v.push(mm(DType::Q8_0, 1, 49152, 576, true));
     v.push(mm(DType::Q4_1, 1, 1536, 576, true));
+    // The F32 MLP stack of `bench meta --graph mlp` and ggml's meta-backend comparison
+    // (D = 1024, F = 4096), one token: its up and down projections.
+    v.push(mm(DType::F32, 1, 4096, 1024, true));
+    v.push(mm(DType::F32, 1, 1024, 4096, true));
     v
 }
 

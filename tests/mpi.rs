@@ -323,6 +323,49 @@ mod with_mpi {
     }
 
     #[test]
+    fn a_plan_file_runs_across_processes_as_in_one_process() {
+        if mpirun_missing() {
+            return;
+        }
+        // A plan for 2 devices (the measured preset's first host), written to a file.
+        let dir = std::env::temp_dir().join(format!("metashard-mpi-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let (cluster, plan) = (dir.join("host.json"), dir.join("plan.json"));
+        let host = metashard::planner::Cluster::preset("cpu2x2-netns")
+            .expect("a preset")
+            .take(2);
+        std::fs::write(&cluster, host.to_json()).expect("written");
+        let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(["plan", "--model", "smollm2-135m", "--strategy", "attn-only"])
+            .args(["--cluster", cluster.to_str().unwrap()])
+            .args(["-o", plan.to_str().unwrap()])
+            .output()
+            .expect("metashard runs");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let p = plan.to_str().unwrap();
+        let local = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(RUN)
+            .args(["--devices", "cpu:2x1", "--plan", p])
+            .output()
+            .expect("metashard runs");
+        assert!(local.status.success(), "{}", text(&local.stderr));
+        let mut args = RUN.to_vec();
+        args.extend(["--dist", "mpi", "--devices", "cpu:1x1", "--plan", p]);
+        let (out, _) = mpirun(2, &args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(
+            tokens_of(&text(&out.stdout)),
+            tokens_of(&text(&local.stdout))
+        );
+        // The plan counts 2 devices: 3 ranks are refused, naming the file.
+        let (out, _) = mpirun(3, &args);
+        let e = text(&out.stderr);
+        assert!(!out.status.success());
+        assert!(e.contains("plan.json") && e.contains("2 devices"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
     fn uneven_shares_and_a_named_strategy_work_across_processes() {
         if mpirun_missing() {
             return;
@@ -512,5 +555,14 @@ mod with_mpi {
             e.contains("each process is one rank") && e.contains("cpu:1xT"),
             "{e}"
         );
+        // --strategy auto would calibrate on every rank: refused, pointing to --plan.
+        let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(["run", "--dist", "mpi", "--devices", "cpu:1x1", "-n", "1"])
+            .args(["--strategy", "auto"])
+            .output()
+            .expect("metashard runs");
+        let e = text(&out.stderr);
+        assert!(!out.status.success());
+        assert!(e.contains("--strategy auto") && e.contains("--plan"), "{e}");
     }
 }

@@ -45,7 +45,8 @@ rm -f -- "$out"/comm-*.json "$out"/decode-*.json "$out"/log.txt
 rc=0
 bash "$hosts" setup || rc=$?
 [[ $rc -eq 0 ]] || exit "$rc"
-trap 'bash "$hosts" teardown >/dev/null 2>&1 || true' EXIT INT TERM
+trap 'bash "$hosts" teardown >/dev/null 2>&1 || true' EXIT
+trap 'exit 130' INT TERM
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 log="$out/log.txt"

@@ -184,8 +184,8 @@ enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Collective latency and bus bandwidth (all-reduce, all-gather of f32): in process over
-    /// --world threads, or over the job's processes with --dist mpi under mpirun.
+    /// Collective latency and bus bandwidth (all-reduce, all-gather, reduce-scatter of f32): in
+    /// process over --world threads, or over the job's processes with --dist mpi under mpirun.
     Comm {
         #[command(flatten)]
         dist: cli::DistArgs,

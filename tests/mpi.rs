@@ -4,7 +4,8 @@
 //! - a rank that is killed, exits, stalls or aborts makes the others fail with an error naming
 //!   it, within a bound;
 //! - SmolLM2's greedy tokens with one rank per process equal the same split in one process
-//!   (`cpu:Nx1`) and one device.
+//!   (`cpu:Nx1`) and one device; also with the two ranks on two simulated hosts (network
+//!   namespaces joined by a veth pair, `scripts/two_hosts.sh`), where the test runs as root.
 //!
 //! Without `mpirun` on the PATH each test prints one line and returns (`scripts/test.sh`
 //! installs OpenMPI, so CI runs them). OpenMPI refuses root without its two allow variables,
@@ -237,6 +238,133 @@ mod with_mpi {
         }
     }
 
+    /// Two simulated hosts (`scripts/two_hosts.sh`, namespaces named after this process so
+    /// concurrent runs do not meet), removed when dropped, also when the test panics.
+    struct TwoHosts {
+        prefix: String,
+    }
+
+    impl TwoHosts {
+        fn script(&self, args: &[&str]) -> Output {
+            Command::new("bash")
+                .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/two_hosts.sh"))
+                .args(args)
+                .env("MS2H_PREFIX", &self.prefix)
+                .output()
+                .expect("bash runs")
+        }
+    }
+
+    impl Drop for TwoHosts {
+        fn drop(&mut self) {
+            let out = self.script(&["teardown"]);
+            if !out.status.success() {
+                eprintln!("two_hosts teardown: {}", text(&out.stderr));
+            }
+        }
+    }
+
+    #[test]
+    fn two_ranks_on_two_simulated_hosts_give_the_single_process_greedy_tokens() {
+        if mpirun_missing() {
+            return;
+        }
+        // Unique per process: `t` and the pid in base 36 (interface names stay <= 15 bytes).
+        let mut pid = std::process::id();
+        let mut prefix = String::new();
+        while pid > 0 {
+            prefix.insert(0, char::from_digit(pid % 36, 36).expect("a digit"));
+            pid /= 36;
+        }
+        let hosts = TwoHosts {
+            prefix: format!("t{prefix}"),
+        };
+        let setup = hosts.script(&["setup"]);
+        if setup.status.code() == Some(77) {
+            // Not root, no `ip`, or no permission for namespaces here: nothing to test.
+            println!("skipped: {}", text(&setup.stderr).trim());
+            return;
+        }
+        assert!(setup.status.success(), "setup: {}", text(&setup.stderr));
+        const RUN8: &[&str] = &[
+            "run",
+            "--json",
+            "-n",
+            "8",
+            "--ignore-eos",
+            "--prompt",
+            "Hi.",
+        ];
+        let local = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(RUN8)
+            .args(["--devices", "cpu:1x1"])
+            .output()
+            .expect("metashard runs");
+        assert!(local.status.success(), "{}", text(&local.stderr));
+        let mut args = vec!["run", env!("CARGO_BIN_EXE_metashard")];
+        args.extend(RUN8);
+        args.extend(["--dist", "mpi", "--devices", "cpu:1x1"]);
+        let out = hosts.script(&args);
+        let (o, e) = (text(&out.stdout), text(&out.stderr));
+        assert!(out.status.success(), "{o}\n{e}");
+        let want = tokens_of(&text(&local.stdout));
+        assert_eq!(want.len(), 8);
+        assert_eq!(tokens_of(&o), want, "{e}");
+        // The ranks talked over the veth: each decode step all-gathers the vocabulary-split
+        // logits (49152 x 4 bytes, half from each rank), so 8 steps move over 8 x 96 KiB each
+        // way, besides the all-reduces.
+        let line = e
+            .lines()
+            .find(|l| l.contains("bytes a->b"))
+            .unwrap_or_else(|| panic!("no byte count:\n{e}"));
+        let n: Vec<u64> = line.split(' ').filter_map(|w| w.parse().ok()).collect();
+        assert_eq!(n.len(), 2, "{line}");
+        assert!(n.iter().all(|&b| b > 8 * 96 * 1024), "{line}");
+    }
+
+    #[test]
+    fn a_plan_file_runs_across_processes_as_in_one_process() {
+        if mpirun_missing() {
+            return;
+        }
+        // A plan for 2 devices (the measured preset's first host), written to a file.
+        let dir = std::env::temp_dir().join(format!("metashard-mpi-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let (cluster, plan) = (dir.join("host.json"), dir.join("plan.json"));
+        let host = metashard::planner::Cluster::preset("cpu2x2-netns")
+            .expect("a preset")
+            .take(2);
+        std::fs::write(&cluster, host.to_json()).expect("written");
+        let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(["plan", "--model", "smollm2-135m", "--strategy", "attn-only"])
+            .args(["--cluster", cluster.to_str().unwrap()])
+            .args(["-o", plan.to_str().unwrap()])
+            .output()
+            .expect("metashard runs");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let p = plan.to_str().unwrap();
+        let local = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(RUN)
+            .args(["--devices", "cpu:2x1", "--plan", p])
+            .output()
+            .expect("metashard runs");
+        assert!(local.status.success(), "{}", text(&local.stderr));
+        let mut args = RUN.to_vec();
+        args.extend(["--dist", "mpi", "--devices", "cpu:1x1", "--plan", p]);
+        let (out, _) = mpirun(2, &args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(
+            tokens_of(&text(&out.stdout)),
+            tokens_of(&text(&local.stdout))
+        );
+        // The plan counts 2 devices: 3 ranks are refused, naming the file.
+        let (out, _) = mpirun(3, &args);
+        let e = text(&out.stderr);
+        assert!(!out.status.success());
+        assert!(e.contains("plan.json") && e.contains("2 devices"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     #[test]
     fn uneven_shares_and_a_named_strategy_work_across_processes() {
         if mpirun_missing() {
@@ -427,5 +555,14 @@ mod with_mpi {
             e.contains("each process is one rank") && e.contains("cpu:1xT"),
             "{e}"
         );
+        // --strategy auto would calibrate on every rank: refused, pointing to --plan.
+        let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(["run", "--dist", "mpi", "--devices", "cpu:1x1", "-n", "1"])
+            .args(["--strategy", "auto"])
+            .output()
+            .expect("metashard runs");
+        let e = text(&out.stderr);
+        assert!(!out.status.success());
+        assert!(e.contains("--strategy auto") && e.contains("--plan"), "{e}");
     }
 }

@@ -29,6 +29,10 @@ fn presets_validate_and_their_figures_are_in_sane_ranges() {
         let c = Cluster::preset(name).unwrap_or_else(|| panic!("{name}"));
         c.validate().unwrap();
         assert!(!c.sources.is_empty(), "{name} cites no source");
+        if c.sources[0].starts_with("measured on this project's test machine") {
+            measured_preset_is_sane(&c);
+            continue;
+        }
         assert!(
             c.sources.iter().any(|s| s.contains("https://")),
             "{name}: sources without links"
@@ -67,6 +71,37 @@ fn presets_validate_and_their_figures_are_in_sane_ranges() {
                 }
             }
         }
+    }
+}
+
+/// A preset measured here (`cpu2x2-netns`): CPU-range figures, two levels, and the link
+/// between hosts slower than host memory.
+fn measured_preset_is_sane(c: &Cluster) {
+    let name = &c.name;
+    for d in &c.devices {
+        assert!(
+            (1e9..1e13).contains(&(d.memory_bytes as f64)),
+            "{name} {d:?}"
+        );
+        assert!((1e8..1e12).contains(&d.mem_bw), "{name} {}", d.mem_bw);
+        for t in DType::WEIGHT_TYPES {
+            assert!((1e8..1e12).contains(&d.gemv(*t)), "{name} {t}");
+            assert!((1e9..1e13).contains(&d.gemm(*t)), "{name} {t}");
+        }
+    }
+    let inter = c.links.inter.as_ref().expect("two levels");
+    assert!(c.links.devices_per_node < c.n_devices(), "{name}");
+    for coll in [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ] {
+        let (i, o) = (c.links.intra.fit(coll), inter.fit(coll));
+        assert!(
+            o.bus_bw < i.bus_bw && o.alpha(2) > i.alpha(2),
+            "{name} {coll:?}"
+        );
+        assert!((1e8..1e12).contains(&o.bus_bw) && (1e-8..1e-3).contains(&o.alpha(2)));
     }
 }
 
@@ -316,4 +351,84 @@ fn the_binary_refuses_a_bad_device_list_naming_it() {
     let o = metashard(&["calibrate", "--help"]);
     let help = String::from_utf8_lossy(&o.stdout);
     assert!(help.contains("--json") && help.contains("Print the profile as JSON"));
+}
+
+/// `bench comm --json` rows (src/bench/comm.rs) of an exact alpha-beta link: 2 ranks, all
+/// three collectives, four sizes.
+fn comm_rows(alpha: f64, bus_bw: f64) -> String {
+    let mut rows = Vec::new();
+    for (name, coll) in [
+        ("all_reduce", Collective::AllReduce),
+        ("all_gather", Collective::AllGather),
+        ("reduce_scatter", Collective::ReduceScatter),
+    ] {
+        for bytes in [4096usize, 65536, 1 << 20, 16 << 20] {
+            let t = alpha + coll.factor(2) * bytes as f64 / bus_bw;
+            rows.push(serde_json::json!({
+                "communicator": "mpi(2)", "ranks": 2, "collective": name, "bytes": bytes,
+                "median_us": t * 1e6, "busbw_gbs": coll.factor(2) * bytes as f64 / t / 1e9,
+            }));
+        }
+    }
+    serde_json::to_string(&rows).unwrap()
+}
+
+#[test]
+fn calibrate_with_hosts_fits_the_link_between_hosts_from_bench_comm_rows() {
+    let dir = std::env::temp_dir().join(format!("metashard-hosts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rows = dir.join("veth.json");
+    std::fs::write(&rows, comm_rows(12e-6, 2.5e9)).unwrap();
+    let out = dir.join("two-hosts.json");
+    let (r, o) = (rows.to_str().unwrap(), out.to_str().unwrap());
+    // Wrong combinations and bad files are refused before anything is measured.
+    let e = metashard(&["calibrate", "--devices", "cpu:2x1", "--hosts", "2"]);
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(!e.status.success() && err.contains("--inter"), "{err}");
+    let missing = dir.join("missing.json");
+    let e = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--hosts",
+        "2",
+        "--inter",
+        missing.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(!e.status.success() && err.contains("missing.json"), "{err}");
+    std::fs::write(dir.join("bad.json"), r#"[{"collective": "gather"}]"#).unwrap();
+    let bad = dir.join("bad.json");
+    let e = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--hosts",
+        "2",
+        "--inter",
+        bad.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(!e.status.success() && err.contains("gather"), "{err}");
+
+    let _g = MEASURING.lock();
+    let args = ["calibrate", "--devices", "cpu:2x1", "--quick"];
+    let o = metashard(&[&args[..], &["--hosts", "2", "--inter", r, "-o", o]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("between hosts"));
+    let c = Cluster::load(&out).unwrap();
+    assert_eq!((c.n_devices(), c.links.devices_per_node), (4, 2));
+    assert_eq!(c.devices[3].name, "h1.cpu1");
+    let inter = c.links.inter.as_ref().expect("a level between hosts");
+    for coll in [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ] {
+        let f = inter.fit(coll);
+        assert!((f.bus_bw / 2.5e9 - 1.0).abs() < 1e-6, "{coll:?} {f:?}");
+        assert!((f.alpha(2) - 12e-6).abs() < 1e-11, "{coll:?} {f:?}");
+    }
+    assert!(c.sources.iter().any(|s| s.contains("veth.json")));
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -282,15 +282,18 @@ pub fn selftest(dist: Dist, timeout: Duration, fault: Option<Fault>) -> Result<u
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CommRow {
     pub communicator: String,
+    /// Ranks in the group.
+    pub ranks: usize,
     pub collective: &'static str,
     pub bytes: usize,
     pub median_us: f64,
     /// Bus bandwidth in GB/s: the bytes each rank must move, per second (nccl-tests' busbw,
-    /// NVIDIA/nccl-tests doc/PERFORMANCE.md): all-reduce 2(N-1)/N·B, all-gather (N-1)/N·B.
+    /// NVIDIA/nccl-tests doc/PERFORMANCE.md): all-reduce 2(N-1)/N·B, all-gather and
+    /// reduce-scatter (N-1)/N·B.
     pub busbw_gbs: f64,
 }
 
-/// Time all-reduce and all-gather of each size: on the job communicator (`Dist::Mpi`, every
+/// Time all-reduce, all-gather and reduce-scatter of each size: on the job communicator (`Dist::Mpi`, every
 /// rank calls this), or on the in-process communicator over `world` threads (`Dist::Local`).
 pub fn bench(dist: Dist, world: usize, sizes: &[usize], reps: usize) -> Result<Vec<CommRow>> {
     match dist {
@@ -326,14 +329,22 @@ fn bench_ranks(
                         let layout = SliceLayout::single(1, 4, &vec![bytes / 4 / world; world])?;
                         let local = host_range(layout.local_bytes(*rank), None)?;
                         let full = host_range(layout.full_bytes(), None)?;
-                        for coll in ["all_reduce", "all_gather"] {
+                        for coll in ["all_reduce", "all_gather", "reduce_scatter"] {
                             let mut times = Vec::with_capacity(reps);
                             for i in 0..reps + 3 {
                                 let t = Instant::now();
-                                if coll == "all_reduce" {
-                                    comm.all_reduce(*rank, &buf, DType::F32)?;
-                                } else {
-                                    comm.all_gather(*rank, &local, &full, &layout)?;
+                                match coll {
+                                    "all_reduce" => comm.all_reduce(*rank, &buf, DType::F32)?,
+                                    "all_gather" => {
+                                        comm.all_gather(*rank, &local, &full, &layout)?
+                                    }
+                                    _ => comm.reduce_scatter(
+                                        *rank,
+                                        &full,
+                                        &local,
+                                        &layout,
+                                        DType::F32,
+                                    )?,
                                 }
                                 if i >= 3 {
                                     times.push(t.elapsed().as_secs_f64());
@@ -349,6 +360,7 @@ fn bench_ranks(
                             };
                             rows.push(CommRow {
                                 communicator: name.clone(),
+                                ranks: world,
                                 collective: coll,
                                 bytes,
                                 median_us: med * 1e6,

@@ -3,7 +3,8 @@
 //! the profile as JSON (`-o FILE`, or stdout with `--json`) for `Cluster::load`.
 
 use metashard::cpu::Precision;
-use metashard::planner::{CalibrateOptions, Calibration, calibrate_report};
+use metashard::planner::calibrate::{LinkFitReport, LinkSample, fit_level};
+use metashard::planner::{CalibrateOptions, Calibration, Collective, LinkLevel, calibrate_report};
 use metashard::{DType, Error, Result};
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -26,6 +27,59 @@ pub struct CalibrateArgs {
     /// Precision of products with quantized weights, as the runs to be planned will use it.
     #[arg(long, value_parser = crate::parse_precision, default_value = "exact")]
     pub precision: Precision,
+    /// Hosts of this device list each: the profile then has HOSTS copies of the measured
+    /// devices, joined between hosts by the links fitted from --inter (two levels).
+    #[arg(long, default_value_t = 1, value_parser = crate::cli::parse_positive)]
+    pub hosts: usize,
+    /// Collectives timed between hosts: the JSON of `metashard bench comm --dist mpi --json`
+    /// run with one rank per host (e.g. `scripts/two_hosts.sh run ...`); fitted per collective
+    /// into the inter-host level. Needs --hosts 2 or more.
+    #[arg(long)]
+    pub inter: Option<PathBuf>,
+    /// What the links between hosts are, in words (the profile's `kind` of that level).
+    #[arg(long)]
+    pub inter_kind: Option<String>,
+}
+
+/// Samples of `bench comm --json` rows: `[{"collective": "all_reduce", "ranks": 2, "bytes":
+/// 65536, "median_us": 31.0, ...}, ...]` (src/bench/comm.rs, `CommRow`).
+pub fn comm_samples(path: &std::path::Path) -> Result<Vec<(Collective, LinkSample)>> {
+    let bad = |reason: String| Error::Format {
+        path: path.to_path_buf(),
+        field: "bench comm rows".into(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not a JSON array: {e}")))?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        let c = match r["collective"].as_str() {
+            Some("all_reduce") => Collective::AllReduce,
+            Some("all_gather") => Collective::AllGather,
+            Some("reduce_scatter") => Collective::ReduceScatter,
+            other => return Err(bad(format!("row {i}: unknown collective {other:?}"))),
+        };
+        let field = |k: &str| {
+            r[k].as_f64()
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .ok_or_else(|| bad(format!("row {i}: `{k}` must be a positive number")))
+        };
+        let ranks = field("ranks")? as usize;
+        if ranks < 2 {
+            return Err(bad(format!("row {i}: `ranks` must be at least 2")));
+        }
+        out.push((
+            c,
+            LinkSample {
+                n: ranks,
+                bytes: field("bytes")? as usize,
+                seconds: field("median_us")? * 1e-6,
+                reps: 1,
+            },
+        ));
+    }
+    Ok(out)
 }
 
 pub fn run(a: &CalibrateArgs) -> Result<()> {
@@ -40,6 +94,25 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
             "is a directory; give a file name for the profile",
         ));
     }
+    if (a.hosts > 1) != a.inter.is_some() {
+        return Err(Error::invalid_argument(
+            "--hosts",
+            a.hosts,
+            "--hosts 2 or more and --inter FILE go together (the links between hosts are \
+             fitted from the collectives in FILE)",
+        ));
+    }
+    // The inter-host fit first: a bad file is reported before anything is measured.
+    let inter = match &a.inter {
+        Some(p) => {
+            let kind = a
+                .inter_kind
+                .clone()
+                .unwrap_or_else(|| format!("between hosts, fitted from {}", p.display()));
+            Some((p, fit_level(&kind, &comm_samples(p)?)?))
+        }
+        None => None,
+    };
     let opts = CalibrateOptions {
         quick: a.quick,
         precision: a.precision,
@@ -56,12 +129,29 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         pb.set_position((done.clamp(0.0, 1.0) * 1000.0) as u64);
     });
     pb.finish_and_clear();
-    let report = report?;
+    let mut report = report?;
+    let mut inter_text = String::new();
+    if let Some((path, (level, fits))) = inter {
+        let rms = fits.iter().map(|f| f.rel_rms).fold(0.0, f64::max);
+        let mut c = report.cluster.with_hosts(a.hosts, level)?;
+        c.sources.push(format!(
+            "links between hosts: fitted from the bench comm rows in {} (largest RMS relative \
+             residual {:.1}%)",
+            path.display(),
+            100.0 * rms
+        ));
+        inter_text = links_table(c.links.inter.as_ref().expect("just set"), &fits);
+        report.cluster = c;
+    }
     let json = report.cluster.to_json();
     if let Some(p) = &a.output {
         std::fs::write(p, format!("{json}\n")).map_err(|e| Error::io(p, e))?;
     }
     let mut text = table(&report);
+    if !inter_text.is_empty() {
+        text.push_str("\nbetween hosts\n");
+        text.push_str(&inter_text);
+    }
     if let Some(p) = &a.output {
         let _ = writeln!(text, "\nprofile written to {}", p.display());
     }
@@ -151,7 +241,14 @@ pub fn table(r: &Calibration) -> String {
         let _ = writeln!(s, "\nlinks: {}", l.kind);
         return s;
     }
-    let ns: Vec<usize> = r.links[0].fit.alpha_s.iter().map(|&(n, _)| n).collect();
+    s.push_str(&links_table(l, &r.links));
+    s
+}
+
+/// One level's fits and their samples, measured against fitted.
+fn links_table(l: &LinkLevel, fits: &[LinkFitReport]) -> String {
+    let mut s = String::new();
+    let ns: Vec<usize> = fits[0].fit.alpha_s.iter().map(|&(n, _)| n).collect();
     let _ = writeln!(
         s,
         "\nlinks: {}\nt = alpha(N) + factor(N) * bytes / bus_bw (factor: 2(N-1)/N all-reduce, \
@@ -163,7 +260,7 @@ pub fn table(r: &Calibration) -> String {
         let _ = write!(s, " {:>9}", format!("a({n}) us"));
     }
     let _ = writeln!(s, " {:>9} {:>9}", "fit rms", "fit max");
-    for f in &r.links {
+    for f in fits {
         let _ = write!(s, "{:<15} {:>9.2}", f.collective.name(), f.fit.bus_bw / 1e9);
         for &(_, a) in &f.fit.alpha_s {
             let _ = write!(s, " {:>9.2}", a * 1e6);
@@ -181,7 +278,7 @@ pub fn table(r: &Calibration) -> String {
         "{:<15} {:>3} {:>10} {:>11} {:>11} {:>9}",
         "collective", "N", "bytes", "measured us", "fitted us", "bus GB/s"
     );
-    for f in &r.links {
+    for f in fits {
         for smp in &f.samples {
             let fitted = l.time(f.collective, smp.n, smp.bytes as f64);
             let _ = writeln!(

@@ -86,17 +86,23 @@ impl SplitArgs {
     }
 
     /// The per-layer assignment `--strategy` or `--plan` asks for on `devices`, with the
-    /// `--tensor-split` shares; `None` for the built-in split.
+    /// `--tensor-split` shares; `None` for the built-in split. `ranks`: with ranks as
+    /// processes, the job's size, which is the meta device's device count (one device per
+    /// process), not the length of this process's list.
     pub fn decoder_split(
         &self,
         model: &str,
         devices: &str,
+        ranks: Option<usize>,
     ) -> Result<Option<metashard::models::split::DecoderSplit>> {
         if self.strategy.is_none() && self.plan.is_none() {
             return Ok(None);
         }
         let n_layer = metashard::planner::ModelShape::resolve(model)?.n_layer();
-        let n_devices = metashard::parse_devices(devices)?.len();
+        let n_devices = match ranks {
+            Some(n) => n,
+            None => metashard::parse_devices(devices)?.len(),
+        };
         let mut split = match (&self.strategy, &self.plan) {
             (_, Some(path)) => metashard::planner::load_plan(path, n_layer, n_devices)?,
             (Some(name), None) => {
@@ -127,22 +133,20 @@ impl SplitArgs {
         Ok(Some(split))
     }
 
-    /// The split flags with ranks as processes: `--tensor-split` takes one share per rank of
-    /// the job (`world`); `--plan` and `--strategy auto` are not taken yet (they count the
-    /// devices of this process's list, one with ranks as processes).
+    /// The split flags with ranks as processes: `--tensor-split` and `--plan` take one share
+    /// or device per rank of the job (`world`); `--strategy auto` is not taken yet (every rank
+    /// would calibrate and search on its own, and ranks measuring different figures could
+    /// choose different splits).
     pub fn check_dist(&self, devices: &str, world: usize) -> Result<()> {
         self.check_n(&format!("{devices} x {world} ranks"), world)?;
         let refuse = |flag: &str| {
             Err(Error::invalid_argument(
                 flag,
                 "with --dist mpi",
-                "is not supported with ranks as processes yet (use the built-in split or a \
-                 named strategy)",
+                "is not supported with ranks as processes yet (use the built-in split, a named \
+                 strategy, or `metashard plan -o FILE` and --plan FILE)",
             ))
         };
-        if self.plan.is_some() {
-            return refuse("--plan");
-        }
         if self.strategy.as_deref() == Some("auto") {
             return refuse("--strategy auto");
         }

@@ -171,16 +171,19 @@ pub fn load_dist(
              its own devices (add --dist mpi for one rank per process)"
         );
     }
+    let mut ranks = None;
     if dist == Dist::Mpi {
         let n = metashard::parse_devices(devices)?.len();
         metashard::dist::one_device_per_process(devices, n)?;
-        split.check_dist(devices, metashard::dist::rank_and_size(dist)?.1)?;
+        let world = metashard::dist::rank_and_size(dist)?.1;
+        split.check_dist(devices, world)?;
+        ranks = Some(world);
     }
     let opts = OpenOptions {
         precision,
         ratios: split.tensor_split.clone(),
         mirror_attention: split.mirror_attention,
-        split: split.decoder_split(model, devices)?,
+        split: split.decoder_split(model, devices, ranks)?,
         split_mode: split.mode()?,
         groups: split.groups,
         dist,

@@ -1131,6 +1131,38 @@ pub fn fit_collective(c: Collective, samples: Vec<LinkSample>) -> Result<LinkFit
     })
 }
 
+/// One level of links from collectives timed elsewhere, e.g. `metashard bench comm --json`
+/// between two hosts: all-reduce, all-gather and reduce-scatter each fitted by
+/// [`fit_collective`] (a broadcast is left to the all-gather's fit, as [`LinkLevel::fit`]
+/// does). Every one of the three needs samples of at least two sizes; an error names the one
+/// that has none.
+pub fn fit_level(
+    kind: &str,
+    samples: &[(Collective, LinkSample)],
+) -> Result<(LinkLevel, Vec<LinkFitReport>)> {
+    let mut reports = Vec::with_capacity(3);
+    for c in [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ] {
+        let mine: Vec<LinkSample> = samples
+            .iter()
+            .filter(|(k, _)| *k == c)
+            .map(|&(_, s)| s)
+            .collect();
+        reports.push(fit_collective(c, mine)?);
+    }
+    let level = LinkLevel {
+        kind: kind.to_string(),
+        all_reduce: reports[0].fit.clone(),
+        all_gather: reports[1].fit.clone(),
+        reduce_scatter: reports[2].fit.clone(),
+        broadcast: None,
+    };
+    Ok((level, reports))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1199,6 +1231,30 @@ mod tests {
         }];
         let e = fit_collective(Collective::AllReduce, one).unwrap_err();
         assert!(e.to_string().contains("all-reduce"), "{e}");
+    }
+
+    #[test]
+    fn a_level_fits_each_collective_and_names_a_missing_one() {
+        let mut all = Vec::new();
+        for (c, a, bw) in [
+            (Collective::AllReduce, 40e-6, 1e9),
+            (Collective::AllGather, 20e-6, 2e9),
+            (Collective::ReduceScatter, 25e-6, 1.5e9),
+        ] {
+            all.extend(samples(&[(2, a)], bw, c, 0.0).into_iter().map(|s| (c, s)));
+        }
+        let (level, reports) = fit_level("veth", &all).unwrap();
+        assert_eq!(reports.len(), 3);
+        assert!((level.all_reduce.alpha(2) - 40e-6).abs() < 1e-12);
+        assert!((level.all_gather.bus_bw / 2e9 - 1.0).abs() < 1e-6);
+        assert!((level.reduce_scatter.bus_bw / 1.5e9 - 1.0).abs() < 1e-6);
+        assert_eq!(level.kind, "veth");
+        let no_rs: Vec<_> = all
+            .into_iter()
+            .filter(|(c, _)| *c != Collective::ReduceScatter)
+            .collect();
+        let e = fit_level("veth", &no_rs).unwrap_err();
+        assert!(e.to_string().contains("reduce-scatter"), "{e}");
     }
 
     #[test]

@@ -312,6 +312,43 @@ impl Cluster {
         }
     }
 
+    /// `hosts` copies of this one-level cluster (one host), joined by `inter` between hosts:
+    /// the two-level form of [`Links::time`]. Device `i` of host `h` is named `h{h}.{name}`.
+    /// An error if this cluster already has an inter-host level or `hosts` is below 2.
+    pub fn with_hosts(&self, hosts: usize, inter: LinkLevel) -> Result<Cluster> {
+        if hosts < 2 || self.links.inter.is_some() {
+            return Err(Error::invalid_argument(
+                format!("cluster `{}`: hosts", self.name),
+                hosts,
+                "give at least 2 hosts of a cluster with one level of links",
+            ));
+        }
+        let devices = (0..hosts)
+            .flat_map(|h| {
+                self.devices.iter().map(move |d| DeviceProfile {
+                    name: format!("h{h}.{}", d.name),
+                    ..d.clone()
+                })
+            })
+            .collect();
+        let c = Cluster {
+            name: format!("{}x{hosts}-hosts", self.name),
+            description: format!(
+                "{hosts} hosts of: {} (between hosts: {})",
+                self.description, inter.kind
+            ),
+            devices,
+            links: Links {
+                devices_per_node: self.devices.len(),
+                intra: self.links.intra.clone(),
+                inter: Some(inter),
+            },
+            sources: self.sources.clone(),
+        };
+        c.validate()?;
+        Ok(c)
+    }
+
     /// The same cluster restricted to its first `n` devices.
     pub fn take(&self, n: usize) -> Cluster {
         let mut c = self.clone();
@@ -348,6 +385,38 @@ mod tests {
         // alpha(4) interpolates 10 and 20 us: 13.33 us.
         assert!((t - (10e-6 + (20e-6 - 10e-6) / 3.0 + 0.75e9 / 100e9)).abs() < 1e-12);
         assert_eq!(l.time(Collective::AllReduce, 1, 1e9), 0.0);
+    }
+
+    #[test]
+    fn hosts_replicate_devices_and_use_the_inter_level_across_them() {
+        let one = Cluster::homogeneous(
+            "box",
+            2,
+            &DeviceProfile {
+                name: "cpu".into(),
+                memory_bytes: 1 << 30,
+                mem_bw: 1e10,
+                gemv_bw: BTreeMap::new(),
+                gemm_flops: BTreeMap::new(),
+                step_overhead_s: 0.0,
+                node_overhead_s: 0.0,
+            },
+            Links {
+                devices_per_node: 2,
+                intra: level(40e9, 1e-6),
+                inter: None,
+            },
+        );
+        let two = one.with_hosts(2, level(1e9, 50e-6)).unwrap();
+        assert_eq!(two.n_devices(), 4);
+        assert_eq!(two.devices[2].name, "h1.cpu0");
+        assert_eq!(two.links.devices_per_node, 2);
+        // Inside a host: the intra level only; across: the slow level's latency at least.
+        let inside = two.links.time(Collective::AllReduce, 2, 1e6);
+        assert_eq!(inside, one.links.time(Collective::AllReduce, 2, 1e6));
+        assert!(two.links.time(Collective::AllReduce, 4, 1e6) > 50e-6 + inside);
+        assert!(two.with_hosts(2, level(1e9, 50e-6)).is_err());
+        assert!(one.with_hosts(1, level(1e9, 50e-6)).is_err());
     }
 
     #[test]

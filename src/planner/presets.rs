@@ -1,5 +1,5 @@
-//! Built-in clusters nobody can run here, from public figures: [`Cluster::preset`] and
-//! [`PRESET_NAMES`].
+//! Built-in clusters, from public figures (machines nobody can run here) or measured on the
+//! test machine (`cpu2x2-netns`): [`Cluster::preset`] and [`PRESET_NAMES`].
 //!
 //! Every figure below names its source. Three kinds of figure appear, and the comments say
 //! which each one is:
@@ -32,7 +32,12 @@ use super::cluster::{Cluster, CollectiveFit, DeviceProfile, LinkLevel, Links};
 use std::collections::BTreeMap;
 
 /// Names [`Cluster::preset`] knows, in the order `metashard` lists them.
-pub const PRESET_NAMES: &[&str] = &["h100x8-nvswitch", "h100x16-ib", "rtx4090x4-pcie"];
+pub const PRESET_NAMES: &[&str] = &[
+    "h100x8-nvswitch",
+    "h100x16-ib",
+    "rtx4090x4-pcie",
+    "cpu2x2-netns",
+];
 
 /// Share of the datasheet memory the planner may fill (see the module doc).
 const MEMORY_HEADROOM: f64 = 0.95;
@@ -97,6 +102,20 @@ const SRC_DERIVED: &str = "derived (assumptions of this preset): memory budget 9
     bandwidth; quantized GEMM at the BF16 tensor-core rate (weights dequantized to 16 bits); \
     FP32 GEMM 80% of the non-tensor FP32 peak";
 
+const SRC_NETNS: &str = "measured on this project's test machine (AMD EPYC, 2 logical CPUs \
+    under KVM, Linux 6.18) on 2026-11-24 with `scripts/two_hosts.sh bench`, which writes the \
+    same figures as target/two-hosts/cluster-netns.json: devices and the intra-host level by \
+    `metashard calibrate --devices cpu:2x1 --quick` (in-process CpuCommunicator on pinned \
+    workers), the inter-host level fitted (`calibrate --hosts 2 --inter`) to the medians of 3 \
+    runs of `metashard bench comm --dist mpi` with one rank in each of two network namespaces \
+    joined by an unshaped veth pair (OpenMPI 4.1.4, btl self,tcp), F32 at 4 KiB, 64 KiB, \
+    1 MiB and 16 MiB. Another engineer's CPU benchmark held one of the 2 cores during the \
+    run, so the device rates are lower than a quiet full calibration's (docs/planner.md)";
+const SRC_NETNS_FIT: &str = "inter-host fit quality: relative RMS residual 36-37% per \
+    collective (largest 69-72%): one bus bandwidth cannot follow the drop from ~2.3 GB/s at \
+    1 MiB to ~0.6-0.75 GB/s at 16 MiB (three copies of each byte at DRAM speed, see \
+    docs/distributed.md); intra-host fit RMS 3-23%";
+
 // ---- figures -----------------------------------------------------------------------------
 
 /// H100 SXM: 80 GB HBM3 (datasheet).
@@ -120,6 +139,46 @@ const RTX4090_F32_FLOPS: f64 = 0.8 * 82.6e12;
 /// Launch costs of a GPU runtime (SRC_LAUNCH).
 const GPU_NODE_OVERHEAD_S: f64 = 4e-6;
 const GPU_STEP_OVERHEAD_S: f64 = 20e-6;
+
+/// One logical CPU device of `cpu:2x1` on the test machine (SRC_NETNS): rates by weight type
+/// in the order f32, f16, bf16, q8_0, q4_0, q4_1.
+const NETNS_GEMV_BW: [f64; 6] = [12.27e9, 5.01e9, 4.20e9, 6.97e9, 2.33e9, 2.50e9];
+const NETNS_GEMM_FLOPS: [f64; 6] = [32.09e9, 20.18e9, 31.33e9, 36.85e9, 32.47e9, 32.80e9];
+/// Host memory available to each of the 2 devices (`MemAvailable` / 2), bytes.
+const NETNS_MEMORY: u64 = 12_142_381_056;
+const NETNS_MEM_BW: f64 = 3.11e9;
+const NETNS_STEP_OVERHEAD_S: f64 = 10.7e-6;
+const NETNS_NODE_OVERHEAD_S: f64 = 0.29e-6;
+
+fn netns_cpu(name: &str) -> DeviceProfile {
+    let types = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"];
+    let map = |v: [f64; 6]| types.iter().map(|t| t.to_string()).zip(v).collect();
+    DeviceProfile {
+        name: name.to_string(),
+        memory_bytes: NETNS_MEMORY,
+        mem_bw: NETNS_MEM_BW,
+        gemv_bw: map(NETNS_GEMV_BW),
+        gemm_flops: map(NETNS_GEMM_FLOPS),
+        step_overhead_s: NETNS_STEP_OVERHEAD_S,
+        node_overhead_s: NETNS_NODE_OVERHEAD_S,
+    }
+}
+
+/// A level with its own fit per collective: `(alpha at N = 2, bus bandwidth)` for all-reduce,
+/// all-gather and reduce-scatter, as `calibrate` measures them.
+fn measured_level(kind: &str, ar: (f64, f64), ag: (f64, f64), rs: (f64, f64)) -> LinkLevel {
+    let fit = |(alpha, bus_bw): (f64, f64)| CollectiveFit {
+        alpha_s: vec![(2, alpha)],
+        bus_bw,
+    };
+    LinkLevel {
+        kind: kind.to_string(),
+        all_reduce: fit(ar),
+        all_gather: fit(ag),
+        reduce_scatter: fit(rs),
+        broadcast: None,
+    }
+}
 
 /// A GPU whose GEMV rates follow from its copy bandwidth and whose GEMM rates are the BF16
 /// figure for 16-bit and quantized weights (see the module doc).
@@ -274,6 +333,34 @@ impl Cluster {
                     SRC_DERIVED,
                 ]),
             }),
+            "cpu2x2-netns" => Some(Cluster {
+                name: "cpu2x2-netns".into(),
+                description: "2 simulated hosts (network namespaces on the test machine) of 2 \
+                              logical CPU devices each: host memory inside a host, TCP over a \
+                              veth pair between hosts (scripts/two_hosts.sh)"
+                    .into(),
+                devices: (0..4)
+                    .map(|i| netns_cpu(&format!("h{}.cpu{}", i / 2, i % 2)))
+                    .collect(),
+                links: Links {
+                    devices_per_node: 2,
+                    // calibrate's fits of the in-process communicator (SRC_NETNS).
+                    intra: measured_level(
+                        "host memory (in-process CpuCommunicator)",
+                        (0.219e-6, 45.98e9),
+                        (0.248e-6, 17.91e9),
+                        (0.217e-6, 21.53e9),
+                    ),
+                    // bench comm over the veth, fitted (SRC_NETNS, SRC_NETNS_FIT).
+                    inter: Some(measured_level(
+                        "veth between two network namespaces, TCP (MPI btl tcp), unshaped",
+                        (11.90e-6, 2.384e9),
+                        (5.85e-6, 2.105e9),
+                        (5.94e-6, 2.122e9),
+                    )),
+                },
+                sources: strings(&[SRC_NETNS, SRC_NETNS_FIT, SRC_RING]),
+            }),
             _ => None,
         }
     }
@@ -301,6 +388,44 @@ mod tests {
         assert_eq!(
             Cluster::preset(" H100x8-NVSwitch ").unwrap().name,
             "h100x8-nvswitch"
+        );
+    }
+
+    #[test]
+    fn cpu2x2_netns_prices_collectives_across_hosts_on_the_inter_level() {
+        use crate::planner::report::split_fn;
+        use crate::planner::{ModelShape, Strategy, Workload, evaluate};
+        let c = Cluster::preset("cpu2x2-netns").unwrap();
+        assert_eq!((c.n_devices(), c.links.devices_per_node), (4, 2));
+        let inter = c.links.inter.clone().expect("two levels");
+        let mut flat = c.clone();
+        flat.links.inter = None;
+        let shape = ModelShape::preset("smollm2-135m").unwrap();
+        let split = Strategy::Megatron.split(shape.n_layer()).unwrap();
+        let w = Workload::parse("pp=16,tg=8,ctx=128").unwrap();
+        let decode = |c: &Cluster| {
+            let e = evaluate(&shape, split_fn(&shape, &split), c, &w).unwrap();
+            e.decode.expect("a decode step")
+        };
+        // On 4 devices every all-reduce crosses the veth: each pays at least its latency
+        // there on top of what one level of host memory would cost.
+        let (two, one) = (decode(&c), decode(&flat));
+        let n = two
+            .collectives
+            .iter()
+            .find(|x| x.kind == "all-reduce")
+            .map_or(0, |x| x.count);
+        assert!(n >= 2 * shape.n_layer(), "{:?}", two.collectives);
+        let floor = one.comm_s + n as f64 * inter.all_reduce.alpha(2);
+        assert!(two.comm_s >= floor, "{} < {floor}", two.comm_s);
+        // On the 2 devices of one host nothing crosses: the same as host memory alone.
+        let (host, host_flat) = (decode(&c.take(2)), decode(&flat.take(2)));
+        assert_eq!(host.comm_s, host_flat.comm_s);
+        assert!(
+            host.comm_s < two.comm_s / 10.0,
+            "{} vs {}",
+            host.comm_s,
+            two.comm_s
         );
     }
 

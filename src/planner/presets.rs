@@ -103,17 +103,17 @@ const SRC_DERIVED: &str = "derived (assumptions of this preset): memory budget 9
     FP32 GEMM 80% of the non-tensor FP32 peak";
 
 const SRC_NETNS: &str = "measured on this project's test machine (AMD EPYC, 2 logical CPUs \
-    under KVM, Linux 6.18) on 2026-11-24 with `scripts/two_hosts.sh bench`, which writes the \
+    under KVM, Zen 2, Linux 6.18) on 2026-11-24 with `scripts/two_hosts.sh bench`, which writes the \
     same figures as target/two-hosts/cluster-netns.json: devices and the intra-host level by \
     `metashard calibrate --devices cpu:2x1 --quick` (in-process CpuCommunicator on pinned \
     workers), the inter-host level fitted (`calibrate --hosts 2 --inter`) to the medians of 3 \
     runs of `metashard bench comm --dist mpi` with one rank in each of two network namespaces \
     joined by an unshaped veth pair (OpenMPI 4.1.4, btl self,tcp), F32 at 4 KiB, 64 KiB, \
-    1 MiB and 16 MiB. Another engineer's CPU benchmark held one of the 2 cores during the \
-    run, so the device rates are lower than a quiet full calibration's (docs/planner.md)";
-const SRC_NETNS_FIT: &str = "inter-host fit quality: relative RMS residual 36-37% per \
-    collective (largest 69-72%): one bus bandwidth cannot follow the drop from ~2.3 GB/s at \
-    1 MiB to ~0.6-0.75 GB/s at 16 MiB (three copies of each byte at DRAM speed, see \
+    1 MiB and 16 MiB, on a quiet machine (a first run under load measured half these device \
+    rates)";
+const SRC_NETNS_FIT: &str = "inter-host fit quality: relative RMS residual 23-26% per \
+    collective (largest 42-47%): one bus bandwidth cannot follow the drop from ~2.5 GB/s at \
+    1 MiB to ~1.2-1.4 GB/s at 16 MiB (three copies of each byte at DRAM speed, see \
     docs/distributed.md); intra-host fit RMS 3-23%";
 
 // ---- figures -----------------------------------------------------------------------------
@@ -142,13 +142,13 @@ const GPU_STEP_OVERHEAD_S: f64 = 20e-6;
 
 /// One logical CPU device of `cpu:2x1` on the test machine (SRC_NETNS): rates by weight type
 /// in the order f32, f16, bf16, q8_0, q4_0, q4_1.
-const NETNS_GEMV_BW: [f64; 6] = [12.27e9, 5.01e9, 4.20e9, 6.97e9, 2.33e9, 2.50e9];
-const NETNS_GEMM_FLOPS: [f64; 6] = [32.09e9, 20.18e9, 31.33e9, 36.85e9, 32.47e9, 32.80e9];
+const NETNS_GEMV_BW: [f64; 6] = [15.40e9, 13.83e9, 13.14e9, 12.21e9, 4.75e9, 5.66e9];
+const NETNS_GEMM_FLOPS: [f64; 6] = [77.65e9, 44.15e9, 71.71e9, 75.03e9, 70.90e9, 76.60e9];
 /// Host memory available to each of the 2 devices (`MemAvailable` / 2), bytes.
-const NETNS_MEMORY: u64 = 12_142_381_056;
-const NETNS_MEM_BW: f64 = 3.11e9;
-const NETNS_STEP_OVERHEAD_S: f64 = 10.7e-6;
-const NETNS_NODE_OVERHEAD_S: f64 = 0.29e-6;
+const NETNS_MEMORY: u64 = 12_242_864_128;
+const NETNS_MEM_BW: f64 = 7.03e9;
+const NETNS_STEP_OVERHEAD_S: f64 = 48.1e-6;
+const NETNS_NODE_OVERHEAD_S: f64 = 0.44e-6;
 
 fn netns_cpu(name: &str) -> DeviceProfile {
     let types = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"];
@@ -347,16 +347,16 @@ impl Cluster {
                     // calibrate's fits of the in-process communicator (SRC_NETNS).
                     intra: measured_level(
                         "host memory (in-process CpuCommunicator)",
-                        (0.219e-6, 45.98e9),
-                        (0.248e-6, 17.91e9),
-                        (0.217e-6, 21.53e9),
+                        (0.225e-6, 47.81e9),
+                        (0.272e-6, 19.44e9),
+                        (0.245e-6, 26.70e9),
                     ),
                     // bench comm over the veth, fitted (SRC_NETNS, SRC_NETNS_FIT).
                     inter: Some(measured_level(
                         "veth between two network namespaces, TCP (MPI btl tcp), unshaped",
-                        (11.90e-6, 2.384e9),
-                        (5.85e-6, 2.105e9),
-                        (5.94e-6, 2.122e9),
+                        (12.42e-6, 2.482e9),
+                        (6.05e-6, 2.239e9),
+                        (6.18e-6, 2.257e9),
                     )),
                 },
                 sources: strings(&[SRC_NETNS, SRC_NETNS_FIT, SRC_RING]),

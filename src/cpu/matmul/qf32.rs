@@ -16,8 +16,10 @@
 //!   with two `vpermps` indexed by the nibbles (the instruction uses the low 4 bits of each
 //!   index lane, so the low nibbles need no masking); Q8_0 widens the bytes and converts them.
 //!   Tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1} otherwise.
-//! - AVX2 + FMA + F16C: nibbles widened to i32, converted, scaled with one FMA per 8 weights;
-//!   a Q8_0 matrix-vector product scales each half block's dot product instead (as AVX-512).
+//! - AVX2 + FMA + F16C: nibbles widened to i32, converted, scaled with one FMA per 8 weights.
+//!   Matrix-vector products (M = 1) scale the block's dot product with the integer quants
+//!   instead (Q8_0 `q`, Q4_0 `q - 8` as signed bytes, Q4_1 `q` plus `m * sum(x)`), so no
+//!   dequantized weights stay live and the 4-row tile fits the 16 registers.
 //!   Tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise (two accumulators per output).
 //! - Scalar: a block dequantized into 32 floats, then dotted with each activation row.
 
@@ -433,14 +435,72 @@ mod avx2 {
         } else {
             l2_stream::<RN>(ldw, nblk)
         };
+        let mask = _mm_set1_epi8(0x0f);
         for blk in 0..nblk {
             for i in 0..lps {
                 prefetch_l2(w.wrapping_add(ah + (blk * lps + i) * 64));
             }
+            // Q4_1 matrix-vector products: the block's activation sum (lane-wise), for the
+            // min term `m * sum(x)`.
+            let sx = if WQ == Q4_1 && late_scale {
+                // SAFETY: 32 floats of block blk of activation row 0.
+                unsafe {
+                    let p = x.add(blk * QK);
+                    _mm256_add_ps(
+                        _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))),
+                        _mm256_add_ps(_mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))),
+                    )
+                }
+            } else {
+                _mm256_setzero_ps()
+            };
             for (r, accr) in acc.iter_mut().enumerate() {
                 // SAFETY: block blk of weight row r.
                 let wb = unsafe { w.add(r * ldw + blk * bs) };
                 prefetch(wb.wrapping_add(pf));
+                if WQ != Q8_0 && late_scale {
+                    // Q4 matrix-vector product: the dot product with the integer quants
+                    // (`q - 8` for Q4_0, as signed bytes), scaled once per block, plus
+                    // `m * sum(x)` for Q4_1; no dequantized weights live across the block,
+                    // so the 4-row tile keeps everything in registers.
+                    // SAFETY: the block's header and 16 quant bytes; 32 activations.
+                    unsafe {
+                        let qs = _mm_loadu_si128(wb.add(if WQ == Q4_0 { 2 } else { 4 }).cast());
+                        let mut lo = _mm_and_si128(qs, mask);
+                        let mut hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
+                        if WQ == Q4_0 {
+                            let eight = _mm_set1_epi8(8);
+                            lo = _mm_sub_epi8(lo, eight);
+                            hi = _mm_sub_epi8(hi, eight);
+                        }
+                        let f = |v: __m128i| {
+                            _mm256_cvtepi32_ps(if WQ == Q4_0 {
+                                _mm256_cvtepi8_epi32(v)
+                            } else {
+                                _mm256_cvtepu8_epi32(v)
+                            })
+                        };
+                        let xp = x.add(blk * QK);
+                        let xv = |i: usize| _mm256_loadu_ps(xp.add(8 * i));
+                        let t0 = _mm256_fmadd_ps(
+                            f(_mm_srli_si128::<8>(lo)),
+                            xv(1),
+                            _mm256_mul_ps(f(lo), xv(0)),
+                        );
+                        let t1 = _mm256_fmadd_ps(
+                            f(_mm_srli_si128::<8>(hi)),
+                            xv(3),
+                            _mm256_mul_ps(f(hi), xv(2)),
+                        );
+                        let a = &mut accr[0];
+                        let dv = _mm256_set1_ps(tab.get(wb));
+                        a[0] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), dv, a[0]);
+                        if WQ == Q4_1 {
+                            a[1] = _mm256_fmadd_ps(sx, _mm256_set1_ps(tab.get(wb.add(2))), a[1]);
+                        }
+                    }
+                    continue;
+                }
                 if WQ == Q8_0 && late_scale {
                     // The block's dot products with the integer quants, scaled once per 16
                     // weights: 3 operations per 8 weights where scaling them first takes 4

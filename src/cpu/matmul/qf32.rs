@@ -195,6 +195,49 @@ unsafe fn scalar_block<const WQ: u8>(b: &QF32Block) {
 #[cfg(target_arch = "x86_64")]
 const L2_STREAM_MAX_ROW: usize = 4096;
 
+/// `short_tile` and `long_tile` of a level's module: its `tile` with and without the L2 stream
+/// (`LONG`), compiled for the level's features (`$feat`).
+#[cfg(target_arch = "x86_64")]
+macro_rules! row_length_tiles {
+    ($feat:literal) => {
+        /// [`tile`] for rows of at most [`L2_STREAM_MAX_ROW`] bytes (with the L2 stream).
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn short_tile<const WQ: u8, const RN: usize, const RM: usize>(
+            w: *const u8,
+            ldw: usize,
+            x: *const f32,
+            ldx: usize,
+            d: *mut f32,
+            ldd: usize,
+            nblk: usize,
+            tab: F16Tab,
+            late_scale: bool,
+        ) {
+            // SAFETY: forwarded caller guarantees.
+            unsafe { tile::<WQ, RN, RM, false>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale) }
+        }
+
+        /// [`tile`] for longer rows (without the L2 stream).
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn long_tile<const WQ: u8, const RN: usize, const RM: usize>(
+            w: *const u8,
+            ldw: usize,
+            x: *const f32,
+            ldx: usize,
+            d: *mut f32,
+            ldd: usize,
+            nblk: usize,
+            tab: F16Tab,
+            late_scale: bool,
+        ) {
+            // SAFETY: forwarded caller guarantees.
+            unsafe { tile::<WQ, RN, RM, true>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale) }
+        }
+    };
+}
+
 /// Prefetch distance of an `RN`-row tile.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -308,41 +351,7 @@ mod avx512 {
         }
     }
 
-    /// [`tile`] for rows of at most [`L2_STREAM_MAX_ROW`] bytes (with the L2 stream).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn short_tile<const WQ: u8, const RN: usize, const RM: usize>(
-        w: *const u8,
-        ldw: usize,
-        x: *const f32,
-        ldx: usize,
-        d: *mut f32,
-        ldd: usize,
-        nblk: usize,
-        tab: F16Tab,
-        late_scale: bool,
-    ) {
-        // SAFETY: forwarded caller guarantees.
-        unsafe { tile::<WQ, RN, RM, false>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale) }
-    }
-
-    /// [`tile`] for longer rows (without the L2 stream).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn long_tile<const WQ: u8, const RN: usize, const RM: usize>(
-        w: *const u8,
-        ldw: usize,
-        x: *const f32,
-        ldx: usize,
-        d: *mut f32,
-        ldd: usize,
-        nblk: usize,
-        tab: F16Tab,
-        late_scale: bool,
-    ) {
-        // SAFETY: forwarded caller guarantees.
-        unsafe { tile::<WQ, RN, RM, true>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale) }
-    }
+    row_length_tiles!("avx512f,avx512bw,avx512vl,avx2,fma,f16c");
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn block<const WQ: u8>(b: &QF32Block, tab: F16Tab) {
@@ -538,41 +547,7 @@ mod avx2 {
         }
     }
 
-    /// [`tile`] for rows of at most [`L2_STREAM_MAX_ROW`] bytes (with the L2 stream).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn short_tile<const WQ: u8, const RN: usize, const RM: usize>(
-        w: *const u8,
-        ldw: usize,
-        x: *const f32,
-        ldx: usize,
-        d: *mut f32,
-        ldd: usize,
-        nblk: usize,
-        tab: F16Tab,
-        late_scale: bool,
-    ) {
-        // SAFETY: forwarded caller guarantees.
-        unsafe { tile::<WQ, RN, RM, false>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale) }
-    }
-
-    /// [`tile`] for longer rows (without the L2 stream).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn long_tile<const WQ: u8, const RN: usize, const RM: usize>(
-        w: *const u8,
-        ldw: usize,
-        x: *const f32,
-        ldx: usize,
-        d: *mut f32,
-        ldd: usize,
-        nblk: usize,
-        tab: F16Tab,
-        late_scale: bool,
-    ) {
-        // SAFETY: forwarded caller guarantees.
-        unsafe { tile::<WQ, RN, RM, true>(w, ldw, x, ldx, d, ldd, nblk, tab, late_scale) }
-    }
+    row_length_tiles!("avx2,fma,f16c");
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const WQ: u8>(b: &QF32Block, tab: F16Tab) {

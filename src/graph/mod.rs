@@ -141,6 +141,23 @@ impl Graph {
         self.nodes.is_empty()
     }
 
+    /// The distinct buffers this graph's storage is bound to, held weakly: a cached plan for the
+    /// graph is valid while every one of them is alive (the meta backend and the scheduler drop
+    /// plans whose buffers were freed).
+    pub fn bound_buffers(&self) -> Vec<std::sync::Weak<dyn crate::buffer::Buffer>> {
+        let mut bound: Vec<std::sync::Weak<dyn crate::buffer::Buffer>> = Vec::new();
+        for n in self.nodes() {
+            if let Some(st) = &n.storage
+                && !bound
+                    .iter()
+                    .any(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&st.buffer)))
+            {
+                bound.push(Arc::downgrade(&st.buffer));
+            }
+        }
+        bound
+    }
+
     pub fn nodes(&self) -> &[Node] {
         &self.nodes
     }

@@ -255,7 +255,7 @@ impl MetaBackend {
         self.graphs_prepared.fetch_add(1, Ordering::Relaxed);
         Ok(Arc::new(Prepared {
             key,
-            bound: bound_buffers(g),
+            bound: g.bound_buffers(),
             sharding,
             runs,
             stage_names,
@@ -435,21 +435,6 @@ fn register_outputs(
         offset += rl.nbytes().next_multiple_of(64).max(64);
     }
     Ok((outputs, out_roots))
-}
-
-/// The distinct buffers `g`'s storage is bound to, held weakly (see `Prepared::bound`).
-fn bound_buffers(g: &Graph) -> Vec<std::sync::Weak<dyn Buffer>> {
-    let mut bound: Vec<std::sync::Weak<dyn Buffer>> = Vec::new();
-    for n in g.nodes() {
-        if let Some(st) = &n.storage
-            && !bound
-                .iter()
-                .any(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&st.buffer)))
-        {
-            bound.push(Arc::downgrade(&st.buffer));
-        }
-    }
-    bound
 }
 
 /// A stage in words, for errors.

@@ -56,6 +56,7 @@ pub use split::{CopyFrom, CopyIn, Split, Splits};
 
 use crate::backend::{Backend, Device, DeviceKind};
 use crate::buffer::{Buffer, BufferType, Storage};
+use crate::cpu::CpuBufferType;
 use crate::graph::{Graph, TensorId};
 use crate::{Error, Result};
 use parking_lot::Mutex;
@@ -243,7 +244,7 @@ impl Sched {
             assignment,
             splits,
             key,
-            bound: bound_buffers(g),
+            bound: g.bound_buffers(),
             description,
         })
     }
@@ -316,7 +317,9 @@ impl Sched {
                     let layout = *lg.layout(l);
                     let mut bytes = vec![0u8; layout.nbytes()];
                     local.get(&layout, &mut bytes)?;
-                    let buf = buffer::ResultBufferType.alloc_buffer(bytes.len().max(1))?;
+                    // Host memory holds any backend's output (a meta device's buffers hold
+                    // only tensors placed through its split callback).
+                    let buf = CpuBufferType.alloc_buffer(bytes.len())?;
                     let dst = Storage::new(buf, 0);
                     dst.set(&layout, &bytes)?;
                     dst
@@ -340,21 +343,6 @@ impl Sched {
         }
         Ok(())
     }
-}
-
-/// The distinct buffers `g`'s storage is bound to, held weakly.
-fn bound_buffers(g: &Graph) -> Vec<Weak<dyn Buffer>> {
-    let mut bound: Vec<Weak<dyn Buffer>> = Vec::new();
-    for n in g.nodes() {
-        if let Some(st) = &n.storage
-            && !bound
-                .iter()
-                .any(|w| std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&st.buffer)))
-        {
-            bound.push(Arc::downgrade(&st.buffer));
-        }
-    }
-    bound
 }
 
 impl Backend for Sched {

@@ -12,25 +12,12 @@ use expect_test::expect_file;
 use metashard::meta::{ConversionKind, MetaDevice, MetaOptions, SplitPolicy};
 use metashard::models::decoder::{DecoderConfig, StepInput, build_step};
 use metashard::models::split::{SplitOptions, megatron, policy};
-use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
-use metashard::op::RopeMode;
+use metashard::models::synthetic::{alloc_kv_cache, random_decoder, small_config};
 use metashard::planner::Strategy;
 use metashard::{DType, Device, Graph, parse_devices};
 
 fn cfg(n_layer: usize) -> DecoderConfig {
-    DecoderConfig {
-        n_layer,
-        n_embd: 64,
-        n_ff: 128,
-        n_head: 4,
-        n_head_kv: 2,
-        n_vocab: 32,
-        rms_eps: 1e-5,
-        rope_base: 10000.0,
-        rope_mode: RopeMode::Normal,
-        rope_dims: 16,
-        fused_attn: false,
-    }
+    small_config(n_layer)
 }
 
 /// The sharding of a step of `tokens` tokens (logits for the last) of `cfg` on cpu:2x1.

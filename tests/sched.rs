@@ -14,27 +14,14 @@ use metashard::graph::{Graph, TensorId};
 use metashard::meta::MetaDevice;
 use metashard::models::decoder::{DecoderConfig, DecoderWeights, KvCache, StepInput, build_step};
 use metashard::models::split::{SplitOptions, megatron};
-use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
-use metashard::op::RopeMode;
+use metashard::models::synthetic::{alloc_kv_cache, random_decoder, small_config};
 use metashard::sched::{Cause, CopyFrom, EvalCallback, PlaceFn, Sched, compare_graph_backend};
 use metashard::{DType, Error, Result, parse_devices};
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 fn cfg(n_layer: usize) -> DecoderConfig {
-    DecoderConfig {
-        n_layer,
-        n_embd: 64,
-        n_ff: 128,
-        n_head: 4,
-        n_head_kv: 2,
-        n_vocab: 32,
-        rms_eps: 1e-5,
-        rope_base: 10000.0,
-        rope_mode: RopeMode::Normal,
-        rope_dims: 16,
-        fused_attn: false,
-    }
+    small_config(n_layer)
 }
 
 /// A CPU device that refuses the ops named in `refuses` (and says so when asked to run them).

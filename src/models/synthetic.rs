@@ -101,6 +101,24 @@ pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// A small grouped-query decoder for tests: width 64, 4 heads over 2 KV heads of 16, FFN 128,
+/// vocabulary 32, `n_layer` layers.
+pub fn small_config(n_layer: usize) -> DecoderConfig {
+    DecoderConfig {
+        n_layer,
+        n_embd: 64,
+        n_ff: 128,
+        n_head: 4,
+        n_head_kv: 2,
+        n_vocab: 32,
+        rms_eps: 1e-5,
+        rope_base: 10000.0,
+        rope_mode: crate::op::RopeMode::Normal,
+        rope_dims: 16,
+        fused_attn: false,
+    }
+}
+
 /// A decoder with random weights placed in `bt`: norms near 1, matrices scaled by 1/sqrt(K).
 pub fn random_decoder(
     cfg: &DecoderConfig,

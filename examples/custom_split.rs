@@ -13,8 +13,10 @@ use metashard::devices::DeviceSet;
 use metashard::meta::MetaOptions;
 use metashard::meta::{ConversionKind, SplitFn, TensorInfo};
 use metashard::models::decoder::{StepInput, build_step};
-use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, generate};
+use metashard::models::loader::DecoderModel;
 use metashard::models::paths::{ModelPath, resolve};
+use metashard::models::sampler::{Sampler, SamplerConfig, generate};
+use metashard::models::session::Session;
 use metashard::split_state::{Granularity, SplitState, split_ratios};
 use metashard::tokenizer::{ChatMessage, Tokenizer};
 use std::sync::Arc;
@@ -48,7 +50,7 @@ pub fn run(devices: &str, prompt: &str, n: usize) -> metashard::Result<(String, 
     let set = DeviceSet::open(devices, Precision::Exact, MetaOptions::default(), |_| {
         mlp_only()
     })?;
-    let model = LlamaModel::load(&path, set.buffer_type.as_ref(), &|_, _| {})?;
+    let model = DecoderModel::load(&path, set.buffer_type.as_ref(), &|_, _| {})?;
     let chat = model.chat.as_ref().expect("SmolLM2 has a chat template");
     let text = chat.render(&[ChatMessage::new("user", prompt)], true)?;
     let tokens = model.tokenizer.encode(&text, true)?;

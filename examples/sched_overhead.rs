@@ -15,8 +15,10 @@
 use metashard::backend::{Backend, Device};
 use metashard::graph::Graph;
 use metashard::models::layer_split::placement;
-use metashard::models::llama::{LlamaModel, Session, argmax};
+use metashard::models::loader::DecoderModel;
 use metashard::models::paths::{ModelPath, resolve};
+use metashard::models::sampler::argmax;
+use metashard::models::session::Session;
 use metashard::sched::Sched;
 use metashard::{Error, Result, parse_devices};
 use std::sync::Arc;
@@ -86,7 +88,7 @@ pub fn run(blocks: usize, steps: usize) -> Result<Vec<Row>> {
     let none = &|_: usize, _: usize| {};
     // Plain: the device's backend, timed.
     let plain = Timed::new(dev.init_backend()?);
-    let m = LlamaModel::load(&path, dev.buffer_type().as_ref(), none)?;
+    let m = DecoderModel::load(&path, dev.buffer_type().as_ref(), none)?;
     // The scheduler over a backend of the same device, with the same weights.
     let inner_b = Timed::new(dev.init_backend()?);
     let outer_b = Timed::new(Sched::new(vec![inner_b.clone()])?);
@@ -97,7 +99,7 @@ pub fn run(blocks: usize, steps: usize) -> Result<Vec<Row>> {
     let layers = 0..m.cfg.n_layer;
     let bt_c = sched_c.buffer_type(placement(std::slice::from_ref(&layers)));
     let outer_c = Timed::new(sched_c);
-    let mc = LlamaModel::load(&path, bt_c.as_ref(), none)?;
+    let mc = DecoderModel::load(&path, bt_c.as_ref(), none)?;
     let ctx = 8 + steps + 2;
     let bt = dev.buffer_type();
     type Config<'a> = (&'static str, Session<'a>, Arc<Timed>, Option<Arc<Timed>>);

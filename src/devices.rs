@@ -122,30 +122,6 @@ impl DeviceSet {
         self.devices.iter().map(|d| d.name()).collect()
     }
 
-    /// The scheduler over `devices` for a layer or hybrid split of a decoder of `cfg` (see
-    /// `models::layer_split`), with `precision` for products of quantized weights.
-    pub fn open_layered(
-        spec: &str,
-        precision: Precision,
-        options: MetaOptions,
-        cfg: &crate::models::decoder::DecoderConfig,
-        mode: crate::models::layer_split::SplitMode,
-        shares: Option<&[f64]>,
-        groups: usize,
-    ) -> Result<DeviceSet> {
-        let devices = parse_devices_with(spec, CpuOptions { precision })?;
-        let l = crate::models::layer_split::open(cfg, &devices, mode, shares, groups, options)?;
-        Ok(DeviceSet {
-            spec: spec.to_string(),
-            backend: l.sched.clone(),
-            buffer_type: l.buffer_type,
-            devices,
-            meta: None,
-            sched: Some((l.sched, l.groups)),
-            rank: None,
-        })
-    }
-
     /// Bytes per device held by `buffers` (split buffers count each device's slices; a
     /// scheduler's buffer counts each tensor on the devices of its backend).
     pub fn bytes_per_device(&self, buffers: &[&Arc<dyn Buffer>]) -> Vec<usize> {

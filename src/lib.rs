@@ -19,6 +19,7 @@ pub mod meta;
 pub mod models;
 pub mod op;
 pub mod planner;
+pub mod runtime;
 pub mod sched;
 pub mod split_state;
 pub mod tensor;

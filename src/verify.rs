@@ -8,7 +8,9 @@ use crate::devices::DeviceSet;
 use crate::graph::Graph;
 use crate::meta::MetaDevice;
 use crate::models::decoder::{StepInput, build_step};
-use crate::models::llama::{LlamaModel, Session, argmax};
+use crate::models::loader::DecoderModel;
+use crate::models::sampler::argmax;
+use crate::models::session::Session;
 use crate::sched::{Sched, compare_graph_sched};
 use crate::{Error, Result};
 use std::path::Path;
@@ -30,7 +32,7 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 /// Prompt logits and `steps` greedy tokens. The prompt and the steps must fit the model's
 /// context: an [`Error::InvalidArgument`] naming `steps` otherwise.
 pub fn greedy(
-    m: &LlamaModel,
+    m: &DecoderModel,
     set: &DeviceSet,
     prompt: &[u32],
     steps: usize,
@@ -55,14 +57,14 @@ pub fn greedy(
 
 /// The most greedy steps after a prompt of `prompt_len` tokens in the model's context (`None`
 /// when the prompt alone fills it).
-pub fn max_steps(m: &LlamaModel, prompt_len: usize) -> Option<usize> {
+pub fn max_steps(m: &DecoderModel, prompt_len: usize) -> Option<usize> {
     m.context_length
         .checked_sub(prompt_len)
         .filter(|_| prompt_len > 0)
 }
 
 /// The error for `steps` (named `name`, e.g. `--steps`) that do not fit after the prompt.
-pub fn steps_error(m: &LlamaModel, prompt_len: usize, name: &str, steps: usize) -> Error {
+pub fn steps_error(m: &DecoderModel, prompt_len: usize, name: &str, steps: usize) -> Error {
     let reason = match max_steps(m, prompt_len) {
         Some(max) => format!(
             "the prompt ({prompt_len} tokens) and the steps must fit the model's context of {} \
@@ -138,13 +140,13 @@ pub struct NodeDiff {
 /// in graph order, through [`compare_graph_sched`] (`compare_graph_backend`); and the first node whose NMSE exceeds
 /// `bound`. Any two device sets work: one device, a meta device, a layer split.
 pub fn compare_nodes(
-    a: (&LlamaModel, &DeviceSet),
-    b: (&LlamaModel, &DeviceSet),
+    a: (&DecoderModel, &DeviceSet),
+    b: (&DecoderModel, &DeviceSet),
     prompt: &[u32],
     bound: f64,
 ) -> Result<(Vec<NodeDiff>, Option<NodeDiff>)> {
     // The graph holds the cache's storage, so the session may go.
-    let build = |m: &LlamaModel, set: &DeviceSet| -> Result<Graph> {
+    let build = |m: &DecoderModel, set: &DeviceSet| -> Result<Graph> {
         let s = Session::new(
             m,
             set.backend.clone(),

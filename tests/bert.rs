@@ -5,9 +5,10 @@
 //! command end to end.
 
 use metashard::meta::{ConversionKind, MetaDevice};
-use metashard::models::bert::{BertConfig, BertEncoder, build_graph, cosine};
-use metashard::models::bert_split::{BertRole, bert_role, bert_split};
+use metashard::models::arch::{Naming, Tensor};
+use metashard::models::bert::{BertConfig, BertEncoder, bert_split, build_graph, cosine};
 use metashard::models::paths::models_dir;
+use metashard::runtime::open_encoder;
 use metashard::split_state::{SplitAxis, SplitState};
 use metashard::tensor::Layout;
 use metashard::{DType, Device, parse_devices};
@@ -99,7 +100,7 @@ fn one_device() -> Vec<Arc<dyn Device>> {
 #[test]
 fn embeddings_match_the_numpy_reference_in_one_padded_batch() {
     let texts = sentences();
-    let enc = BertEncoder::load(minilm_dir(), one_device()).unwrap();
+    let enc = open_encoder(minilm_dir(), one_device(), None).unwrap();
     let got = enc.embed(&texts).unwrap();
     let b = &got.encoding;
     // Padding is exercised: lengths differ, the batch is padded to the longest.
@@ -151,7 +152,7 @@ fn meta_devices_match_one_device_with_two_all_reduces_per_layer() {
         "A man is eating food.",
         "Heads split over devices.",
     ];
-    let single = BertEncoder::load(minilm_dir(), one_device())
+    let single = open_encoder(minilm_dir(), one_device(), None)
         .unwrap()
         .embed(&texts)
         .unwrap();
@@ -300,8 +301,8 @@ fn split_callback_keeps_whole_heads_and_rotates_the_remainder() {
         );
     }
     assert_eq!(
-        bert_role("bert.encoder.layer.3.intermediate.dense.bias"),
-        (BertRole::InterBias, 3)
+        Naming::HfBert.parse("bert.encoder.layer.3.intermediate.dense.bias"),
+        Some((Tensor::FfnUpBias, Some(3)))
     );
     // A tensor whose shape disagrees with the config is refused, naming it.
     let f = bert_split(&cfg);
@@ -352,7 +353,7 @@ impl Drop for Scratch {
 }
 
 fn load_err(dir: &Path) -> String {
-    match BertEncoder::load(dir, one_device()) {
+    match open_encoder(dir, one_device(), None) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e.to_string(),
     }
@@ -447,7 +448,7 @@ fn embed_command_prints_json_and_a_summary() {
     }
     // Same numbers as the library on one device in one batch; paraphrases are closer than
     // unrelated text.
-    let want = BertEncoder::load(minilm_dir(), one_device())
+    let want = open_encoder(minilm_dir(), one_device(), None)
         .unwrap()
         .embed(&texts)
         .unwrap();

@@ -2,15 +2,15 @@
 //! applies to an encoder (all but `auto` and `sequence-parallel`), on cpu:2x1 and cpu:3x1,
 //! the embeddings equal the single device's, each device holds exactly the weight bytes the
 //! strategy implies, and the meta backend communicates what it implies (all-reduces per split
-//! part); the per-layer callback `bert_by_layer` (which tensors each flag splits, ratios,
+//! part); the per-layer callback `by_layer` (which tensors each flag splits, ratios,
 //! `output` ignored, `bert_split` as its every-layer case); `metashard embed --strategy`.
 
 use metashard::meta::{ConversionKind, MetaDevice, TensorInfo};
-use metashard::models::bert::{BertConfig, BertEncoder, build_graph, cosine, weight_layouts};
-use metashard::models::bert_split::{bert_by_layer, bert_split};
+use metashard::models::bert::{BertConfig, bert_split, build_graph, cosine, weight_layouts};
 use metashard::models::paths::models_dir;
-use metashard::models::split::{DecoderSplit, LayerSplit};
+use metashard::models::split::{DecoderSplit, LayerSplit, by_layer};
 use metashard::planner::Strategy;
+use metashard::runtime::open_encoder;
 use metashard::split_state::SplitState;
 use metashard::tensor::Layout;
 use metashard::{DType, Error, parse_devices};
@@ -89,7 +89,7 @@ fn every_encoder_strategy_equals_one_device_and_holds_the_bytes_it_implies() {
         .iter()
         .map(|(_, l)| tensor_bytes(l))
         .sum();
-    let single = BertEncoder::load(minilm_dir(), parse_devices("cpu:1x1").unwrap()).unwrap();
+    let single = open_encoder(minilm_dir(), parse_devices("cpu:1x1").unwrap(), None).unwrap();
     let want = single.embed(&TEXTS).unwrap();
     assert!(want.encoding.lengths.iter().min() < want.encoding.lengths.iter().max());
     let one = single.weight_bytes_per_device();
@@ -101,7 +101,7 @@ fn every_encoder_strategy_equals_one_device_and_holds_the_bytes_it_implies() {
         let mut held = Vec::new();
         for (s, split) in encoder_strategies(cfg.n_layer) {
             let name = s.name();
-            let enc = BertEncoder::load_with(
+            let enc = open_encoder(
                 minilm_dir(),
                 parse_devices(devices).unwrap(),
                 Some(split.clone()),
@@ -202,13 +202,13 @@ fn bert_by_layer_splits_what_each_flag_names() {
     let mut megatron = Strategy::Megatron.split(cfg.n_layer).unwrap();
     assert!(megatron.output && !megatron.embedding);
     let builtin = bert_split(&cfg);
-    let by_layer = bert_by_layer(&cfg, megatron.clone());
+    let per_layer = by_layer(&cfg, megatron.clone());
     megatron.output = false;
-    let no_output = bert_by_layer(&cfg, megatron);
+    let no_output = by_layer(&cfg, megatron);
     for n in [1, 2, 3, 5, 13] {
         for (name, l) in &names {
             let want = state(&builtin, name, l.ne, n);
-            assert_eq!(state(&by_layer, name, l.ne, n), want, "{name} N={n}");
+            assert_eq!(state(&per_layer, name, l.ne, n), want, "{name} N={n}");
             assert_eq!(state(&no_output, name, l.ne, n), want, "{name} N={n}");
         }
     }
@@ -226,7 +226,7 @@ fn bert_by_layer_splits_what_each_flag_names() {
     );
     split.layers[0].attention = true;
     split.layers[1].mlp = true;
-    let f = bert_by_layer(&cfg, split.clone());
+    let f = by_layer(&cfg, split.clone());
     let q0 = state(
         &f,
         "encoder.layer.0.attention.self.query.weight",
@@ -295,7 +295,7 @@ fn bert_by_layer_splits_what_each_flag_names() {
 
     // Ratios share heads, 32s and vocabulary rows.
     split.ratios = Some(vec![3.0, 1.0]);
-    let f = bert_by_layer(&cfg, split.clone());
+    let f = by_layer(&cfg, split.clone());
     let q0 = state(
         &f,
         "encoder.layer.0.attention.self.query.weight",

@@ -6,9 +6,11 @@
 
 use metashard::cpu::Precision;
 use metashard::models::bert::BertEncoder;
-use metashard::models::open::{OpenOptions, PromptOptions, open_decoder, prompt_tokens};
 use metashard::models::paths::models_dir;
+use metashard::models::prompt::{PromptOptions, prompt_tokens};
 use metashard::parse_devices;
+use metashard::runtime::open_encoder;
+use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, nmse};
 
 const STEPS: usize = 8;
@@ -69,13 +71,13 @@ fn minilm_embeddings_on_the_gpu_match_the_cpu() {
         "",
         "Tensor parallelism splits it.",
     ];
-    let cpu = BertEncoder::load(&dir, parse_devices("cpu:1x2").unwrap())
+    let cpu = open_encoder(&dir, parse_devices("cpu:1x2").unwrap(), None)
         .unwrap()
         .embed(&texts)
         .unwrap()
         .vectors;
     for devices in ["cuda", "cuda:0x2"] {
-        let enc = BertEncoder::load(&dir, parse_devices(devices).unwrap())
+        let enc = open_encoder(&dir, parse_devices(devices).unwrap(), None)
             .unwrap_or_else(|e| panic!("{devices}: {e}"));
         let got = enc
             .embed(&texts)

@@ -698,7 +698,7 @@ fn split_state_axes_are_checked_and_extent_sums_cannot_wrap() {
 /// (`--temp NaN` used to generate garbage; `inf`, top-p 0, 2 or NaN and top-k 0 were taken).
 #[test]
 fn sampling_settings_out_of_range_are_refused() {
-    use metashard::models::llama::{Sampler, SamplerConfig};
+    use metashard::models::sampler::{Sampler, SamplerConfig};
     let d = SamplerConfig::default();
     let cases = [
         (

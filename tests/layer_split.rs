@@ -6,16 +6,19 @@
 
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
+use metashard::models::arch::Tensor;
 use metashard::models::layer_split::SplitMode;
-use metashard::models::llama::{LlamaModel, Session};
-use metashard::models::open::{OpenOptions, PromptOptions, open_decoder, prompt_tokens};
+use metashard::models::loader::DecoderModel;
+use metashard::models::prompt::{PromptOptions, prompt_tokens};
+use metashard::models::session::Session;
+use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::greedy;
 use std::sync::OnceLock;
 
 const STEPS: usize = 24;
 const PROMPT: &str = "The quick brown fox jumps over the lazy dog. The dog";
 
-fn load(devices: &str, mode: SplitMode, ratios: Option<Vec<f64>>) -> (DeviceSet, LlamaModel) {
+fn load(devices: &str, mode: SplitMode, ratios: Option<Vec<f64>>) -> (DeviceSet, DecoderModel) {
     let opts = OpenOptions {
         precision: Precision::Exact,
         ratios,
@@ -25,7 +28,7 @@ fn load(devices: &str, mode: SplitMode, ratios: Option<Vec<f64>>) -> (DeviceSet,
     open_decoder("smollm2", devices, &opts, &|_, _| {}).unwrap()
 }
 
-fn prompt(m: &LlamaModel) -> Vec<u32> {
+fn prompt(m: &DecoderModel) -> Vec<u32> {
     let opts = PromptOptions {
         raw: true,
         ..PromptOptions::default()
@@ -55,9 +58,13 @@ fn layer_split_gives_one_devices_greedy_tokens_on_2_and_4_devices() {
         let n = set.devices.len();
         assert_eq!(
             w.iter().sum::<usize>(),
-            m.weight_bytes + m.weights.output.layout.nbytes()
+            m.weight_bytes + m.weights.model.get(Tensor::Output).unwrap().layout.nbytes()
         );
-        let layer_bytes: usize = m.weights.layers[0].w_up.layout.nbytes();
+        let layer_bytes: usize = m.weights.layers[0]
+            .get(Tensor::FfnUp)
+            .unwrap()
+            .layout
+            .nbytes();
         for (d, b) in w.iter().enumerate() {
             assert!(
                 *b > layer_bytes * (m.cfg.n_layer / n - 1),

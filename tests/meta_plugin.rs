@@ -11,7 +11,8 @@ mod support;
 use metashard::backend::{Backend, Device};
 use metashard::buffer::BufferType;
 use metashard::meta::{MetaDevice, MetaOptions};
-use metashard::models::decoder::{DecoderConfig, StepInput, build_step};
+use metashard::models::decoder::{StepInput, build_step};
+use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
 use metashard::op::RopeMode;
@@ -25,6 +26,7 @@ use support::plugin::{Stats, wrapped};
 
 fn cfg() -> DecoderConfig {
     DecoderConfig {
+        arch: &metashard::models::arch::LLAMA,
         n_layer: 2,
         n_embd: 128,
         n_ff: 256,
@@ -43,8 +45,8 @@ fn cfg() -> DecoderConfig {
 struct Model {
     backend: Arc<dyn Backend>,
     _bufs: Vec<Arc<dyn metashard::Buffer>>,
-    w: metashard::models::decoder::DecoderWeights,
-    cache: metashard::models::decoder::KvCache,
+    w: metashard::models::weights::ModelWeights,
+    cache: metashard::models::weights::KvCache,
 }
 
 impl Model {

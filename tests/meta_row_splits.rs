@@ -6,9 +6,12 @@
 //! embedding and of the cache.
 
 use metashard::meta::{ConversionKind, MetaBuffer, MetaDevice, SplitFn, TensorInfo};
-use metashard::models::decoder::{DecoderConfig, DecoderWeights, KvCache, StepInput, build_step};
+use metashard::models::arch::Tensor;
+use metashard::models::decoder::{StepInput, build_step};
+use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
+use metashard::models::weights::{KvCache, ModelWeights};
 use metashard::op::RopeMode;
 use metashard::split_state::{Granularity, SplitState, split_even};
 use metashard::{Backend, Buffer, DType, Device, parse_devices};
@@ -18,6 +21,7 @@ const KV_SIZE: usize = 16;
 
 fn cfg(fused: bool, n_head_kv: usize) -> DecoderConfig {
     DecoderConfig {
+        arch: &metashard::models::arch::LLAMA,
         n_layer: 2,
         n_embd: 64,
         n_ff: 128,
@@ -91,7 +95,8 @@ fn run(cfg: &DecoderConfig, devs: Option<&str>, split: SplitFn, tied: bool, slot
     };
     let (wb, mut w) = random_decoder(cfg, DType::F32, bt.as_ref(), 42).unwrap();
     if tied {
-        w.output = w.token_embd.clone();
+        let embd = w.model.get(Tensor::TokenEmbd).unwrap().clone();
+        w.model.insert(Tensor::Output, embd);
     }
     let (cb, cache) = alloc_kv_cache(cfg, KV_SIZE, bt.as_ref()).unwrap();
     let prompt = [3, 17, 42, 5, 60];
@@ -128,7 +133,7 @@ fn run(cfg: &DecoderConfig, devs: Option<&str>, split: SplitFn, tied: bool, slot
 
 fn step(
     cfg: &DecoderConfig,
-    w: &DecoderWeights,
+    w: &ModelWeights,
     cache: &KvCache,
     inp: &StepInput,
     backend: &dyn Backend,

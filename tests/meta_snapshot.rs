@@ -10,7 +10,8 @@
 
 use expect_test::expect_file;
 use metashard::meta::{ConversionKind, MetaDevice, MetaOptions, SplitPolicy};
-use metashard::models::decoder::{DecoderConfig, StepInput, build_step};
+use metashard::models::decoder::{StepInput, build_step};
+use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron, policy};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder, small_config};
 use metashard::planner::Strategy;

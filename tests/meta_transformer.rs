@@ -3,7 +3,8 @@
 //! N = 1..=4: equal to one device, with exactly two all-reduces per layer.
 
 use metashard::meta::{ConversionKind, MetaDevice};
-use metashard::models::decoder::{DecoderConfig, StepInput, build_step};
+use metashard::models::decoder::{StepInput, build_step};
+use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
 use metashard::op::RopeMode;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 
 fn cfg(fused: bool, n_head_kv: usize) -> DecoderConfig {
     DecoderConfig {
+        arch: &metashard::models::arch::LLAMA,
         n_layer: 2,
         n_embd: 128,
         n_ff: 256,
@@ -170,7 +172,7 @@ fn plans_of_dropped_buffers_leave_the_cache() {
     let be = m.meta_backend().unwrap();
     let bt = m.buffer_type();
     let (_wb, w) = random_decoder(&c, DType::F32, bt.as_ref(), 42).unwrap();
-    let step = |cache: &metashard::models::decoder::KvCache| {
+    let step = |cache: &metashard::models::weights::KvCache| {
         let kvp: Vec<i32> = (0..16).map(|j| if j == 0 { 0 } else { -1 }).collect();
         let inp = StepInput {
             tokens: &[7],

@@ -4,7 +4,8 @@
 //! plan files round-trip; bad workloads and strategies are errors naming the flag.
 
 use metashard::meta::{SplitFn, TensorInfo};
-use metashard::models::split::{DecoderSplit, LayerSplit, Role, role};
+use metashard::models::arch::{Naming, Tensor};
+use metashard::models::split::{DecoderSplit, LayerSplit};
 use metashard::planner::evaluate::{Workload, evaluate};
 use metashard::planner::report::{Plan, split_fn};
 use metashard::planner::{
@@ -133,8 +134,8 @@ fn predicted_weight_bytes_equal_a_real_run_on_two_devices() -> Result<()> {
         _ => unreachable!(),
     };
     let shape = ModelShape::from_gguf(&path)?;
-    let opts = metashard::models::open::OpenOptions::default();
-    let (set, m) = metashard::models::open::open_decoder("smollm2", "cpu:2x1", &opts, &|_, _| {})?;
+    let opts = metashard::runtime::OpenOptions::default();
+    let (set, m) = metashard::runtime::open_decoder("smollm2", "cpu:2x1", &opts, &|_, _| {})?;
     let real = set.bytes_per_device(&[&m.weight_buffer]);
     let mega = Strategy::Megatron.split(shape.n_layer()).unwrap();
     let e = evaluate(&shape, split_fn(&shape, &mega), &cluster(2, 8 << 30), &w())?;
@@ -150,10 +151,10 @@ fn a_users_callback_is_costed_like_the_strategy_it_equals() -> Result<()> {
     // MLP-only written by hand: gate/up by columns, down by rows, output by vocabulary.
     let cb: SplitFn = Arc::new(|t: &TensorInfo| {
         let half = |x: usize| vec![x / 2, x - x / 2];
-        Ok(match role(t.name).0 {
-            Role::Gate | Role::Up => SplitState::axis(1, &half(t.layout.ne[1])),
-            Role::Down => SplitState::axis(0, &half(t.layout.ne[0])),
-            Role::Output => SplitState::axis(1, &half(t.layout.ne[1])),
+        Ok(match Naming::Gguf.parse(t.name).map(|p| p.0) {
+            Some(Tensor::FfnGate | Tensor::FfnUp) => SplitState::axis(1, &half(t.layout.ne[1])),
+            Some(Tensor::FfnDown) => SplitState::axis(0, &half(t.layout.ne[0])),
+            Some(Tensor::Output) => SplitState::axis(1, &half(t.layout.ne[1])),
             _ => SplitState::mirrored(t.n_devices),
         })
     });

@@ -12,9 +12,12 @@ use metashard::backend::{Backend, Device, DeviceKind, GraphPlan, MemoryInfo};
 use metashard::buffer::{Buffer, BufferType};
 use metashard::graph::{Graph, TensorId};
 use metashard::meta::MetaDevice;
-use metashard::models::decoder::{DecoderConfig, DecoderWeights, KvCache, StepInput, build_step};
+use metashard::models::arch::Tensor;
+use metashard::models::decoder::{StepInput, build_step};
+use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder, small_config};
+use metashard::models::weights::{KvCache, ModelWeights};
 use metashard::sched::{Cause, CopyFrom, EvalCallback, PlaceFn, Sched, compare_graph_backend};
 use metashard::{DType, Error, Result, parse_devices};
 use std::any::Any;
@@ -140,7 +143,7 @@ fn two_way(cut: usize) -> PlaceFn {
 struct Model {
     _wb: Arc<dyn Buffer>,
     _cb: Arc<dyn Buffer>,
-    w: DecoderWeights,
+    w: ModelWeights,
     cache: KvCache,
 }
 
@@ -534,7 +537,7 @@ fn compare_graph_backend_names_the_first_divergent_node() {
         .count();
     assert_eq!(r.nodes.len(), computed);
     // Change one weight of the second model: the first node reading it is reported.
-    let wq = &mb.w.layers[0].wq;
+    let wq = mb.w.layers[0].get(Tensor::AttnQ).unwrap();
     let mut bytes = vec![0u8; wq.layout.nbytes()];
     wq.storage.get(&wq.layout, &mut bytes).unwrap();
     bytes[3] ^= 0x80; // the sign of the first weight

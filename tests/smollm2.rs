@@ -5,9 +5,10 @@
 
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
-use metashard::models::llama::LlamaModel;
-use metashard::models::open::{OpenOptions, PromptOptions, open_decoder, prompt_tokens};
+use metashard::models::loader::DecoderModel;
 use metashard::models::paths::{ModelPath, resolve};
+use metashard::models::prompt::{PromptOptions, prompt_tokens};
+use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, max_abs, nmse, reference};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -39,7 +40,7 @@ fn load(
     precision: Precision,
     ratios: Option<Vec<f64>>,
     mirror_attention: bool,
-) -> metashard::Result<(DeviceSet, LlamaModel)> {
+) -> metashard::Result<(DeviceSet, DecoderModel)> {
     let opts = OpenOptions {
         precision,
         ratios,
@@ -49,7 +50,7 @@ fn load(
     open_decoder(model, devices, &opts, &|_, _| {})
 }
 
-fn tokens_of(m: &LlamaModel, i: usize) -> Vec<u32> {
+fn tokens_of(m: &DecoderModel, i: usize) -> Vec<u32> {
     let (chat, p) = PROMPTS[i];
     let opts = PromptOptions {
         raw: !chat,
@@ -183,7 +184,8 @@ fn the_chat_answer_is_coherent() {
 /// it stopped; greedy steps past the context and a context of 0 are errors naming them.
 #[test]
 fn generation_stops_at_the_context_and_says_so() {
-    use metashard::models::llama::{Sampler, SamplerConfig, Session, StopReason, generate};
+    use metashard::models::sampler::{Sampler, SamplerConfig, StopReason, generate};
+    use metashard::models::session::Session;
     let (set, m) = load("smollm2", "cpu:1x1", Precision::Exact, None, false).unwrap();
     let prompt = tokens_of(&m, 0);
     let session = |ctx| Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), ctx);
@@ -246,7 +248,7 @@ fn malformed_model_files_are_clear_errors() {
         let p = dir.join(name);
         std::fs::write(&p, &bytes).unwrap();
         let bt = metashard::cpu::CpuBufferType;
-        let err = LlamaModel::load(&p, &bt, &|_, _| {})
+        let err = DecoderModel::load(&p, &bt, &|_, _| {})
             .err()
             .unwrap_or_else(|| panic!("{name} must fail"))
             .to_string();

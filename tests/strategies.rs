@@ -3,12 +3,13 @@
 //! within NMSE 1e-5 of it.
 
 use metashard::cpu::Precision;
-use metashard::models::open::{OpenOptions, PromptOptions, open_decoder, prompt_tokens};
+use metashard::models::prompt::{PromptOptions, prompt_tokens};
 use metashard::models::split::DecoderSplit;
 use metashard::planner::evaluate::Workload;
 use metashard::planner::{
     Cluster, CollectiveFit, DeviceProfile, LinkLevel, Links, ModelShape, Strategy, auto,
 };
+use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, nmse};
 use std::collections::BTreeMap;
 

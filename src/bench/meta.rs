@@ -12,7 +12,8 @@ use metashard::collectives::CpuCommunicator;
 use metashard::devices::parse_devices;
 use metashard::graph::{Graph, TensorId};
 use metashard::meta::{MetaBuffer, MetaDevice, SplitFn, TensorInfo};
-use metashard::models::decoder::{DecoderConfig, StepInput, build_step};
+use metashard::models::decoder::{StepInput, build_step};
+use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder, random_f32};
 use metashard::op::RopeMode;
@@ -77,6 +78,7 @@ pub struct MetaBenchReport {
 
 fn block_config(fused: bool) -> DecoderConfig {
     DecoderConfig {
+        arch: &metashard::models::arch::LLAMA,
         n_layer: 1,
         n_embd: 1024,
         n_ff: 4096,
@@ -170,8 +172,8 @@ impl Subject for Mlp {
 
 struct Block {
     cfg: DecoderConfig,
-    weights: metashard::models::decoder::DecoderWeights,
-    cache: metashard::models::decoder::KvCache,
+    weights: metashard::models::weights::ModelWeights,
+    cache: metashard::models::weights::KvCache,
 }
 
 /// Cache rows already filled before a decode step (T = 1).

@@ -10,7 +10,7 @@ use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
 use metashard::dist::Dist;
 use metashard::models::layer_split::SplitMode;
-use metashard::models::llama::Session;
+use metashard::models::session::Session;
 use std::time::Instant;
 
 #[derive(Clone, Debug)]
@@ -100,7 +100,7 @@ struct Config {
     mode: SplitMode,
     precision: Precision,
     set: metashard::DeviceSet,
-    m: metashard::models::llama::LlamaModel,
+    m: metashard::models::loader::DecoderModel,
 }
 
 pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBenchReport> {
@@ -196,7 +196,7 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
             let mut tok = 1u32;
             for i in 0..opts.tg {
                 let l = s.eval(&[tok], false)?;
-                tok = (metashard::models::llama::argmax(&l) + i as u32) % *n_vocab;
+                tok = (metashard::models::sampler::argmax(&l) + i as u32) % *n_vocab;
             }
             tgs[ci].push(opts.tg as f64 / t0.elapsed().as_secs_f64());
             progress(&format!(

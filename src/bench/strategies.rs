@@ -10,7 +10,7 @@ use crate::cli::SplitArgs;
 use crate::cli::run::load;
 use metashard::Result;
 use metashard::cpu::Precision;
-use metashard::models::llama::Session;
+use metashard::models::session::Session;
 use metashard::models::split::DecoderSplit;
 use metashard::planner::calibrate::{CalibrateOptions, calibrate};
 use metashard::planner::evaluate::{Evaluation, Workload, evaluate};
@@ -210,7 +210,7 @@ pub fn run(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result<Str
                 let mut tok = 1u32;
                 for i in 0..opts.tg {
                     let l = s.eval(&[tok], false)?;
-                    tok = (metashard::models::llama::argmax(&l) + i as u32) % *n_vocab;
+                    tok = (metashard::models::sampler::argmax(&l) + i as u32) % *n_vocab;
                 }
                 tgs.push(opts.tg as f64 / t0.elapsed().as_secs_f64());
                 progress(&format!(
@@ -261,15 +261,18 @@ fn load_with(
     model: &str,
     spec: &str,
     split: DecoderSplit,
-) -> Result<(metashard::DeviceSet, metashard::models::llama::LlamaModel)> {
+) -> Result<(
+    metashard::DeviceSet,
+    metashard::models::loader::DecoderModel,
+)> {
     if metashard::parse_devices(spec)?.len() == 1 {
         return load(model, spec, Precision::Exact, &SplitArgs::default(), true);
     }
-    let opts = metashard::models::open::OpenOptions {
+    let opts = metashard::runtime::OpenOptions {
         split: Some(split),
         ..Default::default()
     };
-    metashard::models::open::open_decoder(model, spec, &opts, &|_, _| {})
+    metashard::runtime::open_decoder(model, spec, &opts, &|_, _| {})
 }
 
 fn summarize(spec: &str, rows: &[StrategyRow]) -> DeviceSetSummary {

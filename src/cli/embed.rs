@@ -2,10 +2,11 @@
 //! on any device list, printed as JSON (one object per sentence) or as a short summary with a
 //! table of pairwise cosine similarities. `--strategy` picks a named split for several devices.
 
-use metashard::models::bert::{BertConfig, BertEncoder, cosine};
+use metashard::models::bert::{BertConfig, cosine};
 use metashard::models::paths::{ModelPath, resolve};
 use metashard::models::split::DecoderSplit;
 use metashard::planner::Strategy;
+use metashard::runtime::open_encoder;
 use metashard::{Error, Result, parse_devices};
 use std::time::Instant;
 
@@ -83,7 +84,7 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
         None => None,
     };
     let t0 = Instant::now();
-    let enc = BertEncoder::load_with(&dir, devices, split)?;
+    let enc = open_encoder(&dir, devices, split)?;
     let load_s = t0.elapsed().as_secs_f64();
     let texts: Vec<&str> = opts.sentences.iter().map(String::as_str).collect();
     let batches = texts

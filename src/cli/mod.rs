@@ -10,8 +10,8 @@ pub mod plan;
 pub mod run;
 pub mod verify;
 
-use metashard::models::llama::SamplerConfig;
-use metashard::models::open::PromptOptions;
+use metashard::models::prompt::PromptOptions;
+use metashard::models::sampler::SamplerConfig;
 use metashard::{Error, Result};
 
 /// Print `line` and a newline to stderr in one write: stderr is unbuffered, and under mpirun

@@ -9,8 +9,11 @@ use super::{PromptArgs, SplitArgs, bytes_bar, memory_table};
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
 use metashard::dist::Dist;
-use metashard::models::llama::{LlamaModel, Sampler, SamplerConfig, Session, StopReason, generate};
-use metashard::models::open::{OpenOptions, open_decoder, prompt_tokens};
+use metashard::models::loader::DecoderModel;
+use metashard::models::prompt::prompt_tokens;
+use metashard::models::sampler::{Sampler, SamplerConfig, StopReason, generate};
+use metashard::models::session::Session;
+use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::tokenizer::Tokenizer;
 use metashard::{Error, Result};
 use std::io::Write;
@@ -150,7 +153,7 @@ pub fn load(
     precision: Precision,
     split: &SplitArgs,
     quiet: bool,
-) -> Result<(DeviceSet, LlamaModel)> {
+) -> Result<(DeviceSet, DecoderModel)> {
     load_dist(model, devices, Dist::Local, precision, split, quiet)
 }
 
@@ -164,7 +167,7 @@ pub fn load_dist(
     precision: Precision,
     split: &SplitArgs,
     quiet: bool,
-) -> Result<(DeviceSet, LlamaModel)> {
+) -> Result<(DeviceSet, DecoderModel)> {
     if dist == Dist::Local && metashard::dist::launched_by_mpirun() {
         eprintln!(
             "warning: started by mpirun without --dist mpi: this process runs the whole model on \
@@ -214,13 +217,13 @@ pub fn load_dist(
     r
 }
 
-fn set_rank(r: &Result<(DeviceSet, LlamaModel)>) -> Option<usize> {
+fn set_rank(r: &Result<(DeviceSet, DecoderModel)>) -> Option<usize> {
     r.as_ref().ok().and_then(|(set, _)| set.rank)
 }
 
 /// The context size for `run`: `--ctx` checked against the model and the prompt, or the
 /// prompt plus `-n` (and the token after), within the model's context.
-fn context_size(a: &RunArgs, m: &LlamaModel, prompt_len: usize) -> Result<usize> {
+fn context_size(a: &RunArgs, m: &DecoderModel, prompt_len: usize) -> Result<usize> {
     let max = m.context_length;
     if prompt_len == 0 {
         return Err(Error::invalid_argument(

@@ -8,7 +8,7 @@ use super::run::{load, load_dist};
 use super::{PromptArgs, SplitArgs};
 use metashard::cpu::Precision;
 use metashard::dist::Dist;
-use metashard::models::open::prompt_tokens;
+use metashard::models::prompt::prompt_tokens;
 use metashard::verify::{compare_nodes, greedy, max_abs, max_steps, nmse, reference, steps_error};
 use metashard::{Error, Result};
 

@@ -49,3 +49,12 @@ impl Backing {
         Ok(Backing::Mmap(map))
     }
 }
+
+/// Bytes of file-backed memory this process has mapped and touched (`RssFile` of
+/// `/proc/self/status`): after loading a model, what it read from the memory-mapped file.
+pub fn rss_file_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("RssFile:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -1,9 +1,9 @@
 //! The BERT encoder (sentence-transformers models such as all-MiniLM-L6-v2): configuration from
-//! `config.json`, weights from `model.safetensors` placed in any buffer type (a meta buffer
-//! splits them with [`bert_split`](super::bert_split::bert_split) or any
-//! [`bert_by_layer`](super::bert_split::bert_by_layer) assignment), the forward graph for a
-//! padded batch, and [`BertEncoder`], which tokenizes, runs and reads the embeddings on one
-//! device or on a meta device.
+//! `config.json`, weights from `model.safetensors` (named and shaped by the `bert` entry of the
+//! architecture table) placed in any buffer type (a meta buffer splits them with
+//! [`bert_split`] or any [`by_layer`](super::split::by_layer) assignment), the forward graph for
+//! a padded batch, and [`BertEncoder`], which tokenizes, runs and reads the embeddings on any
+//! device (a plain one or a meta device the runtime opened).
 //!
 //! The model, per the BERT paper (post-LayerNorm) and the sentence-transformers module list of
 //! the model folder (`modules.json`: Transformer -> Pooling(mean) -> Normalize):
@@ -18,17 +18,16 @@
 //! A safetensors `Linear` weight is row-major `[out, in]`, i.e. ggml `ne = [in, out]`: exactly
 //! the layout of `mul_mat`'s first operand, so weights are used as stored.
 
-use super::bert_split::{bert_by_layer, bert_split};
-use super::decoder::WeightRef;
-use super::split::DecoderSplit;
-use super::synthetic::place;
+use super::arch::{BERT, Dim, Mlp, Tensor};
+use super::blocks::{self, NormKind};
+use super::split::{DecoderSplit, LayerSplit, SplitDims, by_layer};
+use super::weights::{ModelWeights, TensorDecl, Weights, model_layouts, place};
 use crate::backend::{Backend, Device};
 use crate::buffer::{Buffer, BufferType, BufferUsage};
 use crate::graph::{Graph, TensorId};
 use crate::io::{JsonConfig, SafetensorsFile};
-use crate::meta::{MetaBuffer, MetaDevice};
+use crate::meta::{MetaBuffer, SplitFn};
 use crate::op::UnaryOp;
-use crate::tensor::Layout;
 use crate::tokenizer::{BatchEncoding, WordPieceTokenizer};
 use crate::{DType, Error, Result};
 use std::path::{Path, PathBuf};
@@ -152,76 +151,71 @@ impl BertConfig {
     }
 }
 
-/// One encoder layer's weights (names as in the safetensors file).
-#[derive(Clone, Debug)]
-pub struct BertLayerWeights {
-    pub wq: WeightRef,
-    pub bq: WeightRef,
-    pub wk: WeightRef,
-    pub bk: WeightRef,
-    pub wv: WeightRef,
-    pub bv: WeightRef,
-    pub wo: WeightRef,
-    pub bo: WeightRef,
-    pub ln1_w: WeightRef,
-    pub ln1_b: WeightRef,
-    pub wi: WeightRef,
-    pub bi: WeightRef,
-    pub wd: WeightRef,
-    pub bd: WeightRef,
-    pub ln2_w: WeightRef,
-    pub ln2_b: WeightRef,
+impl BertConfig {
+    /// The extent of `d` for this model.
+    pub fn dim(&self, d: Dim) -> Option<usize> {
+        Some(match d {
+            Dim::One => 1,
+            Dim::Embd | Dim::Q | Dim::Kv => self.n_embd,
+            Dim::Ff => self.n_ff,
+            Dim::Vocab => self.n_vocab,
+            Dim::Pos => self.n_pos,
+            Dim::Types => self.n_type,
+            Dim::Ctx => return None,
+        })
+    }
+
+    /// The feed-forward block: BERT's plain MLP with this model's activation.
+    pub fn mlp(&self) -> Mlp {
+        Mlp::Plain(self.act)
+    }
 }
 
-/// All weights of an encoder.
-#[derive(Clone, Debug)]
-pub struct BertWeights {
-    pub word: WeightRef,
-    pub pos: WeightRef,
-    pub typ: WeightRef,
-    pub ln_w: WeightRef,
-    pub ln_b: WeightRef,
-    pub layers: Vec<BertLayerWeights>,
+impl From<&BertConfig> for SplitDims {
+    fn from(c: &BertConfig) -> SplitDims {
+        SplitDims {
+            arch: &BERT,
+            n_layer: c.n_layer,
+            n_head: c.n_head,
+            n_head_kv: c.n_head,
+            head_dim: c.head_dim(),
+            n_embd: c.n_embd,
+            n_ff: c.n_ff,
+            n_vocab: c.n_vocab,
+        }
+    }
+}
+
+/// The tensors an encoder of `cfg` holds, with their safetensors names (without a `bert.`
+/// prefix) and F32 layouts, in the architecture table's order.
+pub fn weight_decls(cfg: &BertConfig) -> Result<Vec<TensorDecl>> {
+    model_layouts(
+        &BERT,
+        cfg.n_layer,
+        &|d| cfg.dim(d),
+        &|_, _| DType::F32,
+        &|_, _| false,
+    )
 }
 
 /// Names (as in the file, without a `bert.` prefix) and F32 layouts of the weights used.
-pub fn weight_layouts(cfg: &BertConfig) -> Vec<(String, Layout)> {
-    let (e, f) = (cfg.n_embd, cfg.n_ff);
-    let l = |ne0, ne1| Layout::contiguous(DType::F32, [ne0, ne1, 1, 1]);
-    let mut t = vec![
-        (
-            "embeddings.word_embeddings.weight".into(),
-            l(e, cfg.n_vocab),
-        ),
-        (
-            "embeddings.position_embeddings.weight".into(),
-            l(e, cfg.n_pos),
-        ),
-        (
-            "embeddings.token_type_embeddings.weight".into(),
-            l(e, cfg.n_type),
-        ),
-        ("embeddings.LayerNorm.weight".into(), l(e, 1)),
-        ("embeddings.LayerNorm.bias".into(), l(e, 1)),
-    ];
-    for i in 0..cfg.n_layer {
-        let p = |k: &str| format!("encoder.layer.{i}.{k}");
-        for k in ["query", "key", "value"] {
-            t.push((p(&format!("attention.self.{k}.weight")), l(e, e)));
-            t.push((p(&format!("attention.self.{k}.bias")), l(e, 1)));
-        }
-        t.push((p("attention.output.dense.weight"), l(e, e)));
-        t.push((p("attention.output.dense.bias"), l(e, 1)));
-        t.push((p("attention.output.LayerNorm.weight"), l(e, 1)));
-        t.push((p("attention.output.LayerNorm.bias"), l(e, 1)));
-        t.push((p("intermediate.dense.weight"), l(e, f)));
-        t.push((p("intermediate.dense.bias"), l(f, 1)));
-        t.push((p("output.dense.weight"), l(f, e)));
-        t.push((p("output.dense.bias"), l(e, 1)));
-        t.push((p("output.LayerNorm.weight"), l(e, 1)));
-        t.push((p("output.LayerNorm.bias"), l(e, 1)));
-    }
-    t
+pub fn weight_layouts(cfg: &BertConfig) -> Vec<(String, crate::tensor::Layout)> {
+    weight_decls(cfg)
+        .map(|d| d.into_iter().map(|d| (d.name, d.layout)).collect())
+        .unwrap_or_default()
+}
+
+/// The built-in callback for an encoder with this configuration: attention and the MLP split
+/// in every layer, the embeddings mirrored ([`by_layer`] with every layer `{ attention: true,
+/// mlp: true }` and `embedding: false`). Heads are split in whole units (12 heads on 5 devices:
+/// 3, 3, 2, 2, 2), the intermediate width in whole units of 32 where it divides; the rounding
+/// remainder rotates with the layer index.
+pub fn bert_split(cfg: &BertConfig) -> SplitFn {
+    let layer = LayerSplit {
+        attention: true,
+        mlp: true,
+    };
+    by_layer(cfg, DecoderSplit::uniform(cfg.n_layer, layer, false, false))
 }
 
 /// One more than the largest `N` of an `[bert.]encoder.layer.N.*` tensor (0 when none).
@@ -241,48 +235,13 @@ fn layers_present(file: &SafetensorsFile) -> usize {
         .unwrap_or(0)
 }
 
-fn assemble(cfg: &BertConfig, refs: &[WeightRef]) -> BertWeights {
-    // `refs` is in `weight_layouts` order: 5 embedding tensors, then 16 per layer.
-    let layers = (0..cfg.n_layer)
-        .map(|i| {
-            let r = |k: usize| refs[5 + 16 * i + k].clone();
-            BertLayerWeights {
-                wq: r(0),
-                bq: r(1),
-                wk: r(2),
-                bk: r(3),
-                wv: r(4),
-                bv: r(5),
-                wo: r(6),
-                bo: r(7),
-                ln1_w: r(8),
-                ln1_b: r(9),
-                wi: r(10),
-                bi: r(11),
-                wd: r(12),
-                bd: r(13),
-                ln2_w: r(14),
-                ln2_b: r(15),
-            }
-        })
-        .collect();
-    BertWeights {
-        word: refs[0].clone(),
-        pos: refs[1].clone(),
-        typ: refs[2].clone(),
-        ln_w: refs[3].clone(),
-        ln_b: refs[4].clone(),
-        layers,
-    }
-}
-
 /// Load the weights of `file` (checked against `cfg`: every tensor present, with the expected
 /// shape, F32/F16/BF16, converted to F32) into one buffer of `bt`.
 pub fn load_weights(
     file: &SafetensorsFile,
     cfg: &BertConfig,
     bt: &dyn BufferType,
-) -> Result<(Arc<dyn Buffer>, BertWeights)> {
+) -> Result<(Arc<dyn Buffer>, ModelWeights)> {
     // The layer count sizes the list below: check it against the layers present first.
     let present = layers_present(file);
     if cfg.n_layer != present {
@@ -297,7 +256,9 @@ pub fn load_weights(
             ),
         ));
     }
-    let tensors = weight_layouts(cfg);
+    let decls = weight_decls(cfg)?;
+    let tensors: Vec<(String, crate::tensor::Layout)> =
+        decls.iter().map(|d| (d.name.clone(), d.layout)).collect();
     // Some checkpoints (BertForX) prefix the encoder's names with `bert.`.
     let prefix = if file.tensor(&tensors[0].0).is_none()
         && file.tensor(&format!("bert.{}", tensors[0].0)).is_some()
@@ -358,7 +319,7 @@ pub fn load_weights(
             r.storage.set(&r.layout, crate::dtype::as_bytes(&v))?;
         }
     }
-    Ok((buf, assemble(cfg, &refs)))
+    Ok((buf, ModelWeights::assemble(cfg.n_layer, &decls, &refs)))
 }
 
 /// A forward graph and the nodes it exposes.
@@ -435,19 +396,72 @@ pub fn check_batch(cfg: &BertConfig, enc: &BatchEncoding) -> Result<()> {
     Ok(())
 }
 
-/// `LN(x) * w + b` over dimension 0.
-fn layer_norm(g: &mut Graph, x: TensorId, w: TensorId, b: TensorId, eps: f32) -> Result<TensorId> {
-    let y = g.norm(x, eps)?;
-    let y = g.mul(y, w)?;
-    g.add(y, b)
+/// `LN(x) * w + b` over dimension 0, with the weight and bias of roles `w` and `b`.
+fn layer_norm(
+    g: &mut Graph,
+    lw: &Weights,
+    w: Tensor,
+    b: Tensor,
+    x: TensorId,
+    eps: f32,
+) -> Result<TensorId> {
+    let (w, b) = (lw.get(w)?.leaf(g)?, lw.get(b)?.leaf(g)?);
+    blocks::norm(g, NormKind::Layer, x, w, Some(b), eps)
 }
 
-/// `x W + b` (a Linear layer): `mul_mat(W [in, out], x [in, n]) + b [out]`.
-fn linear(g: &mut Graph, x: TensorId, w: &WeightRef, b: &WeightRef) -> Result<TensorId> {
-    let w = w.leaf(g)?;
-    let b = b.leaf(g)?;
-    let y = g.mul_mat(w, x)?;
-    g.add(y, b)
+/// `x W + b` (a Linear layer) of the roles `w` and `b`.
+fn linear(g: &mut Graph, lw: &Weights, w: Tensor, b: Tensor, x: TensorId) -> Result<TensorId> {
+    blocks::linear(g, x, lw.get(w)?, Some(lw.get(b)?))
+}
+
+/// Sequences and tokens per sequence of a padded batch.
+#[derive(Clone, Copy)]
+struct Batch {
+    b: usize,
+    t: usize,
+}
+
+/// One post-norm encoder layer: `a = LN(x + attention(x))`, `LN(a + ffn(a))`.
+fn encoder_layer(
+    g: &mut Graph,
+    cfg: &BertConfig,
+    l: usize,
+    lw: &Weights,
+    Batch { b, t }: Batch,
+    kq_mask: TensorId,
+    x: TensorId,
+) -> Result<TensorId> {
+    let (nh, hd, e) = (cfg.n_head, cfg.head_dim(), cfg.n_embd);
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Self-attention, heads as batched matrices.
+    let q = linear(g, lw, Tensor::AttnQ, Tensor::AttnQBias, x)?;
+    let k = linear(g, lw, Tensor::AttnK, Tensor::AttnKBias, x)?;
+    let v = linear(g, lw, Tensor::AttnV, Tensor::AttnVBias, x)?;
+    let q = g.reshape(q, [hd, nh, t, b])?;
+    let q = g.permute(q, [0, 2, 1, 3])?; // [hd, t, nh, b]
+    let k = g.reshape(k, [hd, nh, t, b])?;
+    let k = g.permute(k, [0, 2, 1, 3])?; // [hd, t, nh, b]
+    // [t_kv, t_q, nh, b] after the softmax; values [t, hd, nh, b].
+    let kqv = blocks::attention_core(g, q, k, kq_mask, scale, |g| {
+        let v = g.reshape(v, [hd, nh, t, b])?;
+        let vt = g.permute(v, [1, 2, 0, 3])?;
+        g.cont(vt)
+    })?; // [hd, t_q, nh, b]
+    let o = g.permute(kqv, [0, 2, 1, 3])?; // [hd, nh, t_q, b]
+    let o = g.cont(o)?;
+    let o = g.reshape(o, [e, b * t, 1, 1])?;
+    let o = linear(g, lw, Tensor::AttnOut, Tensor::AttnOutBias, o)?;
+    let a = g.add(o, x)?;
+    let norm = (Tensor::AttnOutNorm, Tensor::AttnOutNormBias);
+    let a = layer_norm(g, lw, norm.0, norm.1, a, cfg.ln_eps)?;
+    g.set_name(a, format!("l{l}.attn_out"));
+    // Feed-forward.
+    let f = blocks::ffn(g, cfg.mlp(), lw, a)?;
+    let f = g.add(f, a)?;
+    let norm = (Tensor::LayerOutNorm, Tensor::LayerOutNormBias);
+    let x = layer_norm(g, lw, norm.0, norm.1, f, cfg.ln_eps)?;
+    g.set_name(x, format!("l{l}.out"));
+    Ok(x)
 }
 
 /// The forward graph of a padded batch (`enc` from `WordPieceTokenizer::encode_batch`).
@@ -458,7 +472,7 @@ fn linear(g: &mut Graph, x: TensorId, w: &WeightRef, b: &WeightRef) -> Result<Te
 /// broadcasts over heads. Mean pooling is a `mul_mat` of the hidden states `[seq_len, n_embd,
 /// batch]` with per-sequence weights `mask / count` `[seq_len, 1, batch]`; the L2 norm is
 /// `rms_norm(x, eps) / sqrt(n_embd)` = `x / sqrt(|x|² + n_embd * eps)`.
-pub fn build_graph(cfg: &BertConfig, w: &BertWeights, enc: &BatchEncoding) -> Result<BertGraph> {
+pub fn build_graph(cfg: &BertConfig, w: &ModelWeights, enc: &BatchEncoding) -> Result<BertGraph> {
     cfg.validate()?;
     check_batch(cfg, enc)?;
     if w.layers.len() != cfg.n_layer {
@@ -470,7 +484,6 @@ pub fn build_graph(cfg: &BertConfig, w: &BertWeights, enc: &BatchEncoding) -> Re
         ));
     }
     let (b, t, e) = (enc.batch, enc.seq_len, cfg.n_embd);
-    let (nh, hd) = (cfg.n_head, cfg.head_dim());
     let n = b * t;
     let mut g = Graph::new();
     let to_i32 = |v: &[u32]| v.iter().map(|&x| x as i32).collect::<Vec<i32>>();
@@ -504,50 +517,21 @@ pub fn build_graph(cfg: &BertConfig, w: &BertWeights, enc: &BatchEncoding) -> Re
     let pool = g.input_f32("pool_weights", [t, 1, b, 1], &pool)?;
 
     // Embeddings.
-    let word = w.word.leaf(&mut g)?;
-    let pos_t = w.pos.leaf(&mut g)?;
-    let typ_t = w.typ.leaf(&mut g)?;
+    let m = &w.model;
+    let word = m.get(Tensor::TokenEmbd)?.leaf(&mut g)?;
+    let pos_t = m.get(Tensor::PosEmbd)?.leaf(&mut g)?;
+    let typ_t = m.get(Tensor::TokenTypes)?.leaf(&mut g)?;
     let x = g.get_rows(word, ids)?;
     let p = g.get_rows(pos_t, pos)?;
     let x = g.add(x, p)?;
     let ty = g.get_rows(typ_t, typ)?;
     let x = g.add(x, ty)?;
-    let (lw, lb) = (w.ln_w.leaf(&mut g)?, w.ln_b.leaf(&mut g)?);
-    let mut x = layer_norm(&mut g, x, lw, lb, cfg.ln_eps)?;
+    let norm = (Tensor::TokenEmbdNorm, Tensor::TokenEmbdNormBias);
+    let mut x = layer_norm(&mut g, m, norm.0, norm.1, x, cfg.ln_eps)?;
     g.set_name(x, "emb_out");
-
-    let scale = 1.0 / (hd as f32).sqrt();
+    let shape = Batch { b, t };
     for (l, lw) in w.layers.iter().enumerate() {
-        // Self-attention, heads as batched matrices.
-        let q = linear(&mut g, x, &lw.wq, &lw.bq)?;
-        let k = linear(&mut g, x, &lw.wk, &lw.bk)?;
-        let v = linear(&mut g, x, &lw.wv, &lw.bv)?;
-        let q = g.reshape(q, [hd, nh, t, b])?;
-        let q = g.permute(q, [0, 2, 1, 3])?; // [hd, t, nh, b]
-        let k = g.reshape(k, [hd, nh, t, b])?;
-        let k = g.permute(k, [0, 2, 1, 3])?; // [hd, t, nh, b]
-        let kq = g.mul_mat(k, q)?; // [t_kv, t_q, nh, b]
-        let kq = g.soft_max(kq, Some(kq_mask), scale)?;
-        let v = g.reshape(v, [hd, nh, t, b])?;
-        let vt = g.permute(v, [1, 2, 0, 3])?; // [t, hd, nh, b]
-        let vt = g.cont(vt)?;
-        let kqv = g.mul_mat(vt, kq)?; // [hd, t_q, nh, b]
-        let o = g.permute(kqv, [0, 2, 1, 3])?; // [hd, nh, t_q, b]
-        let o = g.cont(o)?;
-        let o = g.reshape(o, [e, n, 1, 1])?;
-        let o = linear(&mut g, o, &lw.wo, &lw.bo)?;
-        let a = g.add(o, x)?;
-        let (w1, b1) = (lw.ln1_w.leaf(&mut g)?, lw.ln1_b.leaf(&mut g)?);
-        let a = layer_norm(&mut g, a, w1, b1, cfg.ln_eps)?;
-        g.set_name(a, format!("l{l}.attn_out"));
-        // Feed-forward.
-        let h = linear(&mut g, a, &lw.wi, &lw.bi)?;
-        let h = g.unary(cfg.act, h)?;
-        let f = linear(&mut g, h, &lw.wd, &lw.bd)?;
-        let f = g.add(f, a)?;
-        let (w2, b2) = (lw.ln2_w.leaf(&mut g)?, lw.ln2_b.leaf(&mut g)?);
-        x = layer_norm(&mut g, f, w2, b2, cfg.ln_eps)?;
-        g.set_name(x, format!("l{l}.out"));
+        x = encoder_layer(&mut g, cfg, l, lw, shape, kq_mask, x)?;
     }
     let hidden = x;
 
@@ -582,7 +566,7 @@ pub struct Embeddings {
 pub struct BertEncoder {
     dir: PathBuf,
     cfg: BertConfig,
-    weights: BertWeights,
+    weights: ModelWeights,
     tokenizer: WordPieceTokenizer,
     device: Arc<dyn Device>,
     backend: Arc<dyn Backend>,
@@ -590,45 +574,9 @@ pub struct BertEncoder {
 }
 
 impl BertEncoder {
-    /// Load the model folder `dir` (`config.json`, `model.safetensors`, `tokenizer.json`)
-    /// onto `devices`: one device runs the graph itself; several form a meta device with the
-    /// built-in split [`bert_split`].
-    pub fn load(dir: impl AsRef<Path>, devices: Vec<Arc<dyn Device>>) -> Result<BertEncoder> {
-        Self::load_with(dir, devices, None)
-    }
-
-    /// As [`load`](Self::load), with several devices split by `split` (a per-layer assignment,
-    /// e.g. `planner::Strategy::split(n_layer)`, see [`bert_by_layer`]) instead of the
-    /// built-in split when given. One device ignores it (there is nothing to split).
-    pub fn load_with(
-        dir: impl AsRef<Path>,
-        devices: Vec<Arc<dyn Device>>,
-        split: Option<DecoderSplit>,
-    ) -> Result<BertEncoder> {
-        let dir = dir.as_ref();
-        let cfg = BertConfig::from_model_dir(dir)?;
-        let device: Arc<dyn Device> = match devices.len() {
-            0 => {
-                return Err(Error::invalid_input(
-                    "bert",
-                    "devices",
-                    "at least one",
-                    "none",
-                ));
-            }
-            1 => devices.into_iter().next().expect("one device"),
-            _ => {
-                let f = match split {
-                    Some(s) => bert_by_layer(&cfg, s),
-                    None => bert_split(&cfg),
-                };
-                MetaDevice::new(devices, f)?
-            }
-        };
-        Self::load_on(dir, device)
-    }
-
-    /// Load onto any device (a plain device or a `MetaDevice` with any split callback).
+    /// Load the model folder `dir` (`config.json`, `model.safetensors`, `tokenizer.json`) onto
+    /// any device (a plain device, or a meta device with any split callback: see
+    /// `runtime::open_encoder`).
     pub fn load_on(dir: impl AsRef<Path>, device: Arc<dyn Device>) -> Result<BertEncoder> {
         let dir = dir.as_ref();
         let cfg = BertConfig::from_model_dir(dir)?;
@@ -656,7 +604,7 @@ impl BertEncoder {
     pub fn config(&self) -> &BertConfig {
         &self.cfg
     }
-    pub fn weights(&self) -> &BertWeights {
+    pub fn weights(&self) -> &ModelWeights {
         &self.weights
     }
     pub fn tokenizer(&self) -> &WordPieceTokenizer {

@@ -1,18 +1,14 @@
-//! Layer split (llama.cpp's `-sm layer`) and hybrid split of a decoder, run by the scheduler
-//! (`crate::sched`): whole layers on each backend, in proportion to the `--tensor-split`
-//! shares, with the residual stream copied between backends where the layers change hands.
-//! Hybrid: the devices in contiguous groups, each group a meta device (tensor parallelism with
-//! the built-in Megatron split inside), and the layers split across the groups.
+//! Layer split (llama.cpp's `-sm layer`) and hybrid split of a decoder, as data: which layers
+//! each backend of the scheduler runs (in proportion to the `--tensor-split` shares), which
+//! devices form each group of a hybrid split, and where each tensor is placed. The runtime
+//! (`crate::runtime`) builds the scheduler from them.
 //!
-//! Placement is by tensor name through the scheduler's buffer type: `blk.N.*` and the caches
-//! `cache_k_lN` / `cache_v_lN` go to layer N's backend, `token_embd` to the first layer's,
-//! `output_norm` and `output` to the last layer's.
+//! Placement is by tensor role (the architecture's names): a layer's tensors and its KV cache
+//! go to that layer's backend, the token embedding to the first layer's, the final norm and
+//! the output projection to the last layer's.
 
-use super::decoder::DecoderConfig;
-use super::split::{SplitOptions, megatron};
-use crate::backend::{Backend, Device};
-use crate::meta::{MetaDevice, MetaOptions};
-use crate::sched::{PlaceFn, Sched};
+use super::arch::{Naming, Tensor};
+use crate::sched::PlaceFn;
 use crate::{Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
@@ -86,17 +82,6 @@ pub fn layer_ranges(n_layer: usize, shares: &[f64]) -> Result<Vec<Range<usize>>>
     Ok(out)
 }
 
-/// The layer a decoder tensor belongs to: `blk.N.*`, `cache_k_lN`, `cache_v_lN`.
-pub fn layer_of(name: &str) -> Option<usize> {
-    if let Some(r) = name.strip_prefix("blk.") {
-        return r.split('.').next()?.parse().ok();
-    }
-    let r = name
-        .strip_prefix("cache_k_l")
-        .or_else(|| name.strip_prefix("cache_v_l"))?;
-    r.parse().ok()
-}
-
 /// The placement of a decoder's tensors when part `i` holds the layers `ranges[i]`.
 pub fn placement(ranges: &[Range<usize>]) -> PlaceFn {
     let n_layer = ranges.last().map_or(0, |r| r.end);
@@ -104,10 +89,10 @@ pub fn placement(ranges: &[Range<usize>]) -> PlaceFn {
     let part = move |l: usize| ranges.iter().position(|r| r.contains(&l));
     let first = part(0).unwrap_or(0);
     let last = n_layer.checked_sub(1).and_then(&part).unwrap_or(0);
-    Arc::new(move |name: &str| match layer_of(name) {
-        Some(l) => part(l).unwrap_or(last),
-        None if name.starts_with("token_embd") => first,
-        None => last,
+    Arc::new(move |name: &str| match Naming::Gguf.parse(name) {
+        Some((_, Some(l))) => part(l).unwrap_or(last),
+        Some((Tensor::TokenEmbd, None)) => first,
+        _ => last,
     })
 }
 
@@ -129,80 +114,6 @@ pub fn device_groups(n: usize, groups: usize) -> Result<Vec<Range<usize>>> {
             start - len..start
         })
         .collect())
-}
-
-/// What [`open`] builds: the scheduler, its buffer type, and the devices each backend covers.
-pub struct Layered {
-    pub sched: Arc<Sched>,
-    pub buffer_type: Arc<dyn crate::buffer::BufferType>,
-    /// Device indices per backend of the scheduler.
-    pub groups: Vec<Range<usize>>,
-    /// Layers per backend.
-    pub layers: Vec<Range<usize>>,
-}
-
-/// The scheduler for `mode` (layer or hybrid) over `devices` for a decoder of `cfg`: one
-/// backend per device (layer), or one per group of `groups` (hybrid; a group of one device is
-/// that device, a larger one a meta device with the Megatron split and the group's shares).
-pub fn open(
-    cfg: &DecoderConfig,
-    devices: &[Arc<dyn Device>],
-    mode: SplitMode,
-    shares: Option<&[f64]>,
-    groups: usize,
-    meta: MetaOptions,
-) -> Result<Layered> {
-    let n = devices.len();
-    let shares: Vec<f64> = match shares {
-        Some(s) if s.len() == n => s.to_vec(),
-        Some(s) => {
-            return Err(Error::invalid_argument(
-                "--tensor-split",
-                format!("{s:?}"),
-                format!("give one share per device ({n})"),
-            ));
-        }
-        None => vec![1.0; n],
-    };
-    let groups = match mode {
-        SplitMode::Layer => device_groups(n, n)?,
-        SplitMode::Hybrid => device_groups(n, groups)?,
-        SplitMode::Tensor => {
-            return Err(Error::invalid_argument(
-                "--split-mode",
-                "tensor",
-                "runs on the meta device, not the scheduler",
-            ));
-        }
-    };
-    let mut backends: Vec<Arc<dyn Backend>> = Vec::with_capacity(groups.len());
-    let mut group_shares = Vec::with_capacity(groups.len());
-    for g in &groups {
-        let s = &shares[g.clone()];
-        group_shares.push(s.iter().sum::<f64>());
-        if g.len() == 1 {
-            backends.push(devices[g.start].init_backend()?);
-        } else {
-            let split = megatron(
-                cfg,
-                SplitOptions {
-                    ratios: Some(s.to_vec()),
-                    mirror_attention: false,
-                },
-            );
-            let m = MetaDevice::with_options(devices[g.clone()].to_vec(), split, meta)?;
-            backends.push(m.init_backend()?);
-        }
-    }
-    let layers = layer_ranges(cfg.n_layer, &group_shares)?;
-    let sched = Sched::new(backends)?;
-    let buffer_type = sched.buffer_type(placement(&layers));
-    Ok(Layered {
-        sched,
-        buffer_type,
-        groups,
-        layers,
-    })
 }
 
 #[cfg(test)]
@@ -229,8 +140,6 @@ mod tests {
         assert_eq!(p("cache_v_l3"), 2);
         assert_eq!(p("output.weight"), 2);
         assert_eq!(p("output_norm.weight"), 2);
-        assert_eq!(layer_of("cache_k_l12"), Some(12));
-        assert_eq!(layer_of("blk.x.attn"), None);
     }
 
     #[test]

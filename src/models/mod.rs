@@ -1,13 +1,22 @@
-//! Models: the Llama-family decoder graph (`decoder.rs`), its built-in split callback
-//! (`split.rs`), layer and hybrid split on the scheduler (`layer_split.rs`), and decoders with random weights for benchmarks and tests (`synthetic.rs`);
-//! the BERT encoder (`bert.rs`) and its built-in split callback (`bert_split.rs`).
+//! Models as graphs: the architecture table (`arch/`: tensor roles and names, each family's
+//! tensors and layer), hyper-parameters from GGUF (`hparams.rs`), weights by role
+//! (`weights.rs`), the shared graph blocks (`blocks.rs`), the decoder step graph
+//! (`decoder.rs`), GGUF decoder loading (`loader.rs`), sessions and sampling (`session.rs`,
+//! `sampler.rs`, `prompt.rs`), the built-in split callbacks of every architecture (`split.rs`),
+//! layer and hybrid placement as data (`layer_split.rs`), the BERT encoder (`bert.rs`), model
+//! paths and synthetic decoders. Nothing here opens devices: `crate::runtime` does.
 
+pub mod arch;
 pub mod bert;
-pub mod bert_split;
+pub mod blocks;
 pub mod decoder;
+pub mod hparams;
 pub mod layer_split;
-pub mod llama;
-pub mod open;
+pub mod loader;
 pub mod paths;
+pub mod prompt;
+pub mod sampler;
+pub mod session;
 pub mod split;
 pub mod synthetic;
+pub mod weights;

@@ -1,13 +1,17 @@
-//! The built-in split callback for Llama-family decoders (the assignments of llama.cpp's
-//! `llama_meta_device_get_split_state`, see `shared/reference/upstream-meta-facts.md`):
-//! Q/K/V and gate/up column-parallel (axis 1), attention output and down projection
-//! row-parallel (axis 0, giving partial sums), the output projection vocabulary-split, the KV
-//! cache split by KV heads (axis 0), norms and the token embedding mirrored.
+//! The built-in split callbacks, one for every architecture (the assignments of llama.cpp's
+//! `llama_meta_device_get_split_state`, see `shared/reference/upstream-meta-facts.md`), read
+//! from the architecture table's per-role cuts (`arch/tensor.rs`): Q/K/V and gate/up
+//! column-parallel (axis 1, their biases along axis 0 with the same extents), attention output
+//! and down projection row-parallel (axis 0, giving partial sums), the output projection
+//! vocabulary-split, the KV cache split by KV heads (axis 0); norms, the biases added after a
+//! reduction and the position and type tables mirrored; the token embedding mirrored unless
+//! split by vocabulary rows.
 //!
 //! Attention is split in whole GQA groups (a group = one KV head and the query heads that read
-//! it), the MLP in whole quantization blocks; the rounding remainder rotates with the layer
-//! index. `--tensor-split` ratios are honoured in the same units. With more devices than
-//! groups some devices get no attention heads (zero extents) unless attention is mirrored.
+//! it; BERT's groups are single heads), the MLP in units of at least 32 features and whole
+//! blocks of the weights' type; the rounding remainder rotates with the layer index.
+//! `--tensor-split` ratios are honoured in the same units. With more devices than groups some
+//! devices get no attention heads (zero extents) unless attention is mirrored.
 //!
 //! [`by_layer`] is the general form the planner uses: per layer, attention and MLP split or
 //! mirrored ([`LayerSplit`]); the output projection and the token embedding split by
@@ -21,12 +25,18 @@
 //! pattern), and the normed activation is hinted Mirrored, all-gathered before the next
 //! column-parallel products. [`policy`] gives the callback and the hints together.
 
-use super::decoder::DecoderConfig;
+use super::arch::{Arch, Dim, Naming, Part, Tensor, Unit};
+use super::decoder::parse_residual_name;
+use super::hparams::DecoderConfig;
 use crate::meta::{HintFn, NodeInfo, SplitFn, SplitPolicy, TensorInfo};
 use crate::op::{BinaryOp, Op};
 use crate::split_state::{Granularity, SplitState, split_even, split_ratios};
 use crate::{Error, Result};
 use std::sync::Arc;
+
+/// The smallest unit the MLP is split in (features), when the width allows: whole units of 32
+/// keep column groups aligned for the kernels; a weight type with larger blocks raises it.
+pub const FFN_UNIT: usize = 32;
 
 /// Options of the built-in split.
 #[derive(Clone, Debug, Default)]
@@ -37,53 +47,48 @@ pub struct SplitOptions {
     pub mirror_attention: bool,
 }
 
-/// What a decoder tensor name refers to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    Q,
-    K,
-    V,
-    AttnOut,
-    Gate,
-    Up,
-    Down,
-    CacheK,
-    CacheV,
-    Output,
-    Embedding,
-    Other,
+/// What a split needs to know of a model: its architecture (names) and the counts that size
+/// the units and check the cut dimensions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SplitDims {
+    pub arch: &'static Arch,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_vocab: usize,
 }
 
-/// Parse `blk.N.kind.weight`, `cache_k_lN`, `output.weight` into (role, layer).
-pub fn role(name: &str) -> (Role, usize) {
-    if let Some(rest) = name.strip_prefix("blk.") {
-        let mut it = rest.splitn(2, '.');
-        let layer = it.next().and_then(|s| s.parse().ok()).unwrap_or(0);
-        let kind = it.next().unwrap_or("");
-        let r = match kind {
-            "attn_q.weight" => Role::Q,
-            "attn_k.weight" => Role::K,
-            "attn_v.weight" => Role::V,
-            "attn_output.weight" => Role::AttnOut,
-            "ffn_gate.weight" => Role::Gate,
-            "ffn_up.weight" => Role::Up,
-            "ffn_down.weight" => Role::Down,
-            _ => Role::Other,
-        };
-        return (r, layer);
+impl SplitDims {
+    /// The extent of `d` (`None` where it is not a model count: cache rows, tables).
+    fn dim(&self, d: Dim) -> Option<usize> {
+        Some(match d {
+            Dim::One => 1,
+            Dim::Embd => self.n_embd,
+            Dim::Ff => self.n_ff,
+            Dim::Vocab => self.n_vocab,
+            Dim::Q => self.n_head * self.head_dim,
+            Dim::Kv => self.n_head_kv * self.head_dim,
+            Dim::Pos | Dim::Types | Dim::Ctx => return None,
+        })
     }
-    for (p, r) in [("cache_k_l", Role::CacheK), ("cache_v_l", Role::CacheV)] {
-        if let Some(l) = name.strip_prefix(p).and_then(|s| s.parse().ok()) {
-            return (r, l);
+}
+
+impl From<&DecoderConfig> for SplitDims {
+    fn from(c: &DecoderConfig) -> SplitDims {
+        SplitDims {
+            arch: c.arch,
+            n_layer: c.n_layer,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.head_dim(),
+            n_embd: c.n_embd,
+            n_ff: c.n_ff,
+            n_vocab: c.n_vocab,
         }
     }
-    if name == "output.weight" {
-        return (Role::Output, 0);
-    }
-    if name == "token_embd.weight" {
-        return (Role::Embedding, 0);
-    }
-    (Role::Other, 0)
 }
 
 /// Extents of `units` units of `unit` each over `n` devices (even or by ratios), rotated by
@@ -149,34 +154,31 @@ impl DecoderSplit {
             sequence_parallel: false,
         }
     }
-}
 
-/// The residual add a node name refers to: `l{i}.attn_out` (after attention: true) or
-/// `l{i}.out` (after the MLP: false), with the layer.
-fn residual(name: &str) -> Option<(usize, bool)> {
-    let rest = name.strip_prefix('l')?;
-    let (layer, kind) = rest.split_once('.')?;
-    let layer = layer.parse().ok()?;
-    match kind {
-        "attn_out" => Some((layer, true)),
-        "out" => Some((layer, false)),
-        _ => None,
+    /// Whether `part` of `layer` (for the ends: the output or the embedding) is split.
+    pub fn splits(&self, part: Part, layer: usize) -> bool {
+        let l = self.layers.get(layer).copied().unwrap_or(LayerSplit {
+            attention: false,
+            mlp: false,
+        });
+        match part {
+            Part::Attention => l.attention,
+            Part::Mlp => l.mlp,
+            Part::Output => self.output,
+            Part::Embedding => self.embedding,
+        }
     }
 }
 
-/// The norm weight a tensor name refers to: `blk.{i}.attn_norm.weight` (before attention:
-/// true) or `blk.{i}.ffn_norm.weight` (before the MLP: false), with the layer.
+/// The norm weight a tensor name refers to: layer i's norm before attention (true) or before
+/// the MLP (false), with the layer.
 fn norm_weight(name: &str) -> Option<(usize, bool)> {
-    let rest = name.strip_prefix("blk.")?;
-    let (layer, kind) = rest.split_once('.')?;
-    let layer = layer.parse().ok()?;
-    match kind {
-        "attn_norm.weight" => Some((layer, true)),
-        "ffn_norm.weight" => Some((layer, false)),
+    match Naming::Gguf.parse(name)? {
+        (Tensor::AttnNorm, Some(l)) => Some((l, true)),
+        (Tensor::FfnNorm, Some(l)) => Some((l, false)),
         _ => None,
     }
 }
-
 /// The state hints of sequence parallelism for a decoder split as `plan` (None when
 /// `plan.sequence_parallel` is off). Two kinds of node of a step of `T` tokens are hinted:
 ///
@@ -218,7 +220,7 @@ pub fn sequence_parallel_hints(plan: &DecoderSplit) -> Option<HintFn> {
         if n < 2 || ne[1] < n || ne[2] * ne[3] != 1 {
             return None;
         }
-        if let Some((layer, after_attention)) = residual(node.name()) {
+        if let Some((layer, after_attention)) = parse_residual_name(node.name()) {
             if !split_after(layer, after_attention) {
                 return None;
             }
@@ -240,84 +242,110 @@ pub fn sequence_parallel_hints(plan: &DecoderSplit) -> Option<HintFn> {
 
 /// The split callback and the state hints of `plan` ([`by_layer`] and
 /// [`sequence_parallel_hints`]).
-pub fn policy(cfg: &DecoderConfig, plan: DecoderSplit) -> SplitPolicy {
+pub fn policy(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitPolicy {
     SplitPolicy {
         hints: sequence_parallel_hints(&plan),
-        split: by_layer(cfg, plan),
+        split: by_layer(dims, plan),
     }
 }
 
 /// The built-in callback for a decoder with this configuration: attention and MLP split in
 /// every layer (attention mirrored with `mirror_attention`), the output projection
 /// vocabulary-split, the embedding mirrored.
-pub fn megatron(cfg: &DecoderConfig, opts: SplitOptions) -> SplitFn {
+pub fn megatron(dims: impl Into<SplitDims>, opts: SplitOptions) -> SplitFn {
+    let dims = dims.into();
     let layer = LayerSplit {
         attention: !opts.mirror_attention,
         mlp: true,
     };
-    let mut plan = DecoderSplit::uniform(cfg.n_layer, layer, true, false);
+    let mut plan = DecoderSplit::uniform(dims.n_layer, layer, true, false);
     plan.ratios = opts.ratios;
-    by_layer(cfg, plan)
+    by_layer(dims, plan)
 }
 
 /// The callback for a per-layer choice of splits (`plan.layers[i]` for layer i; layers past
-/// the list, and caches of such layers, are mirrored).
-pub fn by_layer(cfg: &DecoderConfig, plan: DecoderSplit) -> SplitFn {
-    let cfg = cfg.clone();
+/// the list, and caches of such layers, are mirrored), for any architecture: each tensor's
+/// role (from the architecture's names) says which part it belongs to and how it is cut.
+///
+/// A cut tensor whose cut dimension disagrees with the model's counts, a layer the model does
+/// not have, or ratios not one per device are errors naming the tensor.
+pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
+    let dims = dims.into();
     Arc::new(move |t: &TensorInfo| -> Result<SplitState> {
         let n = t.n_devices;
-        let (role, layer) = role(t.name);
-        let hd = cfg.head_dim();
-        let groups = |unit: usize| extents(cfg.n_head_kv, unit, n, plan.ratios.as_deref(), layer);
-        // The MLP in whole blocks of 32 (quantized rows along K need whole blocks).
-        let ffn = |total: usize| -> Result<Vec<usize>> {
-            if total.is_multiple_of(32) {
-                extents(total / 32, 32, n, plan.ratios.as_deref(), layer)
-            } else {
-                extents(total, 1, n, plan.ratios.as_deref(), layer)
-            }
+        let Some((role, layer)) = dims.arch.parse(t.name) else {
+            return Ok(SplitState::mirrored(n));
         };
-        let split = plan.layers.get(layer).copied().unwrap_or(LayerSplit {
-            attention: false,
-            mlp: false,
-        });
-        let (attn, mlp) = (split.attention, split.mlp);
-        let vocab = |v: usize| extents(v, 1, n, plan.ratios.as_deref(), 0);
-        Ok(match role {
-            Role::Q if attn => SplitState::axis(1, &groups(hd * cfg.group())?),
-            Role::K | Role::V if attn => SplitState::axis(1, &groups(hd)?),
-            Role::AttnOut if attn => SplitState::axis(0, &groups(hd * cfg.group())?),
-            Role::CacheK | Role::CacheV if attn => SplitState::axis(0, &groups(hd)?),
-            Role::Gate | Role::Up if mlp => SplitState::axis(1, &ffn(t.layout.ne[1])?),
-            Role::Down if mlp => SplitState::axis(0, &ffn(t.layout.ne[0])?),
-            Role::Output if plan.output => SplitState::axis(1, &vocab(t.layout.ne[1])?),
-            Role::Embedding if plan.embedding => SplitState::axis(1, &vocab(t.layout.ne[1])?),
-            _ => SplitState::mirrored(n),
-        })
+        let layer = layer.unwrap_or(0);
+        let Some(cut) = role.cut().filter(|c| plan.splits(c.part, layer)) else {
+            return Ok(SplitState::mirrored(n));
+        };
+        let named = |reason: String| Error::InvalidSplit {
+            tensor: t.name.to_string(),
+            reason: format!("{} split: {reason}", dims.arch.name),
+        };
+        if role.scope() != super::arch::Scope::Model && layer >= dims.n_layer {
+            return Err(named(format!(
+                "layer {layer}, but the model has {} layers",
+                dims.n_layer
+            )));
+        }
+        let ne = t.layout.ne;
+        let dim = role.info().shape[cut.axis];
+        if let Some(want) = dims.dim(dim)
+            && ne[cut.axis] != want
+        {
+            return Err(named(format!(
+                "dimension {} of {} is {}, the model's configuration implies {want}",
+                cut.axis,
+                t.layout.shape(),
+                ne[cut.axis]
+            )));
+        }
+        let extents = unit_extents(&dims, cut.unit, ne[cut.axis], t, n, &plan, layer)
+            .map_err(|e| named(e.to_string()))?;
+        Ok(SplitState::axis(cut.axis, &extents))
     })
+}
+
+/// Extents of `total` features cut in `unit`s over `n` devices for `layer`.
+fn unit_extents(
+    dims: &SplitDims,
+    unit: Unit,
+    total: usize,
+    t: &TensorInfo,
+    n: usize,
+    plan: &DecoderSplit,
+    layer: usize,
+) -> Result<Vec<usize>> {
+    let ratios = plan.ratios.as_deref();
+    let hd = dims.head_dim;
+    let group = dims.n_head / dims.n_head_kv.max(1);
+    match unit {
+        Unit::QGroup => extents(dims.n_head_kv, hd * group, n, ratios, layer),
+        Unit::KvHead => extents(dims.n_head_kv, hd, n, ratios, layer),
+        Unit::Ffn => {
+            // Whole blocks of the weight's type (axis 0 of the down projection is its rows of
+            // blocks), and at least FFN_UNIT features where the width allows.
+            let block = t.layout.dtype.block_size();
+            let unit = [FFN_UNIT.max(block), block, 1]
+                .into_iter()
+                .find(|u| total.is_multiple_of(*u))
+                .unwrap_or(1);
+            extents(total / unit, unit, n, ratios, layer)
+        }
+        Unit::Vocab => extents(total, 1, n, ratios, 0),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::DType;
-    use crate::op::RopeMode;
     use crate::tensor::Layout;
 
     fn smol() -> DecoderConfig {
-        DecoderConfig {
-            n_layer: 30,
-            n_embd: 576,
-            n_ff: 1536,
-            n_head: 9,
-            n_head_kv: 3,
-            n_vocab: 49152,
-            rms_eps: 1e-5,
-            rope_base: 1e5,
-            rope_mode: RopeMode::Normal,
-            rope_dims: 64,
-            fused_attn: false,
-        }
+        DecoderConfig::llama(30, 576, 1536, 9, 3, 49152)
     }
 
     fn state(f: &SplitFn, name: &str, ne: [usize; 4], n: usize) -> SplitState {
@@ -390,15 +418,13 @@ mod tests {
         })
         .unwrap_err();
         match e {
-            Error::InvalidInput {
-                what,
-                expected,
-                got,
-                ..
-            } => assert_eq!(
-                (what.as_str(), expected.as_str(), got.as_str()),
-                ("split ratios", "one per device (3)", "2")
-            ),
+            Error::InvalidSplit { tensor, reason } => {
+                assert_eq!(tensor, "blk.0.ffn_up.weight");
+                assert!(
+                    reason.contains("split ratios: expected one per device (3), got 2"),
+                    "{reason}"
+                );
+            }
             other => panic!("{other:?}"),
         }
     }

@@ -29,8 +29,9 @@ use crate::graph::{Graph, TensorId};
 use crate::meta::rewrite::{Rewritten, Stage, rewrite};
 use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
-use crate::models::decoder::{StepInput, build_step, kv_cache_layouts};
-use crate::models::synthetic::{decoder_weights, place};
+use crate::models::arch::Tensor;
+use crate::models::decoder::{StepInput, build_step};
+use crate::models::weights::{KvCache, ModelWeights, WeightRef, place_decoder, place_kv_cache};
 use crate::op::{CollectiveKind, Op};
 use crate::{DType, Error, Result};
 use serde::Serialize;
@@ -224,9 +225,9 @@ impl Evaluation {
 pub struct Placed {
     pub shape: ModelShape,
     pub devices: Vec<Arc<dyn Device>>,
-    refs: Vec<crate::models::decoder::WeightRef>,
-    weights: crate::models::decoder::DecoderWeights,
-    cache: crate::models::decoder::KvCache,
+    refs: Vec<WeightRef>,
+    weights: ModelWeights,
+    cache: KvCache,
     weight_buffer: Arc<dyn Buffer>,
     cache_buffer: Arc<dyn Buffer>,
     /// The state hints the sharding follows, as a run's meta device would.
@@ -252,24 +253,11 @@ impl Placed {
         let hints = policy.hints.clone();
         let meta = MetaDevice::with_policy(devices.clone(), policy, MetaOptions::default())?;
         let bt = meta.buffer_type();
-        let (weight_buffer, refs) =
-            place(bt.as_ref(), &shape.weight_layouts(), BufferUsage::Weights)?;
-        let weights = decoder_weights(&shape.cfg, &refs);
+        let (weight_buffer, refs, weights) =
+            place_decoder(&shape.cfg, &shape.weight_decls()?, bt.as_ref())?;
         // The cache is placed, not cleared: a virtual device has nothing to clear, and a meta
         // buffer's clear walks every slice.
-        let (cache_buffer, cache_refs) = place(
-            bt.as_ref(),
-            &kv_cache_layouts(&shape.cfg, context),
-            BufferUsage::Compute,
-        )?;
-        let (k, v): (Vec<_>, Vec<_>) = cache_refs
-            .into_iter()
-            .partition(|r| r.name.starts_with("cache_k"));
-        let cache = crate::models::decoder::KvCache {
-            k,
-            v,
-            size: context,
-        };
+        let (cache_buffer, cache) = place_kv_cache(&shape.cfg, context, bt.as_ref(), false)?;
         Ok(Placed {
             shape: shape.clone(),
             devices,
@@ -340,11 +328,10 @@ impl Placed {
         let mut out = vec![vec![0usize; n]; layers + 2];
         let caches = self.cache.k.iter().chain(&self.cache.v);
         for r in self.refs.iter().chain(caches) {
-            let seg = match crate::models::split::role(&r.name) {
-                (crate::models::split::Role::Embedding, _) => 0,
-                (crate::models::split::Role::Output, _) => layers + 1,
-                _ if r.name == "output_norm.weight" => layers + 1,
-                (_, l) => l + 1,
+            let seg = match self.shape.cfg.arch.parse(&r.name) {
+                Some((Tensor::TokenEmbd, None)) => 0,
+                Some((_, Some(l))) => l + 1,
+                _ => layers + 1,
             };
             let Some(mb) = r.storage.buffer.as_any().downcast_ref::<MetaBuffer>() else {
                 continue;

@@ -6,8 +6,9 @@
 
 use crate::io::config::JsonConfig;
 use crate::io::gguf::GgufFile;
-use crate::models::decoder::DecoderConfig;
-use crate::op::RopeMode;
+use crate::models::arch::{Arch, LLAMA, Tensor};
+use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
+use crate::models::weights::{TensorDecl, decoder_layouts};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
 use serde::Serialize;
@@ -28,6 +29,19 @@ pub struct WeightTypes {
 }
 
 impl WeightTypes {
+    /// The storage type of a matrix of role `t` (the embedding's when the output is `tied`).
+    pub fn of(&self, t: Tensor, tied: bool) -> DType {
+        match t {
+            Tensor::TokenEmbd => self.embedding,
+            Tensor::Output if tied => self.embedding,
+            Tensor::Output => self.output,
+            Tensor::FfnGate | Tensor::FfnUp => self.ffn_gate_up,
+            Tensor::FfnDown => self.ffn_down,
+            t if t.is_vector() => self.norm,
+            _ => self.attention,
+        }
+    }
+
     /// Every matrix in `dt`, norms in F32.
     pub fn uniform(dt: DType) -> Self {
         WeightTypes {
@@ -68,75 +82,58 @@ impl ModelShape {
         s
     }
 
-    /// Names and layouts of every weight, in the order the decoder declares them (the names
-    /// of `models::synthetic::weight_layouts`, with this model's types).
+    /// Every weight the decoder places (its architecture's required tensors), with this
+    /// model's types, in placement order.
+    pub fn weight_decls(&self) -> Result<Vec<TensorDecl>> {
+        decoder_layouts(&self.cfg, &|t, _| self.types.of(t, self.tied), &|_, _| {
+            false
+        })
+    }
+
+    /// Names and layouts of every weight, in the order the decoder declares them.
     pub fn weight_layouts(&self) -> Vec<(String, Layout)> {
-        let c = &self.cfg;
-        let t = &self.types;
-        let (e, f, ekv, v) = (c.n_embd, c.n_ff, c.n_embd_kv(), c.n_vocab);
-        let l = |dt, ne0, ne1| Layout::contiguous(dt, [ne0, ne1, 1, 1]);
-        let mut out = vec![
-            ("token_embd.weight".to_string(), l(t.embedding, e, v)),
-            ("output_norm.weight".to_string(), l(t.norm, e, 1)),
-            (
-                "output.weight".to_string(),
-                l(if self.tied { t.embedding } else { t.output }, e, v),
-            ),
-        ];
-        for i in 0..c.n_layer {
-            let b = |k: &str| format!("blk.{i}.{k}.weight");
-            out.push((b("attn_norm"), l(t.norm, e, 1)));
-            out.push((b("attn_q"), l(t.attention, e, e)));
-            out.push((b("attn_k"), l(t.attention, e, ekv)));
-            out.push((b("attn_v"), l(t.attention, e, ekv)));
-            out.push((b("attn_output"), l(t.attention, e, e)));
-            out.push((b("ffn_norm"), l(t.norm, e, 1)));
-            out.push((b("ffn_gate"), l(t.ffn_gate_up, e, f)));
-            out.push((b("ffn_up"), l(t.ffn_gate_up, e, f)));
-            out.push((b("ffn_down"), l(t.ffn_down, f, e)));
-        }
-        out
+        self.weight_decls()
+            .map(|d| d.into_iter().map(|d| (d.name, d.layout)).collect())
+            .unwrap_or_default()
     }
 
     /// Bytes of all weights as stored (a tied output counted once).
     pub fn weight_bytes(&self) -> usize {
-        self.weight_layouts()
+        self.weight_decls()
+            .unwrap_or_default()
             .iter()
-            .filter(|(n, _)| !(self.tied && n == "output.weight"))
-            .map(|(_, l)| l.nbytes())
+            .filter(|d| !(self.tied && d.tensor == Tensor::Output))
+            .map(|d| d.layout.nbytes())
             .sum()
     }
 
     /// A shape from a GGUF file's header: configuration and tensor types, no data read.
     pub fn from_gguf(path: &Path) -> Result<ModelShape> {
         let g = GgufFile::open(path)?;
-        let cfg = crate::models::llama::config_from_gguf(&g)?;
-        let context_length = crate::models::llama::context_length_from_gguf(&g)?;
-        let ty = |name: &str| -> Result<DType> {
-            let t = g.tensor(name).ok_or_else(|| Error::Model {
+        let cfg = config_from_gguf(&g)?;
+        let context_length = context_length_from_gguf(&g)?;
+        let ty = |t: Tensor| -> Result<DType> {
+            let name = cfg.arch.name(t, 0);
+            let t = g.tensor(&name).ok_or_else(|| Error::Model {
                 model: path.display().to_string(),
                 reason: format!("tensor `{name}` is missing"),
             })?;
             t.dtype.ok_or_else(|| Error::Model {
                 model: path.display().to_string(),
                 reason: format!(
-                    "tensor `{name}` has ggml type {} which metashard cannot run",
-                    t.ggml_type
+                    "tensor `{name}` has ggml type {}, which metashard cannot run",
+                    crate::io::gguf_types::ggml_type_label(t.ggml_type)
                 ),
             })
         };
-        let tied = g.tensor("output.weight").is_none();
-        let embedding = ty("token_embd.weight")?;
+        let tied = g.tensor(&cfg.arch.name(Tensor::Output, 0)).is_none();
+        let embedding = ty(Tensor::TokenEmbd)?;
         let types = WeightTypes {
             embedding,
-            output: if tied {
-                embedding
-            } else {
-                ty("output.weight")?
-            },
-            attention: ty("blk.0.attn_q.weight")?,
-            ffn_gate_up: ty("blk.0.ffn_up.weight")?,
-            ffn_down: ty("blk.0.ffn_down.weight")?,
+            output: if tied { embedding } else { ty(Tensor::Output)? },
+            attention: ty(Tensor::AttnQ)?,
+            ffn_gate_up: ty(Tensor::FfnUp)?,
+            ffn_down: ty(Tensor::FfnDown)?,
             norm: DType::F32,
         };
         let name = g
@@ -162,9 +159,16 @@ impl ModelShape {
     /// `num_hidden_layers`, `vocab_size`, `torch_dtype`, `tie_word_embeddings`).
     pub fn from_config_json(path: &Path) -> Result<ModelShape> {
         let c = JsonConfig::open(path)?;
+        // Hugging Face's `model_type` names the families as GGUF's `general.architecture`.
+        let arch = match c.opt_str("model_type")? {
+            None => &LLAMA,
+            Some(t) => Arch::from_gguf_name(t)
+                .ok_or_else(|| Error::format(path, "key 'model_type'", Arch::unsupported(t)))?,
+        };
         let n_embd = c.get_usize("hidden_size")?;
         let n_head = c.get_usize("num_attention_heads")?;
         let cfg = DecoderConfig {
+            arch,
             n_layer: c.get_usize("num_hidden_layers")?,
             n_embd,
             n_ff: c.get_usize("intermediate_size")?,
@@ -173,7 +177,7 @@ impl ModelShape {
             n_vocab: c.get_usize("vocab_size")?,
             rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
             rope_base: c.opt_f64("rope_theta")?.unwrap_or(10000.0) as f32,
-            rope_mode: RopeMode::Normal,
+            rope_mode: arch.decoder()?.rope_mode,
             rope_dims: n_embd / n_head.max(1),
             fused_attn: true,
         };
@@ -199,17 +203,9 @@ impl ModelShape {
     /// A built-in shape: `smollm2-135m`, `llama3-8b`, `llama3-70b`.
     pub fn preset(name: &str) -> Option<ModelShape> {
         let dec = |n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab, rope_base| DecoderConfig {
-            n_layer,
-            n_embd,
-            n_ff,
-            n_head,
-            n_head_kv,
-            n_vocab,
-            rms_eps: 1e-5,
             rope_base,
-            rope_mode: RopeMode::Normal,
-            rope_dims: n_embd / n_head,
             fused_attn: true,
+            ..DecoderConfig::llama(n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab)
         };
         // Shapes from the models' config.json files (HuggingFaceTB/SmolLM2-135M-Instruct,
         // meta-llama/Meta-Llama-3-8B, meta-llama/Meta-Llama-3-70B).

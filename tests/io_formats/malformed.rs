@@ -291,7 +291,7 @@ fn with_u32_key(bytes: &[u8], key: &str, v: u32) -> Vec<u8> {
 /// with `memory allocation of 4831838208 bytes failed`). The unmutated file still loads.
 #[test]
 fn count_keys_of_the_real_model_are_checked_against_its_tensors() {
-    use metashard::models::llama::{config_from_gguf, context_length_from_gguf};
+    use metashard::models::hparams::{config_from_gguf, context_length_from_gguf};
     let src = std::fs::read(smollm_path()).unwrap();
     let name = Path::new("mutated-smollm2.gguf");
     let open = |b: Vec<u8>| GgufFile::from_bytes(name, b).unwrap();

@@ -1,17 +1,17 @@
-//! Open a GGUF decoder on a device set in one call: resolve the model name, open the devices
-//! (one device, or a meta device with the built-in Megatron split or `--tensor-split` ratios,
-//! or the scheduler for a layer or hybrid split),
-//! load the weights with a progress callback, and turn a prompt into tokens (the user's text
-//! literal unless asked otherwise: control tokens come from the chat template's markup).
+//! Open a GGUF decoder on a device set in one call: resolve the model name, read the header,
+//! open the devices (one device, or a meta device with the built-in Megatron split, a plan or
+//! `--tensor-split` ratios, or the scheduler for a layer or hybrid split), and load the
+//! weights with a progress callback.
 
-use super::layer_split::SplitMode;
-use super::llama::{LlamaModel, config_from_gguf};
-use super::paths::{ModelPath, resolve};
-use super::split::{DecoderSplit, SplitOptions, megatron, policy};
+use super::layered::open_layered;
 use crate::cpu::Precision;
 use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
-use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::models::hparams::config_from_gguf;
+use crate::models::layer_split::SplitMode;
+use crate::models::loader::DecoderModel;
+use crate::models::paths::{ModelPath, resolve};
+use crate::models::split::{DecoderSplit, SplitOptions, megatron, policy};
 use crate::{Error, Result};
 
 /// How to open a decoder.
@@ -43,7 +43,7 @@ pub fn open_decoder(
     devices: &str,
     opts: &OpenOptions,
     progress: &dyn Fn(usize, usize),
-) -> Result<(DeviceSet, LlamaModel)> {
+) -> Result<(DeviceSet, DecoderModel)> {
     let ModelPath::Gguf(path) = resolve(model)? else {
         return Err(Error::Model {
             model: model.to_string(),
@@ -70,7 +70,7 @@ pub fn open_decoder(
                  --split-mode tensor with them",
             ));
         }
-        let set = DeviceSet::open_layered(
+        let set = open_layered(
             devices,
             opts.precision,
             opts.meta,
@@ -79,7 +79,7 @@ pub fn open_decoder(
             opts.ratios.as_deref(),
             opts.groups.unwrap_or(2),
         )?;
-        let m = LlamaModel::load(&path, set.buffer_type.as_ref(), progress)?;
+        let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
         return Ok((set, m));
     }
     let split_fn = match &opts.split {
@@ -107,42 +107,6 @@ pub fn open_decoder(
         .into(),
     };
     let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |_| split_fn)?;
-    let m = LlamaModel::load(&path, set.buffer_type.as_ref(), progress)?;
+    let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
     Ok((set, m))
-}
-
-/// How a prompt becomes tokens.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct PromptOptions<'a> {
-    /// System message for the chat template (the template's default when absent).
-    pub system: Option<&'a str>,
-    /// Feed the prompt as is, without the chat template.
-    pub raw: bool,
-    /// Recognize control tokens (`<|im_start|>`, `<|im_end|>`, ...) written in the user's
-    /// text (the prompt and the system message). Off by default: the user's text stays text,
-    /// so it cannot open or close chat turns; the chat template's own markup gives control
-    /// tokens either way.
-    pub special: bool,
-}
-
-/// Prompt tokens: through the model's chat template (with an optional system message) unless
-/// `raw` or the model has none. Control tokens come from the template's markup only, unless
-/// `special` (see [`PromptOptions`]).
-pub fn prompt_tokens(m: &LlamaModel, prompt: &str, opts: &PromptOptions) -> Result<Vec<u32>> {
-    match (&m.chat, opts.raw) {
-        (Some(t), false) => {
-            let mut msgs = Vec::new();
-            if let Some(s) = opts.system {
-                msgs.push(ChatMessage::new("system", s));
-            }
-            msgs.push(ChatMessage::new("user", prompt));
-            let (text, user) = t.render_spans(&msgs, true)?;
-            if opts.special {
-                m.tokenizer.encode(&text, true)
-            } else {
-                m.tokenizer.encode_with_literals(&text, true, &user)
-            }
-        }
-        _ => m.tokenizer.encode_with(prompt, true, opts.special),
-    }
 }

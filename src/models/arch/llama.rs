@@ -1,0 +1,18 @@
+//! `llama` (and `mistral`, the same layout): llama.cpp's `LLM_ARCH_LLAMA` tensors, with the
+//! attention biases it loads when present; RoPE on adjacent pairs (the llama converter
+//! permutes Q and K rows for it), SwiGLU MLP.
+
+use super::groups::{ATTENTION, DECODER_ENDS, GATED_MLP, OPTIONAL_ATTN_BIAS};
+use super::{Arch, DecoderSpec, Kind, Mlp, Naming};
+use crate::op::{RopeMode, UnaryOp};
+
+pub const LLAMA: Arch = Arch {
+    name: "llama",
+    aliases: &["mistral"],
+    naming: Naming::Gguf,
+    tensors: &[DECODER_ENDS, ATTENTION, OPTIONAL_ATTN_BIAS, GATED_MLP],
+    kind: Kind::Decoder(DecoderSpec {
+        rope_mode: RopeMode::Normal,
+        mlp: Mlp::Gated(UnaryOp::Silu),
+    }),
+};

@@ -1,0 +1,245 @@
+//! Model architectures as data, after llama.cpp's `llm_arch` / `LLM_TENSOR_NAMES` and its
+//! per-architecture tensor lists (`src/llama-arch.cpp`, `src/llama-model.cpp`): an [`Arch`]
+//! says which names a family's files use, which tensors it has (required or optional, shapes
+//! from the hyper-parameters), and what its layers compute as a choice among shared blocks
+//! (`models::blocks`). The loader, the weight layouts, the split rules, the planner's model
+//! shapes, the layer placement and the plan report all read it; nothing else names a tensor.
+//!
+//! Adding a family is one file here (its `Arch` constant) and one line in [`ARCHS`].
+
+mod bert;
+mod llama;
+mod qwen2;
+pub mod tensor;
+
+pub use bert::BERT;
+pub use llama::LLAMA;
+pub use qwen2::QWEN2;
+pub use tensor::{Cut, Dim, Group, Naming, Part, ROLES, RoleInfo, Scope, Tensor, Unit, layer_of};
+
+use crate::op::{RopeMode, UnaryOp};
+use crate::{Error, Result};
+
+/// Whether a file must hold a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    Required,
+    /// Used when present (llama's optional biases).
+    Optional,
+    /// When absent, the bytes of the given tensor are used (a tied output projection: the
+    /// token embedding), placed a second time under this tensor's name.
+    TiedTo(Tensor),
+}
+
+/// The feed-forward block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mlp {
+    /// `down(act(gate(x)) * up(x))`; SiLU runs as the fused `swiglu` op.
+    Gated(UnaryOp),
+    /// `down(act(up(x)))` (BERT).
+    Plain(UnaryOp),
+}
+
+/// What a decoder layer computes: pre-norm attention with a KV cache, then a pre-norm MLP,
+/// each added to the residual stream. Biases are added wherever the model has them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecoderSpec {
+    /// How RoPE pairs dimensions in this family's GGUF files (llama.cpp's
+    /// `llama_model_rope_type`: the llama converter permutes Q and K for adjacent pairs,
+    /// Qwen2 keeps Hugging Face's halves, NeoX).
+    pub rope_mode: RopeMode,
+    pub mlp: Mlp,
+}
+
+/// What an encoder layer computes: post-norm attention without a cache (LayerNorm with bias),
+/// then a post-norm MLP (BERT).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EncoderSpec {
+    pub mlp: Mlp,
+}
+
+/// Which graph builder runs the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Decoder(DecoderSpec),
+    Encoder(EncoderSpec),
+}
+
+/// One model architecture.
+#[derive(Debug, PartialEq)]
+pub struct Arch {
+    /// The family's name: GGUF's `general.architecture` for GGUF families.
+    pub name: &'static str,
+    /// Other `general.architecture` values with exactly this layout (`mistral` for `llama`).
+    pub aliases: &'static [&'static str],
+    pub naming: Naming,
+    /// The tensors, in groups shared between families; whole-model tensors first, then one
+    /// layer's, in the order they are placed.
+    pub tensors: &'static [&'static [(Tensor, Need)]],
+    pub kind: Kind,
+}
+
+/// Every architecture metashard runs.
+pub const ARCHS: &[&Arch] = &[&llama::LLAMA, &qwen2::QWEN2, &bert::BERT];
+
+impl Arch {
+    /// The architecture a GGUF file's `general.architecture` names.
+    pub fn from_gguf_name(name: &str) -> Option<&'static Arch> {
+        ARCHS
+            .iter()
+            .find(|a| a.naming == Naming::Gguf && (a.name == name || a.aliases.contains(&name)))
+            .copied()
+    }
+
+    /// Why `name` is refused: it is not in [`ARCHS`] (the supported names listed).
+    pub fn unsupported(name: &str) -> String {
+        format!(
+            "architecture `{name}` is not supported (supported: {})",
+            gguf_names().join(", ")
+        )
+    }
+
+    /// Every `(tensor, need)` of this family.
+    pub fn tensor_list(&self) -> impl Iterator<Item = (Tensor, Need)> + '_ {
+        self.tensors.iter().flat_map(|g| g.iter().copied())
+    }
+
+    /// How `tensor` is needed, `None` when this family has no such tensor.
+    pub fn need(&self, tensor: Tensor) -> Option<Need> {
+        self.tensor_list()
+            .find(|(t, _)| *t == tensor)
+            .map(|(_, n)| n)
+    }
+
+    pub fn has(&self, tensor: Tensor) -> bool {
+        self.need(tensor).is_some()
+    }
+
+    /// Whole-model tensors, in placement order.
+    pub fn model_tensors(&self) -> impl Iterator<Item = (Tensor, Need)> + '_ {
+        self.tensor_list()
+            .filter(|(t, _)| t.scope() == Scope::Model)
+    }
+
+    /// One layer's tensors, in placement order.
+    pub fn layer_tensors(&self) -> impl Iterator<Item = (Tensor, Need)> + '_ {
+        self.tensor_list()
+            .filter(|(t, _)| t.scope() == Scope::Layer)
+    }
+
+    /// The decoder layer, or an error naming the family when it is not a decoder.
+    pub fn decoder(&self) -> Result<&DecoderSpec> {
+        match &self.kind {
+            Kind::Decoder(d) => Ok(d),
+            Kind::Encoder(_) => Err(Error::Model {
+                model: self.name.to_string(),
+                reason: format!(
+                    "`{}` is an encoder; this command needs a decoder (use `embed`)",
+                    self.name
+                ),
+            }),
+        }
+    }
+
+    /// The role and layer of a name in this family's files (caches too); `None` for a name the
+    /// family does not have.
+    pub fn parse(&self, name: &str) -> Option<(Tensor, Option<usize>)> {
+        self.naming
+            .parse(name)
+            .filter(|(t, _)| t.scope() == Scope::Cache || self.has(*t))
+    }
+
+    /// The name of `tensor` (of `layer`) in this family's files.
+    pub fn name(&self, tensor: Tensor, layer: usize) -> String {
+        self.naming
+            .name(tensor, layer)
+            .expect("every role of a family's table has a name in its naming")
+    }
+}
+
+/// The GGUF architecture names metashard runs, for messages.
+pub fn gguf_names() -> Vec<&'static str> {
+    ARCHS
+        .iter()
+        .filter(|a| a.naming == Naming::Gguf)
+        .flat_map(|a| std::iter::once(a.name).chain(a.aliases.iter().copied()))
+        .collect()
+}
+
+/// Tensor groups shared by families (llama.cpp's per-architecture lists repeat these).
+pub mod groups {
+    use super::Need::{Optional, Required, TiedTo};
+    use super::{Need, Tensor::*};
+    use crate::models::arch::Tensor;
+
+    /// A decoder's ends: embedding, final norm, output (tied to the embedding when absent).
+    pub const DECODER_ENDS: &[(Tensor, Need)] = &[
+        (TokenEmbd, Required),
+        (OutputNorm, Required),
+        (Output, TiedTo(TokenEmbd)),
+    ];
+    /// A pre-norm attention block.
+    pub const ATTENTION: &[(Tensor, Need)] = &[
+        (AttnNorm, Required),
+        (AttnQ, Required),
+        (AttnK, Required),
+        (AttnV, Required),
+        (AttnOut, Required),
+    ];
+    /// Q, K and V biases that a family must have (Qwen2).
+    pub const QKV_BIAS: &[(Tensor, Need)] = &[
+        (AttnQBias, Required),
+        (AttnKBias, Required),
+        (AttnVBias, Required),
+    ];
+    /// Attention biases a family may have (llama.cpp loads them optionally for llama).
+    pub const OPTIONAL_ATTN_BIAS: &[(Tensor, Need)] = &[
+        (AttnQBias, Optional),
+        (AttnKBias, Optional),
+        (AttnVBias, Optional),
+        (AttnOutBias, Optional),
+    ];
+    /// A pre-norm gated MLP.
+    pub const GATED_MLP: &[(Tensor, Need)] = &[
+        (FfnNorm, Required),
+        (FfnGate, Required),
+        (FfnUp, Required),
+        (FfnDown, Required),
+    ];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn archs_are_found_by_gguf_name_and_unknown_ones_named() {
+        assert_eq!(Arch::from_gguf_name("mistral").unwrap().name, "llama");
+        assert_eq!(Arch::from_gguf_name("qwen2").unwrap().name, "qwen2");
+        assert!(Arch::from_gguf_name("gemma3").is_none());
+        let e = Arch::unsupported("gemma3");
+        assert!(e.contains("`gemma3`") && e.contains("qwen2"), "{e}");
+        // BERT is read from safetensors, not looked up by a GGUF name.
+        assert!(Arch::from_gguf_name("bert").is_none());
+    }
+
+    #[test]
+    fn every_role_of_a_family_has_a_name_in_its_naming() {
+        for a in ARCHS {
+            for (t, _) in a.tensor_list() {
+                let name = a
+                    .naming
+                    .name(t, 0)
+                    .unwrap_or_else(|| panic!("{}: {t:?}", a.name));
+                assert_eq!(a.parse(&name).map(|p| p.0), Some(t), "{name}");
+            }
+        }
+        assert_eq!(
+            Arch::from_gguf_name("llama")
+                .unwrap()
+                .parse("blk.0.attn_q.bias")
+                .map(|p| p.0),
+            Some(Tensor::AttnQBias)
+        );
+    }
+}

@@ -1,0 +1,356 @@
+//! Tensor roles shared by every architecture (llama.cpp's `llm_tensor`), written once with
+//! everything that depends on the role alone: its GGUF name, its name in a Hugging Face BERT
+//! checkpoint, its shape in hyper-parameter units, the group the plan report shows it in, and
+//! how a tensor-parallel split cuts it.
+//!
+//! GGUF names follow llama.cpp's `LLM_TENSOR_NAMES` (`src/llama-arch.cpp`): a per-layer tensor
+//! is `blk.{N}.<base>.weight` (or `.bias`), a whole-model one `<base>.weight`. The Hugging Face
+//! names are those of BERT checkpoints as `transformers` saves them (`BertModel`'s
+//! `state_dict`, optionally prefixed `bert.`). KV caches are not in any file; they are named
+//! `cache_k_l{N}` / `cache_v_l{N}` wherever they are placed.
+
+/// What a tensor is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tensor {
+    // The whole model.
+    TokenEmbd,
+    TokenTypes,
+    PosEmbd,
+    TokenEmbdNorm,
+    TokenEmbdNormBias,
+    OutputNorm,
+    Output,
+    // Each layer.
+    AttnNorm,
+    AttnQ,
+    AttnQBias,
+    AttnK,
+    AttnKBias,
+    AttnV,
+    AttnVBias,
+    AttnOut,
+    AttnOutBias,
+    AttnOutNorm,
+    AttnOutNormBias,
+    FfnNorm,
+    FfnGate,
+    FfnUp,
+    FfnUpBias,
+    FfnDown,
+    FfnDownBias,
+    LayerOutNorm,
+    LayerOutNormBias,
+    // Each layer's KV cache (made at run time, never in a file).
+    CacheK,
+    CacheV,
+}
+
+/// Where a tensor lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// One per model.
+    Model,
+    /// One per layer, in the file.
+    Layer,
+    /// One per layer, made at run time.
+    Cache,
+}
+
+/// A dimension in hyper-parameter units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dim {
+    One,
+    /// The model width (`n_embd`).
+    Embd,
+    /// The feed-forward width (`n_ff`).
+    Ff,
+    /// The vocabulary.
+    Vocab,
+    /// All query heads: `n_head * head_dim`.
+    Q,
+    /// All key (or value) heads: `n_head_kv * head_dim`.
+    Kv,
+    /// The position table (BERT's `max_position_embeddings`).
+    Pos,
+    /// The token-type table (BERT's `type_vocab_size`).
+    Types,
+    /// KV cache rows (the session's context).
+    Ctx,
+}
+
+/// How the plan report groups tensors (one row per group and run of layers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Group {
+    Embedding,
+    AttnQkv,
+    AttnOut,
+    Cache,
+    FfnIn,
+    FfnOut,
+    Norms,
+    OutputNorm,
+    Output,
+}
+
+/// The part of a model a split switches on or off ([`crate::models::split::DecoderSplit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// A layer's attention: Q, K, V, output and the KV cache, by whole KV-head groups.
+    Attention,
+    /// A layer's MLP: column- then row-parallel.
+    Mlp,
+    /// The output projection, by vocabulary.
+    Output,
+    /// The token embedding, by vocabulary rows.
+    Embedding,
+}
+
+/// The units a split cuts in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    /// One KV-head group's query features: `head_dim * n_head / n_head_kv`.
+    QGroup,
+    /// One KV head's features: `head_dim`.
+    KvHead,
+    /// Feed-forward features, in whole blocks of the weights' type (at least 32).
+    Ffn,
+    /// Vocabulary rows.
+    Vocab,
+}
+
+/// How a tensor-parallel split cuts a tensor when its part is split: along `axis`, in `unit`s.
+/// Tensors without a cut are mirrored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cut {
+    pub part: Part,
+    pub axis: usize,
+    pub unit: Unit,
+}
+
+/// Everything that depends on the role alone.
+#[derive(Debug)]
+pub struct RoleInfo {
+    pub tensor: Tensor,
+    pub scope: Scope,
+    /// The GGUF name after `blk.{N}.` (per layer) or the whole name (per model).
+    pub gguf: &'static str,
+    /// The name in a Hugging Face BERT checkpoint after `encoder.layer.{N}.` (per layer) or
+    /// the whole name; `None` where BERT has no such tensor.
+    pub hf_bert: Option<&'static str>,
+    /// `ne[0]`, `ne[1]` in hyper-parameter units (vectors are `[n, 1]`).
+    pub shape: [Dim; 2],
+    pub group: Group,
+    pub cut: Option<Cut>,
+}
+
+const fn cut(part: Part, axis: usize, unit: Unit) -> Option<Cut> {
+    Some(Cut { part, axis, unit })
+}
+
+macro_rules! roles {
+    ($( $t:ident, $scope:ident, $gguf:literal, $hf:expr, [$d0:ident, $d1:ident], $group:ident, $cut:expr; )*) => {
+        /// One row per role: the only place a tensor name, shape or split rule is written.
+        pub const ROLES: &[RoleInfo] = &[$(RoleInfo {
+            tensor: Tensor::$t,
+            scope: Scope::$scope,
+            gguf: $gguf,
+            hf_bert: $hf,
+            shape: [Dim::$d0, Dim::$d1],
+            group: Group::$group,
+            cut: $cut,
+        },)*];
+    };
+}
+
+use Part::{Attention, Embedding, Mlp};
+use Unit::{Ffn, KvHead, QGroup, Vocab};
+
+roles! {
+    TokenEmbd, Model, "token_embd.weight", Some("embeddings.word_embeddings.weight"), [Embd, Vocab], Embedding, cut(Embedding, 1, Vocab);
+    TokenTypes, Model, "token_types.weight", Some("embeddings.token_type_embeddings.weight"), [Embd, Types], Embedding, None;
+    PosEmbd, Model, "position_embd.weight", Some("embeddings.position_embeddings.weight"), [Embd, Pos], Embedding, None;
+    TokenEmbdNorm, Model, "token_embd_norm.weight", Some("embeddings.LayerNorm.weight"), [Embd, One], Embedding, None;
+    TokenEmbdNormBias, Model, "token_embd_norm.bias", Some("embeddings.LayerNorm.bias"), [Embd, One], Embedding, None;
+    OutputNorm, Model, "output_norm.weight", None, [Embd, One], OutputNorm, None;
+    Output, Model, "output.weight", None, [Embd, Vocab], Output, cut(Part::Output, 1, Vocab);
+    AttnNorm, Layer, "attn_norm.weight", None, [Embd, One], Norms, None;
+    AttnQ, Layer, "attn_q.weight", Some("attention.self.query.weight"), [Embd, Q], AttnQkv, cut(Attention, 1, QGroup);
+    AttnQBias, Layer, "attn_q.bias", Some("attention.self.query.bias"), [Q, One], AttnQkv, cut(Attention, 0, QGroup);
+    AttnK, Layer, "attn_k.weight", Some("attention.self.key.weight"), [Embd, Kv], AttnQkv, cut(Attention, 1, KvHead);
+    AttnKBias, Layer, "attn_k.bias", Some("attention.self.key.bias"), [Kv, One], AttnQkv, cut(Attention, 0, KvHead);
+    AttnV, Layer, "attn_v.weight", Some("attention.self.value.weight"), [Embd, Kv], AttnQkv, cut(Attention, 1, KvHead);
+    AttnVBias, Layer, "attn_v.bias", Some("attention.self.value.bias"), [Kv, One], AttnQkv, cut(Attention, 0, KvHead);
+    AttnOut, Layer, "attn_output.weight", Some("attention.output.dense.weight"), [Q, Embd], AttnOut, cut(Attention, 0, QGroup);
+    // Added after the output's partial sums are reduced: mirrored.
+    AttnOutBias, Layer, "attn_output.bias", Some("attention.output.dense.bias"), [Embd, One], AttnOut, None;
+    AttnOutNorm, Layer, "attn_output_norm.weight", Some("attention.output.LayerNorm.weight"), [Embd, One], Norms, None;
+    AttnOutNormBias, Layer, "attn_output_norm.bias", Some("attention.output.LayerNorm.bias"), [Embd, One], Norms, None;
+    FfnNorm, Layer, "ffn_norm.weight", None, [Embd, One], Norms, None;
+    FfnGate, Layer, "ffn_gate.weight", None, [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
+    FfnUp, Layer, "ffn_up.weight", Some("intermediate.dense.weight"), [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
+    FfnUpBias, Layer, "ffn_up.bias", Some("intermediate.dense.bias"), [Ff, One], FfnIn, cut(Mlp, 0, Ffn);
+    FfnDown, Layer, "ffn_down.weight", Some("output.dense.weight"), [Ff, Embd], FfnOut, cut(Mlp, 0, Ffn);
+    FfnDownBias, Layer, "ffn_down.bias", Some("output.dense.bias"), [Embd, One], FfnOut, None;
+    LayerOutNorm, Layer, "layer_output_norm.weight", Some("output.LayerNorm.weight"), [Embd, One], Norms, None;
+    LayerOutNormBias, Layer, "layer_output_norm.bias", Some("output.LayerNorm.bias"), [Embd, One], Norms, None;
+    CacheK, Cache, "cache_k_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
+    CacheV, Cache, "cache_v_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
+}
+
+impl Tensor {
+    /// Its row of [`ROLES`].
+    pub fn info(self) -> &'static RoleInfo {
+        // The table lists the roles in declaration order (checked by a test).
+        &ROLES[self as usize]
+    }
+
+    pub fn scope(self) -> Scope {
+        self.info().scope
+    }
+
+    pub fn cut(self) -> Option<Cut> {
+        self.info().cut
+    }
+
+    pub fn group(self) -> Group {
+        self.info().group
+    }
+
+    /// A vector (`[n, 1]`: a norm weight or a bias).
+    pub fn is_vector(self) -> bool {
+        self.info().shape[1] == Dim::One
+    }
+
+    /// The GGUF base name (`attn_q`, `token_embd`), as error messages and reports show a role.
+    pub fn base_name(self) -> &'static str {
+        let g = self.info().gguf;
+        g.strip_suffix(".weight")
+            .or_else(|| g.strip_suffix(".bias"))
+            .unwrap_or(g)
+            .trim_end_matches("_l")
+    }
+}
+
+/// How a family's files name tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Naming {
+    /// GGUF (llama.cpp's names).
+    Gguf,
+    /// A Hugging Face BERT checkpoint (safetensors), with an optional `bert.` prefix.
+    HfBert,
+}
+
+/// The layer prefix of each naming.
+const GGUF_LAYER: &str = "blk.";
+const HF_BERT_LAYER: &str = "encoder.layer.";
+const HF_BERT_PREFIX: &str = "bert.";
+
+impl Naming {
+    /// The name of `tensor` (of layer `layer` for per-layer tensors); `None` where this naming
+    /// has no such tensor.
+    pub fn name(self, tensor: Tensor, layer: usize) -> Option<String> {
+        let info = tensor.info();
+        if info.scope == Scope::Cache {
+            return Some(format!("{}{layer}", info.gguf));
+        }
+        let (base, prefix) = match self {
+            Naming::Gguf => (info.gguf, GGUF_LAYER),
+            Naming::HfBert => (info.hf_bert?, HF_BERT_LAYER),
+        };
+        Some(match info.scope {
+            Scope::Model => base.to_string(),
+            _ => format!("{prefix}{layer}.{base}"),
+        })
+    }
+
+    /// The role and layer (`None` for whole-model tensors) a name refers to; `None` for a name
+    /// this naming does not know.
+    pub fn parse(self, name: &str) -> Option<(Tensor, Option<usize>)> {
+        for p in ["cache_k_l", "cache_v_l"] {
+            if let Some(l) = name.strip_prefix(p) {
+                let t = if p == "cache_k_l" {
+                    Tensor::CacheK
+                } else {
+                    Tensor::CacheV
+                };
+                return Some((t, Some(l.parse().ok()?)));
+            }
+        }
+        let (name, prefix) = match self {
+            Naming::Gguf => (name, GGUF_LAYER),
+            Naming::HfBert => (
+                name.strip_prefix(HF_BERT_PREFIX).unwrap_or(name),
+                HF_BERT_LAYER,
+            ),
+        };
+        let base = |r: &RoleInfo| match self {
+            Naming::Gguf => Some(r.gguf),
+            Naming::HfBert => r.hf_bert,
+        };
+        if let Some(rest) = name.strip_prefix(prefix) {
+            let (layer, kind) = rest.split_once('.')?;
+            // Layer numbers are plain decimals ("blk.01" is not layer 1).
+            if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let layer = layer.parse().ok()?;
+            return ROLES
+                .iter()
+                .find(|r| r.scope == Scope::Layer && base(r) == Some(kind))
+                .map(|r| (r.tensor, Some(layer)));
+        }
+        ROLES
+            .iter()
+            .find(|r| r.scope == Scope::Model && base(r) == Some(name))
+            .map(|r| (r.tensor, None))
+    }
+}
+
+/// The layer a tensor of either naming belongs to (`blk.N.*`, `encoder.layer.N.*`,
+/// `cache_k_lN`), `None` for whole-model tensors and unknown names.
+pub fn layer_of(name: &str) -> Option<usize> {
+    [Naming::Gguf, Naming::HfBert]
+        .into_iter()
+        .find_map(|n| n.parse(name))
+        .and_then(|(_, l)| l)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_are_listed_in_declaration_order() {
+        for (i, r) in ROLES.iter().enumerate() {
+            assert_eq!(r.tensor as usize, i, "{:?}", r.tensor);
+        }
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for r in ROLES {
+            for naming in [Naming::Gguf, Naming::HfBert] {
+                let Some(name) = naming.name(r.tensor, 7) else {
+                    continue;
+                };
+                let layer = (r.scope != Scope::Model).then_some(7);
+                assert_eq!(naming.parse(&name), Some((r.tensor, layer)), "{name}");
+            }
+        }
+        assert_eq!(
+            Naming::Gguf.parse("blk.12.attn_q.bias"),
+            Some((Tensor::AttnQBias, Some(12)))
+        );
+        assert_eq!(
+            Naming::HfBert.parse("bert.encoder.layer.1.output.dense.weight"),
+            Some((Tensor::FfnDown, Some(1)))
+        );
+        assert_eq!(Naming::Gguf.parse("blk.x.attn_q.weight"), None);
+        assert_eq!(Naming::Gguf.parse("blk.1.attn_qq.weight"), None);
+        assert_eq!(Naming::Gguf.parse("rope_freqs.weight"), None);
+        assert_eq!(layer_of("cache_v_l3"), Some(3));
+        assert_eq!(layer_of("output.weight"), None);
+        assert_eq!(Tensor::CacheK.base_name(), "cache_k");
+        assert_eq!(Tensor::AttnQBias.base_name(), "attn_q");
+    }
+}

@@ -1,0 +1,147 @@
+//! Graph blocks shared by the architectures' layer builders: norms (RMS or LayerNorm, optional
+//! bias), linear layers with optional biases, the feed-forward block ([`Mlp`]: gated or plain,
+//! with its activation) and the attention core over batched heads. Each block declares its
+//! weights as leaves and adds its nodes in a fixed order, so a graph's structure (and the
+//! meta backend's cached plan for it) depends only on the model.
+
+use super::arch::{Mlp, Tensor};
+use super::weights::{WeightRef, Weights};
+use crate::graph::{Graph, TensorId};
+use crate::op::UnaryOp;
+use crate::{DType, Result};
+
+/// How a norm normalizes: RMS (decoders) or mean and variance (BERT's LayerNorm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormKind {
+    Rms,
+    Layer,
+}
+
+/// `normalize(x) * w (+ b)`.
+pub fn norm(
+    g: &mut Graph,
+    kind: NormKind,
+    x: TensorId,
+    w: TensorId,
+    b: Option<TensorId>,
+    eps: f32,
+) -> Result<TensorId> {
+    let y = match kind {
+        NormKind::Rms => g.rms_norm(x, eps)?,
+        NormKind::Layer => g.norm(x, eps)?,
+    };
+    let y = g.mul(y, w)?;
+    match b {
+        Some(b) => g.add(y, b),
+        None => Ok(y),
+    }
+}
+
+/// The norm of role `w` (and its bias role `b`, when the layer has it) applied to `x`: the
+/// weight (and bias) declared first.
+pub fn norm_of(
+    g: &mut Graph,
+    kind: NormKind,
+    lw: &Weights,
+    w: Tensor,
+    b: Option<Tensor>,
+    x: TensorId,
+    eps: f32,
+) -> Result<TensorId> {
+    let wt = lw.get(w)?.leaf(g)?;
+    let bt = leaf_opt(g, lw, b)?;
+    norm(g, kind, x, wt, bt, eps)
+}
+
+/// The leaf of role `t` if the scope has it.
+pub fn leaf_opt(g: &mut Graph, lw: &Weights, t: Option<Tensor>) -> Result<Option<TensorId>> {
+    match t.and_then(|t| lw.opt(t)) {
+        Some(r) => Ok(Some(r.leaf(g)?)),
+        None => Ok(None),
+    }
+}
+
+/// `x + b` when there is a bias.
+pub fn add_bias(g: &mut Graph, x: TensorId, b: Option<TensorId>) -> Result<TensorId> {
+    match b {
+        Some(b) => g.add(x, b),
+        None => Ok(x),
+    }
+}
+
+/// A linear layer: `mul_mat(W [in, out], x [in, n]) (+ b [out])`, the weight and the bias
+/// declared right before the product.
+pub fn linear(
+    g: &mut Graph,
+    x: TensorId,
+    w: &WeightRef,
+    b: Option<&WeightRef>,
+) -> Result<TensorId> {
+    let w = w.leaf(g)?;
+    let b = match b {
+        Some(b) => Some(b.leaf(g)?),
+        None => None,
+    };
+    let y = g.mul_mat(w, x)?;
+    add_bias(g, y, b)
+}
+
+/// The feed-forward block of a layer on `x` (its norm applied by the caller):
+///
+/// - [`Mlp::Gated`]: gate, up and down declared first, then `down(act(gate x) * (up x))`; SiLU
+///   is the fused `swiglu` op (SwiGLU), another activation its unary op and a `mul`;
+/// - [`Mlp::Plain`]: `down(act(up x + b_up)) + b_down`, each linear layer with its bias.
+pub fn ffn(g: &mut Graph, mlp: Mlp, lw: &Weights, x: TensorId) -> Result<TensorId> {
+    match mlp {
+        Mlp::Gated(act) => {
+            let wg = lw.get(Tensor::FfnGate)?.leaf(g)?;
+            let wu = lw.get(Tensor::FfnUp)?.leaf(g)?;
+            let wd = lw.get(Tensor::FfnDown)?.leaf(g)?;
+            let bu = leaf_opt(g, lw, Some(Tensor::FfnUpBias))?;
+            let bd = leaf_opt(g, lw, Some(Tensor::FfnDownBias))?;
+            let gate = g.mul_mat(wg, x)?;
+            let up = g.mul_mat(wu, x)?;
+            let up = add_bias(g, up, bu)?;
+            let h = if act == UnaryOp::Silu {
+                g.swiglu(gate, up)?
+            } else {
+                let a = g.unary(act, gate)?;
+                g.mul(a, up)?
+            };
+            let d = g.mul_mat(wd, h)?;
+            add_bias(g, d, bd)
+        }
+        Mlp::Plain(act) => {
+            let h = linear(g, x, lw.get(Tensor::FfnUp)?, lw.opt(Tensor::FfnUpBias))?;
+            let h = g.unary(act, h)?;
+            linear(g, h, lw.get(Tensor::FfnDown)?, lw.opt(Tensor::FfnDownBias))
+        }
+    }
+}
+
+/// Attention over batched heads without a fused kernel: `k` `[hd, n_kv, heads_kv, ...]`, `q`
+/// `[hd, t, heads, ...]`; `softmax(k q * scale + mask)`, then `vt kq` with `vt` `[n_kv, hd,
+/// heads_kv, ...]` (F32) made by `values` after the softmax: `[hd, t, heads, ...]`. Query
+/// heads share a KV head in groups (`mul_mat` broadcasts over the head axis).
+pub fn attention_core(
+    g: &mut Graph,
+    q: TensorId,
+    k: TensorId,
+    mask: TensorId,
+    scale: f32,
+    values: impl FnOnce(&mut Graph) -> Result<TensorId>,
+) -> Result<TensorId> {
+    let kq = g.mul_mat(k, q)?;
+    let kq = g.soft_max(kq, Some(mask), scale)?;
+    let vt = values(g)?;
+    g.mul_mat(vt, kq)
+}
+
+/// `x` cast to F32 unless it is F32 already.
+pub fn to_f32(g: &mut Graph, x: TensorId) -> Result<TensorId> {
+    if g.layout(x).dtype == DType::F32 {
+        Ok(x)
+    } else {
+        g.cast(x, DType::F32)
+    }
+}

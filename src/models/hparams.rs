@@ -1,0 +1,410 @@
+//! A decoder's hyper-parameters ([`DecoderConfig`]) and how they are read from GGUF metadata:
+//! the keys every llama-style family shares (`{arch}.block_count`, `{arch}.embedding_length`,
+//! ... as llama.cpp's `LLM_KV_*` in `src/llama-arch.cpp` name them), each count checked
+//! against the tensors the file holds before anything is sized by it (errors name the file and
+//! the key), and the keys that would change the math without metashard computing it refused by
+//! name rather than ignored.
+
+use super::arch::{Arch, LLAMA, Tensor};
+use crate::io::gguf::GgufFile;
+use crate::op::RopeMode;
+use crate::{Error, Result};
+
+/// Hyper-parameters of a decoder.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecoderConfig {
+    /// The architecture: its tensors and its layer.
+    pub arch: &'static Arch,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub n_vocab: usize,
+    pub rms_eps: f32,
+    pub rope_base: f32,
+    pub rope_mode: RopeMode,
+    /// Rotated dimensions per head (usually the head size).
+    pub rope_dims: usize,
+    /// Use the fused attention kernel instead of mul_mat + soft_max + mul_mat.
+    pub fused_attn: bool,
+}
+
+impl DecoderConfig {
+    /// A llama-architecture configuration with these dimensions, RoPE over whole heads (base
+    /// 10000), epsilon 1e-5 and the unfused attention: a starting point for synthetic models.
+    pub fn llama(
+        n_layer: usize,
+        n_embd: usize,
+        n_ff: usize,
+        n_head: usize,
+        n_head_kv: usize,
+        n_vocab: usize,
+    ) -> DecoderConfig {
+        DecoderConfig {
+            arch: &LLAMA,
+            n_layer,
+            n_embd,
+            n_ff,
+            n_head,
+            n_head_kv,
+            n_vocab,
+            rms_eps: 1e-5,
+            rope_base: 10000.0,
+            rope_mode: RopeMode::Normal,
+            rope_dims: n_embd / n_head.max(1),
+            fused_attn: false,
+        }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+    /// Features of all query heads.
+    pub fn n_embd_q(&self) -> usize {
+        self.head_dim() * self.n_head
+    }
+    pub fn n_embd_kv(&self) -> usize {
+        self.head_dim() * self.n_head_kv
+    }
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.n_head / self.n_head_kv
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |r: String| {
+            Err(Error::Model {
+                model: "decoder".into(),
+                reason: r,
+            })
+        };
+        self.arch.decoder()?;
+        if self.n_layer == 0 || self.n_embd == 0 || self.n_ff == 0 || self.n_vocab == 0 {
+            return bad(format!(
+                "n_layer {}, n_embd {}, n_ff {} and n_vocab {} must all be at least 1",
+                self.n_layer, self.n_embd, self.n_ff, self.n_vocab
+            ));
+        }
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
+            return bad(format!(
+                "n_embd {} is not a multiple of n_head {}",
+                self.n_embd, self.n_head
+            ));
+        }
+        if self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
+            return bad(format!(
+                "n_head {} is not a multiple of n_head_kv {}",
+                self.n_head, self.n_head_kv
+            ));
+        }
+        if self.rope_dims == 0
+            || self.rope_dims > self.head_dim()
+            || !self.rope_dims.is_multiple_of(2)
+        {
+            return bad(format!(
+                "rope dims {} do not fit head size {}",
+                self.rope_dims,
+                self.head_dim()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Positions are i32 in the step graph: the most a context may hold.
+pub const MAX_CONTEXT: usize = i32::MAX as usize;
+
+/// Metadata keys that change a decoder's math, with the value that leaves it unchanged
+/// (`None`: any value changes it). A file that sets one otherwise is refused naming the key:
+/// running it as if the key were absent would give wrong results silently.
+const MATH_KEYS: &[(&str, Option<f64>)] = &[
+    ("rope.scaling.factor", Some(1.0)),
+    ("rope.scale_linear", Some(1.0)),
+    ("rope.scaling.attn_factor", Some(1.0)),
+    ("attention.key_length", None),
+    ("attention.value_length", None),
+    ("attention.sliding_window", None),
+    ("attn_logit_softcapping", None),
+    ("final_logit_softcapping", None),
+    ("expert_count", Some(0.0)),
+];
+
+/// The keys of one file, prefixed with its architecture name, with errors naming the file and
+/// the key.
+struct Keys<'g> {
+    g: &'g GgufFile,
+    prefix: String,
+}
+
+impl Keys<'_> {
+    fn key(&self, s: &str) -> String {
+        format!("{}.{s}", self.prefix)
+    }
+
+    fn err(&self, key: &str, reason: String) -> Error {
+        Error::format(self.g.path(), format!("metadata key '{key}'"), reason)
+    }
+
+    fn usize(&self, s: &str) -> Result<usize> {
+        self.g.get_usize(&self.key(s))
+    }
+
+    fn opt_usize(&self, s: &str) -> Result<Option<usize>> {
+        Ok(self
+            .g
+            .opt_u64(&self.key(s))?
+            .map(|v| usize::try_from(v).unwrap_or(usize::MAX)))
+    }
+
+    /// An f32 key in `ok` (default `default`), an error naming it otherwise.
+    fn f32_in(&self, s: &str, default: f32, ok: fn(f32) -> bool, rule: &str) -> Result<f32> {
+        let v = self.g.opt_f32(&self.key(s))?.unwrap_or(default);
+        if ok(v) {
+            Ok(v)
+        } else {
+            Err(self.err(&self.key(s), format!("{v}: {rule}")))
+        }
+    }
+
+    /// Refuse every [`MATH_KEYS`] entry set to a value that changes the math.
+    fn refuse_math_keys(&self) -> Result<()> {
+        for &(s, neutral) in MATH_KEYS {
+            let key = self.key(s);
+            let Some(v) = self.g.get(&key) else { continue };
+            let value = v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
+            if neutral.is_some() && value == neutral {
+                continue;
+            }
+            return Err(self.err(
+                &key,
+                format!(
+                    "{}: metashard does not compute this for `{}` models",
+                    v.describe(),
+                    self.prefix
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn model_err(g: &GgufFile, reason: String) -> Error {
+    Error::Model {
+        model: g.path().display().to_string(),
+        reason,
+    }
+}
+
+/// The architecture a GGUF file declares, or an error naming it.
+pub fn arch_of(g: &GgufFile) -> Result<&'static Arch> {
+    let name = g.architecture()?;
+    let arch = Arch::from_gguf_name(name).ok_or_else(|| model_err(g, Arch::unsupported(name)))?;
+    arch.decoder().map_err(|_| {
+        model_err(
+            g,
+            format!("architecture `{name}` is an encoder; this command needs a decoder"),
+        )
+    })?;
+    Ok(arch)
+}
+
+/// The number of decoder blocks the file holds tensors for: one more than the largest `N` of a
+/// `blk.N.*` tensor name (0 when there are none).
+fn blocks_present(g: &GgufFile) -> usize {
+    g.tensors()
+        .iter()
+        .filter_map(|t| blk_number(&t.name))
+        .map(|i| i.saturating_add(1))
+        .max()
+        .unwrap_or(0)
+}
+
+/// `N` of any `blk.N.*` name, known role or not.
+fn blk_number(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// The shape of the first layer's (or the model's) `tensor`, or an error naming it.
+fn shape_of(g: &GgufFile, arch: &Arch, tensor: Tensor) -> Result<[usize; 4]> {
+    let name = arch.name(tensor, 0);
+    g.tensor(&name)
+        .map(|t| t.ne)
+        .ok_or_else(|| model_err(g, format!("tensor `{name}` is missing")))
+}
+
+/// The decoder configuration from GGUF metadata. Every count that sizes an allocation is
+/// checked against the tensors the file holds first (the block count against the `blk.N`
+/// tensors, the widths, head counts and vocabulary against the shapes of the embedding and
+/// of the first layer's K and gate), so a corrupt count is an error naming its key, not a
+/// huge allocation.
+pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
+    let arch = arch_of(g)?;
+    let keys = Keys {
+        g,
+        prefix: g.architecture()?.to_string(),
+    };
+    let n_layer = read_block_count(g, &keys)?;
+    let (n_embd, n_vocab) = read_embedding(g, arch, &keys)?;
+    let n_ff = keys.usize("feed_forward_length")?;
+    let gate = shape_of(g, arch, Tensor::FfnGate)?;
+    if n_ff != gate[1] {
+        return Err(keys.err(
+            &keys.key("feed_forward_length"),
+            format!(
+                "{n_ff}, but {} is {}",
+                arch.name(Tensor::FfnGate, 0),
+                crate::Shape(gate)
+            ),
+        ));
+    }
+    let (n_head, n_head_kv) = read_heads(g, arch, &keys, n_embd)?;
+    let head_dim = n_embd / n_head;
+    let rope_dims = keys.opt_usize("rope.dimension_count")?.unwrap_or(head_dim);
+    if rope_dims == 0 || rope_dims > head_dim || !rope_dims.is_multiple_of(2) {
+        return Err(keys.err(
+            &keys.key("rope.dimension_count"),
+            format!("{rope_dims}: must be even and in 2..={head_dim} (the head size)"),
+        ));
+    }
+    let rms_eps = keys.f32_in(
+        "attention.layer_norm_rms_epsilon",
+        1e-5,
+        |v| v.is_finite() && v >= 0.0,
+        "must be finite and >= 0",
+    )?;
+    let rope_base = keys.f32_in(
+        "rope.freq_base",
+        10000.0,
+        |v| v.is_finite() && v > 0.0,
+        "must be finite and > 0",
+    )?;
+    let cfg = DecoderConfig {
+        arch,
+        n_layer,
+        n_embd,
+        n_ff,
+        n_head,
+        n_head_kv,
+        n_vocab,
+        rms_eps,
+        rope_base,
+        rope_mode: arch.decoder()?.rope_mode,
+        rope_dims,
+        fused_attn: true,
+    };
+    cfg.validate().map_err(|e| match e {
+        Error::Model { reason, .. } => model_err(g, reason),
+        e => e,
+    })?;
+    keys.refuse_math_keys()?;
+    context_length_from_gguf(g)?;
+    Ok(cfg)
+}
+
+/// `{arch}.block_count`, checked against the `blk.N` tensors present.
+fn read_block_count(g: &GgufFile, keys: &Keys) -> Result<usize> {
+    let n_layer = keys.usize("block_count")?;
+    let n_blocks = blocks_present(g);
+    if n_layer != n_blocks || n_layer == 0 {
+        return Err(keys.err(
+            &keys.key("block_count"),
+            match n_blocks {
+                0 => format!("{n_layer} blocks, but the file holds no blk.N tensors"),
+                n => format!(
+                    "{n_layer} blocks, but the file holds tensors for {n} (blk.0 to blk.{})",
+                    n - 1
+                ),
+            },
+        ));
+    }
+    Ok(n_layer)
+}
+
+/// The width and the vocabulary, checked against the token embedding's shape.
+fn read_embedding(g: &GgufFile, arch: &Arch, keys: &Keys) -> Result<(usize, usize)> {
+    let embd = shape_of(g, arch, Tensor::TokenEmbd)?;
+    let embd_name = arch.name(Tensor::TokenEmbd, 0);
+    let n_embd = keys.usize("embedding_length")?;
+    if n_embd != embd[0] {
+        return Err(keys.err(
+            &keys.key("embedding_length"),
+            format!(
+                "{n_embd}, but {embd_name} is {} (width {})",
+                crate::Shape(embd),
+                embd[0]
+            ),
+        ));
+    }
+    let (vocab_key, n_vocab) = match keys.opt_usize("vocab_size")? {
+        Some(v) => (keys.key("vocab_size"), v),
+        None => (
+            "tokenizer.ggml.tokens".to_string(),
+            g.get_str_array("tokenizer.ggml.tokens")?.len(),
+        ),
+    };
+    if n_vocab != embd[1] {
+        return Err(keys.err(
+            &vocab_key,
+            format!(
+                "{n_vocab} tokens, but {embd_name} is {} ({} rows)",
+                crate::Shape(embd),
+                embd[1]
+            ),
+        ));
+    }
+    Ok((n_embd, n_vocab))
+}
+
+/// The query and KV head counts, checked against the width and the first layer's K.
+fn read_heads(g: &GgufFile, arch: &Arch, keys: &Keys, n_embd: usize) -> Result<(usize, usize)> {
+    let n_head = keys.usize("attention.head_count")?;
+    if n_head == 0 || !n_embd.is_multiple_of(n_head) {
+        return Err(keys.err(
+            &keys.key("attention.head_count"),
+            format!("{n_head} heads do not divide the width {n_embd}"),
+        ));
+    }
+    let head_dim = n_embd / n_head;
+    let n_head_kv = keys.opt_usize("attention.head_count_kv")?.unwrap_or(n_head);
+    if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
+        return Err(keys.err(
+            &keys.key("attention.head_count_kv"),
+            format!("{n_head_kv} KV heads do not divide the {n_head} heads"),
+        ));
+    }
+    let wk = shape_of(g, arch, Tensor::AttnK)?;
+    if n_head_kv.checked_mul(head_dim) != Some(wk[1]) {
+        return Err(Error::format(
+            g.path(),
+            format!(
+                "metadata keys '{}' and '{}'",
+                keys.key("attention.head_count"),
+                keys.key("attention.head_count_kv")
+            ),
+            format!(
+                "{n_head_kv} KV heads of size {head_dim} (width {n_embd} / {n_head} heads) \
+                 make {} rows, but {} has {}",
+                n_head_kv * head_dim,
+                arch.name(Tensor::AttnK, 0),
+                wk[1]
+            ),
+        ));
+    }
+    Ok((n_head, n_head_kv))
+}
+
+/// `{arch}.context_length` (2048 when absent): an error naming the key unless it is in
+/// 1..=[`MAX_CONTEXT`].
+pub fn context_length_from_gguf(g: &GgufFile) -> Result<usize> {
+    let key = format!("{}.context_length", g.architecture()?);
+    match g.opt_u64(&key)? {
+        None => Ok(2048),
+        Some(v) if v >= 1 && v <= MAX_CONTEXT as u64 => Ok(v as usize),
+        Some(v) => Err(Error::format(
+            g.path(),
+            format!("metadata key '{key}'"),
+            format!("{v}: must be in 1..={MAX_CONTEXT} (positions are 32-bit)"),
+        )),
+    }
+}

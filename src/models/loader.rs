@@ -1,0 +1,262 @@
+//! Decoders from GGUF files ([`DecoderModel::load`]): the architecture and hyper-parameters
+//! from the metadata (`hparams.rs`), every tensor of the file checked against the
+//! architecture's table before anything is placed (an unknown tensor, a missing required one,
+//! a wrong shape or an element type metashard cannot run is an error naming it), the weights
+//! placed in any buffer type (a meta buffer scatters them to the devices as they are placed),
+//! the byte-level BPE tokenizer and the chat template.
+//!
+//! When the output projection is tied to the token embedding (no `output.weight`), the
+//! embedding's bytes are placed a second time as `output.weight`, so the embedding can stay
+//! mirrored for the row lookup while the output projection is vocabulary-split.
+
+use super::arch::{Arch, Need, Scope, Tensor};
+use super::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
+use super::weights::{ModelWeights, TensorDecl, decoder_layouts, place_decoder};
+use crate::buffer::{Buffer, BufferType};
+use crate::io::gguf::{GgufFile, GgufTensorInfo};
+use crate::tokenizer::Tokenizer;
+use crate::tokenizer::bpe::BpeTokenizer;
+use crate::tokenizer::chat::ChatTemplate;
+use crate::{DType, Error, Result};
+use std::path::Path;
+use std::sync::Arc;
+
+/// A loaded decoder.
+pub struct DecoderModel {
+    pub name: String,
+    pub cfg: DecoderConfig,
+    pub weights: ModelWeights,
+    pub weight_buffer: Arc<dyn Buffer>,
+    pub tokenizer: BpeTokenizer,
+    pub chat: Option<ChatTemplate>,
+    pub context_length: usize,
+    /// Bytes of all weights as stored (the tied output counted once).
+    pub weight_bytes: usize,
+    /// Bytes of the memory-mapped file's tensor data this process touched while placing the
+    /// weights (resident file pages before and after, Linux only): with ranks as processes,
+    /// about the rank's own slices plus the mirrored tensors.
+    pub file_bytes_read: Option<u64>,
+}
+
+fn model_err(g: &GgufFile, reason: String) -> Error {
+    Error::Model {
+        model: g.path().display().to_string(),
+        reason,
+    }
+}
+
+/// An error unless every tensor of the file is one the architecture has, in a layer the
+/// model has: a tensor metashard would not use is refused by name rather than ignored.
+fn check_known_tensors(g: &GgufFile, cfg: &DecoderConfig) -> Result<()> {
+    let arch = cfg.arch;
+    for t in g.tensors() {
+        match arch.parse(&t.name) {
+            Some((tensor, layer)) if tensor.scope() != Scope::Cache => {
+                if layer.is_some_and(|l| l >= cfg.n_layer) {
+                    return Err(model_err(
+                        g,
+                        format!(
+                            "tensor `{}` is beyond the {} layers of the model",
+                            t.name, cfg.n_layer
+                        ),
+                    ));
+                }
+            }
+            _ => {
+                return Err(model_err(
+                    g,
+                    format!(
+                        "tensor `{}` is not part of the `{}` architecture as metashard runs it \
+                         (known: {})",
+                        t.name,
+                        arch.name,
+                        known_names(arch)
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The tensor names an architecture has, for messages (`blk.N.` for per-layer ones).
+fn known_names(arch: &Arch) -> String {
+    arch.tensor_list()
+        .map(|(t, _)| match t.scope() {
+            Scope::Model => arch.name(t, 0),
+            _ => arch.name(t, 0).replacen("blk.0.", "blk.N.", 1),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The element type metashard runs a file tensor in, or an error naming the tensor and its
+/// ggml type.
+fn dtype_of(g: &GgufFile, t: &GgufTensorInfo) -> Result<DType> {
+    t.dtype.ok_or_else(|| {
+        model_err(
+            g,
+            format!(
+                "tensor `{}` has ggml type {}, which metashard cannot run (supported: {})",
+                t.name,
+                crate::io::gguf_types::ggml_type_label(t.ggml_type),
+                DType::WEIGHT_TYPES
+                    .iter()
+                    .map(|d| d.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )
+    })
+}
+
+/// The file tensor holding the bytes of a declared tensor: its own, or for a tied tensor
+/// absent from the file, the one it is tied to.
+fn source<'g>(g: &'g GgufFile, cfg: &DecoderConfig, d: &TensorDecl) -> Result<&'g GgufTensorInfo> {
+    if let Some(t) = g.tensor(&d.name) {
+        return Ok(t);
+    }
+    let tied = match cfg.arch.need(d.tensor) {
+        Some(Need::TiedTo(to)) => g.tensor(&cfg.arch.name(to, d.layer.unwrap_or(0))),
+        _ => None,
+    };
+    tied.ok_or_else(|| model_err(g, format!("tensor `{}` is missing", d.name)))
+}
+
+/// What the model places, each with the file tensor its bytes come from, checked: shapes as
+/// the metadata implies, norms and biases in F32, element types metashard runs.
+fn declare<'g>(
+    g: &'g GgufFile,
+    cfg: &DecoderConfig,
+) -> Result<(Vec<TensorDecl>, Vec<&'g GgufTensorInfo>)> {
+    let arch = cfg.arch;
+    let file_dtype = |t: Tensor, l: Option<usize>| -> Result<DType> {
+        let d = TensorDecl {
+            name: arch.name(t, l.unwrap_or(0)),
+            tensor: t,
+            layer: l,
+            layout: crate::tensor::Layout::contiguous(DType::F32, [1, 1, 1, 1]),
+        };
+        dtype_of(g, source(g, cfg, &d)?)
+    };
+    // Types are looked up first (an unknown type is named before any shape check).
+    let mut types = std::collections::HashMap::new();
+    for (t, need) in arch.tensor_list() {
+        let layers: Vec<Option<usize>> = match t.scope() {
+            Scope::Model => vec![None],
+            _ => (0..cfg.n_layer).map(Some).collect(),
+        };
+        for l in layers {
+            let present = g.tensor(&arch.name(t, l.unwrap_or(0))).is_some();
+            if need == Need::Optional && !present {
+                continue;
+            }
+            types.insert((t, l), file_dtype(t, l)?);
+        }
+    }
+    let decls = decoder_layouts(
+        cfg,
+        &|t, l| types.get(&(t, l)).copied().unwrap_or(DType::F32),
+        &|t, l| g.tensor(&arch.name(t, l.unwrap_or(0))).is_some(),
+    )?;
+    let mut sources = Vec::with_capacity(decls.len());
+    for d in &decls {
+        let src = source(g, cfg, d)?;
+        if src.ne != d.layout.ne {
+            return Err(model_err(
+                g,
+                format!(
+                    "tensor `{}` has shape {} but the metadata implies {}",
+                    src.name,
+                    crate::Shape(src.ne),
+                    crate::Shape(d.layout.ne)
+                ),
+            ));
+        }
+        let dtype = dtype_of(g, src)?;
+        if d.tensor.is_vector() && dtype != DType::F32 {
+            let what = if d.name.ends_with(".bias") {
+                "bias"
+            } else {
+                "norm"
+            };
+            return Err(model_err(
+                g,
+                format!("{what} `{}` is {dtype}, expected f32", src.name),
+            ));
+        }
+        sources.push(src);
+    }
+    Ok((decls, sources))
+}
+
+impl DecoderModel {
+    /// Load a GGUF decoder, placing its weights in `bt`; `progress(done_bytes, total_bytes)` is
+    /// called as tensors are placed.
+    pub fn load(
+        path: &Path,
+        bt: &dyn BufferType,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<DecoderModel> {
+        let g = GgufFile::open(path)?;
+        let cfg = config_from_gguf(&g)?;
+        check_known_tensors(&g, &cfg)?;
+        let (decls, sources) = declare(&g, &cfg)?;
+        let total: usize = decls.iter().map(|d| d.layout.nbytes()).sum();
+        let (buf, refs, weights) = place_decoder(&cfg, &decls, bt)?;
+        let rss_before = crate::io::rss_file_bytes();
+        let mut done = 0;
+        for (r, src) in refs.iter().zip(&sources) {
+            r.storage.set(&r.layout, g.tensor_data(src)?)?;
+            done += r.layout.nbytes();
+            progress(done, total);
+        }
+        let file_bytes_read = crate::io::rss_file_bytes()
+            .zip(rss_before)
+            .map(|(a, b)| a.saturating_sub(b));
+        let tokenizer = BpeTokenizer::from_gguf(&g)?;
+        if tokenizer.vocab_size() != cfg.n_vocab {
+            return Err(model_err(
+                &g,
+                format!(
+                    "tokenizer has {} tokens, the output {}",
+                    tokenizer.vocab_size(),
+                    cfg.n_vocab
+                ),
+            ));
+        }
+        // Bytes placed twice (a tied output) are counted once.
+        let tied: usize = decls
+            .iter()
+            .zip(&sources)
+            .filter(|(d, s)| s.name != d.name)
+            .map(|(d, _)| d.layout.nbytes())
+            .sum();
+        Ok(DecoderModel {
+            name: g
+                .opt_str("general.name")?
+                .unwrap_or(cfg.arch.name)
+                .to_string(),
+            chat: ChatTemplate::from_gguf(&g).ok(),
+            context_length: context_length_from_gguf(&g)?,
+            cfg,
+            weights,
+            weight_buffer: buf,
+            tokenizer,
+            weight_bytes: total - tied,
+            file_bytes_read,
+        })
+    }
+
+    /// Bytes read from weights per generated token (every matrix once; the embedding lookup
+    /// reads one row).
+    pub fn bytes_per_token(&self) -> usize {
+        self.weights
+            .iter()
+            .map(|(t, r)| match t {
+                Tensor::TokenEmbd => r.layout.row_size(),
+                _ => r.layout.nbytes(),
+            })
+            .sum()
+    }
+}

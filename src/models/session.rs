@@ -1,0 +1,150 @@
+//! A running sequence ([`Session`]): a decoder, a backend and a KV cache; tokens are
+//! evaluated in batches of `ubatch` into the cache, and the logits of the last (or every) token
+//! come back.
+
+use super::decoder::{StepInput, build_step};
+use super::loader::DecoderModel;
+use super::weights::{KvCache, alloc_kv_cache};
+use crate::backend::Backend;
+use crate::buffer::{Buffer, BufferType};
+use crate::{Error, Result};
+use std::sync::Arc;
+
+/// Cache rows attended to are padded to a multiple of this, so consecutive decode steps share a
+/// graph structure (and the meta backend's plan); padded rows are masked.
+pub const KV_PAD: usize = 32;
+
+/// A running sequence: the model, a backend, and a KV cache.
+pub struct Session<'m> {
+    pub model: &'m DecoderModel,
+    backend: Arc<dyn Backend>,
+    cache: KvCache,
+    _cache_buffer: Arc<dyn Buffer>,
+    n_past: usize,
+    /// Tokens per graph when evaluating many tokens.
+    pub ubatch: usize,
+}
+
+impl<'m> Session<'m> {
+    /// A session with a cache of `ctx` positions placed in `bt` (the backend's buffer type):
+    /// at most the model's context length, rounded up to a multiple of [`KV_PAD`] (see
+    /// [`Session::capacity`]). A context of 0 is an error.
+    pub fn new(
+        model: &'m DecoderModel,
+        backend: Arc<dyn Backend>,
+        bt: &dyn BufferType,
+        ctx: usize,
+    ) -> Result<Self> {
+        let ctx = ctx
+            .min(model.context_length)
+            .checked_next_multiple_of(KV_PAD)
+            .filter(|&c| c > 0)
+            .ok_or_else(|| {
+                Error::invalid_argument(
+                    "context",
+                    ctx,
+                    format!(
+                        "must be in 1..={} (the model's context length)",
+                        model.context_length
+                    ),
+                )
+            })?;
+        let (buf, cache) = alloc_kv_cache(&model.cfg, ctx, bt)?;
+        Ok(Session {
+            model,
+            backend,
+            cache,
+            _cache_buffer: buf,
+            n_past: 0,
+            ubatch: 128,
+        })
+    }
+
+    /// The KV cache tensors.
+    pub fn cache(&self) -> KvCache {
+        self.cache.clone()
+    }
+
+    /// The buffer holding the KV cache.
+    pub fn cache_buffer(&self) -> Arc<dyn Buffer> {
+        self._cache_buffer.clone()
+    }
+
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cache.size
+    }
+
+    /// Forget the sequence (the cache is overwritten as new tokens come).
+    pub fn reset(&mut self) {
+        self.n_past = 0;
+    }
+
+    /// Evaluate `tokens` after the current sequence; returns the logits of the last token, or
+    /// of every token (`n_vocab` each, in order) with `all_logits`.
+    pub fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Err(Error::invalid_input(
+                "eval",
+                "tokens",
+                "at least one",
+                "none",
+            ));
+        }
+        if self.n_past + tokens.len() > self.cache.size {
+            return Err(Error::invalid_input(
+                "eval",
+                "tokens",
+                format!(
+                    "at most {} after {} in a context of {}",
+                    self.cache.size - self.n_past,
+                    self.n_past,
+                    self.cache.size
+                ),
+                tokens.len(),
+            ));
+        }
+        let nv = self.model.cfg.n_vocab;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= nv) {
+            return Err(Error::invalid_input(
+                "eval",
+                "token id",
+                format!("below the vocabulary size {nv}"),
+                bad,
+            ));
+        }
+        let mut out = Vec::new();
+        let n_chunks = tokens.len().div_ceil(self.ubatch.max(1));
+        for (ci, chunk) in tokens.chunks(self.ubatch.max(1)).enumerate() {
+            let t = chunk.len();
+            let ids: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();
+            let pos: Vec<i32> = (self.n_past..self.n_past + t).map(|p| p as i32).collect();
+            let filled = self.n_past + t;
+            let n_kv = filled.next_multiple_of(KV_PAD).min(self.cache.size);
+            let kvp: Vec<i32> = (0..n_kv)
+                .map(|j| if j < filled { j as i32 } else { -1 })
+                .collect();
+            let last_chunk = ci + 1 == n_chunks;
+            let rows = if all_logits { 0..t } else { t - 1..t };
+            let inp = StepInput {
+                tokens: &ids,
+                positions: &pos,
+                slots: &pos,
+                n_kv,
+                kv_positions: &kvp,
+                logits_rows: rows,
+            };
+            let mut sg = build_step(&self.model.cfg, &self.model.weights, &self.cache, &inp)?;
+            self.backend.graph_compute(&mut sg.graph)?;
+            self.n_past += t;
+            if all_logits || last_chunk {
+                out.extend(sg.graph.read_f32(sg.logits)?);
+            }
+            debug_assert_eq!(out.len() % nv, 0);
+        }
+        Ok(out)
+    }
+}

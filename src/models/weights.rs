@@ -1,0 +1,286 @@
+//! Tensors that live in buffers across steps: [`WeightRef`] (a named tensor bound to storage),
+//! [`Weights`] (one scope's tensors by role: the whole model's, or one layer's),
+//! [`ModelWeights`] and the [`KvCache`]; the layouts a decoder places, derived from its
+//! architecture's tensor list ([`decoder_layouts`]); and [`place`], which allocates named
+//! tensors in any buffer type (a meta buffer type calls its split callback for each).
+
+use super::arch::{Arch, Dim, Need, Scope, Tensor};
+use super::hparams::DecoderConfig;
+use crate::backend::alloc_tensors;
+use crate::buffer::{Buffer, BufferType, BufferUsage, Storage};
+use crate::graph::{Graph, TensorId};
+use crate::tensor::Layout;
+use crate::{DType, Error, Result};
+use std::sync::Arc;
+
+/// A tensor living in a buffer across steps (a weight or a cache), declared in each step graph.
+#[derive(Clone, Debug)]
+pub struct WeightRef {
+    pub name: String,
+    pub layout: Layout,
+    pub storage: Storage,
+}
+
+impl WeightRef {
+    /// Declare this tensor in `g` and bind its storage.
+    pub fn leaf(&self, g: &mut Graph) -> Result<TensorId> {
+        let id = g.weight(&self.name, self.layout.dtype, self.layout.ne)?;
+        g.bind(id, self.storage.clone())?;
+        Ok(id)
+    }
+}
+
+/// One scope's tensors by role: the whole model's (`layer` None) or one layer's.
+#[derive(Clone, Debug, Default)]
+pub struct Weights {
+    pub layer: Option<usize>,
+    tensors: Vec<(Tensor, WeightRef)>,
+}
+
+impl Weights {
+    pub fn new(layer: Option<usize>) -> Weights {
+        Weights {
+            layer,
+            tensors: Vec::new(),
+        }
+    }
+
+    pub fn insert(&mut self, tensor: Tensor, r: WeightRef) {
+        self.tensors.retain(|(t, _)| *t != tensor);
+        self.tensors.push((tensor, r));
+    }
+
+    /// The tensor of this role, if the model has it.
+    pub fn opt(&self, tensor: Tensor) -> Option<&WeightRef> {
+        self.tensors
+            .iter()
+            .find(|(t, _)| *t == tensor)
+            .map(|(_, r)| r)
+    }
+
+    /// The tensor of this role, or an error naming the role and the layer.
+    pub fn get(&self, tensor: Tensor) -> Result<&WeightRef> {
+        self.opt(tensor).ok_or_else(|| Error::Model {
+            model: "weights".into(),
+            reason: format!(
+                "no `{}` tensor{}",
+                tensor.info().gguf,
+                self.layer
+                    .map_or(String::new(), |l| format!(" in layer {l}"))
+            ),
+        })
+    }
+
+    /// Every tensor, in placement order.
+    pub fn iter(&self) -> impl Iterator<Item = (Tensor, &WeightRef)> {
+        self.tensors.iter().map(|(t, r)| (*t, r))
+    }
+}
+
+/// All weights of a model.
+#[derive(Clone, Debug)]
+pub struct ModelWeights {
+    /// The whole model's: a decoder's embedding, final norm and output projection (the
+    /// embedding's bytes when tied); an encoder's embedding tables and their norm.
+    pub model: Weights,
+    pub layers: Vec<Weights>,
+}
+
+impl ModelWeights {
+    /// Weights by role from references in any order (named as `decls` says).
+    pub fn assemble(n_layer: usize, decls: &[TensorDecl], refs: &[WeightRef]) -> ModelWeights {
+        let mut model = Weights::new(None);
+        let mut layers: Vec<Weights> = (0..n_layer).map(|l| Weights::new(Some(l))).collect();
+        for (d, r) in decls.iter().zip(refs) {
+            match d.layer {
+                Some(l) if l < n_layer => layers[l].insert(d.tensor, r.clone()),
+                Some(_) => {}
+                None => model.insert(d.tensor, r.clone()),
+            }
+        }
+        ModelWeights { model, layers }
+    }
+
+    /// Every weight, the model's first.
+    pub fn iter(&self) -> impl Iterator<Item = (Tensor, &WeightRef)> {
+        self.model
+            .iter()
+            .chain(self.layers.iter().flat_map(Weights::iter))
+    }
+}
+
+/// The KV cache: per layer `k` and `v` of shape `[n_embd_kv, size]` (F16).
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    pub k: Vec<WeightRef>,
+    pub v: Vec<WeightRef>,
+    pub size: usize,
+}
+
+/// A tensor a model places: its name, role, layer and layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorDecl {
+    pub name: String,
+    pub tensor: Tensor,
+    pub layer: Option<usize>,
+    pub layout: Layout,
+}
+
+impl DecoderConfig {
+    /// The extent of `d` for this model (`None` for dimensions a decoder does not have).
+    pub fn dim(&self, d: Dim) -> Option<usize> {
+        Some(match d {
+            Dim::One => 1,
+            Dim::Embd => self.n_embd,
+            Dim::Ff => self.n_ff,
+            Dim::Vocab => self.n_vocab,
+            Dim::Q => self.n_embd_q(),
+            Dim::Kv => self.n_embd_kv(),
+            Dim::Pos | Dim::Types | Dim::Ctx => return None,
+        })
+    }
+}
+
+/// `[ne0, ne1, 1, 1]` of `tensor` with the extents `dim` gives, or an error naming the role.
+fn shape_of(arch: &Arch, tensor: Tensor, dim: &dyn Fn(Dim) -> Option<usize>) -> Result<[usize; 4]> {
+    match tensor.info().shape.map(dim) {
+        [Some(a), Some(b)] => Ok([a, b, 1, 1]),
+        _ => Err(Error::Model {
+            model: arch.name.into(),
+            reason: format!("the model has no `{}` tensor", tensor.info().gguf),
+        }),
+    }
+}
+
+/// The tensors a model of `arch` with `n_layer` layers places, in the architecture's order:
+/// the whole model's, then each layer's. Every required tensor and every tied one (an absent
+/// output projection is placed as a copy of the embedding); an optional one where
+/// `optional(tensor, layer)` says the model has it. Extents come from `dim`; vectors (norms,
+/// biases) are F32, the others `dtype_of(tensor, layer)`.
+pub fn model_layouts(
+    arch: &Arch,
+    n_layer: usize,
+    dim: &dyn Fn(Dim) -> Option<usize>,
+    dtype_of: &dyn Fn(Tensor, Option<usize>) -> DType,
+    optional: &dyn Fn(Tensor, Option<usize>) -> bool,
+) -> Result<Vec<TensorDecl>> {
+    let mut out = Vec::new();
+    let mut push = |tensor: Tensor, need: Need, layer: Option<usize>| -> Result<()> {
+        if need == Need::Optional && !optional(tensor, layer) {
+            return Ok(());
+        }
+        let dtype = if tensor.is_vector() {
+            DType::F32
+        } else {
+            dtype_of(tensor, layer)
+        };
+        out.push(TensorDecl {
+            name: arch.name(tensor, layer.unwrap_or(0)),
+            tensor,
+            layer,
+            layout: Layout::contiguous(dtype, shape_of(arch, tensor, dim)?),
+        });
+        Ok(())
+    };
+    for (t, need) in arch.model_tensors() {
+        push(t, need, None)?;
+    }
+    for l in 0..n_layer {
+        for (t, need) in arch.layer_tensors() {
+            push(t, need, Some(l))?;
+        }
+    }
+    Ok(out)
+}
+
+/// [`model_layouts`] of a decoder of `cfg`.
+pub fn decoder_layouts(
+    cfg: &DecoderConfig,
+    dtype_of: &dyn Fn(Tensor, Option<usize>) -> DType,
+    optional: &dyn Fn(Tensor, Option<usize>) -> bool,
+) -> Result<Vec<TensorDecl>> {
+    model_layouts(cfg.arch, cfg.n_layer, &|d| cfg.dim(d), dtype_of, optional)
+}
+
+/// Names and layouts of the cache tensors, for allocation.
+pub fn kv_cache_layouts(cfg: &DecoderConfig, size: usize) -> Vec<(String, Layout)> {
+    let mut v = Vec::new();
+    for l in 0..cfg.n_layer {
+        for t in [Tensor::CacheK, Tensor::CacheV] {
+            debug_assert_eq!(t.scope(), Scope::Cache);
+            v.push((
+                cfg.arch.name(t, l),
+                Layout::contiguous(DType::F16, [cfg.n_embd_kv(), size, 1, 1]),
+            ));
+        }
+    }
+    v
+}
+
+/// Place named tensors in one buffer of `bt` (calling the meta split callback where `bt` is a
+/// meta buffer type) and return references to them.
+pub fn place(
+    bt: &dyn BufferType,
+    tensors: &[(String, Layout)],
+    usage: BufferUsage,
+) -> Result<(Arc<dyn Buffer>, Vec<WeightRef>)> {
+    let layouts: Vec<Layout> = tensors.iter().map(|t| t.1).collect();
+    let (buf, offs) = alloc_tensors(bt, &layouts)?;
+    buf.set_usage(usage);
+    let mut refs = Vec::with_capacity(tensors.len());
+    for ((name, layout), off) in tensors.iter().zip(offs) {
+        buf.init_tensor(name, layout, off)?;
+        refs.push(WeightRef {
+            name: name.clone(),
+            layout: *layout,
+            storage: Storage::new(buf.clone(), off),
+        });
+    }
+    Ok((buf, refs))
+}
+
+/// Place a decoder's declared tensors in `bt`: the buffer, the references (in `decls` order)
+/// and the weights by role.
+pub fn place_decoder(
+    cfg: &DecoderConfig,
+    decls: &[TensorDecl],
+    bt: &dyn BufferType,
+) -> Result<(Arc<dyn Buffer>, Vec<WeightRef>, ModelWeights)> {
+    let named: Vec<(String, Layout)> = decls.iter().map(|d| (d.name.clone(), d.layout)).collect();
+    let (buf, refs) = place(bt, &named, BufferUsage::Weights)?;
+    let w = ModelWeights::assemble(cfg.n_layer, decls, &refs);
+    Ok((buf, refs, w))
+}
+
+/// A zeroed KV cache of `size` rows per layer placed in `bt`.
+pub fn alloc_kv_cache(
+    cfg: &DecoderConfig,
+    size: usize,
+    bt: &dyn BufferType,
+) -> Result<(Arc<dyn Buffer>, KvCache)> {
+    place_kv_cache(cfg, size, bt, true)
+}
+
+/// A KV cache of `size` rows per layer placed in `bt`, zeroed when `clear` (the planner's
+/// virtual devices have nothing to clear, and clearing a meta buffer walks every slice).
+pub fn place_kv_cache(
+    cfg: &DecoderConfig,
+    size: usize,
+    bt: &dyn BufferType,
+    clear: bool,
+) -> Result<(Arc<dyn Buffer>, KvCache)> {
+    let (buf, refs) = place(bt, &kv_cache_layouts(cfg, size), BufferUsage::Compute)?;
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for r in refs {
+        if clear {
+            r.storage
+                .buffer
+                .memset_tensor(&r.layout, r.storage.offset, 0, 0, r.layout.nbytes())?;
+        }
+        match cfg.arch.parse(&r.name) {
+            Some((Tensor::CacheK, _)) => k.push(r),
+            _ => v.push(r),
+        }
+    }
+    Ok((buf, KvCache { k, v, size }))
+}

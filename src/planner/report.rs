@@ -11,6 +11,7 @@ use super::shape::ModelShape;
 use super::strategy::describe;
 use crate::meta::rewrite::Stage;
 use crate::meta::{MetaBuffer, SplitPolicy};
+use crate::models::arch::{Group, Part, Tensor};
 use crate::models::split::{DecoderSplit, policy};
 use crate::op::Op;
 use crate::{Error, Result};
@@ -413,8 +414,222 @@ fn segment_rows(e: &Evaluation) -> Vec<String> {
     rows
 }
 
+/// What the group rows are built from: the placed model, the assignment and the search.
+struct GroupCtx<'a> {
+    placed: &'a Placed,
+    tensors: std::collections::HashMap<String, crate::buffer::Storage>,
+    split: &'a DecoderSplit,
+    strategy: &'a str,
+    candidates: &'a [Candidate],
+    alternatives: &'a [RunAlternatives],
+    total_s: f64,
+    rows: Vec<GroupRow>,
+}
+
+impl GroupCtx<'_> {
+    /// The compact state and per-device bytes of a placed tensor.
+    fn state_of(&self, name: &str) -> Option<(String, Vec<usize>)> {
+        let n = self.placed.devices.len();
+        let st = self.tensors.get(name)?;
+        let mb = st.buffer.as_any().downcast_ref::<MetaBuffer>()?;
+        let t = mb.tensor_at(st.offset)?;
+        Some((
+            compact(&t.state.to_string()),
+            (0..n).map(|d| t.local_bytes(d)).collect(),
+        ))
+    }
+
+    /// A row for `names` (summed bytes) with the state of `rep`, when `rep` is placed.
+    fn push(&mut self, group: String, rep: &str, names: &[String], why: String) {
+        let Some((state, _)) = self.state_of(rep) else {
+            return;
+        };
+        let mut bytes = vec![0; self.placed.devices.len()];
+        for nm in names {
+            if let Some((_, b)) = self.state_of(nm) {
+                bytes.iter_mut().zip(b).for_each(|(a, x)| *a += x);
+            }
+        }
+        self.rows.push(GroupRow {
+            group,
+            state,
+            bytes,
+            why,
+        });
+    }
+
+    /// Why an end is split as it is: the best candidate with the other choice of this end.
+    fn ends_why(&self, what: &str, alt: &str, differs: &dyn Fn(&DecoderSplit) -> bool) -> String {
+        if self.strategy != "auto" {
+            return format!("strategy {}: {what} ({alt} otherwise)", self.strategy);
+        }
+        let cands = self.candidates;
+        let best = cands.first().map_or(0.0, |c| c.time_s);
+        match cands.iter().skip(1).find(|c| differs(&c.split)) {
+            Some(r) => format!(
+                "search: {what}; {alt}: {:+.1}% time, {:+.1} MiB",
+                (r.time_s / best.max(1e-12) - 1.0) * 100.0,
+                (r.bytes as f64 - cands[0].bytes as f64) / 1048576.0
+            ),
+            None => format!("search: {what}"),
+        }
+    }
+
+    /// Why a run of layers splits `part` as it does: what the best other pattern changing this
+    /// part would cost.
+    fn layer_why(&self, first: usize, what: &str, alt: &str, part: Part) -> String {
+        if self.strategy != "auto" {
+            return format!("strategy {}: {what} ({alt} otherwise)", self.strategy);
+        }
+        let Some(run) = self.alternatives.iter().find(|r| r.first == first) else {
+            return format!("search: {what}");
+        };
+        let cur = self.split.layers[first];
+        let flipped = run.alternatives.iter().find(|(p, _, _)| match part {
+            Part::Attention => p.attention != cur.attention && p.mlp == cur.mlp,
+            _ => p.mlp != cur.mlp && p.attention == cur.attention,
+        });
+        match flipped {
+            Some((_, dt, dm)) => format!(
+                "search: {what}; {alt}: {:+.1}% time, {:+.1} MiB",
+                dt / self.total_s.max(1e-12) * 100.0,
+                *dm as f64 / 1048576.0
+            ),
+            None => format!("search: {what}"),
+        }
+    }
+
+    /// The rows of a whole-model tensor.
+    fn end_row(&mut self, tensor: Tensor) {
+        let arch = self.placed.shape.cfg.arch;
+        let name = arch.name(tensor, 0);
+        let why = match tensor {
+            Tensor::TokenEmbd if self.split.embedding => self.ends_why(
+                "rows split by vocabulary, looked up where they live",
+                "mirrored",
+                &|c| !c.embedding,
+            ),
+            Tensor::TokenEmbd => self.ends_why(
+                "mirrored: every device looks up its tokens",
+                "vocab split",
+                &|c| c.embedding,
+            ),
+            Tensor::Output if self.split.output => self.ends_why(
+                "columns by vocabulary, logits gathered on read",
+                "mirrored",
+                &|c| !c.output,
+            ),
+            Tensor::Output => self.ends_why("mirrored", "vocab split", &|c| c.output),
+            _ => "mirrored: row-wise over the whole width".into(),
+        };
+        self.push(name.clone(), &name, std::slice::from_ref(&name), why);
+    }
+
+    /// The rows of layers `i..=j` (one pattern), one per tensor group.
+    fn layer_rows(&mut self, i: usize, j: usize) {
+        let arch = self.placed.shape.cfg.arch;
+        let l = self.split.layers[i];
+        let sp = self.split.sequence_parallel;
+        let range = if i == j {
+            format!("blk.{i}")
+        } else {
+            format!("blk.{i}-{j}")
+        };
+        for group in LAYER_GROUPS {
+            let roles: Vec<Tensor> = match group {
+                Group::Cache => vec![Tensor::CacheK, Tensor::CacheV],
+                g => arch
+                    .layer_tensors()
+                    .map(|(t, _)| t)
+                    .filter(|t| t.group() == *g)
+                    .collect(),
+            };
+            let Some(&rep) = roles.first() else { continue };
+            let names: Vec<String> = (i..=j)
+                .flat_map(|b| roles.iter().map(move |&t| arch.name(t, b)))
+                .collect();
+            let (label, why) = match group {
+                Group::AttnQkv if l.attention => (
+                    label(&roles),
+                    self.layer_why(
+                        i,
+                        "columns by whole KV-head groups",
+                        "mirrored",
+                        Part::Attention,
+                    ),
+                ),
+                Group::AttnQkv => (
+                    label(&roles),
+                    self.layer_why(i, "attention mirrored", "head split", Part::Attention),
+                ),
+                Group::AttnOut => (label(&roles), reduced(l.attention, sp, "rows by heads: ")),
+                Group::Cache => (
+                    " kv cache".to_string(),
+                    if l.attention {
+                        "by KV heads, with the attention".into()
+                    } else {
+                        "mirrored with the attention".into()
+                    },
+                ),
+                Group::FfnIn if l.mlp => (
+                    label(&roles),
+                    self.layer_why(i, "columns in whole blocks", "mirrored", Part::Mlp),
+                ),
+                Group::FfnIn => (
+                    label(&roles),
+                    self.layer_why(i, "MLP mirrored", "column/row split", Part::Mlp),
+                ),
+                Group::FfnOut => (label(&roles), reduced(l.mlp, sp, "rows: ")),
+                _ => (
+                    " norms".to_string(),
+                    if sp && (l.attention || l.mlp) {
+                        "mirrored: row-wise, on each device's tokens (prompts)".into()
+                    } else {
+                        "mirrored: row-wise over the whole width".into()
+                    },
+                ),
+            };
+            self.push(format!("{range}{label}"), &arch.name(rep, i), &names, why);
+        }
+    }
+}
+
+/// The per-layer groups in the order the report lists them.
+const LAYER_GROUPS: &[Group] = &[
+    Group::AttnQkv,
+    Group::AttnOut,
+    Group::Cache,
+    Group::FfnIn,
+    Group::FfnOut,
+    Group::Norms,
+];
+
+/// `.attn_q/k/v` for the matrices among `roles` (biases ride along with their matrices).
+fn label(roles: &[Tensor]) -> String {
+    let bases: Vec<&str> = roles
+        .iter()
+        .filter(|t| !t.is_vector())
+        .map(|t| t.base_name())
+        .collect();
+    let prefix = bases[0].rfind('_').map_or("", |k| &bases[0][..=k]);
+    let rest: Vec<&str> = bases
+        .iter()
+        .map(|b| b.strip_prefix(prefix).unwrap_or(b))
+        .collect();
+    format!(".{prefix}{}", rest.join("/"))
+}
+
+/// Why a row-parallel projection's output is what it is.
+fn reduced(split: bool, sequence_parallel: bool, what: &str) -> String {
+    match (split, sequence_parallel) {
+        (true, true) => format!("{what}partial sums, reduce-scattered to tokens"),
+        (true, false) => format!("{what}partial sums, one all-reduce"),
+        _ => "mirrored with its inputs".into(),
+    }
+}
+
 /// Tensor groups: the ends, then each run of layers with one pattern, split into attention
-/// (Q, K, V, output, KV cache), MLP and norms.
+/// (Q, K, V, output, KV cache), MLP and norms, as the architecture table groups its tensors.
 fn groups(
     placed: &Placed,
     split: &DecoderSplit,
@@ -423,209 +638,29 @@ fn groups(
     alternatives: &[RunAlternatives],
     total_s: f64,
 ) -> Result<Vec<GroupRow>> {
-    let n = placed.devices.len();
-    let tensors = placed.tensors();
-    let state_of = |name: &str| -> Option<(String, Vec<usize>)> {
-        let st = tensors.get(name)?;
-        let mb = st.buffer.as_any().downcast_ref::<MetaBuffer>()?;
-        let t = mb.tensor_at(st.offset)?;
-        Some((
-            compact(&t.state.to_string()),
-            (0..n).map(|d| t.local_bytes(d)).collect(),
-        ))
+    let mut ctx = GroupCtx {
+        placed,
+        tensors: placed.tensors(),
+        split,
+        strategy,
+        candidates,
+        alternatives,
+        total_s,
+        rows: Vec::new(),
     };
-    let sum = |names: &[String]| -> Vec<usize> {
-        let mut v = vec![0; n];
-        for nm in names {
-            if let Some((_, b)) = state_of(nm) {
-                v.iter_mut().zip(b).for_each(|(a, x)| *a += x);
-            }
-        }
-        v
-    };
-    let searched = strategy == "auto";
-    // The ends: the best candidate with the other choice of this end.
-    let ends_why = |what: &str, alt: &str, differs: &dyn Fn(&str) -> bool| -> String {
-        if !searched {
-            return format!("strategy {strategy}: {what} ({alt} otherwise)");
-        }
-        let best = candidates.first().map_or(0.0, |c| c.time_s);
-        match candidates.iter().skip(1).find(|c| differs(&c.description)) {
-            Some(r) => format!(
-                "search: {what}; {alt}: {:+.1}% time, {:+.1} MiB",
-                (r.time_s / best.max(1e-12) - 1.0) * 100.0,
-                (r.bytes as f64 - candidates[0].bytes as f64) / 1048576.0
-            ),
-            None => format!("search: {what}"),
-        }
-    };
-    // A run of layers: what the best other pattern changing this part would cost.
-    let layer_why = |first: usize, what: &str, alt: &str, attention: bool| -> String {
-        if !searched {
-            return format!("strategy {strategy}: {what} ({alt} otherwise)");
-        }
-        let Some(run) = alternatives.iter().find(|r| r.first == first) else {
-            return format!("search: {what}");
-        };
-        let cur = split.layers[first];
-        let flipped = run.alternatives.iter().find(|(p, _, _)| {
-            if attention {
-                p.attention != cur.attention && p.mlp == cur.mlp
-            } else {
-                p.mlp != cur.mlp && p.attention == cur.attention
-            }
-        });
-        match flipped {
-            Some((_, dt, dm)) => format!(
-                "search: {what}; {alt}: {:+.1}% time, {:+.1} MiB",
-                dt / total_s.max(1e-12) * 100.0,
-                *dm as f64 / 1048576.0
-            ),
-            None => format!("search: {what}"),
-        }
-    };
-    let mut rows = Vec::new();
-    let mut push = |group: String, rep: &str, names: Vec<String>, why: String| {
-        if let Some((state, _)) = state_of(rep) {
-            rows.push(GroupRow {
-                group,
-                state,
-                bytes: sum(&names),
-                why,
-            });
-        }
-    };
-    push(
-        "token_embd.weight".into(),
-        "token_embd.weight",
-        vec!["token_embd.weight".into()],
-        if split.embedding {
-            ends_why(
-                "rows split by vocabulary, looked up where they live",
-                "mirrored",
-                &|d| d.contains("embedding: mirrored"),
-            )
-        } else {
-            ends_why(
-                "mirrored: every device looks up its tokens",
-                "vocab split",
-                &|d| d.contains("embedding: vocab split"),
-            )
-        },
-    );
+    ctx.end_row(Tensor::TokenEmbd);
     let mut i = 0;
     while i < split.layers.len() {
         let mut j = i;
         while j + 1 < split.layers.len() && split.layers[j + 1] == split.layers[i] {
             j += 1;
         }
-        let l = split.layers[i];
-        let range = if i == j {
-            format!("blk.{i}")
-        } else {
-            format!("blk.{i}-{j}")
-        };
-        let names = |kinds: &[&str]| -> Vec<String> {
-            (i..=j)
-                .flat_map(|b| kinds.iter().map(move |k| format!("blk.{b}.{k}.weight")))
-                .collect()
-        };
-        let caches: Vec<String> = (i..=j)
-            .flat_map(|b| [format!("cache_k_l{b}"), format!("cache_v_l{b}")])
-            .collect();
-        let mut attn = names(&["attn_q", "attn_k", "attn_v", "attn_output"]);
-        attn.extend(caches);
-        push(
-            format!("{range}.attn_q/k/v"),
-            &format!("blk.{i}.attn_q.weight"),
-            names(&["attn_q", "attn_k", "attn_v"]),
-            if l.attention {
-                layer_why(i, "columns by whole KV-head groups", "mirrored", true)
-            } else {
-                layer_why(i, "attention mirrored", "head split", true)
-            },
-        );
-        push(
-            format!("{range}.attn_output"),
-            &format!("blk.{i}.attn_output.weight"),
-            names(&["attn_output"]),
-            if l.attention && split.sequence_parallel {
-                "rows by heads: partial sums, reduce-scattered to tokens".into()
-            } else if l.attention {
-                "rows by heads: partial sums, one all-reduce".into()
-            } else {
-                "mirrored with its inputs".into()
-            },
-        );
-        push(
-            format!("{range} kv cache"),
-            &format!("cache_k_l{i}"),
-            (i..=j)
-                .flat_map(|b| [format!("cache_k_l{b}"), format!("cache_v_l{b}")])
-                .collect(),
-            if l.attention {
-                "by KV heads, with the attention".into()
-            } else {
-                "mirrored with the attention".into()
-            },
-        );
-        push(
-            format!("{range}.ffn_gate/up"),
-            &format!("blk.{i}.ffn_up.weight"),
-            names(&["ffn_gate", "ffn_up"]),
-            if l.mlp {
-                layer_why(i, "columns in whole blocks", "mirrored", false)
-            } else {
-                layer_why(i, "MLP mirrored", "column/row split", false)
-            },
-        );
-        push(
-            format!("{range}.ffn_down"),
-            &format!("blk.{i}.ffn_down.weight"),
-            names(&["ffn_down"]),
-            if l.mlp && split.sequence_parallel {
-                "rows: partial sums, reduce-scattered to tokens".into()
-            } else if l.mlp {
-                "rows: partial sums, one all-reduce".into()
-            } else {
-                "mirrored with its inputs".into()
-            },
-        );
-        push(
-            format!("{range} norms"),
-            &format!("blk.{i}.attn_norm.weight"),
-            names(&["attn_norm", "ffn_norm"]),
-            if split.sequence_parallel && (l.attention || l.mlp) {
-                "mirrored: row-wise, on each device's tokens (prompts)".into()
-            } else {
-                "mirrored: row-wise over the whole width".into()
-            },
-        );
+        ctx.layer_rows(i, j);
         i = j + 1;
     }
-    push(
-        "output_norm.weight".into(),
-        "output_norm.weight",
-        vec!["output_norm.weight".into()],
-        "mirrored: row-wise over the whole width".into(),
-    );
-    push(
-        "output.weight".into(),
-        "output.weight",
-        vec!["output.weight".into()],
-        if split.output {
-            ends_why(
-                "columns by vocabulary, logits gathered on read",
-                "mirrored",
-                &|d| d.contains("output: mirrored"),
-            )
-        } else {
-            ends_why("mirrored", "vocab split", &|d| {
-                d.contains("output: vocab split")
-            })
-        },
-    );
-    Ok(rows)
+    ctx.end_row(Tensor::OutputNorm);
+    ctx.end_row(Tensor::Output);
+    Ok(ctx.rows)
 }
 
 /// DOT of the per-device programs of layer 0 for one decode step: a cluster per device, nodes

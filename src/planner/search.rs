@@ -396,6 +396,9 @@ pub fn brute_force(t: &Tables, n_layer: usize, budget: usize) -> Option<(f64, us
 #[derive(Clone, Debug, Serialize)]
 pub struct Candidate {
     pub description: String,
+    /// The assignment itself (the description is for people).
+    #[serde(skip)]
+    pub split: DecoderSplit,
     /// Predicted seconds of the whole workload.
     pub time_s: f64,
     /// Largest device's bytes.
@@ -580,6 +583,7 @@ pub fn auto(
         .iter()
         .map(|(time, mem, s, _, _)| Candidate {
             description: describe(s),
+            split: s.clone(),
             time_s: *time,
             bytes: *mem,
         })

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the SmolLM2 (llama architecture) forward pass.
+"""Independent numpy reference of the SmolLM2 (llama architecture) forward pass, and of Qwen2.
 
 metashard's Rust tests call this script as a subprocess and compare their logits and
 greedy tokens with what it prints. It shares no code with metashard: it reads the GGUF
@@ -10,6 +10,9 @@ Sources of the facts used here (formats and algorithms only, no code taken):
   * GGUF layout and tensor naming: ggml's docs/gguf.md and gguf-py's constants.
   * llama forward: RMSNorm -> attention with RoPE and grouped-query heads -> residual ->
     RMSNorm -> SwiGLU feed-forward -> residual; final RMSNorm; output projection.
+  * qwen2 (Hugging Face's Qwen2 modelling: q_proj/k_proj/v_proj with biases, o_proj without;
+    RoPE by rotate_half, i.e. pairs (x[i], x[i + n_rot/2]): llama.cpp's LLAMA_ROPE_TYPE_NEOX).
+    Biases are added wherever the file has them (llama files may carry them too).
   * llama.cpp runs LLM_ARCH_LLAMA with LLAMA_ROPE_TYPE_NORM: the HF->GGUF converter
     permutes the rows of Q and K so that the rotation acts on ADJACENT pairs
     (x[2i], x[2i+1]) of each head, theta_i = pos * base^(-2i / n_rot).
@@ -78,10 +81,15 @@ class Layer:
     w_gate: np.ndarray  # (n_ff, n_embd)              ggml ne = [n_embd, n_ff]
     w_up: np.ndarray  # (n_ff, n_embd)
     w_down: np.ndarray  # (n_embd, n_ff)             ggml ne = [n_ff, n_embd]
+    bq: np.ndarray | None = None  # (n_head*head_dim,)  biases where the file has them
+    bk: np.ndarray | None = None  # (n_head_kv*head_dim,)
+    bv: np.ndarray | None = None
+    bo: np.ndarray | None = None  # (n_embd,)
 
 
 @dataclass
 class Model:
+    arch: str
     hp: HParams
     tok_embd: np.ndarray  # (n_vocab, n_embd), also the output matrix (tied)
     output: np.ndarray  # (n_vocab, n_embd): output.weight if present, else tok_embd
@@ -133,11 +141,11 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         raise RefError(f"cannot parse GGUF file {path}: {e}")
 
     arch = _field_str(reader, "general.architecture")
-    if arch != "llama":
-        raise RefError(f"{path}: general.architecture is '{arch}', this reference handles 'llama'")
+    if arch not in ("llama", "qwen2"):
+        raise RefError(f"{path}: general.architecture is '{arch}', this reference handles 'llama' and 'qwen2'")
 
     def u(key, required=True):
-        return _field_scalar(reader, f"llama.{key}", required)
+        return _field_scalar(reader, f"{arch}.{key}", required)
 
     n_embd = int(u("embedding_length"))
     n_head = int(u("attention.head_count"))
@@ -185,12 +193,17 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         return a
 
     E, F, HD = hp.n_embd, hp.n_ff, hp.head_dim
+
+    def opt(name: str, ne: list[int]):
+        return get(name, ne) if name in tensors else None
+
     layers = []
     for i in range(hp.n_layer):
         p = f"blk.{i}."
-        for extra in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias"):
-            if p + extra in tensors:
-                raise RefError(f"{path}: tensor '{p + extra}' present; biases are not handled here")
+        if arch == "qwen2":
+            for b in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
+                if p + b not in tensors:
+                    raise RefError(f"{path}: qwen2 tensor '{p + b}' is missing")
         layers.append(
             Layer(
                 attn_norm=get(p + "attn_norm.weight", [E]),
@@ -202,6 +215,10 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
                 w_gate=get(p + "ffn_gate.weight", [E, F]),
                 w_up=get(p + "ffn_up.weight", [E, F]),
                 w_down=get(p + "ffn_down.weight", [F, E]),
+                bq=opt(p + "attn_q.bias", [hp.n_head * HD]),
+                bk=opt(p + "attn_k.bias", [hp.n_head_kv * HD]),
+                bv=opt(p + "attn_v.bias", [hp.n_head_kv * HD]),
+                bo=opt(p + "attn_output.bias", [E]),
             )
         )
     tok_embd = get("token_embd.weight", [E, hp.n_vocab])
@@ -211,7 +228,7 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     output_norm = get("output_norm.weight", [E])
     log(f"dequantized weights to {np.dtype(dtype).name} in {time.time() - t1:.2f}s")
 
-    m = Model(hp=hp, tok_embd=tok_embd, output=output, output_norm=output_norm, layers=layers)
+    m = Model(arch=arch, hp=hp, tok_embd=tok_embd, output=output, output_norm=output_norm, layers=layers)
     if want_vocab:
         m.tokens = _field_str_array(reader, "tokenizer.ggml.tokens")
         f = reader.fields.get("tokenizer.ggml.token_type")
@@ -259,7 +276,7 @@ def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np
 
 
 def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
-    """NeoX RoPE (pairs (x[i], x[i + n_rot/2])). Only for the --rope neox experiment."""
+    """NeoX RoPE (pairs (x[i], x[i + n_rot/2])): qwen2, and the --rope neox experiment."""
     out = x.copy()
     h = n_rot // 2
     x0 = x[..., 0:h]
@@ -282,6 +299,11 @@ class KVCache:
 
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    y = x @ w.T
+    return y if b is None else y + b
 
 
 def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm") -> np.ndarray:
@@ -307,9 +329,9 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
     x = m.tok_embd[np.asarray(tokens)]  # (n, E)
     for li, L in enumerate(m.layers):
         h = rms_norm(x, L.attn_norm, hp.rms_eps)
-        q = (h @ L.wq.T).reshape(n, H, HD)  # head h = columns h*HD .. (h+1)*HD
-        k = (h @ L.wk.T).reshape(n, KV, HD)
-        v = (h @ L.wv.T).reshape(n, KV, HD)
+        q = linear(h, L.wq, L.bq).reshape(n, H, HD)  # head h = columns h*HD .. (h+1)*HD
+        k = linear(h, L.wk, L.bk).reshape(n, KV, HD)
+        v = linear(h, L.wv, L.bv).reshape(n, KV, HD)
         q = rope(q, cos, sin, hp.n_rot)
         k = rope(k, cos, sin, hp.n_rot)
         cache.k[li, :, p0:T, :] = k.transpose(1, 0, 2)
@@ -326,7 +348,7 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
         pr /= pr.sum(axis=-1, keepdims=True)
         o = pr.reshape(KV, G * n, T) @ V  # (KV, G*n, HD)
         o = o.reshape(H, n, HD).transpose(1, 0, 2).reshape(n, H * HD)
-        x = x + o @ L.wo.T
+        x = x + linear(o, L.wo, L.bo)
         h = rms_norm(x, L.ffn_norm, hp.rms_eps)
         ff = silu(h @ L.w_gate.T) * (h @ L.w_up.T)
         x = x + ff @ L.w_down.T
@@ -434,7 +456,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-logits-out", help="write float32 LE logits of every prompt position")
     ap.add_argument("--dtype", choices=("f32", "f64"), default="f32")
     ap.add_argument("--detok", action="store_true", help="add the decoded text to the JSON")
-    ap.add_argument("--rope", choices=("norm", "neox"), default="norm", help=argparse.SUPPRESS)
+    ap.add_argument("--rope", choices=("norm", "neox"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.steps < 0:
@@ -449,6 +471,9 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     m = load_model(args.model, dtype, need_vocab)
     t_load = time.time() - t0
+    if args.rope is None:
+        # The pairing each family's GGUF files need (see the module docstring).
+        args.rope = "neox" if m.arch == "qwen2" else "norm"
 
     if args.tokens is None:
         text = args.text

@@ -77,3 +77,91 @@ pub fn random_decoder(
     }
     Ok((buf, weights))
 }
+
+/// A GGUF file of a decoder with random weights in `cfg`'s architecture (the values of
+/// [`random_decoder`] with the same seed), as llama.cpp's converter would write it: the
+/// architecture's metadata keys, every tensor its table requires (the output projection
+/// omitted when `tied`), vectors as 1-D tensors, and a byte-level BPE vocabulary of
+/// `cfg.n_vocab` tokens (the 256 byte tokens, then `<|extra_N|>` control tokens, the last one
+/// the end of sequence), so the loader, the tokenizer and outside readers (gguf-py) take it
+/// as they take a downloaded file. `cfg.n_vocab` must be at least 257.
+pub fn gguf_bytes(
+    cfg: &DecoderConfig,
+    wdtype: DType,
+    tied: bool,
+    context_length: usize,
+    seed: u64,
+) -> Result<Vec<u8>> {
+    use crate::io::{GgufArray, GgufValue, GgufWriter};
+    cfg.validate()?;
+    if cfg.n_vocab <= 256 {
+        return Err(crate::Error::invalid_argument(
+            "synthetic GGUF: n_vocab",
+            cfg.n_vocab,
+            "must be at least 257 (the byte tokens and an end-of-sequence token)",
+        ));
+    }
+    let arch = cfg.arch.name;
+    let mut w = GgufWriter::new();
+    let u32v = |v: usize| GgufValue::U32(v as u32);
+    w.add("general.architecture", GgufValue::String(arch.into()));
+    w.add(
+        "general.name",
+        GgufValue::String(format!("synthetic {arch}")),
+    );
+    for (k, v) in [
+        ("block_count", cfg.n_layer),
+        ("context_length", context_length),
+        ("embedding_length", cfg.n_embd),
+        ("feed_forward_length", cfg.n_ff),
+        ("attention.head_count", cfg.n_head),
+        ("attention.head_count_kv", cfg.n_head_kv),
+        ("rope.dimension_count", cfg.rope_dims),
+    ] {
+        w.add(format!("{arch}.{k}"), u32v(v));
+    }
+    w.add(
+        format!("{arch}.rope.freq_base"),
+        GgufValue::F32(cfg.rope_base),
+    );
+    w.add(
+        format!("{arch}.attention.layer_norm_rms_epsilon"),
+        GgufValue::F32(cfg.rms_eps),
+    );
+    let table = crate::tokenizer::pretok::byte_to_char_table();
+    let mut tokens: Vec<String> = table.iter().map(|c| c.to_string()).collect();
+    tokens.extend((256..cfg.n_vocab).map(|i| format!("<|extra_{i}|>")));
+    let types: Vec<i32> = (0..cfg.n_vocab)
+        .map(|i| if i < 256 { 1 } else { 3 })
+        .collect();
+    w.add("tokenizer.ggml.model", GgufValue::String("gpt2".into()));
+    w.add("tokenizer.ggml.pre", GgufValue::String("gpt2".into()));
+    w.add(
+        "tokenizer.ggml.tokens",
+        GgufValue::Array(GgufArray::String(tokens)),
+    );
+    w.add(
+        "tokenizer.ggml.token_type",
+        GgufValue::Array(GgufArray::I32(types)),
+    );
+    w.add(
+        "tokenizer.ggml.merges",
+        GgufValue::Array(GgufArray::String(Vec::new())),
+    );
+    w.add("tokenizer.ggml.eos_token_id", u32v(cfg.n_vocab - 1));
+    for (i, d) in weight_decls(cfg, wdtype)?.iter().enumerate() {
+        if tied && d.tensor == Tensor::Output {
+            continue;
+        }
+        let ne = d.layout.ne;
+        let v = random_values(d.tensor, ne[0], d.layout.nelements(), seed + i as u64);
+        let dims: &[usize] = if d.tensor.is_vector() {
+            &ne[..1]
+        } else {
+            &ne[..2]
+        };
+        let bytes = crate::dtype::f32_to_bytes(d.layout.dtype, &v)?;
+        w.add_tensor(d.name.clone(), d.layout.dtype, dims, bytes)?;
+    }
+    Ok(w.to_bytes())
+}

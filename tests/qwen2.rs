@@ -21,7 +21,7 @@ use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::split_state::SplitAxis;
 use metashard::verify::{greedy, max_abs, nmse, reference};
 use metashard::{DType, Error};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 const STEPS: usize = 12;
@@ -233,7 +233,7 @@ fn rand_suffix() -> u64 {
     N.fetch_add(1, Ordering::Relaxed)
 }
 
-fn load_err(p: &PathBuf) -> String {
+fn load_err(p: &Path) -> String {
     let bt = metashard::cpu::CpuBufferType;
     match DecoderModel::load(p, &bt, &|_, _| {}) {
         Ok(_) => panic!("{} loaded", p.display()),

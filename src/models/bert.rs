@@ -20,6 +20,7 @@
 
 use super::arch::{BERT, Dim, Mlp, Tensor};
 use super::blocks::{self, NormKind};
+use super::decoder::{attn_out_name, layer_out_name};
 use super::split::{DecoderSplit, LayerSplit, SplitDims, by_layer};
 use super::weights::{ModelWeights, TensorDecl, Weights, model_layouts, place};
 use crate::backend::{Backend, Device};
@@ -454,13 +455,13 @@ fn encoder_layer(
     let a = g.add(o, x)?;
     let norm = (Tensor::AttnOutNorm, Tensor::AttnOutNormBias);
     let a = layer_norm(g, lw, norm.0, norm.1, a, cfg.ln_eps)?;
-    g.set_name(a, format!("l{l}.attn_out"));
+    g.set_name(a, attn_out_name(l));
     // Feed-forward.
     let f = blocks::ffn(g, cfg.mlp(), lw, a)?;
     let f = g.add(f, a)?;
     let norm = (Tensor::LayerOutNorm, Tensor::LayerOutNormBias);
     let x = layer_norm(g, lw, norm.0, norm.1, f, cfg.ln_eps)?;
-    g.set_name(x, format!("l{l}.out"));
+    g.set_name(x, layer_out_name(l));
     Ok(x)
 }
 

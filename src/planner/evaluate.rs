@@ -29,7 +29,7 @@ use crate::graph::{Graph, TensorId};
 use crate::meta::rewrite::{Rewritten, Stage, rewrite};
 use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
-use crate::models::arch::Tensor;
+use crate::models::arch::{Naming, Tensor};
 use crate::models::decoder::{StepInput, build_step};
 use crate::models::weights::{KvCache, ModelWeights, WeightRef, place_decoder, place_kv_cache};
 use crate::op::{CollectiveKind, Op};
@@ -463,19 +463,18 @@ impl Evaluation {
 fn segments_of(g: &Graph) -> (Vec<usize>, Vec<String>) {
     let mut starts: Vec<(usize, usize)> = Vec::new(); // (node index, segment)
     let mut n_layer = 0;
+    // A layer starts at the first weight of that layer, the output at the final norm.
     for id in g.ids() {
-        let name = g.name(id);
-        if let Some(rest) = name.strip_prefix("blk.")
-            && rest.ends_with(".attn_norm.weight")
-            && let Some(l) = rest.split('.').next().and_then(|s| s.parse::<usize>().ok())
+        if let Some((_, Some(l))) = Naming::Gguf.parse(g.name(id))
+            && l + 1 > n_layer
         {
             starts.push((id.index(), l + 1));
-            n_layer = n_layer.max(l + 1);
+            n_layer = l + 1;
         }
     }
     let out_start = g
         .ids()
-        .find(|&id| g.name(id) == "output_norm.weight")
+        .find(|&id| Naming::Gguf.parse(g.name(id)) == Some((Tensor::OutputNorm, None)))
         .map_or(g.len(), |id| id.index());
     let mut seg = vec![0; g.len()];
     for (i, s) in seg.iter_mut().enumerate() {

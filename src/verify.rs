@@ -7,7 +7,7 @@
 use crate::devices::DeviceSet;
 use crate::graph::Graph;
 use crate::meta::MetaDevice;
-use crate::models::decoder::{StepInput, build_step};
+use crate::models::decoder::{SequenceStep, build_step};
 use crate::models::loader::DecoderModel;
 use crate::models::sampler::argmax;
 use crate::models::session::Session;
@@ -154,19 +154,8 @@ pub fn compare_nodes(
             prompt.len(),
         )?;
         let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
-        let pos: Vec<i32> = (0..prompt.len() as i32).collect();
-        let n_kv = s.capacity();
-        let kvp: Vec<i32> = (0..n_kv as i32)
-            .map(|j| if (j as usize) < prompt.len() { j } else { -1 })
-            .collect();
-        let inp = StepInput {
-            tokens: &ids,
-            positions: &pos,
-            slots: &pos,
-            n_kv,
-            kv_positions: &kvp,
-            logits_rows: prompt.len() - 1..prompt.len(),
-        };
+        let step = SequenceStep::new(&ids, 0, s.capacity());
+        let inp = step.input(prompt.len() - 1..prompt.len());
         let cache = s.cache();
         let sg = build_step(&m.cfg, &m.weights, &cache, &inp)?;
         Ok(sg.graph)

@@ -35,6 +35,41 @@ pub struct StepInput<'a> {
     pub logits_rows: std::ops::Range<usize>,
 }
 
+/// The inputs of a step of one sequence, owned: `tokens` at positions `start..`, written to
+/// the cache rows of their positions, attending to cache rows `0..n_kv` of which those past
+/// the last token hold nothing yet (masked).
+#[derive(Clone, Debug)]
+pub struct SequenceStep {
+    pub tokens: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub kv_positions: Vec<i32>,
+}
+
+impl SequenceStep {
+    pub fn new(tokens: &[i32], start: usize, n_kv: usize) -> SequenceStep {
+        let end = start + tokens.len();
+        SequenceStep {
+            tokens: tokens.to_vec(),
+            positions: (start..end).map(|p| p as i32).collect(),
+            kv_positions: (0..n_kv)
+                .map(|j| if j < end { j as i32 } else { -1 })
+                .collect(),
+        }
+    }
+
+    /// The step's input, with logits for `logits_rows`.
+    pub fn input(&self, logits_rows: std::ops::Range<usize>) -> StepInput<'_> {
+        StepInput {
+            tokens: &self.tokens,
+            positions: &self.positions,
+            slots: &self.positions,
+            n_kv: self.kv_positions.len(),
+            kv_positions: &self.kv_positions,
+            logits_rows,
+        }
+    }
+}
+
 /// The nodes a step graph exposes.
 pub struct StepGraph {
     pub graph: Graph,

@@ -2,7 +2,7 @@
 //! evaluated in batches of `ubatch` into the cache, and the logits of the last (or every) token
 //! come back.
 
-use super::decoder::{StepInput, build_step};
+use super::decoder::{SequenceStep, build_step};
 use super::loader::DecoderModel;
 use super::weights::{KvCache, alloc_kv_cache};
 use crate::backend::Backend;
@@ -121,22 +121,13 @@ impl<'m> Session<'m> {
         for (ci, chunk) in tokens.chunks(self.ubatch.max(1)).enumerate() {
             let t = chunk.len();
             let ids: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();
-            let pos: Vec<i32> = (self.n_past..self.n_past + t).map(|p| p as i32).collect();
-            let filled = self.n_past + t;
-            let n_kv = filled.next_multiple_of(KV_PAD).min(self.cache.size);
-            let kvp: Vec<i32> = (0..n_kv)
-                .map(|j| if j < filled { j as i32 } else { -1 })
-                .collect();
+            let n_kv = (self.n_past + t)
+                .next_multiple_of(KV_PAD)
+                .min(self.cache.size);
+            let step = SequenceStep::new(&ids, self.n_past, n_kv);
             let last_chunk = ci + 1 == n_chunks;
             let rows = if all_logits { 0..t } else { t - 1..t };
-            let inp = StepInput {
-                tokens: &ids,
-                positions: &pos,
-                slots: &pos,
-                n_kv,
-                kv_positions: &kvp,
-                logits_rows: rows,
-            };
+            let inp = step.input(rows);
             let mut sg = build_step(&self.model.cfg, &self.model.weights, &self.cache, &inp)?;
             self.backend.graph_compute(&mut sg.graph)?;
             self.n_past += t;

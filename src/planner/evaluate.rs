@@ -30,7 +30,7 @@ use crate::meta::rewrite::{Rewritten, Stage, rewrite};
 use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
 use crate::models::arch::{Naming, Tensor};
-use crate::models::decoder::{StepInput, build_step};
+use crate::models::decoder::{SequenceStep, build_step};
 use crate::models::weights::{KvCache, ModelWeights, WeightRef, place_decoder, place_kv_cache};
 use crate::op::{CollectiveKind, Op};
 use crate::{DType, Error, Result};
@@ -280,17 +280,8 @@ impl Placed {
     /// A step of `tokens` tokens at positions `start..`, attending to `start + tokens` rows.
     pub fn step_graph(&self, tokens: usize, start: usize) -> Result<Graph> {
         let ids: Vec<i32> = (0..tokens).map(|i| (i % 7) as i32).collect();
-        let pos: Vec<i32> = (start..start + tokens).map(|p| p as i32).collect();
-        let n_kv = start + tokens;
-        let kvp: Vec<i32> = (0..n_kv as i32).collect();
-        let inp = StepInput {
-            tokens: &ids,
-            positions: &pos,
-            slots: &pos,
-            n_kv,
-            kv_positions: &kvp,
-            logits_rows: tokens - 1..tokens,
-        };
+        let step = SequenceStep::new(&ids, start, start + tokens);
+        let inp = step.input(tokens - 1..tokens);
         Ok(build_step(&self.shape.cfg, &self.weights, &self.cache, &inp)?.graph)
     }
 

@@ -115,19 +115,33 @@ impl DecoderConfig {
 /// Positions are i32 in the step graph: the most a context may hold.
 pub const MAX_CONTEXT: usize = i32::MAX as usize;
 
-/// Metadata keys that change a decoder's math, with the value that leaves it unchanged
-/// (`None`: any value changes it). A file that sets one otherwise is refused naming the key:
-/// running it as if the key were absent would give wrong results silently.
-const MATH_KEYS: &[(&str, Option<f64>)] = &[
-    ("rope.scaling.factor", Some(1.0)),
-    ("rope.scale_linear", Some(1.0)),
-    ("rope.scaling.attn_factor", Some(1.0)),
-    ("attention.key_length", None),
-    ("attention.value_length", None),
-    ("attention.sliding_window", None),
-    ("attn_logit_softcapping", None),
-    ("final_logit_softcapping", None),
-    ("expert_count", Some(0.0)),
+/// The value of a metadata key that leaves the math as metashard computes it.
+#[derive(Clone, Copy, Debug)]
+enum Neutral {
+    /// This number (a factor of 1, no experts).
+    Number(f64),
+    /// This string (`rope.scaling.type` "none").
+    Text(&'static str),
+    /// The head size `n_embd / n_head` (an explicit key or value length equal to it).
+    HeadDim,
+    /// Absent: any value changes the math.
+    Absent,
+}
+
+/// Metadata keys that change a decoder's math (llama.cpp's `LLM_KV_*` names), with the value
+/// that leaves it unchanged. A file that sets one otherwise is refused naming the key: running
+/// it as if the key were absent would give wrong results silently.
+const MATH_KEYS: &[(&str, Neutral)] = &[
+    ("rope.scaling.type", Neutral::Text("none")),
+    ("rope.scaling.factor", Neutral::Number(1.0)),
+    ("rope.scale_linear", Neutral::Number(1.0)),
+    ("rope.scaling.attn_factor", Neutral::Number(1.0)),
+    ("attention.key_length", Neutral::HeadDim),
+    ("attention.value_length", Neutral::HeadDim),
+    ("attention.sliding_window", Neutral::Absent),
+    ("attn_logit_softcapping", Neutral::Absent),
+    ("final_logit_softcapping", Neutral::Absent),
+    ("expert_count", Neutral::Number(0.0)),
 ];
 
 /// The keys of one file, prefixed with its architecture name, with errors naming the file and
@@ -167,23 +181,29 @@ impl Keys<'_> {
         }
     }
 
-    /// Refuse every [`MATH_KEYS`] entry set to a value that changes the math.
-    fn refuse_math_keys(&self) -> Result<()> {
+    /// Refuse every [`MATH_KEYS`] entry set to a value that changes the math of a model with
+    /// heads of `head_dim`.
+    fn refuse_math_keys(&self, head_dim: usize) -> Result<()> {
         for &(s, neutral) in MATH_KEYS {
             let key = self.key(s);
             let Some(v) = self.g.get(&key) else { continue };
-            let value = v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
-            if neutral.is_some() && value == neutral {
-                continue;
+            let number = v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
+            let unchanged = match neutral {
+                Neutral::Number(n) => number == Some(n),
+                Neutral::Text(t) => v.as_str() == Some(t),
+                Neutral::HeadDim => number == Some(head_dim as f64),
+                Neutral::Absent => false,
+            };
+            if !unchanged {
+                return Err(self.err(
+                    &key,
+                    format!(
+                        "{}: metashard does not compute this for `{}` models",
+                        v.describe(),
+                        self.prefix
+                    ),
+                ));
             }
-            return Err(self.err(
-                &key,
-                format!(
-                    "{}: metashard does not compute this for `{}` models",
-                    v.describe(),
-                    self.prefix
-                ),
-            ));
         }
         Ok(())
     }
@@ -297,7 +317,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         Error::Model { reason, .. } => model_err(g, reason),
         e => e,
     })?;
-    keys.refuse_math_keys()?;
+    keys.refuse_math_keys(head_dim)?;
     context_length_from_gguf(g)?;
     Ok(cfg)
 }

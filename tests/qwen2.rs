@@ -313,4 +313,24 @@ fn architectures_outside_the_table_and_math_keys_are_refused_by_name() {
         let e = load_err(&with(key, GgufValue::F32(4.0)));
         assert!(e.contains(key), "{e}");
     }
+    let e = load_err(&with(
+        "qwen2.rope.scaling.type",
+        GgufValue::String("yarn".into()),
+    ));
+    assert!(
+        e.contains("qwen2.rope.scaling.type") && e.contains("yarn"),
+        "{e}"
+    );
+    let e = load_err(&with("qwen2.attention.key_length", GgufValue::U32(32)));
+    assert!(e.contains("qwen2.attention.key_length"), "{e}");
+    // The values that leave the math as it is load: no scaling, a key length equal to the
+    // head size (128 / 8).
+    let bt = metashard::cpu::CpuBufferType;
+    for (key, v) in [
+        ("qwen2.rope.scaling.type", GgufValue::String("none".into())),
+        ("qwen2.rope.scaling.factor", GgufValue::F32(1.0)),
+        ("qwen2.attention.key_length", GgufValue::U32(16)),
+    ] {
+        DecoderModel::load(&with(key, v), &bt, &|_, _| {}).unwrap();
+    }
 }

@@ -25,11 +25,11 @@ pub struct CalibrateArgs {
     #[arg(long)]
     pub json: bool,
     /// Precision of products with quantized weights, as the runs to be planned will use it.
-    #[arg(long, value_parser = crate::parse_precision, default_value = "exact")]
+    #[arg(long, value_parser = super::parse_precision, default_value = "exact")]
     pub precision: Precision,
     /// Hosts of this device list each: the profile then has HOSTS copies of the measured
     /// devices, joined between hosts by the links fitted from --inter (two levels).
-    #[arg(long, default_value_t = 1, value_parser = crate::cli::parse_positive)]
+    #[arg(long, default_value_t = 1, value_parser = super::parse_positive)]
     pub hosts: usize,
     /// Collectives timed between hosts: the JSON of `metashard bench comm --dist mpi --json`
     /// run with one rank per host (e.g. `scripts/two_hosts.sh run ...`); fitted per collective

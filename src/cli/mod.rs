@@ -1,14 +1,17 @@
 //! Command implementations of the `metashard` binary (not part of the library, so a user of
-//! the crate does not pull clap and indicatif): `run`, `verify`, `embed`, `plan`,
-//! `calibrate`, and the flag groups subcommands share (model, split, prompt, precision,
-//! `--dist`, `--json`) with the parsers that refuse bad values naming the flag, progress bars
-//! and memory summaries. What they compute lives in the library (`devices`, `models::open`,
-//! `verify`, `planner`).
+//! the crate does not pull clap and indicatif): one file per subcommand, each with its clap
+//! arguments and its `run` (`devices`, `run`, `verify`, `embed`, `plan`, `calibrate`,
+//! `selftest`; the `bench` family is in `src/bench/`), and here the flag groups they share
+//! (model, split, prompt, precision, `--dist`, `--json`) with the parsers that refuse bad
+//! values naming the flag, progress bars and memory summaries. What they compute lives in the
+//! library (`devices`, `models::open`, `verify`, `planner`).
 
 pub mod calibrate;
+pub mod devices;
 pub mod embed;
 pub mod plan;
 pub mod run;
+pub mod selftest;
 pub mod verify;
 
 use metashard::models::prompt::PromptOptions;

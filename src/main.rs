@@ -30,7 +30,7 @@ enum Cmd {
     /// Check a sharded run against one device (and the numpy reference with --reference).
     Verify(cli::verify::VerifyArgs),
     /// Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2) on any device list.
-    Embed(cli::embed::EmbedOptions),
+    Embed(cli::embed::EmbedArgs),
     /// Plan the split of a model on a cluster: predicted time, memory and communication.
     Plan(cli::plan::PlanArgs),
     /// Measure a device list (rates per weight type, overheads, collective links) into a

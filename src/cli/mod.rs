@@ -4,7 +4,7 @@
 //! `selftest`; the `bench` family is in `src/bench/`), and here the flag groups they share
 //! (model, split, prompt, precision, `--dist`, `--json`) with the parsers that refuse bad
 //! values naming the flag, progress bars and memory summaries. What they compute lives in the
-//! library (`devices`, `models::open`, `verify`, `planner`).
+//! library (`devices`, `runtime`, `verify`, `planner`).
 
 pub mod calibrate;
 pub mod devices;

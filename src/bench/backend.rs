@@ -7,6 +7,7 @@
 //! command is tested without a GPU (`--small` shrinks every shape).
 
 use crate::bench::{Repeat, time_it};
+use crate::cli::JsonArgs;
 use metashard::backend::{Device, alloc_tensors};
 use metashard::buffer::Storage;
 use metashard::dtype::f32_to_bytes;
@@ -14,6 +15,46 @@ use metashard::{DType, Error, Graph, Result, parse_devices};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
+
+#[derive(Clone, Debug, clap::Args)]
+#[command(mut_arg("json", |a| a.help("Print the results as JSON instead of a table")))]
+pub struct BenchBackendArgs {
+    /// Devices to time, one device each (repeat the flag), e.g. `cuda` or `cpu`.
+    #[arg(long, default_values_t = vec!["cpu".to_string()])]
+    pub devices: Vec<String>,
+    /// Shrink every shape (a quick check, not a measurement).
+    #[arg(long)]
+    pub small: bool,
+    /// Only cases whose label contains this text, e.g. "gemv".
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// Seconds of timed repetitions per case (at least 5 repetitions).
+    #[arg(long, default_value_t = 1.0)]
+    pub seconds: f64,
+    #[command(flatten)]
+    pub out: JsonArgs,
+}
+
+/// `bench backend`: check `--seconds`, time every case (progress on stderr), print the table or
+/// JSON.
+pub fn run(a: &BenchBackendArgs) -> Result<()> {
+    if !(a.seconds.is_finite() && a.seconds >= 0.0) {
+        return Err(Error::invalid_argument(
+            "--seconds",
+            a.seconds,
+            "a finite, non-negative number of seconds",
+        ));
+    }
+    let opts = BackendBenchOptions {
+        devices: a.devices.clone(),
+        small: a.small,
+        filter: a.filter.clone(),
+        min_time: Duration::from_secs_f64(a.seconds),
+    };
+    let results = measure(&opts, &|line| eprintln!("{line}"))?;
+    a.out
+        .print("bench backend results", &results, |r| print_table(r))
+}
 
 /// What one case measures.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -174,7 +215,7 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
 }
 
 /// Every case on every device; `progress` gets a line per case.
-pub fn run(opts: &BackendBenchOptions, progress: &dyn Fn(&str)) -> Result<Vec<BackendResult>> {
+pub fn measure(opts: &BackendBenchOptions, progress: &dyn Fn(&str)) -> Result<Vec<BackendResult>> {
     let mut out = Vec::new();
     for spec in &opts.devices {
         let devs = parse_devices(spec)?;

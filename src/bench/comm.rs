@@ -9,12 +9,40 @@
 //! reference gives every rank the same bits, so equality on every rank also proves the ranks
 //! agree.
 
+use crate::cli::{DistArgs, JsonArgs, parse_positive};
 use metashard::buffer::{BufferRange, Storage};
 use metashard::collectives::{Communicator, CpuCommunicator, SliceLayout};
 use metashard::dist::Dist;
 use metashard::{DType, Error, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug, clap::Args)]
+#[command(mut_arg("json", |a| a.help("Print the rows as JSON instead of a table")))]
+pub struct BenchCommArgs {
+    #[command(flatten)]
+    pub dist: DistArgs,
+    /// Ranks of the in-process communicator (without --dist mpi).
+    #[arg(long, default_value_t = 2)]
+    pub world: usize,
+    /// Buffer sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![65536usize, 1 << 20, 16 << 20])]
+    pub bytes: Vec<usize>,
+    /// Timed calls per size (median reported; at least 1).
+    #[arg(long, default_value_t = 20, value_parser = parse_positive)]
+    pub reps: usize,
+    #[command(flatten)]
+    pub out: JsonArgs,
+}
+
+/// `bench comm`: time the collectives (every rank of a job takes part); rank 0 prints.
+pub fn run(a: &BenchCommArgs) -> Result<()> {
+    let rows = bench(a.dist.dist, a.world, &a.bytes, a.reps)?;
+    if metashard::dist::rank_and_size(a.dist.dist)?.0 == 0 {
+        a.out.print("command output", &rows, |r| print_table(r))?;
+    }
+    Ok(())
+}
 
 /// What an injected fault does when rank `rank` reaches its collective number `at`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

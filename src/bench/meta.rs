@@ -6,6 +6,7 @@
 //! `cpu:1x2` device; steps are timed as a user runs them (graph built, planned from the
 //! cache, computed), medians reported with the ratios, next to all-reduce and memcpy GB/s.
 
+use crate::cli::{JsonArgs, parse_positive};
 use metashard::backend::{Backend, Device, alloc_tensors};
 use metashard::buffer::{BufferType, BufferUsage, Storage};
 use metashard::collectives::CpuCommunicator;
@@ -30,6 +31,44 @@ pub enum BenchGraph {
     Block,
     /// 4 MLP layers, ggml's meta-backend comparison stack.
     Mlp,
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchMetaArgs {
+    /// The graph: a transformer block or ggml's 4-layer MLP stack.
+    #[arg(long, value_enum, default_value = "block")]
+    pub graph: BenchGraph,
+    /// Token counts per step (each in 1..=4096).
+    #[arg(long, value_delimiter = ',', default_value = "1,128")]
+    pub tokens: Vec<usize>,
+    /// Timed steps per configuration (median reported; at least 1).
+    #[arg(long, default_value_t = 20, value_parser = parse_positive)]
+    pub reps: usize,
+    /// Use the fused attention kernel in the block.
+    #[arg(long)]
+    pub fused_attn: bool,
+    #[command(flatten)]
+    pub out: JsonArgs,
+}
+
+/// `bench meta`: check the token counts, time every configuration (progress on stderr), print
+/// the report.
+pub fn run(a: &BenchMetaArgs) -> Result<()> {
+    if let Some(&t) = a.tokens.iter().find(|&&t| t == 0 || t > 4096) {
+        return Err(metashard::Error::invalid_argument(
+            "--tokens",
+            t,
+            "token counts must be in 1..=4096",
+        ));
+    }
+    let opts = MetaBenchOptions {
+        graph: a.graph,
+        tokens: a.tokens.clone(),
+        reps: a.reps,
+        fused_attn: a.fused_attn,
+    };
+    let report = measure(&opts, &|line| eprintln!("{line}"))?;
+    a.out.print("bench meta report", &report, print_table)
 }
 
 #[derive(Clone, Debug)]
@@ -283,7 +322,7 @@ fn bandwidth() -> Result<Vec<BandwidthRow>> {
 }
 
 /// Run the benchmark; `progress` is told each finished configuration.
-pub fn run(opts: &MetaBenchOptions, progress: &dyn Fn(&str)) -> Result<MetaBenchReport> {
+pub fn measure(opts: &MetaBenchOptions, progress: &dyn Fn(&str)) -> Result<MetaBenchReport> {
     let mut rows = Vec::new();
     let mut memory = None;
     let plain_dev = parse_devices("cpu:1x2")?.remove(0);

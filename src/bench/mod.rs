@@ -1,7 +1,9 @@
-//! Benchmarks behind `metashard bench`: timing helpers that report medians, the per-op
-//! kernel benchmark ([`ops`]), the cost of tensor parallelism on one host ([`meta`]) and a real
-//! model's prompt and generation throughput per device set ([`model`]), and one op at a time
-//! on any device through the backend API ([`backend`]).
+//! Benchmarks behind `metashard bench`: each subcommand's arguments and `run` in its own file
+//! (the per-op kernel benchmark [`ops`], the cost of tensor parallelism on one host [`meta`], a
+//! real model's prompt and generation throughput per device set [`model`], every split
+//! strategy's prediction against a measurement [`strategies`], one op at a time on any device
+//! through the backend API [`backend`], the collectives' bandwidth [`comm`]), and here the
+//! dispatch and timing helpers that report medians.
 
 pub mod backend;
 pub mod comm;
@@ -10,7 +12,38 @@ pub mod model;
 pub mod ops;
 pub mod strategies;
 
+use metashard::Result;
 use std::time::{Duration, Instant};
+
+#[derive(clap::Subcommand)]
+pub enum BenchCmd {
+    /// Matrix-product kernels on a fixed set of shapes (table, or JSON with --json).
+    Ops(ops::BenchOpsArgs),
+    /// A real model's prompt (pp) and generation (tg) tokens/s on each device set.
+    Model(model::BenchModelArgs),
+    /// Every split strategy's predicted speed and memory against a measurement, per device set.
+    Strategies(strategies::BenchStrategiesArgs),
+    /// One op at a time on any device through the backend API: a 256 MiB copy, GEMM 4096^3
+    /// (F16, BF16, F32 weights), decode GEMV 14336x4096 (Q4_0, Q8_0, F16); medians.
+    Backend(backend::BenchBackendArgs),
+    /// Collective latency and bus bandwidth (all-reduce, all-gather, reduce-scatter of f32): in
+    /// process over --world threads, or over the job's processes with --dist mpi under mpirun.
+    Comm(comm::BenchCommArgs),
+    /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
+    Meta(meta::BenchMetaArgs),
+}
+
+/// Run the benchmark `what` names.
+pub fn run(what: &BenchCmd) -> Result<()> {
+    match what {
+        BenchCmd::Ops(a) => ops::run(a),
+        BenchCmd::Model(a) => model::run(a),
+        BenchCmd::Strategies(a) => strategies::run(a),
+        BenchCmd::Backend(a) => backend::run(a),
+        BenchCmd::Comm(a) => comm::run(a),
+        BenchCmd::Meta(a) => meta::run(a),
+    }
+}
 
 /// How long and how often to repeat a measurement.
 #[derive(Clone, Copy, Debug)]

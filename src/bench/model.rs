@@ -6,12 +6,74 @@
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
 use crate::cli::run::load_dist;
+use crate::cli::{DistArgs, JsonArgs, ModelArgs, PrecisionsArgs, SplitArgs, parse_positive};
 use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
 use metashard::dist::Dist;
 use metashard::models::layer_split::SplitMode;
 use metashard::models::session::Session;
 use std::time::Instant;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchModelArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Device sets to compare (repeat the flag); the first is the baseline of the ratios.
+    #[arg(long, default_values_t = vec!["cpu:1x2".to_string(), "cpu:2x1".to_string()])]
+    pub devices: Vec<String>,
+    /// Prompt tokens evaluated in one batch (at least 1; with --tg, within the model's
+    /// context).
+    #[arg(long, default_value_t = 128, value_parser = parse_positive)]
+    pub pp: usize,
+    /// Generation steps timed after the prompt.
+    #[arg(long, default_value_t = 64)]
+    pub tg: usize,
+    /// Repetitions of each configuration (median reported; at least 1).
+    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    pub reps: usize,
+    #[command(flatten)]
+    pub precision: PrecisionsArgs,
+    // The split flags apply to the device sets of several devices.
+    #[command(flatten)]
+    pub split: SplitArgs,
+    /// With `--dist mpi`, each --devices is this process's one device (one rank per
+    /// process of the MPI job); rank 0 prints the report.
+    #[command(flatten)]
+    pub dist: DistArgs,
+    #[command(flatten)]
+    pub out: JsonArgs,
+}
+
+/// `bench model`: check the split flags against each device set, time every configuration
+/// (every rank of a job takes part), and print the report on rank 0.
+pub fn run(a: &BenchModelArgs) -> Result<()> {
+    // The split flags apply to the device sets of several devices.
+    for d in &a.devices {
+        if metashard::parse_devices(d)?.len() > 1 && a.dist.dist == Dist::Local {
+            a.split.check(d)?;
+        }
+    }
+    let leader = metashard::dist::rank_and_size(a.dist.dist)?.0 == 0;
+    let opts = ModelBenchOptions {
+        model: a.model.name.clone(),
+        devices: a.devices.clone(),
+        pp: a.pp,
+        tg: a.tg,
+        reps: a.reps,
+        precisions: a.precision.list(),
+        split: a.split.clone(),
+        dist: a.dist.dist,
+    };
+    let report = measure(&opts, &|line| {
+        if leader {
+            eprintln!("{line}")
+        }
+    })?;
+    if !leader {
+        return Ok(());
+    }
+    a.out.print("command output", &report, print_table)
+}
 
 #[derive(Clone, Debug)]
 pub struct ModelBenchOptions {
@@ -24,9 +86,9 @@ pub struct ModelBenchOptions {
     /// [`Precision::Exact`]).
     pub precisions: Vec<Precision>,
     /// `--tensor-split` and `--mirror-attention` for the device sets of several devices.
-    pub split: crate::cli::SplitArgs,
+    pub split: SplitArgs,
     /// With `Dist::Mpi`, each device set is this process's one device of a meta device with
-    /// one rank per process (every rank calls `run`; rank 0's report is the one to print).
+    /// one rank per process (every rank calls `measure`; rank 0's report is the one to print).
     pub dist: Dist,
 }
 
@@ -103,7 +165,7 @@ struct Config {
     m: metashard::models::loader::DecoderModel,
 }
 
-pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBenchReport> {
+pub fn measure(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBenchReport> {
     let precisions = if opts.precisions.is_empty() {
         vec![Precision::Exact]
     } else {
@@ -130,7 +192,7 @@ pub fn run(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<ModelBen
                     if metashard::parse_devices(spec)?.len() > 1 || opts.dist != Dist::Local {
                         opts.split.clone()
                     } else {
-                        crate::cli::SplitArgs {
+                        SplitArgs {
                             groups: opts.split.groups,
                             ..Default::default()
                         }

@@ -8,6 +8,7 @@
 //! decode step. The GEMM cases reuse one copy (compute-bound, as numpy's timing loop does).
 
 use super::{Repeat, time_it};
+use crate::cli::{JsonArgs, PrecisionsArgs};
 use metashard::cpu::matmul::{self, Isa};
 use metashard::cpu::{ComputeParams, Precision, TensorView, ThreadPool};
 use metashard::dtype::row_from_f32;
@@ -22,6 +23,83 @@ pub const ROTATE_BYTES: usize = 128 << 20;
 pub const STREAM_BYTES: usize = 256 << 20;
 /// Interleaved streams per thread of the second streaming-read case.
 pub const STREAMS: usize = 8;
+
+#[derive(Clone, Debug, clap::Args)]
+#[command(mut_arg("precision", |a| a.help(
+    "Precisions of products with quantized weights, e.g. `exact,q8` (each quantized case runs \
+     at each, side by side)"
+)))]
+#[command(mut_arg("json", |a| a.help("Print the results as JSON instead of a table")))]
+pub struct BenchOpsArgs {
+    /// Thread counts (each case runs at each).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2])]
+    pub threads: Vec<usize>,
+    /// Only cases whose label contains this text, e.g. "q4_0" or "m=1 ".
+    #[arg(long)]
+    pub filter: Option<String>,
+    #[command(flatten)]
+    pub precision: PrecisionsArgs,
+    /// M values of the K = N = 4096 cases (default 1,32).
+    #[arg(long, value_delimiter = ',')]
+    pub m: Option<Vec<usize>>,
+    /// Also time numpy (scripts/bench_numpy.py) in this run and print the ratios.
+    #[arg(long)]
+    pub numpy: bool,
+    /// Keep one copy of the weights (may stay in cache, as ggml's perf mode does).
+    #[arg(long)]
+    pub no_rotate: bool,
+    #[command(flatten)]
+    pub out: JsonArgs,
+}
+
+/// `bench ops`: time every selected case (progress on stderr), with `--numpy` numpy's times
+/// of the same cases beside them, and print the table or JSON.
+pub fn run(a: &BenchOpsArgs) -> Result<()> {
+    let opts = OpsBenchOptions {
+        threads: a.threads.clone(),
+        precisions: a.precision.list(),
+        ms: a.m.clone(),
+        filter: a.filter.clone(),
+        rotate: !a.no_rotate,
+        ..Default::default()
+    };
+    let results = measure(&opts)?;
+    let refs = if a.numpy {
+        numpy_refs(&a.threads, a.filter.as_deref())?
+    } else {
+        Vec::new()
+    };
+    a.out.print("bench ops results", &results, |r| {
+        print!("{}", print_table(r, &refs))
+    })
+}
+
+/// numpy's times of the cases (`scripts/bench_numpy.py --json`, run now at `threads`).
+fn numpy_refs(threads: &[usize], filter: Option<&str>) -> Result<Vec<RefResult>> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/bench_numpy.py");
+    let t: Vec<String> = threads.iter().map(|t| t.to_string()).collect();
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg(&script)
+        .arg("--threads")
+        .arg(t.join(","))
+        .arg("--json");
+    if let Some(f) = filter {
+        cmd.arg("--filter").arg(f);
+    }
+    eprintln!("timing numpy ...");
+    let out = cmd.output().map_err(|e| metashard::Error::io(&script, e))?;
+    if !out.status.success() {
+        return Err(metashard::Error::ProgramFailed {
+            program: script,
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    parse_refs(
+        &String::from_utf8_lossy(&out.stdout),
+        "bench_numpy.py output",
+    )
+}
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -177,7 +255,7 @@ pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
 }
 
 /// Run every selected case at every thread count.
-pub fn run(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
+pub fn measure(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     let isa = opts.isa.unwrap_or_else(Isa::detect).clamp();
     let ms = opts.ms.clone().unwrap_or_else(|| vec![1, 32]);
     if ms.iter().any(|&m| m == 0 || m > 4096) {
@@ -549,11 +627,6 @@ pub fn print_table(results: &[OpBenchResult], refs: &[RefResult]) -> String {
     s
 }
 
-/// The results as pretty JSON.
-pub fn to_json(results: &[OpBenchResult]) -> String {
-    serde_json::to_string_pretty(results).expect("plain data serializes")
-}
-
 /// Parse reference results (a JSON array of [`RefResult`]).
 pub fn parse_refs(json: &str, what: &str) -> Result<Vec<RefResult>> {
     serde_json::from_str(json)
@@ -579,7 +652,7 @@ mod tests {
             progress: false,
             ..Default::default()
         };
-        let r = run(&opts).unwrap();
+        let r = measure(&opts).unwrap();
         assert_eq!(r.len(), 2);
         for x in &r {
             let secs = x.median_us * 1e-6;
@@ -598,7 +671,8 @@ mod tests {
             table.contains("numpy GF/s") && table.lines().count() == 3,
             "{table}"
         );
-        assert!(to_json(&r).contains("\"median_us\""));
+        let json = crate::cli::to_json("bench ops results", &r).unwrap();
+        assert!(json.contains("\"median_us\""));
         assert!(parse_refs("{", "inline").is_err());
     }
 
@@ -617,6 +691,6 @@ mod tests {
             progress: false,
             ..Default::default()
         };
-        assert!(run(&opts).is_err());
+        assert!(measure(&opts).is_err());
     }
 }

@@ -6,8 +6,8 @@
 //! Spearman rank correlation of the strategies' speeds, the median relative error for prefill
 //! and decode, and how auto's measured speed compares with the best measured.
 
-use crate::cli::SplitArgs;
 use crate::cli::run::load;
+use crate::cli::{JsonArgs, SplitArgs, parse_positive};
 use metashard::Result;
 use metashard::cpu::Precision;
 use metashard::models::session::Session;
@@ -18,6 +18,57 @@ use metashard::planner::report::split_fn;
 use metashard::planner::{Cluster, ModelShape, Strategy, auto};
 use serde::Serialize;
 use std::time::Instant;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct BenchStrategiesArgs {
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// Device sets (repeat the flag); each is calibrated first unless --profile is given.
+    #[arg(long, default_values_t = vec!["cpu:2x1".to_string(), "cpu:3x1".to_string()])]
+    pub devices: Vec<String>,
+    /// Calibrated profiles (`metashard calibrate -o FILE`), one per --devices, in order.
+    #[arg(long)]
+    pub profile: Vec<std::path::PathBuf>,
+    /// Prompt tokens.
+    #[arg(long, default_value_t = 128, value_parser = parse_positive)]
+    pub pp: usize,
+    /// Generated tokens.
+    #[arg(long, default_value_t = 64, value_parser = parse_positive)]
+    pub tg: usize,
+    /// Repetitions (interleaved over the strategies; medians reported).
+    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    pub reps: usize,
+    /// A full calibration of each device set instead of a quick one.
+    #[arg(long)]
+    pub full_calibration: bool,
+    /// Write an SVG plot of predicted against measured tokens/s with the diagonal.
+    #[arg(long)]
+    pub svg: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub out: JsonArgs,
+}
+
+/// `bench strategies`: check the device lists, predict and measure every strategy (progress on
+/// stderr), write the SVG plot if asked, print the report.
+pub fn run(a: &BenchStrategiesArgs) -> Result<()> {
+    for d in &a.devices {
+        metashard::parse_devices(d)?;
+    }
+    let opts = StrategiesBenchOptions {
+        model: a.model.clone(),
+        devices: a.devices.clone(),
+        profiles: a.profile.clone(),
+        pp: a.pp,
+        tg: a.tg,
+        reps: a.reps,
+        full_calibration: a.full_calibration,
+    };
+    let report = measure(&opts, &|line| eprintln!("{line}"))?;
+    if let Some(p) = &a.svg {
+        std::fs::write(p, svg(&report)).map_err(|e| metashard::Error::io(p, e))?;
+    }
+    a.out.print("bench strategies report", &report, print_table)
+}
 
 #[derive(Clone, Debug)]
 pub struct StrategiesBenchOptions {
@@ -124,7 +175,7 @@ struct Candidate {
     predicted: Evaluation,
 }
 
-pub fn run(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result<StrategiesReport> {
+pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result<StrategiesReport> {
     let shape = ModelShape::resolve(&opts.model)?;
     let workload = Workload {
         prefill: opts.pp,

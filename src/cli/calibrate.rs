@@ -10,6 +10,9 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 #[derive(Clone, Debug, clap::Args)]
+#[command(mut_arg("json", |a| a.help(
+    "Print the profile as JSON on stdout (the table then goes to stderr)"
+)))]
 pub struct CalibrateArgs {
     /// The device list to measure: `cpu`, `cpu:N`, `cpu:NxT` (devices of one list run at once,
     /// as a tensor-parallel step runs them).
@@ -21,15 +24,14 @@ pub struct CalibrateArgs {
     /// A few seconds instead of a few tens: fewer repetitions, sizes and shapes.
     #[arg(long)]
     pub quick: bool,
-    /// Print the profile as JSON on stdout (the table then goes to stderr).
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: super::JsonArgs,
     /// Precision of products with quantized weights, as the runs to be planned will use it.
-    #[arg(long, value_parser = crate::parse_precision, default_value = "exact")]
+    #[arg(long, value_parser = super::parse_precision, default_value = "exact")]
     pub precision: Precision,
     /// Hosts of this device list each: the profile then has HOSTS copies of the measured
     /// devices, joined between hosts by the links fitted from --inter (two levels).
-    #[arg(long, default_value_t = 1, value_parser = crate::cli::parse_positive)]
+    #[arg(long, default_value_t = 1, value_parser = super::parse_positive)]
     pub hosts: usize,
     /// Collectives timed between hosts: the JSON of `metashard bench comm --dist mpi --json`
     /// run with one rank per host (e.g. `scripts/two_hosts.sh run ...`); fitted per collective
@@ -155,7 +157,7 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
     if let Some(p) = &a.output {
         let _ = writeln!(text, "\nprofile written to {}", p.display());
     }
-    if a.json {
+    if a.out.json {
         eprint!("{text}");
         println!("{json}");
     } else {

@@ -12,7 +12,10 @@ use std::time::Instant;
 
 /// What `metashard embed` was asked (its command-line arguments).
 #[derive(Clone, Debug, clap::Args)]
-pub struct EmbedOptions {
+#[command(mut_arg("json", |a| a.help(
+    "Print JSON: an array with one object per sentence (text, tokens, embedding)"
+)))]
+pub struct EmbedArgs {
     /// `minilm` or a folder with model.safetensors, config.json and tokenizer.json.
     #[arg(long, default_value = "minilm")]
     pub model: String,
@@ -28,9 +31,8 @@ pub struct EmbedOptions {
     /// the MPI job); rank 0 prints.
     #[command(flatten)]
     pub dist: super::DistArgs,
-    /// Print JSON: an array with one object per sentence (text, tokens, embedding).
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: super::JsonArgs,
     /// Sentences per batch (each batch is padded to its longest sentence), as
     /// sentence-transformers' default; at least 1.
     #[arg(long, default_value_t = 32, value_parser = super::parse_positive)]
@@ -53,7 +55,7 @@ pub struct EmbeddingRecord {
 }
 
 /// Run the command; the text it prints goes to `out`, progress and timings to stderr.
-pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
+pub fn run(opts: &EmbedArgs, out: &mut dyn std::io::Write) -> Result<()> {
     if opts.sentences.is_empty() {
         return Err(Error::msg("embed: give at least one sentence"));
     }
@@ -136,7 +138,7 @@ pub fn run(opts: &EmbedOptions, out: &mut dyn std::io::Write) -> Result<()> {
         })
         .collect();
     let w = |e: std::io::Error| Error::msg(format!("embed: writing the output: {e}"));
-    if opts.json {
+    if opts.out.json {
         let s = serde_json::to_string(&records).map_err(|e| Error::msg(e.to_string()))?;
         writeln!(out, "{s}").map_err(w)?;
     } else {

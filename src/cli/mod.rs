@@ -1,13 +1,17 @@
 //! Command implementations of the `metashard` binary (not part of the library, so a user of
-//! the crate does not pull clap and indicatif): `run`, `verify`, `embed`, the flags they share
-//! (split and prompt flags) with the parsers that refuse bad values naming the flag, progress
-//! bars and memory summaries. What they compute lives in the library (`devices`, `models::open`,
-//! `verify`).
+//! the crate does not pull clap and indicatif): one file per subcommand, each with its clap
+//! arguments and its `run` (`devices`, `run`, `verify`, `embed`, `plan`, `calibrate`,
+//! `selftest`; the `bench` family is in `src/bench/`), and here the flag groups they share
+//! (model, split, prompt, precision, `--dist`, `--json`) with the parsers that refuse bad
+//! values naming the flag, progress bars and memory summaries. What they compute lives in the
+//! library (`devices`, `runtime`, `verify`, `planner`).
 
 pub mod calibrate;
+pub mod devices;
 pub mod embed;
 pub mod plan;
 pub mod run;
+pub mod selftest;
 pub mod verify;
 
 use metashard::models::prompt::PromptOptions;
@@ -19,6 +23,81 @@ use metashard::{Error, Result};
 pub fn eprint_line(line: String) {
     let line = line + "\n";
     let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+}
+
+/// The `--model` flag of `run`, `verify` and `bench model`: a GGUF decoder.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ModelArgs {
+    /// Model name (`smollm2`) or path to a `.gguf` file.
+    #[arg(
+        id = "model",
+        long = "model",
+        value_name = "MODEL",
+        default_value = "smollm2"
+    )]
+    pub name: String,
+}
+
+/// The `--json` flag: print what the command reports as JSON instead of its text. Commands
+/// whose JSON is not "the report" give the flag their own help line with
+/// `#[command(mut_arg("json", ...))]` on their arguments.
+#[derive(Clone, Copy, Debug, Default, clap::Args)]
+pub struct JsonArgs {
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl JsonArgs {
+    /// With `--json`, `value` as pretty JSON on stdout (`what` names it in a serialization
+    /// error); without, `table(value)`.
+    pub fn print<T: serde::Serialize>(
+        &self,
+        what: &'static str,
+        value: &T,
+        table: impl FnOnce(&T),
+    ) -> Result<()> {
+        if self.json {
+            println!("{}", to_json(what, value)?);
+        } else {
+            table(value);
+        }
+        Ok(())
+    }
+}
+
+/// `v` as pretty JSON; `what` names it in the error.
+pub fn to_json<T: serde::Serialize>(what: &'static str, v: &T) -> Result<String> {
+    serde_json::to_string_pretty(v).map_err(|source| Error::Json { what, source })
+}
+
+/// Precisions of products with quantized weights, a list to compare: the flags of `bench ops`
+/// and `bench model` (`bench ops` words the help of `--precision` its own way).
+#[derive(Clone, Debug, clap::Args)]
+pub struct PrecisionsArgs {
+    /// Precisions of products with quantized weights, e.g. `exact,q8` (every device
+    /// set runs at each; repetitions interleave).
+    #[arg(long, value_delimiter = ',', value_parser = parse_precision, default_value = "exact")]
+    pub precision: Vec<metashard::cpu::Precision>,
+    /// Shorthand for `--precision q8`.
+    #[arg(long, conflicts_with = "precision")]
+    pub q8: bool,
+}
+
+impl PrecisionsArgs {
+    /// `--precision` values, or the one given by `--q8`.
+    pub fn list(&self) -> Vec<metashard::cpu::Precision> {
+        if self.q8 {
+            vec![metashard::cpu::Precision::Q8]
+        } else {
+            self.precision.clone()
+        }
+    }
+}
+
+/// A `--precision` value: `exact` or `q8`.
+pub fn parse_precision(s: &str) -> std::result::Result<metashard::cpu::Precision, String> {
+    metashard::cpu::Precision::from_name(s).ok_or_else(|| format!("`{s}` is not one of exact, q8"))
 }
 
 /// How the devices are spread over processes: the `--dist` flag.

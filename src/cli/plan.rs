@@ -9,6 +9,9 @@ use metashard::planner::{Cluster, ModelShape, Shares, Strategy, auto, evaluate_l
 use std::path::PathBuf;
 
 #[derive(Clone, Debug, clap::Args)]
+#[command(mut_arg("json", |a| a.help(
+    "Print the plan as JSON (a plan file: `run --plan FILE` executes it)"
+)))]
 pub struct PlanArgs {
     /// A model: a preset (smollm2-135m, llama3-8b, llama3-70b), `smollm2`, a `.gguf` file (only
     /// its header is read) or a Hugging Face `config.json` (or its folder).
@@ -31,9 +34,8 @@ pub struct PlanArgs {
     /// ratios like 3,1.
     #[arg(long, default_value = "even")]
     pub shares: String,
-    /// Print the plan as JSON (a plan file: `run --plan FILE` executes it).
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: super::JsonArgs,
     /// Also write the plan file here.
     #[arg(short = 'o', long)]
     pub output: Option<PathBuf>,
@@ -78,15 +80,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             ));
         }
         let cost = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
-        if a.json {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&cost).map_err(|source| metashard::Error::Json {
-                    what: "layer split prediction",
-                    source,
-                })?
-            );
-        } else {
+        return a.out.print("layer split prediction", &cost, |cost| {
             println!(
                 "plan: {} on {} ({} devices), workload {}, strategy layer",
                 shape.name,
@@ -95,8 +89,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
                 workload
             );
             print!("{}", cost.table());
-        }
-        return Ok(());
+        });
     }
     let strategy = Strategy::parse(&a.strategy)?;
     let plan = match strategy.split(shape.n_layer()) {
@@ -122,7 +115,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             write_svg(p, &text)?;
         }
     }
-    if a.json {
+    if a.out.json {
         println!("{}", plan.to_json());
     } else {
         print!("{}", plan.table());

@@ -5,7 +5,7 @@
 //! statistics of matching nodes through the scheduler's eval callback. Bad sampling flags and
 //! `--ctx` values are errors naming the flag; `-n` is bounded by the context.
 
-use super::{PromptArgs, SplitArgs, bytes_bar, memory_table};
+use super::{JsonArgs, ModelArgs, PromptArgs, SplitArgs, bytes_bar, memory_table};
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
 use metashard::dist::Dist;
@@ -19,10 +19,13 @@ use metashard::{Error, Result};
 use std::io::Write;
 
 #[derive(Clone, Debug, clap::Args)]
+#[command(mut_arg("json", |a| a.help(
+    "Print one JSON object (text, tokens, timings, memory, `stop_reason`) instead of streaming \
+     text"
+)))]
 pub struct RunArgs {
-    /// Model name (`smollm2`) or path to a `.gguf` file.
-    #[arg(long, default_value = "smollm2")]
-    pub model: String,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Devices: `cpu`, `cpu:N`, `cpu:NxT`.
     #[arg(long, default_value = "cpu")]
     pub devices: String,
@@ -65,10 +68,8 @@ pub struct RunArgs {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
-    /// Print one JSON object (text, tokens, timings, memory, `stop_reason`) instead of
-    /// streaming text.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: JsonArgs,
     /// Print min, max, mean and NaN count of every node whose name matches NODE_PATTERN (a
     /// glob with `*`; without `*`, names containing it) as it is computed, to stderr (the
     /// scheduler's eval callback).
@@ -274,12 +275,12 @@ pub fn run(a: &RunArgs) -> Result<()> {
         a.split.check(&a.devices)?;
     }
     let (set, mut m) = load_dist(
-        &a.model,
+        &a.model.name,
         &a.devices,
         a.dist.dist,
         Precision::from_q8_flag(a.q8),
         &a.split,
-        a.json,
+        a.out.json,
     )?;
     // With ranks as processes every rank computes the same tokens; rank 0 prints.
     let leader = set.is_leader();
@@ -314,7 +315,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
         &mut sampler,
         a.ignore_eos,
         |t| {
-            if leader && !a.json && Some(t) != eos {
+            if leader && !a.out.json && Some(t) != eos {
                 // Stream whole UTF-8 characters only.
                 let _ = m.tokenizer.token_bytes(t, &mut pending);
                 if let Ok(s) = std::str::from_utf8(&pending) {
@@ -334,7 +335,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
     if !leader {
         return Ok(());
     }
-    if a.json {
+    if a.out.json {
         let v = serde_json::json!({
             "model": m.name,
             "devices": set.names(),

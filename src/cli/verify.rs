@@ -5,7 +5,7 @@
 //! split state.
 
 use super::run::{load, load_dist};
-use super::{PromptArgs, SplitArgs};
+use super::{JsonArgs, ModelArgs, PromptArgs, SplitArgs};
 use metashard::cpu::Precision;
 use metashard::dist::Dist;
 use metashard::models::prompt::prompt_tokens;
@@ -13,10 +13,10 @@ use metashard::verify::{compare_nodes, greedy, max_abs, max_steps, nmse, referen
 use metashard::{Error, Result};
 
 #[derive(Clone, Debug, clap::Args)]
+#[command(mut_arg("json", |a| a.help("Print the report as one JSON object instead of a table")))]
 pub struct VerifyArgs {
-    /// Model name (`smollm2`) or path to a `.gguf` file.
-    #[arg(long, default_value = "smollm2")]
-    pub model: String,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// The sharded device set to check.
     #[arg(long, default_value = "cpu:2x1")]
     pub devices: String,
@@ -45,9 +45,8 @@ pub struct VerifyArgs {
     /// (1e-3 with --q8).
     #[arg(long)]
     pub nodes: bool,
-    /// Print the report as one JSON object instead of a table.
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub out: JsonArgs,
 }
 
 pub fn run(a: &VerifyArgs) -> Result<()> {
@@ -65,17 +64,24 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     }
     let leader = metashard::dist::rank_and_size(dist)?.0 == 0;
     let (single, m1) = load(
-        &a.model,
+        &a.model.name,
         &a.against,
         precision,
         &SplitArgs::default(),
-        a.json,
+        a.out.json,
     )?;
     let prompt = prompt_tokens(&m1, &a.prompt.prompt, &a.prompt.options(None))?;
     if max_steps(&m1, prompt.len()).is_none_or(|max| a.steps > max) {
         return Err(steps_error(&m1, prompt.len(), "--steps", a.steps));
     }
-    let (sharded, m2) = load_dist(&a.model, &a.devices, dist, precision, &a.split, a.json)?;
+    let (sharded, m2) = load_dist(
+        &a.model.name,
+        &a.devices,
+        dist,
+        precision,
+        &a.split,
+        a.out.json,
+    )?;
     let (l1, t1) = greedy(&m1, &single, &prompt, a.steps)?;
     let (l2, t2) = greedy(&m2, &sharded, &prompt, a.steps)?;
     let same = t1.iter().zip(&t2).take_while(|(x, y)| x == y).count();
@@ -92,7 +98,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     });
     if a.reference && leader {
         let metashard::models::paths::ModelPath::Gguf(path) =
-            metashard::models::paths::resolve(&a.model)?
+            metashard::models::paths::resolve(&a.model.name)?
         else {
             return Err(Error::msg("the reference covers GGUF decoders"));
         };
@@ -116,7 +122,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
     }
     if !leader {
         // Rank 0 reports; every rank fails alike below if the tokens differ.
-    } else if a.json {
+    } else if a.out.json {
         println!("{report}");
     } else {
         let label = match sharded.rank {

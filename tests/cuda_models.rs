@@ -5,12 +5,10 @@
 #![cfg(feature = "cuda")]
 
 use metashard::cpu::Precision;
-use metashard::models::bert::BertEncoder;
 use metashard::models::paths::models_dir;
 use metashard::models::prompt::{PromptOptions, prompt_tokens};
 use metashard::parse_devices;
-use metashard::runtime::open_encoder;
-use metashard::runtime::{OpenOptions, open_decoder};
+use metashard::runtime::{OpenOptions, open_decoder, open_encoder};
 use metashard::verify::{greedy, nmse};
 
 const STEPS: usize = 8;

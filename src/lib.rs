@@ -16,6 +16,7 @@ pub mod error;
 pub mod graph;
 pub mod io;
 pub mod meta;
+pub mod metrics;
 pub mod models;
 pub mod op;
 pub mod planner;

@@ -6,6 +6,7 @@
 pub mod alloc;
 pub mod backend;
 pub mod buffer;
+pub mod calibrate;
 pub mod collectives;
 pub mod cpu;
 pub mod cuda;

@@ -225,7 +225,7 @@ impl GraphAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::CpuBufferType;
+    use crate::buffer::HostBufferType;
 
     fn overlaps(p: &AllocPlan, g: &Graph, a: TensorId, b: TensorId) -> bool {
         let (oa, ob) = (p.offsets[a.index()].unwrap(), p.offsets[b.index()].unwrap());
@@ -245,7 +245,7 @@ mod tests {
         let t = g.scale(r, 2.0).unwrap();
         let s = g.sum_rows(t).unwrap();
         g.set_output(s);
-        let p = measure(&g, &CpuBufferType).unwrap();
+        let p = measure(&g, &HostBufferType).unwrap();
         // Inputs are uploaded together before compute: pairwise disjoint.
         assert!(!overlaps(&p, &g, x, b) && !overlaps(&p, &g, x, w) && !overlaps(&p, &g, w, b));
         // add, relu and scale run in place over mul_mat's output.
@@ -270,14 +270,14 @@ mod tests {
         let cache = g
             .new_tensor("cache", crate::DType::F32, [256, 1, 1, 1])
             .unwrap();
-        let buf = CpuBufferType.alloc_buffer(1024).unwrap();
+        let buf = HostBufferType.alloc_buffer(1024).unwrap();
         g.bind(cache, Storage::new(buf, 0)).unwrap();
         let k = g.scale(x, 2.0).unwrap();
         let w = g.cpy(k, cache).unwrap();
         let y = g.scale(x, 3.0).unwrap();
         g.set_output(w);
         g.set_output(y);
-        let p = measure(&g, &CpuBufferType).unwrap();
+        let p = measure(&g, &HostBufferType).unwrap();
         assert_eq!(p.offsets[y.index()], p.offsets[k.index()]);
         assert_eq!(p.peak, 2048);
     }
@@ -289,7 +289,7 @@ mod tests {
             .weight("blk.0.w", crate::DType::F32, [4, 4, 1, 1])
             .unwrap();
         let _ = g.relu(w).unwrap();
-        let e = measure(&g, &CpuBufferType).unwrap_err().to_string();
+        let e = measure(&g, &HostBufferType).unwrap_err().to_string();
         assert!(e.contains("blk.0.w"), "{e}");
     }
 }

@@ -6,6 +6,7 @@
 pub mod alloc;
 pub mod backend;
 pub mod buffer;
+pub mod calibrate;
 pub mod collectives;
 pub mod cpu;
 pub mod cuda;
@@ -16,6 +17,7 @@ pub mod error;
 pub mod graph;
 pub mod io;
 pub mod meta;
+pub mod metrics;
 pub mod models;
 pub mod op;
 pub mod planner;

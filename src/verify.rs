@@ -1,8 +1,8 @@
-//! Checking a sharded run against another: NMSE and max-abs of two result vectors, greedy
-//! decoding of a few steps, the independent numpy reference of a GGUF decoder
-//! (`scripts/reference/smollm2_ref.py`), and a node-by-node comparison of one prompt step on
-//! any two device sets (`compare_graph_backend`) that lists every node's NMSE with its split
-//! state.
+//! Checking a sharded run against another: NMSE and max-abs of two result vectors (defined in
+//! `metrics`, re-exported here), greedy decoding of a few steps, the independent numpy
+//! reference of a GGUF decoder (`scripts/reference/smollm2_ref.py`), and a node-by-node
+//! comparison of one prompt step on any two device sets (`compare_graph_backend`) that lists
+//! every node's NMSE with its split state.
 
 use crate::devices::DeviceSet;
 use crate::graph::Graph;
@@ -15,19 +15,8 @@ use crate::sched::{Sched, compare_graph_sched};
 use crate::{Error, Result};
 use std::path::Path;
 
-/// Normalized mean squared error of `a` against `b`.
-pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    num / den.max(f64::MIN_POSITIVE)
-}
-
-pub fn max_abs(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
+/// NMSE and max-abs live below the scheduler (`crate::metrics`), which compares nodes too.
+pub use crate::metrics::{max_abs, nmse};
 
 /// Prompt logits and `steps` greedy tokens. The prompt and the steps must fit the model's
 /// context: an [`Error::InvalidArgument`] naming `steps` otherwise.

@@ -8,9 +8,8 @@
 //! They run one at a time (a lock), so they do not halve each other's bandwidth.
 
 use metashard::DType;
-use metashard::planner::{
-    CalibrateOptions, Cluster, Collective, PRESET_NAMES, calibrate, calibrate_report,
-};
+use metashard::calibrate::{CalibrateOptions, calibrate, calibrate_report};
+use metashard::planner::{Cluster, Collective, PRESET_NAMES};
 use parking_lot::Mutex;
 use std::process::Command;
 

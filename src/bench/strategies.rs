@@ -9,10 +9,10 @@
 use crate::cli::run::load;
 use crate::cli::{JsonArgs, SplitArgs, parse_positive};
 use metashard::Result;
+use metashard::calibrate::{CalibrateOptions, calibrate};
 use metashard::cpu::Precision;
 use metashard::models::session::Session;
 use metashard::models::split::DecoderSplit;
-use metashard::planner::calibrate::{CalibrateOptions, calibrate};
 use metashard::planner::evaluate::{Evaluation, Workload, evaluate};
 use metashard::planner::report::split_fn;
 use metashard::planner::{Cluster, ModelShape, Strategy, auto};

@@ -1,10 +1,10 @@
 //! `metashard calibrate`: measure a device list's rates, overheads and links (the library's
-//! `planner::calibrate`), show a progress bar on stderr, print the figures as a table and write
+//! `calibrate`), show a progress bar on stderr, print the figures as a table and write
 //! the profile as JSON (`-o FILE`, or stdout with `--json`) for `Cluster::load`.
 
+use metashard::calibrate::{CalibrateOptions, Calibration, calibrate, calibrate_report};
 use metashard::cpu::Precision;
-use metashard::planner::calibrate::{LinkFitReport, LinkSample, fit_level};
-use metashard::planner::{CalibrateOptions, Calibration, Collective, LinkLevel, calibrate_report};
+use metashard::planner::{Collective, LinkFitReport, LinkLevel, LinkSample, fit_level};
 use metashard::{DType, Error, Result};
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -198,7 +198,7 @@ pub fn table(r: &Calibration) -> String {
         s,
         "(step: after {:?} idle; {:.1} us back to back. node: graph building to kernel; \
          {:.2} us of it in the device's own program)",
-        metashard::planner::calibrate::STEP_GAP,
+        metashard::calibrate::STEP_GAP,
         r.step_back_to_back_s * 1e6,
         r.kernel_node_s * 1e6
     );
@@ -334,7 +334,7 @@ pub fn resolve_cluster(
                 .progress_chars("=> "),
             );
             pb.set_message(format!("calibrating {d}"));
-            let r = metashard::planner::calibrate(d, &CalibrateOptions::quick(), &|what, done| {
+            let r = calibrate(d, &CalibrateOptions::quick(), &|what, done| {
                 pb.set_message(what.to_string());
                 pb.set_position((done.clamp(0.0, 1.0) * 1000.0) as u64);
             });

@@ -479,10 +479,67 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
 /// Build every device's program for the planned graph `g`.
 pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> Result<Rewritten> {
     let n = sharding.n;
-    // A node's all-reduce may run in place when all its consumers want the same state and the
-    // user does not read it. Never a leaf's, nor a view's (whose bytes are its root's): a leaf's
-    // bytes are the user's, and a partial weight placed in a meta buffer would hold the sum on
-    // every device after the first step.
+    let mut rw = Rewriter {
+        g,
+        sharding,
+        n,
+        graphs: (0..n).map(|_| Graph::new()).collect(),
+        uploads: vec![Vec::new(); n],
+        made: HashMap::new(),
+        inplace_ok: inplace_candidates(g, sharding),
+        layouts: vec![HashMap::new(); n],
+    };
+    let mut local = vec![Vec::with_capacity(g.len()); n];
+    for id in g.ids() {
+        let node = g.node(id);
+        let state = sharding.states[id.index()].clone();
+        let ids = if node.is_leaf() {
+            rw.leaf(id, node, devices)?
+        } else if node.op.is_view() {
+            rw.view_node(id, node)?
+        } else {
+            rw.compute_node(id, node, &state)?
+        };
+        for (d, &lid) in ids.iter().enumerate() {
+            rw.graphs[d].set_name(lid, node.name.clone());
+            if node.flags.contains(Flags::OUTPUT) {
+                rw.graphs[d].set_output(lid);
+            }
+            local[d].push(lid);
+        }
+        rw.made.insert((id, state), ids);
+    }
+    let mirrored_outputs = if n > 1 && devices.iter().any(|d| d.is_remote()) {
+        rw.mirror_outputs(&mut local)?
+    } else {
+        Vec::new()
+    };
+    let programs = rw
+        .graphs
+        .into_iter()
+        .zip(rw.uploads)
+        .zip(rw.layouts)
+        .map(|((graph, uploads), layouts)| {
+            let stages = stages(&graph, &layouts)?;
+            Ok(DeviceProgram {
+                graph,
+                stages,
+                uploads,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Rewritten {
+        programs,
+        local,
+        mirrored_outputs,
+    })
+}
+
+/// Per user node: whether its all-reduce may run in place, i.e. all its consumers want the same
+/// state and the user does not read it. Never a leaf's, nor a view's (whose bytes are its
+/// root's): a leaf's bytes are the user's, and a partial weight placed in a meta buffer would
+/// hold the sum on every device after the first step.
+fn inplace_candidates(g: &Graph, sharding: &Sharding) -> Vec<bool> {
     let mut wants: Vec<Option<SplitState>> = vec![None; g.len()];
     let mut inplace_ok: Vec<bool> = g
         .nodes()
@@ -509,99 +566,97 @@ pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> R
             inplace_ok[id.index()] = false;
         }
     }
-    let mut rw = Rewriter {
-        g,
-        sharding,
-        n,
-        graphs: (0..n).map(|_| Graph::new()).collect(),
-        uploads: vec![Vec::new(); n],
-        made: HashMap::new(),
-        inplace_ok,
-        layouts: vec![HashMap::new(); n],
-    };
-    let mut local = vec![Vec::with_capacity(g.len()); n];
-    for id in g.ids() {
-        let node = g.node(id);
-        let state = sharding.states[id.index()].clone();
-        let ids = if node.is_leaf() {
-            rw.leaf(id, node, devices)?
-        } else if node.op.is_view() {
-            let root = g.root(id);
-            let roots = rw.get(root, &sharding.required[id.index()][0])?;
-            let vs = sharding.views[id.index()]
-                .as_ref()
-                .ok_or_else(|| internal(format!("view `{}` without layouts", node.name)))?;
-            let mut v = Vec::new();
-            for (d, lg) in rw.graphs.iter_mut().enumerate() {
-                let lv = &vs.local[d];
-                v.push(lg.view(roots[d], lv.ne, lv.nb, lv.offset)?);
-            }
-            v
-        } else {
-            if n > 1 && node.op.writes_into_source() {
-                // Every device writes its copy of the destination: a destination shared by
-                // all devices (a plain host buffer) would be written N times at once.
-                let dst = g.root(node.src[if node.op == Op::Cpy { 1 } else { 0 }]);
-                let dn = g.node(dst);
-                let shared = dn
-                    .storage
-                    .as_ref()
-                    .is_some_and(|st| !st.buffer.as_any().is::<MetaBuffer>());
-                if shared {
-                    return Err(Error::MetaPlacement {
-                        tensor: dn.name.clone(),
-                        reason: format!(
-                            "`{}` writes into it, but it is bound to a plain buffer shared by \
-                             all devices (each would write it at once); place it in the meta \
-                             device's buffer instead",
-                            node.name
-                        ),
-                    });
-                }
-            }
-            let req = &sharding.required[id.index()];
-            let mut srcs: Vec<Vec<TensorId>> = Vec::new();
-            for (&s, want) in node.src.iter().zip(req) {
-                srcs.push(rw.get(s, want)?);
-            }
-            let mut v = Vec::new();
-            for (d, lg) in rw.graphs.iter_mut().enumerate() {
-                let s: Vec<TensorId> = srcs.iter().map(|x| x[d]).collect();
-                let expect = state.local_ne(node.layout.ne, d);
-                // A device whose slice of the output is empty computes nothing: it holds an
-                // empty placeholder, so no builder or kernel sees the op on empty operands.
-                let lid = if expect.contains(&0) {
-                    let id = lg.input(&node.name, node.layout.dtype, expect)?;
-                    lg.set_data(id, Vec::<u8>::new())?;
-                    id
-                } else {
-                    rebuild_on(lg, g, node, &s, req, d)?
-                };
-                if lg.layout(lid).ne != expect {
-                    return Err(internal(format!(
-                        "`{}` on device {d}: local shape {} but the state {state} gives {}",
-                        node.name,
-                        lg.layout(lid).shape(),
-                        crate::Shape(expect)
-                    )));
-                }
-                v.push(lid);
-            }
-            v
-        };
-        for (d, &lid) in ids.iter().enumerate() {
-            rw.graphs[d].set_name(lid, node.name.clone());
-            if node.flags.contains(Flags::OUTPUT) {
-                rw.graphs[d].set_output(lid);
-            }
-            local[d].push(lid);
-        }
-        rw.made.insert((id, state), ids);
+    inplace_ok
+}
+
+/// With several devices, a node that writes into a source (`cpy`, `set_rows`) must find its
+/// destination in the meta device's buffer: a destination bound to a plain buffer shared by
+/// all devices (a host buffer) would be written by each device at once.
+fn check_unshared_destination(g: &Graph, node: &Node) -> Result<()> {
+    let dst = g.root(node.src[if node.op == Op::Cpy { 1 } else { 0 }]);
+    let dn = g.node(dst);
+    let shared = dn
+        .storage
+        .as_ref()
+        .is_some_and(|st| !st.buffer.as_any().is::<MetaBuffer>());
+    if shared {
+        return Err(Error::MetaPlacement {
+            tensor: dn.name.clone(),
+            reason: format!(
+                "`{}` writes into it, but it is bound to a plain buffer shared by all devices \
+                 (each would write it at once); place it in the meta device's buffer instead",
+                node.name
+            ),
+        });
     }
-    // Outputs another process's device holds part of: mirrored on every device.
-    let mut mirrored_outputs = Vec::new();
-    if n > 1 && devices.iter().any(|d| d.is_remote()) {
-        let m = SplitState::mirrored(n);
+    Ok(())
+}
+
+impl Rewriter<'_> {
+    /// A view node: a local view of its root on every device, with the derived layouts.
+    fn view_node(&mut self, id: TensorId, node: &Node) -> Result<Vec<TensorId>> {
+        let root = self.g.root(id);
+        let roots = self.get(root, &self.sharding.required[id.index()][0])?;
+        let vs = self.sharding.views[id.index()]
+            .as_ref()
+            .ok_or_else(|| internal(format!("view `{}` without layouts", node.name)))?;
+        let mut v = Vec::new();
+        for (d, lg) in self.graphs.iter_mut().enumerate() {
+            let lv = &vs.local[d];
+            v.push(lg.view(roots[d], lv.ne, lv.nb, lv.offset)?);
+        }
+        Ok(v)
+    }
+
+    /// A computed node: its sources in the states it requires, then the op rebuilt on every
+    /// device with the device's local shapes (checked against `state`).
+    fn compute_node(
+        &mut self,
+        id: TensorId,
+        node: &Node,
+        state: &SplitState,
+    ) -> Result<Vec<TensorId>> {
+        if self.n > 1 && node.op.writes_into_source() {
+            check_unshared_destination(self.g, node)?;
+        }
+        let req = &self.sharding.required[id.index()];
+        let mut srcs: Vec<Vec<TensorId>> = Vec::new();
+        for (&s, want) in node.src.iter().zip(req) {
+            srcs.push(self.get(s, want)?);
+        }
+        let mut v = Vec::new();
+        for (d, lg) in self.graphs.iter_mut().enumerate() {
+            let s: Vec<TensorId> = srcs.iter().map(|x| x[d]).collect();
+            let expect = state.local_ne(node.layout.ne, d);
+            // A device whose slice of the output is empty computes nothing: it holds an
+            // empty placeholder, so no builder or kernel sees the op on empty operands.
+            let lid = if expect.contains(&0) {
+                let id = lg.input(&node.name, node.layout.dtype, expect)?;
+                lg.set_data(id, Vec::<u8>::new())?;
+                id
+            } else {
+                rebuild_on(lg, self.g, node, &s, req, d)?
+            };
+            if lg.layout(lid).ne != expect {
+                return Err(internal(format!(
+                    "`{}` on device {d}: local shape {} but the state {state} gives {}",
+                    node.name,
+                    lg.layout(lid).shape(),
+                    crate::Shape(expect)
+                )));
+            }
+            v.push(lid);
+        }
+        Ok(v)
+    }
+
+    /// Outputs another process's device holds part of: converted to mirrored at the end of
+    /// every program (and `local` pointed at the copies), so each process reads them from its
+    /// own device. Returns the user roots so converted.
+    fn mirror_outputs(&mut self, local: &mut [Vec<TensorId>]) -> Result<Vec<TensorId>> {
+        let (g, sharding) = (self.g, self.sharding);
+        let m = SplitState::mirrored(self.n);
+        let mut mirrored_outputs = Vec::new();
         for id in g.ids() {
             let r = g.root(id);
             let placed_leaf = g.node(r).is_leaf() && g.node(r).storage.is_some();
@@ -612,33 +667,15 @@ pub fn rewrite(g: &Graph, sharding: &Sharding, devices: &[Arc<dyn Device>]) -> R
             {
                 continue;
             }
-            let ids = rw.get(r, &m)?;
+            let ids = self.get(r, &m)?;
             for (d, &lid) in ids.iter().enumerate() {
-                rw.graphs[d].set_output(lid);
+                self.graphs[d].set_output(lid);
                 local[d][r.index()] = lid;
             }
             mirrored_outputs.push(r);
         }
+        Ok(mirrored_outputs)
     }
-    let programs = rw
-        .graphs
-        .into_iter()
-        .zip(rw.uploads)
-        .zip(rw.layouts)
-        .map(|((graph, uploads), layouts)| {
-            let stages = stages(&graph, &layouts)?;
-            Ok(DeviceProgram {
-                graph,
-                stages,
-                uploads,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(Rewritten {
-        programs,
-        local,
-        mirrored_outputs,
-    })
 }
 
 /// Cut a local graph into compute ranges and collectives.

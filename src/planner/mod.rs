@@ -3,6 +3,8 @@
 //!
 //! - `cluster.rs`: [`Cluster`], the cost model's devices and links (alpha-beta collectives),
 //!   JSON profiles.
+//! - `fit.rs`: the pure half of calibration: measured collective times fitted to alpha-beta
+//!   links, a cluster assembled from measured rates (the measuring half is `crate::calibrate`).
 //! - `shape.rs`: [`ModelShape`], a decoder without its weights (GGUF header, config.json,
 //!   presets).
 //! - `evaluate.rs`: the cost model: predicted prefill and decode time, collectives and memory
@@ -15,9 +17,9 @@
 //! - `virtual_device.rs`: devices without memory, so a model is placed and sharded exactly as
 //!   a run would, without weights.
 
-pub mod calibrate;
 pub mod cluster;
 pub mod evaluate;
+pub mod fit;
 pub mod layer;
 pub mod presets;
 pub mod report;
@@ -26,9 +28,9 @@ pub mod shape;
 pub mod strategy;
 pub mod virtual_device;
 
-pub use calibrate::{CalibrateOptions, Calibration, calibrate, calibrate_report};
 pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
+pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
 pub use layer::{LayerSplitCost, evaluate_layer_split};
 pub use presets::PRESET_NAMES;
 pub use report::{Plan, load_plan};

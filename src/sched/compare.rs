@@ -69,8 +69,8 @@ impl EvalCallback for Check {
         let n = g.node(id);
         let (nmse, max_abs) = if r.len() == values.len() {
             (
-                crate::verify::nmse(values, r),
-                crate::verify::max_abs(values, r),
+                crate::metrics::nmse(values, r),
+                crate::metrics::max_abs(values, r),
             )
         } else {
             (f64::INFINITY, f32::INFINITY)

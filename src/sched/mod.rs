@@ -55,8 +55,7 @@ pub use passes::{Assignment, Cause};
 pub use split::{CopyFrom, CopyIn, Split, Splits};
 
 use crate::backend::{Backend, Device, DeviceKind};
-use crate::buffer::{Buffer, BufferType, Storage};
-use crate::cpu::CpuBufferType;
+use crate::buffer::{Buffer, BufferType, HostBufferType, Storage};
 use crate::graph::{Graph, TensorId};
 use crate::{Error, Result};
 use parking_lot::Mutex;
@@ -319,7 +318,7 @@ impl Sched {
                     local.get(&layout, &mut bytes)?;
                     // Host memory holds any backend's output (a meta device's buffers hold
                     // only tensors placed through its split callback).
-                    let buf = CpuBufferType.alloc_buffer(bytes.len())?;
+                    let buf = HostBufferType.alloc_buffer(bytes.len())?;
                     let dst = Storage::new(buf, 0);
                     dst.set(&layout, &bytes)?;
                     dst

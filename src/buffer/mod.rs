@@ -1,10 +1,15 @@
 //! The memory rungs of the backend ladder: `BufferType` (an allocator of one kind of memory)
 //! and `Buffer` (one allocation holding tensors at byte offsets), plus `Storage` (where one
-//! tensor's bytes are), `BufferRange` (a byte range of a buffer, what collectives move) and
-//! `tensor_copy` between any two buffers.
+//! tensor's bytes are), `BufferRange` (a byte range of a buffer, what collectives move),
+//! `tensor_copy` between any two buffers, and the backend-neutral aligned host memory
+//! (`host.rs`: `HostBufferType`, `HostBuffer`).
 //!
 //! Shaped after ggml-backend's `ggml_backend_buffer_type_i` / `ggml_backend_buffer_i`
 //! (ggml-org/ggml `src/ggml-backend-impl.h`): optional entries have default methods.
+
+pub mod host;
+
+pub use host::{HostBuffer, HostBufferType};
 
 use crate::tensor::Layout;
 use crate::{Error, Result};

@@ -1,14 +1,22 @@
 //! The compute rungs of the backend ladder: `Registry` (a family of devices), `Device` (one
 //! piece of hardware, or one logical CPU device), `Backend` (a stream on a device that computes
-//! graphs) and `Event` (a marker in a stream). This module names no backend: the built-in
-//! registries and the device-string parser live in `devices.rs`, above every backend.
+//! graphs) and `Event` (a marker in a stream), and the communicator rung (`comm.rs`: the
+//! `Communicator` and `CommunicatorFactory` traits; `layout.rs`: `SliceLayout`, which bytes of
+//! a full tensor each rank holds). This module names no backend and no communicator
+//! implementation: the built-in registries and the device-string parser live in `devices.rs`,
+//! above every backend; the communicators in `collectives/`.
 //!
 //! Shaped after ggml-backend's `ggml_backend_reg_i`, `ggml_backend_device_i`,
 //! `ggml_backend_i` (ggml-org/ggml `src/ggml-backend-impl.h`); optional entries are default
 //! methods. All traits are object safe so a meta device can hold `Arc<dyn Device>`.
 
+pub mod comm;
+pub mod layout;
+
+pub use comm::{Communicator, CommunicatorFactory};
+pub use layout::{Run, Runs, SliceLayout};
+
 use crate::buffer::{Buffer, BufferType, Storage};
-use crate::collectives::CommunicatorFactory;
 use crate::graph::{Graph, TensorId};
 use crate::tensor::Layout;
 use crate::{Error, Result};

@@ -1,0 +1,224 @@
+//! Device rates: GEMV weight bandwidth and GEMM throughput per weight type, memory bandwidth,
+//! and the per-node cost of a device's own program, measured on every device of the list at
+//! once through the timing rig (`rig.rs`).
+
+use super::options::{Budget, CalibrateOptions, GEMM_M, GEMV_M, SHAPES, SHORT_CHAIN, STREAM_ELEMS};
+use super::rig::{Rig, median};
+use crate::backend::alloc_tensors;
+use crate::buffer::{BufferType, Storage};
+use crate::graph::Graph;
+use crate::tensor::Layout;
+use crate::{DType, Result};
+use std::collections::BTreeMap;
+
+/// What [`measure_devices`] found (the same for every device of the list).
+pub(super) struct Rates {
+    pub gemv: BTreeMap<String, f64>,
+    pub gemm: BTreeMap<String, f64>,
+    pub mem_bw: f64,
+    pub kernel_node_s: f64,
+    pub gemv_bytes: BTreeMap<String, usize>,
+    pub gemv_nodes: BTreeMap<String, usize>,
+}
+
+/// A deterministic value in [-1, 1) (xorshift64*).
+fn rand(state: &mut u64) -> f32 {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    let v = state.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+    v as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n).map(|_| rand(&mut s)).collect()
+}
+
+/// A chain of `k` tiny nodes (scales of 16 floats) on one input.
+pub(super) fn chain_graph(k: usize) -> Result<Graph> {
+    let mut g = Graph::new();
+    let mut x = g.input_f32("x", [16, 1, 1, 1], &[0.5; 16])?;
+    for _ in 0..k {
+        x = g.scale(x, 1.0)?;
+    }
+    g.set_output(x);
+    Ok(g)
+}
+
+/// Weights of `dtype` shaped `(K, N)` for each of `shapes`, in one buffer of `bt`, each row a
+/// copy of one quantized random row (the values do not change the timing; real-valued rows
+/// keep subnormals and NaNs out).
+fn weights(
+    dtype: DType,
+    shapes: &[(usize, usize)],
+    tensors: &BTreeMap<(usize, usize), Vec<u8>>,
+    bt: &dyn BufferType,
+) -> Result<Vec<(Layout, Storage)>> {
+    let layouts: Vec<Layout> = shapes
+        .iter()
+        .map(|&(k, n)| Layout::contiguous(dtype, [k, n, 1, 1]))
+        .collect();
+    let (buf, offs) = alloc_tensors(bt, &layouts)?;
+    let mut out = Vec::with_capacity(shapes.len());
+    for ((l, off), shape) in layouts.into_iter().zip(offs).zip(shapes) {
+        let st = Storage::new(buf.clone(), off);
+        st.set(&l, &tensors[shape])?;
+        out.push((l, st));
+    }
+    Ok(out)
+}
+
+/// The bytes of one `(K, N)` weight of `dtype`: a random row repeated N times.
+fn tensor_bytes(dtype: DType, k: usize, n: usize) -> Result<Vec<u8>> {
+    let mut row = vec![0u8; dtype.row_size(k)];
+    crate::dtype::row_from_f32(dtype, &random_f32(k, k as u64), &mut row)?;
+    Ok(row.repeat(n))
+}
+
+/// A graph of one `mul_mat` per weight, activations of `m` rows per K.
+fn matmul_graph(dtype: DType, w: &[(Layout, Storage)], m: usize) -> Result<Graph> {
+    let mut g = Graph::new();
+    let mut xs: BTreeMap<usize, crate::TensorId> = BTreeMap::new();
+    for (i, (l, st)) in w.iter().enumerate() {
+        let k = l.ne[0];
+        let x = match xs.get(&k) {
+            Some(&x) => x,
+            None => {
+                let x = g.input_f32(&format!("x{k}"), [k, m, 1, 1], &random_f32(k * m, 7))?;
+                xs.insert(k, x);
+                x
+            }
+        };
+        let wid = g.weight(&format!("w{i}"), dtype, l.ne)?;
+        g.bind(wid, st.clone())?;
+        g.mul_mat(wid, x)?;
+    }
+    Ok(g)
+}
+
+/// Kernel seconds of a graph of `nodes` nodes that ran in `t` seconds, on a device whose
+/// program costs `node_s` per node (the cost is removed unless it would leave less than half).
+fn kernel_time(t: f64, nodes: usize, node_s: f64) -> f64 {
+    let k = t - nodes as f64 * node_s;
+    if k > 0.5 * t { k } else { t }
+}
+
+/// GEMV, GEMM and memory rates of every device of the rig at once, and the per-node cost of a
+/// device's program subtracted from them (see the module doc).
+pub(super) fn measure_devices(
+    rig: &mut Rig,
+    opts: &CalibrateOptions,
+    b: &Budget,
+    step: &dyn Fn(&str),
+) -> Result<Rates> {
+    // Per-node cost of a device's program: the slope between a short and a long chain.
+    step("per-node cost of a device program");
+    let kernel_node_s = node_cost(rig, b)?;
+    let mut r = Rates {
+        gemv: BTreeMap::new(),
+        gemm: BTreeMap::new(),
+        mem_bw: 0.0,
+        kernel_node_s,
+        gemv_bytes: BTreeMap::new(),
+        gemv_nodes: BTreeMap::new(),
+    };
+    for &dt in &opts.weight_types {
+        matmul_rates(rig, dt, b, step, &mut r)?;
+    }
+    // Memory: F32 adds of distinct 4 MiB tensors, results kept (outputs), so every byte comes
+    // from and goes to memory.
+    step("memory bandwidth (F32 adds)");
+    r.mem_bw = memory_bandwidth(rig, b, kernel_node_s)?;
+    Ok(r)
+}
+
+/// Seconds per node of a device's own program: the slope between chains of [`SHORT_CHAIN`]
+/// and `b.chain` nodes, on each device's own time (the dispatch skew between devices is not
+/// a cost of its nodes).
+fn node_cost(rig: &mut Rig, b: &Budget) -> Result<f64> {
+    let short = rig.prepare(&|_, _| chain_graph(SHORT_CHAIN))?;
+    let long = rig.prepare(&|_, _| chain_graph(b.chain))?;
+    let (ts, tl) = (
+        rig.time(&short, b.warmup, b.reps * 3)?,
+        rig.time(&long, b.warmup, b.reps * 3)?,
+    );
+    Ok(((median(&tl.device) - median(&ts.device)) / (b.chain - SHORT_CHAIN) as f64).max(0.0))
+}
+
+/// The GEMV and GEMM rates of weight type `dt`, into `r`.
+fn matmul_rates(
+    rig: &mut Rig,
+    dt: DType,
+    b: &Budget,
+    step: &dyn Fn(&str),
+    r: &mut Rates,
+) -> Result<()> {
+    let n = rig.devices.len();
+    let per_device_gemv = (b.gemv_total / n).max(8 << 20);
+    // GEMV: the shapes in turn until the device's weights reach its share of the total.
+    step(&format!("GEMV {dt} (M = {GEMV_M})"));
+    let cycle: usize = SHAPES.iter().map(|&(k, m)| dt.row_size(k) * m).sum();
+    let cycles = per_device_gemv.div_ceil(cycle).max(1);
+    let shapes: Vec<(usize, usize)> = (0..cycles).flat_map(|_| SHAPES).collect();
+    let mut tensors = BTreeMap::new();
+    for &(k, m) in &SHAPES {
+        tensors.insert((k, m), tensor_bytes(dt, k, m)?);
+    }
+    let p = rig.prepare(&|_, bt| {
+        let w = weights(dt, &shapes, &tensors, bt)?;
+        matmul_graph(dt, &w, GEMV_M)
+    })?;
+    let t = rig.time(&p, b.warmup, b.reps)?;
+    drop(p);
+    let bytes = cycles * cycle;
+    let k = kernel_time(median(&t.spans), shapes.len(), r.kernel_node_s);
+    r.gemv.insert(dt.name().into(), bytes as f64 / k);
+    r.gemv_bytes.insert(dt.name().into(), bytes);
+    r.gemv_nodes.insert(dt.name().into(), shapes.len());
+    // GEMM: one copy of the first shapes (compute-bound, the weights may stay cached).
+    step(&format!("GEMM {dt} (M = {GEMM_M})"));
+    let shapes = &SHAPES[..b.gemm_shapes];
+    let flops: f64 = shapes
+        .iter()
+        .map(|&(k, m)| 2.0 * (GEMM_M * k * m) as f64)
+        .sum();
+    let p = rig.prepare(&|_, bt| {
+        let w = weights(dt, shapes, &tensors, bt)?;
+        matmul_graph(dt, &w, GEMM_M)
+    })?;
+    let t = rig.time(&p, b.warmup, b.reps)?;
+    drop(p);
+    let k = kernel_time(median(&t.spans), shapes.len(), r.kernel_node_s);
+    r.gemm.insert(dt.name().into(), flops / k);
+    Ok(())
+}
+
+/// Bytes read and written per second by F32 adds of distinct [`STREAM_ELEMS`]-element tensors.
+fn memory_bandwidth(rig: &mut Rig, b: &Budget, kernel_node_s: f64) -> Result<f64> {
+    let n = rig.devices.len();
+    let moved_per_add = 3 * 4 * STREAM_ELEMS;
+    let adds = ((b.stream_total / n).max(8 << 20)).div_ceil(moved_per_add);
+    let p = rig.prepare(&|_, bt| {
+        let l = Layout::contiguous(DType::F32, [STREAM_ELEMS, 1, 1, 1]);
+        let (buf, offs) = alloc_tensors(bt, &vec![l; 2 * adds])?;
+        let ones = crate::dtype::as_bytes(&vec![1.0f32; STREAM_ELEMS]).to_vec();
+        let mut g = Graph::new();
+        for i in 0..adds {
+            let mut ids = Vec::with_capacity(2);
+            for j in 0..2 {
+                let st = Storage::new(buf.clone(), offs[2 * i + j]);
+                st.set(&l, &ones)?;
+                let id = g.new_tensor(&format!("s{i}.{j}"), DType::F32, l.ne)?;
+                g.bind(id, st)?;
+                ids.push(id);
+            }
+            let c = g.add(ids[0], ids[1])?;
+            g.set_output(c);
+        }
+        Ok(g)
+    })?;
+    let t = rig.time(&p, b.warmup, b.reps)?;
+    let k = kernel_time(median(&t.spans), adds, kernel_node_s);
+    Ok((adds * moved_per_add) as f64 / k)
+}

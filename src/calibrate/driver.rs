@@ -1,0 +1,203 @@
+//! The calibration driver: opens the device list, runs the measurements in turn (device rates,
+//! overheads, links) with progress, and assembles the profile through the planner's
+//! `measured_cluster`, with sources saying how each figure was obtained.
+
+use super::device_rates::measure_devices;
+use super::host::cpu_model;
+use super::links::measure_links;
+use super::options::{Budget, CalibrateOptions, GEMM_M, GEMV_M, SHAPES, SHORT_CHAIN, STEP_GAP};
+use super::overheads::{Overheads, measure_overheads};
+use super::rig::Rig;
+use crate::backend::{Device, DeviceKind};
+use crate::cpu::CpuOptions;
+use crate::devices::parse_devices_with;
+use crate::planner::Cluster;
+use crate::planner::fit::{LinkFitReport, MeasuredRates, measured_cluster};
+use crate::{Error, Result};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Everything a calibration measured: the profile and how it was obtained.
+#[derive(Clone, Debug, Serialize)]
+pub struct Calibration {
+    pub spec: String,
+    pub quick: bool,
+    pub cluster: Cluster,
+    /// Seconds per node of a device's own program (its plan run by its worker: no graph
+    /// building, no dispatch), the part subtracted from the kernel timings.
+    pub kernel_node_s: f64,
+    /// Step overhead when steps follow each other without a gap (workers still spinning);
+    /// the profile's `step_overhead_s` is measured after an idle gap of [`STEP_GAP`], as in
+    /// a generation loop that samples between steps.
+    pub step_back_to_back_s: f64,
+    /// Weight bytes and nodes of each GEMV graph (per device), by weight type.
+    pub gemv_weight_bytes: BTreeMap<String, usize>,
+    pub gemv_nodes: BTreeMap<String, usize>,
+    /// Long-chain length of the overhead measurements.
+    pub chain_nodes: usize,
+    pub links: Vec<LinkFitReport>,
+    pub seconds: f64,
+}
+
+/// Measure the devices of `spec` (`cpu:2x1`, `cpu:1x2`, ...) and their links; see the module
+/// doc. `progress(what, fraction done)` is told each step.
+pub fn calibrate(
+    spec: &str,
+    opts: &CalibrateOptions,
+    progress: &dyn Fn(&str, f64),
+) -> Result<Cluster> {
+    Ok(calibrate_report(spec, opts, progress)?.cluster)
+}
+
+/// [`calibrate`], with the measurements behind the profile (fit samples and quality, kernel
+/// node costs).
+pub fn calibrate_report(
+    spec: &str,
+    opts: &CalibrateOptions,
+    progress: &dyn Fn(&str, f64),
+) -> Result<Calibration> {
+    let start = Instant::now();
+    let devices = cpu_devices(spec, opts)?;
+    let n = devices.len();
+    let budget = Budget::new(opts.quick);
+    let link_units = (n - 1) * 3 * budget.link_sizes.len();
+    let units = 1 + 2 * opts.weight_types.len() + 1 + 1 + link_units;
+    let done = std::cell::Cell::new(0usize);
+    let step = |what: &str| {
+        progress(what, done.get() as f64 / units as f64);
+        done.set(done.get() + 1);
+    };
+
+    // Device rates, all devices at once.
+    let rates = {
+        let mut rig = Rig::new(&devices)?;
+        measure_devices(&mut rig, opts, &budget, &step)?
+    };
+    // Overheads through the backend a run uses.
+    step("step and node overheads");
+    let over = measure_overheads(spec, opts.precision, &budget)?;
+    let (level, links) = measure_links(n, &budget, &step, rates.mem_bw)?;
+    progress("done", 1.0);
+
+    let seconds = start.elapsed().as_secs_f64();
+    let names: Vec<(String, u64)> = devices
+        .iter()
+        .map(|d| {
+            let m = d.memory();
+            let memory = if m.free > 0 { m.free } else { m.total };
+            (d.name(), memory as u64)
+        })
+        .collect();
+    let measured = MeasuredRates {
+        gemv_bw: rates.gemv.clone(),
+        gemm_flops: rates.gemm.clone(),
+        mem_bw: rates.mem_bw,
+        step_overhead_s: over.step_s,
+        node_overhead_s: over.node_s,
+    };
+    let cluster = measured_cluster(
+        format!("calibrated {spec}"),
+        format!(
+            "{n} logical CPU device{} of `{spec}` on {}, measured by metashard calibrate",
+            if n == 1 { "" } else { "s" },
+            cpu_model()
+        ),
+        &names,
+        &measured,
+        level,
+        sources(spec, opts, &budget, n, &over, &links, seconds),
+    )?;
+    Ok(Calibration {
+        spec: spec.to_string(),
+        quick: opts.quick,
+        cluster,
+        kernel_node_s: rates.kernel_node_s,
+        step_back_to_back_s: over.back_to_back_s,
+        gemv_weight_bytes: rates.gemv_bytes,
+        gemv_nodes: rates.gemv_nodes,
+        chain_nodes: budget.chain,
+        links,
+        seconds,
+    })
+}
+
+/// The devices of `spec`, opened with the options' precision: CPU devices only (the links are
+/// timed with the host communicator), and the options' weight types checked.
+fn cpu_devices(spec: &str, opts: &CalibrateOptions) -> Result<Vec<Arc<dyn Device>>> {
+    let devices = parse_devices_with(spec, CpuOptions::with_precision(opts.precision))?;
+    if let Some(d) = devices.iter().find(|d| d.kind() != DeviceKind::Cpu) {
+        return Err(Error::Device {
+            device: d.name(),
+            reason: format!(
+                "calibrate measures CPU device lists only (its links are timed with the host \
+                 communicator); `{spec}` has a {:?} device",
+                d.kind()
+            ),
+        });
+    }
+    opts.check()?;
+    Ok(devices)
+}
+
+/// Where each figure of the profile comes from, in words.
+fn sources(
+    spec: &str,
+    opts: &CalibrateOptions,
+    budget: &Budget,
+    n: usize,
+    over: &Overheads,
+    links: &[LinkFitReport],
+    seconds: f64,
+) -> Vec<String> {
+    let mode = if opts.quick { "quick" } else { "full" };
+    let mut sources = vec![
+        format!(
+            "measured by `metashard calibrate --devices {spec}` ({mode} mode, {seconds:.1} s) \
+             on {} ({} logical CPUs), unix time {}",
+            cpu_model(),
+            crate::cpu::host_threads(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        ),
+        format!(
+            "device rates: medians of {} runs of every device computing at once (first start \
+             to last finish; the devices of one list are identical and get the same figures); \
+             GEMV at M = {GEMV_M}, GEMM at M = {GEMM_M} over (K, N) shapes {:?}; mem_bw from \
+             F32 adds (bytes read + written); precision {}",
+            budget.reps,
+            &SHAPES[..],
+            opts.precision
+        ),
+        format!(
+            "overheads: steps built and computed through {}; node_overhead_s is the slope \
+             between chains of {SHORT_CHAIN} and {} tiny nodes run back to back, \
+             step_overhead_s the cost of a one-node step after {STEP_GAP:?} idle less its \
+             node ({:.1} us back to back)",
+            if n > 1 {
+                "the meta device's backend"
+            } else {
+                "the device's backend"
+            },
+            budget.chain,
+            over.back_to_back_s * 1e6
+        ),
+    ];
+    for l in links {
+        sources.push(format!(
+            "{} fitted to alpha(N) + factor(N) B / bus_bw over {} samples: relative RMS \
+             residual {:.1}%, largest {:.1}%",
+            l.collective.name(),
+            l.samples.len(),
+            100.0 * l.rel_rms,
+            100.0 * l.max_rel
+        ));
+    }
+    sources.push(
+        "ring alpha-beta model and bus-bandwidth factors: NVIDIA/nccl-tests doc/PERFORMANCE.md"
+            .into(),
+    );
+    sources
+}

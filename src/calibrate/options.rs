@@ -1,0 +1,142 @@
+//! What a calibration measures and how long: [`CalibrateOptions`] (the caller's choices), the
+//! shapes and sizes measured, and the repetition counts of the quick and the full mode.
+
+use crate::cpu::Precision;
+use crate::{DType, Error, Result};
+use std::time::Duration;
+
+/// Weight shapes `(K, N)` of the GEMV and GEMM measurements: SmolLM2-135M's FFN projections
+/// (576 -> 1536 and back) and a 2048- and a 4096-wide projection cut to N = 1024 rows, a
+/// device's share of a split matrix.
+pub const SHAPES: [(usize, usize); 4] = [(576, 1536), (1536, 576), (2048, 1024), (4096, 1024)];
+/// Activation rows of the GEMV (matrix-vector) measurement.
+pub const GEMV_M: usize = 1;
+/// Activation rows of the GEMM measurement (a prompt batch; above the cost model's M <= 8).
+pub const GEMM_M: usize = 128;
+/// Nodes of the short chain the per-node costs are measured against.
+pub(super) const SHORT_CHAIN: usize = 1;
+/// F32 elements per tensor of the memory measurement (4 MiB).
+pub(super) const STREAM_ELEMS: usize = 1 << 20;
+/// Idle time before each timed step of the overhead measurement: longer than the workers'
+/// spinning (about 20 us, `workers.rs`), as the sampling between two decode steps is, so
+/// waking parked workers is part of the step overhead, as in a generation loop.
+pub const STEP_GAP: Duration = Duration::from_millis(1);
+/// How long a worker may stay inside one measurement before the calibration fails.
+pub(super) const STALL_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a rank waits for its peers in a collective.
+pub(super) const COMM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What to measure and how long.
+#[derive(Clone, Debug)]
+pub struct CalibrateOptions {
+    /// Fewer repetitions, smaller sizes and fewer shapes: a few seconds (tests), instead of a
+    /// few tens of seconds.
+    pub quick: bool,
+    /// Precision of products with quantized weights on CPU devices (default: the runs'
+    /// default, [`Precision::Exact`]).
+    pub precision: Precision,
+    /// Weight types whose GEMV and GEMM rates are measured (default: every weight type).
+    pub weight_types: Vec<DType>,
+}
+
+impl Default for CalibrateOptions {
+    fn default() -> Self {
+        CalibrateOptions {
+            quick: false,
+            precision: Precision::default(),
+            weight_types: DType::WEIGHT_TYPES.to_vec(),
+        }
+    }
+}
+
+impl CalibrateOptions {
+    pub fn quick() -> Self {
+        CalibrateOptions {
+            quick: true,
+            ..Default::default()
+        }
+    }
+
+    /// An error naming a weight type that is not one (or an empty list), before anything is
+    /// measured.
+    pub(super) fn check(&self) -> Result<()> {
+        if self.weight_types.is_empty() {
+            return Err(Error::invalid_argument(
+                "weight types",
+                "[]",
+                "give at least one weight type to measure",
+            ));
+        }
+        if let Some(t) = self
+            .weight_types
+            .iter()
+            .find(|t| !DType::WEIGHT_TYPES.contains(t))
+        {
+            return Err(Error::invalid_argument(
+                "weight types",
+                t,
+                "not a weight type (f32, f16, bf16, q8_0, q4_0, q4_1)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Sizes and repetition counts of one mode.
+pub(super) struct Budget {
+    /// Bytes of weights streamed per GEMV graph, over all devices.
+    pub gemv_total: usize,
+    /// Shapes in the GEMM graph (a prefix of SHAPES).
+    pub gemm_shapes: usize,
+    /// Bytes moved per memory graph, over all devices.
+    pub stream_total: usize,
+    pub warmup: usize,
+    pub reps: usize,
+    pub chain: usize,
+    pub step_reps: usize,
+    pub link_sizes: Vec<usize>,
+    /// Timed seconds per (N, collective, size), at least `link_min_reps` calls.
+    pub link_time: f64,
+    pub link_min_reps: usize,
+}
+
+impl Budget {
+    pub fn new(quick: bool) -> Budget {
+        let llc = super::host::last_level_cache().unwrap_or(32 << 20);
+        if quick {
+            Budget {
+                gemv_total: (2 * llc).max(32 << 20),
+                gemm_shapes: 2,
+                stream_total: (2 * llc).max(32 << 20),
+                warmup: 1,
+                reps: 3,
+                chain: 257,
+                step_reps: 31,
+                link_sizes: vec![4 << 10, 64 << 10, 1 << 20, 4 << 20],
+                link_time: 0.01,
+                link_min_reps: 5,
+            }
+        } else {
+            Budget {
+                gemv_total: (8 * llc).max(128 << 20),
+                gemm_shapes: SHAPES.len(),
+                stream_total: (8 * llc).max(128 << 20),
+                warmup: 2,
+                reps: 11,
+                chain: 257,
+                step_reps: 61,
+                link_sizes: vec![
+                    4 << 10,
+                    16 << 10,
+                    64 << 10,
+                    256 << 10,
+                    1 << 20,
+                    4 << 20,
+                    16 << 20,
+                ],
+                link_time: 0.06,
+                link_min_reps: 10,
+            }
+        }
+    }
+}

@@ -8,7 +8,6 @@
 //! the output projection to the last layer's.
 
 use super::arch::{Naming, Tensor};
-use crate::sched::PlaceFn;
 use crate::{Error, Result};
 use std::ops::Range;
 use std::sync::Arc;
@@ -54,6 +53,10 @@ impl std::fmt::Display for SplitMode {
     }
 }
 
+/// Which part (backend of the scheduler) a tensor name goes to: the shape of the scheduler's
+/// placement callback (`sched::PlaceFn`), which takes it as it is.
+pub type Placement = Arc<dyn Fn(&str) -> usize + Send + Sync>;
+
 /// The layers of each of `shares.len()` parts, contiguous and in order, in proportion to the
 /// shares (rounded at the cumulative boundaries, as llama.cpp assigns layers to GPUs); a part
 /// with share 0 gets none. Shares must be finite, non-negative and not all zero.
@@ -83,7 +86,7 @@ pub fn layer_ranges(n_layer: usize, shares: &[f64]) -> Result<Vec<Range<usize>>>
 }
 
 /// The placement of a decoder's tensors when part `i` holds the layers `ranges[i]`.
-pub fn placement(ranges: &[Range<usize>]) -> PlaceFn {
+pub fn placement(ranges: &[Range<usize>]) -> Placement {
     let n_layer = ranges.last().map_or(0, |r| r.end);
     let ranges = ranges.to_vec();
     let part = move |l: usize| ranges.iter().position(|r| r.contains(&l));

@@ -24,7 +24,7 @@ use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
 use crate::buffer::Buffer;
 use crate::graph::{Graph, TensorId};
-use crate::op::{BinaryOp, Op, RopeMode, UnaryOp};
+use crate::op::{BinaryOp, Op, RopeMode, RopeParams, RowWindow, UnaryOp};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
@@ -433,28 +433,7 @@ impl CudaPlan {
             Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Collective(_) => {
                 Ok(())
             }
-            Op::Cont | Op::Cpy => {
-                let sl = &e.src_layouts[0];
-                if sl.dtype.is_quantized() && sl.dtype == e.dst_layout.dtype {
-                    let row = sl.dtype.row_size(sl.ne[0]) as i64;
-                    let n = nrows(d) * row as usize;
-                    inner.launch(
-                        "k_cpy_rows_bytes",
-                        (blocks(n), 1, 1),
-                        one,
-                        0,
-                        &mut [arg(d), arg(&s[0]), arg(&row)],
-                    )
-                } else {
-                    inner.launch(
-                        "k_cpy",
-                        (blocks(n_dst), 1, 1),
-                        one,
-                        0,
-                        &mut [arg(d), arg(&s[0])],
-                    )
-                }
-            }
+            Op::Cont | Op::Cpy => self.copy(e),
             Op::Concat { dim } => {
                 let dim = dim as i32;
                 inner.launch(
@@ -480,25 +459,7 @@ impl CudaPlan {
                     &mut [arg(d), arg(&s[0]), arg(&s[1]), arg(&code)],
                 )
             }
-            Op::Unary(_) | Op::Scale { .. } | Op::Clamp { .. } => {
-                let (code, p0, p1): (i32, f32, f32) = match e.op {
-                    Op::Unary(UnaryOp::Silu) => (0, 0.0, 0.0),
-                    Op::Unary(UnaryOp::Gelu) => (1, 0.0, 0.0),
-                    Op::Unary(UnaryOp::GeluErf) => (2, 0.0, 0.0),
-                    Op::Unary(UnaryOp::Relu) => (3, 0.0, 0.0),
-                    Op::Unary(UnaryOp::Tanh) => (4, 0.0, 0.0),
-                    Op::Scale { scale, bias } => (5, scale, bias),
-                    Op::Clamp { min, max } => (6, min, max),
-                    _ => unreachable!("matched above"),
-                };
-                inner.launch(
-                    "k_unary",
-                    (blocks(n_dst), 1, 1),
-                    one,
-                    0,
-                    &mut [arg(d), arg(&s[0]), arg(&code), arg(&p0), arg(&p1)],
-                )
-            }
+            Op::Unary(_) | Op::Scale { .. } | Op::Clamp { .. } => self.unary(e),
             Op::Swiglu => {
                 let (u, off) = match s.get(1) {
                     Some(u) => (*u, 0i64),
@@ -542,83 +503,153 @@ impl CudaPlan {
                 0,
                 &mut [arg(d), arg(&s[0])],
             ),
-            Op::Rope(rp) => {
-                let mode: i32 = match rp.mode {
-                    RopeMode::Normal => 0,
-                    RopeMode::NeoX => 1,
-                };
-                let n_dims = rp.n_dims as i32;
-                let half = rp.n_dims / 2;
-                let per_row = half + (s[0].ne[0] as usize - 2 * half);
-                let n = nrows(&s[0]) * per_row;
-                inner.launch(
-                    "k_rope",
-                    (blocks(n), 1, 1),
-                    one,
-                    0,
-                    &mut [
-                        arg(d),
-                        arg(&s[0]),
-                        arg(&s[1]),
-                        arg(&mode),
-                        arg(&n_dims),
-                        arg(&rp.freq_base),
-                        arg(&rp.freq_scale),
-                    ],
-                )
+            Op::Rope(rp) => self.rope(e, &rp),
+            Op::GetRows { window } => {
+                self.rows(at, e, window, ("k_get_rows", nrows(d), s[0], s[1]))
             }
-            Op::GetRows { window } | Op::SetRows { window } => {
-                let (rows, lo, hi, wat) = window.map_or((0i64, 0i64, 0i64, 0i64), |w| {
-                    (w.rows as i64, w.lo as i64, w.hi as i64, w.at as i64)
-                });
-                let node = at as i32;
-                let (kernel, grid, table, ids) = match e.op {
-                    Op::GetRows { .. } => ("k_get_rows", nrows(d), s[0], s[1]),
-                    _ => ("k_set_rows", nrows(&s[1]), s[1], s[2]),
-                };
-                inner.launch(
-                    kernel,
-                    (grid as u32, 1, 1),
-                    one,
-                    0,
-                    &mut [
-                        arg(d),
-                        arg(&table),
-                        arg(&ids),
-                        arg(&rows),
-                        arg(&lo),
-                        arg(&hi),
-                        arg(&wat),
-                        arg(&inner.fault),
-                        arg(&node),
-                    ],
-                )
+            Op::SetRows { window } => {
+                self.rows(at, e, window, ("k_set_rows", nrows(&s[1]), s[1], s[2]))
             }
             Op::MulMat => self.mul_mat(e),
-            Op::FlashAttn { scale } => {
-                let (q, k, v) = (s[0], s[1], s[2]);
-                let (mask, has) = match s.get(3) {
-                    Some(m) => (*m, 1i32),
-                    None => (Tensor::none(), 0),
-                };
-                let shared = ((q.ne[0] as u32) + 2 * ATTN_BLOCK) * 4;
-                inner.launch(
-                    "k_flash_attn",
-                    (q.ne[1] as u32, q.ne[2] as u32, q.ne[3] as u32),
-                    (ATTN_BLOCK, 1, 1),
-                    shared,
-                    &mut [
-                        arg(d),
-                        arg(&q),
-                        arg(&k),
-                        arg(&v),
-                        arg(&mask),
-                        arg(&has),
-                        arg(&scale),
-                    ],
-                )
-            }
+            Op::FlashAttn { scale } => self.flash_attn(e, scale),
         }
+    }
+
+    /// `cont` / `cpy`: rows of one quantized type copied as bytes, anything else converted
+    /// element by element.
+    fn copy(&self, e: &ExecNode) -> Result<()> {
+        let (inner, one) = (&self.inner, (BLOCK, 1, 1));
+        let (d, s) = (&e.dst, &e.src);
+        let n_dst = e.dst_layout.nelements();
+        let sl = &e.src_layouts[0];
+        if sl.dtype.is_quantized() && sl.dtype == e.dst_layout.dtype {
+            let row = sl.dtype.row_size(sl.ne[0]) as i64;
+            let n = nrows(d) * row as usize;
+            inner.launch(
+                "k_cpy_rows_bytes",
+                (blocks(n), 1, 1),
+                one,
+                0,
+                &mut [arg(d), arg(&s[0]), arg(&row)],
+            )
+        } else {
+            inner.launch(
+                "k_cpy",
+                (blocks(n_dst), 1, 1),
+                one,
+                0,
+                &mut [arg(d), arg(&s[0])],
+            )
+        }
+    }
+
+    /// Unary functions, `scale` and `clamp`: one kernel with an op code and two parameters.
+    fn unary(&self, e: &ExecNode) -> Result<()> {
+        let (d, s) = (&e.dst, &e.src);
+        let (code, p0, p1): (i32, f32, f32) = match e.op {
+            Op::Unary(UnaryOp::Silu) => (0, 0.0, 0.0),
+            Op::Unary(UnaryOp::Gelu) => (1, 0.0, 0.0),
+            Op::Unary(UnaryOp::GeluErf) => (2, 0.0, 0.0),
+            Op::Unary(UnaryOp::Relu) => (3, 0.0, 0.0),
+            Op::Unary(UnaryOp::Tanh) => (4, 0.0, 0.0),
+            Op::Scale { scale, bias } => (5, scale, bias),
+            Op::Clamp { min, max } => (6, min, max),
+            _ => unreachable!("called for unary, scale and clamp only"),
+        };
+        self.inner.launch(
+            "k_unary",
+            (blocks(e.dst_layout.nelements()), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [arg(d), arg(&s[0]), arg(&code), arg(&p0), arg(&p1)],
+        )
+    }
+
+    /// `rope` over the rotated pairs (and the copied tail) of every row.
+    fn rope(&self, e: &ExecNode, rp: &RopeParams) -> Result<()> {
+        let (d, s) = (&e.dst, &e.src);
+        let mode: i32 = match rp.mode {
+            RopeMode::Normal => 0,
+            RopeMode::NeoX => 1,
+        };
+        let n_dims = rp.n_dims as i32;
+        let half = rp.n_dims / 2;
+        let per_row = half + (s[0].ne[0] as usize - 2 * half);
+        let n = nrows(&s[0]) * per_row;
+        self.inner.launch(
+            "k_rope",
+            (blocks(n), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [
+                arg(d),
+                arg(&s[0]),
+                arg(&s[1]),
+                arg(&mode),
+                arg(&n_dims),
+                arg(&rp.freq_base),
+                arg(&rp.freq_scale),
+            ],
+        )
+    }
+
+    /// `get_rows` / `set_rows` of node `at` (`kernel` over `grid` rows of `table` picked by
+    /// `ids`), with its row window; a bad id is reported through the fault record.
+    fn rows(
+        &self,
+        at: usize,
+        e: &ExecNode,
+        window: Option<RowWindow>,
+        (kernel, grid, table, ids): (&str, usize, Tensor, Tensor),
+    ) -> Result<()> {
+        let (inner, d) = (&self.inner, &e.dst);
+        let (rows, lo, hi, wat) = window.map_or((0i64, 0i64, 0i64, 0i64), |w| {
+            (w.rows as i64, w.lo as i64, w.hi as i64, w.at as i64)
+        });
+        let node = at as i32;
+        inner.launch(
+            kernel,
+            (grid as u32, 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [
+                arg(d),
+                arg(&table),
+                arg(&ids),
+                arg(&rows),
+                arg(&lo),
+                arg(&hi),
+                arg(&wat),
+                arg(&inner.fault),
+                arg(&node),
+            ],
+        )
+    }
+
+    /// Fused attention: one block per (query row, head, batch).
+    fn flash_attn(&self, e: &ExecNode, scale: f32) -> Result<()> {
+        let (d, s) = (&e.dst, &e.src);
+        let (q, k, v) = (s[0], s[1], s[2]);
+        let (mask, has) = match s.get(3) {
+            Some(m) => (*m, 1i32),
+            None => (Tensor::none(), 0),
+        };
+        let shared = ((q.ne[0] as u32) + 2 * ATTN_BLOCK) * 4;
+        self.inner.launch(
+            "k_flash_attn",
+            (q.ne[1] as u32, q.ne[2] as u32, q.ne[3] as u32),
+            (ATTN_BLOCK, 1, 1),
+            shared,
+            &mut [
+                arg(d),
+                arg(&q),
+                arg(&k),
+                arg(&v),
+                arg(&mask),
+                arg(&has),
+                arg(&scale),
+            ],
+        )
     }
 
     fn row_reduce(&self, e: &ExecNode, mode: i32, eps: f32) -> Result<()> {

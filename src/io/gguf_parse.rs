@@ -4,7 +4,7 @@
 //! against the bytes left before anything is allocated.
 
 use super::gguf::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufTensorInfo, MAX_ARRAY_DEPTH, MAX_DIMS};
-use super::gguf_types::{GgufArray, GgufType, GgufValue, ggml_type_layout};
+use super::gguf_types::{GgufArray, GgufType, GgufValue, ggml_type};
 use crate::{DType, Error, Result};
 use std::collections::HashMap;
 use std::path::Path;
@@ -468,7 +468,7 @@ impl<'a> Parser<'a> {
                 )
             })?;
         t.offset = abs;
-        let Some(layout) = ggml_type_layout(t.ggml_type) else {
+        let Some(layout) = ggml_type(t.ggml_type) else {
             return Ok(()); // size unknown: metadata stays readable, data access errors
         };
         if !t.ne[0].is_multiple_of(layout.block_size) {

@@ -445,6 +445,21 @@ mod tests {
     }
 
     #[test]
+    fn gpu_presets_price_every_weight_type_of_the_table() {
+        // Derived from the type table: the test builds' fake type is priced too.
+        let d = &Cluster::preset("h100x8-nvswitch").unwrap().devices[0];
+        for &t in DType::WEIGHT_TYPES {
+            assert!(d.gemv_bw.contains_key(t.name()) && d.gemm_flops.contains_key(t.name()));
+        }
+        let fake = DType::FakeQ4x16;
+        assert_eq!(d.gemv(fake), d.gemv(DType::Q4_0));
+        assert_eq!(
+            d.gemm(DType::F32) < d.gemm(fake),
+            d.gemm(DType::F32) < d.gemm(DType::BF16)
+        );
+    }
+
+    #[test]
     fn quantized_gemv_is_a_stated_share_of_copy_bandwidth() {
         let c = Cluster::preset("rtx4090x4-pcie").unwrap();
         let d = &c.devices[0];

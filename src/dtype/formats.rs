@@ -81,14 +81,19 @@ fn scale_8bit(x: &[f32]) -> (f32, f32) {
     (d, if d != 0.0 { 1.0 / d } else { 0.0 })
 }
 
+/// `q * d` for every quant of an 8-bit block.
+fn dequantize_8bit(d: f16, qs: &[i8], out: &mut [f32]) {
+    let d = d.to_f32();
+    for (o, &q) in out.iter_mut().zip(qs) {
+        *o = q as f32 * d;
+    }
+}
+
 impl GgmlBlock for BlockQ8_0 {
     const BLOCK: usize = QK8_0;
 
     fn dequantize(&self, out: &mut [f32]) {
-        let d = self.d.to_f32();
-        for (o, &q) in out.iter_mut().zip(&self.qs) {
-            *o = q as f32 * d;
-        }
+        dequantize_8bit(self.d, &self.qs, out);
     }
 
     fn quantize(x: &[f32]) -> Self {
@@ -108,23 +113,19 @@ impl GgmlBlock for BlockQ8_1 {
     const BLOCK: usize = QK8_1;
 
     fn dequantize(&self, out: &mut [f32]) {
-        let d = self.d.to_f32();
-        for (o, &q) in out.iter_mut().zip(&self.qs) {
-            *o = q as f32 * d;
-        }
+        dequantize_8bit(self.d, &self.qs, out);
     }
 
+    /// `block_q8_0`'s quants and scale, and `s` from the unrounded scale
+    /// (`quantize_row_q8_1_ref`).
     fn quantize(x: &[f32]) -> Self {
-        let (d, id) = scale_8bit(x);
-        let mut b = BlockQ8_1::default();
-        let mut sum = 0i32;
-        for (q, &v) in b.qs.iter_mut().zip(x) {
-            *q = (v * id).round() as i8;
-            sum += *q as i32;
+        let q = BlockQ8_0::quantize(x);
+        let sum: i32 = q.qs.iter().map(|&v| v as i32).sum();
+        BlockQ8_1 {
+            d: q.d,
+            s: f16::from_f32(sum as f32 * scale_8bit(x).0),
+            qs: q.qs,
         }
-        b.d = f16::from_f32(d);
-        b.s = f16::from_f32(sum as f32 * d);
-        b
     }
 }
 

@@ -138,14 +138,7 @@ fn bench_dtype(c: &mut Criterion, dtype: DType) {
 }
 
 fn benches(c: &mut Criterion) {
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-    ] {
+    for &dtype in DType::WEIGHT_TYPES {
         bench_dtype(c, dtype);
     }
 }

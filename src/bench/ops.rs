@@ -226,14 +226,7 @@ pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
     v.push(mm(DType::F32, 1024, 1024, 1024, false));
     v.push(mm(DType::F32, 2048, 2048, 2048, false));
     for &m in ms {
-        for dt in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
+        for &dt in DType::WEIGHT_TYPES {
             v.push(mm(dt, m, 4096, 4096, true));
         }
     }

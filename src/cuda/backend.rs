@@ -18,15 +18,16 @@
 //! word in device memory; the range's synchronization reads it and the error names the node.
 
 use super::device::{CudaBuffer, CudaDevice, driver_err};
-use super::kernels::{Fault, Tensor};
+pub use super::kernels::supports_node;
+use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, no_kernels};
 use super::libs::{Lib, missing, present};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
 use crate::buffer::Buffer;
 use crate::graph::{Graph, TensorId};
-use crate::op::{BinaryOp, Op, RopeMode, UnaryOp};
+use crate::op::{BinaryOp, Op, RopeMode, RopeParams, RowWindow, UnaryOp};
 use crate::tensor::Layout;
-use crate::{DType, Error, Result};
+use crate::{Error, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::driver::{result as cu, sys};
 use parking_lot::Mutex;
@@ -36,8 +37,6 @@ use std::sync::{Arc, OnceLock};
 
 /// Threads per block of the element-wise and row kernels.
 const BLOCK: u32 = 256;
-/// Threads per block of the attention kernel (kv rows per tile).
-const ATTN_BLOCK: u32 = 128;
 /// Activation columns up to which products go through `k_mul_mat_vec`.
 const GEMV_MAX_M: usize = 8;
 
@@ -198,140 +197,6 @@ impl CudaBackend {
     }
 }
 
-/// `Ok` when the kernels compute node `id`; otherwise why not.
-pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String> {
-    let n = g.node(id);
-    let dst = &n.layout;
-    let src: SmallVec<[&Layout; 4]> = n.src.iter().map(|&s| g.layout(s)).collect();
-    let float = |l: &Layout, what: &str| {
-        if matches!(l.dtype, DType::F32 | DType::F16 | DType::BF16) {
-            Ok(())
-        } else {
-            Err(format!("{what} must be f32, f16 or bf16, not {}", l.dtype))
-        }
-    };
-    let packed_blocks = |l: &Layout, what: &str| {
-        if l.dtype.is_quantized() && l.nb[0] != l.dtype.type_size() {
-            Err(format!("quantized {what} rows must be packed"))
-        } else {
-            Ok(())
-        }
-    };
-    match n.op {
-        Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => Ok(()),
-        Op::MulMat => {
-            let (w, x) = (src[0], src[1]);
-            if !matches!(
-                w.dtype,
-                DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1
-            ) {
-                return Err(format!("weights of dtype {} are not supported", w.dtype));
-            }
-            packed_blocks(w, "weight")?;
-            if x.dtype != DType::F32 || dst.dtype != DType::F32 {
-                return Err("src1 and dst must be f32".into());
-            }
-            if !dst.is_contiguous() {
-                return Err("the product's output must be packed".into());
-            }
-            if w.ne[2] == 0 || w.ne[3] == 0 || x.ne[2] % w.ne[2] != 0 || x.ne[3] % w.ne[3] != 0 {
-                return Err("weights must broadcast over dims 2 and 3 of src1".into());
-            }
-            Ok(())
-        }
-        Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Swiglu => {
-            for (i, s) in src.iter().enumerate() {
-                float(s, &format!("source {i}"))?;
-            }
-            float(dst, "the output")
-        }
-        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::Mean => {
-            float(src[0], "the input")?;
-            float(dst, "the output")
-        }
-        Op::SoftMax { .. } => {
-            for (i, s) in src.iter().enumerate() {
-                float(s, &format!("source {i}"))?;
-            }
-            float(dst, "the output")
-        }
-        Op::Argmax => {
-            if src[0].dtype == DType::F32 {
-                Ok(())
-            } else {
-                Err("argmax takes f32".into())
-            }
-        }
-        Op::Rope(_) => {
-            if !matches!(src[0].dtype, DType::F32 | DType::F16) {
-                return Err(format!("rope takes f32 or f16, not {}", src[0].dtype));
-            }
-            float(dst, "the output")
-        }
-        Op::GetRows { .. } => {
-            packed_blocks(src[0], "table")?;
-            if dst.dtype == DType::I32 {
-                return if src[0].dtype == DType::I32 {
-                    Ok(())
-                } else {
-                    Err("an I32 output needs an I32 table".into())
-                };
-            }
-            float(dst, "the output")
-        }
-        Op::SetRows { .. } => {
-            float(dst, "the destination")?;
-            float(src[1], "the rows")
-        }
-        Op::Cont | Op::Cpy => {
-            let s = src[0];
-            packed_blocks(s, "source")?;
-            if dst.dtype.is_quantized() {
-                if s.dtype != dst.dtype
-                    || s.ne[0] != dst.ne[0]
-                    || dst.nb[0] != dst.dtype.type_size()
-                {
-                    return Err(format!(
-                        "a copy into {} needs a packed source of the same type and row length",
-                        dst.dtype
-                    ));
-                }
-                return Ok(());
-            }
-            if s.dtype.is_quantized() && s.ne[0] != dst.ne[0] {
-                return Err("a quantized copy must keep the row length".into());
-            }
-            if (s.dtype == DType::I32) != (dst.dtype == DType::I32) {
-                return Err("I32 copies only to I32".into());
-            }
-            Ok(())
-        }
-        Op::Concat { .. } => {
-            if src[0].dtype != src[1].dtype || src[0].dtype != dst.dtype {
-                return Err("concat operands must share a dtype".into());
-            }
-            float(dst, "the output")
-        }
-        Op::FlashAttn { .. } => {
-            for (i, s) in src.iter().enumerate().take(3) {
-                float(s, &format!("source {i}"))?;
-            }
-            if let Some(m) = src.get(3) {
-                float(m, "the mask")?;
-            }
-            let dv = src[2].ne[0];
-            if dv > 4 * ATTN_BLOCK as usize {
-                return Err(format!(
-                    "value rows of {dv} elements (at most {})",
-                    4 * ATTN_BLOCK
-                ));
-            }
-            float(dst, "the output")
-        }
-        Op::Collective(_) => Err("collectives run in the meta backend, between node ranges".into()),
-    }
-}
-
 /// Node `id` as kernels address it, or an error if its bytes are not on this GPU.
 fn device_tensor(g: &Graph, id: TensorId, inner: &Inner) -> Result<Tensor> {
     let n = g.node(id);
@@ -349,7 +214,12 @@ fn device_tensor(g: &Graph, id: TensorId, inner: &Inner) -> Result<Tensor> {
             tensor: n.name.clone(),
             buffer_type: st.buffer.buffer_type().name(),
         })?;
-    Ok(Tensor::new(b.ptr + st.offset as u64, &n.layout))
+    Tensor::new(b.ptr + st.offset as u64, &n.layout).ok_or_else(|| Error::UnsupportedOp {
+        backend: inner.name(),
+        op: n.op.name().to_string(),
+        node: n.name.clone(),
+        detail: no_kernels(&n.layout),
+    })
 }
 
 /// One node ready to launch.
@@ -433,28 +303,7 @@ impl CudaPlan {
             Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Collective(_) => {
                 Ok(())
             }
-            Op::Cont | Op::Cpy => {
-                let sl = &e.src_layouts[0];
-                if sl.dtype.is_quantized() && sl.dtype == e.dst_layout.dtype {
-                    let row = sl.dtype.row_size(sl.ne[0]) as i64;
-                    let n = nrows(d) * row as usize;
-                    inner.launch(
-                        "k_cpy_rows_bytes",
-                        (blocks(n), 1, 1),
-                        one,
-                        0,
-                        &mut [arg(d), arg(&s[0]), arg(&row)],
-                    )
-                } else {
-                    inner.launch(
-                        "k_cpy",
-                        (blocks(n_dst), 1, 1),
-                        one,
-                        0,
-                        &mut [arg(d), arg(&s[0])],
-                    )
-                }
-            }
+            Op::Cont | Op::Cpy => self.copy(e),
             Op::Concat { dim } => {
                 let dim = dim as i32;
                 inner.launch(
@@ -480,25 +329,7 @@ impl CudaPlan {
                     &mut [arg(d), arg(&s[0]), arg(&s[1]), arg(&code)],
                 )
             }
-            Op::Unary(_) | Op::Scale { .. } | Op::Clamp { .. } => {
-                let (code, p0, p1): (i32, f32, f32) = match e.op {
-                    Op::Unary(UnaryOp::Silu) => (0, 0.0, 0.0),
-                    Op::Unary(UnaryOp::Gelu) => (1, 0.0, 0.0),
-                    Op::Unary(UnaryOp::GeluErf) => (2, 0.0, 0.0),
-                    Op::Unary(UnaryOp::Relu) => (3, 0.0, 0.0),
-                    Op::Unary(UnaryOp::Tanh) => (4, 0.0, 0.0),
-                    Op::Scale { scale, bias } => (5, scale, bias),
-                    Op::Clamp { min, max } => (6, min, max),
-                    _ => unreachable!("matched above"),
-                };
-                inner.launch(
-                    "k_unary",
-                    (blocks(n_dst), 1, 1),
-                    one,
-                    0,
-                    &mut [arg(d), arg(&s[0]), arg(&code), arg(&p0), arg(&p1)],
-                )
-            }
+            Op::Unary(_) | Op::Scale { .. } | Op::Clamp { .. } => self.unary(e),
             Op::Swiglu => {
                 let (u, off) = match s.get(1) {
                     Some(u) => (*u, 0i64),
@@ -542,83 +373,153 @@ impl CudaPlan {
                 0,
                 &mut [arg(d), arg(&s[0])],
             ),
-            Op::Rope(rp) => {
-                let mode: i32 = match rp.mode {
-                    RopeMode::Normal => 0,
-                    RopeMode::NeoX => 1,
-                };
-                let n_dims = rp.n_dims as i32;
-                let half = rp.n_dims / 2;
-                let per_row = half + (s[0].ne[0] as usize - 2 * half);
-                let n = nrows(&s[0]) * per_row;
-                inner.launch(
-                    "k_rope",
-                    (blocks(n), 1, 1),
-                    one,
-                    0,
-                    &mut [
-                        arg(d),
-                        arg(&s[0]),
-                        arg(&s[1]),
-                        arg(&mode),
-                        arg(&n_dims),
-                        arg(&rp.freq_base),
-                        arg(&rp.freq_scale),
-                    ],
-                )
+            Op::Rope(rp) => self.rope(e, &rp),
+            Op::GetRows { window } => {
+                self.rows(at, e, window, ("k_get_rows", nrows(d), s[0], s[1]))
             }
-            Op::GetRows { window } | Op::SetRows { window } => {
-                let (rows, lo, hi, wat) = window.map_or((0i64, 0i64, 0i64, 0i64), |w| {
-                    (w.rows as i64, w.lo as i64, w.hi as i64, w.at as i64)
-                });
-                let node = at as i32;
-                let (kernel, grid, table, ids) = match e.op {
-                    Op::GetRows { .. } => ("k_get_rows", nrows(d), s[0], s[1]),
-                    _ => ("k_set_rows", nrows(&s[1]), s[1], s[2]),
-                };
-                inner.launch(
-                    kernel,
-                    (grid as u32, 1, 1),
-                    one,
-                    0,
-                    &mut [
-                        arg(d),
-                        arg(&table),
-                        arg(&ids),
-                        arg(&rows),
-                        arg(&lo),
-                        arg(&hi),
-                        arg(&wat),
-                        arg(&inner.fault),
-                        arg(&node),
-                    ],
-                )
+            Op::SetRows { window } => {
+                self.rows(at, e, window, ("k_set_rows", nrows(&s[1]), s[1], s[2]))
             }
             Op::MulMat => self.mul_mat(e),
-            Op::FlashAttn { scale } => {
-                let (q, k, v) = (s[0], s[1], s[2]);
-                let (mask, has) = match s.get(3) {
-                    Some(m) => (*m, 1i32),
-                    None => (Tensor::none(), 0),
-                };
-                let shared = ((q.ne[0] as u32) + 2 * ATTN_BLOCK) * 4;
-                inner.launch(
-                    "k_flash_attn",
-                    (q.ne[1] as u32, q.ne[2] as u32, q.ne[3] as u32),
-                    (ATTN_BLOCK, 1, 1),
-                    shared,
-                    &mut [
-                        arg(d),
-                        arg(&q),
-                        arg(&k),
-                        arg(&v),
-                        arg(&mask),
-                        arg(&has),
-                        arg(&scale),
-                    ],
-                )
-            }
+            Op::FlashAttn { scale } => self.flash_attn(e, scale),
         }
+    }
+
+    /// `cont` / `cpy`: rows of one quantized type copied as bytes, anything else converted
+    /// element by element.
+    fn copy(&self, e: &ExecNode) -> Result<()> {
+        let (inner, one) = (&self.inner, (BLOCK, 1, 1));
+        let (d, s) = (&e.dst, &e.src);
+        let n_dst = e.dst_layout.nelements();
+        let sl = &e.src_layouts[0];
+        if sl.dtype.is_quantized() && sl.dtype == e.dst_layout.dtype {
+            let row = sl.dtype.row_size(sl.ne[0]) as i64;
+            let n = nrows(d) * row as usize;
+            inner.launch(
+                "k_cpy_rows_bytes",
+                (blocks(n), 1, 1),
+                one,
+                0,
+                &mut [arg(d), arg(&s[0]), arg(&row)],
+            )
+        } else {
+            inner.launch(
+                "k_cpy",
+                (blocks(n_dst), 1, 1),
+                one,
+                0,
+                &mut [arg(d), arg(&s[0])],
+            )
+        }
+    }
+
+    /// Unary functions, `scale` and `clamp`: one kernel with an op code and two parameters.
+    fn unary(&self, e: &ExecNode) -> Result<()> {
+        let (d, s) = (&e.dst, &e.src);
+        let (code, p0, p1): (i32, f32, f32) = match e.op {
+            Op::Unary(UnaryOp::Silu) => (0, 0.0, 0.0),
+            Op::Unary(UnaryOp::Gelu) => (1, 0.0, 0.0),
+            Op::Unary(UnaryOp::GeluErf) => (2, 0.0, 0.0),
+            Op::Unary(UnaryOp::Relu) => (3, 0.0, 0.0),
+            Op::Unary(UnaryOp::Tanh) => (4, 0.0, 0.0),
+            Op::Scale { scale, bias } => (5, scale, bias),
+            Op::Clamp { min, max } => (6, min, max),
+            _ => unreachable!("called for unary, scale and clamp only"),
+        };
+        self.inner.launch(
+            "k_unary",
+            (blocks(e.dst_layout.nelements()), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [arg(d), arg(&s[0]), arg(&code), arg(&p0), arg(&p1)],
+        )
+    }
+
+    /// `rope` over the rotated pairs (and the copied tail) of every row.
+    fn rope(&self, e: &ExecNode, rp: &RopeParams) -> Result<()> {
+        let (d, s) = (&e.dst, &e.src);
+        let mode: i32 = match rp.mode {
+            RopeMode::Normal => 0,
+            RopeMode::NeoX => 1,
+        };
+        let n_dims = rp.n_dims as i32;
+        let half = rp.n_dims / 2;
+        let per_row = half + (s[0].ne[0] as usize - 2 * half);
+        let n = nrows(&s[0]) * per_row;
+        self.inner.launch(
+            "k_rope",
+            (blocks(n), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [
+                arg(d),
+                arg(&s[0]),
+                arg(&s[1]),
+                arg(&mode),
+                arg(&n_dims),
+                arg(&rp.freq_base),
+                arg(&rp.freq_scale),
+            ],
+        )
+    }
+
+    /// `get_rows` / `set_rows` of node `at` (`kernel` over `grid` rows of `table` picked by
+    /// `ids`), with its row window; a bad id is reported through the fault record.
+    fn rows(
+        &self,
+        at: usize,
+        e: &ExecNode,
+        window: Option<RowWindow>,
+        (kernel, grid, table, ids): (&str, usize, Tensor, Tensor),
+    ) -> Result<()> {
+        let (inner, d) = (&self.inner, &e.dst);
+        let (rows, lo, hi, wat) = window.map_or((0i64, 0i64, 0i64, 0i64), |w| {
+            (w.rows as i64, w.lo as i64, w.hi as i64, w.at as i64)
+        });
+        let node = at as i32;
+        inner.launch(
+            kernel,
+            (grid as u32, 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [
+                arg(d),
+                arg(&table),
+                arg(&ids),
+                arg(&rows),
+                arg(&lo),
+                arg(&hi),
+                arg(&wat),
+                arg(&inner.fault),
+                arg(&node),
+            ],
+        )
+    }
+
+    /// Fused attention: one block per (query row, head, batch).
+    fn flash_attn(&self, e: &ExecNode, scale: f32) -> Result<()> {
+        let (d, s) = (&e.dst, &e.src);
+        let (q, k, v) = (s[0], s[1], s[2]);
+        let (mask, has) = match s.get(3) {
+            Some(m) => (*m, 1i32),
+            None => (Tensor::none(), 0),
+        };
+        let shared = ((q.ne[0] as u32) + 2 * ATTN_BLOCK) * 4;
+        self.inner.launch(
+            "k_flash_attn",
+            (q.ne[1] as u32, q.ne[2] as u32, q.ne[3] as u32),
+            (ATTN_BLOCK, 1, 1),
+            shared,
+            &mut [
+                arg(d),
+                arg(&q),
+                arg(&k),
+                arg(&v),
+                arg(&mask),
+                arg(&has),
+                arg(&scale),
+            ],
+        )
     }
 
     fn row_reduce(&self, e: &ExecNode, mode: i32, eps: f32) -> Result<()> {
@@ -653,12 +554,15 @@ impl CudaPlan {
         // weights are expanded to f32 and multiplied in f32. Weights already packed in their
         // own 16-bit type are read in place.
         let wl = &e.src_layouts[0];
-        let half = matches!(wl.dtype, DType::F16 | DType::BF16);
-        let (esz, code, cu_type) = match wl.dtype {
-            DType::F16 => (2, 1i32, blas_sys::cudaDataType::CUDA_R_16F),
-            DType::BF16 => (2, 2i32, blas_sys::cudaDataType::CUDA_R_16BF),
-            _ => (4, 0i32, blas_sys::cudaDataType::CUDA_R_32F),
+        let Some((esz, code, cu_type)) = gemm_input(wl.dtype) else {
+            return Err(Error::UnsupportedOp {
+                backend: inner.name(),
+                op: e.op.name().to_string(),
+                node: e.name.clone(),
+                detail: format!("weights of dtype {} are not supported", wl.dtype),
+            });
         };
+        let half = esz == 2;
         let (w2, w3) = (w.ne[2] as usize, w.ne[3] as usize);
         let w_in_place = half && wl.nb[0] == 2 && wl.nb[1].is_multiple_of(2) && wl.nb[1] / 2 >= k;
         let w_elems = if w_in_place { 0 } else { k * n * w2 * w3 };

@@ -1,10 +1,16 @@
-//! The CUDA kernels (`kernels.cu`), their argument types and their compilation by NVRTC: once
-//! per process and compute capability, to PTX for the virtual architecture `compute_XY`, which
-//! the driver turns into machine code for the GPU when the module is loaded.
+//! The CUDA kernels (`kernels.cu`), their argument types, what they take (the dtype codes
+//! they dispatch on, `kernels_for`, and the nodes they compute, `supports_node`) and their
+//! compilation by NVRTC: once per process and compute capability, to PTX for the virtual
+//! architecture `compute_XY`, which the driver turns into machine code for the GPU when the
+//! module is loaded.
 
 use super::libs::{Lib, missing, present};
+use crate::graph::{Graph, TensorId};
+use crate::op::Op;
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
+use cudarc::cublas::sys as blas_sys;
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -47,17 +53,19 @@ pub struct Tensor {
 unsafe impl cudarc::driver::DeviceRepr for Tensor {}
 
 impl Tensor {
-    pub fn new(ptr: u64, layout: &Layout) -> Tensor {
+    /// `layout` at device address `ptr`, or `None` when the kernels have no code for its dtype
+    /// ([`kernels_for`]).
+    pub fn new(ptr: u64, layout: &Layout) -> Option<Tensor> {
         let mut t = Tensor {
             ptr,
-            dtype: dtype_code(layout.dtype),
+            dtype: kernels_for(layout.dtype)?,
             ..Tensor::default()
         };
         for d in 0..4 {
             t.ne[d] = layout.ne[d] as i64;
             t.nb[d] = layout.nb[d] as i64;
         }
-        t
+        Some(t)
     }
 
     /// A stand-in for an absent optional source (a mask): never read.
@@ -69,16 +77,196 @@ impl Tensor {
     }
 }
 
-/// The dtype codes of `kernels.cu` (`T_F32` ...).
-pub fn dtype_code(d: DType) -> i32 {
+/// The code `kernels.cu` dispatches on for `d` (`T_F32` ...: every kernel reads and writes its
+/// operands by this code), or `None` when the kernels do not know the dtype; then
+/// `supports_node` refuses every node that would launch a kernel on it, naming the dtype.
+/// Every `DType` is matched by name: a type added to the table does not compile until it is
+/// answered here, so none reaches a kernel as another type's code.
+pub const fn kernels_for(d: DType) -> Option<i32> {
     match d {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        DType::BF16 => 2,
-        DType::I32 => 3,
-        DType::Q8_0 => 4,
-        DType::Q4_0 => 5,
-        DType::Q4_1 => 6,
+        DType::F32 => Some(0),
+        DType::F16 => Some(1),
+        DType::BF16 => Some(2),
+        DType::I32 => Some(3),
+        DType::Q8_0 => Some(4),
+        DType::Q4_0 => Some(5),
+        DType::Q4_1 => Some(6),
+        #[cfg(test)]
+        DType::FakeQ4x16 => None,
+    }
+}
+
+/// The code of a dtype the kernels know ([`kernels_for`]). Callers pass only such dtypes (the
+/// communicator sums float types); another is a bug, reported by name.
+pub fn dtype_code(d: DType) -> i32 {
+    match kernels_for(d) {
+        Some(code) => code,
+        None => panic!("the CUDA kernels have no code for dtype {d}"),
+    }
+}
+
+/// Threads per block of the attention kernel (kv rows per tile).
+pub(crate) const ATTN_BLOCK: u32 = 128;
+
+/// `Ok` when the kernels compute node `id`; otherwise why not.
+pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String> {
+    let n = g.node(id);
+    let dst = &n.layout;
+    let src: SmallVec<[&Layout; 4]> = n.src.iter().map(|&s| g.layout(s)).collect();
+    let float = |l: &Layout, what: &str| {
+        if matches!(l.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            Ok(())
+        } else {
+            Err(format!("{what} must be f32, f16 or bf16, not {}", l.dtype))
+        }
+    };
+    let launches = !n.op.is_noop() && !matches!(n.op, Op::Collective(_));
+    if launches
+        && let Some(l) = src
+            .iter()
+            .copied()
+            .chain([dst])
+            .find(|l| kernels_for(l.dtype).is_none())
+    {
+        return Err(no_kernels(l));
+    }
+    let packed_blocks = |l: &Layout, what: &str| {
+        if l.dtype.is_quantized() && l.nb[0] != l.dtype.type_size() {
+            Err(format!("quantized {what} rows must be packed"))
+        } else {
+            Ok(())
+        }
+    };
+    match n.op {
+        Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => Ok(()),
+        Op::MulMat => {
+            let (w, x) = (src[0], src[1]);
+            if gemm_input(w.dtype).is_none() {
+                return Err(format!("weights of dtype {} are not supported", w.dtype));
+            }
+            packed_blocks(w, "weight")?;
+            if x.dtype != DType::F32 || dst.dtype != DType::F32 {
+                return Err("src1 and dst must be f32".into());
+            }
+            if !dst.is_contiguous() {
+                return Err("the product's output must be packed".into());
+            }
+            if w.ne[2] == 0 || w.ne[3] == 0 || x.ne[2] % w.ne[2] != 0 || x.ne[3] % w.ne[3] != 0 {
+                return Err("weights must broadcast over dims 2 and 3 of src1".into());
+            }
+            Ok(())
+        }
+        Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Swiglu => {
+            for (i, s) in src.iter().enumerate() {
+                float(s, &format!("source {i}"))?;
+            }
+            float(dst, "the output")
+        }
+        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::Mean => {
+            float(src[0], "the input")?;
+            float(dst, "the output")
+        }
+        Op::SoftMax { .. } => {
+            for (i, s) in src.iter().enumerate() {
+                float(s, &format!("source {i}"))?;
+            }
+            float(dst, "the output")
+        }
+        Op::Argmax => {
+            if src[0].dtype == DType::F32 {
+                Ok(())
+            } else {
+                Err("argmax takes f32".into())
+            }
+        }
+        Op::Rope(_) => {
+            if !matches!(src[0].dtype, DType::F32 | DType::F16) {
+                return Err(format!("rope takes f32 or f16, not {}", src[0].dtype));
+            }
+            float(dst, "the output")
+        }
+        Op::GetRows { .. } => {
+            packed_blocks(src[0], "table")?;
+            if dst.dtype == DType::I32 {
+                return if src[0].dtype == DType::I32 {
+                    Ok(())
+                } else {
+                    Err("an I32 output needs an I32 table".into())
+                };
+            }
+            float(dst, "the output")
+        }
+        Op::SetRows { .. } => {
+            float(dst, "the destination")?;
+            float(src[1], "the rows")
+        }
+        Op::Cont | Op::Cpy => {
+            let s = src[0];
+            packed_blocks(s, "source")?;
+            if dst.dtype.is_quantized() {
+                if s.dtype != dst.dtype
+                    || s.ne[0] != dst.ne[0]
+                    || dst.nb[0] != dst.dtype.type_size()
+                {
+                    return Err(format!(
+                        "a copy into {} needs a packed source of the same type and row length",
+                        dst.dtype
+                    ));
+                }
+                return Ok(());
+            }
+            if s.dtype.is_quantized() && s.ne[0] != dst.ne[0] {
+                return Err("a quantized copy must keep the row length".into());
+            }
+            if (s.dtype == DType::I32) != (dst.dtype == DType::I32) {
+                return Err("I32 copies only to I32".into());
+            }
+            Ok(())
+        }
+        Op::Concat { .. } => {
+            if src[0].dtype != src[1].dtype || src[0].dtype != dst.dtype {
+                return Err("concat operands must share a dtype".into());
+            }
+            float(dst, "the output")
+        }
+        Op::FlashAttn { .. } => {
+            for (i, s) in src.iter().enumerate().take(3) {
+                float(s, &format!("source {i}"))?;
+            }
+            if let Some(m) = src.get(3) {
+                float(m, "the mask")?;
+            }
+            let dv = src[2].ne[0];
+            if dv > 4 * ATTN_BLOCK as usize {
+                return Err(format!(
+                    "value rows of {dv} elements (at most {})",
+                    4 * ATTN_BLOCK
+                ));
+            }
+            float(dst, "the output")
+        }
+        Op::Collective(_) => Err("collectives run in the meta backend, between node ranges".into()),
+    }
+}
+
+/// Why a node on `l` cannot run: the kernels have no code for its dtype.
+pub(crate) fn no_kernels(l: &Layout) -> String {
+    format!("the CUDA kernels have no code for dtype {}", l.dtype)
+}
+
+/// How the GEMM takes weights of `dtype` (bytes per element, the `kernels.cu` code of the dense
+/// copy, the cuBLAS type): F16 and BF16 on tensor cores, every other type with kernels
+/// expanded to f32; `None` for types that are not weights. Every `DType` is matched by name.
+pub(crate) fn gemm_input(dtype: DType) -> Option<(usize, i32, blas_sys::cudaDataType)> {
+    match dtype {
+        DType::F16 => Some((2, 1, blas_sys::cudaDataType::CUDA_R_16F)),
+        DType::BF16 => Some((2, 2, blas_sys::cudaDataType::CUDA_R_16BF)),
+        DType::F32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            Some((4, 0, blas_sys::cudaDataType::CUDA_R_32F))
+        }
+        DType::I32 => None,
+        #[cfg(test)]
+        DType::FakeQ4x16 => None,
     }
 }
 
@@ -156,4 +344,49 @@ pub fn compile(arch: &'static str) -> Result<Arc<String>> {
         .unwrap()
         .insert(arch, ptx.clone());
     Ok(ptx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Graph;
+    use crate::cuda::backend::supports_node;
+
+    #[test]
+    fn every_node_on_a_type_without_a_code_is_refused_naming_it() {
+        // The test builds' fake quantized type has no code: no kernel may read its bytes as
+        // another type's, so products, rows and copies of it are refused, naming it.
+        let fake = DType::FakeQ4x16;
+        assert_eq!(kernels_for(fake), None);
+        let mut g = Graph::new();
+        let w = g.input("w", fake, [64, 4, 1, 1]).unwrap();
+        let x = g.input("x", DType::F32, [64, 3, 1, 1]).unwrap();
+        let ids = g.input("ids", DType::I32, [2, 1, 1, 1]).unwrap();
+        let nodes = [
+            g.mul_mat(w, x).unwrap(),
+            g.get_rows(w, ids).unwrap(),
+            g.cont(w).unwrap(),
+            g.cast(x, fake).unwrap(),
+        ];
+        for id in nodes {
+            let why = supports_node(&g, id).unwrap_err();
+            assert!(
+                why.contains("fake_q4x16"),
+                "{}: {why}",
+                g.node(id).op.name()
+            );
+        }
+        // Leaves and views launch nothing.
+        assert!(supports_node(&g, w).is_ok());
+    }
+
+    #[test]
+    fn codes_are_the_kernels_defines() {
+        for d in DType::ALL {
+            if let Some(code) = kernels_for(d) {
+                let define = format!("#define T_{} {code}", d.name().to_uppercase());
+                assert!(SOURCE.contains(&define), "{define}");
+            }
+        }
+    }
 }

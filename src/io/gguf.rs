@@ -13,9 +13,7 @@
 
 use super::Backing;
 use super::gguf_parse::Parser;
-use super::gguf_types::{
-    GgufArray, GgufValue, ggml_type_label, ggml_type_layout, supported_dtypes,
-};
+use super::gguf_types::{GgufArray, GgufValue, ggml_type, ggml_type_label, supported_dtypes};
 use crate::{DType, Error, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -55,6 +53,17 @@ impl GgufTensorInfo {
     /// "token_embd.weight" style label with the index, for messages.
     pub fn label(&self) -> String {
         format!("tensor info {} ({})", self.index, self.name)
+    }
+
+    /// ggml's name of the tensor's type ("q5_0"), or `None` for an id the type table does not
+    /// know.
+    pub fn type_name(&self) -> Option<&'static str> {
+        ggml_type(self.ggml_type).map(|t| t.name)
+    }
+
+    /// The tensor's type for messages: "q5_0 (id 6)", or "unknown ggml type (id 99)".
+    pub fn type_label(&self) -> String {
+        ggml_type_label(self.ggml_type)
     }
 }
 
@@ -155,7 +164,7 @@ impl GgufFile {
                 format!("{} type", t.label()),
                 format!(
                     "ggml type {} is not supported (supported: {})",
-                    ggml_type_label(t.ggml_type),
+                    t.type_label(),
                     supported_dtypes()
                 ),
             ));
@@ -165,13 +174,10 @@ impl GgufFile {
 
     /// The data bytes of `t` for any type whose layout is known, supported or not.
     pub fn raw_tensor_data(&self, t: &GgufTensorInfo) -> Result<&[u8]> {
-        if ggml_type_layout(t.ggml_type).is_none() {
+        if ggml_type(t.ggml_type).is_none() {
             return Err(self.err(
                 format!("{} type", t.label()),
-                format!(
-                    "{}: the size of its data is unknown",
-                    ggml_type_label(t.ggml_type)
-                ),
+                format!("{}: the size of its data is unknown", t.type_label()),
             ));
         }
         let end = t.offset.checked_add(t.nbytes);

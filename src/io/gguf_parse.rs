@@ -4,7 +4,7 @@
 //! against the bytes left before anything is allocated.
 
 use super::gguf::{DEFAULT_ALIGNMENT, GGUF_MAGIC, GgufTensorInfo, MAX_ARRAY_DEPTH, MAX_DIMS};
-use super::gguf_types::{GgufArray, GgufType, GgufValue, ggml_type_layout};
+use super::gguf_types::{GgufArray, GgufType, GgufValue, ggml_type};
 use crate::{DType, Error, Result};
 use std::collections::HashMap;
 use std::path::Path;
@@ -211,8 +211,28 @@ impl<'a> Parser<'a> {
         Ok(arr)
     }
 
+    /// The whole image: header, metadata, tensor infos, then each tensor's place in the data
+    /// section.
     pub(crate) fn parse(mut self) -> Result<Parsed> {
-        // ---- header ----------------------------------------------------------------------
+        let (version, tensor_count, kv_count) = self.header()?;
+        let (metadata, key_index) = self.metadata(kv_count)?;
+        let alignment = self.alignment(&metadata, &key_index)?;
+        let (mut tensors, raw_offsets, tensor_index) = self.tensor_infos(tensor_count)?;
+        let data_offset = self.place_data(&mut tensors, &raw_offsets, alignment)?;
+        check_overlaps(self.path, &tensors)?;
+        Ok(Parsed {
+            version,
+            alignment,
+            data_offset,
+            metadata,
+            key_index,
+            tensors,
+            tensor_index,
+        })
+    }
+
+    /// Magic, version and the two counts, each count checked against the bytes left.
+    fn header(&mut self) -> Result<(u32, usize, usize)> {
         let magic: [u8; 4] = self.array(&|| "header magic".into())?;
         if magic != GGUF_MAGIC {
             return Err(self.err(
@@ -270,9 +290,15 @@ impl<'a> Parser<'a> {
                 ),
             ));
         }
-        let (tensor_count, kv_count) = (tensor_count as usize, kv_count as usize);
+        Ok((version, tensor_count as usize, kv_count as usize))
+    }
 
-        // ---- metadata --------------------------------------------------------------------
+    /// `kv_count` key-values in file order, and each key's position (duplicates refused).
+    #[allow(clippy::type_complexity)]
+    fn metadata(
+        &mut self,
+        kv_count: usize,
+    ) -> Result<(Vec<(String, GgufValue)>, HashMap<String, usize>)> {
         let mut metadata = Vec::with_capacity(kv_count);
         let mut key_index = HashMap::with_capacity(kv_count);
         for i in 0..kv_count {
@@ -289,81 +315,113 @@ impl<'a> Parser<'a> {
             key_index.insert(key.clone(), i);
             metadata.push((key, value));
         }
-        let alignment = match key_index.get("general.alignment") {
-            None => DEFAULT_ALIGNMENT,
-            Some(&i) => match metadata[i].1 {
-                GgufValue::U32(a) if a != 0 && a.is_power_of_two() => a as usize,
-                ref v => {
-                    return Err(self.err(
-                        "metadata key 'general.alignment' value",
-                        format!("expected a u32 power of two, found {}", v.describe()),
-                    ));
-                }
-            },
-        };
+        Ok((metadata, key_index))
+    }
 
-        // ---- tensor infos ----------------------------------------------------------------
+    /// `general.alignment`, a u32 power of two, or the default.
+    fn alignment(
+        &self,
+        metadata: &[(String, GgufValue)],
+        key_index: &HashMap<String, usize>,
+    ) -> Result<usize> {
+        match key_index.get("general.alignment") {
+            None => Ok(DEFAULT_ALIGNMENT),
+            Some(&i) => match metadata[i].1 {
+                GgufValue::U32(a) if a != 0 && a.is_power_of_two() => Ok(a as usize),
+                ref v => Err(self.err(
+                    "metadata key 'general.alignment' value",
+                    format!("expected a u32 power of two, found {}", v.describe()),
+                )),
+            },
+        }
+    }
+
+    /// `tensor_count` tensor infos (not yet placed: offsets and sizes are filled in by
+    /// [`Parser::place_data`]), their offsets relative to the data section, and each name's
+    /// position (duplicates refused).
+    #[allow(clippy::type_complexity)]
+    fn tensor_infos(
+        &mut self,
+        tensor_count: usize,
+    ) -> Result<(Vec<GgufTensorInfo>, Vec<u64>, HashMap<String, usize>)> {
         let mut tensors = Vec::with_capacity(tensor_count);
         let mut raw_offsets = Vec::with_capacity(tensor_count);
         let mut tensor_index: HashMap<String, usize> = HashMap::with_capacity(tensor_count);
         for i in 0..tensor_count {
-            let name = self.string(&|| format!("tensor info {i} name"))?;
-            let label = format!("tensor info {i} ({name})");
-            let f = |what: &'static str| {
-                let label = label.clone();
-                move || format!("{label} {what}")
-            };
-            let n_dims = self.u32(&f("n_dims"))? as usize;
-            if n_dims == 0 || n_dims > MAX_DIMS {
+            let (info, offset) = self.tensor_info(i)?;
+            if let Some(&prev) = tensor_index.get(&info.name) {
                 return Err(self.err(
-                    f("n_dims")(),
-                    format!("{n_dims} dimensions; expected 1 to {MAX_DIMS}"),
-                ));
-            }
-            let mut ne = [1usize; 4];
-            let mut total: u64 = 1;
-            for (d, slot) in ne.iter_mut().enumerate().take(n_dims) {
-                let dim = self.u64(&|| format!("{label} dimension {d}"))?;
-                if dim == 0 {
-                    return Err(self.err(format!("{label} dimension {d}"), "dimension is 0"));
-                }
-                total = total
-                    .checked_mul(dim)
-                    .filter(|&t| t <= i64::MAX as u64 && usize::try_from(t).is_ok())
-                    .ok_or_else(|| {
-                        self.err(
-                            format!("{label} dimension {d}"),
-                            format!("element count overflows (dimension {dim})"),
-                        )
-                    })?;
-                *slot = dim as usize;
-            }
-            let ggml_type = self.u32(&f("type"))?;
-            let offset = self.u64(&f("offset"))?;
-            if let Some(&prev) = tensor_index.get(&name) {
-                return Err(self.err(
-                    f("name")(),
+                    format!("{} name", info.label()),
                     format!("duplicate tensor name (first used by tensor info {prev})"),
                 ));
             }
-            tensor_index.insert(name.clone(), i);
+            tensor_index.insert(info.name.clone(), i);
             raw_offsets.push(offset);
-            tensors.push(GgufTensorInfo {
-                name,
-                index: i,
-                ggml_type,
-                dtype: DType::from_ggml_type(ggml_type),
-                n_dims,
-                ne,
-                offset: 0,
-                nbytes: 0,
-            });
+            tensors.push(info);
         }
+        Ok((tensors, raw_offsets, tensor_index))
+    }
 
-        // ---- data section ----------------------------------------------------------------
+    /// Tensor info `i`: name, dimensions (each non-zero, their product addressable), type, and
+    /// its offset relative to the data section.
+    fn tensor_info(&mut self, i: usize) -> Result<(GgufTensorInfo, u64)> {
+        let name = self.string(&|| format!("tensor info {i} name"))?;
+        let label = format!("tensor info {i} ({name})");
+        let f = |what: &'static str| {
+            let label = label.clone();
+            move || format!("{label} {what}")
+        };
+        let n_dims = self.u32(&f("n_dims"))? as usize;
+        if n_dims == 0 || n_dims > MAX_DIMS {
+            return Err(self.err(
+                f("n_dims")(),
+                format!("{n_dims} dimensions; expected 1 to {MAX_DIMS}"),
+            ));
+        }
+        let mut ne = [1usize; 4];
+        let mut total: u64 = 1;
+        for (d, slot) in ne.iter_mut().enumerate().take(n_dims) {
+            let dim = self.u64(&|| format!("{label} dimension {d}"))?;
+            if dim == 0 {
+                return Err(self.err(format!("{label} dimension {d}"), "dimension is 0"));
+            }
+            total = total
+                .checked_mul(dim)
+                .filter(|&t| t <= i64::MAX as u64 && usize::try_from(t).is_ok())
+                .ok_or_else(|| {
+                    self.err(
+                        format!("{label} dimension {d}"),
+                        format!("element count overflows (dimension {dim})"),
+                    )
+                })?;
+            *slot = dim as usize;
+        }
+        let ggml_type = self.u32(&f("type"))?;
+        let offset = self.u64(&f("offset"))?;
+        let info = GgufTensorInfo {
+            name,
+            index: i,
+            ggml_type,
+            dtype: DType::from_ggml_type(ggml_type),
+            n_dims,
+            ne,
+            offset: 0,
+            nbytes: 0,
+        };
+        Ok((info, offset))
+    }
+
+    /// The data section's offset (after the infos, aligned), and each tensor's absolute offset
+    /// and byte size (for types the table knows), checked to lie in the file.
+    fn place_data(
+        &self,
+        tensors: &mut [GgufTensorInfo],
+        raw_offsets: &[u64],
+        alignment: usize,
+    ) -> Result<usize> {
         let data_offset = self.pos.div_ceil(alignment) * alignment;
         let file_len = self.buf.len();
-        if tensor_count > 0 && data_offset > file_len {
+        if !tensors.is_empty() && data_offset > file_len {
             return Err(self.err(
                 "data section",
                 format!(
@@ -372,67 +430,72 @@ impl<'a> Parser<'a> {
                 ),
             ));
         }
-        for (t, &rel) in tensors.iter_mut().zip(&raw_offsets) {
-            let label = t.label();
-            if rel % alignment as u64 != 0 {
-                return Err(self.err(
-                    format!("{label} offset"),
-                    format!("offset {rel} is not a multiple of the alignment {alignment}"),
-                ));
-            }
-            let abs = usize::try_from(rel)
-                .ok()
-                .and_then(|r| r.checked_add(data_offset))
-                .filter(|&a| a <= file_len)
-                .ok_or_else(|| {
-                    self.err(
-                        format!("{label} offset"),
-                        format!(
-                            "data offset {rel} (absolute {}) is past the end of the file \
-                             ({file_len} bytes)",
-                            rel as u128 + data_offset as u128
-                        ),
-                    )
-                })?;
-            t.offset = abs;
-            let Some(layout) = ggml_type_layout(t.ggml_type) else {
-                continue; // size unknown: metadata stays readable, data access errors
-            };
-            if t.ne[0] % layout.block_size != 0 {
-                return Err(self.err(
-                    format!("{label} dimension 0"),
-                    format!(
-                        "row length {} is not a multiple of the {} block size {}",
-                        t.ne[0], layout.name, layout.block_size
-                    ),
-                ));
-            }
-            let nbytes = (t.n_elements() / layout.block_size)
-                .checked_mul(layout.type_size)
-                .ok_or_else(|| self.err(format!("{label} size"), "byte size overflows"))?;
-            if nbytes > file_len - abs {
-                return Err(self.err(
-                    format!("{label} data"),
-                    format!(
-                        "file is truncated: {} {:?} needs {nbytes} bytes at offset {abs}, past \
-                         the end of the file ({file_len} bytes)",
-                        layout.name,
-                        &t.ne[..t.n_dims]
-                    ),
-                ));
-            }
-            t.nbytes = nbytes;
+        for (t, &rel) in tensors.iter_mut().zip(raw_offsets) {
+            self.place_tensor(t, rel, data_offset, alignment)?;
         }
-        check_overlaps(self.path, &tensors)?;
-        Ok(Parsed {
-            version,
-            alignment,
-            data_offset,
-            metadata,
-            key_index,
-            tensors,
-            tensor_index,
-        })
+        Ok(data_offset)
+    }
+
+    /// Tensor `t`'s absolute offset from `rel`, and its byte size when the table knows its type
+    /// (else 0: its metadata stays readable, data access is an error naming the type).
+    fn place_tensor(
+        &self,
+        t: &mut GgufTensorInfo,
+        rel: u64,
+        data_offset: usize,
+        alignment: usize,
+    ) -> Result<()> {
+        let file_len = self.buf.len();
+        let label = t.label();
+        if !rel.is_multiple_of(alignment as u64) {
+            return Err(self.err(
+                format!("{label} offset"),
+                format!("offset {rel} is not a multiple of the alignment {alignment}"),
+            ));
+        }
+        let abs = usize::try_from(rel)
+            .ok()
+            .and_then(|r| r.checked_add(data_offset))
+            .filter(|&a| a <= file_len)
+            .ok_or_else(|| {
+                self.err(
+                    format!("{label} offset"),
+                    format!(
+                        "data offset {rel} (absolute {}) is past the end of the file \
+                         ({file_len} bytes)",
+                        rel as u128 + data_offset as u128
+                    ),
+                )
+            })?;
+        t.offset = abs;
+        let Some(layout) = ggml_type(t.ggml_type) else {
+            return Ok(()); // size unknown: metadata stays readable, data access errors
+        };
+        if !t.ne[0].is_multiple_of(layout.block_size) {
+            return Err(self.err(
+                format!("{label} dimension 0"),
+                format!(
+                    "row length {} is not a multiple of the {} block size {}",
+                    t.ne[0], layout.name, layout.block_size
+                ),
+            ));
+        }
+        let nbytes = (t.n_elements() / layout.block_size)
+            .checked_mul(layout.type_size)
+            .ok_or_else(|| self.err(format!("{label} size"), "byte size overflows"))?;
+        if nbytes > file_len - abs {
+            return Err(self.err(
+                format!("{label} data"),
+                format!(
+                    "file is truncated: {} {:?} needs {nbytes} bytes at offset {abs}, past \
+                     the end of the file ({file_len} bytes)",
+                    layout.name,
+                    &t.ne[..t.n_dims]
+                ),
+            ));
+        }
+        t.nbytes = nbytes;
+        Ok(())
     }
 }
 

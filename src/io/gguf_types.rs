@@ -1,11 +1,11 @@
-//! GGUF value model: metadata value types and values (scalars, strings, nested arrays), and the
-//! table of ggml tensor type layouts (block size and bytes per block) used to size tensor data.
+//! GGUF value model: metadata value types and values (scalars, strings, nested arrays). Tensor
+//! types (ids, names, block layouts used to size tensor data) are the type table of
+//! `dtype/table.rs`, re-exported here.
 //!
-//! Value type ids follow ggml's `docs/gguf.md` (`enum gguf_metadata_value_type`); tensor type
-//! ids and block layouts follow ggml's `enum ggml_type` and the block structs in
-//! `ggml-common.h` (the same figures as gguf-py's `GGML_QUANT_SIZES`).
+//! Value type ids follow ggml's `docs/gguf.md` (`enum gguf_metadata_value_type`).
 
 use crate::DType;
+pub use crate::dtype::{GgmlType, ggml_type, ggml_type_label};
 
 /// The type tag of a metadata value (`gguf_metadata_value_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -319,73 +319,6 @@ impl GgufArray {
     }
 }
 
-/// How a ggml tensor type lays out its data: `block_size` elements per block of
-/// `type_size` bytes, along ne[0].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GgmlTypeLayout {
-    pub name: &'static str,
-    pub block_size: usize,
-    pub type_size: usize,
-}
-
-/// `(id, name, block_size, type_size)` for every ggml type id that files can contain. Ids 4, 5
-/// (Q4_2, Q4_3), 31-33 and 36-38 (repacked CPU layouts) were removed from ggml and are
-/// unknown here. Q8_1 is ggml-common.h's 36-byte `block_q8_1` (half d, half s, 32 int8).
-const GGML_TYPES: &[(u32, &str, usize, usize)] = &[
-    (0, "f32", 1, 4),
-    (1, "f16", 1, 2),
-    (2, "q4_0", 32, 18),
-    (3, "q4_1", 32, 20),
-    (6, "q5_0", 32, 22),
-    (7, "q5_1", 32, 24),
-    (8, "q8_0", 32, 34),
-    (9, "q8_1", 32, 36),
-    (10, "q2_k", 256, 84),
-    (11, "q3_k", 256, 110),
-    (12, "q4_k", 256, 144),
-    (13, "q5_k", 256, 176),
-    (14, "q6_k", 256, 210),
-    (15, "q8_k", 256, 292),
-    (16, "iq2_xxs", 256, 66),
-    (17, "iq2_xs", 256, 74),
-    (18, "iq3_xxs", 256, 98),
-    (19, "iq1_s", 256, 50),
-    (20, "iq4_nl", 32, 18),
-    (21, "iq3_s", 256, 110),
-    (22, "iq2_s", 256, 82),
-    (23, "iq4_xs", 256, 136),
-    (24, "i8", 1, 1),
-    (25, "i16", 1, 2),
-    (26, "i32", 1, 4),
-    (27, "i64", 1, 8),
-    (28, "f64", 1, 8),
-    (29, "iq1_m", 256, 56),
-    (30, "bf16", 1, 2),
-    (34, "tq1_0", 256, 54),
-    (35, "tq2_0", 256, 66),
-    (39, "mxfp4", 32, 17),
-];
-
-/// The layout of ggml type `id`, or `None` for an id this reader does not know.
-pub fn ggml_type_layout(id: u32) -> Option<GgmlTypeLayout> {
-    GGML_TYPES
-        .iter()
-        .find(|t| t.0 == id)
-        .map(|&(_, name, block_size, type_size)| GgmlTypeLayout {
-            name,
-            block_size,
-            type_size,
-        })
-}
-
-/// "q4_k (id 12)" or "unknown (id 99)", for messages.
-pub fn ggml_type_label(id: u32) -> String {
-    match ggml_type_layout(id) {
-        Some(l) => format!("{} (id {id})", l.name),
-        None => format!("unknown ggml type (id {id})"),
-    }
-}
-
 /// The DTypes metashard computes with, as a list for messages.
 pub(crate) fn supported_dtypes() -> String {
     DType::ALL
@@ -398,16 +331,6 @@ pub(crate) fn supported_dtypes() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dtype_layouts_agree_with_the_ggml_table() {
-        for d in DType::ALL {
-            let l = ggml_type_layout(d.ggml_type()).expect("every DType has a ggml id");
-            assert_eq!(l.name, d.name());
-            assert_eq!(l.block_size, d.block_size(), "{d}");
-            assert_eq!(l.type_size, d.type_size(), "{d}");
-        }
-    }
 
     #[test]
     fn value_type_ids_round_trip() {

@@ -11,7 +11,7 @@ pub mod safetensors;
 
 pub use config::JsonConfig;
 pub use gguf::{GgufFile, GgufTensorInfo};
-pub use gguf_types::{GgmlTypeLayout, GgufArray, GgufType, GgufValue, ggml_type_layout};
+pub use gguf_types::{GgmlType, GgufArray, GgufType, GgufValue, ggml_type, ggml_type_label};
 pub use gguf_writer::GgufWriter;
 pub use safetensors::{SafetensorsFile, SafetensorsTensorInfo};
 

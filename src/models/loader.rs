@@ -99,7 +99,7 @@ fn dtype_of(g: &GgufFile, t: &GgufTensorInfo) -> Result<DType> {
             format!(
                 "tensor `{}` has ggml type {}, which metashard cannot run (supported: {})",
                 t.name,
-                crate::io::gguf_types::ggml_type_label(t.ggml_type),
+                t.type_label(),
                 DType::WEIGHT_TYPES
                     .iter()
                     .map(|d| d.name())

@@ -29,6 +29,7 @@
 //!   can be copied in as is.
 
 use super::cluster::{Cluster, CollectiveFit, DeviceProfile, LinkLevel, Links};
+use crate::DType;
 use std::collections::BTreeMap;
 
 /// Names [`Cluster::preset`] knows, in the order `metashard` lists them.
@@ -140,10 +141,16 @@ const RTX4090_F32_FLOPS: f64 = 0.8 * 82.6e12;
 const GPU_NODE_OVERHEAD_S: f64 = 4e-6;
 const GPU_STEP_OVERHEAD_S: f64 = 20e-6;
 
-/// One logical CPU device of `cpu:2x1` on the test machine (SRC_NETNS): rates by weight type
-/// in the order f32, f16, bf16, q8_0, q4_0, q4_1.
-const NETNS_GEMV_BW: [f64; 6] = [15.40e9, 13.83e9, 13.14e9, 12.21e9, 4.75e9, 5.66e9];
-const NETNS_GEMM_FLOPS: [f64; 6] = [77.65e9, 44.15e9, 71.71e9, 75.03e9, 70.90e9, 76.60e9];
+/// One logical CPU device of `cpu:2x1` on the test machine (SRC_NETNS): GEMV bandwidth and GEMM
+/// FLOP/s by weight type, as measured (a type measured later is added here).
+const NETNS_RATES: [(DType, f64, f64); 6] = [
+    (DType::F32, 15.40e9, 77.65e9),
+    (DType::F16, 13.83e9, 44.15e9),
+    (DType::BF16, 13.14e9, 71.71e9),
+    (DType::Q8_0, 12.21e9, 75.03e9),
+    (DType::Q4_0, 4.75e9, 70.90e9),
+    (DType::Q4_1, 5.66e9, 76.60e9),
+];
 /// Host memory available to each of the 2 devices (`MemAvailable` / 2), bytes.
 const NETNS_MEMORY: u64 = 12_242_864_128;
 const NETNS_MEM_BW: f64 = 7.03e9;
@@ -151,14 +158,18 @@ const NETNS_STEP_OVERHEAD_S: f64 = 48.1e-6;
 const NETNS_NODE_OVERHEAD_S: f64 = 0.44e-6;
 
 fn netns_cpu(name: &str) -> DeviceProfile {
-    let types = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"];
-    let map = |v: [f64; 6]| types.iter().map(|t| t.to_string()).zip(v).collect();
+    let rates = |pick: fn(&(DType, f64, f64)) -> f64| {
+        NETNS_RATES
+            .iter()
+            .map(|r| (r.0.name().to_string(), pick(r)))
+            .collect()
+    };
     DeviceProfile {
         name: name.to_string(),
         memory_bytes: NETNS_MEMORY,
         mem_bw: NETNS_MEM_BW,
-        gemv_bw: map(NETNS_GEMV_BW),
-        gemm_flops: map(NETNS_GEMM_FLOPS),
+        gemv_bw: rates(|r| r.1),
+        gemm_flops: rates(|r| r.2),
         step_overhead_s: NETNS_STEP_OVERHEAD_S,
         node_overhead_s: NETNS_NODE_OVERHEAD_S,
     }
@@ -181,19 +192,24 @@ fn measured_level(kind: &str, ar: (f64, f64), ag: (f64, f64), rs: (f64, f64)) ->
 }
 
 /// A GPU whose GEMV rates follow from its copy bandwidth and whose GEMM rates are the BF16
-/// figure for 16-bit and quantized weights (see the module doc).
+/// figure for 16-bit and quantized weights (see the module doc), for every weight type of the
+/// type table.
 fn gpu(name: &str, memory: f64, copy_bw: f64, bf16_flops: f64, f32_flops: f64) -> DeviceProfile {
     let mut gemv_bw = BTreeMap::new();
     let mut gemm_flops = BTreeMap::new();
-    for t in ["f32", "f16", "bf16"] {
-        gemv_bw.insert(t.to_string(), GEMV_FLOAT_SHARE * copy_bw);
-    }
-    for t in ["q8_0", "q4_0", "q4_1"] {
-        gemv_bw.insert(t.to_string(), GEMV_QUANT_SHARE * copy_bw);
-    }
-    gemm_flops.insert("f32".to_string(), f32_flops);
-    for t in ["f16", "bf16", "q8_0", "q4_0", "q4_1"] {
-        gemm_flops.insert(t.to_string(), bf16_flops);
+    for &t in DType::WEIGHT_TYPES {
+        let share = if t.is_quantized() {
+            GEMV_QUANT_SHARE
+        } else {
+            GEMV_FLOAT_SHARE
+        };
+        gemv_bw.insert(t.name().to_string(), share * copy_bw);
+        let flops = if t == DType::F32 {
+            f32_flops
+        } else {
+            bf16_flops
+        };
+        gemm_flops.insert(t.name().to_string(), flops);
     }
     DeviceProfile {
         name: name.to_string(),
@@ -374,7 +390,6 @@ impl Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DType;
     use crate::planner::Collective;
 
     #[test]
@@ -426,6 +441,21 @@ mod tests {
             "{} vs {}",
             host.comm_s,
             two.comm_s
+        );
+    }
+
+    #[test]
+    fn gpu_presets_price_every_weight_type_of_the_table() {
+        // Derived from the type table: the test builds' fake type is priced too.
+        let d = &Cluster::preset("h100x8-nvswitch").unwrap().devices[0];
+        for &t in DType::WEIGHT_TYPES {
+            assert!(d.gemv_bw.contains_key(t.name()) && d.gemm_flops.contains_key(t.name()));
+        }
+        let fake = DType::FakeQ4x16;
+        assert_eq!(d.gemv(fake), d.gemv(DType::Q4_0));
+        assert_eq!(
+            d.gemm(DType::F32) < d.gemm(fake),
+            d.gemm(DType::F32) < d.gemm(DType::BF16)
         );
     }
 

@@ -122,7 +122,7 @@ impl ModelShape {
                 model: path.display().to_string(),
                 reason: format!(
                     "tensor `{name}` has ggml type {}, which metashard cannot run",
-                    crate::io::gguf_types::ggml_type_label(t.ggml_type)
+                    t.type_label()
                 ),
             })
         };

@@ -3,13 +3,19 @@
 //! remainder rotated between devices (so layer l's extra units go to device `l mod n` first and
 //! no device is always the one holding them).
 
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 
 /// The unit extents are made of: whole blocks, whole heads, whole GQA groups...
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Granularity(pub usize);
 
 impl Granularity {
+    /// The unit a split along `axis` of a tensor of `dtype` keeps whole: the type's block
+    /// (from the type table) on axis 0, where blocks lie, one element on the other axes.
+    pub fn of_axis(dtype: DType, axis: usize) -> Granularity {
+        Granularity(if axis == 0 { dtype.block_size() } else { 1 })
+    }
+
     /// The least common multiple of two granularities (a slice that is whole in both).
     pub fn and(self, o: Granularity) -> Granularity {
         let (a, b) = (self.0.max(1), o.0.max(1));
@@ -134,6 +140,13 @@ mod tests {
         // Finite ratios whose sum is not: an error, not a split of NaN shares.
         assert!(split_ratios(10, &[f64::MAX, f64::MAX], Granularity(1), 0).is_err());
         assert_eq!(Granularity(64).and(Granularity(32)), Granularity(64));
+        // Blocks come from the type: the test builds' fake type has blocks of 16.
+        assert_eq!(Granularity::of_axis(DType::Q4_0, 0), Granularity(32));
+        assert_eq!(Granularity::of_axis(DType::FakeQ4x16, 0), Granularity(16));
+        assert_eq!(Granularity::of_axis(DType::Q4_0, 1), Granularity(1));
+        assert_eq!(Granularity::of_axis(DType::F16, 0), Granularity(1));
+        let g = Granularity::of_axis(DType::FakeQ4x16, 0);
+        assert_eq!(split_even(80, 2, g, 0).unwrap(), vec![48, 32]);
         assert_eq!(Granularity(192).and(Granularity(32)), Granularity(192));
     }
 }

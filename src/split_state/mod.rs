@@ -268,9 +268,8 @@ impl SplitState {
                 layout.ne[k]
             )));
         }
-        let bs = layout.dtype.block_size();
-        if k == 0
-            && bs > 1
+        let bs = Granularity::of_axis(layout.dtype, k).0;
+        if bs > 1
             && let Some(e) = self.extents.iter().find(|&&e| e % bs != 0)
         {
             return Err(err(format!(
@@ -349,5 +348,21 @@ mod tests {
         assert!(e.contains("for 1 devices"), "{e}");
         // Zero extents are fine.
         SplitState::axis(1, &[0, 8]).validate("w", &l, 2).unwrap();
+    }
+
+    #[test]
+    fn whole_blocks_are_the_dtype_s_blocks() {
+        // The test builds' fake type has blocks of 16: [16, 48] is whole blocks for it, not for
+        // Q4_0 (blocks of 32, above); [8, 56] is not, and the error names the type and its block.
+        let l = Layout::contiguous(DType::FakeQ4x16, [64, 8, 1, 1]);
+        SplitState::axis(0, &[16, 48]).validate("w", &l, 2).unwrap();
+        let e = SplitState::axis(0, &[8, 56])
+            .validate("w", &l, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("fake_q4x16 rows") && e.contains("whole blocks of 16"),
+            "{e}"
+        );
     }
 }

@@ -95,7 +95,7 @@ const FUSED_MAX_M: usize = 8;
 /// Whether `mul_mat(src0, src1)` at `precision` quantizes the activations to 8 bits (false for
 /// float weights, and for every product at [`Precision::Exact`]).
 pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
-    src0.dtype.is_quantized() && precision == Precision::Q8
+    matches!(kernels_for(src0.dtype), Some(Weights::Quant(_))) && precision == Precision::Q8
 }
 
 /// Activation rows the fused kernels multiply per pass over an item's weights: as many as
@@ -121,12 +121,51 @@ pub(crate) enum FloatW {
     BF16,
 }
 
-/// Quantized weight types of the integer kernels.
+/// Quantized weight types of the fused and integer kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum QuantW {
     Q8_0,
     Q4_0,
     Q4_1,
+}
+
+/// The kernels that multiply weights of one dtype, chosen once per node by [`kernels_for`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Weights {
+    Float(FloatW),
+    Quant(QuantW),
+}
+
+impl Weights {
+    /// The dtype these kernels read (the inverse of [`kernels_for`]).
+    pub(crate) const fn dtype(self) -> DType {
+        match self {
+            Weights::Float(FloatW::F32) => DType::F32,
+            Weights::Float(FloatW::F16) => DType::F16,
+            Weights::Float(FloatW::BF16) => DType::BF16,
+            Weights::Quant(QuantW::Q8_0) => DType::Q8_0,
+            Weights::Quant(QuantW::Q4_0) => DType::Q4_0,
+            Weights::Quant(QuantW::Q4_1) => DType::Q4_1,
+        }
+    }
+}
+
+/// The CPU `mul_mat` kernels for weights of `dtype`, or `None` where the CPU has none (then
+/// [`supports`] refuses the node, naming the dtype). Every `DType` is matched by name: a type
+/// added to the table does not compile until it is answered here, and none falls through to
+/// another type's kernels.
+pub(crate) const fn kernels_for(dtype: DType) -> Option<Weights> {
+    match dtype {
+        DType::F32 => Some(Weights::Float(FloatW::F32)),
+        DType::F16 => Some(Weights::Float(FloatW::F16)),
+        DType::BF16 => Some(Weights::Float(FloatW::BF16)),
+        DType::Q8_0 => Some(Weights::Quant(QuantW::Q8_0)),
+        DType::Q4_0 => Some(Weights::Quant(QuantW::Q4_0)),
+        DType::Q4_1 => Some(Weights::Quant(QuantW::Q4_1)),
+        DType::I32 => None,
+        #[cfg(test)]
+        DType::FakeQ4x16 => None,
+    }
 }
 
 /// Ok(()) if the CPU kernels handle these operands, else Err(reason).
@@ -137,10 +176,7 @@ pub fn supports(src0: &TensorView, src1: &TensorView, dst: &TensorView) -> Resul
             src0.dtype, src0.ne, src1.dtype, src1.ne, dst.dtype, dst.ne
         )
     };
-    if !matches!(
-        src0.dtype,
-        DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1
-    ) {
+    if kernels_for(src0.dtype).is_none() {
         return Err(format!(
             "weights of dtype {} are not supported ({})",
             src0.dtype,
@@ -179,10 +215,11 @@ pub fn supports(src0: &TensorView, src1: &TensorView, dst: &TensorView) -> Resul
             shapes()
         ));
     }
-    if src0.dtype.is_quantized() && k % quant::QK != 0 {
+    if !k.is_multiple_of(src0.dtype.block_size()) {
         return Err(format!(
-            "{} rows must be whole blocks of 32 ({})",
+            "{} rows must be whole blocks of {} ({})",
             src0.dtype,
+            src0.dtype.block_size(),
             shapes()
         ));
     }
@@ -204,7 +241,10 @@ pub fn work_size(
     nth: usize,
     precision: Precision,
 ) -> usize {
-    let p = Plan::new(src0, src1, dst, nth.max(1), precision);
+    let Some(w) = kernels_for(src0.dtype) else {
+        return 0; // refused by `supports`: never run
+    };
+    let p = Plan::new(w, src0, src1, dst, nth.max(1), precision);
     p.shared + p.nth * p.per_thread
 }
 
@@ -222,10 +262,12 @@ pub fn forward_with(
     src1: &TensorView,
     dst: &TensorView,
 ) {
-    if let Err(e) = supports(src0, src1, dst) {
-        panic!("mul_mat: forward called on unsupported operands: {e}");
-    }
-    let plan = Plan::new(src0, src1, dst, p.nth, p.precision);
+    let w = match (supports(src0, src1, dst), kernels_for(src0.dtype)) {
+        (Ok(()), Some(w)) => w,
+        (Err(e), _) => panic!("mul_mat: forward called on unsupported operands: {e}"),
+        (Ok(()), None) => unreachable!("supports refuses weights without kernels"),
+    };
+    let plan = Plan::new(w, src0, src1, dst, p.nth, p.precision);
     let need = plan.shared + plan.nth * plan.per_thread;
     assert!(
         p.wsize >= need && (need == 0 || !p.wdata.is_null()),
@@ -282,12 +324,15 @@ enum Path {
     Nothing,
     /// K == 0: every output is an empty sum.
     Zero,
-    /// Float kernels or GEMM; `convert`: weights go through per-thread f32 scratch.
-    Float { gemm: bool, convert: bool },
+    /// Float tiles of `wt`, or the GEMM (then `wt` is F32), reading the weights in place.
+    Direct { wt: FloatW, gemm: bool },
+    /// Weights of `w` converted to f32 chunk by chunk in per-thread scratch, then float tiles
+    /// or the GEMM.
+    Convert { w: Weights, gemm: bool },
     /// Quantized weights dequantized in registers, f32 activations ([`qf32`]).
-    Fused,
+    Fused(QuantW),
     /// Integer kernels on quantized activations.
-    Quant,
+    Quant(QuantW),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -330,6 +375,7 @@ struct Plan {
 
 impl Plan {
     fn new(
+        w: Weights,
         src0: &TensorView,
         src1: &TensorView,
         dst: &TensorView,
@@ -339,31 +385,28 @@ impl Plan {
         let [k, n, ne02, ne03] = src0.ne;
         let [_, m, ne12, ne13] = src1.ne;
         let batches = ne12 * ne13;
-        let quantized = src0.dtype.is_quantized();
+        let gemm = use_gemm(m, k);
+        let f32_rows = w == Weights::Float(FloatW::F32) && src0.nb[1..].iter().all(|b| b % 4 == 0);
         let path = if dst.nelements() == 0 {
             Path::Nothing
         } else if k == 0 {
             Path::Zero
-        } else if quantizes_activations(src0, precision) {
-            Path::Quant
-        } else if quantized && m <= FUSED_MAX_M {
-            Path::Fused
         } else {
-            let gemm = use_gemm(m, k);
-            let f32_rows = src0.dtype == DType::F32 && src0.nb[1..].iter().all(|b| b % 4 == 0);
-            Path::Float {
-                gemm,
-                convert: quantized || (gemm && !f32_rows),
+            match w {
+                Weights::Quant(q) if precision == Precision::Q8 => Path::Quant(q),
+                Weights::Quant(q) if m <= FUSED_MAX_M => Path::Fused(q),
+                Weights::Float(wt) if !gemm || f32_rows => Path::Direct { wt, gemm },
+                Weights::Quant(_) | Weights::Float(_) => Path::Convert { w, gemm },
             }
         };
         let rows1 = m * batches;
         let src1_direct = src1.nb[0] == 4 && src1.nb[1..].iter().all(|b| b % 4 == 0);
         let (src1_mode, shared) = match path {
-            Path::Quant => {
+            Path::Quant(_) => {
                 let lay = ActLayout::new(k);
                 (Src1::Quant(lay), rows1 * lay.row_bytes)
             }
-            Path::Float { .. } | Path::Fused if !src1_direct => {
+            Path::Direct { .. } | Path::Convert { .. } | Path::Fused(_) if !src1_direct => {
                 let ld = k.next_multiple_of(16);
                 (Src1::Gather { ld }, rows1 * ld * 4)
             }
@@ -371,10 +414,7 @@ impl Plan {
         };
         let conv_ld = k.next_multiple_of(16);
         let (conv_rows, per_thread) = match path {
-            Path::Float {
-                gemm,
-                convert: true,
-            } => {
+            Path::Convert { gemm, .. } => {
                 let rows = if gemm {
                     (CONV_BYTES / (4 * conv_ld) / TILE_N * TILE_N).max(TILE_N)
                 } else {
@@ -457,12 +497,7 @@ unsafe fn run_item(
             .cast_const();
         let d = dst.row_ptr(it.m0, it.i2, it.i3).cast::<f32>().add(it.n0);
         let ldd = dst.nb[1] / 4;
-        if let (Path::Quant, Src1::Quant(lay)) = (plan.path, plan.src1) {
-            let wt = match src0.dtype {
-                DType::Q8_0 => QuantW::Q8_0,
-                DType::Q4_0 => QuantW::Q4_0,
-                _ => QuantW::Q4_1,
-            };
+        if let (Path::Quant(wt), Src1::Quant(lay)) = (plan.path, plan.src1) {
             // Chunks of Q_CHUNK_M activation rows (~5 bytes per element: 320 KiB at K = 4096)
             // stay in L2 while the item's weight rows stream past them.
             let mut mc = 0;
@@ -492,12 +527,7 @@ unsafe fn run_item(
                 src1.nb[1] / 4,
             ),
         };
-        if plan.path == Path::Fused {
-            let wt = match src0.dtype {
-                DType::Q8_0 => QuantW::Q8_0,
-                DType::Q4_0 => QuantW::Q4_0,
-                _ => QuantW::Q4_1,
-            };
+        if let Path::Fused(wt) = plan.path {
             // Chunks of activation rows stay in L2 while the item's weight rows stream past.
             let chunk = fused_chunk_m(plan.k);
             let mut mc = 0;
@@ -513,7 +543,7 @@ unsafe fn run_item(
                     ldd,
                     n,
                     m: rows,
-                    nblk: plan.k / quant::QK,
+                    nblk: plan.k / quant::BLK,
                     gemv: plan.m == 1,
                 };
                 qf32::block(isa, &b);
@@ -521,18 +551,13 @@ unsafe fn run_item(
             }
             return;
         }
-        let Path::Float { gemm, convert } = plan.path else {
-            return;
-        };
-        if !convert {
-            if gemm {
-                gemm_block(w.cast(), src0.nb[1] / 4, x, ldx, d, ldd, n, m, plan.k);
-            } else {
-                let wt = match src0.dtype {
-                    DType::F32 => FloatW::F32,
-                    DType::F16 => FloatW::F16,
-                    _ => FloatW::BF16,
-                };
+        let (conv, gemm) = match plan.path {
+            Path::Convert { w, gemm } => (w, gemm),
+            Path::Direct { wt, gemm } => {
+                if gemm {
+                    gemm_block(w.cast(), src0.nb[1] / 4, x, ldx, d, ldd, n, m, plan.k);
+                    return;
+                }
                 let b = FloatBlock {
                     w,
                     ldw: src0.nb[1],
@@ -546,9 +571,10 @@ unsafe fn run_item(
                     k: plan.k,
                 };
                 float::block(isa, &b);
+                return;
             }
-            return;
-        }
+            Path::Nothing | Path::Zero | Path::Fused(_) | Path::Quant(_) => return,
+        };
         // Convert chunks of weight rows to f32 in this thread's scratch, then multiply.
         let scratch = p
             .wdata
@@ -559,7 +585,7 @@ unsafe fn run_item(
             let rows = plan.conv_rows.min(n - r0);
             for r in 0..rows {
                 let src = w.add((r0 + r) * src0.nb[1]);
-                quant::row_to_f32(isa, src0.dtype, src, scratch.add(r * plan.conv_ld), plan.k);
+                quant::row_to_f32(isa, conv, src, scratch.add(r * plan.conv_ld), plan.k);
             }
             let dr = d.add(r0);
             if gemm {
@@ -674,13 +700,13 @@ fn quantize_rows(isa: Isa, p: &ComputeParams, plan: &Plan, src1: &TensorView, la
         // SAFETY: blocks blk..blk+count of row r are inside src1 and inside row r of the
         // scratch; block ranges are split disjointly between threads.
         unsafe {
-            let x = src1.row_ptr(i1, i2, i3).add(blk * quant::QK * src1.nb[0]);
+            let x = src1.row_ptr(i1, i2, i3).add(blk * quant::BLK * src1.nb[0]);
             let row = p.wdata.add(r * lay.row_bytes);
             quant::quantize_blocks(
                 isa,
                 x,
                 src1.nb[0],
-                row.add(blk * quant::QK).cast(),
+                row.add(blk * quant::BLK).cast(),
                 row.add(lay.d_off()).cast::<f32>().add(blk),
                 row.add(lay.s_off()).cast::<f32>().add(blk),
                 count,

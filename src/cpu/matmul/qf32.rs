@@ -24,9 +24,9 @@
 //! - Scalar: a block dequantized into 32 floats, then dotted with each activation row.
 
 use super::QuantW as WType;
+use super::quant::{BLK, Q4_0, Q4_1, Q8_0, block_bytes};
 #[cfg(target_arch = "x86_64")]
 use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2};
-use super::quant::{Q4_0, Q4_1, Q8_0, QK, block_bytes};
 use crate::cpu::simd::{self, Isa};
 use half::f16;
 
@@ -125,7 +125,7 @@ unsafe fn read_f16(p: *const u8) -> f32 {
 /// # Safety
 /// `wb` must be readable for one block of `WQ`.
 #[inline(always)]
-unsafe fn dequant_block<const WQ: u8>(wb: *const u8, out: &mut [f32; QK]) {
+unsafe fn dequant_block<const WQ: u8>(wb: *const u8, out: &mut [f32; BLK]) {
     // SAFETY: the block's header and quants are in the caller's range.
     unsafe {
         let d = read_f16(wb);
@@ -141,15 +141,15 @@ unsafe fn dequant_block<const WQ: u8>(wb: *const u8, out: &mut [f32; QK]) {
                 } else {
                     (wb.add(4), read_f16(wb.add(2)))
                 };
-                for j in 0..QK / 2 {
+                for j in 0..BLK / 2 {
                     let byte = *qs.add(j);
                     let (lo, hi) = ((byte & 0x0f) as f32, (byte >> 4) as f32);
                     if WQ == Q4_0 {
                         out[j] = (lo - 8.0) * d;
-                        out[j + QK / 2] = (hi - 8.0) * d;
+                        out[j + BLK / 2] = (hi - 8.0) * d;
                     } else {
                         out[j] = lo.mul_add(d, m);
-                        out[j + QK / 2] = hi.mul_add(d, m);
+                        out[j + BLK / 2] = hi.mul_add(d, m);
                     }
                 }
             }
@@ -160,8 +160,8 @@ unsafe fn dequant_block<const WQ: u8>(wb: *const u8, out: &mut [f32; QK]) {
 /// Portable fallback: per block, dequantize the weight row's block into 32 floats and take its
 /// dot product with every activation row in 8 partial sums (one set per output).
 unsafe fn scalar_block<const WQ: u8>(b: &QF32Block) {
-    let bs = block_bytes(WQ);
-    let mut wv = [0f32; QK];
+    let bs = const { block_bytes(WQ) };
+    let mut wv = [0f32; BLK];
     for n in 0..b.n {
         for m in 0..b.m {
             let mut acc = [0f32; 8];
@@ -169,7 +169,7 @@ unsafe fn scalar_block<const WQ: u8>(b: &QF32Block) {
                 // SAFETY: block blk of weight row n and of activation row m are in range.
                 unsafe {
                     dequant_block::<WQ>(b.w.add(n * b.ldw + blk * bs), &mut wv);
-                    let x = std::slice::from_raw_parts(b.x.add(m * b.ldx + blk * QK), QK);
+                    let x = std::slice::from_raw_parts(b.x.add(m * b.ldx + blk * BLK), BLK);
                     for (wc, xc) in wv.chunks_exact(8).zip(x.chunks_exact(8)) {
                         for l in 0..8 {
                             acc[l] = wc[l].mul_add(xc[l], acc[l]);
@@ -263,7 +263,7 @@ mod avx512 {
         tab: F16Tab,
         late_scale: bool,
     ) {
-        let bs = block_bytes(WQ);
+        let bs = const { block_bytes(WQ) };
         let pf = pf_rows::<RN>() * ldw;
         // A Q4 block's 16 possible weights are `iota * d (+ m)`.
         let iota = if WQ == Q4_0 {
@@ -291,7 +291,7 @@ mod avx512 {
             for (m, v) in xv.iter_mut().enumerate() {
                 // SAFETY: block blk of activation row m (32 floats).
                 unsafe {
-                    let p = x.add(m * ldx + blk * QK);
+                    let p = x.add(m * ldx + blk * BLK);
                     *v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
                 }
             }
@@ -435,7 +435,7 @@ mod avx2 {
         tab: F16Tab,
         late_scale: bool,
     ) {
-        let bs = block_bytes(WQ);
+        let bs = const { block_bytes(WQ) };
         let pf = pf_rows::<RN>() * ldw;
         // Two accumulators per output (even and odd vectors of a block) halve the FMA chains.
         let mut acc = [[[_mm256_setzero_ps(); 2]; RM]; RN];
@@ -454,7 +454,7 @@ mod avx2 {
             let sx = if WQ == Q4_1 && late_scale {
                 // SAFETY: 32 floats of block blk of activation row 0.
                 unsafe {
-                    let p = x.add(blk * QK);
+                    let p = x.add(blk * BLK);
                     _mm256_add_ps(
                         _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))),
                         _mm256_add_ps(_mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))),
@@ -489,7 +489,7 @@ mod avx2 {
                                 _mm256_cvtepu8_epi32(v)
                             })
                         };
-                        let xp = x.add(blk * QK);
+                        let xp = x.add(blk * BLK);
                         let xv = |i: usize| _mm256_loadu_ps(xp.add(8 * i));
                         let t0 = _mm256_fmadd_ps(
                             f(_mm_srli_si128::<8>(lo)),
@@ -519,7 +519,7 @@ mod avx2 {
                     for (m, a) in accr.iter_mut().enumerate() {
                         // SAFETY: 32 floats of block blk of activation row m.
                         let xv = |i: usize| unsafe {
-                            _mm256_loadu_ps(x.add(m * ldx + blk * QK + 8 * i))
+                            _mm256_loadu_ps(x.add(m * ldx + blk * BLK + 8 * i))
                         };
                         let t0 = _mm256_fmadd_ps(q[1], xv(1), _mm256_mul_ps(q[0], xv(0)));
                         let t1 = _mm256_fmadd_ps(q[3], xv(3), _mm256_mul_ps(q[2], xv(2)));
@@ -533,7 +533,7 @@ mod avx2 {
                 for (m, a) in accr.iter_mut().enumerate() {
                     for (i, wi) in wv.iter().enumerate() {
                         // SAFETY: 8 floats of block blk of activation row m.
-                        let xv = unsafe { _mm256_loadu_ps(x.add(m * ldx + blk * QK + 8 * i)) };
+                        let xv = unsafe { _mm256_loadu_ps(x.add(m * ldx + blk * BLK + 8 * i)) };
                         a[i % 2] = _mm256_fmadd_ps(*wi, xv, a[i % 2]);
                     }
                 }

@@ -17,15 +17,20 @@
 //! activations cannot saturate 16 bits; Q8_0 uses ggml's sign trick, |w| times sign-adjusted y).
 
 use super::QuantW as WType;
-use crate::DType;
+use super::{FloatW, Weights};
 use crate::cpu::simd::Isa;
+use crate::dtype::{QK4_0, QK4_1, QK8_0, QK8_1};
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Elements per block.
-pub(crate) const QK: usize = 32;
+/// Elements per block in these kernels and in [`super::qf32`]: the activation blocks' `QK8_1`.
+/// The integer kernels pair each weight block with one activation block, so they take only
+/// weight types with blocks of the same length (asserted below); a type with other blocks
+/// needs kernels of its own.
+pub(crate) const BLK: usize = QK8_1;
+const _: () = assert!(QK8_0 == BLK && QK4_0 == BLK && QK4_1 == BLK);
 
 /// Where activation row `r`'s quants, scales and sums live in the scratch.
 #[derive(Clone, Copy, Debug)]
@@ -38,19 +43,19 @@ pub(crate) struct ActLayout {
 
 impl ActLayout {
     pub fn new(k: usize) -> Self {
-        let nblk = k / QK;
+        let nblk = k / BLK;
         ActLayout {
             nblk,
-            row_bytes: (nblk * (QK + 8)).next_multiple_of(64),
+            row_bytes: (nblk * (BLK + 8)).next_multiple_of(64),
         }
     }
     /// Offset of the `d` array within a row.
     pub fn d_off(&self) -> usize {
-        self.nblk * QK
+        self.nblk * BLK
     }
     /// Offset of the `s / 8` array within a row.
     pub fn s_off(&self) -> usize {
-        self.nblk * (QK + 4)
+        self.nblk * (BLK + 4)
     }
 }
 
@@ -79,11 +84,11 @@ pub(crate) unsafe fn quantize_blocks(
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
-    let mut buf = [0f32; QK];
+    let mut buf = [0f32; BLK];
     for b in 0..count {
         for (j, v) in buf.iter_mut().enumerate() {
             // SAFETY: element b * 32 + j of the caller's strided range.
-            *v = unsafe { x.add((b * QK + j) * stride).cast::<f32>().read_unaligned() };
+            *v = unsafe { x.add((b * BLK + j) * stride).cast::<f32>().read_unaligned() };
         }
         let amax = buf.iter().fold(0f32, |a, v| a.max(v.abs()));
         let (dv, id) = block_scale(amax);
@@ -92,7 +97,7 @@ pub(crate) unsafe fn quantize_blocks(
             let q = (v * id).round_ties_even() as i32;
             sum += q;
             // SAFETY: byte b * 32 + j of the caller's range.
-            unsafe { *qs.add(b * QK + j) = q as i8 };
+            unsafe { *qs.add(b * BLK + j) = q as i8 };
         }
         // SAFETY: element b of the caller's ranges.
         unsafe {
@@ -125,7 +130,7 @@ unsafe fn quantize_blocks_avx2(
     for b in 0..count {
         // SAFETY: 32 floats of block b are in the caller's range.
         let v: [__m256; 4] = unsafe {
-            let p = x.add(b * QK);
+            let p = x.add(b * BLK);
             [
                 _mm256_loadu_ps(p),
                 _mm256_loadu_ps(p.add(8)),
@@ -163,7 +168,7 @@ unsafe fn quantize_blocks_avx2(
         let p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), perm);
         // SAFETY: block b's 32 bytes and its d / s8 slots are in the caller's range.
         unsafe {
-            _mm256_storeu_si256(qs.add(b * QK).cast(), p8);
+            _mm256_storeu_si256(qs.add(b * BLK).cast(), p8);
             *d.add(b) = dv;
             *s8.add(b) = dv * isum as f32 * 0.125;
         }
@@ -172,27 +177,29 @@ unsafe fn quantize_blocks_avx2(
 
 // ---- weight dequantization (exact mode) --------------------------------------------------
 
-/// Convert one weight row of `k` elements of `wt` at `src` into f32 at `dst`.
+/// Convert one weight row of `k` elements of `w` at `src` into f32 at `dst`.
 ///
 /// # Safety
-/// `src` must be readable for `wt.row_size(k)` bytes (any alignment) and `dst` writable for
-/// `k` f32; `k` must be a multiple of 32 for quantized types.
-pub(crate) unsafe fn row_to_f32(isa: Isa, wt: DType, src: *const u8, dst: *mut f32, k: usize) {
+/// `src` must be readable for one row of `k` elements of `w.dtype()` (any alignment) and
+/// `dst` writable for `k` f32; `k` must be a multiple of the block size.
+pub(crate) unsafe fn row_to_f32(isa: Isa, w: Weights, src: *const u8, dst: *mut f32, k: usize) {
     use crate::cpu::simd;
     // SAFETY: forwarded caller guarantees.
     unsafe {
-        match wt {
-            DType::F32 => std::ptr::copy_nonoverlapping(src, dst.cast::<u8>(), 4 * k),
-            DType::F16 => simd::f16_to_f32_raw(isa, src, dst, k),
-            DType::BF16 => simd::bf16_to_f32_raw(isa, src, dst, k),
-            _ => dequant_row(isa, wt, src, dst, k),
+        match w {
+            Weights::Float(FloatW::F32) => {
+                std::ptr::copy_nonoverlapping(src, dst.cast::<u8>(), 4 * k)
+            }
+            Weights::Float(FloatW::F16) => simd::f16_to_f32_raw(isa, src, dst, k),
+            Weights::Float(FloatW::BF16) => simd::bf16_to_f32_raw(isa, src, dst, k),
+            Weights::Quant(wt) => dequant_row(isa, wt, src, dst, k),
         }
     }
 }
 
-unsafe fn dequant_row(isa: Isa, wt: DType, src: *const u8, dst: *mut f32, k: usize) {
-    let nblk = k / QK;
-    let bs = wt.type_size();
+unsafe fn dequant_row(isa: Isa, wt: WType, src: *const u8, dst: *mut f32, k: usize) {
+    let nblk = k / BLK;
+    let bs = Weights::Quant(wt).dtype().type_size();
     #[cfg(target_arch = "x86_64")]
     if isa.clamp() >= Isa::Avx2 {
         // SAFETY: supported level; forwarded caller guarantees.
@@ -206,12 +213,12 @@ unsafe fn dequant_row(isa: Isa, wt: DType, src: *const u8, dst: *mut f32, k: usi
         unsafe {
             let blk = src.add(b * bs);
             let dv = read_f16(blk);
-            let out = dst.add(b * QK);
-            for j in 0..QK {
+            let out = dst.add(b * BLK);
+            for j in 0..BLK {
                 *out.add(j) = match wt {
-                    DType::Q8_0 => *blk.add(2 + j) as i8 as f32 * dv,
-                    DType::Q4_0 => (nibble(blk.add(2), j) as i32 - 8) as f32 * dv,
-                    _ => nibble(blk.add(4), j) as f32 * dv + read_f16(blk.add(2)),
+                    WType::Q8_0 => *blk.add(2 + j) as i8 as f32 * dv,
+                    WType::Q4_0 => (nibble(blk.add(2), j) as i32 - 8) as f32 * dv,
+                    WType::Q4_1 => nibble(blk.add(4), j) as f32 * dv + read_f16(blk.add(2)),
                 };
             }
         }
@@ -239,8 +246,8 @@ unsafe fn read_f16(p: *const u8) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dequant_row_avx2(wt: DType, src: *const u8, dst: *mut f32, nblk: usize) {
-    let bs = wt.type_size();
+unsafe fn dequant_row_avx2(wt: WType, src: *const u8, dst: *mut f32, nblk: usize) {
+    let bs = Weights::Quant(wt).dtype().type_size();
     let mask = _mm256_set1_epi8(0x0f);
     let eight = _mm256_set1_epi8(8);
     for b in 0..nblk {
@@ -249,11 +256,11 @@ unsafe fn dequant_row_avx2(wt: DType, src: *const u8, dst: *mut f32, nblk: usize
             let blk = src.add(b * bs);
             let dv = _mm256_set1_ps(f16_bits_to_f32(blk));
             let bytes = match wt {
-                DType::Q8_0 => _mm256_loadu_si256(blk.add(2).cast()),
-                DType::Q4_0 => _mm256_sub_epi8(nibbles_avx2(blk.add(2), mask), eight),
-                _ => nibbles_avx2(blk.add(4), mask),
+                WType::Q8_0 => _mm256_loadu_si256(blk.add(2).cast()),
+                WType::Q4_0 => _mm256_sub_epi8(nibbles_avx2(blk.add(2), mask), eight),
+                WType::Q4_1 => nibbles_avx2(blk.add(4), mask),
             };
-            let mv = if wt == DType::Q4_1 {
+            let mv = if wt == WType::Q4_1 {
                 _mm256_set1_ps(f16_bits_to_f32(blk.add(2)))
             } else {
                 _mm256_setzero_ps()
@@ -269,7 +276,7 @@ unsafe fn dequant_row_avx2(wt: DType, src: *const u8, dst: *mut f32, nblk: usize
             for (i, p) in parts.iter().enumerate() {
                 // Multiply then add (two roundings), as the scalar reference does.
                 let v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(*p), dv), mv);
-                _mm256_storeu_ps(dst.add(b * QK + 8 * i), v);
+                _mm256_storeu_ps(dst.add(b * BLK + 8 * i), v);
             }
         }
     }
@@ -363,13 +370,15 @@ pub(super) const Q8_0: u8 = 0;
 pub(super) const Q4_0: u8 = 1;
 pub(super) const Q4_1: u8 = 2;
 
-/// Bytes of one block of 32 weights (ggml-common.h: `block_q8_0`, `block_q4_0`, `block_q4_1`).
+/// Bytes of one block of weights of kernel type `wq`: the type table's figure for its dtype.
 pub(super) const fn block_bytes(wq: u8) -> usize {
-    match wq {
-        Q8_0 => 34,
-        Q4_0 => 18,
-        _ => 20,
-    }
+    let wt = match wq {
+        Q8_0 => WType::Q8_0,
+        Q4_0 => WType::Q4_0,
+        Q4_1 => WType::Q4_1,
+        _ => panic!("not a weight type of the quantized kernels"),
+    };
+    Weights::Quant(wt).dtype().type_size()
 }
 
 /// Compute one block at the given level.
@@ -402,14 +411,14 @@ pub(crate) unsafe fn block(isa: Isa, b: &QuantBlock) {
         match b.wt {
             WType::Q8_0 => scalar_block::<Q8_0>(b),
             WType::Q4_0 => scalar_block::<Q4_0>(b),
-            _ => scalar_block::<Q4_1>(b),
+            WType::Q4_1 => scalar_block::<Q4_1>(b),
         }
     }
 }
 
 /// Portable fallback: exact integer dot per block, scaled and summed in f32.
 unsafe fn scalar_block<const WQ: u8>(b: &QuantBlock) {
-    let bs = block_bytes(WQ);
+    let bs = const { block_bytes(WQ) };
     let lay = b.lay;
     for n in 0..b.n {
         for m in 0..b.m {
@@ -419,10 +428,10 @@ unsafe fn scalar_block<const WQ: u8>(b: &QuantBlock) {
                 unsafe {
                     let wb = b.w.add(n * b.ldw + blk * bs);
                     let ar = b.a.add(m * lay.row_bytes);
-                    let y = ar.add(blk * QK).cast::<i8>();
+                    let y = ar.add(blk * BLK).cast::<i8>();
                     let dy = *ar.add(lay.d_off()).cast::<f32>().add(blk);
                     let mut isum = 0i32;
-                    for j in 0..QK {
+                    for j in 0..BLK {
                         let wv = match WQ {
                             Q8_0 => *wb.add(2 + j) as i8 as i32,
                             Q4_0 => nibble(wb.add(2), j) as i32 - 8,
@@ -496,7 +505,7 @@ mod avx2 {
         d: *mut f32,
         ldd: usize,
     ) {
-        let bs = block_bytes(WQ);
+        let bs = const { block_bytes(WQ) };
         let ones = _mm256_set1_epi16(1);
         let mask = _mm256_set1_epi8(0x0f);
         let eights = _mm256_set1_epi8(8);
@@ -510,7 +519,7 @@ mod avx2 {
             let mut corr = [_mm256_setzero_si256(); RM];
             for m in 0..RM {
                 // SAFETY: block blk of activation row m.
-                y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * QK).cast()) };
+                y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * BLK).cast()) };
                 if WQ == Q4_0 {
                     corr[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(eights, y[m]), ones);
                 }
@@ -600,7 +609,7 @@ mod vnni {
         d: *mut f32,
         ldd: usize,
     ) {
-        let bs = block_bytes(WQ);
+        let bs = const { block_bytes(WQ) };
         let mask = _mm256_set1_epi8(0x0f);
         let flip = _mm256_set1_epi8(-128);
         let off = _mm256_set1_epi8(if WQ == Q8_0 { -128 } else { 8 });
@@ -615,7 +624,7 @@ mod vnni {
             let mut init = [zero; RM];
             for m in 0..RM {
                 // SAFETY: block blk of activation row m.
-                y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * QK).cast()) };
+                y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * BLK).cast()) };
                 if WQ != Q4_1 {
                     // -off * sum(y), spread over the 8 lanes.
                     init[m] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, y[m]));
@@ -680,7 +689,8 @@ mod vnni {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::{BlockQ8_1, quantize_q8_1};
+    use crate::DType;
+    use crate::dtype::{BlockQ8_1, quantize};
 
     #[test]
     fn activation_quantization_matches_the_reference_on_every_level() {
@@ -690,12 +700,12 @@ mod tests {
         let x: Vec<f32> = (0..k)
             .map(|i| ((i * 7919 % 613) as f32 - 300.3) / 17.0)
             .collect();
-        let mut want = vec![BlockQ8_1::default(); k / QK];
-        quantize_q8_1(&x, &mut want);
+        let mut want = vec![BlockQ8_1::default(); k / BLK];
+        quantize(&x, &mut want);
         for isa in Isa::available() {
             let mut qs = vec![0i8; k];
-            let mut d = vec![0f32; k / QK];
-            let mut s8 = vec![0f32; k / QK];
+            let mut d = vec![0f32; k / BLK];
+            let mut s8 = vec![0f32; k / BLK];
             // SAFETY: the buffers hold k / 32 blocks.
             unsafe {
                 quantize_blocks(
@@ -705,13 +715,13 @@ mod tests {
                     qs.as_mut_ptr(),
                     d.as_mut_ptr(),
                     s8.as_mut_ptr(),
-                    k / QK,
+                    k / BLK,
                 )
             };
             for (b, wb) in want.iter().enumerate() {
                 assert_eq!(d[b], wb.d.to_f32(), "{isa} block {b} scale");
                 assert_eq!(
-                    &qs[b * QK..(b + 1) * QK],
+                    &qs[b * BLK..(b + 1) * BLK],
                     &wb.qs[..],
                     "{isa} block {b} quants"
                 );
@@ -757,21 +767,19 @@ mod tests {
         let x: Vec<f32> = (0..k)
             .map(|i| ((i * 31 % 97) as f32 - 48.0) / 9.0)
             .collect();
-        for wt in [
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::F16,
-            DType::BF16,
-            DType::F32,
-        ] {
-            let bytes = crate::dtype::f32_to_bytes(wt, &x).unwrap();
-            let want = crate::dtype::bytes_to_f32(wt, &bytes, k).unwrap();
+        // Every type with kernels, each converted by its own kernel type.
+        for dt in DType::ALL {
+            let Some(w) = super::super::kernels_for(dt) else {
+                continue;
+            };
+            assert_eq!(w.dtype(), dt);
+            let bytes = crate::dtype::f32_to_bytes(dt, &x).unwrap();
+            let want = crate::dtype::bytes_to_f32(dt, &bytes, k).unwrap();
             for isa in Isa::available() {
                 let mut got = vec![0f32; k];
                 // SAFETY: bytes hold one row of k elements, got has room for k.
-                unsafe { row_to_f32(isa, wt, bytes.as_ptr(), got.as_mut_ptr(), k) };
-                assert_eq!(got, want, "{isa} {wt}");
+                unsafe { row_to_f32(isa, w, bytes.as_ptr(), got.as_mut_ptr(), k) };
+                assert_eq!(got, want, "{isa} {dt}");
             }
         }
     }

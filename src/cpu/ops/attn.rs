@@ -19,14 +19,33 @@ use crate::cpu::view::{ComputeParams, TensorView};
 /// Kv rows per block of scores.
 const BLOCK: usize = 32;
 
+/// The element type of the K or V rows the row kernels read, chosen once per node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KvRow {
+    F32,
+    F16,
+}
+
+/// The row kernels for K or V rows of `dtype`, or `None` where there are none (refused by
+/// [`supports`]). Every `DType` is matched by name, so none falls through to another's kernel.
+const fn kv_row(dtype: DType) -> Option<KvRow> {
+    match dtype {
+        DType::F32 => Some(KvRow::F32),
+        DType::F16 => Some(KvRow::F16),
+        DType::BF16 | DType::I32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => None,
+        #[cfg(test)]
+        DType::FakeQ4x16 => None,
+    }
+}
+
 pub fn supports(src: &[TensorView]) -> Result<(), String> {
     let (q, k, v) = (&src[0], &src[1], &src[2]);
     if q.dtype != DType::F32 {
         return Err("q must be f32".into());
     }
     for (t, n) in [(k, "k"), (v, "v")] {
-        if !matches!(t.dtype, DType::F32 | DType::F16) {
-            return Err(format!("{n} must be f32 or f16"));
+        if kv_row(t.dtype).is_none() {
+            return Err(format!("{n} must be f32 or f16, not {}", t.dtype));
         }
         if !t.rows_contiguous() {
             return Err(format!("{n} rows must be packed"));
@@ -83,17 +102,28 @@ pub(super) fn exp_fast(x: f32) -> f32 {
     p * scale
 }
 
+/// The row kernels of K and V (their types were checked by [`supports`]).
+fn kv_rows(k: &TensorView, v: &TensorView) -> (KvRow, KvRow) {
+    match (kv_row(k.dtype), kv_row(v.dtype)) {
+        (Some(kt), Some(vt)) => (kt, vt),
+        _ => panic!(
+            "flash_attn: forward called on unsupported K/V types {} {}",
+            k.dtype, v.dtype
+        ),
+    }
+}
+
 /// `dot(a, row)` for a packed f32 or f16 row of `n` elements at `row`.
 ///
 /// # Safety
-/// `a` holds `n` floats and `row` one packed row of `n` elements of `dtype`.
+/// `a` holds `n` floats and `row` one packed row of `n` elements of `kt`.
 #[inline(always)]
-unsafe fn dot_row(isa: Isa, a: *const f32, row: *const u8, dtype: DType, n: usize) -> f32 {
+unsafe fn dot_row(isa: Isa, a: *const f32, row: *const u8, kt: KvRow, n: usize) -> f32 {
     // SAFETY: per the function's contract.
     unsafe {
-        match dtype {
-            DType::F32 => simd::dot_f32_raw(isa, a, row.cast(), n),
-            _ => simd::dot_f16_f32_raw(isa, a, row, n),
+        match kt {
+            KvRow::F32 => simd::dot_f32_raw(isa, a, row.cast(), n),
+            KvRow::F16 => simd::dot_f16_f32_raw(isa, a, row, n),
         }
     }
 }
@@ -101,28 +131,28 @@ unsafe fn dot_row(isa: Isa, a: *const f32, row: *const u8, dtype: DType, n: usiz
 /// `acc += w * row` for a packed f32 or f16 row of `acc.len()` elements at `row`.
 ///
 /// # Safety
-/// `row` is one packed row of `acc.len()` elements of `dtype`.
+/// `row` is one packed row of `acc.len()` elements of `vt`.
 #[inline(always)]
-unsafe fn axpy_row(isa: Isa, acc: &mut [f32], w: f32, row: *const u8, dtype: DType) {
+unsafe fn axpy_row(isa: Isa, acc: &mut [f32], w: f32, row: *const u8, vt: KvRow) {
     // SAFETY: per the function's contract; acc and the tensor row do not overlap (the
     // scratch is the node's own memory).
     unsafe {
-        match dtype {
-            DType::F32 => {
+        match vt {
+            KvRow::F32 => {
                 let vr = std::slice::from_raw_parts(row.cast::<f32>(), acc.len());
                 for (a, &x) in acc.iter_mut().zip(vr) {
                     *a += w * x;
                 }
             }
-            _ => simd::axpy_f16_raw(isa, acc.as_mut_ptr(), w, row, acc.len()),
+            KvRow::F16 => simd::axpy_f16_raw(isa, acc.as_mut_ptr(), w, row, acc.len()),
         }
     }
 }
 
 /// Vectors of 16 f32 in a row of `n` elements, when the AVX-512 block kernels take it (f16 rows,
 /// 32, 64 or 128 elements: the head sizes of the models metashard runs).
-fn avx512_chunks(isa: Isa, dtype: DType, n: usize) -> Option<usize> {
-    (cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && dtype == DType::F16)
+fn avx512_chunks(isa: Isa, t: KvRow, n: usize) -> Option<usize> {
+    (cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && t == KvRow::F16)
         .then_some(n / 16)
         .filter(|c| n.is_multiple_of(16) && matches!(c, 2 | 4 | 8))
 }
@@ -249,12 +279,10 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
     let (n_q, n_head, batch, n_kvh) = (q.ne[1], q.ne[2], q.ne[3], k.ne[2]);
     let group = (n_head / n_kvh.max(1)).max(1);
     let g = heads_per_unit(src, p.nth);
+    let (kt, vt) = kv_rows(k, v);
     // Blocks of f16 K and V rows through the AVX-512 kernels (query row and accumulator in
     // registers, one call per block and head), or row by row.
-    let (k_chunks, v_chunks) = (
-        avx512_chunks(isa, k.dtype, d),
-        avx512_chunks(isa, v.dtype, dv),
-    );
+    let (k_chunks, v_chunks) = (avx512_chunks(isa, kt, d), avx512_chunks(isa, vt, dv));
     // SAFETY: thread_bytes reserved `per_thread` floats for this thread and this `g`.
     let buf = unsafe { thread_scratch(p, per_thread(src, g)) };
     let (qs, rest) = buf.split_at_mut(g * d);
@@ -319,7 +347,7 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
                 let kr = unsafe { k.row_ptr(j, hk, b).cast_const() };
                 for h in 0..g {
                     // SAFETY: the query row holds d floats, the K row d elements.
-                    let s = unsafe { dot_row(isa, qs[h * d..].as_ptr(), kr, k.dtype, d) };
+                    let s = unsafe { dot_row(isa, qs[h * d..].as_ptr(), kr, kt, d) };
                     sc[h * BLOCK + jj] = s * scale + mv;
                 }
             }
@@ -370,7 +398,7 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
                 for h in 0..g {
                     let w = sc[h * BLOCK + jj];
                     // SAFETY: the V row holds dv elements, acc's slice dv floats.
-                    unsafe { axpy_row(isa, &mut acc[h * dv..(h + 1) * dv], w, vr, v.dtype) };
+                    unsafe { axpy_row(isa, &mut acc[h * dv..(h + 1) * dv], w, vr, vt) };
                 }
             }
             j0 += jn;

@@ -9,6 +9,8 @@
 mod attn;
 mod copy;
 mod elementwise;
+#[cfg(test)]
+mod fake_type;
 mod norm;
 mod rope;
 mod rows;

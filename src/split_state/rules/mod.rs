@@ -213,8 +213,11 @@ fn divided(s: &SplitState, axis: usize, div: usize) -> Option<SplitState> {
 /// Whether every extent of an axis-0 split `s` is a whole number of `dtype`'s blocks (a split
 /// of another axis always is).
 fn whole_blocks(s: &SplitState, dtype: DType) -> bool {
-    let bs = dtype.block_size();
-    s.split_dim() != Some(0) || s.extents().iter().all(|e| e % bs == 0)
+    let Some(k) = s.split_dim() else {
+        return true;
+    };
+    let g = super::Granularity::of_axis(dtype, k).0;
+    s.extents().iter().all(|e| e % g == 0)
 }
 
 /// The rule of a one-source op that maps elements to elements of the node's dtype (a map, a

@@ -15,7 +15,7 @@ use metashard::graph::{Graph, TensorId};
 use metashard::meta::{MetaBuffer, MetaDevice, SplitFn, TensorInfo};
 use metashard::models::decoder::{StepInput, build_step};
 use metashard::models::hparams::DecoderConfig;
-use metashard::models::split::{SplitOptions, megatron};
+use metashard::models::split::{FFN_UNIT, SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder, random_f32};
 use metashard::op::RopeMode;
 use metashard::split_state::{Granularity, SplitState, split_even};
@@ -140,9 +140,9 @@ fn mlp_split() -> SplitFn {
     Arc::new(|t: &TensorInfo| {
         let n = t.n_devices;
         Ok(if t.name.starts_with("w1") {
-            SplitState::axis(1, &split_even(t.layout.ne[1], n, Granularity(32), 0)?)
+            SplitState::axis(1, &split_even(t.layout.ne[1], n, Granularity(FFN_UNIT), 0)?)
         } else if t.name.starts_with("w2") {
-            SplitState::axis(0, &split_even(t.layout.ne[0], n, Granularity(32), 0)?)
+            SplitState::axis(0, &split_even(t.layout.ne[0], n, Granularity(FFN_UNIT), 0)?)
         } else {
             SplitState::mirrored(n)
         })

@@ -72,10 +72,11 @@ impl CalibrateOptions {
             .iter()
             .find(|t| !DType::WEIGHT_TYPES.contains(t))
         {
+            let names: Vec<&str> = DType::WEIGHT_TYPES.iter().map(|d| d.name()).collect();
             return Err(Error::invalid_argument(
                 "weight types",
                 t,
-                "not a weight type (f32, f16, bf16, q8_0, q4_0, q4_1)",
+                format!("not a weight type ({})", names.join(", ")),
             ));
         }
         Ok(())

@@ -2,7 +2,6 @@
 //! [`Result`] alias. Variants carry what a user needs to act: the op, the tensor name, the
 //! shapes, the split states, the file and the field.
 
-use crate::DType;
 use std::path::PathBuf;
 
 /// Shapes in errors are printed in ggml order, `[ne0, ne1, ne2, ne3]`.
@@ -53,7 +52,8 @@ pub enum Error {
     PartialBlock {
         what: String,
         ne0: usize,
-        dtype: DType,
+        /// The element type's name (`q4_0`).
+        dtype: &'static str,
         block: usize,
     },
     /// A tensor whose bytes do not fit the address space.
@@ -61,7 +61,8 @@ pub enum Error {
     TensorTooLarge {
         tensor: String,
         shape: Shape,
-        dtype: DType,
+        /// The element type's name (`q4_0`).
+        dtype: &'static str,
     },
     /// Storage bound to a view: only roots own bytes.
     #[error("cannot bind storage to `{tensor}`: it is a view; bind its root `{root}`")]
@@ -71,7 +72,8 @@ pub enum Error {
     MisalignedBinding {
         tensor: String,
         offset: usize,
-        dtype: DType,
+        /// The element type's name (`q4_0`).
+        dtype: &'static str,
         align: usize,
     },
     /// Something only a leaf can have (inline data) given to a computed node.
@@ -193,7 +195,8 @@ pub enum Error {
     #[error("{what}: {elements} {dtype} elements take {expected} bytes, got {got}")]
     RowBytes {
         what: &'static str,
-        dtype: DType,
+        /// The element type's name (`q4_0`).
+        dtype: &'static str,
         elements: usize,
         expected: usize,
         got: usize,

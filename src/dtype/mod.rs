@@ -64,7 +64,7 @@ impl DType {
             return Err(Error::PartialBlock {
                 what: what.to_string(),
                 ne0,
-                dtype: self,
+                dtype: self.name(),
                 block: self.block_size(),
             });
         }
@@ -138,7 +138,7 @@ fn check_row_bytes(what: &'static str, dtype: DType, n: usize, bytes: usize) -> 
     if bytes != dtype.row_size(n) {
         return Err(Error::RowBytes {
             what,
-            dtype,
+            dtype: dtype.name(),
             elements: n,
             expected: dtype.row_size(n),
             got: bytes,
@@ -281,7 +281,7 @@ mod tests {
             DType::Q4_1.check_row(48, "t"),
             Err(Error::PartialBlock {
                 ne0: 48,
-                dtype: DType::Q4_1,
+                dtype: "q4_1",
                 block: 32,
                 ..
             })
@@ -297,7 +297,7 @@ mod tests {
                 e,
                 Error::RowBytes {
                     what: "row_to_f32",
-                    dtype: DType::Q8_0,
+                    dtype: "q8_0",
                     elements: 32,
                     expected: 34,
                     got: 30,

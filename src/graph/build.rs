@@ -48,7 +48,7 @@ impl Graph {
         let layout = packed_layout(dtype, ne).ok_or_else(|| Error::TensorTooLarge {
             tensor: name.to_string(),
             shape: crate::Shape(ne),
-            dtype,
+            dtype: dtype.name(),
         })?;
         Ok(self.push(Node {
             layout,

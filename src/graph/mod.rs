@@ -245,7 +245,7 @@ impl Graph {
             return Err(Error::MisalignedBinding {
                 tensor: n.name.clone(),
                 offset: storage.offset,
-                dtype: n.layout.dtype,
+                dtype: n.layout.dtype.name(),
                 align,
             });
         }

@@ -1,9 +1,10 @@
 //! The built-in device families, listed in one place above every backend: [`registries`],
 //! the device-string parser [`parse_devices`] (`cpu`, `cpu:N`, `cpu:NxT`, `cuda:0,1`), and
-//! [`DeviceSet`], what a program runs on: one device, or a meta device over several.
+//! [`DeviceSet`], what a program runs on: one device, a meta device over several, or the
+//! scheduler (`crate::runtime` makes the layer and hybrid splits of a model).
 //!
 //! A new backend plugs in here (its registry and its device-string prefix) and nowhere else
-//! above its own module: `backend.rs` and `meta/` name no backend.
+//! above its own module: `backend/`, `meta/` and `sched/` name no backend (`tests/tidy.rs`).
 
 use crate::backend::{Backend, Device, Registry};
 use crate::buffer::{Buffer, BufferType};

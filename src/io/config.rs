@@ -1,6 +1,6 @@
 //! JSON configuration files of a model folder (`config.json`, `tokenizer_config.json`,
-//! `sentence_bert_config.json`, ...): loaded as `serde_json::Value` with typed getters whose
-//! errors name the file and the key.
+//! `sentence_bert_config.json`, ...): read through the size-limited reader of `file.rs`,
+//! loaded as `serde_json::Value` with typed getters whose errors name the file and the key.
 
 use crate::{Error, Result};
 use serde_json::Value;
@@ -14,10 +14,11 @@ pub struct JsonConfig {
 }
 
 impl JsonConfig {
-    /// Reads and parses `path`; the top level must be an object.
+    /// Reads and parses `path` (a regular file of at most [`super::MAX_JSON_BYTES`]); the top
+    /// level must be an object.
     pub fn open(path: impl AsRef<Path>) -> Result<JsonConfig> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = super::read_json_text(path)?;
         JsonConfig::parse(path, &text)
     }
 

@@ -1,8 +1,10 @@
 //! Model file formats: the GGUF reader and writer, safetensors, and a model folder's
 //! `config.json`. Every reader memory-maps its file, validates it completely before handing
-//! out bytes, and reports bad input as `Error::Format` naming the file and the field.
+//! out bytes, and reports bad input as `Error::Format` naming the file and the field; files a
+//! user names are regular files, and small ones are read up to a size limit (`file.rs`).
 
 pub mod config;
+pub mod file;
 pub mod gguf;
 mod gguf_parse;
 pub mod gguf_types;
@@ -10,6 +12,7 @@ pub mod gguf_writer;
 pub mod safetensors;
 
 pub use config::JsonConfig;
+pub use file::{MAX_JSON_BYTES, read_json_text, read_limited, regular_file};
 pub use gguf::{GgufFile, GgufTensorInfo};
 pub use gguf_types::{GgmlType, GgufArray, GgufType, GgufValue, ggml_type, ggml_type_label};
 pub use gguf_writer::GgufWriter;
@@ -36,6 +39,8 @@ impl Backing {
     /// Memory-maps `path` read-only. An empty file becomes an empty owned buffer (mapping a
     /// zero-length file is an error on some platforms).
     pub(crate) fn map(path: &Path) -> Result<Backing> {
+        // A FIFO would block the open, a device map nothing sensible: regular files only.
+        regular_file(path)?;
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         if len == 0 {

@@ -381,18 +381,28 @@ fn bad_model_folders_give_errors_naming_the_file() {
     );
 
     // A layer count far beyond the file's is checked against the tensors before anything is
-    // sized by it (it aborted allocating gigabytes for the list of weights).
-    let s = Scratch::new("huge-layers");
-    let cfg = std::fs::read_to_string(s.path().join("config.json")).unwrap();
-    let cfg = cfg.replace(
-        "\"num_hidden_layers\": 6",
-        "\"num_hidden_layers\": 16777216",
-    );
-    std::fs::write(s.path().join("config.json"), cfg).unwrap();
-    let t = std::time::Instant::now();
-    let e = load_err(s.path());
-    assert!(e.contains("num_hidden_layers is 16777216"), "{e}");
-    assert!(t.elapsed().as_secs() < 20, "took {:?}", t.elapsed());
+    // sized by it (it aborted allocating gigabytes for the list of weights); one beyond the
+    // bound of every model (`models::limits`) is refused naming the key before the file is
+    // opened.
+    for (layers, want) in [
+        (1000, "num_hidden_layers is 1000"),
+        (
+            16777216,
+            "'num_hidden_layers': 16777216 layers: must be in 1..=1024",
+        ),
+    ] {
+        let s = Scratch::new("huge-layers");
+        let cfg = std::fs::read_to_string(s.path().join("config.json")).unwrap();
+        let cfg = cfg.replace(
+            "\"num_hidden_layers\": 6",
+            &format!("\"num_hidden_layers\": {layers}"),
+        );
+        std::fs::write(s.path().join("config.json"), cfg).unwrap();
+        let t = std::time::Instant::now();
+        let e = load_err(s.path());
+        assert!(e.contains(want), "{e}");
+        assert!(t.elapsed().as_secs() < 20, "took {:?}", t.elapsed());
+    }
 
     // Corrupted safetensors: a truncated copy, then a header length beyond the file.
     let s = Scratch::new("truncated");

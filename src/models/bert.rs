@@ -59,7 +59,24 @@ impl BertConfig {
     /// Read `dir/config.json` (and check `dir/1_Pooling/config.json` asks for mean pooling).
     pub fn from_model_dir(dir: impl AsRef<Path>) -> Result<BertConfig> {
         let dir = dir.as_ref();
-        let c = JsonConfig::open_model_config(dir)?;
+        let cfg = BertConfig::from_config(&JsonConfig::open_model_config(dir)?)?;
+        let pool = dir.join("1_Pooling").join("config.json");
+        if pool.is_file() {
+            let p = JsonConfig::open(&pool)?;
+            if p.opt_bool("pooling_mode_mean_tokens")? != Some(true) {
+                return Err(Error::format(
+                    &pool,
+                    "key 'pooling_mode_mean_tokens'",
+                    "only mean pooling is implemented",
+                ));
+            }
+        }
+        Ok(cfg)
+    }
+
+    /// The configuration of a parsed `config.json`, every count within the bounds of
+    /// [`limits`](super::limits) (errors name the file and the key).
+    pub fn from_config(c: &JsonConfig) -> Result<BertConfig> {
         let bad =
             |key: &str, reason: String| Error::format(c.path(), format!("key '{key}'"), reason);
         // Activation names per HF transformers' ACT2FN: "gelu" is the erf form.
@@ -83,10 +100,11 @@ impl BertConfig {
             ));
         }
         let eps = c.get_f64("layer_norm_eps")?;
-        if !(eps.is_finite() && eps >= 0.0) {
+        // Finite in f32, the precision it is used in (1e300 is a finite f64).
+        if !((eps as f32).is_finite() && eps >= 0.0) {
             return Err(bad(
                 "layer_norm_eps",
-                format!("{eps} must be finite and >= 0"),
+                format!("{eps} must be finite (as an f32) and >= 0"),
             ));
         }
         let cfg = BertConfig {
@@ -100,55 +118,16 @@ impl BertConfig {
             ln_eps: eps as f32,
             act,
         };
-        cfg.validate().map_err(|e| match e {
-            Error::Model { reason, .. } => Error::format(c.path(), "model dimensions", reason),
-            e => e,
-        })?;
-        let pool = dir.join("1_Pooling").join("config.json");
-        if pool.is_file() {
-            let p = JsonConfig::open(&pool)?;
-            if p.opt_bool("pooling_mode_mean_tokens")? != Some(true) {
-                return Err(Error::format(
-                    &pool,
-                    "key 'pooling_mode_mean_tokens'",
-                    "only mean pooling is implemented",
-                ));
-            }
-        }
+        // Bounded before anything (the list of weights, the file check) is sized by a count.
+        super::limits::check_encoder(&cfg, super::limits::Source::ConfigJson(c.path()))?;
         Ok(cfg)
     }
 
-    /// Dimensions that make a model: non-zero, heads dividing the width, bounded sizes.
+    /// Dimensions that make a model: every count within the bounds of
+    /// [`limits`](super::limits), heads dividing the width, the tensors and the whole model
+    /// within the address space.
     pub fn validate(&self) -> Result<()> {
-        let bad = |r: String| {
-            Err(Error::Model {
-                model: "bert".into(),
-                reason: r,
-            })
-        };
-        let dims = [
-            ("num_hidden_layers", self.n_layer),
-            ("hidden_size", self.n_embd),
-            ("num_attention_heads", self.n_head),
-            ("intermediate_size", self.n_ff),
-            ("vocab_size", self.n_vocab),
-            ("max_position_embeddings", self.n_pos),
-            ("type_vocab_size", self.n_type),
-        ];
-        for (name, v) in dims {
-            // Bounds far above any BERT, so a corrupt config cannot ask for huge allocations
-            // before the weights file is checked against it.
-            if v == 0 || v > 1 << 24 {
-                return bad(format!("{name} = {v} must be in 1..=16777216"));
-            }
-        }
-        if !self.n_embd.is_multiple_of(self.n_head) {
-            return bad(format!(
-                "hidden_size {} is not a multiple of num_attention_heads {}",
-                self.n_embd, self.n_head
-            ));
-        }
-        Ok(())
+        super::limits::check_encoder(self, super::limits::Source::Named("bert"))
     }
 }
 

@@ -1,9 +1,9 @@
 //! A decoder's hyper-parameters ([`DecoderConfig`]) and how they are read from GGUF metadata:
 //! the keys every llama-style family shares (`{arch}.block_count`, `{arch}.embedding_length`,
-//! ... as llama.cpp's `LLM_KV_*` in `src/llama-arch.cpp` name them), each count checked
-//! against the tensors the file holds before anything is sized by it (errors name the file and
-//! the key), and the keys that would change the math without metashard computing it refused by
-//! name rather than ignored.
+//! ... as llama.cpp's `LLM_KV_*` in `src/llama-arch.cpp` name them), each count checked against
+//! the tensors the file holds and against the bounds of `limits.rs` before anything is sized by
+//! it (errors name the file and the key), and the keys that would change the math without
+//! metashard computing it refused by name rather than ignored.
 
 use super::arch::{Arch, LLAMA, Tensor};
 use crate::io::gguf::GgufFile;
@@ -108,7 +108,7 @@ impl DecoderConfig {
                 self.head_dim()
             ));
         }
-        Ok(())
+        super::limits::check_decoder(self, super::limits::Source::Named(self.arch.name))
     }
 }
 
@@ -313,6 +313,11 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         rope_dims,
         fused_attn: true,
     };
+    let src = super::limits::Source::Gguf {
+        path: g.path(),
+        arch: &keys.prefix,
+    };
+    super::limits::check_decoder(&cfg, src)?;
     cfg.validate().map_err(|e| match e {
         Error::Model { reason, .. } => model_err(g, reason),
         e => e,

@@ -4,7 +4,8 @@
 //! (`decoder.rs`), GGUF decoder loading (`loader.rs`), sessions and sampling (`session.rs`,
 //! `sampler.rs`, `prompt.rs`), the built-in split callbacks of every architecture (`split.rs`),
 //! layer and hybrid placement as data (`layer_split.rs`), the BERT encoder (`bert.rs`), model
-//! paths and synthetic decoders. Nothing here opens devices: `crate::runtime` does.
+//! paths and synthetic decoders. Nothing here opens devices: `crate::runtime` does. Every count
+//! a configuration declares is bounded in one table (`limits.rs`) before anything is sized.
 
 pub mod arch;
 pub mod bert;
@@ -12,6 +13,7 @@ pub mod blocks;
 pub mod decoder;
 pub mod hparams;
 pub mod layer_split;
+pub mod limits;
 pub mod loader;
 pub mod paths;
 pub mod prompt;

@@ -62,11 +62,16 @@ pub type Placement = Arc<dyn Fn(&str) -> usize + Send + Sync>;
 /// with share 0 gets none. Shares must be finite, non-negative and not all zero.
 pub fn layer_ranges(n_layer: usize, shares: &[f64]) -> Result<Vec<Range<usize>>> {
     let total: f64 = shares.iter().sum();
-    if shares.is_empty() || shares.iter().any(|s| !s.is_finite() || *s < 0.0) || total <= 0.0 {
+    // A sum overflowing to infinity would put every layer on the last device (NaN ends).
+    if shares.is_empty()
+        || shares.iter().any(|s| !s.is_finite() || *s < 0.0)
+        || !total.is_finite()
+        || total <= 0.0
+    {
         return Err(Error::invalid_argument(
             "--tensor-split",
             format!("{shares:?}"),
-            "shares must be finite, non-negative and not all zero",
+            "shares must be finite, non-negative and not all zero, with a finite sum",
         ));
     }
     let mut out = Vec::with_capacity(shares.len());

@@ -15,6 +15,7 @@
 use crate::{DType, Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
 use std::path::Path;
 
 /// What one device can do, as the cost model sees it. Rates are per second.
@@ -48,6 +49,81 @@ impl DeviceProfile {
         rate(&self.gemm_flops, dtype)
             .or_else(|| self.gemm_flops.values().copied().reduce(f64::min))
             .unwrap_or(1e9)
+    }
+}
+
+/// The most devices a cluster may have (hosts times devices per host included).
+pub const MAX_DEVICES: usize = 1024;
+/// Memory of one device, bytes: up to 1 PiB.
+pub const MEMORY_BYTES: RangeInclusive<u64> = 1..=1 << 50;
+/// Bandwidths (memory, weights read, a link's bus), bytes/s: 1 kB/s to 10 PB/s.
+pub const BANDWIDTH: RangeInclusive<f64> = 1e3..=1e16;
+/// Floating-point operations per second of one device: 1e3 to 1e19 (ten exaflops).
+pub const FLOPS: RangeInclusive<f64> = 1e3..=1e19;
+/// Overheads and latencies, seconds: none to 10 s.
+pub const SECONDS: RangeInclusive<f64> = 0.0..=10.0;
+
+/// `v` in `range` (NaN never is), else (field, value, reason).
+fn in_range<T: PartialOrd + std::fmt::Display>(
+    field: &str,
+    v: T,
+    range: &RangeInclusive<T>,
+    unit: &str,
+) -> std::result::Result<(), (String, String, String)> {
+    if range.contains(&v) {
+        return Ok(());
+    }
+    Err((
+        field.to_string(),
+        v.to_string(),
+        format!("must be in {}..={} {unit}", range.start(), range.end()),
+    ))
+}
+
+impl DeviceProfile {
+    /// Every figure in its physical range: (field, value, reason) of the first that is not.
+    fn check(&self) -> std::result::Result<(), (String, String, String)> {
+        in_range("memory_bytes", self.memory_bytes, &MEMORY_BYTES, "bytes")?;
+        in_range("mem_bw", self.mem_bw, &BANDWIDTH, "bytes/s")?;
+        in_range("step_overhead_s", self.step_overhead_s, &SECONDS, "s")?;
+        in_range("node_overhead_s", self.node_overhead_s, &SECONDS, "s")?;
+        for (map, field, range, unit) in [
+            (&self.gemv_bw, "gemv_bw", &BANDWIDTH, "bytes/s"),
+            (&self.gemm_flops, "gemm_flops", &FLOPS, "flop/s"),
+        ] {
+            for (k, &v) in map {
+                if DType::from_name(k).is_none() {
+                    return Err((
+                        field.to_string(),
+                        format!("`{k}`"),
+                        "not an element type name (f32, f16, bf16, q8_0, ...)".into(),
+                    ));
+                }
+                in_range(&format!("{field}.{k}"), v, range, unit)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl CollectiveFit {
+    /// Latencies in [`SECONDS`] by strictly increasing group sizes in 1..=[`MAX_DEVICES`], a
+    /// bus bandwidth in [`BANDWIDTH`].
+    fn check(&self) -> std::result::Result<(), (String, String, String)> {
+        in_range("bus_bw", self.bus_bw, &BANDWIDTH, "bytes/s")?;
+        let mut prev = 0;
+        for &(n, a) in &self.alpha_s {
+            if n <= prev || n > MAX_DEVICES {
+                return Err((
+                    "alpha_s".into(),
+                    format!("group size {n}"),
+                    format!("group sizes must increase, in 1..={MAX_DEVICES}"),
+                ));
+            }
+            in_range(&format!("alpha_s at {n} ranks"), a, &SECONDS, "s")?;
+            prev = n;
+        }
+        Ok(())
     }
 }
 
@@ -134,6 +210,36 @@ pub struct LinkLevel {
 }
 
 impl LinkLevel {
+    /// Every fit of the level (a broadcast's too, when given) in its range: (field, value,
+    /// reason) of the first that is not.
+    fn check(&self) -> std::result::Result<(), (String, String, String)> {
+        let fits = [
+            ("all_reduce", Some(&self.all_reduce)),
+            ("all_gather", Some(&self.all_gather)),
+            ("reduce_scatter", Some(&self.reduce_scatter)),
+            ("broadcast", self.broadcast.as_ref()),
+        ];
+        for (name, f) in fits {
+            if let Some(f) = f {
+                f.check()
+                    .map_err(|(field, v, r)| (format!("{name}.{field}"), v, r))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`LinkLevel::check`] as an error naming `what` (the level's origin, e.g. a file of
+    /// collectives timed between hosts).
+    pub fn validate(&self, what: &str) -> Result<()> {
+        self.check().map_err(|(field, value, reason)| {
+            Error::invalid_argument(
+                format!("{what}: links `{}` {field}", self.kind),
+                value,
+                reason,
+            )
+        })
+    }
+
     pub fn fit(&self, c: Collective) -> &CollectiveFit {
         match c {
             Collective::AllReduce => &self.all_reduce,
@@ -220,75 +326,70 @@ impl Cluster {
         self.devices.len()
     }
 
-    /// Check the figures: positive rates, at least one device, a sane topology. Errors name the
+    /// Check the figures against their physical ranges ([`MAX_DEVICES`], [`MEMORY_BYTES`],
+    /// [`BANDWIDTH`], [`FLOPS`], [`SECONDS`]): at least one device, rates and bandwidths
+    /// positive, finite and within reach of hardware, overheads and latencies non-negative and
+    /// below seconds, latencies by increasing group size, a sane topology. Errors name the
     /// device and the field.
     pub fn validate(&self) -> Result<()> {
-        let bad = |what: String, reason: &str| {
-            Err(Error::invalid_argument(
-                format!("cluster `{}`: {what}", self.name),
-                "",
-                reason,
-            ))
-        };
-        if self.devices.is_empty() {
-            return bad("devices".into(), "a cluster needs at least one device");
+        self.check().map_err(|(field, value, reason)| {
+            Error::invalid_argument(format!("cluster `{}`: {field}", self.name), value, reason)
+        })
+    }
+
+    /// The first figure out of its range: (field, value, reason).
+    fn check(&self) -> std::result::Result<(), (String, String, String)> {
+        let n = self.devices.len();
+        if !(1..=MAX_DEVICES).contains(&n) {
+            return Err((
+                "devices".into(),
+                format!("{n} devices"),
+                format!("a cluster has 1..={MAX_DEVICES} devices"),
+            ));
         }
-        for d in &self.devices {
-            for (field, v) in [
-                ("mem_bw", d.mem_bw),
-                ("step_overhead_s", d.step_overhead_s + 1.0),
-                ("node_overhead_s", d.node_overhead_s + 1.0),
-            ] {
-                if !v.is_finite() || v <= 0.0 {
-                    return bad(format!("device `{}` {field}", d.name), "must be positive");
-                }
-            }
-            for (k, v) in d.gemv_bw.iter().chain(&d.gemm_flops) {
-                if !v.is_finite() || *v <= 0.0 {
-                    return bad(
-                        format!("device `{}` rate `{k}`", d.name),
-                        "must be positive",
-                    );
-                }
-            }
+        for (i, d) in self.devices.iter().enumerate() {
+            d.check()
+                .map_err(|(f, v, r)| (format!("devices[{i}] (`{}`) {f}", d.name), v, r))?;
         }
-        let levels = std::iter::once(&self.links.intra).chain(self.links.inter.as_ref());
-        for l in levels {
-            for c in [
-                Collective::AllReduce,
-                Collective::AllGather,
-                Collective::ReduceScatter,
-            ] {
-                let f = l.fit(c);
-                if !f.bus_bw.is_finite() || f.bus_bw <= 0.0 {
-                    return bad(
-                        format!("links `{}` {} bus_bw", l.kind, c.name()),
-                        "must be positive",
-                    );
-                }
-                if f.alpha_s.iter().any(|(_, a)| !a.is_finite() || *a < 0.0) {
-                    return bad(
-                        format!("links `{}` {} alpha_s", l.kind, c.name()),
-                        "latencies must be finite and non-negative",
-                    );
-                }
-            }
+        let per_node = self.links.devices_per_node;
+        if !(1..=MAX_DEVICES).contains(&per_node) {
+            return Err((
+                "links.devices_per_node".into(),
+                per_node.to_string(),
+                format!("must be in 1..={MAX_DEVICES}"),
+            ));
         }
-        if self.links.devices_per_node == 0 {
-            return bad("links.devices_per_node".into(), "must be at least 1");
+        let levels = [
+            ("links.intra", Some(&self.links.intra)),
+            ("links.inter", self.links.inter.as_ref()),
+        ];
+        for (name, l) in levels {
+            if let Some(l) = l {
+                l.check()
+                    .map_err(|(f, v, r)| (format!("{name} (`{}`) {f}", l.kind), v, r))?;
+            }
         }
         Ok(())
     }
 
-    /// A cluster from a JSON file (a calibrated profile or one a user wrote).
+    /// A cluster from a JSON file (a calibrated profile or one a user wrote): a regular file of
+    /// at most [`crate::io::MAX_JSON_BYTES`], every figure in its range (errors name the file
+    /// and the field).
     pub fn load(path: &Path) -> Result<Cluster> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let c: Cluster = serde_json::from_str(&text).map_err(|e| Error::Format {
+        let text = crate::io::read_json_text(path)?;
+        Cluster::from_json(path, &text)
+    }
+
+    /// A cluster from the JSON `text` of `path` (named in errors), validated.
+    pub fn from_json(path: &Path, text: &str) -> Result<Cluster> {
+        let c: Cluster = serde_json::from_str(text).map_err(|e| Error::Format {
             path: path.to_path_buf(),
             field: "cluster profile".into(),
             reason: e.to_string(),
         })?;
-        c.validate()?;
+        c.check().map_err(|(field, value, reason)| {
+            Error::format(path, field, format!("{value}: {reason}"))
+        })?;
         Ok(c)
     }
 
@@ -314,7 +415,8 @@ impl Cluster {
 
     /// `hosts` copies of this one-level cluster (one host), joined by `inter` between hosts:
     /// the two-level form of [`Links::time`]. Device `i` of host `h` is named `h{h}.{name}`.
-    /// An error if this cluster already has an inter-host level or `hosts` is below 2.
+    /// An error if this cluster already has an inter-host level, `hosts` is below 2 or the
+    /// hosts' devices would be more than [`MAX_DEVICES`] (checked before any is made).
     pub fn with_hosts(&self, hosts: usize, inter: LinkLevel) -> Result<Cluster> {
         if hosts < 2 || self.links.inter.is_some() {
             return Err(Error::invalid_argument(
@@ -323,6 +425,7 @@ impl Cluster {
                 "give at least 2 hosts of a cluster with one level of links",
             ));
         }
+        Cluster::check_hosts(hosts, self.devices.len())?;
         let devices = (0..hosts)
             .flat_map(|h| {
                 self.devices.iter().map(move |d| DeviceProfile {
@@ -347,6 +450,23 @@ impl Cluster {
         };
         c.validate()?;
         Ok(c)
+    }
+
+    /// `hosts` hosts of `per_host` devices each make at most [`MAX_DEVICES`] devices, else an
+    /// error naming `--hosts`.
+    pub fn check_hosts(hosts: usize, per_host: usize) -> Result<()> {
+        match hosts.checked_mul(per_host) {
+            Some(n) if n <= MAX_DEVICES => Ok(()),
+            _ => Err(Error::invalid_argument(
+                "--hosts",
+                hosts,
+                format!(
+                    "{hosts} hosts of {per_host} device{} each make more than the {MAX_DEVICES} \
+                     devices a cluster may have",
+                    if per_host == 1 { "" } else { "s" }
+                ),
+            )),
+        }
     }
 
     /// The same cluster restricted to its first `n` devices.

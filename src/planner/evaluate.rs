@@ -31,6 +31,8 @@ use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
 use crate::models::arch::{Naming, Tensor};
 use crate::models::decoder::{SequenceStep, build_step};
+use crate::models::hparams::MAX_CONTEXT;
+use crate::models::limits::{self, Count};
 use crate::models::weights::{KvCache, ModelWeights, WeightRef, place_decoder, place_kv_cache};
 use crate::op::{CollectiveKind, Op};
 use crate::{DType, Error, Result};
@@ -91,6 +93,9 @@ impl Workload {
         Ok(w)
     }
 
+    /// Sane counts, checked without overflow: a batch of 1..=4096 sequences, something to do,
+    /// and a context of at most [`MAX_CONTEXT`] positions (they are 32-bit) that holds the
+    /// prompt and the generated tokens. Errors name the workload's key.
     pub fn validate(&self) -> Result<()> {
         if self.batch == 0 || self.batch > 4096 {
             return Err(Error::invalid_argument(
@@ -99,22 +104,55 @@ impl Workload {
                 "must be 1..=4096",
             ));
         }
-        if self.prefill + self.decode == 0 {
+        if self.prefill == 0 && self.decode == 0 {
             return Err(Error::invalid_argument(
                 "workload",
                 "pp=0,tg=0",
                 "nothing to do",
             ));
         }
-        if self.context < self.prefill + self.decode || self.context == 0 {
+        if self.context == 0 || self.context > MAX_CONTEXT {
+            return Err(Error::invalid_argument(
+                "workload ctx",
+                self.context,
+                format!("must be in 1..={MAX_CONTEXT} (positions are 32-bit)"),
+            ));
+        }
+        let need = self.prefill.checked_add(self.decode);
+        if need.is_none_or(|n| n > self.context) {
             return Err(Error::invalid_argument(
                 "workload ctx",
                 self.context,
                 format!(
-                    "must hold the prompt and the generated tokens ({})",
-                    self.prefill + self.decode
+                    "must hold the prompt and the generated tokens (pp {} + tg {} = {})",
+                    self.prefill,
+                    self.decode,
+                    self.prefill as u128 + self.decode as u128
                 ),
             ));
+        }
+        // What costing it builds in memory: each step's mask of tokens x cache rows.
+        for (what, step) in [
+            ("prompt", self.prefill_step()),
+            ("decode", self.decode_step()),
+        ] {
+            let Some((tokens, start)) = step else {
+                continue;
+            };
+            let cells = tokens.saturating_mul(start + tokens);
+            if cells > Self::MAX_STEP_CELLS {
+                return Err(Error::invalid_argument(
+                    "workload",
+                    self,
+                    format!(
+                        "a {what} step of {tokens} tokens over {} cache rows has a mask of \
+                         {cells} cells to build, more than the cost model's {} (lower batch, \
+                         pp or ctx)",
+                        start + tokens,
+                        Self::MAX_STEP_CELLS
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -122,6 +160,40 @@ impl Workload {
     /// Tokens of the prefill step the cost model builds (longer prompts are costed in chunks of
     /// this size, at the middle chunk's context).
     const CHUNK: usize = 512;
+
+    /// The most cells (tokens times cache rows) of a step's attention mask, which the cost
+    /// model builds in memory as a run would: 2^28 (1 GiB of f32), a prompt chunk of 512
+    /// tokens at a context of 512k.
+    pub const MAX_STEP_CELLS: usize = 1 << 28;
+
+    /// Chunks of [`Workload::CHUNK`] tokens making up the prompt (a validated workload).
+    fn prefill_chunks(&self) -> usize {
+        self.prefill.div_ceil(self.prefill.clamp(1, Self::CHUNK))
+    }
+
+    /// The prefill step the cost model builds: (tokens, start). The middle chunk's context
+    /// stands for all of them; a batch is costed as one longer sequence (the same rows for
+    /// every product, more attention). None without a prompt.
+    fn prefill_step(&self) -> Option<(usize, usize)> {
+        if self.prefill == 0 {
+            return None;
+        }
+        let chunk = self.prefill.min(Self::CHUNK);
+        let tokens = chunk.saturating_mul(self.batch.max(1)).min(self.context);
+        let start = ((self.prefill_chunks() / 2) * chunk).min(self.context - tokens);
+        Some((tokens, start))
+    }
+
+    /// The decode step the cost model builds, at the middle of the generation: (tokens,
+    /// start). None without generation.
+    fn decode_step(&self) -> Option<(usize, usize)> {
+        if self.decode == 0 {
+            return None;
+        }
+        let tokens = self.batch.max(1).min(self.context);
+        let at = (self.prefill + self.decode / 2).min(self.context - tokens);
+        Some((tokens, at))
+    }
 }
 
 impl std::fmt::Display for Workload {
@@ -244,6 +316,13 @@ impl Placed {
         split: impl Into<SplitPolicy>,
         context: usize,
     ) -> Result<Placed> {
+        // Nothing below is sized by an unchecked count.
+        shape.check()?;
+        limits::check(
+            Count::Context,
+            context,
+            limits::Source::Named("workload ctx"),
+        )?;
         let devices: Vec<Arc<dyn Device>> = cluster
             .devices
             .iter()
@@ -356,6 +435,7 @@ pub fn evaluate(
     cluster: &Cluster,
     workload: &Workload,
 ) -> Result<Evaluation> {
+    shape.check()?;
     workload.validate()?;
     cluster.validate()?;
     let placed = Placed::new(shape, cluster, split, workload.context)?;
@@ -379,24 +459,13 @@ pub fn evaluate_placed(
         }
         Ok(step_cost(&g, &rw, cluster, tokens))
     };
-    let b = workload.batch.max(1);
-    let (prefill, chunks) = if workload.prefill > 0 {
-        let chunk = workload.prefill.min(Workload::CHUNK);
-        let chunks = workload.prefill.div_ceil(chunk);
-        // The middle chunk's context stands for all of them; a batch is costed as one longer
-        // sequence (the same rows for every product, more attention).
-        let tokens = (chunk * b).min(workload.context);
-        let start = ((chunks / 2) * chunk).min(workload.context - tokens);
-        (Some(run_step(tokens, start)?), chunks)
-    } else {
-        (None, 0)
+    let (prefill, chunks) = match workload.prefill_step() {
+        Some((tokens, start)) => (Some(run_step(tokens, start)?), workload.prefill_chunks()),
+        None => (None, 0),
     };
-    let decode = if workload.decode > 0 {
-        let tokens = b.min(workload.context);
-        let at = (workload.prefill + workload.decode / 2).min(workload.context - tokens);
-        Some(run_step(tokens, at)?)
-    } else {
-        None
+    let decode = match workload.decode_step() {
+        Some((tokens, at)) => Some(run_step(tokens, at)?),
+        None => None,
     };
     let memory = placed
         .devices

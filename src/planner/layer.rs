@@ -90,7 +90,11 @@ impl LayerSplitCost {
                 s,
                 "{:<12} {:>10} {:>14.1} {:>12.1} {:>12.1} {:>12.1}{}",
                 m.device,
-                format!("{}-{}", m.layers.0, m.layers.1.max(1) - 1),
+                if m.layers.1 > m.layers.0 {
+                    format!("{}-{}", m.layers.0, m.layers.1 - 1)
+                } else {
+                    "none".to_string()
+                },
                 mib(m.resident),
                 mib(m.activations),
                 mib(m.total),
@@ -121,6 +125,7 @@ pub fn evaluate_layer_split(
     w: &Workload,
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
+    shape.check()?;
     w.validate()?;
     cluster.validate()?;
     let n = cluster.devices.len();

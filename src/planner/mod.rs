@@ -28,12 +28,14 @@ pub mod shape;
 pub mod strategy;
 pub mod virtual_device;
 
-pub use cluster::{Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links};
+pub use cluster::{
+    Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links, MAX_DEVICES,
+};
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
 pub use layer::{LayerSplitCost, evaluate_layer_split};
 pub use presets::PRESET_NAMES;
-pub use report::{Plan, load_plan};
+pub use report::{Plan, load_plan, parse_plan};
 pub use search::{SearchResult, auto};
 pub use shape::{ModelShape, WeightTypes};
 pub use strategy::{Shares, Strategy};

@@ -57,11 +57,21 @@ struct PlanFile {
     split: DecoderSplit,
 }
 
-/// Read a plan file's assignment, checking it against the model's layer count and the number
-/// of devices it will run on.
+/// Read a plan file's assignment (a regular file of at most [`crate::io::MAX_JSON_BYTES`]),
+/// checking it against the model's layer count and the number of devices it will run on.
 pub fn load_plan(path: &Path, n_layer: usize, n_devices: usize) -> Result<DecoderSplit> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    let p: PlanFile = serde_json::from_str(&text).map_err(|e| Error::Format {
+    parse_plan(path, &crate::io::read_json_text(path)?, n_layer, n_devices)
+}
+
+/// [`load_plan`] of the JSON `text` of `path` (named in errors). Shares whose sum overflows are
+/// scaled so the largest is 1 ([`super::strategy::normalized`]).
+pub fn parse_plan(
+    path: &Path,
+    text: &str,
+    n_layer: usize,
+    n_devices: usize,
+) -> Result<DecoderSplit> {
+    let mut p: PlanFile = serde_json::from_str(text).map_err(|e| Error::Format {
         path: path.to_path_buf(),
         field: "plan".into(),
         reason: e.to_string(),
@@ -91,13 +101,20 @@ pub fn load_plan(path: &Path, n_layer: usize, n_devices: usize) -> Result<Decode
             ),
         ));
     }
-    if let Some(r) = &p.split.ratios
-        && r.len() != n_devices
-    {
-        return Err(bad(
-            "split.ratios",
-            format!("{} shares for {n_devices} devices", r.len()),
-        ));
+    if let Some(r) = &p.split.ratios {
+        if r.len() != n_devices {
+            return Err(bad(
+                "split.ratios",
+                format!("{} shares for {n_devices} devices", r.len()),
+            ));
+        }
+        let n = super::strategy::normalized(r).ok_or_else(|| {
+            bad(
+                "split.ratios",
+                format!("{r:?}: shares must be finite, non-negative and not all zero"),
+            )
+        })?;
+        p.split.ratios = Some(n);
     }
     Ok(p.split)
 }

@@ -19,6 +19,7 @@ use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed};
 use super::shape::ModelShape;
 use super::strategy::describe;
+use crate::models::limits::Count;
 use crate::models::split::{DecoderSplit, LayerSplit, by_layer, sequence_parallel_hints};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -301,7 +302,9 @@ fn solve_resident(
     allowed: &[bool],
 ) -> Option<(f64, usize, Vec<usize>)> {
     let np = PATTERNS.len();
-    if n_layer == 0 {
+    // The fronts are sized by the layer count: a count beyond the bound of every model's
+    // (`ModelShape::check`, which `auto` calls first) finds nothing rather than allocating.
+    if n_layer == 0 || n_layer > Count::Layers.max() {
         return None;
     }
     let cap = budget.saturating_sub(t.fixed_mem);
@@ -458,6 +461,7 @@ pub fn auto(
     w: &Workload,
     ratios: Option<Vec<f64>>,
 ) -> Result<SearchResult> {
+    shape.check()?;
     w.validate()?;
     cluster.validate()?;
     let start = Instant::now();

@@ -1,13 +1,15 @@
 //! Models described without their weights: a [`ModelShape`] is a decoder's configuration and
 //! the storage type of each weight group, read from a GGUF header (no tensor data is touched),
 //! from a Hugging Face `config.json`, or from a preset (SmolLM2-135M, Llama-3-8B,
-//! Llama-3-70B). The planner places such a model on virtual devices and runs the real graph
-//! builder and sharding passes over it.
+//! Llama-3-70B), every count bounded by `models::limits` before anything is sized by it. The
+//! planner places such a model on virtual devices and runs the real graph builder and sharding
+//! passes over it.
 
 use crate::io::config::JsonConfig;
 use crate::io::gguf::GgufFile;
 use crate::models::arch::{Arch, LLAMA, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
+use crate::models::limits::{self, Count, Source};
 use crate::models::weights::{TensorDecl, decoder_layouts};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
@@ -156,32 +158,75 @@ impl ModelShape {
 
     /// A shape from a Hugging Face Llama-family `config.json` (`hidden_size`,
     /// `intermediate_size`, `num_attention_heads`, `num_key_value_heads`,
-    /// `num_hidden_layers`, `vocab_size`, `torch_dtype`, `tie_word_embeddings`).
+    /// `num_hidden_layers`, `vocab_size`, `max_position_embeddings`, `rms_norm_eps`,
+    /// `rope_theta`, `torch_dtype`, `tie_word_embeddings`): a regular file of at most
+    /// [`crate::io::MAX_JSON_BYTES`], every count within the bounds of
+    /// [`crate::models::limits`] (errors name the file and the key).
     pub fn from_config_json(path: &Path) -> Result<ModelShape> {
-        let c = JsonConfig::open(path)?;
+        ModelShape::from_config(&JsonConfig::open(path)?)
+    }
+
+    /// [`ModelShape::from_config_json`] of a parsed `config.json`.
+    pub fn from_config(c: &JsonConfig) -> Result<ModelShape> {
+        let path = c.path();
+        let src = Source::ConfigJson(path);
         // Hugging Face's `model_type` names the families as GGUF's `general.architecture`.
         let arch = match c.opt_str("model_type")? {
             None => &LLAMA,
             Some(t) => Arch::from_gguf_name(t)
                 .ok_or_else(|| Error::format(path, "key 'model_type'", Arch::unsupported(t)))?,
         };
-        let n_embd = c.get_usize("hidden_size")?;
-        let n_head = c.get_usize("num_attention_heads")?;
+        let count =
+            |k: Count| -> Result<usize> { limits::check(k, c.get_usize(&src.key(k))?, src) };
+        let n_embd = count(Count::Width)?;
+        let n_head = count(Count::Heads)?;
+        let n_head_kv = match c.opt_usize(&src.key(Count::KvHeads))? {
+            Some(v) => limits::check(Count::KvHeads, v, src)?,
+            None => n_head,
+        };
+        let float = |key: &str, default: f64, ok: fn(f32) -> bool, rule: &str| -> Result<f32> {
+            let v = c.opt_f64(key)?.unwrap_or(default);
+            // Used as f32: 1e300 is a finite f64 but not a finite f32.
+            if ok(v as f32) {
+                Ok(v as f32)
+            } else {
+                Err(Error::format(
+                    path,
+                    format!("key '{key}'"),
+                    format!("{v}: {rule}"),
+                ))
+            }
+        };
         let cfg = DecoderConfig {
             arch,
-            n_layer: c.get_usize("num_hidden_layers")?,
+            n_layer: count(Count::Layers)?,
             n_embd,
-            n_ff: c.get_usize("intermediate_size")?,
+            n_ff: count(Count::Ffn)?,
             n_head,
-            n_head_kv: c.opt_usize("num_key_value_heads")?.unwrap_or(n_head),
-            n_vocab: c.get_usize("vocab_size")?,
-            rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
-            rope_base: c.opt_f64("rope_theta")?.unwrap_or(10000.0) as f32,
+            n_head_kv,
+            n_vocab: count(Count::Vocab)?,
+            rms_eps: float(
+                "rms_norm_eps",
+                1e-5,
+                |v| v.is_finite() && v >= 0.0,
+                "must be finite and >= 0",
+            )?,
+            rope_base: float(
+                "rope_theta",
+                10000.0,
+                |v| v.is_finite() && v > 0.0,
+                "must be finite and > 0",
+            )?,
             rope_mode: arch.decoder()?.rope_mode,
-            rope_dims: n_embd / n_head.max(1),
+            rope_dims: n_embd / n_head,
             fused_attn: true,
         };
+        limits::check_decoder(&cfg, src)?;
         cfg.validate()?;
+        let context_length = match c.opt_usize(&src.key(Count::Context))? {
+            Some(v) => limits::check(Count::Context, v, src)?,
+            None => 4096,
+        };
         let dt = match c.opt_str("torch_dtype")? {
             Some("float32") => DType::F32,
             Some("float16") => DType::F16,
@@ -196,8 +241,17 @@ impl ModelShape {
             types: WeightTypes::uniform(dt),
             tied: c.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             cache: DType::F16,
-            context_length: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            context_length,
         })
+    }
+
+    /// Every count within the bounds of [`crate::models::limits`] (errors name the model):
+    /// what the planner checks before it sizes anything by this shape, whoever built it.
+    pub fn check(&self) -> Result<()> {
+        let src = Source::Named(&self.name);
+        limits::check_decoder(&self.cfg, src)?;
+        limits::check(Count::Context, self.context_length, src)?;
+        Ok(())
     }
 
     /// A built-in shape: `smollm2-135m`, `llama3-8b`, `llama3-70b`.
@@ -261,7 +315,9 @@ impl ModelShape {
         if p.extension().is_some_and(|e| e == "gguf") {
             return Self::from_gguf(p);
         }
-        if p.is_file() {
+        // Any existing path but a folder is read as a config.json: a FIFO or a device is then
+        // refused by name (`io::read_limited`) rather than taken for a model name.
+        if p.exists() && !p.is_dir() {
             return Self::from_config_json(p);
         }
         if p.is_dir() && p.join("config.json").is_file() {

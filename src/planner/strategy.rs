@@ -135,14 +135,14 @@ impl Shares {
                         format!("one share per device ({})", cluster.n_devices()),
                     ));
                 }
-                if r.iter().any(|x| !x.is_finite() || *x < 0.0) || r.iter().sum::<f64>() <= 0.0 {
-                    return Err(Error::invalid_argument(
+                let n = normalized(r).ok_or_else(|| {
+                    Error::invalid_argument(
                         "--shares",
                         format!("{r:?}"),
                         "shares must be finite, non-negative and not all zero",
-                    ));
-                }
-                Ok(Some(r.clone()))
+                    )
+                })?;
+                Ok(Some(n))
             }
             Shares::Throughput => {
                 let dt: DType = shape.types.ffn_gate_up;
@@ -158,6 +158,23 @@ impl Shares {
             }
         }
     }
+}
+
+/// `shares` whose sum is finite: as given when it is, else scaled so the largest is 1
+/// (`1e308,1e308,0` becomes `1,1,0`, not a sum overflowing to infinity that puts every layer
+/// on the device of share 0); None unless they are finite, non-negative and not all zero.
+pub fn normalized(shares: &[f64]) -> Option<Vec<f64>> {
+    if shares.iter().any(|x| !x.is_finite() || *x < 0.0) {
+        return None;
+    }
+    let max = shares.iter().copied().fold(0.0, f64::max);
+    if max <= 0.0 {
+        return None;
+    }
+    if shares.iter().sum::<f64>().is_finite() {
+        return Some(shares.to_vec());
+    }
+    Some(shares.iter().map(|x| x / max).collect())
 }
 
 /// A one-line description of an assignment: runs of layers with the same splits.

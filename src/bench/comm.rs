@@ -9,7 +9,7 @@
 //! reference gives every rank the same bits, so equality on every rank also proves the ranks
 //! agree.
 
-use crate::cli::{DistArgs, JsonArgs, parse_positive};
+use crate::cli::{DistArgs, JsonArgs, parse_positive, parse_reps};
 use metashard::buffer::{BufferRange, Storage};
 use metashard::collectives::{Communicator, CpuCommunicator, SliceLayout};
 use metashard::dist::Dist;
@@ -25,14 +25,23 @@ pub struct BenchCommArgs {
     /// Ranks of the in-process communicator (without --dist mpi).
     #[arg(long, default_value_t = 2)]
     pub world: usize,
-    /// Buffer sizes in bytes.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![65536usize, 1 << 20, 16 << 20])]
+    /// Buffer sizes in bytes (each at most 1 GiB).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![65536usize, 1 << 20, 16 << 20],
+          value_parser = parse_bytes)]
     pub bytes: Vec<usize>,
     /// Timed calls per size (median reported; at least 1).
-    #[arg(long, default_value_t = 20, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 20, value_parser = parse_reps)]
     pub reps: usize,
     #[command(flatten)]
     pub out: JsonArgs,
+}
+
+/// A `--bytes` size: 1..=1 GiB (three buffers of it are allocated per rank).
+fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+    match parse_positive(s)? {
+        n if n <= 1 << 30 => Ok(n),
+        n => Err(format!("{n} bytes: at most 1073741824 (1 GiB)")),
+    }
 }
 
 /// `bench comm`: time the collectives (every rank of a job takes part); rank 0 prints.

@@ -6,7 +6,7 @@
 //! `cpu:1x2` device; steps are timed as a user runs them (graph built, planned from the
 //! cache, computed), medians reported with the ratios, next to all-reduce and memcpy GB/s.
 
-use crate::cli::{JsonArgs, parse_positive};
+use crate::cli::{JsonArgs, parse_reps};
 use metashard::backend::{Backend, Device, alloc_tensors};
 use metashard::buffer::{BufferType, BufferUsage, Storage};
 use metashard::collectives::CpuCommunicator;
@@ -42,7 +42,7 @@ pub struct BenchMetaArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,128")]
     pub tokens: Vec<usize>,
     /// Timed steps per configuration (median reported; at least 1).
-    #[arg(long, default_value_t = 20, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 20, value_parser = parse_reps)]
     pub reps: usize,
     /// Use the fused attention kernel in the block.
     #[arg(long)]

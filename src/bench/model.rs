@@ -6,7 +6,9 @@
 //! the machine's streaming read bandwidth measured in the same run for comparison.
 
 use crate::cli::run::load_dist;
-use crate::cli::{DistArgs, JsonArgs, ModelArgs, PrecisionsArgs, SplitArgs, parse_positive};
+use crate::cli::{
+    DistArgs, JsonArgs, ModelArgs, PrecisionsArgs, SplitArgs, parse_positive, parse_reps,
+};
 use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
 use metashard::dist::Dist;
@@ -29,7 +31,7 @@ pub struct BenchModelArgs {
     #[arg(long, default_value_t = 64)]
     pub tg: usize,
     /// Repetitions of each configuration (median reported; at least 1).
-    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 3, value_parser = parse_reps)]
     pub reps: usize,
     #[command(flatten)]
     pub precision: PrecisionsArgs,

@@ -7,7 +7,7 @@
 //! and decode, and how auto's measured speed compares with the best measured.
 
 use crate::cli::run::load;
-use crate::cli::{JsonArgs, SplitArgs, parse_positive};
+use crate::cli::{JsonArgs, SplitArgs, parse_positive, parse_reps};
 use metashard::Result;
 use metashard::calibrate::{CalibrateOptions, calibrate};
 use metashard::cpu::Precision;
@@ -36,7 +36,7 @@ pub struct BenchStrategiesArgs {
     #[arg(long, default_value_t = 64, value_parser = parse_positive)]
     pub tg: usize,
     /// Repetitions (interleaved over the strategies; medians reported).
-    #[arg(long, default_value_t = 3, value_parser = parse_positive)]
+    #[arg(long, default_value_t = 3, value_parser = parse_reps)]
     pub reps: usize,
     /// A full calibration of each device set instead of a quick one.
     #[arg(long)]
@@ -177,18 +177,50 @@ struct Candidate {
 
 pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result<StrategiesReport> {
     let shape = ModelShape::resolve(&opts.model)?;
+    // The prompt, the steps and the warm-up token must fit the model's context, checked
+    // without overflow before anything is calibrated or loaded.
+    let context = opts
+        .pp
+        .checked_add(opts.tg)
+        .and_then(|n| n.checked_add(2))
+        .filter(|&n| opts.pp > 0 && n <= shape.context_length)
+        .ok_or_else(|| {
+            metashard::Error::invalid_argument(
+                "--pp + --tg",
+                format!("{} + {}", opts.pp, opts.tg),
+                format!(
+                    "the prompt (at least 1 token), the steps and 2 more must fit the model's \
+                     context of {} tokens",
+                    shape.context_length
+                ),
+            )
+        })?;
     let workload = Workload {
         prefill: opts.pp,
         decode: opts.tg,
         batch: 1,
-        context: opts.pp + opts.tg + 2,
+        context,
     };
     workload.validate()?;
+    // Every profile is read and checked against its device set before anything is measured.
+    if opts.profiles.len() > opts.devices.len() {
+        return Err(metashard::Error::invalid_argument(
+            "--profile",
+            opts.profiles.len(),
+            format!("profiles for {} device sets", opts.devices.len()),
+        ));
+    }
+    let mut profiles = Vec::with_capacity(opts.profiles.len());
+    for (p, spec) in opts.profiles.iter().zip(&opts.devices) {
+        let cluster = Cluster::load(p)?;
+        check_profile(&cluster, spec)?;
+        profiles.push(cluster);
+    }
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
     for (si, spec) in opts.devices.iter().enumerate() {
-        let cluster: Cluster = match opts.profiles.get(si) {
-            Some(p) => Cluster::load(p)?,
+        let cluster: Cluster = match profiles.get(si) {
+            Some(c) => c.clone(),
             None => {
                 progress(&format!("calibrating {spec}"));
                 let co = if opts.full_calibration {
@@ -199,13 +231,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                 calibrate(spec, &co, &|what, _| progress(&format!("  {what}")))?
             }
         };
-        if cluster.n_devices() != metashard::parse_devices(spec)?.len() {
-            return Err(metashard::Error::invalid_argument(
-                "--profile",
-                &cluster.name,
-                format!("a profile of {} devices for `{spec}`", cluster.n_devices()),
-            ));
-        }
+        check_profile(&cluster, spec)?;
         let mut cands = Vec::new();
         for st in Strategy::ALL {
             let split = match st.split(shape.n_layer()) {
@@ -305,6 +331,18 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         rows,
         summaries,
     })
+}
+
+/// A profile of as many devices as `spec` has, else an error naming `--profile`.
+fn check_profile(cluster: &Cluster, spec: &str) -> Result<()> {
+    if cluster.n_devices() != metashard::parse_devices(spec)?.len() {
+        return Err(metashard::Error::invalid_argument(
+            "--profile",
+            &cluster.name,
+            format!("a profile of {} devices for `{spec}`", cluster.n_devices()),
+        ));
+    }
+    Ok(())
 }
 
 /// Open the model on `spec` with an explicit per-layer assignment.

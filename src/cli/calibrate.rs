@@ -51,7 +51,7 @@ pub fn comm_samples(path: &std::path::Path) -> Result<Vec<(Collective, LinkSampl
         field: "bench comm rows".into(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = metashard::io::read_json_text(path)?;
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&text).map_err(|e| bad(format!("not a JSON array: {e}")))?;
     let mut out = Vec::with_capacity(rows.len());
@@ -62,21 +62,26 @@ pub fn comm_samples(path: &std::path::Path) -> Result<Vec<(Collective, LinkSampl
             Some("reduce_scatter") => Collective::ReduceScatter,
             other => return Err(bad(format!("row {i}: unknown collective {other:?}"))),
         };
-        let field = |k: &str| {
+        // Each figure in a range hardware reaches: a group of ranks a cluster can have, a
+        // buffer up to 1 PiB, a median call of at most 10 s.
+        let field = |k: &str, lo: f64, hi: f64, whole: bool| {
             r[k].as_f64()
-                .filter(|v| v.is_finite() && *v > 0.0)
-                .ok_or_else(|| bad(format!("row {i}: `{k}` must be a positive number")))
+                .filter(|v| (lo..=hi).contains(v) && (!whole || v.fract() == 0.0))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "row {i}: `{k}` must be a {}number in {lo}..={hi}, found {}",
+                        if whole { "whole " } else { "" },
+                        r[k]
+                    ))
+                })
         };
-        let ranks = field("ranks")? as usize;
-        if ranks < 2 {
-            return Err(bad(format!("row {i}: `ranks` must be at least 2")));
-        }
+        let max_ranks = metashard::planner::MAX_DEVICES as f64;
         out.push((
             c,
             LinkSample {
-                n: ranks,
-                bytes: field("bytes")? as usize,
-                seconds: field("median_us")? * 1e-6,
+                n: field("ranks", 2.0, max_ranks, true)? as usize,
+                bytes: field("bytes", 1.0, (1u64 << 50) as f64, true)? as usize,
+                seconds: field("median_us", 1e-3, 1e7, false)? * 1e-6,
                 reps: 1,
             },
         ));
@@ -85,8 +90,10 @@ pub fn comm_samples(path: &std::path::Path) -> Result<Vec<(Collective, LinkSampl
 }
 
 pub fn run(a: &CalibrateArgs) -> Result<()> {
-    // An unknown device list is an error naming it, before anything is measured.
-    metashard::parse_devices(&a.devices)?;
+    // Every flag is checked before anything is measured: an unknown device list, more hosts
+    // than a cluster may have, a bad file of timings.
+    let per_host = metashard::parse_devices(&a.devices)?.len();
+    metashard::planner::Cluster::check_hosts(a.hosts, per_host)?;
     if let Some(p) = &a.output
         && p.is_dir()
     {
@@ -111,7 +118,9 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
                 .inter_kind
                 .clone()
                 .unwrap_or_else(|| format!("between hosts, fitted from {}", p.display()));
-            Some((p, fit_level(&kind, &comm_samples(p)?)?))
+            let (level, fits) = fit_level(&kind, &comm_samples(p)?)?;
+            level.validate(&format!("--inter {}", p.display()))?;
+            Some((p, (level, fits)))
         }
         None => None,
     };

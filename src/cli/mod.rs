@@ -323,6 +323,18 @@ pub fn parse_positive(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// The most repetitions a `--reps` flag takes: far more than a median needs, and few enough
+/// that counting them (warm-up rounds added) cannot overflow.
+pub const MAX_REPS: usize = 100_000;
+
+/// A `--reps` count: 1..=[`MAX_REPS`].
+pub fn parse_reps(s: &str) -> std::result::Result<usize, String> {
+    match parse_positive(s)? {
+        n if n <= MAX_REPS => Ok(n),
+        n => Err(format!("{n} repetitions: at most {MAX_REPS}")),
+    }
+}
+
 /// A sampling setting checked by the library's [`SamplerConfig::validate`].
 fn sampling<T>(s: &str, set: impl FnOnce(&mut SamplerConfig, T)) -> std::result::Result<T, String>
 where

@@ -2,7 +2,8 @@
 //! v3, several alignments), every malformation giving an error that names the file and the
 //! field, truncated copies of the real SmolLM2 file, the real file compared with gguf-py,
 //! safetensors (MiniLM compared with its header as Python's json reads it, corrupted
-//! copies), JSON configs, and never-panic fuzzing of the GGUF parser.
+//! copies), JSON configs, and never-panic fuzzing of the GGUF parser and of the JSON a user
+//! hands the planner and the loaders (`config.json`, cluster profiles, plan files).
 //!
 //! Model files come from `$METASHARD_MODELS` or `<repo>/models-cache` (see
 //! `scripts/fetch_models.sh`). Comparisons with Python are skipped with a note when python3
@@ -397,6 +398,8 @@ fn py_float_repr(x: f64) -> String {
     }
 }
 
+#[path = "io_formats/config_fuzz.rs"]
+mod config_fuzz;
 #[path = "io_formats/fuzz.rs"]
 mod fuzz;
 #[path = "io_formats/malformed.rs"]

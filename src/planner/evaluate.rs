@@ -31,8 +31,7 @@ use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
 use crate::models::arch::{Naming, Tensor};
 use crate::models::decoder::{SequenceStep, build_step};
-use crate::models::hparams::MAX_CONTEXT;
-use crate::models::limits::{self, Count};
+use crate::models::limits::Count;
 use crate::models::weights::{KvCache, ModelWeights, WeightRef, place_decoder, place_kv_cache};
 use crate::op::{CollectiveKind, Op};
 use crate::{DType, Error, Result};
@@ -94,7 +93,7 @@ impl Workload {
     }
 
     /// Sane counts, checked without overflow: a batch of 1..=4096 sequences, something to do,
-    /// and a context of at most [`MAX_CONTEXT`] positions (they are 32-bit) that holds the
+    /// and a context of at most [`Count::Context`]'s bound of positions (they are 32-bit) that holds the
     /// prompt and the generated tokens. Errors name the workload's key.
     pub fn validate(&self) -> Result<()> {
         if self.batch == 0 || self.batch > 4096 {
@@ -111,13 +110,7 @@ impl Workload {
                 "nothing to do",
             ));
         }
-        if self.context == 0 || self.context > MAX_CONTEXT {
-            return Err(Error::invalid_argument(
-                "workload ctx",
-                self.context,
-                format!("must be in 1..={MAX_CONTEXT} (positions are 32-bit)"),
-            ));
-        }
+        check_context(self.context)?;
         let need = self.prefill.checked_add(self.decode);
         if need.is_none_or(|n| n > self.context) {
             return Err(Error::invalid_argument(
@@ -306,6 +299,21 @@ pub struct Placed {
     hints: Option<HintFn>,
 }
 
+/// A workload's context within the bound of [`Count::Context`] in `models::limits` (positions
+/// are 32-bit), named as the workload's `ctx` key: the one check `Workload::validate` and
+/// `Placed::new` share.
+fn check_context(context: usize) -> Result<usize> {
+    let max = Count::Context.max();
+    if context == 0 || context > max {
+        return Err(Error::invalid_argument(
+            "workload ctx",
+            context,
+            format!("must be in 1..={max} (positions are 32-bit)"),
+        ));
+    }
+    Ok(context)
+}
+
 impl Placed {
     /// Place `shape`'s weights and a cache of `context` rows per layer on virtual devices
     /// named and budgeted like `cluster`'s, splitting every tensor with `split` (a split
@@ -318,11 +326,7 @@ impl Placed {
     ) -> Result<Placed> {
         // Nothing below is sized by an unchecked count.
         shape.check()?;
-        limits::check(
-            Count::Context,
-            context,
-            limits::Source::Named("workload ctx"),
-        )?;
+        check_context(context)?;
         let devices: Vec<Arc<dyn Device>> = cluster
             .devices
             .iter()

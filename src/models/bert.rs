@@ -158,6 +158,7 @@ impl BertConfig {
         Some(match d {
             Dim::One => 1,
             Dim::Embd | Dim::Q | Dim::Kv => self.n_embd,
+            Dim::HeadDim => self.head_dim(),
             Dim::Ff => self.n_ff,
             Dim::Vocab => self.n_vocab,
             Dim::Pos => self.n_pos,

@@ -117,6 +117,7 @@ impl SplitDims {
             Dim::Vocab => self.n_vocab,
             Dim::Q => self.n_head * self.head_dim,
             Dim::Kv => self.n_head_kv * self.head_dim,
+            Dim::HeadDim => self.head_dim,
             Dim::Pos | Dim::Types | Dim::Ctx => return None,
         })
     }
@@ -129,7 +130,7 @@ impl From<&DecoderConfig> for SplitDims {
             n_layer: c.n_layer,
             n_head: c.n_head,
             n_head_kv: c.n_head_kv,
-            head_dim: c.head_dim(),
+            head_dim: c.head_dim,
             n_embd: c.n_embd,
             n_ff: c.n_ff,
             n_vocab: c.n_vocab,

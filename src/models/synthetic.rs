@@ -80,7 +80,8 @@ pub fn random_decoder(
 
 /// A GGUF file of a decoder with random weights in `cfg`'s architecture (the values of
 /// [`random_decoder`] with the same seed), as llama.cpp's converter would write it: the
-/// architecture's metadata keys, every tensor its table requires (the output projection
+/// architecture's metadata keys (the head size, sliding window and soft-capping where `cfg`
+/// has them; the local layers' pattern and RoPE base are the family's), every tensor its table requires (the output projection
 /// omitted when `tied`), vectors as 1-D tensors, and a byte-level BPE vocabulary of
 /// `cfg.n_vocab` tokens (the 256 byte tokens, then `<|extra_N|>` control tokens, the last one
 /// the end of sequence), so the loader, the tokenizer and outside readers (gguf-py) take it
@@ -119,6 +120,21 @@ pub fn gguf_bytes(
         ("rope.dimension_count", cfg.rope_dims),
     ] {
         w.add(format!("{arch}.{k}"), u32v(v));
+    }
+    if cfg.n_head * cfg.head_dim != cfg.n_embd {
+        w.add(format!("{arch}.attention.key_length"), u32v(cfg.head_dim));
+        w.add(format!("{arch}.attention.value_length"), u32v(cfg.head_dim));
+    }
+    if let Some(sw) = cfg.swa {
+        w.add(format!("{arch}.attention.sliding_window"), u32v(sw.window));
+    }
+    for (k, v) in [
+        ("attn_logit_softcapping", cfg.attn_softcap),
+        ("final_logit_softcapping", cfg.final_softcap),
+    ] {
+        if let Some(v) = v {
+            w.add(format!("{arch}.{k}"), GgufValue::F32(v));
+        }
     }
     w.add(
         format!("{arch}.rope.freq_base"),

@@ -194,19 +194,25 @@ impl ModelShape {
         };
         let n_embd = c.get_usize("hidden_size")?;
         let n_head = c.get_usize("num_attention_heads")?;
+        let base = DecoderConfig::llama(
+            c.get_usize("num_hidden_layers")?,
+            n_embd,
+            c.get_usize("intermediate_size")?,
+            n_head,
+            c.opt_usize("num_key_value_heads")?.unwrap_or(n_head),
+            c.get_usize("vocab_size")?,
+        );
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(base.head_dim);
         let cfg = DecoderConfig {
             arch,
-            n_layer: c.get_usize("num_hidden_layers")?,
-            n_embd,
-            n_ff: c.get_usize("intermediate_size")?,
-            n_head,
-            n_head_kv: c.opt_usize("num_key_value_heads")?.unwrap_or(n_head),
-            n_vocab: c.get_usize("vocab_size")?,
+            head_dim,
             rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
             rope_base: c.opt_f64("rope_theta")?.unwrap_or(10000.0) as f32,
             rope_mode: arch.decoder()?.rope_mode,
-            rope_dims: n_embd / n_head.max(1),
+            rope_dims: head_dim,
             fused_attn: true,
+            attn_scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+            ..base
         };
         cfg.validate()?;
         let dt = match c.opt_str("torch_dtype")? {
@@ -319,7 +325,7 @@ mod tests {
         let params = s.weight_bytes() / 2;
         assert!((8.0e9..8.1e9).contains(&(params as f64)), "{params}");
         let s = ModelShape::preset("smollm2-135m").unwrap();
-        assert_eq!(s.cfg.head_dim(), 64);
+        assert_eq!(s.cfg.head_dim, 64);
         assert_eq!(ModelShape::preset("nope").map(|s| s.name), None);
     }
 }

@@ -3,7 +3,7 @@
 //! permutes Q and K rows for it), SwiGLU MLP.
 
 use super::groups::{ATTENTION, DECODER_ENDS, GATED_MLP, OPTIONAL_ATTN_BIAS};
-use super::{Arch, DecoderSpec, Kind, Mlp, Naming};
+use super::{Arch, AttnScale, DecoderSpec, Kind, Mlp, Naming};
 use crate::op::{RopeMode, UnaryOp};
 
 pub const LLAMA: Arch = Arch {
@@ -14,5 +14,9 @@ pub const LLAMA: Arch = Arch {
     kind: Kind::Decoder(DecoderSpec {
         rope_mode: RopeMode::Normal,
         mlp: Mlp::Gated(UnaryOp::Silu),
+        scale_embeddings: false,
+        attn_scale: AttnScale::HeadDim,
+        swa: None,
+        softcap: false,
     }),
 };

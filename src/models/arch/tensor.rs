@@ -32,6 +32,9 @@ pub enum Tensor {
     AttnOutBias,
     AttnOutNorm,
     AttnOutNormBias,
+    AttnQNorm,
+    AttnKNorm,
+    AttnPostNorm,
     FfnNorm,
     FfnGate,
     FfnUp,
@@ -40,6 +43,7 @@ pub enum Tensor {
     FfnDownBias,
     LayerOutNorm,
     LayerOutNormBias,
+    FfnPostNorm,
     // Each layer's KV cache (made at run time, never in a file).
     CacheK,
     CacheV,
@@ -70,6 +74,8 @@ pub enum Dim {
     Q,
     /// All key (or value) heads: `n_head_kv * head_dim`.
     Kv,
+    /// One head: `head_dim`.
+    HeadDim,
     /// The position table (BERT's `max_position_embeddings`).
     Pos,
     /// The token-type table (BERT's `type_vocab_size`).
@@ -185,6 +191,11 @@ roles! {
     AttnOutBias, Layer, "attn_output.bias", Some("attention.output.dense.bias"), [Embd, One], AttnOut, None;
     AttnOutNorm, Layer, "attn_output_norm.weight", Some("attention.output.LayerNorm.weight"), [Embd, One], Norms, None;
     AttnOutNormBias, Layer, "attn_output_norm.bias", Some("attention.output.LayerNorm.bias"), [Embd, One], Norms, None;
+    // Per-head RMS norms of Q and K (Qwen3, Gemma 3): every device normalizes its own heads.
+    AttnQNorm, Layer, "attn_q_norm.weight", None, [HeadDim, One], Norms, None;
+    AttnKNorm, Layer, "attn_k_norm.weight", None, [HeadDim, One], Norms, None;
+    // Norms of a block's output before the residual add (Gemma 2 and 3).
+    AttnPostNorm, Layer, "post_attention_norm.weight", None, [Embd, One], Norms, None;
     FfnNorm, Layer, "ffn_norm.weight", None, [Embd, One], Norms, None;
     FfnGate, Layer, "ffn_gate.weight", None, [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
     FfnUp, Layer, "ffn_up.weight", Some("intermediate.dense.weight"), [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
@@ -193,6 +204,7 @@ roles! {
     FfnDownBias, Layer, "ffn_down.bias", Some("output.dense.bias"), [Embd, One], FfnOut, None;
     LayerOutNorm, Layer, "layer_output_norm.weight", Some("output.LayerNorm.weight"), [Embd, One], Norms, None;
     LayerOutNormBias, Layer, "layer_output_norm.bias", Some("output.LayerNorm.bias"), [Embd, One], Norms, None;
+    FfnPostNorm, Layer, "post_ffw_norm.weight", None, [Embd, One], Norms, None;
     CacheK, Cache, "cache_k_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
     CacheV, Cache, "cache_v_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
 }

@@ -7,12 +7,12 @@
 
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
-use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3};
+use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3, Tensor};
 use metashard::models::hparams::{DecoderConfig, SlidingWindow};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
 use metashard::models::session::Session;
-use metashard::models::synthetic::gguf_bytes;
+use metashard::models::synthetic::gguf_bytes_with;
 use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, max_abs, nmse};
 use metashard::{DType, Result};
@@ -74,11 +74,11 @@ fn write(name: &str, bytes: &[u8]) -> PathBuf {
 }
 
 /// The family's synthetic file (F32 weights; Gemma ties its output projection as the real
-/// files do).
-fn model_file(arch: &'static Arch) -> PathBuf {
+/// files do), with the optional tensors of the roles in `optional`.
+fn model_file(arch: &'static Arch, optional: &[Tensor]) -> PathBuf {
     let tied = arch.name.starts_with("gemma");
-    let bytes = gguf_bytes(&config(arch), DType::F32, tied, 512, 11).unwrap();
-    write(&format!("{}.gguf", arch.name), &bytes)
+    let bytes = gguf_bytes_with(&config(arch), DType::F32, tied, 512, 11, optional).unwrap();
+    write(&format!("{}-{}.gguf", arch.name, optional.len()), &bytes)
 }
 
 fn open(path: &Path, devices: &str, mode: SplitMode) -> Result<(DeviceSet, DecoderModel)> {
@@ -132,8 +132,8 @@ fn reference_prompt_logits(path: &Path, rope: Option<&str>) -> Option<Vec<f32>> 
 /// Logits at every prompt position on one device match the numpy reference (the KV cache is
 /// F16 here and f32 there: NMSE ~1e-7), and the comparison can fail: the same file run with
 /// the other RoPE pairing is far off.
-fn matches_the_reference(arch: &'static Arch) {
-    let path = model_file(arch);
+fn matches_the_reference(arch: &'static Arch, optional: &[Tensor]) {
+    let path = model_file(arch, optional);
     let (set, m) = open(&path, "cpu:1x1", SplitMode::Tensor).unwrap();
     assert_eq!(m.cfg.arch.name, arch.name);
     let mut s = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 64).unwrap();
@@ -157,8 +157,8 @@ fn matches_the_reference(arch: &'static Arch) {
 }
 
 /// Greedy tokens and prompt logits on cpu:2x1, cpu:3x1 and a layer split equal one device's.
-fn splits_give_one_devices_tokens(arch: &'static Arch) {
-    let path = model_file(arch);
+fn splits_give_one_devices_tokens(arch: &'static Arch, optional: &[Tensor]) {
+    let path = model_file(arch, optional);
     let (set, m) = open(&path, "cpu:1x1", SplitMode::Tensor).unwrap();
     let (want_logits, want) = greedy(&m, &set, PROMPT, STEPS).unwrap();
     for (devices, mode) in [
@@ -181,32 +181,48 @@ fn splits_give_one_devices_tokens(arch: &'static Arch) {
 
 #[test]
 fn llama_matches_the_reference_and_splits() {
-    matches_the_reference(&LLAMA);
-    splits_give_one_devices_tokens(&LLAMA);
+    matches_the_reference(&LLAMA, &[]);
+    splits_give_one_devices_tokens(&LLAMA, &[]);
+}
+
+/// Llama 3's RoPE frequency factors (`rope_freqs.weight`): the same checks, and the factors
+/// change the result (the file without them is far off).
+#[test]
+fn llama3_rope_factors_match_the_reference_and_split() {
+    matches_the_reference(&LLAMA, &[Tensor::RopeFreqs]);
+    splits_give_one_devices_tokens(&LLAMA, &[Tensor::RopeFreqs]);
+    let with = model_file(&LLAMA, &[Tensor::RopeFreqs]);
+    let without = model_file(&LLAMA, &[]);
+    let logits = |p: &Path| {
+        let (set, m) = open(p, "cpu:1x1", SplitMode::Tensor).unwrap();
+        greedy(&m, &set, PROMPT, 1).unwrap().0
+    };
+    let (a, b) = (logits(&with), logits(&without));
+    assert!(nmse(&a, &b) > 1e-3, "{:.3e}", nmse(&a, &b));
 }
 
 #[test]
 fn qwen2_matches_the_reference_and_splits() {
-    matches_the_reference(&QWEN2);
-    splits_give_one_devices_tokens(&QWEN2);
+    matches_the_reference(&QWEN2, &[]);
+    splits_give_one_devices_tokens(&QWEN2, &[]);
 }
 
 #[test]
 fn qwen3_matches_the_reference_and_splits() {
-    matches_the_reference(&QWEN3);
-    splits_give_one_devices_tokens(&QWEN3);
+    matches_the_reference(&QWEN3, &[]);
+    splits_give_one_devices_tokens(&QWEN3, &[]);
 }
 
 #[test]
 fn gemma2_matches_the_reference_and_splits() {
-    matches_the_reference(&GEMMA2);
-    splits_give_one_devices_tokens(&GEMMA2);
+    matches_the_reference(&GEMMA2, &[]);
+    splits_give_one_devices_tokens(&GEMMA2, &[]);
 }
 
 #[test]
 fn gemma3_matches_the_reference_and_splits() {
-    matches_the_reference(&GEMMA3);
-    splits_give_one_devices_tokens(&GEMMA3);
+    matches_the_reference(&GEMMA3, &[]);
+    splits_give_one_devices_tokens(&GEMMA3, &[]);
 }
 
 /// The families' keys are read as the config says: a head size from `key_length`, the
@@ -214,7 +230,7 @@ fn gemma3_matches_the_reference_and_splits() {
 #[test]
 fn family_keys_are_read_from_the_file() {
     for arch in [&QWEN3, &GEMMA2, &GEMMA3] {
-        let path = model_file(arch);
+        let path = model_file(arch, &[]);
         let g = metashard::io::GgufFile::open(&path).unwrap();
         let got = metashard::models::hparams::config_from_gguf(&g).unwrap();
         let mut want = config(arch);

@@ -14,6 +14,9 @@ Sources of the facts used here (formats and algorithms only, no code taken):
   * qwen2 (Hugging Face's Qwen2 modelling: q_proj/k_proj/v_proj with biases, o_proj without;
     RoPE by rotate_half, i.e. pairs (x[i], x[i + n_rot/2]): llama.cpp's LLAMA_ROPE_TYPE_NEOX).
     Biases are added wherever the file has them (llama files may carry them too).
+  * llama with rope_freqs.weight (Llama 3.1 and later): each pair's frequency divided by its
+    factor, as llama.cpp's ggml_rope_ext applies the tensor the converter computes from
+    Hugging Face's rope_scaling "llama3".
   * qwen3 (Hugging Face's Qwen3: q_norm / k_norm, an RMS norm over each head's features
     before RoPE; head size from qwen3.attention.key_length; NeoX RoPE).
   * gemma2 / gemma3 (Hugging Face's Gemma2 / Gemma3 text modelling, llama.cpp's hparams):
@@ -88,6 +91,7 @@ class HParams:
     attn_softcap: float = 0.0  # 0: none
     final_softcap: float = 0.0
     gelu: bool = False  # the MLP's gate activation: tanh GELU (Gemma) or SiLU
+    rope_factors: np.ndarray | None = None  # Llama 3's rope_freqs: pair i's angle / factor i
 
 
 @dataclass
@@ -272,6 +276,8 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     if output is tok_embd:
         log("output.weight absent: output projection is tied to token_embd.weight")
     output_norm = get("output_norm.weight", [E])
+    if "rope_freqs.weight" in tensors:
+        hp.rope_factors = get("rope_freqs.weight", [hp.n_rot // 2]).astype(np.float64)
     log(f"dequantized weights to {np.dtype(dtype).name} in {time.time() - t1:.2f}s")
 
     m = Model(arch=arch, hp=hp, tok_embd=tok_embd, output=output, output_norm=output_norm, layers=layers)
@@ -302,6 +308,8 @@ def rope_tables(hp: HParams, positions: np.ndarray, dtype, base: float | None = 
     # theta_i = pos * base^(-2i/n_rot), i = 0 .. n_rot/2-1 (computed in float64, then cast)
     i = np.arange(hp.n_rot // 2, dtype=np.float64)
     inv_freq = (hp.rope_base if base is None else base) ** (-2.0 * i / hp.n_rot)
+    if hp.rope_factors is not None:
+        inv_freq = inv_freq / hp.rope_factors
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (n, n_rot/2)
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 

@@ -446,6 +446,11 @@ impl CudaPlan {
         let half = rp.n_dims / 2;
         let per_row = half + (s[0].ne[0] as usize - 2 * half);
         let n = nrows(&s[0]) * per_row;
+        // Frequency factors, when the node has them (the input stands in otherwise, unread).
+        let (factors, has_factors) = match s.get(2) {
+            Some(f) => (f, 1i32),
+            None => (&s[0], 0i32),
+        };
         self.inner.launch(
             "k_rope",
             (blocks(n), 1, 1),
@@ -459,6 +464,8 @@ impl CudaPlan {
                 arg(&n_dims),
                 arg(&rp.freq_base),
                 arg(&rp.freq_scale),
+                arg(factors),
+                arg(&has_factors),
             ],
         )
     }

@@ -389,9 +389,10 @@ extern "C" __global__ void k_argmax(Tensor dst, Tensor a) {
 
 // Rotary embedding, one thread per (pair, row): theta_i = pos freq_scale freq_base^(-2i/n_dims)
 // in double; mode 0 rotates (2i, 2i+1), mode 1 (NeoX) (i, i + n_dims/2); dimensions from
-// n_dims on are copied.
+// n_dims on are copied; with has_ff, pair i's angle is divided by ff[i] (ggml_rope_ext's frequency
+// factors, Llama 3's rope_freqs).
 extern "C" __global__ void k_rope(Tensor dst, Tensor x, Tensor pos, int mode, int n_dims,
-                                  float freq_base, float freq_scale) {
+                                  float freq_base, float freq_scale, Tensor ff, int has_ff) {
     i64 half_ = n_dims / 2;
     i64 rest = x.ne[0] - 2 * half_;
     i64 per_row = half_ + rest;
@@ -407,6 +408,7 @@ extern "C" __global__ void k_rope(Tensor dst, Tensor x, Tensor pos, int mode, in
         }
         double t = (double)*(const int *)(pos.p + i2 * pos.nb[0]);
         double theta = t * (double)freq_scale * pow((double)freq_base, -2.0 * (double)c / (double)n_dims);
+        if (has_ff) theta /= (double)*(const float *)(ff.p + c * ff.nb[0]);
         float cs = (float)cos(theta), sn = (float)sin(theta);
         i64 ia = mode == 0 ? 2 * c : c;
         i64 ib = mode == 0 ? 2 * c + 1 : c + half_;

@@ -163,7 +163,7 @@ impl BertConfig {
             Dim::Vocab => self.n_vocab,
             Dim::Pos => self.n_pos,
             Dim::Types => self.n_type,
-            Dim::Ctx => return None,
+            Dim::Ctx | Dim::RopeHalf => return None,
         })
     }
 

@@ -106,6 +106,8 @@ struct StepTensors {
     mask: TensorId,
     /// The sliding window's mask, for models with local layers.
     mask_swa: Option<TensorId>,
+    /// RoPE frequency factors, for models that have them (Llama 3).
+    rope_factors: Option<TensorId>,
     n_kv: usize,
 }
 
@@ -199,11 +201,13 @@ pub fn build_step(
         }
         None => None,
     };
+    let rope_factors = blocks::leaf_opt(&mut g, &w.model, Some(Tensor::RopeFreqs))?;
     let step = StepTensors {
         pos,
         slots,
         mask,
         mask_swa,
+        rope_factors,
         n_kv: inp.n_kv,
     };
 
@@ -331,12 +335,12 @@ fn self_attention(
     let q = blocks::add_bias(g, q, bq)?;
     let q = g.reshape(q, [hd, nh, t, 1])?;
     let q = norm_where_present(g, cfg, lw, Tensor::AttnQNorm, q)?;
-    let q = g.rope(q, step.pos, rope)?;
+    let q = g.rope_ext(q, step.pos, step.rope_factors, rope)?;
     let k = g.mul_mat(wk, cur)?;
     let k = blocks::add_bias(g, k, bk)?;
     let k = g.reshape(k, [hd, nkv, t, 1])?;
     let k = norm_where_present(g, cfg, lw, Tensor::AttnKNorm, k)?;
-    let k = g.rope(k, step.pos, rope)?;
+    let k = g.rope_ext(k, step.pos, step.rope_factors, rope)?;
     let k = g.reshape(k, [hd * nkv, t, 1, 1])?;
     let v = g.mul_mat(wv, cur)?;
     let v = blocks::add_bias(g, v, bv)?;

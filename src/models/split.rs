@@ -118,7 +118,7 @@ impl SplitDims {
             Dim::Q => self.n_head * self.head_dim,
             Dim::Kv => self.n_head_kv * self.head_dim,
             Dim::HeadDim => self.head_dim,
-            Dim::Pos | Dim::Types | Dim::Ctx => return None,
+            Dim::Pos | Dim::Types | Dim::Ctx | Dim::RopeHalf => return None,
         })
     }
 }

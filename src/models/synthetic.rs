@@ -49,6 +49,11 @@ pub fn small_config(n_layer: usize) -> DecoderConfig {
 /// norms near 1, everything else scaled by 1/sqrt(K).
 pub fn random_values(tensor: Tensor, ne0: usize, n: usize, seed: u64) -> Vec<f32> {
     let mut v = random_f32(n, seed);
+    if tensor == Tensor::RopeFreqs {
+        // Frequency factors in 1..8, as Llama 3's.
+        v.iter_mut().for_each(|x| *x = 4.5 + 7.0 * *x);
+        return v;
+    }
     let is_norm = matches!(tensor.group(), Group::Norms | Group::OutputNorm);
     let s = if is_norm {
         0.2
@@ -92,6 +97,19 @@ pub fn gguf_bytes(
     tied: bool,
     context_length: usize,
     seed: u64,
+) -> Result<Vec<u8>> {
+    gguf_bytes_with(cfg, wdtype, tied, context_length, seed, &[])
+}
+
+/// [`gguf_bytes`] with the architecture's optional tensors of the roles in `optional` too
+/// (Llama 3's `rope_freqs`, llama's biases).
+pub fn gguf_bytes_with(
+    cfg: &DecoderConfig,
+    wdtype: DType,
+    tied: bool,
+    context_length: usize,
+    seed: u64,
+    optional: &[Tensor],
 ) -> Result<Vec<u8>> {
     use crate::io::{GgufArray, GgufValue, GgufWriter};
     cfg.validate()?;
@@ -165,7 +183,18 @@ pub fn gguf_bytes(
         GgufValue::Array(GgufArray::String(Vec::new())),
     );
     w.add("tokenizer.ggml.eos_token_id", u32v(cfg.n_vocab - 1));
-    for (i, d) in weight_decls(cfg, wdtype)?.iter().enumerate() {
+    let decls = decoder_layouts(
+        cfg,
+        &|t, _| {
+            if t == Tensor::TokenEmbd {
+                DType::F32
+            } else {
+                wdtype
+            }
+        },
+        &|t, _| optional.contains(&t),
+    )?;
+    for (i, d) in decls.iter().enumerate() {
         if tied && d.tensor == Tensor::Output {
             continue;
         }

@@ -243,6 +243,8 @@ pub mod groups {
     pub const QK_NORM: &[(Tensor, Need)] = &[(AttnQNorm, Required), (AttnKNorm, Required)];
     /// Norms of each block's output before its residual add (Gemma 2 and 3).
     pub const POST_NORMS: &[(Tensor, Need)] = &[(AttnPostNorm, Required), (FfnPostNorm, Required)];
+    /// Llama 3's RoPE frequency factors, when the file has them (`rope_freqs.weight`).
+    pub const ROPE_FACTORS: &[(Tensor, Need)] = &[(RopeFreqs, Optional)];
     /// Attention biases a family may have (llama.cpp loads them optionally for llama).
     pub const OPTIONAL_ATTN_BIAS: &[(Tensor, Need)] = &[
         (AttnQBias, Optional),

@@ -20,6 +20,7 @@ pub enum Tensor {
     TokenEmbdNormBias,
     OutputNorm,
     Output,
+    RopeFreqs,
     // Each layer.
     AttnNorm,
     AttnQ,
@@ -76,6 +77,8 @@ pub enum Dim {
     Kv,
     /// One head: `head_dim`.
     HeadDim,
+    /// Half the rotated dimensions of a head: `rope_dims / 2`.
+    RopeHalf,
     /// The position table (BERT's `max_position_embeddings`).
     Pos,
     /// The token-type table (BERT's `type_vocab_size`).
@@ -179,6 +182,8 @@ roles! {
     TokenEmbdNormBias, Model, "token_embd_norm.bias", Some("embeddings.LayerNorm.bias"), [Embd, One], Embedding, None;
     OutputNorm, Model, "output_norm.weight", None, [Embd, One], OutputNorm, None;
     Output, Model, "output.weight", None, [Embd, Vocab], Output, cut(Part::Output, 1, Vocab);
+    // Llama 3's per-pair RoPE frequency factors (its long-context scaling).
+    RopeFreqs, Model, "rope_freqs.weight", None, [RopeHalf, One], Norms, None;
     AttnNorm, Layer, "attn_norm.weight", None, [Embd, One], Norms, None;
     AttnQ, Layer, "attn_q.weight", Some("attention.self.query.weight"), [Embd, Q], AttnQkv, cut(Attention, 1, QGroup);
     AttnQBias, Layer, "attn_q.bias", Some("attention.self.query.bias"), [Q, One], AttnQkv, cut(Attention, 0, QGroup);

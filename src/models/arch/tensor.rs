@@ -364,7 +364,11 @@ mod tests {
         );
         assert_eq!(Naming::Gguf.parse("blk.x.attn_q.weight"), None);
         assert_eq!(Naming::Gguf.parse("blk.1.attn_qq.weight"), None);
-        assert_eq!(Naming::Gguf.parse("rope_freqs.weight"), None);
+        assert_eq!(
+            Naming::Gguf.parse("rope_freqs.weight"),
+            Some((Tensor::RopeFreqs, None))
+        );
+        assert_eq!(Naming::Gguf.parse("rope_freqz.weight"), None);
         assert_eq!(layer_of("cache_v_l3"), Some(3));
         assert_eq!(layer_of("output.weight"), None);
         assert_eq!(Tensor::CacheK.base_name(), "cache_k");

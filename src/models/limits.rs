@@ -5,12 +5,13 @@
 //! [`DecoderConfig`] or [`BertConfig`] a caller builds (their `validate` checks it too).
 //!
 //! Each count (layers, width, heads, KV heads, head size, feed-forward width, vocabulary,
-//! context, experts) must lie in `1..=max`, the maxima far above every published model's (the
-//! largest decoders have about 130 layers, a width of 16k to 25k, 128 heads, heads of 256, a
-//! vocabulary of 256k) so that a corrupt or hostile number is refused by name instead of
-//! sizing a list of layers or a tensor. Then the counts are checked against each other: the
-//! heads divide the width, the KV heads divide the heads, every tensor's elements (the product
-//! of its dimensions in the architecture table) fit the address space at 4 bytes each, and the
+//! context, experts, sliding window) must lie in `1..=max`, the maxima far above every
+//! published model's (the largest decoders have about 130 layers, a width of 16k to 25k, 128
+//! heads, heads of 256, a vocabulary of 256k) so that a corrupt or hostile number is refused by
+//! name instead of sizing a list of layers or a tensor. Then the counts are checked against
+//! each other: the heads divide the width where no head size is declared ([`head_dim_of`]),
+//! the KV heads divide the heads, every tensor's elements (the product of its dimensions in
+//! the architecture table) fit the address space at 4 bytes each, and the
 //! whole model's parameters are at most [`MAX_PARAMETERS`], which also bounds what the planner
 //! builds and costs. Errors name the file and the key (`num_hidden_layers` of a `config.json`,
 //! `llama.block_count` of a GGUF header).
@@ -44,6 +45,8 @@ pub enum Count {
     Experts,
     /// Experts each token is routed to.
     ExpertsUsed,
+    /// Positions a sliding-window layer sees (Gemma 2 and 3): within the 32-bit positions.
+    Window,
 }
 
 /// One row of the table: a count's bound and its keys.
@@ -61,7 +64,7 @@ pub struct Limit {
 }
 
 /// The bounds, one row per [`Count`].
-pub const LIMITS: [Limit; 12] = [
+pub const LIMITS: [Limit; 13] = [
     row(
         Count::Layers,
         1024,
@@ -139,6 +142,13 @@ pub const LIMITS: [Limit; 12] = [
         "experts",
         "num_experts_per_tok",
         "expert_used_count",
+    ),
+    row(
+        Count::Window,
+        MAX_CONTEXT,
+        "positions",
+        "sliding_window",
+        "attention.sliding_window",
     ),
 ];
 
@@ -286,7 +296,8 @@ fn check_parameters(
     })
 }
 
-/// Every count of a decoder in its bounds, the heads dividing the width, the KV heads dividing
+/// Every count of a decoder in its bounds (the head size, which families such as Qwen3 and
+/// Gemma declare apart from the width, and the sliding window included), the KV heads dividing
 /// the heads, and the tensors and the whole model within the address space and
 /// [`MAX_PARAMETERS`]. Nothing is sized before this passes.
 pub fn check_decoder(cfg: &DecoderConfig, src: Source) -> Result<()> {
@@ -295,8 +306,12 @@ pub fn check_decoder(cfg: &DecoderConfig, src: Source) -> Result<()> {
     check(Count::Ffn, cfg.n_ff, src)?;
     check(Count::Heads, cfg.n_head, src)?;
     check(Count::KvHeads, cfg.n_head_kv, src)?;
+    check(Count::HeadDim, cfg.head_dim, src)?;
     check(Count::Vocab, cfg.n_vocab, src)?;
-    check_heads(cfg.n_embd, cfg.n_head, cfg.n_head_kv, src)?;
+    if let Some(w) = cfg.swa {
+        check(Count::Window, w.window, src)?;
+    }
+    check_kv_heads(cfg.n_head, cfg.n_head_kv, src)?;
     check_parameters(
         cfg.arch,
         cfg.n_layer,
@@ -307,10 +322,10 @@ pub fn check_decoder(cfg: &DecoderConfig, src: Source) -> Result<()> {
     Ok(())
 }
 
-/// The heads divide the width into heads of at most [`Count::HeadDim`]'s bound, and the KV
-/// heads divide the heads.
-fn check_heads(width: usize, heads: usize, kv_heads: usize, src: Source) -> Result<()> {
-    if !width.is_multiple_of(heads) {
+/// The head size of a model that does not declare one: the width over the heads, which must
+/// divide it into heads of at most [`Count::HeadDim`]'s bound (an error naming both keys).
+pub fn head_dim_of(width: usize, heads: usize, src: Source) -> Result<usize> {
+    if heads == 0 || !width.is_multiple_of(heads) {
         return Err(src.err(
             &[Count::Width, Count::Heads],
             format!("{heads} heads do not divide the width {width}"),
@@ -326,7 +341,12 @@ fn check_heads(width: usize, heads: usize, kv_heads: usize, src: Source) -> Resu
             ),
         ));
     }
-    if kv_heads > heads || !heads.is_multiple_of(kv_heads) {
+    Ok(head_dim)
+}
+
+/// The KV heads divide the heads.
+fn check_kv_heads(heads: usize, kv_heads: usize, src: Source) -> Result<()> {
+    if kv_heads == 0 || kv_heads > heads || !heads.is_multiple_of(kv_heads) {
         return Err(src.err(
             &[Count::Heads, Count::KvHeads],
             format!("{kv_heads} KV heads do not divide the {heads} heads"),
@@ -344,7 +364,7 @@ pub fn check_encoder(cfg: &BertConfig, src: Source) -> Result<()> {
     check(Count::Vocab, cfg.n_vocab, src)?;
     check(Count::Positions, cfg.n_pos, src)?;
     check(Count::TokenTypes, cfg.n_type, src)?;
-    check_heads(cfg.n_embd, cfg.n_head, cfg.n_head, src)?;
+    head_dim_of(cfg.n_embd, cfg.n_head, src)?;
     check_parameters(
         &super::arch::BERT,
         cfg.n_layer,
@@ -391,12 +411,24 @@ mod tests {
     fn counts_are_checked_against_each_other() {
         let named = Source::Named("t");
         let bad = |cfg: DecoderConfig| check_decoder(&cfg, named).unwrap_err().to_string();
-        let e = bad(DecoderConfig::llama(2, 100, 64, 3, 1, 10));
+        let e = head_dim_of(100, 3, named).unwrap_err().to_string();
         assert!(e.contains("'hidden_size' and 'num_attention_heads'"), "{e}");
+        let e = head_dim_of(1 << 17, 2, named).unwrap_err().to_string();
+        assert!(e.contains("at most 1024"), "{e}");
         let e = bad(DecoderConfig::llama(2, 96, 64, 6, 4, 10));
         assert!(e.contains("'num_key_value_heads'"), "{e}");
+        // A head size declared apart from the width (Qwen3, Gemma) has its own bound, as has
+        // a sliding window (Gemma 2 and 3).
         let e = bad(DecoderConfig::llama(2, 1 << 17, 64, 2, 1, 10));
-        assert!(e.contains("at most 1024"), "{e}");
+        assert!(e.contains("'head_dim'") && e.contains("1..=1024"), "{e}");
+        let mut cfg = DecoderConfig::llama(2, 96, 64, 6, 2, 10);
+        cfg.swa = Some(super::super::hparams::SlidingWindow {
+            window: usize::MAX,
+            pattern: 2,
+            rope_base: 10000.0,
+        });
+        let e = bad(cfg);
+        assert!(e.contains("'sliding_window'"), "{e}");
         // Every count at its bound: over 2^48 parameters, refused naming the layers.
         let e = bad(DecoderConfig::llama(
             1024,

@@ -122,7 +122,7 @@ pub fn parse_plan(
 /// The split callback of an assignment for `shape`, with its state hints (sequence
 /// parallelism).
 pub fn split_fn(shape: &ModelShape, split: &DecoderSplit) -> SplitPolicy {
-    policy(&shape.cfg, split.clone())
+    policy(shape.split_dims(), split.clone())
 }
 
 impl Plan {

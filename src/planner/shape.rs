@@ -10,6 +10,7 @@ use crate::io::gguf::GgufFile;
 use crate::models::arch::{Arch, LLAMA, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use crate::models::limits::{self, Count, Source};
+use crate::models::split::SplitDims;
 use crate::models::weights::{TensorDecl, decoder_layouts};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
@@ -70,6 +71,10 @@ pub struct ModelShape {
     pub cache: DType,
     /// The context the model was trained for.
     pub context_length: usize,
+    /// Every weight with the type its file stores it in (a GGUF mixes types: a Q4_K_M file
+    /// has Q4_K, Q6_K and Q8_0 tensors), when read from a file; else `types` decides.
+    #[serde(skip)]
+    pub file_tensors: Option<Vec<TensorDecl>>,
 }
 
 impl ModelShape {
@@ -87,9 +92,29 @@ impl ModelShape {
     /// Every weight the decoder places (its architecture's required tensors), with this
     /// model's types, in placement order.
     pub fn weight_decls(&self) -> Result<Vec<TensorDecl>> {
+        if let Some(fd) = &self.file_tensors {
+            let layers = fd.iter().filter_map(|d| d.layer).max().map_or(0, |l| l + 1);
+            if layers >= self.cfg.n_layer {
+                return Ok(fd
+                    .iter()
+                    .filter(|d| d.layer.is_none_or(|l| l < self.cfg.n_layer))
+                    .cloned()
+                    .collect());
+            }
+        }
         decoder_layouts(&self.cfg, &|t, _| self.types.of(t, self.tied), &|_, _| {
             false
         })
+    }
+
+    /// What a split callback needs of this model: its dimensions and the block sizes of its
+    /// weights (each layer's cuts keep whole blocks of every tensor they cut).
+    pub fn split_dims(&self) -> SplitDims {
+        let dims = SplitDims::from(&self.cfg);
+        match self.weight_decls() {
+            Ok(decls) => dims.with_blocks(&decls),
+            Err(_) => dims,
+        }
     }
 
     /// Names and layouts of every weight, in the order the decoder declares them.
@@ -114,6 +139,7 @@ impl ModelShape {
         let g = GgufFile::open(path)?;
         let cfg = config_from_gguf(&g)?;
         let context_length = context_length_from_gguf(&g)?;
+        let file_tensors = crate::models::loader::file_tensors(&g, &cfg)?;
         let ty = |t: Tensor| -> Result<DType> {
             let name = cfg.arch.name(t, 0);
             let t = g.tensor(&name).ok_or_else(|| Error::Model {
@@ -153,12 +179,13 @@ impl ModelShape {
             tied,
             cache: DType::F16,
             context_length,
+            file_tensors: Some(file_tensors),
         })
     }
 
     /// A shape from a Hugging Face Llama-family `config.json` (`hidden_size`,
     /// `intermediate_size`, `num_attention_heads`, `num_key_value_heads`,
-    /// `num_hidden_layers`, `vocab_size`, `max_position_embeddings`, `rms_norm_eps`,
+    /// `num_hidden_layers`, `vocab_size`, `head_dim`, `max_position_embeddings`, `rms_norm_eps`,
     /// `rope_theta`, `torch_dtype`, `tie_word_embeddings`): a regular file of at most
     /// [`crate::io::MAX_JSON_BYTES`], every count within the bounds of
     /// [`crate::models::limits`] (errors name the file and the key).
@@ -184,6 +211,11 @@ impl ModelShape {
             Some(v) => limits::check(Count::KvHeads, v, src)?,
             None => n_head,
         };
+        // Qwen3 and Gemma declare the head size apart from the width.
+        let head_dim = match c.opt_usize(&src.key(Count::HeadDim))? {
+            Some(v) => limits::check(Count::HeadDim, v, src)?,
+            None => limits::head_dim_of(n_embd, n_head, src)?,
+        };
         let float = |key: &str, default: f64, ok: fn(f32) -> bool, rule: &str| -> Result<f32> {
             let v = c.opt_f64(key)?.unwrap_or(default);
             // Used as f32: 1e300 is a finite f64 but not a finite f32.
@@ -197,14 +229,17 @@ impl ModelShape {
                 ))
             }
         };
-        let cfg = DecoderConfig {
-            arch,
-            n_layer: count(Count::Layers)?,
+        let base = DecoderConfig::llama(
+            count(Count::Layers)?,
             n_embd,
-            n_ff: count(Count::Ffn)?,
+            count(Count::Ffn)?,
             n_head,
             n_head_kv,
-            n_vocab: count(Count::Vocab)?,
+            count(Count::Vocab)?,
+        );
+        let cfg = DecoderConfig {
+            arch,
+            head_dim,
             rms_eps: float(
                 "rms_norm_eps",
                 1e-5,
@@ -218,8 +253,10 @@ impl ModelShape {
                 "must be finite and > 0",
             )?,
             rope_mode: arch.decoder()?.rope_mode,
-            rope_dims: n_embd / n_head,
+            rope_dims: head_dim,
             fused_attn: true,
+            attn_scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+            ..base
         };
         limits::check_decoder(&cfg, src)?;
         cfg.validate()?;
@@ -242,6 +279,7 @@ impl ModelShape {
             tied: c.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             cache: DType::F16,
             context_length,
+            file_tensors: None,
         })
     }
 
@@ -299,6 +337,7 @@ impl ModelShape {
             tied,
             cache: DType::F16,
             context_length: ctx,
+            file_tensors: None,
         })
     }
 
@@ -346,7 +385,7 @@ mod tests {
         let params = s.weight_bytes() / 2;
         assert!((8.0e9..8.1e9).contains(&(params as f64)), "{params}");
         let s = ModelShape::preset("smollm2-135m").unwrap();
-        assert_eq!(s.cfg.head_dim(), 64);
+        assert_eq!(s.cfg.head_dim, 64);
         assert_eq!(ModelShape::preset("nope").map(|s| s.name), None);
     }
 }

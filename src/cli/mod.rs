@@ -335,19 +335,20 @@ impl SplitArgs {
 
     /// The split flags as settings the ranks of a job must agree on (`dist::agree`): the
     /// shares, mirrored attention, the strategy, the plan file's content (not its path), the
-    /// split mode and the groups.
+    /// split mode and the groups. The plan is read as `load_plan` reads it (a regular file of at
+    /// most [`metashard::io::MAX_JSON_BYTES`]): a FIFO named as the plan must not block here.
     pub fn settings(&self) -> Vec<Setting> {
-        let plan = self
-            .plan
-            .as_ref()
-            .map_or("(none)".to_string(), |p| match std::fs::read(p) {
+        let plan = match &self.plan {
+            None => "(none)".to_string(),
+            Some(p) => match metashard::io::read_limited(p, metashard::io::MAX_JSON_BYTES) {
                 Ok(b) => format!(
                     "{} B, content {:016x}",
                     b.len(),
                     metashard::runtime::identity::content_hash(&b)
                 ),
                 Err(e) => format!("(cannot be read: {e})"),
-            });
+            },
+        };
         let list = |v: &[metashard::models::layer_split::SplitMode]| {
             v.iter().map(|m| m.name()).collect::<Vec<_>>().join(",")
         };

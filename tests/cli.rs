@@ -5,6 +5,10 @@
 //!
 //! Model files come from `$METASHARD_MODELS` or `<repo>/models-cache`.
 
+#[path = "support/closed_stdout.rs"]
+mod closed_stdout;
+
+use closed_stdout::{assert_ended_quietly, closed_stdout};
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -477,4 +481,37 @@ fn split_mode_dump_and_node_comparison_of_any_two_device_sets() {
     assert!(v["nodes_compared"].as_u64().unwrap() > 500, "{v}");
     assert_eq!(v["worst_node_nmse"], 0.0, "{v}");
     assert!(v["first_divergent_node"].is_null(), "{v}");
+}
+
+#[test]
+fn a_closed_stdout_ends_every_printing_command_quietly_by_sigpipe() {
+    for args in [
+        &["plan", "--cluster", "cpu2x2-netns"][..],
+        &["plan", "--cluster", "cpu2x2-netns", "--json"],
+        // No case matches: the empty JSON list is printed at once.
+        &["bench", "ops", "--json", "--filter", "no such case"],
+        // Streaming text, token by token.
+        &["run", "--devices", "cpu:1x1", "-n", "4", "--prompt", "Hi"],
+        &[
+            "run",
+            "--devices",
+            "cpu:1x1",
+            "-n",
+            "2",
+            "--json",
+            "--prompt",
+            "Hi",
+        ],
+        &["devices"],
+    ] {
+        let t = Instant::now();
+        let o = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(args)
+            .stdout(closed_stdout())
+            .output()
+            .unwrap();
+        // The Unix convention: ended by SIGPIPE (status 141 in a shell), no message.
+        assert_ended_quietly(&o, args);
+        assert!(t.elapsed() < Duration::from_secs(60), "{args:?}");
+    }
 }

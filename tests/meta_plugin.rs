@@ -15,7 +15,6 @@ use metashard::models::decoder::{StepInput, build_step};
 use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
-use metashard::op::RopeMode;
 use metashard::{DType, Error, Result, parse_devices};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,18 +25,8 @@ use support::plugin::{Stats, wrapped};
 
 fn cfg() -> DecoderConfig {
     DecoderConfig {
-        arch: &metashard::models::arch::LLAMA,
-        n_layer: 2,
-        n_embd: 128,
-        n_ff: 256,
-        n_head: 8,
-        n_head_kv: 4,
-        n_vocab: 96,
-        rms_eps: 1e-5,
-        rope_base: 10000.0,
-        rope_mode: RopeMode::Normal,
-        rope_dims: 16,
         fused_attn: false,
+        ..DecoderConfig::llama(2, 128, 256, 8, 4, 96)
     }
 }
 

@@ -12,7 +12,6 @@ use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
 use metashard::models::weights::{KvCache, ModelWeights};
-use metashard::op::RopeMode;
 use metashard::split_state::{Granularity, SplitState, split_even};
 use metashard::{Backend, Buffer, DType, Device, parse_devices};
 use std::sync::Arc;
@@ -21,18 +20,8 @@ const KV_SIZE: usize = 16;
 
 fn cfg(fused: bool, n_head_kv: usize) -> DecoderConfig {
     DecoderConfig {
-        arch: &metashard::models::arch::LLAMA,
-        n_layer: 2,
-        n_embd: 64,
-        n_ff: 128,
-        n_head: 4,
-        n_head_kv,
-        n_vocab: 96,
-        rms_eps: 1e-5,
-        rope_base: 10000.0,
-        rope_mode: RopeMode::Normal,
-        rope_dims: 16,
         fused_attn: fused,
+        ..DecoderConfig::llama(2, 64, 128, 4, n_head_kv, 96)
     }
 }
 

@@ -5,7 +5,9 @@
 //!   it, within a bound;
 //! - SmolLM2's greedy tokens with one rank per process equal the same split in one process
 //!   (`cpu:Nx1`) and one device; also with the two ranks on two simulated hosts (network
-//!   namespaces joined by a veth pair, `scripts/two_hosts.sh`), where the test runs as root.
+//!   namespaces joined by a veth pair, `scripts/two_hosts.sh`), where the test runs as root;
+//! - ranks that agree or fail, rank 0's request, a bounded start-up, a rank that finishes
+//!   early, a closed stdout: `tests/mpi/ranks.rs`.
 //!
 //! Without `mpirun` on the PATH each test prints one line and returns (`scripts/test.sh`
 //! installs OpenMPI, so CI runs them). OpenMPI refuses root without its two allow variables,
@@ -28,11 +30,19 @@ fn dist_mpi_without_the_feature_says_how_to_build_it() {
 }
 
 #[cfg(feature = "mpi")]
+#[path = "mpi/ranks.rs"]
+mod ranks;
+
+#[cfg(feature = "mpi")]
+#[path = "support/closed_stdout.rs"]
+mod closed_stdout;
+
+#[cfg(feature = "mpi")]
 mod with_mpi {
     use std::process::{Command, Output};
     use std::time::{Duration, Instant};
 
-    fn mpirun_missing() -> bool {
+    pub(crate) fn mpirun_missing() -> bool {
         let found = std::env::var_os("PATH")
             .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("mpirun").is_file()));
         if !found {
@@ -58,8 +68,46 @@ mod with_mpi {
         (out, t.elapsed())
     }
 
-    fn text(b: &[u8]) -> String {
+    /// `mpirun` with one process per entry of `apps` (MPMD: `-np 1 metashard ARGS : ...`, or
+    /// another program when an entry starts with `!`), `env` added; its output and how long
+    /// it took.
+    pub(crate) fn mpirun_apps(apps: &[&[&str]], env: &[(&str, &str)]) -> (Output, Duration) {
+        let t = Instant::now();
+        let mut c = Command::new("mpirun");
+        c.args(["--oversubscribe"])
+            .args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
+        for (i, app) in apps.iter().enumerate() {
+            if i > 0 {
+                c.arg(":");
+            }
+            c.args(["-np", "1"]);
+            match app.first().and_then(|a| a.strip_prefix('!')) {
+                Some(program) => c.arg(program).args(&app[1..]),
+                None => c.arg(env!("CARGO_BIN_EXE_metashard")).args(*app),
+            };
+        }
+        let out = c
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+            .envs(env.iter().copied())
+            .output()
+            .expect("mpirun starts");
+        (out, t.elapsed())
+    }
+
+    pub(crate) fn text(b: &[u8]) -> String {
         String::from_utf8_lossy(b).into_owned()
+    }
+
+    /// `metashard args...` in this process's environment, which must succeed; its stdout.
+    pub(crate) fn metashard_ok(args: &[&str]) -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(args)
+            .output()
+            .expect("metashard runs");
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        text(&out.stdout)
     }
 
     #[test]
@@ -85,7 +133,13 @@ mod with_mpi {
 
     /// Run the check with a fault injected and return the survivors' error lines; assert the
     /// job failed within `bound` and every survivor that reported named `culprit`.
-    fn faulty(n: usize, fault: &str, timeout_ms: u64, culprit: usize, bound: Duration) -> String {
+    pub(crate) fn faulty(
+        n: usize,
+        fault: &str,
+        timeout_ms: u64,
+        culprit: usize,
+        bound: Duration,
+    ) -> String {
         let t = timeout_ms.to_string();
         let args = [
             "selftest",
@@ -167,7 +221,7 @@ mod with_mpi {
         assert!(r.contains("aborted: an injected error"), "{r}");
     }
 
-    fn tokens_of(json: &str) -> Vec<u64> {
+    pub(crate) fn tokens_of(json: &str) -> Vec<u64> {
         let line = json
             .lines()
             .find(|l| l.starts_with('{'))
@@ -529,18 +583,15 @@ mod with_mpi {
             "the dog ran fast",
             "stocks fell sharply",
         ];
-        let local = Command::new(env!("CARGO_BIN_EXE_metashard"))
-            .args(["embed", "--json", "--devices", "cpu:2x1"])
-            .args(sentences)
-            .output()
-            .expect("metashard runs");
-        assert!(local.status.success(), "{}", text(&local.stderr));
+        let mut args = vec!["embed", "--json", "--devices", "cpu:2x1"];
+        args.extend(sentences);
+        let local = metashard_ok(&args);
         let mut args = vec!["embed", "--json", "--dist", "mpi", "--devices", "cpu:1x1"];
         args.extend(sentences);
         let (out, _) = mpirun(2, &args);
         assert!(out.status.success(), "{}", text(&out.stderr));
         // Byte for byte: the same sums in the same order, printed by rank 0 only.
-        assert_eq!(text(&out.stdout), text(&local.stdout));
+        assert_eq!(text(&out.stdout), local);
     }
 
     #[test]

@@ -337,3 +337,77 @@ fn a_layer_split_costs_one_device_at_a_time_plus_the_copies_between_them() -> Re
     assert!(evaluate_layer_split(&s, &c, &w(), Some(&[1.0])).is_err());
     Ok(())
 }
+
+/// A synthetic decoder file whose layers mix weight types, as a Q4_K_M file does: Q4_1
+/// everywhere but layer 1's down projection and layer 0's V projection in Q8_0.
+fn mixed_type_file() -> std::path::PathBuf {
+    use metashard::io::{GgufFile, GgufWriter};
+    use metashard::models::hparams::DecoderConfig;
+    use metashard::models::synthetic::gguf_bytes;
+    let cfg = DecoderConfig::llama(2, 128, 256, 4, 2, 300);
+    let a = GgufFile::from_bytes(
+        "a.gguf",
+        gguf_bytes(&cfg, metashard::DType::Q4_1, true, 256, 3).unwrap(),
+    )
+    .unwrap();
+    let b = GgufFile::from_bytes(
+        "b.gguf",
+        gguf_bytes(&cfg, metashard::DType::Q8_0, true, 256, 3).unwrap(),
+    )
+    .unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in a.metadata() {
+        w.add(k.clone(), v.clone());
+    }
+    for t in a.tensors() {
+        let src = if t.name == "blk.1.ffn_down.weight" || t.name == "blk.0.attn_v.weight" {
+            b.tensor(&t.name).unwrap()
+        } else {
+            t
+        };
+        let data = if std::ptr::eq(src, t) {
+            a.tensor_data(t)
+        } else {
+            b.tensor_data(src)
+        };
+        w.add_tensor(
+            &t.name,
+            src.dtype.unwrap(),
+            &src.ne[..src.n_dims],
+            data.unwrap().to_vec(),
+        )
+        .unwrap();
+    }
+    let p = std::env::temp_dir().join(format!("metashard-mixed-{}.gguf", std::process::id()));
+    w.write(&p).unwrap();
+    p
+}
+
+#[test]
+fn a_mixed_type_file_is_planned_tensor_by_tensor() -> Result<()> {
+    let path = mixed_type_file();
+    let shape = ModelShape::from_gguf(&path)?;
+    // Every tensor in its own type: the file's bytes (the tied output counted once).
+    let g = metashard::io::GgufFile::open(&path)?;
+    let in_file: usize = g.tensors().iter().map(|t| t.nbytes).sum();
+    assert_eq!(shape.weight_bytes(), in_file);
+    // One type per role from layer 0 would have been wrong.
+    let mut by_role = shape.clone();
+    by_role.file_tensors = None;
+    assert_ne!(by_role.weight_bytes(), in_file);
+    // A run on cpu:2x1 and on cpu:3x1 holds, per device, what the plan predicts.
+    for (devices, n) in [("cpu:2x1", 2), ("cpu:3x1", 3)] {
+        let opts = metashard::runtime::OpenOptions::default();
+        let (set, m) =
+            metashard::runtime::open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {})?;
+        let real = set.bytes_per_device(&[&m.weight_buffer]);
+        let mega = Strategy::Megatron.split(shape.n_layer()).unwrap();
+        let e = evaluate(&shape, split_fn(&shape, &mega), &cluster(n, 8 << 30), &w())?;
+        let predicted: Vec<usize> = e.memory.iter().map(|x| x.weights).collect();
+        assert_eq!(
+            predicted, real,
+            "{devices}: weights per device, predicted vs loaded"
+        );
+    }
+    Ok(())
+}

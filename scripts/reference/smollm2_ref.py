@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Independent numpy reference of the SmolLM2 (llama architecture) forward pass, and of Qwen2.
+"""Independent numpy reference of the SmolLM2 (llama architecture) forward pass, and of the other
+decoder families metashard runs (qwen2, qwen3, gemma2, gemma3).
 
 metashard's Rust tests call this script as a subprocess and compare their logits and
 greedy tokens with what it prints. It shares no code with metashard: it reads the GGUF
@@ -13,6 +14,20 @@ Sources of the facts used here (formats and algorithms only, no code taken):
   * qwen2 (Hugging Face's Qwen2 modelling: q_proj/k_proj/v_proj with biases, o_proj without;
     RoPE by rotate_half, i.e. pairs (x[i], x[i + n_rot/2]): llama.cpp's LLAMA_ROPE_TYPE_NEOX).
     Biases are added wherever the file has them (llama files may carry them too).
+  * llama with rope_freqs.weight (Llama 3.1 and later): each pair's frequency divided by its
+    factor, as llama.cpp's ggml_rope_ext applies the tensor the converter computes from
+    Hugging Face's rope_scaling "llama3".
+  * qwen3 (Hugging Face's Qwen3: q_norm / k_norm, an RMS norm over each head's features
+    before RoPE; head size from qwen3.attention.key_length; NeoX RoPE).
+  * gemma2 / gemma3 (Hugging Face's Gemma2 / Gemma3 text modelling, llama.cpp's hparams):
+    embeddings times sqrt(n_embd); post_attention_norm / post_ffw_norm on each block's output
+    before the residual add; MLP gelu_tanh(gate) * up; NeoX RoPE; attention scale
+    1/sqrt(head_dim) (1/sqrt(n_embd/n_head) for the 27B models: 46 layers for gemma2, 62 for
+    gemma3); sliding-window attention (a token sees the last `window` positions) on layers
+    l with l % pattern < pattern - 1 (gemma2: pattern 2, window 4096 unless the file says,
+    one RoPE base; gemma3: pattern 6, the file's window, local RoPE base 10000); gemma2 also
+    soft-caps the attention scores and the logits, cap * tanh(x / cap). GGUF stores Gemma's
+    RMS norm weights with the 1 + w already added, so they multiply as any other.
   * llama.cpp runs LLM_ARCH_LLAMA with LLAMA_ROPE_TYPE_NORM: the HF->GGUF converter
     permutes the rows of Q and K so that the rotation acts on ADJACENT pairs
     (x[2i], x[2i+1]) of each head, theta_i = pos * base^(-2i / n_rot).
@@ -68,6 +83,15 @@ class HParams:
     rms_eps: float
     n_vocab: int
     n_ctx_train: int
+    attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
+    embd_scale: float = 1.0
+    swa_window: int = 0  # 0: no sliding window
+    swa_pattern: int = 0
+    swa_rope_base: float = 0.0
+    attn_softcap: float = 0.0  # 0: none
+    final_softcap: float = 0.0
+    gelu: bool = False  # the MLP's gate activation: tanh GELU (Gemma) or SiLU
+    rope_factors: np.ndarray | None = None  # Llama 3's rope_freqs: pair i's angle / factor i
 
 
 @dataclass
@@ -85,6 +109,10 @@ class Layer:
     bk: np.ndarray | None = None  # (n_head_kv*head_dim,)
     bv: np.ndarray | None = None
     bo: np.ndarray | None = None  # (n_embd,)
+    q_norm: np.ndarray | None = None  # (head_dim,)  per-head norms where the file has them
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None  # (n_embd,)  post-block norms (Gemma)
+    post_ffw_norm: np.ndarray | None = None
 
 
 @dataclass
@@ -141,8 +169,10 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         raise RefError(f"cannot parse GGUF file {path}: {e}")
 
     arch = _field_str(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise RefError(f"{path}: general.architecture is '{arch}', this reference handles 'llama' and 'qwen2'")
+    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3"):
+        raise RefError(
+            f"{path}: general.architecture is '{arch}', this reference handles llama, qwen2, qwen3, gemma2, gemma3"
+        )
 
     def u(key, required=True):
         return _field_scalar(reader, f"{arch}.{key}", required)
@@ -150,7 +180,7 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     n_embd = int(u("embedding_length"))
     n_head = int(u("attention.head_count"))
     n_head_kv = int(u("attention.head_count_kv", False) or n_head)
-    head_dim = n_embd // n_head
+    head_dim = int(u("attention.key_length", False) or n_embd // n_head)
     n_rot = int(u("rope.dimension_count", False) or head_dim)
     tensors = {t.name: t for t in reader.tensors}
     tok_t = tensors.get("token_embd.weight")
@@ -174,7 +204,23 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         n_vocab=n_vocab,
         n_ctx_train=int(u("context_length", False) or 0),
     )
-    if n_embd % n_head or n_head % n_head_kv or n_rot > head_dim or n_rot % 2:
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:
+        hp.gelu = True
+        hp.embd_scale = math.sqrt(n_embd)
+        large = {"gemma2": 46, "gemma3": 62}[arch]
+        hp.attn_scale = 1.0 / math.sqrt(n_embd / n_head if hp.n_layer == large else head_dim)
+        if arch == "gemma2":
+            hp.swa_window = int(u("attention.sliding_window", False) or 4096)
+            hp.swa_pattern, hp.swa_rope_base = 2, hp.rope_base
+            hp.attn_softcap = float(u("attn_logit_softcapping", False) or 0.0)
+            hp.final_softcap = float(u("final_logit_softcapping", False) or 0.0)
+        else:
+            hp.swa_window = int(u("attention.sliding_window"))
+            hp.swa_pattern, hp.swa_rope_base = 6, 10000.0
+    if head_dim * n_head != n_embd and u("attention.key_length", False) is None:
+        raise RefError(f"{path}: {n_head} heads do not divide the width {n_embd}")
+    if n_head % n_head_kv or n_rot > head_dim or n_rot % 2:
         raise RefError(f"{path}: inconsistent head metadata {hp}")
     log(f"parsed {path} in {time.time() - t0:.2f}s: {hp}")
 
@@ -219,6 +265,10 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
                 bk=opt(p + "attn_k.bias", [hp.n_head_kv * HD]),
                 bv=opt(p + "attn_v.bias", [hp.n_head_kv * HD]),
                 bo=opt(p + "attn_output.bias", [E]),
+                q_norm=opt(p + "attn_q_norm.weight", [HD]),
+                k_norm=opt(p + "attn_k_norm.weight", [HD]),
+                post_attn_norm=opt(p + "post_attention_norm.weight", [E]),
+                post_ffw_norm=opt(p + "post_ffw_norm.weight", [E]),
             )
         )
     tok_embd = get("token_embd.weight", [E, hp.n_vocab])
@@ -226,6 +276,8 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     if output is tok_embd:
         log("output.weight absent: output projection is tied to token_embd.weight")
     output_norm = get("output_norm.weight", [E])
+    if "rope_freqs.weight" in tensors:
+        hp.rope_factors = get("rope_freqs.weight", [hp.n_rot // 2]).astype(np.float64)
     log(f"dequantized weights to {np.dtype(dtype).name} in {time.time() - t1:.2f}s")
 
     m = Model(arch=arch, hp=hp, tok_embd=tok_embd, output=output, output_norm=output_norm, layers=layers)
@@ -252,10 +304,12 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(ms + eps)) * w
 
 
-def rope_tables(hp: HParams, positions: np.ndarray, dtype):
+def rope_tables(hp: HParams, positions: np.ndarray, dtype, base: float | None = None):
     # theta_i = pos * base^(-2i/n_rot), i = 0 .. n_rot/2-1 (computed in float64, then cast)
     i = np.arange(hp.n_rot // 2, dtype=np.float64)
-    inv_freq = hp.rope_base ** (-2.0 * i / hp.n_rot)
+    inv_freq = (hp.rope_base if base is None else base) ** (-2.0 * i / hp.n_rot)
+    if hp.rope_factors is not None:
+        inv_freq = inv_freq / hp.rope_factors
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (n, n_rot/2)
     return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
 
@@ -301,6 +355,16 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    # GELU with the tanh approximation (Hugging Face's gelu_pytorch_tanh).
+    c = x.dtype.type(math.sqrt(2.0 / math.pi))
+    return x.dtype.type(0.5) * x * (1.0 + np.tanh(c * (x + x.dtype.type(0.044715) * x * x * x)))
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    return x.dtype.type(cap) * np.tanh(x / x.dtype.type(cap))
+
+
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     y = x @ w.T
     return y if b is None else y + b
@@ -316,24 +380,35 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
     dtype = m.tok_embd.dtype
     H, KV, HD = hp.n_head, hp.n_head_kv, hp.head_dim
     G = H // KV  # query heads per kv head: query head h uses kv head h // G
-    scale = dtype.type(1.0 / math.sqrt(HD))
+    scale = dtype.type(hp.attn_scale or 1.0 / math.sqrt(HD))
     rope = rope_norm if rope_mode == "norm" else rope_neox
 
     positions = np.arange(p0, p0 + n)
     cos, sin = rope_tables(hp, positions, dtype)
+    if hp.swa_window:
+        cos_l, sin_l = rope_tables(hp, positions, dtype, hp.swa_rope_base)
     T = p0 + n  # keys visible after this batch
-    # causal mask: query at position p0+i sees keys 0..p0+i
+    # causal mask: query at position p0+i sees keys 0..p0+i; a local layer only the last
+    # `window` of them
     key_pos = np.arange(T)
-    masked = key_pos[None, :] > positions[:, None]  # (n, T)
+    masked_global = key_pos[None, :] > positions[:, None]  # (n, T)
+    masked_local = masked_global | (positions[:, None] - key_pos[None, :] >= max(hp.swa_window, 1))
 
-    x = m.tok_embd[np.asarray(tokens)]  # (n, E)
+    x = m.tok_embd[np.asarray(tokens)] * dtype.type(hp.embd_scale)  # (n, E)
     for li, L in enumerate(m.layers):
+        local = hp.swa_window > 0 and li % hp.swa_pattern < hp.swa_pattern - 1
+        masked = masked_local if local else masked_global
+        c_, s_ = (cos_l, sin_l) if local else (cos, sin)
         h = rms_norm(x, L.attn_norm, hp.rms_eps)
         q = linear(h, L.wq, L.bq).reshape(n, H, HD)  # head h = columns h*HD .. (h+1)*HD
         k = linear(h, L.wk, L.bk).reshape(n, KV, HD)
         v = linear(h, L.wv, L.bv).reshape(n, KV, HD)
-        q = rope(q, cos, sin, hp.n_rot)
-        k = rope(k, cos, sin, hp.n_rot)
+        if L.q_norm is not None:
+            q = rms_norm(q, L.q_norm, hp.rms_eps)
+        if L.k_norm is not None:
+            k = rms_norm(k, L.k_norm, hp.rms_eps)
+        q = rope(q, c_, s_, hp.n_rot)
+        k = rope(k, c_, s_, hp.n_rot)
         cache.k[li, :, p0:T, :] = k.transpose(1, 0, 2)
         cache.v[li, :, p0:T, :] = v.transpose(1, 0, 2)
         K = cache.k[li, :, :T, :]  # (KV, T, HD)
@@ -341,6 +416,8 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
         # (H, n, HD) -> (KV, G*n, HD): the G query heads of kv group g are heads g*G .. g*G+G-1
         qg = q.transpose(1, 0, 2).reshape(KV, G * n, HD)
         s = (qg @ K.transpose(0, 2, 1)) * scale  # (KV, G*n, T)
+        if hp.attn_softcap:
+            s = softcap(s, hp.attn_softcap)
         s = s.reshape(KV, G, n, T)
         s = np.where(masked[None, None], -np.inf, s)
         s = s - s.max(axis=-1, keepdims=True)
@@ -348,13 +425,20 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
         pr /= pr.sum(axis=-1, keepdims=True)
         o = pr.reshape(KV, G * n, T) @ V  # (KV, G*n, HD)
         o = o.reshape(H, n, HD).transpose(1, 0, 2).reshape(n, H * HD)
-        x = x + linear(o, L.wo, L.bo)
+        a = linear(o, L.wo, L.bo)
+        if L.post_attn_norm is not None:
+            a = rms_norm(a, L.post_attn_norm, hp.rms_eps)
+        x = x + a
         h = rms_norm(x, L.ffn_norm, hp.rms_eps)
-        ff = silu(h @ L.w_gate.T) * (h @ L.w_up.T)
-        x = x + ff @ L.w_down.T
+        act = gelu_tanh if hp.gelu else silu
+        ff = (act(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+        if L.post_ffw_norm is not None:
+            ff = rms_norm(ff, L.post_ffw_norm, hp.rms_eps)
+        x = x + ff
     cache.n_past = T
     x = rms_norm(x, m.output_norm, hp.rms_eps)
-    return x @ m.output.T
+    logits = x @ m.output.T
+    return softcap(logits, hp.final_softcap) if hp.final_softcap else logits
 
 
 # ---------------------------------------------------------------------------------------
@@ -473,7 +557,7 @@ def main(argv: list[str]) -> int:
     t_load = time.time() - t0
     if args.rope is None:
         # The pairing each family's GGUF files need (see the module docstring).
-        args.rope = "neox" if m.arch == "qwen2" else "norm"
+        args.rope = "norm" if m.arch == "llama" else "neox"
 
     if args.tokens is None:
         text = args.text

@@ -181,8 +181,14 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
     backend.graph_compute(&mut g)?;
     let mut plan = backend.graph_plan(&g)?;
     let mut failed = None;
+    // Untimed runs for 200 ms first: an idle GPU runs at a fraction of its clock until busy
+    // for a while (an H200 was seen at 345 MHz idle, 1980 MHz under load).
+    let warm = std::time::Instant::now();
+    while warm.elapsed() < Duration::from_millis(200) {
+        plan.compute(0..g.len())?;
+    }
     let rep = Repeat {
-        warmup: 2,
+        warmup: 0,
         min_reps: 5,
         min_time,
         max_reps: 1000,

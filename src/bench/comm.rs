@@ -55,6 +55,8 @@ pub enum FaultHow {
     Stall,
     /// Abort the group with an error.
     Error,
+    /// Stop before that call and end normally, as a rank given less work would.
+    Finish,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -66,7 +68,8 @@ pub struct Fault {
 
 /// `HOW@RANK:CALL`, e.g. `kill@1:5`.
 pub fn parse_fault(s: &str) -> std::result::Result<Fault, String> {
-    let bad = || format!("`{s}` is not HOW@RANK:CALL with HOW one of kill, exit, stall, error");
+    let bad =
+        || format!("`{s}` is not HOW@RANK:CALL with HOW one of kill, exit, stall, error, finish");
     let (how, rest) = s.split_once('@').ok_or_else(bad)?;
     let (rank, at) = rest.split_once(':').ok_or_else(bad)?;
     let how = match how {
@@ -74,6 +77,7 @@ pub fn parse_fault(s: &str) -> std::result::Result<Fault, String> {
         "exit" => FaultHow::Exit,
         "stall" => FaultHow::Stall,
         "error" => FaultHow::Error,
+        "finish" => FaultHow::Finish,
         _ => return Err(bad()),
     };
     Ok(Fault {
@@ -253,6 +257,8 @@ fn inject(f: &Fault, comm: &dyn Communicator, rank: usize) -> Result<()> {
         },
         FaultHow::Exit => std::process::exit(3),
         FaultHow::Stall => std::thread::sleep(Duration::from_secs(3600)),
+        // `selftest` returns before the call.
+        FaultHow::Finish => {}
         FaultHow::Error => {
             comm.abort(rank, "an injected error");
             return Err(Error::Collective {
@@ -275,6 +281,9 @@ pub fn selftest(dist: Dist, timeout: Duration, fault: Option<Fault>) -> Result<u
     for (i, case) in all.iter().enumerate() {
         if let Some(f) = fault.filter(|f| f.rank == rank && f.at == i) {
             inject(&f, comm.as_ref(), rank)?;
+            if f.how == FaultHow::Finish {
+                return Ok(i);
+            }
         }
         let t = Instant::now();
         let got =

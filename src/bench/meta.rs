@@ -17,7 +17,6 @@ use metashard::models::decoder::{StepInput, build_step};
 use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{FFN_UNIT, SplitOptions, megatron};
 use metashard::models::synthetic::{alloc_kv_cache, random_decoder, random_f32};
-use metashard::op::RopeMode;
 use metashard::split_state::{Granularity, SplitState, split_even};
 use metashard::tensor::Layout;
 use metashard::{DType, Result};
@@ -117,18 +116,8 @@ pub struct MetaBenchReport {
 
 fn block_config(fused: bool) -> DecoderConfig {
     DecoderConfig {
-        arch: &metashard::models::arch::LLAMA,
-        n_layer: 1,
-        n_embd: 1024,
-        n_ff: 4096,
-        n_head: 8,
-        n_head_kv: 8,
-        n_vocab: 256,
-        rms_eps: 1e-5,
-        rope_base: 10000.0,
-        rope_mode: RopeMode::Normal,
-        rope_dims: 128,
         fused_attn: fused,
+        ..DecoderConfig::llama(1, 1024, 4096, 8, 8, 256)
     }
 }
 

@@ -3,10 +3,14 @@
 //! set at each given precision and split mode (repetitions interleaved; ratios to the first row
 //! both of the medians and, steadier on a noisy machine, the median of per-repetition ratios),
 //! the effective bandwidth of generation (weight bytes read per token x tokens/s), and
-//! the machine's streaming read bandwidth measured in the same run for comparison.
+//! the machine's streaming read bandwidth measured in the same run for comparison. With ranks
+//! as processes the ranks agree on the model, split and precisions first, and take rank 0's
+//! sizes and repetitions.
 
-use crate::cli::run::load_dist;
-use crate::cli::{DistArgs, JsonArgs, ModelArgs, PrecisionsArgs, SplitArgs, parse_positive};
+use crate::cli::run::{decoder_settings, load_dist};
+use crate::cli::{
+    DistArgs, JsonArgs, ModelArgs, PrecisionsArgs, SplitArgs, parse_positive, setting,
+};
 use metashard::Result;
 use metashard::cpu::{Precision, ThreadPool};
 use metashard::dist::Dist;
@@ -53,26 +57,61 @@ pub fn run(a: &BenchModelArgs) -> Result<()> {
             a.split.check(d)?;
         }
     }
-    let leader = metashard::dist::rank_and_size(a.dist.dist)?.0 == 0;
+    let dist = a.dist.dist;
+    let leader = metashard::dist::rank_and_size(dist)?.0 == 0;
+    let precisions = a.precision.list();
+    let names: Vec<&str> = precisions.iter().map(|p| p.name()).collect();
+    // Every rank times the same configurations: as many device sets, the same precisions.
+    crate::cli::agree(
+        dist,
+        "bench model",
+        &a.model.name,
+        decoder_settings(
+            setting("--precision", names.join(",")),
+            &a.split,
+            [setting("--devices (sets)", a.devices.len())],
+        ),
+    )?;
+    // Rank 0 owns the request: the sizes and repetitions.
+    let r = crate::cli::share_request(
+        dist,
+        BenchRequest {
+            pp: a.pp,
+            tg: a.tg,
+            reps: a.reps,
+        },
+        &[],
+    )?;
     let opts = ModelBenchOptions {
         model: a.model.name.clone(),
         devices: a.devices.clone(),
-        pp: a.pp,
-        tg: a.tg,
-        reps: a.reps,
-        precisions: a.precision.list(),
+        pp: r.pp,
+        tg: r.tg,
+        reps: r.reps,
+        precisions,
         split: a.split.clone(),
-        dist: a.dist.dist,
+        dist,
     };
     let report = measure(&opts, &|line| {
         if leader {
-            eprintln!("{line}")
+            crate::cli::eprint_line(line.to_string())
         }
     })?;
     if !leader {
         return Ok(());
     }
     a.out.print("command output", &report, print_table)
+}
+
+/// What `bench model` takes from rank 0 with ranks as processes; JSON keys are the flags.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct BenchRequest {
+    #[serde(rename = "--pp")]
+    pp: usize,
+    #[serde(rename = "--tg")]
+    tg: usize,
+    #[serde(rename = "--reps")]
+    reps: usize,
 }
 
 #[derive(Clone, Debug)]

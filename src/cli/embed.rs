@@ -1,19 +1,26 @@
 //! The `metashard embed` command: sentence embeddings with a BERT encoder (all-MiniLM-L6-v2)
 //! on any device list, printed as JSON (one object per sentence) or as a short summary with a
 //! table of pairwise cosine similarities. `--strategy` picks a named split for several devices.
+//! A sentence longer than the model takes (256 tokens) is cut to its first 256, as
+//! sentence-transformers does, and said so: a line on stderr with its full length, and
+//! `"truncated": true` in its JSON object. With ranks as processes, rank 0 owns the request
+//! (the sentences' token ids, the batch size, the repetitions) and the ranks agree on the rest
+//! (the model's files, the strategy) before loading.
 
-use metashard::models::bert::{BertConfig, cosine};
+use metashard::dist::Dist;
+use metashard::models::bert::{BertConfig, BertEncoder, cosine};
 use metashard::models::paths::{ModelPath, resolve};
 use metashard::models::split::DecoderSplit;
 use metashard::planner::Strategy;
 use metashard::runtime::open_encoder;
+use metashard::tokenizer::{BatchEncoding, Tokenizer, WordPieceTokenizer};
 use metashard::{Error, Result, parse_devices};
 use std::time::Instant;
 
 /// What `metashard embed` was asked (its command-line arguments).
 #[derive(Clone, Debug, clap::Args)]
 #[command(mut_arg("json", |a| a.help(
-    "Print JSON: an array with one object per sentence (text, tokens, embedding)"
+    "Print JSON: an array with one object per sentence (text, tokens, truncated, embedding)"
 )))]
 pub struct EmbedArgs {
     /// `minilm` or a folder with model.safetensors, config.json and tokenizer.json.
@@ -40,7 +47,10 @@ pub struct EmbedArgs {
     /// Run the batches this many times (at least 1); the median time goes to stderr.
     #[arg(long, default_value_t = 1, value_parser = super::parse_positive)]
     pub repeat: usize,
-    /// The sentences, embedded as one padded batch.
+    /// The sentences, embedded in padded batches. One longer than the model takes (256
+    /// tokens with [CLS] and [SEP]) is cut to its first 256, as sentence-transformers does;
+    /// each one cut is named on stderr with its full length (and `"truncated": true` with
+    /// --json).
     #[arg(required = true)]
     pub sentences: Vec<String>,
 }
@@ -51,7 +61,42 @@ pub struct EmbeddingRecord {
     pub text: String,
     /// Tokens including [CLS] and [SEP], after truncation.
     pub tokens: usize,
+    /// Whether the sentence was longer than the model takes, and cut.
+    #[serde(default)]
+    pub truncated: bool,
     pub embedding: Vec<f32>,
+}
+
+/// A padded batch of token ids as rank 0 shares it: `BatchEncoding`'s fields, for serde.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(remote = "BatchEncoding")]
+struct BatchDef {
+    batch: usize,
+    seq_len: usize,
+    ids: Vec<u32>,
+    attention_mask: Vec<u32>,
+    type_ids: Vec<u32>,
+    lengths: Vec<usize>,
+}
+
+/// One batch of [`EmbedRequest`].
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct SharedBatch(#[serde(with = "BatchDef")] BatchEncoding);
+
+/// What `embed` takes from rank 0 with ranks as processes (see `share_request`): the
+/// sentences, their token ids in batches and which were cut (rank 0 alone computes them),
+/// and the repetitions. JSON keys are the flags.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct EmbedRequest {
+    #[serde(rename = "the sentences")]
+    sentences: Vec<String>,
+    #[serde(rename = "--batch-size")]
+    batch_size: usize,
+    #[serde(rename = "--repeat")]
+    repeat: usize,
+    batches: Vec<SharedBatch>,
+    /// Per sentence: its full length when it was cut.
+    cut: Vec<Option<usize>>,
 }
 
 /// Run the command; the text it prints goes to `out`, progress and timings to stderr.
@@ -73,9 +118,11 @@ pub fn run(opts: &EmbedArgs, out: &mut dyn std::io::Write) -> Result<()> {
     };
     let local = parse_devices(&opts.devices)?;
     let dist = opts.dist.dist;
-    if dist == metashard::dist::Dist::Mpi {
+    if dist == Dist::Mpi {
         metashard::dist::one_device_per_process(&opts.devices, local.len())?;
     }
+    let strategy = super::setting("--strategy", format!("{:?}", opts.strategy));
+    super::agree(dist, "embed", &opts.model, vec![strategy])?;
     let devices = metashard::dist::distributed_devices(&opts.devices, local, dist)?;
     let leader = metashard::dist::rank_and_size(dist)?.0 == 0;
     let split = match &opts.strategy {
@@ -88,14 +135,29 @@ pub fn run(opts: &EmbedArgs, out: &mut dyn std::io::Write) -> Result<()> {
     let t0 = Instant::now();
     let enc = open_encoder(&dir, devices, split)?;
     let load_s = t0.elapsed().as_secs_f64();
-    let texts: Vec<&str> = opts.sentences.iter().map(String::as_str).collect();
-    let batches = texts
-        .chunks(opts.batch_size.max(1))
-        .map(|c| enc.encode(c))
-        .collect::<Result<Vec<_>>>()?;
+    let mut request = EmbedRequest {
+        sentences: opts.sentences.clone(),
+        batch_size: opts.batch_size,
+        repeat: opts.repeat,
+        batches: Vec::new(),
+        cut: Vec::new(),
+    };
+    if leader {
+        let texts: Vec<&str> = opts.sentences.iter().map(String::as_str).collect();
+        let batches = texts
+            .chunks(opts.batch_size.max(1))
+            .map(|c| enc.encode(c))
+            .collect::<Result<Vec<_>>>()?;
+        let lengths: Vec<usize> = batches.iter().flat_map(|b| b.lengths.clone()).collect();
+        request.cut = cut_lengths(&enc, &texts, &lengths)?;
+        request.batches = batches.into_iter().map(SharedBatch).collect();
+    }
+    // Rank 0 owns the request: every rank embeds its token ids.
+    let r = super::share_request(dist, request, &["batches", "cut"])?;
+    let batches: Vec<BatchEncoding> = r.batches.into_iter().map(|b| b.0).collect();
     let mut times = Vec::new();
     let mut vectors = Vec::new();
-    for _ in 0..opts.repeat.max(1) {
+    for _ in 0..r.repeat.max(1) {
         let t = Instant::now();
         vectors.clear();
         for b in &batches {
@@ -127,17 +189,36 @@ pub fn run(opts: &EmbedArgs, out: &mut dyn std::io::Write) -> Result<()> {
         times.len()
     );
     let lengths = batches.iter().flat_map(|b| b.lengths.iter().copied());
-    let records: Vec<EmbeddingRecord> = texts
+    let records: Vec<EmbeddingRecord> = r
+        .sentences
         .iter()
         .zip(lengths)
         .zip(vectors)
-        .map(|((t, n), v)| EmbeddingRecord {
-            text: t.to_string(),
+        .zip(&r.cut)
+        .map(|(((t, n), v), cut)| EmbeddingRecord {
+            text: t.clone(),
             tokens: n,
+            truncated: cut.is_some(),
             embedding: v,
         })
         .collect();
-    let w = |e: std::io::Error| Error::msg(format!("embed: writing the output: {e}"));
+    for (i, (rec, cut)) in records.iter().zip(&r.cut).enumerate() {
+        if let Some(full) = cut {
+            super::eprint_line(format!(
+                "embed: sentence [{i}] {:?} has {full} tokens, more than the model's {}: its \
+                 embedding covers its first {} (cut as sentence-transformers does)",
+                short(&rec.text, 40),
+                rec.tokens,
+                rec.tokens
+            ));
+        }
+    }
+    let w = |e: std::io::Error| {
+        if super::is_closed_pipe(&e) {
+            super::stdout_closed();
+        }
+        Error::msg(format!("embed: writing the output: {e}"))
+    };
     if opts.out.json {
         let s = serde_json::to_string(&records).map_err(|e| Error::msg(e.to_string()))?;
         writeln!(out, "{s}").map_err(w)?;
@@ -145,6 +226,26 @@ pub fn run(opts: &EmbedArgs, out: &mut dyn std::io::Write) -> Result<()> {
         write_summary(&records, out).map_err(w)?;
     }
     Ok(())
+}
+
+/// Per sentence, its full length in tokens ([CLS] and [SEP] included) when it is longer than
+/// `enc` takes, and was cut to `lengths[i]` tokens; `None` for the others. Only sentences
+/// that reached the maximum are tokenized again, without the limit.
+fn cut_lengths(enc: &BertEncoder, texts: &[&str], lengths: &[usize]) -> Result<Vec<Option<usize>>> {
+    let max = enc.tokenizer().max_len().unwrap_or(enc.config().n_pos);
+    let mut out = vec![None; texts.len()];
+    if lengths.iter().all(|&n| n < max) {
+        return Ok(out);
+    }
+    let mut full = WordPieceTokenizer::from_model_dir(enc.dir())?;
+    full.set_max_len(None);
+    for ((t, &n), o) in texts.iter().zip(lengths).zip(&mut out) {
+        if n >= max {
+            let all = full.encode(t, true)?.len();
+            *o = (all > n).then_some(all);
+        }
+    }
+    Ok(out)
 }
 
 /// The strategies that apply to an encoder (every named one but `auto` and
@@ -203,8 +304,9 @@ pub fn write_summary(
         writeln!(out, "[{i}] {:?}", short(&r.text, 60))?;
         writeln!(
             out,
-            "    {} tokens, dim {}, norm {:.6}, [{}, ...]",
+            "    {} tokens{}, dim {}, norm {:.6}, [{}, ...]",
             r.tokens,
+            if r.truncated { " (truncated)" } else { "" },
             r.embedding.len(),
             norm,
             head.join(", ")

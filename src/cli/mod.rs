@@ -3,8 +3,10 @@
 //! arguments and its `run` (`devices`, `run`, `verify`, `embed`, `plan`, `calibrate`,
 //! `selftest`; the `bench` family is in `src/bench/`), and here the flag groups they share
 //! (model, split, prompt, precision, `--dist`, `--json`) with the parsers that refuse bad
-//! values naming the flag, progress bars and memory summaries. What they compute lives in the
-//! library (`devices`, `runtime`, `verify`, `planner`).
+//! values naming the flag, progress bars and memory summaries; with ranks as processes, what
+//! the ranks must agree on (`agree`) and rank 0's request (`share_request`); and the quiet end
+//! on a closed stdout (`stdout_closed`). What they compute lives in the library (`devices`,
+//! `runtime`, `verify`, `planner`).
 
 pub mod calibrate;
 pub mod devices;
@@ -14,9 +16,108 @@ pub mod run;
 pub mod selftest;
 pub mod verify;
 
+use metashard::dist::{Dist, Setting};
 use metashard::models::prompt::PromptOptions;
 use metashard::models::sampler::SamplerConfig;
 use metashard::{Error, Result};
+
+/// End the process as a closed stdout does to Unix tools: by SIGPIPE, quietly (status 141 in
+/// a shell). For a write to stdout that failed with a broken pipe while SIGPIPE is ignored
+/// (ranks as processes ignore it for MPI's sockets).
+pub fn stdout_closed() -> ! {
+    // SAFETY: restoring a signal's default action and raising it touch no memory of ours.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::raise(libc::SIGPIPE);
+    }
+    // Not reached: the default action of SIGPIPE ends the process.
+    std::process::exit(128 + libc::SIGPIPE)
+}
+
+/// `e` is a write to a closed pipe.
+pub fn is_closed_pipe(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::BrokenPipe
+}
+
+/// Make `println!` to a closed stdout end the process quietly through [`stdout_closed`]
+/// instead of panicking (it panics only while SIGPIPE is ignored: with ranks as processes).
+/// Std's message is "failed printing to stdout: " and the I/O error.
+pub fn end_quietly_on_closed_stdout() {
+    let closed = std::io::Error::from_raw_os_error(libc::EPIPE).to_string();
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.ends_with(&closed) {
+            stdout_closed();
+        }
+        default(info)
+    }));
+}
+
+/// A setting the ranks of a job must agree on (`dist::agree`): its name and its value.
+pub fn setting(name: &str, value: impl std::fmt::Display) -> Setting {
+    (name.to_string(), value.to_string())
+}
+
+/// What the ranks of a job must agree on before they open `model` (see `dist::agree`): the
+/// command, the model file's identity (not its path; an unreadable file gives its error as
+/// the value, which the ranks then compare), and `more` (the command's flags that change the
+/// math or the shapes). Without ranks as processes, nothing.
+pub fn agree(dist: Dist, command: &str, model: &str, more: Vec<Setting>) -> Result<()> {
+    if dist == Dist::Local {
+        return Ok(());
+    }
+    let identity = metashard::runtime::model_identity(model)
+        .unwrap_or_else(|e| format!("(cannot be read: {e})"));
+    let mut settings = vec![setting("command", command), setting("model file", identity)];
+    settings.extend(more);
+    metashard::dist::agree(dist, &settings)
+}
+
+/// With ranks as processes, rank 0's `request` on every rank (each rank passes its own; rank
+/// 0 owns the request: the prompt and its tokens, sampling settings, step counts). A rank
+/// whose own request differs says so on stderr, naming the fields (the JSON keys of `T`,
+/// named after the flags; keys in `derived`, such as tokens only rank 0 computes, are not
+/// compared). Without ranks as processes, `request` itself.
+pub fn share_request<T>(dist: Dist, request: T, derived: &[&str]) -> Result<T>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned,
+{
+    if dist == Dist::Local {
+        return Ok(request);
+    }
+    let json = |e: serde_json::Error| Error::Json {
+        what: "the request of rank 0",
+        source: e,
+    };
+    let mine = serde_json::to_value(&request).map_err(json)?;
+    let bytes = serde_json::to_vec(&mine).map_err(json)?;
+    let got = metashard::dist::share_from_leader(dist, bytes, metashard::dist::REQUEST_TIMEOUT)?;
+    let theirs: serde_json::Value = serde_json::from_slice(&got).map_err(json)?;
+    let rank = metashard::dist::rank_and_size(dist)?.0;
+    if rank != 0 {
+        let differ: Vec<&str> = mine
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, v)| !derived.contains(&k.as_str()) && theirs.get(k.as_str()) != Some(v))
+            .map(|(k, _)| k.as_str())
+            .collect();
+        if !differ.is_empty() {
+            eprint_line(format!(
+                "rank {rank}: note: rank 0 owns the request; this rank's own {} differ from \
+                 rank 0's and are ignored",
+                differ.join(", ")
+            ));
+        }
+    }
+    serde_json::from_value(theirs).map_err(json)
+}
 
 /// Print `line` and a newline to stderr in one write: stderr is unbuffered, and under mpirun
 /// the ranks' output is interleaved between writes.
@@ -230,6 +331,34 @@ impl SplitArgs {
             return refuse("--strategy auto");
         }
         Ok(())
+    }
+
+    /// The split flags as settings the ranks of a job must agree on (`dist::agree`): the
+    /// shares, mirrored attention, the strategy, the plan file's content (not its path), the
+    /// split mode and the groups.
+    pub fn settings(&self) -> Vec<Setting> {
+        let plan = self
+            .plan
+            .as_ref()
+            .map_or("(none)".to_string(), |p| match std::fs::read(p) {
+                Ok(b) => format!(
+                    "{} B, content {:016x}",
+                    b.len(),
+                    metashard::runtime::identity::content_hash(&b)
+                ),
+                Err(e) => format!("(cannot be read: {e})"),
+            });
+        let list = |v: &[metashard::models::layer_split::SplitMode]| {
+            v.iter().map(|m| m.name()).collect::<Vec<_>>().join(",")
+        };
+        vec![
+            setting("--tensor-split", format!("{:?}", self.tensor_split)),
+            setting("--mirror-attention", self.mirror_attention),
+            setting("--strategy", format!("{:?}", self.strategy)),
+            setting("--plan", plan),
+            setting("--split-mode", list(&self.split_mode)),
+            setting("--groups", format!("{:?}", self.groups)),
+        ]
     }
 
     /// `--tensor-split` against the device list `devices`: one share per device, not all 0.

@@ -3,12 +3,14 @@
 //! model's chat template unless `--raw`; the user's text stays text unless `--special`), and
 //! report prompt and generation tokens/s and why generation stopped; `--dump` prints
 //! statistics of matching nodes through the scheduler's eval callback. Bad sampling flags and
-//! `--ctx` values are errors naming the flag; `-n` is bounded by the context.
+//! `--ctx` values are errors naming the flag; `-n` is bounded by the context. With ranks as
+//! processes the ranks agree on the model, split, precision and context before loading
+//! (`cli::agree`), and every rank takes rank 0's prompt tokens and sampling (`RunRequest`).
 
-use super::{JsonArgs, ModelArgs, PromptArgs, SplitArgs, bytes_bar, memory_table};
+use super::{JsonArgs, ModelArgs, PromptArgs, SplitArgs, bytes_bar, memory_table, setting};
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
-use metashard::dist::Dist;
+use metashard::dist::{Dist, Setting};
 use metashard::models::loader::DecoderModel;
 use metashard::models::prompt::prompt_tokens;
 use metashard::models::sampler::{Sampler, SamplerConfig, StopReason, generate};
@@ -169,7 +171,12 @@ pub fn load_dist(
     split: &SplitArgs,
     quiet: bool,
 ) -> Result<(DeviceSet, DecoderModel)> {
-    if dist == Dist::Local && metashard::dist::launched_by_mpirun() {
+    // (A process that started MPI is a rank, and opens a local set on purpose: `verify`'s
+    // single device.)
+    if dist == Dist::Local
+        && metashard::dist::launched_by_mpirun()
+        && metashard::dist::current_rank().is_none()
+    {
         eprintln!(
             "warning: started by mpirun without --dist mpi: this process runs the whole model on \
              its own devices (add --dist mpi for one rank per process)"
@@ -222,14 +229,68 @@ fn set_rank(r: &Result<(DeviceSet, DecoderModel)>) -> Option<usize> {
     r.as_ref().ok().and_then(|(set, _)| set.rank)
 }
 
+/// What `run` takes from rank 0 with ranks as processes (see `share_request`): the prompt
+/// (and its tokens, which rank 0 alone computes), sampling and stopping. JSON keys are the
+/// flags, so a rank given another value can name them.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct RunRequest {
+    #[serde(rename = "--prompt")]
+    prompt: String,
+    #[serde(rename = "--system")]
+    system: Option<String>,
+    #[serde(rename = "--raw")]
+    raw: bool,
+    #[serde(rename = "--special")]
+    special: bool,
+    #[serde(rename = "-n")]
+    n_predict: usize,
+    #[serde(rename = "--temp")]
+    temp: f32,
+    #[serde(rename = "--top-k")]
+    top_k: usize,
+    #[serde(rename = "--top-p")]
+    top_p: f32,
+    #[serde(rename = "--seed")]
+    seed: u64,
+    #[serde(rename = "--ignore-eos")]
+    ignore_eos: bool,
+    tokens: Vec<u32>,
+}
+
+impl RunRequest {
+    fn sampler(&self) -> Result<Sampler> {
+        Sampler::new(SamplerConfig {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        })
+        .map_err(super::sampling_flag)
+    }
+}
+
+/// What the ranks of a job running a decoder must agree on besides the command and the model
+/// (see `cli::agree`): the precision (`--q8`, or the list `bench model` takes), the split
+/// flags, and `more`.
+pub fn decoder_settings(
+    precision: Setting,
+    split: &SplitArgs,
+    more: impl IntoIterator<Item = Setting>,
+) -> Vec<Setting> {
+    let mut s = vec![precision];
+    s.extend(split.settings());
+    s.extend(more);
+    s
+}
+
 /// The context size for `run`: `--ctx` checked against the model and the prompt, or the
 /// prompt plus `-n` (and the token after), within the model's context.
-fn context_size(a: &RunArgs, m: &DecoderModel, prompt_len: usize) -> Result<usize> {
-    let max = m.context_length;
+fn context_size(ctx: Option<usize>, r: &RunRequest, m: &DecoderModel) -> Result<usize> {
+    let (max, prompt_len) = (m.context_length, r.tokens.len());
     if prompt_len == 0 {
         return Err(Error::invalid_argument(
             "--prompt",
-            format!("{:?}", a.prompt.prompt),
+            format!("{:?}", r.prompt),
             "gives no tokens",
         ));
     }
@@ -240,7 +301,7 @@ fn context_size(a: &RunArgs, m: &DecoderModel, prompt_len: usize) -> Result<usiz
             format!("does not fit the model's context of {max} tokens with a token to generate"),
         ));
     }
-    match a.ctx {
+    match ctx {
         Some(c) if c > max => Err(Error::invalid_argument(
             "--ctx",
             c,
@@ -257,36 +318,73 @@ fn context_size(a: &RunArgs, m: &DecoderModel, prompt_len: usize) -> Result<usiz
         )),
         Some(c) => Ok(c),
         None => Ok(prompt_len
-            .saturating_add(a.n_predict)
+            .saturating_add(r.n_predict)
             .saturating_add(1)
             .min(max)),
     }
 }
 
+/// Write `s` to stdout now (streamed text). A closed stdout ends the program quietly (see
+/// `stdout_closed`); other errors are ignored, as a terminal that cannot show the text does
+/// not stop generation.
+fn stream(stdout: &mut std::io::Stdout, s: &str) {
+    if let Err(e) = write!(stdout, "{s}").and_then(|()| stdout.flush())
+        && super::is_closed_pipe(&e)
+    {
+        super::stdout_closed();
+    }
+}
+
 pub fn run(a: &RunArgs) -> Result<()> {
-    let sampler = Sampler::new(SamplerConfig {
-        temperature: a.temp,
+    let mut request = RunRequest {
+        prompt: a.prompt.prompt.clone(),
+        system: a.system.clone(),
+        raw: a.prompt.raw,
+        special: a.prompt.special,
+        n_predict: a.n_predict,
+        temp: a.temp,
         top_k: a.top_k,
         top_p: a.top_p,
         seed: a.seed,
-    });
-    let mut sampler = sampler.map_err(super::sampling_flag)?;
-    if a.dist.dist == Dist::Local {
+        ignore_eos: a.ignore_eos,
+        tokens: Vec::new(),
+    };
+    // This rank's flags are checked, even where rank 0's are used.
+    request.sampler()?;
+    let dist = a.dist.dist;
+    if dist == Dist::Local {
         a.split.check(&a.devices)?;
     }
+    let precision = Precision::from_q8_flag(a.q8);
+    let more = [
+        setting("--no-flash", a.no_flash),
+        setting("--ctx", format!("{:?}", a.ctx)),
+    ];
+    super::agree(
+        dist,
+        "run",
+        &a.model.name,
+        decoder_settings(setting("--q8", a.q8), &a.split, more),
+    )?;
     let (set, mut m) = load_dist(
         &a.model.name,
         &a.devices,
-        a.dist.dist,
-        Precision::from_q8_flag(a.q8),
+        dist,
+        precision,
         &a.split,
         a.out.json,
     )?;
     // With ranks as processes every rank computes the same tokens; rank 0 prints.
     let leader = set.is_leader();
     m.cfg.fused_attn = !a.no_flash;
-    let prompt = prompt_tokens(&m, &a.prompt.prompt, &a.prompt.options(a.system.as_deref()))?;
-    let ctx = context_size(a, &m, prompt.len())?;
+    if leader {
+        let opts = a.prompt.options(a.system.as_deref());
+        request.tokens = prompt_tokens(&m, &a.prompt.prompt, &opts)?;
+    }
+    // Rank 0 owns the request: every rank generates from its prompt and settings.
+    let r = super::share_request(dist, request, &["tokens"])?;
+    let mut sampler = r.sampler()?;
+    let ctx = context_size(a.ctx, &r, &m)?;
     let backend: std::sync::Arc<dyn metashard::Backend> = match &a.dump {
         None => set.backend.clone(),
         Some(pattern) => {
@@ -310,31 +408,45 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let mut pending = Vec::new();
     let (tokens, stats) = generate(
         &mut session,
-        &prompt,
-        a.n_predict,
+        &r.tokens,
+        r.n_predict,
         &mut sampler,
-        a.ignore_eos,
+        r.ignore_eos,
         |t| {
             if leader && !a.out.json && Some(t) != eos {
                 // Stream whole UTF-8 characters only.
                 let _ = m.tokenizer.token_bytes(t, &mut pending);
                 if let Ok(s) = std::str::from_utf8(&pending) {
-                    let _ = write!(stdout, "{s}");
-                    let _ = stdout.flush();
+                    stream(&mut stdout, s);
                     pending.clear();
                 }
             }
             true
         },
     )?;
+    if leader {
+        report(a, &set, &m, &session, &tokens, &stats, r.n_predict)?;
+    }
+    Ok(())
+}
+
+/// Rank 0's report of a run: one JSON object with `--json`; else a newline after the streamed
+/// text, and on stderr why generation stopped early, the memory table and the speeds.
+fn report(
+    a: &RunArgs,
+    set: &DeviceSet,
+    m: &DecoderModel,
+    session: &Session,
+    tokens: &[u32],
+    stats: &metashard::models::sampler::GenStats,
+    n_predict: usize,
+) -> Result<()> {
+    let eos = m.tokenizer.eos();
     let text: Vec<u32> = tokens.iter().copied().filter(|&t| Some(t) != eos).collect();
     let text = String::from_utf8_lossy(&m.tokenizer.decode_bytes(&text)?).to_string();
     let weights = set.bytes_per_device(&[&m.weight_buffer]);
     let cache = set.bytes_per_device(&[&session.cache_buffer()]);
     let compute = set.backend.compute_buffer_bytes();
-    if !leader {
-        return Ok(());
-    }
     if a.out.json {
         let v = serde_json::json!({
             "model": m.name,
@@ -350,38 +462,38 @@ pub fn run(a: &RunArgs) -> Result<()> {
             "memory": { "weights": weights, "kv_cache": cache, "compute": compute },
         });
         println!("{v}");
-    } else {
-        println!();
-        eprintln!();
-        if stats.stop == StopReason::Context {
-            eprintln!(
-                "generation stopped: the context of {} tokens is full ({} of -n {} tokens \
-                 generated; --ctx raises it up to the model's {})",
-                session.capacity(),
-                stats.generated,
-                a.n_predict,
-                m.context_length
-            );
-        }
-        eprint!(
-            "{}",
-            memory_table(
-                &set.names(),
-                &[
-                    ("weights", weights),
-                    ("kv cache", cache),
-                    ("compute", compute)
-                ]
-            )
-        );
+        return Ok(());
+    }
+    println!();
+    eprintln!();
+    if stats.stop == StopReason::Context {
         eprintln!(
-            "prompt: {} tokens, {:.1} tokens/s | generation: {} tokens, {:.1} tokens/s ({})",
-            stats.prompt_tokens,
-            stats.prompt_tps(),
+            "generation stopped: the context of {} tokens is full ({} of -n {} tokens \
+             generated; --ctx raises it up to the model's {})",
+            session.capacity(),
             stats.generated,
-            stats.gen_tps(),
-            set.spec
+            n_predict,
+            m.context_length
         );
     }
+    eprint!(
+        "{}",
+        memory_table(
+            &set.names(),
+            &[
+                ("weights", weights),
+                ("kv cache", cache),
+                ("compute", compute)
+            ]
+        )
+    );
+    eprintln!(
+        "prompt: {} tokens, {:.1} tokens/s | generation: {} tokens, {:.1} tokens/s ({})",
+        stats.prompt_tokens,
+        stats.prompt_tps(),
+        stats.generated,
+        stats.gen_tps(),
+        set.spec
+    );
     Ok(())
 }

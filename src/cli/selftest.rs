@@ -27,8 +27,9 @@ pub struct SelftestCommArgs {
     /// How long a rank waits for a peer before naming it, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
-    /// Inject a fault: `HOW@RANK:CALL` with HOW one of kill, exit, stall, error (rank
-    /// RANK does it before its collective number CALL).
+    /// Inject a fault: `HOW@RANK:CALL` with HOW one of kill, exit, stall, error, finish
+    /// (rank RANK does it before its collective number CALL; finish: it stops there and ends
+    /// normally, as a rank given less work would).
     #[arg(long, value_parser = parse_fault)]
     pub fault: Option<Fault>,
 }

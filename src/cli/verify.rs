@@ -2,9 +2,10 @@
 //! last-position logits (max abs difference, NMSE), greedy tokens for some steps, optionally
 //! the independent numpy reference (`scripts/reference/smollm2_ref.py`), and a node-by-node
 //! comparison of one prompt step that names the first node whose values diverge, with its
-//! split state.
+//! split state. With ranks as processes the ranks agree on the model, split and precision
+//! before loading, and take rank 0's prompt tokens and steps.
 
-use super::run::{load, load_dist};
+use super::run::{decoder_settings, load, load_dist};
 use super::{JsonArgs, ModelArgs, PromptArgs, SplitArgs};
 use metashard::cpu::Precision;
 use metashard::dist::Dist;
@@ -49,6 +50,21 @@ pub struct VerifyArgs {
     pub out: JsonArgs,
 }
 
+/// What `verify` takes from rank 0 with ranks as processes (see `share_request`): the prompt
+/// (and its tokens, which rank 0 alone computes) and the steps; JSON keys are the flags.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct VerifyRequest {
+    #[serde(rename = "--prompt")]
+    prompt: String,
+    #[serde(rename = "--raw")]
+    raw: bool,
+    #[serde(rename = "--special")]
+    special: bool,
+    #[serde(rename = "--steps")]
+    steps: usize,
+    tokens: Vec<u32>,
+}
+
 pub fn run(a: &VerifyArgs) -> Result<()> {
     let precision = Precision::from_q8_flag(a.q8);
     let dist = a.dist.dist;
@@ -63,6 +79,12 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         ));
     }
     let leader = metashard::dist::rank_and_size(dist)?.0 == 0;
+    super::agree(
+        dist,
+        "verify",
+        &a.model.name,
+        decoder_settings(super::setting("--q8", a.q8), &a.split, []),
+    )?;
     let (single, m1) = load(
         &a.model.name,
         &a.against,
@@ -70,9 +92,24 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         &SplitArgs::default(),
         a.out.json,
     )?;
-    let prompt = prompt_tokens(&m1, &a.prompt.prompt, &a.prompt.options(None))?;
-    if max_steps(&m1, prompt.len()).is_none_or(|max| a.steps > max) {
-        return Err(steps_error(&m1, prompt.len(), "--steps", a.steps));
+    let mut request = VerifyRequest {
+        prompt: a.prompt.prompt.clone(),
+        raw: a.prompt.raw,
+        special: a.prompt.special,
+        steps: a.steps,
+        tokens: Vec::new(),
+    };
+    if leader {
+        request.tokens = prompt_tokens(&m1, &a.prompt.prompt, &a.prompt.options(None))?;
+    }
+    // Rank 0 owns the request: every rank checks its prompt for its number of steps.
+    let VerifyRequest {
+        tokens: prompt,
+        steps,
+        ..
+    } = super::share_request(dist, request, &["tokens"])?;
+    if max_steps(&m1, prompt.len()).is_none_or(|max| steps > max) {
+        return Err(steps_error(&m1, prompt.len(), "--steps", steps));
     }
     let (sharded, m2) = load_dist(
         &a.model.name,
@@ -82,8 +119,8 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         &a.split,
         a.out.json,
     )?;
-    let (l1, t1) = greedy(&m1, &single, &prompt, a.steps)?;
-    let (l2, t2) = greedy(&m2, &sharded, &prompt, a.steps)?;
+    let (l1, t1) = greedy(&m1, &single, &prompt, steps)?;
+    let (l2, t2) = greedy(&m2, &sharded, &prompt, steps)?;
     let same = t1.iter().zip(&t2).take_while(|(x, y)| x == y).count();
     let mut report = serde_json::json!({
         "devices": a.devices,
@@ -91,7 +128,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         "precision": precision.name(),
         "against": a.against,
         "prompt_tokens": prompt.len(),
-        "steps": a.steps,
+        "steps": steps,
         "logits_max_abs_diff": max_abs(&l2, &l1),
         "logits_nmse": nmse(&l2, &l1),
         "greedy_tokens_equal": same,
@@ -102,7 +139,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         else {
             return Err(Error::msg("the reference covers GGUF decoders"));
         };
-        let (rt, rl) = reference(&path, &prompt, a.steps)?;
+        let (rt, rl) = reference(&path, &prompt, steps)?;
         let agree = rt.iter().zip(&t2).take_while(|(x, y)| x == y).count();
         report["reference_greedy_tokens_equal"] = agree.into();
         report["reference_logits_nmse"] = nmse(&l2, &rl).into();
@@ -134,7 +171,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
             label,
             a.against,
             prompt.len(),
-            a.steps
+            steps
         );
         for (k, v) in report.as_object().into_iter().flatten() {
             println!("  {k:<32} {v}");
@@ -146,7 +183,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
             );
         }
     }
-    if same < a.steps {
+    if same < steps {
         return Err(Error::msg(format!(
             "greedy tokens differ from step {same}: {:?} vs {:?}",
             &t2[same..],

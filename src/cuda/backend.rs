@@ -6,8 +6,9 @@
 //! range ends with a stream synchronization, so what the range wrote is visible to the
 //! communicator and to synchronous copies.
 //!
-//! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` reads the
-//! weights once in their own dtype, quantized blocks dequantized in registers, f32 activations
+//! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` (float
+//! weights) or `k_mul_mat_vec_q` (quantized) reads the weights once in their own dtype,
+//! quantized blocks dequantized in registers, f32 activations
 //! (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
 //! (dim 2, dim 3) pair: F16 and BF16 weights in place on tensor cores with the activations
 //! rounded to the weight's type and f32 accumulation (ggml's CUDA backend does the same);
@@ -37,7 +38,7 @@ use std::sync::{Arc, OnceLock};
 
 /// Threads per block of the element-wise and row kernels.
 const BLOCK: u32 = 256;
-/// Activation columns up to which products go through `k_mul_mat_vec`.
+/// Activation columns up to which products go through `k_mul_mat_vec` / `k_mul_mat_vec_q`.
 const GEMV_MAX_M: usize = 8;
 
 /// A CUDA stream handle.
@@ -118,6 +119,11 @@ impl Inner {
         shared: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            // Nothing to do (a `set_rows` of no rows, a soft-max of no rows): the driver
+            // refuses an empty grid.
+            return Ok(());
+        }
         let f = self.dev.gpu.function(name)?;
         // SAFETY: `f` is a kernel of the loaded module; `args` point at values of the kernel's
         // parameter types (checked against kernels.cu by the argument structs' tests), alive
@@ -284,8 +290,10 @@ fn arg<T>(v: &T) -> *mut c_void {
 }
 
 /// Blocks for a grid-stride kernel over `n` items.
+/// Blocks for a grid-stride kernel over `n` items: at most 4096 (about four waves of resident
+/// blocks on a 132-SM GPU); more only add launch and scheduling cost to a memory-bound loop.
 fn blocks(n: usize) -> u32 {
-    n.div_ceil(BLOCK as usize).clamp(1, 1 << 20) as u32
+    n.div_ceil(BLOCK as usize).clamp(1, 4096) as u32
 }
 
 fn nrows(t: &Tensor) -> usize {
@@ -385,14 +393,16 @@ impl CudaPlan {
         }
     }
 
-    /// `cont` / `cpy`: rows of one quantized type copied as bytes, anything else converted
+    /// `cont` / `cpy`: rows of one quantized type copied as bytes, float sources quantized into
+    /// a quantized destination block by block (`k_quantize`), anything else converted
     /// element by element.
     fn copy(&self, e: &ExecNode) -> Result<()> {
         let (inner, one) = (&self.inner, (BLOCK, 1, 1));
         let (d, s) = (&e.dst, &e.src);
         let n_dst = e.dst_layout.nelements();
         let sl = &e.src_layouts[0];
-        if sl.dtype.is_quantized() && sl.dtype == e.dst_layout.dtype {
+        let dl = &e.dst_layout;
+        if sl.dtype.is_quantized() && sl.dtype == dl.dtype {
             let row = sl.dtype.row_size(sl.ne[0]) as i64;
             let n = nrows(d) * row as usize;
             inner.launch(
@@ -401,6 +411,15 @@ impl CudaPlan {
                 one,
                 0,
                 &mut [arg(d), arg(&s[0]), arg(&row)],
+            )
+        } else if dl.dtype.is_quantized() {
+            let n = nrows(d) * (dl.ne[0] / dl.dtype.block_size());
+            inner.launch(
+                "k_quantize",
+                (blocks(n), 1, 1),
+                one,
+                0,
+                &mut [arg(d), arg(&s[0])],
             )
         } else {
             inner.launch(
@@ -446,6 +465,11 @@ impl CudaPlan {
         let half = rp.n_dims / 2;
         let per_row = half + (s[0].ne[0] as usize - 2 * half);
         let n = nrows(&s[0]) * per_row;
+        // Frequency factors, when the node has them (the input stands in otherwise, unread).
+        let (factors, has_factors) = match s.get(2) {
+            Some(f) => (f, 1i32),
+            None => (&s[0], 0i32),
+        };
         self.inner.launch(
             "k_rope",
             (blocks(n), 1, 1),
@@ -459,6 +483,8 @@ impl CudaPlan {
                 arg(&n_dims),
                 arg(&rp.freq_base),
                 arg(&rp.freq_scale),
+                arg(factors),
+                arg(&has_factors),
             ],
         )
     }
@@ -541,8 +567,13 @@ impl CudaPlan {
         let (b2, b3) = (x.ne[2] as usize, x.ne[3] as usize);
         if m <= GEMV_MAX_M {
             let warps = BLOCK / 32;
+            let kernel = if e.src_layouts[0].dtype.is_quantized() {
+                "k_mul_mat_vec_q"
+            } else {
+                "k_mul_mat_vec"
+            };
             return inner.launch(
-                "k_mul_mat_vec",
+                kernel,
                 (n.div_ceil(warps as usize) as u32, (b2 * b3) as u32, 1),
                 (BLOCK, 1, 1),
                 0,

@@ -82,6 +82,17 @@ __device__ __forceinline__ i64 nelements(const Tensor &t) {
 
 __device__ __forceinline__ i64 nrows(const Tensor &t) { return t.ne[1] * t.ne[2] * t.ne[3]; }
 
+// Bytes per element of a float or I32 type; 0 for quantized types.
+__device__ __forceinline__ int elem_size(int type) {
+    return type == T_F32 || type == T_I32 ? 4 : type == T_F16 || type == T_BF16 ? 2 : 0;
+}
+
+// Whether `t` is one packed run of elements of `esize` bytes (element k at byte k * esize).
+__device__ __forceinline__ bool packed(const Tensor &t, int esize) {
+    return esize != 0 && t.nb[0] == esize && t.nb[1] == t.ne[0] * t.nb[0] &&
+           t.nb[2] == t.ne[1] * t.nb[1] && t.nb[3] == t.ne[2] * t.nb[2];
+}
+
 // Element i0 of the row at byte offset `row` of a quantized tensor.
 __device__ __forceinline__ float load_q(const char *row, int type, i64 i0) {
     i64 b = i0 >> 5;
@@ -129,6 +140,25 @@ __device__ __forceinline__ void store(const Tensor &t, i64 i0, i64 i1, i64 i2, i
     }
 }
 
+// Element k of a packed float or I32 tensor, as f32; and the store.
+__device__ __forceinline__ float load_flat(const Tensor &t, i64 k) {
+    switch (t.type) {
+    case T_F32: return ((const float *)t.p)[k];
+    case T_F16: return h2f(((const u16 *)t.p)[k]);
+    case T_BF16: return bf2f(((const u16 *)t.p)[k]);
+    default: return (float)((const int *)t.p)[k];
+    }
+}
+
+__device__ __forceinline__ void store_flat(const Tensor &t, i64 k, float v) {
+    switch (t.type) {
+    case T_F32: ((float *)t.p)[k] = v; break;
+    case T_F16: ((u16 *)t.p)[k] = f2h(v); break;
+    case T_BF16: ((u16 *)t.p)[k] = f2bf(v); break;
+    default: ((int *)t.p)[k] = (int)v; break;
+    }
+}
+
 __device__ __forceinline__ void unravel(i64 k, const i64 *ne, i64 *i) {
     i[0] = k % ne[0];
     k /= ne[0];
@@ -143,22 +173,113 @@ __device__ __forceinline__ void unravel(i64 k, const i64 *ne, i64 *i) {
 
 // ---- copies -------------------------------------------------------------------------------
 
-// `cont` / `cpy`: element k of `src` (logical order) to element k of `dst`, converting. Equal
-// dtypes of 4 or 2 bytes move bits (no rounding through f32, so I32 and NaN payloads survive).
+// Element `a` of `src` to element `b` of `dst`: equal dtypes of 4 or 2 bytes move bits (no
+// rounding through f32, so I32 and NaN payloads survive); others convert through f32.
+__device__ __forceinline__ void copy_elem(const Tensor &dst, const i64 *b, const Tensor &src, const i64 *a) {
+    char *to = dst.p + offset(dst, b[0], b[1], b[2], b[3]);
+    const char *from = src.p + offset(src, a[0], a[1], a[2], a[3]);
+    if (src.type == dst.type && (src.type == T_F32 || src.type == T_I32)) {
+        *(u32 *)to = *(const u32 *)from;
+    } else if (src.type == dst.type && (src.type == T_F16 || src.type == T_BF16)) {
+        *(u16 *)to = *(const u16 *)from;
+    } else {
+        store(dst, b[0], b[1], b[2], b[3], load(src, a[0], a[1], a[2], a[3]));
+    }
+}
+
+// `cont` / `cpy`: element k of `src` (logical order) to element k of `dst`, converting.
+// Packed operands take flat paths: equal types move 16-byte words where the run allows (the
+// tail and unaligned runs byte by byte), others convert without index arithmetic.
 extern "C" __global__ void k_cpy(Tensor dst, Tensor src) {
     i64 n = nelements(dst);
+    int ss = elem_size(src.type), ds = elem_size(dst.type);
+    if (packed(src, ss) && packed(dst, ds)) {
+        if (src.type == dst.type) {
+            i64 bytes = n * ss, words = 0;
+            if ((((u64)src.p | (u64)dst.p) & 15) == 0) {
+                words = bytes >> 4;
+                GRID_STRIDE(k, words) {
+                    ((uint4 *)dst.p)[k] = ((const uint4 *)src.p)[k];
+                }
+            }
+            GRID_STRIDE(k, bytes - words * 16) {
+                dst.p[words * 16 + k] = src.p[words * 16 + k];
+            }
+        } else {
+            GRID_STRIDE(k, n) {
+                store_flat(dst, k, load_flat(src, k));
+            }
+        }
+        return;
+    }
     GRID_STRIDE(k, n) {
         i64 a[4], b[4];
         unravel(k, src.ne, a);
         unravel(k, dst.ne, b);
-        if (src.type == dst.type && (src.type == T_F32 || src.type == T_I32)) {
-            *(u32 *)(dst.p + offset(dst, b[0], b[1], b[2], b[3])) =
-                *(const u32 *)(src.p + offset(src, a[0], a[1], a[2], a[3]));
-        } else if (src.type == dst.type && (src.type == T_F16 || src.type == T_BF16)) {
-            *(u16 *)(dst.p + offset(dst, b[0], b[1], b[2], b[3])) =
-                *(const u16 *)(src.p + offset(src, a[0], a[1], a[2], a[3]));
-        } else {
-            store(dst, b[0], b[1], b[2], b[3], load(src, a[0], a[1], a[2], a[3]));
+        copy_elem(dst, b, src, a);
+    }
+}
+
+// `cont` / `cpy` into a quantized type from a float source of any strides: one thread per
+// destination block of 32, element k of `src` (logical order) to element k of `dst`, with
+// ggml's reference quantizers (quantize_row_q8_0_ref, _q4_0_ref, _q4_1_ref in ggml-quants.c),
+// the same arithmetic as `dtype::formats` (products and sums rounded separately, never fused,
+// so the blocks equal the CPU backend's bit for bit).
+extern "C" __global__ void k_quantize(Tensor dst, Tensor src) {
+    i64 per_row = dst.ne[0] >> 5;
+    i64 n = nrows(dst) * per_row;
+    GRID_STRIDE(k, n) {
+        i64 r = k / per_row, blk = k % per_row;
+        i64 one[4] = {1, dst.ne[1], dst.ne[2], dst.ne[3]};
+        i64 b[4], a[4];
+        unravel(r, one, b);
+        float x[32];
+        for (int j = 0; j < 32; j++) {
+            unravel(r * dst.ne[0] + blk * 32 + j, src.ne, a);
+            x[j] = load(src, a[0], a[1], a[2], a[3]);
+        }
+        char *row = dst.p + offset(dst, 0, b[1], b[2], b[3]);
+        if (dst.type == T_Q8_0) {
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            char *blk_p = row + blk * 34;
+            *(u16 *)blk_p = f2h(d);
+            for (int j = 0; j < 32; j++) {
+                float q = roundf(__fmul_rn(x[j], id));
+                blk_p[2 + j] = (signed char)fminf(fmaxf(q, -128.0f), 127.0f);
+            }
+        } else if (dst.type == T_Q4_0) {
+            float amax = 0.0f, max = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                if (fabsf(x[j]) > amax) {
+                    amax = fabsf(x[j]);
+                    max = x[j];
+                }
+            }
+            float d = max / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            char *blk_p = row + blk * 18;
+            *(u16 *)blk_p = f2h(d);
+            for (int j = 0; j < 16; j++) {
+                int q0 = min(__float2int_rz(__fadd_rn(__fmul_rn(x[j], id), 8.5f)), 15);
+                int q1 = min(__float2int_rz(__fadd_rn(__fmul_rn(x[16 + j], id), 8.5f)), 15);
+                blk_p[2 + j] = (char)((q0 & 15) | ((q1 & 15) << 4));
+            }
+        } else if (dst.type == T_Q4_1) {
+            float mn = 3.402823466e38f, mx = -3.402823466e38f;
+            for (int j = 0; j < 32; j++) {
+                mn = fminf(mn, x[j]);
+                mx = fmaxf(mx, x[j]);
+            }
+            float d = (mx - mn) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            char *blk_p = row + blk * 20;
+            *(u16 *)blk_p = f2h(d);
+            *(u16 *)(blk_p + 2) = f2h(mn);
+            for (int j = 0; j < 16; j++) {
+                int q0 = min(__float2int_rz(__fadd_rn(__fmul_rn(__fsub_rn(x[j], mn), id), 0.5f)), 15);
+                int q1 = min(__float2int_rz(__fadd_rn(__fmul_rn(__fsub_rn(x[16 + j], mn), id), 0.5f)), 15);
+                blk_p[4 + j] = (char)((q0 & 15) | ((q1 & 15) << 4));
+            }
         }
     }
 }
@@ -188,7 +309,7 @@ extern "C" __global__ void k_concat(Tensor dst, Tensor a, Tensor b, int dim) {
             i[dim] -= a.ne[dim];
             s = &b;
         }
-        store(dst, o[0], o[1], o[2], o[3], load(*s, i[0], i[1], i[2], i[3]));
+        copy_elem(dst, o, *s, i);
     }
 }
 
@@ -389,9 +510,10 @@ extern "C" __global__ void k_argmax(Tensor dst, Tensor a) {
 
 // Rotary embedding, one thread per (pair, row): theta_i = pos freq_scale freq_base^(-2i/n_dims)
 // in double; mode 0 rotates (2i, 2i+1), mode 1 (NeoX) (i, i + n_dims/2); dimensions from
-// n_dims on are copied.
+// n_dims on are copied; with has_ff, pair i's angle is divided by ff[i] (ggml_rope_ext's frequency
+// factors, Llama 3's rope_freqs).
 extern "C" __global__ void k_rope(Tensor dst, Tensor x, Tensor pos, int mode, int n_dims,
-                                  float freq_base, float freq_scale) {
+                                  float freq_base, float freq_scale, Tensor ff, int has_ff) {
     i64 half_ = n_dims / 2;
     i64 rest = x.ne[0] - 2 * half_;
     i64 per_row = half_ + rest;
@@ -407,6 +529,7 @@ extern "C" __global__ void k_rope(Tensor dst, Tensor x, Tensor pos, int mode, in
         }
         double t = (double)*(const int *)(pos.p + i2 * pos.nb[0]);
         double theta = t * (double)freq_scale * pow((double)freq_base, -2.0 * (double)c / (double)n_dims);
+        if (has_ff) theta /= (double)*(const float *)(ff.p + c * ff.nb[0]);
         float cs = (float)cos(theta), sn = (float)sin(theta);
         i64 ia = mode == 0 ? 2 * c : c;
         i64 ib = mode == 0 ? 2 * c + 1 : c + half_;
@@ -486,39 +609,26 @@ extern "C" __global__ void k_set_rows(Tensor dst, Tensor rows_, Tensor ids, i64 
 // ---- matrix products ----------------------------------------------------------------------
 
 // GEMV-like products (M <= 8 columns of activations): dst[n, m, b2, b3] = dot(w row n, x row m)
-// with f32 activations and any weight dtype, dequantized in registers. One warp per weight row
-// and up to 8 activation rows; weights broadcast over dims 2, 3 of x (ggml's rule: w.ne2 divides
-// x.ne2). Sums in f32 per lane, then a warp reduction.
-extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x) {
+// with f32 activations, the weights dequantized in registers. One warp per weight row and up to
+// 8 activation rows; weights broadcast over dims 2, 3 of x (ggml's rule: w.ne2 divides x.ne2).
+// Sums in f32 per lane, then a warp reduction. Two kernels, so that the quantized one's
+// registers do not lower the float one's occupancy.
+
+// The warp's row, its batch coordinates and the weight row's address; false past the last row.
+__device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, i64 *row, i64 *b2,
+                                         i64 *b3, const char **wr) {
+    *row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (*row >= w.ne[1]) return false;
+    *b2 = blockIdx.y % x.ne[2];
+    *b3 = blockIdx.y / x.ne[2];
+    i64 w2 = *b2 / (x.ne[2] / w.ne[2]), w3 = *b3 / (x.ne[3] / w.ne[3]);
+    *wr = w.p + offset(w, 0, *row, w2, w3);
+    return true;
+}
+
+__device__ __forceinline__ void gemv_store(const Tensor &dst, float *acc, i64 M, i64 row, i64 b2,
+                                           i64 b3) {
     int lane = threadIdx.x & 31;
-    i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    i64 N = w.ne[1], K = w.ne[0], M = x.ne[1];
-    if (row >= N) return;
-    i64 b2 = blockIdx.y % x.ne[2], b3 = blockIdx.y / x.ne[2];
-    i64 w2 = b2 / (x.ne[2] / w.ne[2]), w3 = b3 / (x.ne[3] / w.ne[3]);
-    float acc[8];
-    for (int m = 0; m < 8; m++) acc[m] = 0.0f;
-    const char *wr = w.p + offset(w, 0, row, w2, w3);
-    if (w.type == T_F32 || w.type == T_F16 || w.type == T_BF16) {
-        for (i64 k = lane; k < K; k += 32) {
-            float wv = w.type == T_F32 ? *(const float *)(wr + k * w.nb[0])
-                     : w.type == T_F16 ? h2f(*(const u16 *)(wr + k * w.nb[0]))
-                                       : bf2f(*(const u16 *)(wr + k * w.nb[0]));
-            for (int m = 0; m < 8 && m < M; m++) {
-                acc[m] += wv * *(const float *)(x.p + offset(x, k, m, b2, b3));
-            }
-        }
-    } else {
-        // Quantized: lane l takes elements l of every block (32 per block: one per lane).
-        i64 nblk = K / 32;
-        for (i64 b = 0; b < nblk; b++) {
-            float wv = load_q(wr, w.type, b * 32 + lane);
-            i64 k = b * 32 + lane;
-            for (int m = 0; m < 8 && m < M; m++) {
-                acc[m] += wv * *(const float *)(x.p + offset(x, k, m, b2, b3));
-            }
-        }
-    }
     for (int m = 0; m < 8 && m < M; m++) {
         float v = acc[m];
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -526,14 +636,142 @@ extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x) {
     }
 }
 
+// `q` += the 8 values of `w` (f32, f16 or bf16) at `p` (16-byte aligned).
+__device__ __forceinline__ void load8(const char *p, int type, float *q) {
+    if (type == T_F32) {
+        float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
+        q[0] = a.x; q[1] = a.y; q[2] = a.z; q[3] = a.w;
+        q[4] = b.x; q[5] = b.y; q[6] = b.z; q[7] = b.w;
+        return;
+    }
+    uint4 v = *(const uint4 *)p;
+    u32 u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        u16 lo = (u16)(u[j] & 0xffff), hi = (u16)(u[j] >> 16);
+        q[2 * j] = type == T_F16 ? h2f(lo) : bf2f(lo);
+        q[2 * j + 1] = type == T_F16 ? h2f(hi) : bf2f(hi);
+    }
+}
+
+// `n` consecutive values of q dotted with x row `xp` (16-byte loads where packed and aligned).
+__device__ __forceinline__ float dot_x(const float *q, int n, const char *xp, i64 nb0) {
+    float s = 0.0f;
+    if (nb0 == 4 && ((u64)xp & 15) == 0) {
+        const float4 *x4 = (const float4 *)xp;
+        for (int j = 0; j < n / 4; j++) {
+            float4 v = x4[j];
+            s += q[4 * j] * v.x + q[4 * j + 1] * v.y + q[4 * j + 2] * v.z + q[4 * j + 3] * v.w;
+        }
+    } else {
+        for (int j = 0; j < n; j++) s += q[j] * *(const float *)(xp + j * nb0);
+    }
+    return s;
+}
+
+// F32, F16 and BF16 weights: lane l takes chunks of 8 elements l, l + 32, ... (16 or 32 bytes,
+// one or two vector loads) where the row is packed and 16-byte aligned, else single elements.
+extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x) {
+    int lane = threadIdx.x & 31;
+    i64 row, b2, b3;
+    const char *wr;
+    if (!gemv_row(w, x, &row, &b2, &b3, &wr)) return;
+    i64 K = w.ne[0], M = x.ne[1];
+    float acc[8];
+    for (int m = 0; m < 8; m++) acc[m] = 0.0f;
+    int es = w.type == T_F32 ? 4 : 2;
+    i64 chunks = (w.nb[0] == es && ((u64)wr & 15) == 0) ? K / 8 : 0;
+    for (i64 c = lane; c < chunks; c += 32) {
+        float q[8];
+        load8(wr + c * 8 * es, w.type, q);
+        for (int m = 0; m < 8 && m < M; m++) {
+            acc[m] += dot_x(q, 8, x.p + offset(x, c * 8, m, b2, b3), x.nb[0]);
+        }
+    }
+    for (i64 k = chunks * 8 + lane; k < K; k += 32) {
+        float wv = w.type == T_F32 ? *(const float *)(wr + k * w.nb[0])
+                 : w.type == T_F16 ? h2f(*(const u16 *)(wr + k * w.nb[0]))
+                                   : bf2f(*(const u16 *)(wr + k * w.nb[0]));
+        for (int m = 0; m < 8 && m < M; m++) {
+            acc[m] += wv * *(const float *)(x.p + offset(x, k, m, b2, b3));
+        }
+    }
+    gemv_store(dst, acc, M, row, b2, b3);
+}
+
+// Lane t (0..3) of a block's four lanes: 8 of the 32 values of one Q8_0, Q4_0 or Q4_1 block at
+// `blk` (2-byte aligned: 16-bit loads), two runs of 4 that start at elements *e0 and *e1.
+__device__ __forceinline__ void deq_quarter(const char *blk, int type, int t, float *q, int *e0,
+                                            int *e1) {
+    const u16 *h = (const u16 *)blk;
+    float d = h2f(h[0]);
+    if (type == T_Q8_0) {
+        // Quants 8t .. 8t + 7 at byte 2 + 8t.
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u16 v = h[1 + 4 * t + j];
+            q[2 * j] = d * (float)(signed char)(v & 0xff);
+            q[2 * j + 1] = d * (float)(signed char)(v >> 8);
+        }
+        *e0 = 8 * t;
+        *e1 = 8 * t + 4;
+        return;
+    }
+    // Bytes 4t .. 4t + 3 of the quants: low nibbles are elements 4t.., high ones 16 + 4t...
+    float m = type == T_Q4_1 ? h2f(h[1]) : -8.0f * d;
+    const u16 *qs = h + (type == T_Q4_1 ? 2 : 1) + 2 * t;
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        u16 v = qs[j];
+        q[2 * j] = d * (float)(v & 15) + m;
+        q[2 * j + 1] = d * (float)((v >> 8) & 15) + m;
+        q[2 * j + 4] = d * (float)((v >> 4) & 15) + m;
+        q[2 * j + 5] = d * (float)(v >> 12) + m;
+    }
+    *e0 = 4 * t;
+    *e1 = 16 + 4 * t;
+}
+
+// Quantized weights: four lanes per block, so a warp reads 8 consecutive blocks at once and the
+// activations it needs are one contiguous run (coalesced 16-byte loads), as ggml's mmvq kernels
+// split a block among lanes.
+extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x) {
+    int lane = threadIdx.x & 31, t = lane & 3;
+    i64 row, b2, b3;
+    const char *wr;
+    if (!gemv_row(w, x, &row, &b2, &b3, &wr)) return;
+    i64 K = w.ne[0], M = x.ne[1];
+    float acc[8];
+    for (int m = 0; m < 8; m++) acc[m] = 0.0f;
+    i64 nblk = K >> 5;
+    int bs = w.type == T_Q8_0 ? 34 : w.type == T_Q4_0 ? 18 : 20;
+    for (i64 b = lane >> 2; b < nblk; b += 8) {
+        float q[8];
+        int e0, e1;
+        deq_quarter(wr + b * bs, w.type, t, q, &e0, &e1);
+        for (int m = 0; m < 8 && m < M; m++) {
+            const char *xp = x.p + offset(x, b * 32, m, b2, b3);
+            acc[m] += dot_x(q, 4, xp + e0 * x.nb[0], x.nb[0]) +
+                      dot_x(q + 4, 4, xp + e1 * x.nb[0], x.nb[0]);
+        }
+    }
+    gemv_store(dst, acc, M, row, b2, b3);
+}
+
 // Any tensor to a packed f32, f16 or bf16 matrix [ne0, ne1 * ne2 * ne3] for cuBLAS (out_type:
 // T_F32, T_F16 or T_BF16), in ggml order.
 extern "C" __global__ void k_to_dense(char *out, int out_type, Tensor w) {
     i64 n = nelements(w);
+    bool flat = packed(w, elem_size(w.type));
     GRID_STRIDE(k, n) {
-        i64 i[4];
-        unravel(k, w.ne, i);
-        float v = load(w, i[0], i[1], i[2], i[3]);
+        float v;
+        if (flat) {
+            v = load_flat(w, k);
+        } else {
+            i64 i[4];
+            unravel(k, w.ne, i);
+            v = load(w, i[0], i[1], i[2], i[3]);
+        }
         if (out_type == T_F16) ((u16 *)out)[k] = f2h(v);
         else if (out_type == T_BF16) ((u16 *)out)[k] = f2bf(v);
         else ((float *)out)[k] = v;

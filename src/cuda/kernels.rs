@@ -21,6 +21,7 @@ pub const SOURCE: &str = include_str!("kernels.cu");
 pub const KERNELS: &[&str] = &[
     "k_cpy",
     "k_cpy_rows_bytes",
+    "k_quantize",
     "k_concat",
     "k_binary",
     "k_unary",
@@ -32,6 +33,7 @@ pub const KERNELS: &[&str] = &[
     "k_get_rows",
     "k_set_rows",
     "k_mul_mat_vec",
+    "k_mul_mat_vec_q",
     "k_to_dense",
     "k_flash_attn",
     "k_sum_ranks",
@@ -204,12 +206,15 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
             let s = src[0];
             packed_blocks(s, "source")?;
             if dst.dtype.is_quantized() {
-                if s.dtype != dst.dtype
+                // Same-type rows move as bytes; float sources are quantized block by block.
+                let from_float = matches!(s.dtype, DType::F32 | DType::F16 | DType::BF16);
+                if (s.dtype != dst.dtype && !from_float)
                     || s.ne[0] != dst.ne[0]
                     || dst.nb[0] != dst.dtype.type_size()
                 {
                     return Err(format!(
-                        "a copy into {} needs a packed source of the same type and row length",
+                        "a copy into {} needs a float source or packed rows of the same type, \
+                         of the same row length",
                         dst.dtype
                     ));
                 }
@@ -226,6 +231,9 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
         Op::Concat { .. } => {
             if src[0].dtype != src[1].dtype || src[0].dtype != dst.dtype {
                 return Err("concat operands must share a dtype".into());
+            }
+            if dst.dtype == DType::I32 {
+                return Ok(());
             }
             float(dst, "the output")
         }

@@ -1,10 +1,12 @@
 //! Storage formats and their reference conversions to and from `f32`: plain element rows
-//! (f32, f16, bf16, i32, little-endian) and ggml's quantized blocks, each block type with its
-//! own block-size constant (ggml's `QK8_0`, `QK4_0`, `QK4_1`, `QK8_1`).
+//! (f32, f16, bf16, i32, little-endian) and ggml's blocks of 32 (`QK8_0`, `QK4_0`, `QK4_1`,
+//! `QK5_0`, `QK5_1`, `QK8_1`), each block type with its own block-size constant. The
+//! super-blocks of 256 are in `kquants.rs`, the non-linear 4-bit blocks in `iquants.rs`.
 //!
 //! Block layouts follow ggml's `ggml-common.h` (ggml-org/ggml, `block_q8_0`, `block_q4_0`,
-//! `block_q4_1`, `block_q8_1`) and the reference quantizers in `ggml-quants.c`
-//! (`quantize_row_q*_ref`, `dequantize_row_q*`), so GGUF files load bit for bit. The
+//! `block_q4_1`, `block_q5_0`, `block_q5_1`, `block_q8_1`) and the reference quantizers in
+//! `ggml-quants.c` (`quantize_row_q*_ref`, `dequantize_row_q*`), so GGUF files load bit for
+//! bit. The
 //! [`GgmlBlock`] trait has the shape of one row of ggml's `type_traits[]` (`blck_size`,
 //! `to_float`, `from_float_ref`) and of candle-core's `k_quants::GgmlType` (`BLCK_SIZE`,
 //! `to_float`, `from_float`). Fast SIMD conversions live in `cpu/`; these are the definition
@@ -21,6 +23,10 @@ pub const QK4_0: usize = 32;
 pub const QK4_1: usize = 32;
 /// Elements per `block_q8_1` (ggml-common.h `QK8_1`).
 pub const QK8_1: usize = 32;
+/// Elements per `block_q5_0` (ggml-common.h `QK5_0`).
+pub const QK5_0: usize = 32;
+/// Elements per `block_q5_1` (ggml-common.h `QK5_1`).
+pub const QK5_1: usize = 32;
 
 /// `block_q8_0`: 34 bytes; x = d * q.
 #[derive(Clone, Copy, Debug, Default)]
@@ -58,7 +64,29 @@ pub struct BlockQ8_1 {
     pub qs: [i8; QK8_1],
 }
 
+/// `block_q5_0`: 22 bytes; x = d * (q - 16) with 5-bit q: the low 4 bits as in [`BlockQ4_0`]'s
+/// nibbles, the fifth bit of element j in bit j of `qh` (a little-endian u32).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ5_0 {
+    pub d: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK5_0 / 2],
+}
+
+/// `block_q5_1`: 24 bytes; x = d * q + m, the 5-bit q packed as in [`BlockQ5_0`].
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct BlockQ5_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qh: [u8; 4],
+    pub qs: [u8; QK5_1 / 2],
+}
+
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
 const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
 const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
 const _: () = assert!(std::mem::size_of::<BlockQ8_1>() == 36);
@@ -168,6 +196,22 @@ impl GgmlBlock for BlockQ4_0 {
     }
 }
 
+/// The smallest and largest values as ggml's `quantize_row_q4_1_ref` finds them (strict
+/// comparisons from `FLT_MAX` and `-FLT_MAX`): of 0.0 and -0.0, the first one met is kept,
+/// which `f32::min` does not promise (it decides whether `m` is stored as 0x0000 or 0x8000).
+fn min_max(x: &[f32]) -> (f32, f32) {
+    let (mut min, mut max) = (f32::MAX, -f32::MAX);
+    for &v in x {
+        if v < min {
+            min = v;
+        }
+        if v > max {
+            max = v;
+        }
+    }
+    (min, max)
+}
+
 impl GgmlBlock for BlockQ4_1 {
     const BLOCK: usize = QK4_1;
 
@@ -180,8 +224,7 @@ impl GgmlBlock for BlockQ4_1 {
     }
 
     fn quantize(x: &[f32]) -> Self {
-        let min = x.iter().copied().fold(f32::MAX, f32::min);
-        let max = x.iter().copied().fold(-f32::MAX, f32::max);
+        let (min, max) = min_max(x);
         let d = (max - min) / 15.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut b = BlockQ4_1 {
@@ -195,6 +238,86 @@ impl GgmlBlock for BlockQ4_1 {
             b.qs[j] = q0 | (q1 << 4);
         }
         b
+    }
+}
+
+/// Element j's 5-bit quant of a `block_q5_0` / `block_q5_1` (ggml's `dequantize_row_q5_0`).
+fn q5(qh: [u8; 4], qs: &[u8; 16], j: usize) -> u8 {
+    let nibble = if j < 16 {
+        qs[j] & 0x0f
+    } else {
+        qs[j - 16] >> 4
+    };
+    let high = (u32::from_le_bytes(qh) >> j) & 1;
+    nibble | ((high as u8) << 4)
+}
+
+/// Packs 32 5-bit quants: low nibbles as Q4_0's, fifth bits into `qh` (bit j for element j).
+fn pack_q5(q: &[u8; 32]) -> ([u8; 4], [u8; 16]) {
+    let mut qs = [0u8; 16];
+    let mut qh = 0u32;
+    for j in 0..16 {
+        qs[j] = (q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4);
+        qh |= u32::from((q[j] >> 4) & 1) << j;
+        qh |= u32::from((q[j + 16] >> 4) & 1) << (j + 16);
+    }
+    (qh.to_le_bytes(), qs)
+}
+
+impl GgmlBlock for BlockQ5_0 {
+    const BLOCK: usize = QK5_0;
+
+    fn dequantize(&self, out: &mut [f32]) {
+        let d = self.d.to_f32();
+        for (j, o) in out.iter_mut().enumerate().take(QK5_0) {
+            *o = (q5(self.qh, &self.qs, j) as i32 - 16) as f32 * d;
+        }
+    }
+
+    /// `quantize_row_q5_0_ref`: the value of largest magnitude maps to -16, q = trunc(x / d +
+    /// 16.5) capped at 31.
+    fn quantize(x: &[f32]) -> Self {
+        let d = signed_max(x) / -16.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut q = [0u8; QK5_0];
+        for (q, &v) in q.iter_mut().zip(x) {
+            *q = ((v * id + 16.5) as i8).min(31) as u8;
+        }
+        let (qh, qs) = pack_q5(&q);
+        BlockQ5_0 {
+            d: f16::from_f32(d),
+            qh,
+            qs,
+        }
+    }
+}
+
+impl GgmlBlock for BlockQ5_1 {
+    const BLOCK: usize = QK5_1;
+
+    fn dequantize(&self, out: &mut [f32]) {
+        let (d, m) = (self.d.to_f32(), self.m.to_f32());
+        for (j, o) in out.iter_mut().enumerate().take(QK5_1) {
+            *o = q5(self.qh, &self.qs, j) as f32 * d + m;
+        }
+    }
+
+    /// `quantize_row_q5_1_ref`: d = (max - min) / 31, q = trunc((x - min) / d + 0.5).
+    fn quantize(x: &[f32]) -> Self {
+        let (min, max) = min_max(x);
+        let d = (max - min) / 31.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut q = [0u8; QK5_1];
+        for (q, &v) in q.iter_mut().zip(x) {
+            *q = ((v - min) * id + 0.5) as u8;
+        }
+        let (qh, qs) = pack_q5(&q);
+        BlockQ5_1 {
+            d: f16::from_f32(d),
+            m: f16::from_f32(min),
+            qh,
+            qs,
+        }
     }
 }
 

@@ -1,26 +1,37 @@
 //! Element types: `DType` and the one type table it is declared from (`table.rs`: name, GGUF
 //! id, block size, bytes per block, kind, reference conversions), ggml's block layouts with
-//! their reference quantizers (`formats.rs`), byte views (`pod.rs`), and conversions of whole
-//! rows to and from `f32` through the table.
+//! their reference quantizers (`formats.rs`: blocks of 32; `kquants.rs` with the scale
+//! searches of `kscales.rs`: the K-quants; `iquants.rs`: IQ4_NL, IQ4_XS), byte views
+//! (`pod.rs`), and conversions of whole rows to and from `f32` through the table. Block
+//! formats that are not yet `DType`s (no kernels) are reached by GGUF id through
+//! [`format_of`] / [`dequantize_row`].
 //!
 //! Block layouts follow ggml's `ggml-common.h` and the reference quantizers in `ggml-quants.c`,
 //! so GGUF files load bit for bit (see `formats.rs`). Fast SIMD versions of these conversions
 //! live in `cpu/`; the functions here are the definition they are tested against.
 
 mod formats;
+mod iquants;
+mod kquants;
+mod kscales;
 mod pod;
 mod table;
 
 #[cfg(test)]
 pub use formats::{BlockFake, QK_FAKE};
 pub use formats::{
-    BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, GgmlBlock, QK4_0, QK4_1, QK8_0, QK8_1, dequantize,
-    quantize,
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1, GgmlBlock, QK4_0, QK4_1,
+    QK5_0, QK5_1, QK8_0, QK8_1, dequantize, quantize,
 };
+pub use iquants::{BlockIq4Nl, BlockIq4Xs, KVALUES_IQ4NL, QK4_NL};
+pub use kquants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, K_SCALE_SIZE, QK_K};
 pub use pod::{Pod, as_bytes, as_bytes_mut, cast_slice, cast_slice_mut};
-pub use table::{DType, GgmlType, Kind, TypeTraits, ggml_type, ggml_type_label, ggml_types};
+pub use table::{
+    DType, Format, FromF32, GgmlType, Kind, ToF32, TypeTraits, dequantize_row, format_of, formats,
+    ggml_type, ggml_type_label, ggml_types,
+};
 
-use crate::{Error, Result};
+use crate::Result;
 
 impl DType {
     /// The types a weight may be stored in: every float and quantized type of the table (not
@@ -55,20 +66,12 @@ impl DType {
     /// Bytes of a contiguous row of `ne0` elements. `ne0` must be a multiple of the block size
     /// (see [`DType::check_row`]).
     pub const fn row_size(self, ne0: usize) -> usize {
-        ne0 / self.block_size() * self.type_size()
+        self.traits().ggml.row_size(ne0)
     }
 
     /// An error if `ne0` is not a whole number of blocks.
     pub fn check_row(self, ne0: usize, what: &str) -> Result<()> {
-        if !ne0.is_multiple_of(self.block_size()) {
-            return Err(Error::PartialBlock {
-                what: what.to_string(),
-                ne0,
-                dtype: self.name(),
-                block: self.block_size(),
-            });
-        }
-        Ok(())
+        self.traits().ggml.check_row(ne0, what)
     }
 
     /// ggml's name of the type ("q4_0").
@@ -132,35 +135,16 @@ impl std::fmt::Display for DType {
     }
 }
 
-/// An error unless `n` elements of `dtype` are whole blocks taking exactly `bytes` bytes.
-fn check_row_bytes(what: &'static str, dtype: DType, n: usize, bytes: usize) -> Result<()> {
-    dtype.check_row(n, what)?;
-    if bytes != dtype.row_size(n) {
-        return Err(Error::RowBytes {
-            what,
-            dtype: dtype.name(),
-            elements: n,
-            expected: dtype.row_size(n),
-            got: bytes,
-        });
-    }
-    Ok(())
-}
-
 /// Convert one contiguous row of `dtype` bytes (any alignment) to f32 with the table's
 /// reference conversion. `src` holds exactly `dtype.row_size(dst.len())` bytes.
 pub fn row_to_f32(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<()> {
-    check_row_bytes("row_to_f32", dtype, dst.len(), src.len())?;
-    (dtype.traits().to_f32)(src, dst);
-    Ok(())
+    dtype.format().row_to_f32(src, dst)
 }
 
 /// Convert one row of f32 to `dtype` bytes (`dst.len() == dtype.row_size(src.len())`) with the
 /// table's reference conversion (for quantized types, ggml's reference quantizer).
 pub fn row_from_f32(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<()> {
-    check_row_bytes("row_from_f32", dtype, src.len(), dst.len())?;
-    (dtype.traits().from_f32)(src, dst);
-    Ok(())
+    dtype.format().row_from_f32(src, dst)
 }
 
 /// Convert a whole f32 slice (a multiple of whole rows) into `dtype` bytes.
@@ -180,6 +164,7 @@ pub fn bytes_to_f32(dtype: DType, src: &[u8], n: usize) -> Result<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Error;
 
     fn ramp(n: usize) -> Vec<f32> {
         (0..n)

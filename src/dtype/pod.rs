@@ -1,7 +1,7 @@
 //! Byte views: the `Pod` marker for plain-old-data element and block types, and checked casts
 //! between byte slices and slices of them.
 
-use super::formats::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use super::formats::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, BlockQ8_1};
 use crate::{Error, Result};
 use half::{bf16, f16};
 
@@ -19,6 +19,10 @@ unsafe impl Pod for BlockQ4_0 {}
 unsafe impl Pod for BlockQ4_1 {}
 // SAFETY: as above.
 unsafe impl Pod for BlockQ8_1 {}
+// SAFETY: as above.
+unsafe impl Pod for BlockQ5_0 {}
+// SAFETY: as above.
+unsafe impl Pod for BlockQ5_1 {}
 // SAFETY: primitive numeric types accept every bit pattern and have no padding.
 unsafe impl Pod for f32 {}
 // SAFETY: as above.

@@ -2,8 +2,11 @@
 //! size and bytes per block, written once. The types metashard computes with are the rows that
 //! name a `DType` variant: the table's macro declares the enum from them, and they add the
 //! kind of number held and the reference conversions of a row to and from f32. The rest of
-//! ggml's types are known by name and size only (their data can be sized, skipped and named in
-//! errors: "q5_0 (id 6)").
+//! ggml's types are known by name and size (their data can be sized, skipped and named in
+//! errors: "q5_0 (id 6)"); those whose block format is written (`formats.rs`, `kquants.rs`,
+//! `iquants.rs`) also carry its reference conversions, so files in them can be read and
+//! written, without being a `DType` that a backend would have to run (a [`Format`]: "formats
+//! without kernels", docs/kernels.md).
 //!
 //! After ggml's `type_traits[]` (ggml.c: `type_name`, `blck_size`, `type_size`, `is_quantized`,
 //! `to_float`, `from_float_ref`) and candle-core's `GgmlDType` / `GgmlType`. Ids follow ggml.h
@@ -12,7 +15,11 @@
 //! maps a `DType` to its kernels with an exhaustive match (`kernels_for`), so a new row does
 //! not compile until every backend has said whether it can run it.
 
-use super::formats::{self, BlockQ4_0, BlockQ4_1, BlockQ8_0, QK4_0, QK4_1, QK8_0};
+use super::formats::{self, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ5_1, BlockQ8_0, GgmlBlock};
+use super::formats::{QK4_0, QK4_1, QK8_0};
+use super::iquants::{BlockIq4Nl, BlockIq4Xs};
+use super::kquants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K};
+use crate::{Error, Result};
 use std::mem::size_of;
 
 /// One ggml tensor type as files name and size it.
@@ -36,6 +43,94 @@ impl GgmlType {
             block_size,
             type_size,
         }
+    }
+}
+
+impl GgmlType {
+    /// Bytes of a contiguous row of `ne0` elements (`ne0` a multiple of the block size).
+    pub const fn row_size(&self, ne0: usize) -> usize {
+        ne0 / self.block_size * self.type_size
+    }
+
+    /// An error naming `what` unless `ne0` is a whole number of blocks.
+    pub fn check_row(&self, ne0: usize, what: &str) -> Result<()> {
+        if !ne0.is_multiple_of(self.block_size) {
+            return Err(Error::PartialBlock {
+                what: what.to_string(),
+                ne0,
+                dtype: self.name,
+                block: self.block_size,
+            });
+        }
+        Ok(())
+    }
+
+    /// An error unless `n` elements are whole blocks taking exactly `bytes` bytes.
+    fn check_row_bytes(&self, what: &'static str, n: usize, bytes: usize) -> Result<()> {
+        self.check_row(n, what)?;
+        if bytes != self.row_size(n) {
+            return Err(Error::RowBytes {
+                what,
+                dtype: self.name,
+                elements: n,
+                expected: self.row_size(n),
+                got: bytes,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A packed row of whole blocks (any alignment) to f32 (ggml's `to_float`).
+pub type ToF32 = fn(&[u8], &mut [f32]);
+/// f32 to a packed row of whole blocks (ggml's `from_float_ref`: the reference quantizer).
+pub type FromF32 = fn(&[f32], &mut [u8]);
+
+/// A ggml type whose storage format metashard implements: its row of the table with its
+/// reference conversions. Every `DType` has one ([`DType::format`]); so has every name-only
+/// row whose blocks are written ([`format_of`]), which files can then be read and written in
+/// though no backend computes with it.
+#[derive(Clone, Copy, Debug)]
+pub struct Format {
+    pub ggml: GgmlType,
+    pub to_f32: ToF32,
+    pub from_f32: FromF32,
+}
+
+impl Format {
+    /// Converts one packed row (`src`: exactly `row_size(dst.len())` bytes, any alignment).
+    pub fn row_to_f32(&self, src: &[u8], dst: &mut [f32]) -> Result<()> {
+        self.ggml
+            .check_row_bytes("row_to_f32", dst.len(), src.len())?;
+        (self.to_f32)(src, dst);
+        Ok(())
+    }
+
+    /// Quantizes one row (`dst`: exactly `row_size(src.len())` bytes) with the reference
+    /// quantizer.
+    pub fn row_from_f32(&self, src: &[f32], dst: &mut [u8]) -> Result<()> {
+        self.ggml
+            .check_row_bytes("row_from_f32", src.len(), dst.len())?;
+        (self.from_f32)(src, dst);
+        Ok(())
+    }
+
+    /// The values of whole blocks `src` (an error naming the type unless `src` is a whole
+    /// number of blocks).
+    pub fn dequantize(&self, src: &[u8]) -> Result<Vec<f32>> {
+        let n = src.len() / self.ggml.type_size * self.ggml.block_size;
+        self.ggml.check_row_bytes("dequantize", n, src.len())?;
+        let mut out = vec![0f32; n];
+        (self.to_f32)(src, &mut out);
+        Ok(out)
+    }
+
+    /// `src` (whole blocks) quantized with the reference quantizer.
+    pub fn quantize(&self, src: &[f32]) -> Result<Vec<u8>> {
+        self.ggml.check_row(src.len(), "quantize")?;
+        let mut out = vec![0u8; self.ggml.row_size(src.len())];
+        (self.from_f32)(src, &mut out);
+        Ok(out)
     }
 }
 
@@ -122,35 +217,63 @@ type_table! {
                  formats::blocks_from_f32::<formats::BlockFake>),
 }
 
-/// The rest of ggml's types, which metashard knows by name and size only, by id. Ids 4, 5
-/// (Q4_2, Q4_3), 31-33 and 36-38 (repacked CPU layouts) were removed from ggml and are unknown
-/// here. Q8_1 is ggml-common.h's 36-byte `block_q8_1` (half d, half s, 32 int8).
-const OTHER_GGML_TYPES: &[GgmlType] = &[
-    GgmlType::new(6, "q5_0", 32, 22),
-    GgmlType::new(7, "q5_1", 32, 24),
-    GgmlType::new(9, "q8_1", formats::QK8_1, size_of::<formats::BlockQ8_1>()),
-    GgmlType::new(10, "q2_k", 256, 84),
-    GgmlType::new(11, "q3_k", 256, 110),
-    GgmlType::new(12, "q4_k", 256, 144),
-    GgmlType::new(13, "q5_k", 256, 176),
-    GgmlType::new(14, "q6_k", 256, 210),
-    GgmlType::new(15, "q8_k", 256, 292),
-    GgmlType::new(16, "iq2_xxs", 256, 66),
-    GgmlType::new(17, "iq2_xs", 256, 74),
-    GgmlType::new(18, "iq3_xxs", 256, 98),
-    GgmlType::new(19, "iq1_s", 256, 50),
-    GgmlType::new(20, "iq4_nl", 32, 18),
-    GgmlType::new(21, "iq3_s", 256, 110),
-    GgmlType::new(22, "iq2_s", 256, 82),
-    GgmlType::new(23, "iq4_xs", 256, 136),
-    GgmlType::new(24, "i8", 1, 1),
-    GgmlType::new(25, "i16", 1, 2),
-    GgmlType::new(27, "i64", 1, 8),
-    GgmlType::new(28, "f64", 1, 8),
-    GgmlType::new(29, "iq1_m", 256, 56),
-    GgmlType::new(34, "tq1_0", 256, 54),
-    GgmlType::new(35, "tq2_0", 256, 66),
-    GgmlType::new(39, "mxfp4", 32, 17),
+/// A row of the table that is not a `DType`: its type, and its block format's reference
+/// conversions where one is written.
+#[derive(Clone, Copy)]
+struct OtherRow {
+    ggml: GgmlType,
+    conversions: Option<(ToF32, FromF32)>,
+}
+
+/// A type known by name and size only.
+const fn named(id: u32, name: &'static str, block_size: usize, type_size: usize) -> OtherRow {
+    OtherRow {
+        ggml: GgmlType::new(id, name, block_size, type_size),
+        conversions: None,
+    }
+}
+
+/// A type whose blocks `B` are written but that no backend computes with (a format without
+/// kernels), sized by `B`. Making it a `DType` is moving the row into `type_table!` as
+/// `V = (id, name, B::BLOCK, size_of::<B>(), Quantized, formats::blocks_to_f32::<B>,
+/// formats::blocks_from_f32::<B>)` once every backend's `kernels_for` answers for it.
+const fn blocks<B: GgmlBlock>(id: u32, name: &'static str) -> OtherRow {
+    OtherRow {
+        ggml: GgmlType::new(id, name, B::BLOCK, size_of::<B>()),
+        conversions: Some((formats::blocks_to_f32::<B>, formats::blocks_from_f32::<B>)),
+    }
+}
+
+/// The rest of ggml's types, which metashard does not compute with, by id: with their block
+/// format where it is written, else by name and size only. Ids 4, 5 (Q4_2, Q4_3), 31-33 and
+/// 36-38 (repacked CPU layouts) were removed from ggml and are unknown here. Q8_1 is
+/// ggml-common.h's 36-byte `block_q8_1` (half d, half s, 32 int8).
+const OTHER_GGML_TYPES: &[OtherRow] = &[
+    blocks::<BlockQ5_0>(6, "q5_0"),
+    blocks::<BlockQ5_1>(7, "q5_1"),
+    named(9, "q8_1", formats::QK8_1, size_of::<formats::BlockQ8_1>()),
+    blocks::<BlockQ2K>(10, "q2_k"),
+    blocks::<BlockQ3K>(11, "q3_k"),
+    blocks::<BlockQ4K>(12, "q4_k"),
+    blocks::<BlockQ5K>(13, "q5_k"),
+    blocks::<BlockQ6K>(14, "q6_k"),
+    blocks::<BlockQ8K>(15, "q8_k"),
+    named(16, "iq2_xxs", 256, 66),
+    named(17, "iq2_xs", 256, 74),
+    named(18, "iq3_xxs", 256, 98),
+    named(19, "iq1_s", 256, 50),
+    blocks::<BlockIq4Nl>(20, "iq4_nl"),
+    named(21, "iq3_s", 256, 110),
+    named(22, "iq2_s", 256, 82),
+    blocks::<BlockIq4Xs>(23, "iq4_xs"),
+    named(24, "i8", 1, 1),
+    named(25, "i16", 1, 2),
+    named(27, "i64", 1, 8),
+    named(28, "f64", 1, 8),
+    named(29, "iq1_m", 256, 56),
+    named(34, "tq1_0", 256, 54),
+    named(35, "tq2_0", 256, 66),
+    named(39, "mxfp4", 32, 17),
 ];
 
 /// Every row of the table: the `DType`s' (in `DType::ALL` order), then the others (by id).
@@ -158,7 +281,46 @@ pub fn ggml_types() -> impl Iterator<Item = GgmlType> {
     DType::ALL
         .into_iter()
         .map(|d| d.traits().ggml)
-        .chain(OTHER_GGML_TYPES.iter().copied())
+        .chain(OTHER_GGML_TYPES.iter().map(|r| r.ggml))
+}
+
+/// Every type whose format is written: the `DType`s' (in `DType::ALL` order), then the
+/// formats without kernels (by id).
+pub fn formats() -> impl Iterator<Item = Format> {
+    DType::ALL
+        .into_iter()
+        .map(DType::format)
+        .chain(OTHER_GGML_TYPES.iter().filter_map(|r| {
+            r.conversions.map(|(to_f32, from_f32)| Format {
+                ggml: r.ggml,
+                to_f32,
+                from_f32,
+            })
+        }))
+}
+
+/// The format of the ggml type with GGUF id `id`, or `None` where it is not written (an
+/// unknown id, or a type known by name and size only).
+pub fn format_of(id: u32) -> Option<Format> {
+    formats().find(|f| f.ggml.id == id)
+}
+
+/// The values of whole blocks `bytes` of ggml type `id` by its reference dequantizer: `None`
+/// when its format is not written, an error naming the type when `bytes` is not whole blocks.
+pub fn dequantize_row(id: u32, bytes: &[u8]) -> Option<Result<Vec<f32>>> {
+    format_of(id).map(|f| f.dequantize(bytes))
+}
+
+impl DType {
+    /// This type's row with its reference conversions.
+    pub const fn format(self) -> Format {
+        let t = self.traits();
+        Format {
+            ggml: t.ggml,
+            to_f32: t.to_f32,
+            from_f32: t.from_f32,
+        }
+    }
 }
 
 /// The ggml type with GGUF id `id`, or `None` for an id the table does not know.
@@ -194,7 +356,7 @@ const fn row(i: usize) -> GgmlType {
     if i < DType::ALL.len() {
         DType::ALL[i].traits().ggml
     } else {
-        OTHER_GGML_TYPES[i - DType::ALL.len()]
+        OTHER_GGML_TYPES[i - DType::ALL.len()].ggml
     }
 }
 
@@ -299,6 +461,72 @@ mod tests {
         assert_eq!(ggml_type_label(12), "q4_k (id 12)");
         assert_eq!(ggml_type_label(8), "q8_0 (id 8)");
         assert_eq!(ggml_type_label(99), "unknown ggml type (id 99)");
+    }
+
+    #[test]
+    fn formats_without_kernels_are_reached_by_id() {
+        for d in DType::ALL {
+            assert_eq!(
+                format_of(d.ggml_type()).unwrap().ggml,
+                d.traits().ggml,
+                "{d}"
+            );
+        }
+        let written: Vec<&str> = OTHER_GGML_TYPES
+            .iter()
+            .filter(|r| r.conversions.is_some())
+            .map(|r| r.ggml.name)
+            .collect();
+        assert_eq!(
+            written,
+            [
+                "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_k", "iq4_nl", "iq4_xs"
+            ]
+        );
+        for name in written {
+            assert_eq!(DType::from_name(name), None, "{name} has no kernels yet");
+        }
+        assert!(format_of(16).is_none(), "iq2_xxs: name and size only");
+        assert!(format_of(99).is_none());
+        assert!(dequantize_row(19, &[0; 50]).is_none());
+        assert_eq!(dequantize_row(12, &[0; 288]).unwrap().unwrap(), [0f32; 512]);
+        let e = dequantize_row(12, &[0; 145]).unwrap().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::RowBytes {
+                    what: "dequantize",
+                    dtype: "q4_k",
+                    elements: 256,
+                    expected: 144,
+                    got: 145
+                }
+            ),
+            "{e:?}"
+        );
+        let q6 = format_of(14).unwrap();
+        let e = q6.quantize(&[0.5; 100]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::PartialBlock {
+                    ne0: 100,
+                    dtype: "q6_k",
+                    block: 256,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let bytes = q6.quantize(&[0.5; 512]).unwrap();
+        assert_eq!(bytes.len(), 420);
+        let mut row = [0f32; 256];
+        assert!(
+            q6.row_to_f32(&bytes, &mut row).is_err(),
+            "two blocks into one"
+        );
+        q6.row_to_f32(&bytes[210..], &mut row).unwrap();
+        assert!(row.iter().all(|&v| (v - 0.5).abs() < 1e-3), "{row:?}");
     }
 
     #[test]

@@ -342,6 +342,19 @@ impl Graph {
 
     /// Rotary embedding of `a [head_dim, n_head, n_tokens, 1]` by I32 `pos [n_tokens]`.
     pub fn rope(&mut self, a: TensorId, pos: TensorId, p: RopeParams) -> Result<TensorId> {
+        self.rope_ext(a, pos, None, p)
+    }
+
+    /// [`Graph::rope`] with per-dimension frequency factors: F32 `factors [n_dims / 2]` divide
+    /// each pair's angle (ggml's `ggml_rope_ext` with its `c` operand: Llama 3's long-context
+    /// RoPE scaling, the `rope_freqs` tensor of its GGUF files).
+    pub fn rope_ext(
+        &mut self,
+        a: TensorId,
+        pos: TensorId,
+        factors: Option<TensorId>,
+        p: RopeParams,
+    ) -> Result<TensorId> {
         let la = self.lay(a)?;
         if !matches!(la.dtype, DType::F32 | DType::F16) {
             return Err(dtype_err("rope", self.name(a), "f32 or f16", la.dtype));
@@ -376,7 +389,24 @@ impl Graph {
                 ),
             ));
         }
-        self.computed(Op::Rope(p), la.dtype, la.ne, &[a, pos])
+        match factors {
+            None => self.computed(Op::Rope(p), la.dtype, la.ne, &[a, pos]),
+            Some(f) => {
+                let lf = self.lay(f)?;
+                if lf.dtype != DType::F32 {
+                    return Err(dtype_err("rope", self.name(f), "f32", lf.dtype));
+                }
+                if lf.ne != [p.n_dims / 2, 1, 1, 1] || !lf.is_contiguous() {
+                    return Err(Error::shape(
+                        "rope",
+                        la.ne,
+                        lf.ne,
+                        "frequency factors must be a contiguous [n_dims / 2]",
+                    ));
+                }
+                self.computed(Op::Rope(p), la.dtype, la.ne, &[a, pos, f])
+            }
+        }
     }
 
     pub fn sum_rows(&mut self, a: TensorId) -> Result<TensorId> {

@@ -458,7 +458,7 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
         Op::RmsNorm { eps } => lg.rms_norm(s[0], eps),
         Op::Norm { eps } => lg.norm(s[0], eps),
         Op::SoftMax { scale } => lg.soft_max(s[0], s.get(1).copied(), scale),
-        Op::Rope(p) => lg.rope(s[0], s[1], p),
+        Op::Rope(p) => lg.rope_ext(s[0], s[1], s.get(2).copied(), p),
         Op::SumRows => lg.sum_rows(s[0]),
         Op::Mean => lg.mean(s[0]),
         Op::Argmax => lg.argmax(s[0]),

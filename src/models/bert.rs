@@ -158,11 +158,12 @@ impl BertConfig {
         Some(match d {
             Dim::One => 1,
             Dim::Embd | Dim::Q | Dim::Kv => self.n_embd,
+            Dim::HeadDim => self.head_dim(),
             Dim::Ff => self.n_ff,
             Dim::Vocab => self.n_vocab,
             Dim::Pos => self.n_pos,
             Dim::Types => self.n_type,
-            Dim::Ctx => return None,
+            Dim::Ctx | Dim::RopeHalf => return None,
         })
     }
 
@@ -183,6 +184,7 @@ impl From<&BertConfig> for SplitDims {
             n_embd: c.n_embd,
             n_ff: c.n_ff,
             n_vocab: c.n_vocab,
+            blocks: None,
         }
     }
 }

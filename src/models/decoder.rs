@@ -104,7 +104,28 @@ struct StepTensors {
     pos: TensorId,
     slots: TensorId,
     mask: TensorId,
+    /// The sliding window's mask, for models with local layers.
+    mask_swa: Option<TensorId>,
+    /// RoPE frequency factors, for models that have them (Llama 3).
+    rope_factors: Option<TensorId>,
     n_kv: usize,
+}
+
+/// The causal mask `[n_kv, t]` of a step: row i may see the cache rows holding positions at
+/// or before its own, and with a `window`, only the last `window` of them.
+fn causal_mask(inp: &StepInput, window: Option<usize>) -> Vec<f32> {
+    let t = inp.tokens.len();
+    let mut mask = vec![0f32; inp.n_kv * t];
+    for i in 0..t {
+        for j in 0..inp.n_kv {
+            let (kp, qp) = (inp.kv_positions[j], inp.positions[i]);
+            let outside = window.is_some_and(|w| (qp as i64 - kp as i64) >= w as i64);
+            if kp > qp || kp < 0 || outside {
+                mask[i * inp.n_kv + j] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    mask
 }
 
 /// Check a step's inputs against each other, the cache and the weights.
@@ -172,25 +193,29 @@ pub fn build_step(
     let tokens = g.input_i32("tokens", [t, 1, 1, 1], inp.tokens)?;
     let pos = g.input_i32("positions", [t, 1, 1, 1], inp.positions)?;
     let slots = g.input_i32("slots", [t, 1, 1, 1], inp.slots)?;
-    // Causal mask [n_kv, t]: row i may see cache rows holding positions <= its own.
-    let mut mask = vec![0f32; inp.n_kv * t];
-    for i in 0..t {
-        for j in 0..inp.n_kv {
-            if inp.kv_positions[j] > inp.positions[i] || inp.kv_positions[j] < 0 {
-                mask[i * inp.n_kv + j] = f32::NEG_INFINITY;
-            }
+    let mask = g.input_f32("kq_mask", [inp.n_kv, t, 1, 1], &causal_mask(inp, None))?;
+    let mask_swa = match cfg.swa {
+        Some(w) => {
+            let m = causal_mask(inp, Some(w.window));
+            Some(g.input_f32("kq_mask_swa", [inp.n_kv, t, 1, 1], &m)?)
         }
-    }
-    let mask = g.input_f32("kq_mask", [inp.n_kv, t, 1, 1], &mask)?;
+        None => None,
+    };
+    let rope_factors = blocks::leaf_opt(&mut g, &w.model, Some(Tensor::RopeFreqs))?;
     let step = StepTensors {
         pos,
         slots,
         mask,
+        mask_swa,
+        rope_factors,
         n_kv: inp.n_kv,
     };
 
     let embd = w.model.get(Tensor::TokenEmbd)?.leaf(&mut g)?;
     let mut x = g.get_rows(embd, tokens)?;
+    if cfg.embd_scale != 1.0 {
+        x = g.scale(x, cfg.embd_scale)?;
+    }
     g.set_name(x, "inp_embd");
     for (l, lw) in w.layers.iter().enumerate() {
         x = decoder_layer(&mut g, cfg, l, lw, cache, &step, x)?;
@@ -213,7 +238,10 @@ pub fn build_step(
         cfg.rms_eps,
     )?;
     let out = w.model.get(Tensor::Output)?.leaf(&mut g)?;
-    let logits = g.mul_mat(out, x)?;
+    let mut logits = g.mul_mat(out, x)?;
+    if let Some(cap) = cfg.final_softcap {
+        logits = softcap(&mut g, logits, 1.0, cap)?;
+    }
     g.set_name(logits, "logits");
     g.set_output(logits);
     Ok(StepGraph { graph: g, logits })
@@ -236,18 +264,45 @@ fn decoder_layer(
     let bo = blocks::leaf_opt(g, lw, Some(Tensor::AttnOutBias))?;
     let o = g.mul_mat(wo, attn)?;
     let o = blocks::add_bias(g, o, bo)?;
+    let o = norm_where_present(g, cfg, lw, Tensor::AttnPostNorm, o)?;
     let x = g.add(o, x)?;
     g.set_name(x, attn_out_name(l));
     let cur = blocks::norm_of(g, NormKind::Rms, lw, Tensor::FfnNorm, None, x, cfg.rms_eps)?;
     let d = blocks::ffn(g, spec.mlp, lw, cur)?;
+    let d = norm_where_present(g, cfg, lw, Tensor::FfnPostNorm, d)?;
     let x = g.add(d, x)?;
     g.set_name(x, layer_out_name(l));
     Ok(x)
 }
 
+/// `norm(x)` (RMS over ne0) with the layer's norm weight `t` where it has one, else `x`: the
+/// post-block norms (Gemma 2 and 3) and the per-head Q and K norms on `[hd, heads, t]`
+/// (Qwen3, Gemma 3).
+fn norm_where_present(
+    g: &mut Graph,
+    cfg: &DecoderConfig,
+    lw: &Weights,
+    t: Tensor,
+    x: TensorId,
+) -> Result<TensorId> {
+    if lw.opt(t).is_none() {
+        return Ok(x);
+    }
+    blocks::norm_of(g, NormKind::Rms, lw, t, None, x, cfg.rms_eps)
+}
+
+/// `cap * tanh(x * scale / cap)`: soft-capping (Gemma 2's attention scores and logits).
+fn softcap(g: &mut Graph, x: TensorId, scale: f32, cap: f32) -> Result<TensorId> {
+    let x = g.scale(x, scale / cap)?;
+    let x = g.unary(crate::op::UnaryOp::Tanh, x)?;
+    g.scale(x, cap)
+}
+
 /// The attention of layer `l` on the normed `cur`, before the output projection: `[hd * nh,
-/// t]`. Q, K, V with their biases where the layer has them, RoPE on Q and K, K and V written
-/// to the cache rows `slots`, then attention over the cache rows `0..n_kv`.
+/// t]`. Q, K, V with their biases where the layer has them, Q and K normalized per head where
+/// the layer has those norms, RoPE on Q and K (the layer's base), K and V written to the cache
+/// rows `slots`, then attention over the cache rows `0..n_kv` (through the sliding window on
+/// local layers), soft-capped where the model says.
 fn self_attention(
     g: &mut Graph,
     cfg: &DecoderConfig,
@@ -258,12 +313,17 @@ fn self_attention(
     cur: TensorId,
 ) -> Result<TensorId> {
     let t = g.layout(cur).ne[1];
-    let (hd, nh, nkv, n_kv) = (cfg.head_dim(), cfg.n_head, cfg.n_head_kv, step.n_kv);
+    let (hd, nh, nkv, n_kv) = (cfg.head_dim, cfg.n_head, cfg.n_head_kv, step.n_kv);
     let rope = RopeParams {
         mode: cfg.rope_mode,
         n_dims: cfg.rope_dims,
-        freq_base: cfg.rope_base,
+        freq_base: cfg.rope_base_of(l),
         freq_scale: 1.0,
+    };
+    let local = cfg.swa.is_some_and(|w| w.is_local(l));
+    let mask = match step.mask_swa {
+        Some(m) if local => m,
+        _ => step.mask,
     };
     let wq = lw.get(Tensor::AttnQ)?.leaf(g)?;
     let wk = lw.get(Tensor::AttnK)?.leaf(g)?;
@@ -274,11 +334,13 @@ fn self_attention(
     let q = g.mul_mat(wq, cur)?;
     let q = blocks::add_bias(g, q, bq)?;
     let q = g.reshape(q, [hd, nh, t, 1])?;
-    let q = g.rope(q, step.pos, rope)?;
+    let q = norm_where_present(g, cfg, lw, Tensor::AttnQNorm, q)?;
+    let q = g.rope_ext(q, step.pos, step.rope_factors, rope)?;
     let k = g.mul_mat(wk, cur)?;
     let k = blocks::add_bias(g, k, bk)?;
     let k = g.reshape(k, [hd, nkv, t, 1])?;
-    let k = g.rope(k, step.pos, rope)?;
+    let k = norm_where_present(g, cfg, lw, Tensor::AttnKNorm, k)?;
+    let k = g.rope_ext(k, step.pos, step.rope_factors, rope)?;
     let k = g.reshape(k, [hd * nkv, t, 1, 1])?;
     let v = g.mul_mat(wv, cur)?;
     let v = blocks::add_bias(g, v, bv)?;
@@ -292,16 +354,26 @@ fn self_attention(
     let kview = g.view_3d(ck, [hd, n_kv, nkv], row, hd * es, 0)?;
     let vview = g.view_3d(cv, [hd, n_kv, nkv], row, hd * es, 0)?;
     let q = g.permute(q, [0, 2, 1, 3])?; // [hd, t, nh]
-    let scale = 1.0 / (hd as f32).sqrt();
-    if cfg.fused_attn {
-        let o = g.flash_attn(q, kview, vview, Some(step.mask), scale)?; // [hd, nh, t]
+    let scale = cfg.attn_scale;
+    if cfg.fused_attn && cfg.attn_softcap.is_none() {
+        let o = g.flash_attn(q, kview, vview, Some(mask), scale)?; // [hd, nh, t]
         return g.reshape(o, [hd * nh, t, 1, 1]);
     }
-    // [hd, t, nh]
-    let kqv = blocks::attention_core(g, q, kview, step.mask, scale, |g| {
+    let values = |g: &mut Graph| {
         let vt = g.permute(vview, [1, 0, 2, 3])?; // [n_kv, hd, nkv]
         g.cast(vt, DType::F32)
-    })?;
+    };
+    // [hd, t, nh]
+    let kqv = match cfg.attn_softcap {
+        None => blocks::attention_core(g, q, kview, mask, scale, values)?,
+        Some(cap) => {
+            let kq = g.mul_mat(kview, q)?;
+            let kq = softcap(g, kq, scale, cap)?;
+            let kq = g.soft_max(kq, Some(mask), 1.0)?;
+            let vt = values(g)?;
+            g.mul_mat(vt, kq)?
+        }
+    };
     let kqv = g.permute(kqv, [0, 2, 1, 3])?; // [hd, nh, t]
     let kqv = g.cont(kqv)?;
     g.reshape(kqv, [hd * nh, t, 1, 1])

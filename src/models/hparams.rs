@@ -5,7 +5,7 @@
 //! the key), and the keys that would change the math without metashard computing it refused by
 //! name rather than ignored.
 
-use super::arch::{Arch, LLAMA, Tensor};
+use super::arch::{Arch, AttnScale, DecoderSpec, LLAMA, Tensor};
 use crate::io::gguf::GgufFile;
 use crate::op::RopeMode;
 use crate::{Error, Result};
@@ -21,13 +21,45 @@ pub struct DecoderConfig {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub n_vocab: usize,
+    /// Features per attention head (`{arch}.attention.key_length`; n_embd / n_head when the
+    /// file does not say).
+    pub head_dim: usize,
     pub rms_eps: f32,
     pub rope_base: f32,
     pub rope_mode: RopeMode,
     /// Rotated dimensions per head (usually the head size).
     pub rope_dims: usize,
-    /// Use the fused attention kernel instead of mul_mat + soft_max + mul_mat.
+    /// Use the fused attention kernel instead of mul_mat + soft_max + mul_mat (soft-capped
+    /// attention always runs unfused).
     pub fused_attn: bool,
+    /// The attention scores' scale (1 / sqrt(head_dim) unless the family says otherwise).
+    pub attn_scale: f32,
+    /// Token embeddings are multiplied by this (Gemma: sqrt(n_embd); 1 for most families).
+    pub embd_scale: f32,
+    /// Sliding-window attention on some layers (Gemma 2 and 3).
+    pub swa: Option<SlidingWindow>,
+    /// Attention scores soft-capped `c * tanh(s / c)` before the softmax (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// Logits soft-capped the same way (Gemma 2).
+    pub final_softcap: Option<f32>,
+}
+
+/// Sliding-window attention: a local layer's token at position p sees the cache rows holding
+/// positions in `p - window + 1 ..= p` (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`); layer `l` is
+/// local when `l % pattern < pattern - 1`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    pub pattern: usize,
+    /// Local layers' RoPE base.
+    pub rope_base: f32,
+}
+
+impl SlidingWindow {
+    /// Whether layer `l` attends through the window.
+    pub fn is_local(&self, l: usize) -> bool {
+        l % self.pattern < self.pattern - 1
+    }
 }
 
 impl DecoderConfig {
@@ -41,6 +73,7 @@ impl DecoderConfig {
         n_head_kv: usize,
         n_vocab: usize,
     ) -> DecoderConfig {
+        let head_dim = n_embd / n_head.max(1);
         DecoderConfig {
             arch: &LLAMA,
             n_layer,
@@ -49,23 +82,34 @@ impl DecoderConfig {
             n_head,
             n_head_kv,
             n_vocab,
+            head_dim,
             rms_eps: 1e-5,
             rope_base: 10000.0,
             rope_mode: RopeMode::Normal,
-            rope_dims: n_embd / n_head.max(1),
+            rope_dims: head_dim,
             fused_attn: false,
+            attn_scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+            embd_scale: 1.0,
+            swa: None,
+            attn_softcap: None,
+            final_softcap: None,
         }
     }
 
-    pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head
-    }
     /// Features of all query heads.
     pub fn n_embd_q(&self) -> usize {
-        self.head_dim() * self.n_head
+        self.head_dim * self.n_head
     }
     pub fn n_embd_kv(&self) -> usize {
-        self.head_dim() * self.n_head_kv
+        self.head_dim * self.n_head_kv
+    }
+
+    /// The RoPE base of layer `l` (local layers of a sliding-window model have their own).
+    pub fn rope_base_of(&self, l: usize) -> f32 {
+        match self.swa {
+            Some(w) if w.is_local(l) => w.rope_base,
+            _ => self.rope_base,
+        }
     }
     /// Query heads per KV head.
     pub fn group(&self) -> usize {
@@ -86,10 +130,10 @@ impl DecoderConfig {
                 self.n_layer, self.n_embd, self.n_ff, self.n_vocab
             ));
         }
-        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
+        if self.n_head == 0 || self.head_dim == 0 {
             return bad(format!(
-                "n_embd {} is not a multiple of n_head {}",
-                self.n_embd, self.n_head
+                "n_head {} and head_dim {} must be at least 1",
+                self.n_head, self.head_dim
             ));
         }
         if self.n_head_kv == 0 || !self.n_head.is_multiple_of(self.n_head_kv) {
@@ -99,14 +143,35 @@ impl DecoderConfig {
             ));
         }
         if self.rope_dims == 0
-            || self.rope_dims > self.head_dim()
+            || self.rope_dims > self.head_dim
             || !self.rope_dims.is_multiple_of(2)
         {
             return bad(format!(
                 "rope dims {} do not fit head size {}",
-                self.rope_dims,
-                self.head_dim()
+                self.rope_dims, self.head_dim
             ));
+        }
+        let finite = |v: f32| v.is_finite() && v > 0.0;
+        if !finite(self.attn_scale) || !finite(self.embd_scale) {
+            return bad(format!(
+                "attention scale {} and embedding scale {} must be finite and > 0",
+                self.attn_scale, self.embd_scale
+            ));
+        }
+        if let Some(w) = self.swa
+            && (w.window == 0 || w.pattern == 0 || !finite(w.rope_base))
+        {
+            return bad(format!(
+                "sliding window {w:?}: window and pattern must be at least 1"
+            ));
+        }
+        for c in [self.attn_softcap, self.final_softcap]
+            .into_iter()
+            .flatten()
+        {
+            if !finite(c) {
+                return bad(format!("soft-capping {c} must be finite and > 0"));
+            }
         }
         Ok(())
     }
@@ -181,10 +246,26 @@ impl Keys<'_> {
         }
     }
 
+    /// An optional f32 key in `ok`, an error naming it otherwise.
+    fn opt_f32_in(&self, s: &str, ok: fn(f32) -> bool, rule: &str) -> Result<Option<f32>> {
+        match self.g.opt_f32(&self.key(s))? {
+            Some(v) if !ok(v) => Err(self.err(&self.key(s), format!("{v}: {rule}"))),
+            v => Ok(v),
+        }
+    }
+
     /// Refuse every [`MATH_KEYS`] entry set to a value that changes the math of a model with
-    /// heads of `head_dim`.
-    fn refuse_math_keys(&self, head_dim: usize) -> Result<()> {
+    /// heads of `head_dim`, unless the family computes it (`spec`).
+    fn refuse_math_keys(&self, head_dim: usize, spec: &DecoderSpec) -> Result<()> {
         for &(s, neutral) in MATH_KEYS {
+            let computed = match s {
+                "attention.sliding_window" => spec.swa.is_some(),
+                "attn_logit_softcapping" | "final_logit_softcapping" => spec.softcap,
+                _ => false,
+            };
+            if computed {
+                continue;
+            }
             let key = self.key(s);
             let Some(v) = self.g.get(&key) else { continue };
             let number = v.as_float().or_else(|| v.as_integer().map(|i| i as f64));
@@ -278,8 +359,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
             ),
         ));
     }
-    let (n_head, n_head_kv) = read_heads(g, arch, &keys, n_embd)?;
-    let head_dim = n_embd / n_head;
+    let (n_head, n_head_kv, head_dim) = read_heads(g, arch, &keys, n_embd)?;
     let rope_dims = keys.opt_usize("rope.dimension_count")?.unwrap_or(head_dim);
     if rope_dims == 0 || rope_dims > head_dim || !rope_dims.is_multiple_of(2) {
         return Err(keys.err(
@@ -299,7 +379,8 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         |v| v.is_finite() && v > 0.0,
         "must be finite and > 0",
     )?;
-    let cfg = DecoderConfig {
+    let spec = arch.decoder()?;
+    let mut cfg = DecoderConfig {
         arch,
         n_layer,
         n_embd,
@@ -307,19 +388,65 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         n_head,
         n_head_kv,
         n_vocab,
+        head_dim,
         rms_eps,
         rope_base,
-        rope_mode: arch.decoder()?.rope_mode,
+        rope_mode: spec.rope_mode,
         rope_dims,
         fused_attn: true,
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        embd_scale: 1.0,
+        swa: None,
+        attn_softcap: None,
+        final_softcap: None,
     };
+    read_family_keys(&keys, spec, &mut cfg)?;
     cfg.validate().map_err(|e| match e {
         Error::Model { reason, .. } => model_err(g, reason),
         e => e,
     })?;
-    keys.refuse_math_keys(head_dim)?;
+    keys.refuse_math_keys(head_dim, spec)?;
     context_length_from_gguf(g)?;
     Ok(cfg)
+}
+
+/// The keys of the family's own layer: the attention scale, the embedding scale, the sliding
+/// window and the soft-capping, as llama.cpp's `load_hparams` reads them for the family.
+fn read_family_keys(keys: &Keys, spec: &DecoderSpec, cfg: &mut DecoderConfig) -> Result<()> {
+    if let AttnScale::Gemma { large_layers } = spec.attn_scale
+        && large_layers.contains(&cfg.n_layer)
+    {
+        cfg.attn_scale = 1.0 / ((cfg.n_embd / cfg.n_head) as f32).sqrt();
+    }
+    if spec.scale_embeddings {
+        cfg.embd_scale = (cfg.n_embd as f32).sqrt();
+    }
+    if let Some(w) = spec.swa {
+        let key = "attention.sliding_window";
+        let window = match (keys.opt_usize(key)?, w.default_window) {
+            (Some(v), _) => v,
+            (None, Some(d)) => d,
+            (None, None) => keys.usize(key)?,
+        };
+        if window == 0 {
+            return Err(keys.err(
+                &keys.key(key),
+                "0: a window holds at least one position".into(),
+            ));
+        }
+        cfg.swa = Some(SlidingWindow {
+            window,
+            pattern: w.pattern,
+            rope_base: w.rope_base.unwrap_or(cfg.rope_base),
+        });
+    }
+    if spec.softcap {
+        let cap =
+            |s: &str| keys.opt_f32_in(s, |v| v.is_finite() && v > 0.0, "must be finite and > 0");
+        cfg.attn_softcap = cap("attn_logit_softcapping")?;
+        cfg.final_softcap = cap("final_logit_softcapping")?;
+    }
+    Ok(())
 }
 
 /// `{arch}.block_count`, checked against the `blk.N` tensors present.
@@ -376,16 +503,48 @@ fn read_embedding(g: &GgufFile, arch: &Arch, keys: &Keys) -> Result<(usize, usiz
     Ok((n_embd, n_vocab))
 }
 
-/// The query and KV head counts, checked against the width and the first layer's K.
-fn read_heads(g: &GgufFile, arch: &Arch, keys: &Keys, n_embd: usize) -> Result<(usize, usize)> {
+/// The query and KV head counts and the head size (`attention.key_length`, else the width
+/// over the heads), checked against the first layer's Q and K.
+fn read_heads(
+    g: &GgufFile,
+    arch: &Arch,
+    keys: &Keys,
+    n_embd: usize,
+) -> Result<(usize, usize, usize)> {
     let n_head = keys.usize("attention.head_count")?;
-    if n_head == 0 || !n_embd.is_multiple_of(n_head) {
-        return Err(keys.err(
-            &keys.key("attention.head_count"),
-            format!("{n_head} heads do not divide the width {n_embd}"),
-        ));
-    }
-    let head_dim = n_embd / n_head;
+    let head_dim = match keys.opt_usize("attention.key_length")? {
+        Some(k) => {
+            if k == 0 {
+                return Err(keys.err(
+                    &keys.key("attention.key_length"),
+                    "0: a head has at least one feature".into(),
+                ));
+            }
+            if let Some(v) = keys.opt_usize("attention.value_length")?
+                && v != k
+            {
+                return Err(keys.err(
+                    &keys.key("attention.value_length"),
+                    format!(
+                        "{v}: metashard computes heads whose values are as long as their keys ({k})"
+                    ),
+                ));
+            }
+            if n_head == 0 {
+                return Err(keys.err(&keys.key("attention.head_count"), "0 heads".into()));
+            }
+            k
+        }
+        None => {
+            if n_head == 0 || !n_embd.is_multiple_of(n_head) {
+                return Err(keys.err(
+                    &keys.key("attention.head_count"),
+                    format!("{n_head} heads do not divide the width {n_embd}"),
+                ));
+            }
+            n_embd / n_head
+        }
+    };
     let n_head_kv = keys.opt_usize("attention.head_count_kv")?.unwrap_or(n_head);
     if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
         return Err(keys.err(
@@ -393,25 +552,38 @@ fn read_heads(g: &GgufFile, arch: &Arch, keys: &Keys, n_embd: usize) -> Result<(
             format!("{n_head_kv} KV heads do not divide the {n_head} heads"),
         ));
     }
-    let wk = shape_of(g, arch, Tensor::AttnK)?;
-    if n_head_kv.checked_mul(head_dim) != Some(wk[1]) {
-        return Err(Error::format(
-            g.path(),
-            format!(
-                "metadata keys '{}' and '{}'",
-                keys.key("attention.head_count"),
-                keys.key("attention.head_count_kv")
-            ),
-            format!(
-                "{n_head_kv} KV heads of size {head_dim} (width {n_embd} / {n_head} heads) \
-                 make {} rows, but {} has {}",
-                n_head_kv * head_dim,
-                arch.name(Tensor::AttnK, 0),
-                wk[1]
-            ),
-        ));
+    for (t, heads, what) in [
+        (Tensor::AttnK, n_head_kv, "KV heads"),
+        (Tensor::AttnQ, n_head, "query heads"),
+    ] {
+        let shape = shape_of(g, arch, t)?;
+        if heads.checked_mul(head_dim) != Some(shape[1]) {
+            let explicit = keys.g.get(&keys.key("attention.key_length")).is_some();
+            let (head_size, size_from) = if explicit {
+                (
+                    format!(" and '{}'", keys.key("attention.key_length")),
+                    format!("{} {head_dim}", keys.key("attention.key_length")),
+                )
+            } else {
+                (String::new(), format!("width {n_embd} / {n_head} heads"))
+            };
+            return Err(Error::format(
+                g.path(),
+                format!(
+                    "metadata keys '{}', '{}'{head_size}",
+                    keys.key("attention.head_count"),
+                    keys.key("attention.head_count_kv")
+                ),
+                format!(
+                    "{heads} {what} of size {head_dim} ({size_from}) make {} rows, but {} has {}",
+                    heads.saturating_mul(head_dim),
+                    arch.name(t, 0),
+                    shape[1]
+                ),
+            ));
+        }
     }
-    Ok((n_head, n_head_kv))
+    Ok((n_head, n_head_kv, head_dim))
 }
 
 /// `{arch}.context_length` (2048 when absent): an error naming the key unless it is in

@@ -190,6 +190,14 @@ fn declare<'g>(
     Ok((decls, sources))
 }
 
+/// The tensors a GGUF decoder of `cfg` places, with their types as the file stores them,
+/// checked as the loader checks them (before anything is read): what the split callbacks need
+/// to keep whole blocks of every tensor.
+pub fn file_tensors(g: &GgufFile, cfg: &DecoderConfig) -> Result<Vec<TensorDecl>> {
+    check_known_tensors(g, cfg)?;
+    Ok(declare(g, cfg)?.0)
+}
+
 impl DecoderModel {
     /// Load a GGUF decoder, placing its weights in `bt`; `progress(done_bytes, total_bytes)` is
     /// called as tensors are placed.

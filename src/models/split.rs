@@ -28,6 +28,7 @@
 use super::arch::{Arch, Dim, Naming, Part, Tensor, Unit};
 use super::decoder::parse_residual_name;
 use super::hparams::DecoderConfig;
+use super::weights::TensorDecl;
 use crate::meta::{HintFn, NodeInfo, SplitFn, SplitPolicy, TensorInfo};
 use crate::op::{BinaryOp, Op};
 use crate::split_state::{Granularity, SplitState, split_even, split_ratios};
@@ -47,9 +48,9 @@ pub struct SplitOptions {
     pub mirror_attention: bool,
 }
 
-/// What a split needs to know of a model: its architecture (names) and the counts that size
-/// the units and check the cut dimensions.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// What a split needs to know of a model: its architecture (names), the counts that size the
+/// units and check the cut dimensions, and, when known, the block sizes of its tensors.
+#[derive(Clone, Debug, PartialEq)]
 pub struct SplitDims {
     pub arch: &'static Arch,
     pub n_layer: usize,
@@ -59,6 +60,51 @@ pub struct SplitDims {
     pub n_embd: usize,
     pub n_ff: usize,
     pub n_vocab: usize,
+    /// Per layer, the blocks each part's cuts must keep whole ([`SplitDims::with_blocks`]);
+    /// `None`: each tensor's own type decides (right when a layer's tensors share one block
+    /// size, as in files of one quantized type).
+    pub blocks: Option<Arc<[PartBlocks]>>,
+}
+
+/// The block sizes one layer's cuts must keep whole: of attention (the output projection's
+/// rows are cut along its contracted axis) and of the MLP (the down projection's rows), the
+/// least common multiple over the part's tensors cut along axis 0. Q/K/V and gate/up are cut
+/// by columns in the same units, so a pair split together keeps the larger block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PartBlocks {
+    pub attention: usize,
+    pub mlp: usize,
+}
+
+impl SplitDims {
+    /// These dimensions with the block sizes of a model's tensors (`decls`, as the loader or
+    /// the planner's model shape declares them).
+    pub fn with_blocks(mut self, decls: &[TensorDecl]) -> SplitDims {
+        let mut blocks = vec![
+            PartBlocks {
+                attention: 1,
+                mlp: 1,
+            };
+            self.n_layer
+        ];
+        for d in decls {
+            let (Some(l), Some(cut)) = (d.layer, d.tensor.cut()) else {
+                continue;
+            };
+            if cut.axis != 0 || l >= self.n_layer {
+                continue;
+            }
+            let g = Granularity(d.layout.dtype.block_size());
+            let b = &mut blocks[l];
+            match cut.part {
+                Part::Attention => b.attention = Granularity(b.attention).and(g).0,
+                Part::Mlp => b.mlp = Granularity(b.mlp).and(g).0,
+                Part::Output | Part::Embedding => {}
+            }
+        }
+        self.blocks = Some(blocks.into());
+        self
+    }
 }
 
 impl SplitDims {
@@ -71,7 +117,8 @@ impl SplitDims {
             Dim::Vocab => self.n_vocab,
             Dim::Q => self.n_head * self.head_dim,
             Dim::Kv => self.n_head_kv * self.head_dim,
-            Dim::Pos | Dim::Types | Dim::Ctx => return None,
+            Dim::HeadDim => self.head_dim,
+            Dim::Pos | Dim::Types | Dim::Ctx | Dim::RopeHalf => return None,
         })
     }
 }
@@ -83,10 +130,11 @@ impl From<&DecoderConfig> for SplitDims {
             n_layer: c.n_layer,
             n_head: c.n_head,
             n_head_kv: c.n_head_kv,
-            head_dim: c.head_dim(),
+            head_dim: c.head_dim,
             n_embd: c.n_embd,
             n_ff: c.n_ff,
             n_vocab: c.n_vocab,
+            blocks: None,
         }
     }
 }
@@ -253,7 +301,7 @@ pub fn policy(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitPolicy {
 /// every layer (attention mirrored with `mirror_attention`), the output projection
 /// vocabulary-split, the embedding mirrored.
 pub fn megatron(dims: impl Into<SplitDims>, opts: SplitOptions) -> SplitFn {
-    let dims = dims.into();
+    let dims: SplitDims = dims.into();
     let layer = LayerSplit {
         attention: !opts.mirror_attention,
         mlp: true,
@@ -270,7 +318,7 @@ pub fn megatron(dims: impl Into<SplitDims>, opts: SplitOptions) -> SplitFn {
 /// A cut tensor whose cut dimension disagrees with the model's counts, a layer the model does
 /// not have, or ratios not one per device are errors naming the tensor.
 pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
-    let dims = dims.into();
+    let dims: SplitDims = dims.into();
     Arc::new(move |t: &TensorInfo| -> Result<SplitState> {
         let n = t.n_devices;
         let Some((role, layer)) = dims.arch.parse(t.name) else {
@@ -308,7 +356,9 @@ pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
     })
 }
 
-/// Extents of `total` features cut in `unit`s over `n` devices for `layer`.
+/// Extents of `total` features cut in `unit`s over `n` devices for `layer`: whole KV-head
+/// groups (as many per unit as whole blocks of the layer's attention need), or feed-forward
+/// features in units of at least [`FFN_UNIT`] and whole blocks, or vocabulary rows.
 fn unit_extents(
     dims: &SplitDims,
     unit: Unit,
@@ -321,17 +371,44 @@ fn unit_extents(
     let ratios = plan.ratios.as_deref();
     let hd = dims.head_dim;
     let group = dims.n_head / dims.n_head_kv.max(1);
+    let blocks = dims.blocks.as_ref().and_then(|b| b.get(layer)).copied();
     match unit {
-        Unit::QGroup => extents(dims.n_head_kv, hd * group, n, ratios, layer),
-        Unit::KvHead => extents(dims.n_head_kv, hd, n, ratios, layer),
+        Unit::QGroup | Unit::KvHead => {
+            // k groups per unit, so that k groups of query features are whole blocks.
+            let block = blocks.map_or(1, |b| b.attention);
+            let k = Granularity(hd * group).and(Granularity(block)).0 / (hd * group);
+            if !dims.n_head_kv.is_multiple_of(k) {
+                return Err(Error::invalid_input(
+                    "tensor split",
+                    "attention",
+                    format!(
+                        "whole blocks of {block} over {} KV-head groups of {} features",
+                        dims.n_head_kv,
+                        hd * group
+                    ),
+                    format!("{k} groups per block do not divide {}", dims.n_head_kv),
+                ));
+            }
+            let per = if unit == Unit::QGroup { hd * group } else { hd };
+            extents(dims.n_head_kv / k, per * k, n, ratios, layer)
+        }
         Unit::Ffn => {
-            // Whole blocks of the weight's type (axis 0 of the down projection is its rows of
+            // Whole blocks of the MLP's types (axis 0 of the down projection is its rows of
             // blocks), and at least FFN_UNIT features where the width allows.
-            let block = t.layout.dtype.block_size();
-            let unit = [FFN_UNIT.max(block), block, 1]
+            let block = blocks.map_or(t.layout.dtype.block_size(), |b| b.mlp);
+            let unit = [FFN_UNIT.max(block), block]
                 .into_iter()
+                .map(|u| Granularity(u).and(Granularity(block)).0)
+                .chain(std::iter::once(1).filter(|_| block == 1))
                 .find(|u| total.is_multiple_of(*u))
-                .unwrap_or(1);
+                .ok_or_else(|| {
+                    Error::invalid_input(
+                        "tensor split",
+                        "feed-forward width",
+                        format!("whole blocks of {block}"),
+                        total,
+                    )
+                })?;
             extents(total / unit, unit, n, ratios, layer)
         }
         Unit::Vocab => extents(total, 1, n, ratios, 0),
@@ -427,6 +504,109 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn cuts_keep_whole_blocks_of_every_tensor_a_part_cuts() {
+        // The MLP in blocks of 256 (K-quant down projections): gate, up and down agree.
+        let mut dims = SplitDims::from(&smol());
+        dims.blocks = Some(
+            vec![
+                PartBlocks {
+                    attention: 1,
+                    mlp: 256,
+                };
+                30
+            ]
+            .into(),
+        );
+        let f = megatron(dims.clone(), SplitOptions::default());
+        let up = state(&f, "blk.0.ffn_up.weight", [576, 1536, 1, 1], 4);
+        let down = state(&f, "blk.0.ffn_down.weight", [1536, 576, 1, 1], 4);
+        assert_eq!(up, SplitState::axis(1, &[512, 512, 256, 256]));
+        assert_eq!(down.extents(), up.extents());
+        // Without the file's blocks, units of 32: 384 each.
+        let plain = megatron(&smol(), SplitOptions::default());
+        assert_eq!(
+            state(&plain, "blk.0.ffn_up.weight", [576, 1536, 1, 1], 4),
+            SplitState::axis(1, &[384, 384, 384, 384])
+        );
+        // Attention in blocks of 256: SmolLM2's groups (3 x 192 features) cannot be cut in
+        // whole blocks; the error names the tensor.
+        dims.blocks = Some(
+            vec![
+                PartBlocks {
+                    attention: 256,
+                    mlp: 32,
+                };
+                30
+            ]
+            .into(),
+        );
+        let f = megatron(dims, SplitOptions::default());
+        let l = Layout::contiguous(DType::F32, [576, 576, 1, 1]);
+        let e = f(&TensorInfo {
+            name: "blk.0.attn_output.weight",
+            layout: &l,
+            n_devices: 2,
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidSplit { tensor, .. } if tensor == "blk.0.attn_output.weight"),
+            "{e:?}"
+        );
+        // 4 groups of 128 features in blocks of 256: two groups per unit, Q, K and the output
+        // projection alike.
+        let mut dims = SplitDims::from(&DecoderConfig::llama(1, 512, 1024, 8, 4, 64));
+        dims.blocks = Some(
+            vec![
+                PartBlocks {
+                    attention: 256,
+                    mlp: 32,
+                };
+                1
+            ]
+            .into(),
+        );
+        let f = megatron(dims, SplitOptions::default());
+        assert_eq!(
+            state(&f, "blk.0.attn_q.weight", [512, 512, 1, 1], 2),
+            SplitState::axis(1, &[256, 256])
+        );
+        assert_eq!(
+            state(&f, "blk.0.attn_output.weight", [512, 512, 1, 1], 2),
+            SplitState::axis(0, &[256, 256])
+        );
+        assert_eq!(
+            state(&f, "blk.0.attn_k.weight", [512, 256, 1, 1], 3),
+            SplitState::axis(1, &[128, 128, 0])
+        );
+    }
+
+    #[test]
+    fn blocks_come_from_the_tensors_each_part_cuts_along_axis_0() {
+        let cfg = DecoderConfig::llama(2, 64, 128, 4, 2, 32);
+        let mut decls = crate::models::synthetic::weight_decls(&cfg, DType::F32).unwrap();
+        for d in &mut decls {
+            if d.name == "blk.1.ffn_down.weight" || d.name == "blk.0.attn_output.weight" {
+                d.layout = Layout::contiguous(DType::FakeQ4x16, d.layout.ne);
+            }
+        }
+        let dims = SplitDims::from(&cfg).with_blocks(&decls);
+        let b = dims.blocks.unwrap();
+        assert_eq!(
+            b.to_vec(),
+            vec![
+                PartBlocks {
+                    attention: 16,
+                    mlp: 1
+                },
+                PartBlocks {
+                    attention: 1,
+                    mlp: 16
+                }
+            ]
+        );
     }
 
     #[test]

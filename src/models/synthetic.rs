@@ -49,6 +49,11 @@ pub fn small_config(n_layer: usize) -> DecoderConfig {
 /// norms near 1, everything else scaled by 1/sqrt(K).
 pub fn random_values(tensor: Tensor, ne0: usize, n: usize, seed: u64) -> Vec<f32> {
     let mut v = random_f32(n, seed);
+    if tensor == Tensor::RopeFreqs {
+        // Frequency factors in 1..8, as Llama 3's.
+        v.iter_mut().for_each(|x| *x = 4.5 + 7.0 * *x);
+        return v;
+    }
     let is_norm = matches!(tensor.group(), Group::Norms | Group::OutputNorm);
     let s = if is_norm {
         0.2
@@ -80,7 +85,8 @@ pub fn random_decoder(
 
 /// A GGUF file of a decoder with random weights in `cfg`'s architecture (the values of
 /// [`random_decoder`] with the same seed), as llama.cpp's converter would write it: the
-/// architecture's metadata keys, every tensor its table requires (the output projection
+/// architecture's metadata keys (the head size, sliding window and soft-capping where `cfg`
+/// has them; the local layers' pattern and RoPE base are the family's), every tensor its table requires (the output projection
 /// omitted when `tied`), vectors as 1-D tensors, and a byte-level BPE vocabulary of
 /// `cfg.n_vocab` tokens (the 256 byte tokens, then `<|extra_N|>` control tokens, the last one
 /// the end of sequence), so the loader, the tokenizer and outside readers (gguf-py) take it
@@ -91,6 +97,19 @@ pub fn gguf_bytes(
     tied: bool,
     context_length: usize,
     seed: u64,
+) -> Result<Vec<u8>> {
+    gguf_bytes_with(cfg, wdtype, tied, context_length, seed, &[])
+}
+
+/// [`gguf_bytes`] with the architecture's optional tensors of the roles in `optional` too
+/// (Llama 3's `rope_freqs`, llama's biases).
+pub fn gguf_bytes_with(
+    cfg: &DecoderConfig,
+    wdtype: DType,
+    tied: bool,
+    context_length: usize,
+    seed: u64,
+    optional: &[Tensor],
 ) -> Result<Vec<u8>> {
     use crate::io::{GgufArray, GgufValue, GgufWriter};
     cfg.validate()?;
@@ -119,6 +138,21 @@ pub fn gguf_bytes(
         ("rope.dimension_count", cfg.rope_dims),
     ] {
         w.add(format!("{arch}.{k}"), u32v(v));
+    }
+    if cfg.n_head * cfg.head_dim != cfg.n_embd {
+        w.add(format!("{arch}.attention.key_length"), u32v(cfg.head_dim));
+        w.add(format!("{arch}.attention.value_length"), u32v(cfg.head_dim));
+    }
+    if let Some(sw) = cfg.swa {
+        w.add(format!("{arch}.attention.sliding_window"), u32v(sw.window));
+    }
+    for (k, v) in [
+        ("attn_logit_softcapping", cfg.attn_softcap),
+        ("final_logit_softcapping", cfg.final_softcap),
+    ] {
+        if let Some(v) = v {
+            w.add(format!("{arch}.{k}"), GgufValue::F32(v));
+        }
     }
     w.add(
         format!("{arch}.rope.freq_base"),
@@ -149,7 +183,18 @@ pub fn gguf_bytes(
         GgufValue::Array(GgufArray::String(Vec::new())),
     );
     w.add("tokenizer.ggml.eos_token_id", u32v(cfg.n_vocab - 1));
-    for (i, d) in weight_decls(cfg, wdtype)?.iter().enumerate() {
+    let decls = decoder_layouts(
+        cfg,
+        &|t, _| {
+            if t == Tensor::TokenEmbd {
+                DType::F32
+            } else {
+                wdtype
+            }
+        },
+        &|t, _| optional.contains(&t),
+    )?;
+    for (i, d) in decls.iter().enumerate() {
         if tied && d.tensor == Tensor::Output {
             continue;
         }

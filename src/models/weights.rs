@@ -136,6 +136,8 @@ impl DecoderConfig {
             Dim::Vocab => self.n_vocab,
             Dim::Q => self.n_embd_q(),
             Dim::Kv => self.n_embd_kv(),
+            Dim::HeadDim => self.head_dim,
+            Dim::RopeHalf => self.rope_dims / 2,
             Dim::Pos | Dim::Types | Dim::Ctx => return None,
         })
     }

@@ -161,7 +161,7 @@ pub fn evaluate_layer_split(
                 let placed = Placed::new(
                     shape,
                     &one,
-                    by_layer(&shape.cfg, mirrored.clone()),
+                    by_layer(shape.split_dims(), mirrored.clone()),
                     w.context,
                 )?;
                 let eval = evaluate_placed(&placed, &one, w)?;

@@ -105,7 +105,7 @@ pub fn load_plan(path: &Path, n_layer: usize, n_devices: usize) -> Result<Decode
 /// The split callback of an assignment for `shape`, with its state hints (sequence
 /// parallelism).
 pub fn split_fn(shape: &ModelShape, split: &DecoderSplit) -> SplitPolicy {
-    policy(&shape.cfg, split.clone())
+    policy(shape.split_dims(), split.clone())
 }
 
 impl Plan {

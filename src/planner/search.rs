@@ -105,7 +105,7 @@ fn costed(
     let placed = Placed::new(
         shape,
         cluster,
-        by_layer(&shape.cfg, split.clone()),
+        by_layer(shape.split_dims(), split.clone()),
         w.context,
     )?;
     let e = evaluate_placed(&placed, cluster, w)?;
@@ -502,7 +502,12 @@ pub fn auto(
         let mut b = budget;
         for _ in 0..4 {
             let split = found[i].2.clone();
-            let placed = Placed::new(shape, cluster, by_layer(&shape.cfg, split), w.context)?;
+            let placed = Placed::new(
+                shape,
+                cluster,
+                by_layer(shape.split_dims(), split),
+                w.context,
+            )?;
             let e = evaluate_placed(&placed, cluster, w)?;
             let Some((_, over)) = e.over_budget() else {
                 chosen = Some((i, e));
@@ -558,7 +563,12 @@ pub fn auto(
             ratios: ratios.clone(),
             ..least
         };
-        let placed = Placed::new(shape, cluster, by_layer(&shape.cfg, least), w.context)?;
+        let placed = Placed::new(
+            shape,
+            cluster,
+            by_layer(shape.split_dims(), least),
+            w.context,
+        )?;
         let e = evaluate_placed(&placed, cluster, w)?;
         let (dev, over) = e
             .over_budget()

@@ -8,6 +8,7 @@ use crate::io::config::JsonConfig;
 use crate::io::gguf::GgufFile;
 use crate::models::arch::{Arch, LLAMA, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
+use crate::models::split::SplitDims;
 use crate::models::weights::{TensorDecl, decoder_layouts};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
@@ -68,6 +69,10 @@ pub struct ModelShape {
     pub cache: DType,
     /// The context the model was trained for.
     pub context_length: usize,
+    /// Every weight with the type its file stores it in (a GGUF mixes types: a Q4_K_M file
+    /// has Q4_K, Q6_K and Q8_0 tensors), when read from a file; else `types` decides.
+    #[serde(skip)]
+    pub file_tensors: Option<Vec<TensorDecl>>,
 }
 
 impl ModelShape {
@@ -85,9 +90,29 @@ impl ModelShape {
     /// Every weight the decoder places (its architecture's required tensors), with this
     /// model's types, in placement order.
     pub fn weight_decls(&self) -> Result<Vec<TensorDecl>> {
+        if let Some(fd) = &self.file_tensors {
+            let layers = fd.iter().filter_map(|d| d.layer).max().map_or(0, |l| l + 1);
+            if layers >= self.cfg.n_layer {
+                return Ok(fd
+                    .iter()
+                    .filter(|d| d.layer.is_none_or(|l| l < self.cfg.n_layer))
+                    .cloned()
+                    .collect());
+            }
+        }
         decoder_layouts(&self.cfg, &|t, _| self.types.of(t, self.tied), &|_, _| {
             false
         })
+    }
+
+    /// What a split callback needs of this model: its dimensions and the block sizes of its
+    /// weights (each layer's cuts keep whole blocks of every tensor they cut).
+    pub fn split_dims(&self) -> SplitDims {
+        let dims = SplitDims::from(&self.cfg);
+        match self.weight_decls() {
+            Ok(decls) => dims.with_blocks(&decls),
+            Err(_) => dims,
+        }
     }
 
     /// Names and layouts of every weight, in the order the decoder declares them.
@@ -112,6 +137,7 @@ impl ModelShape {
         let g = GgufFile::open(path)?;
         let cfg = config_from_gguf(&g)?;
         let context_length = context_length_from_gguf(&g)?;
+        let file_tensors = crate::models::loader::file_tensors(&g, &cfg)?;
         let ty = |t: Tensor| -> Result<DType> {
             let name = cfg.arch.name(t, 0);
             let t = g.tensor(&name).ok_or_else(|| Error::Model {
@@ -151,6 +177,7 @@ impl ModelShape {
             tied,
             cache: DType::F16,
             context_length,
+            file_tensors: Some(file_tensors),
         })
     }
 
@@ -167,19 +194,25 @@ impl ModelShape {
         };
         let n_embd = c.get_usize("hidden_size")?;
         let n_head = c.get_usize("num_attention_heads")?;
+        let base = DecoderConfig::llama(
+            c.get_usize("num_hidden_layers")?,
+            n_embd,
+            c.get_usize("intermediate_size")?,
+            n_head,
+            c.opt_usize("num_key_value_heads")?.unwrap_or(n_head),
+            c.get_usize("vocab_size")?,
+        );
+        let head_dim = c.opt_usize("head_dim")?.unwrap_or(base.head_dim);
         let cfg = DecoderConfig {
             arch,
-            n_layer: c.get_usize("num_hidden_layers")?,
-            n_embd,
-            n_ff: c.get_usize("intermediate_size")?,
-            n_head,
-            n_head_kv: c.opt_usize("num_key_value_heads")?.unwrap_or(n_head),
-            n_vocab: c.get_usize("vocab_size")?,
+            head_dim,
             rms_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
             rope_base: c.opt_f64("rope_theta")?.unwrap_or(10000.0) as f32,
             rope_mode: arch.decoder()?.rope_mode,
-            rope_dims: n_embd / n_head.max(1),
+            rope_dims: head_dim,
             fused_attn: true,
+            attn_scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+            ..base
         };
         cfg.validate()?;
         let dt = match c.opt_str("torch_dtype")? {
@@ -197,6 +230,7 @@ impl ModelShape {
             tied: c.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             cache: DType::F16,
             context_length: c.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            file_tensors: None,
         })
     }
 
@@ -245,6 +279,7 @@ impl ModelShape {
             tied,
             cache: DType::F16,
             context_length: ctx,
+            file_tensors: None,
         })
     }
 
@@ -290,7 +325,7 @@ mod tests {
         let params = s.weight_bytes() / 2;
         assert!((8.0e9..8.1e9).contains(&(params as f64)), "{params}");
         let s = ModelShape::preset("smollm2-135m").unwrap();
-        assert_eq!(s.cfg.head_dim(), 64);
+        assert_eq!(s.cfg.head_dim, 64);
         assert_eq!(ModelShape::preset("nope").map(|s| s.name), None);
     }
 }

@@ -7,9 +7,8 @@ use crate::backend::{Backend, Device};
 use crate::cpu::{CpuOptions, Precision};
 use crate::devices::{DeviceSet, parse_devices_with};
 use crate::meta::{MetaDevice, MetaOptions};
-use crate::models::hparams::DecoderConfig;
 use crate::models::layer_split::{SplitMode, device_groups, layer_ranges, placement};
-use crate::models::split::{SplitOptions, megatron};
+use crate::models::split::{SplitDims, SplitOptions, megatron};
 use crate::sched::Sched;
 use crate::{Error, Result};
 use std::ops::Range;
@@ -25,11 +24,11 @@ pub struct Layered {
     pub layers: Vec<Range<usize>>,
 }
 
-/// The scheduler for `mode` (layer or hybrid) over `devices` for a decoder of `cfg`: one
+/// The scheduler for `mode` (layer or hybrid) over `devices` for a decoder of `dims`: one
 /// backend per device (layer), or one per group of `groups` (hybrid; a group of one device is
 /// that device, a larger one a meta device with the Megatron split and the group's shares).
 pub fn open(
-    cfg: &DecoderConfig,
+    dims: &SplitDims,
     devices: &[Arc<dyn Device>],
     mode: SplitMode,
     shares: Option<&[f64]>,
@@ -68,7 +67,7 @@ pub fn open(
             backends.push(devices[g.start].init_backend()?);
         } else {
             let split = megatron(
-                cfg,
+                dims.clone(),
                 SplitOptions {
                     ratios: Some(s.to_vec()),
                     mirror_attention: false,
@@ -78,7 +77,7 @@ pub fn open(
             backends.push(m.init_backend()?);
         }
     }
-    let layers = layer_ranges(cfg.n_layer, &group_shares)?;
+    let layers = layer_ranges(dims.n_layer, &group_shares)?;
     let sched = Sched::new(backends)?;
     let buffer_type = sched.buffer_type(placement(&layers));
     Ok(Layered {
@@ -89,19 +88,19 @@ pub fn open(
     })
 }
 
-/// The scheduler over the devices of `spec` for a layer or hybrid split of a decoder of `cfg`,
+/// The scheduler over the devices of `spec` for a layer or hybrid split of a decoder of `dims`,
 /// with `precision` for products of quantized weights, as a device set.
 pub fn open_layered(
     spec: &str,
     precision: Precision,
     options: MetaOptions,
-    cfg: &DecoderConfig,
+    dims: &SplitDims,
     mode: SplitMode,
     shares: Option<&[f64]>,
     groups: usize,
 ) -> Result<DeviceSet> {
     let devices = parse_devices_with(spec, CpuOptions { precision })?;
-    let l = open(cfg, &devices, mode, shares, groups, options)?;
+    let l = open(dims, &devices, mode, shares, groups, options)?;
     Ok(DeviceSet {
         spec: spec.to_string(),
         backend: l.sched.clone(),

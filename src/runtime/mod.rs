@@ -4,9 +4,11 @@
 //! and split callbacks only, `devices.rs` opens devices only.
 
 pub mod encoder;
+pub mod identity;
 pub mod layered;
 pub mod open;
 
 pub use encoder::open_encoder;
+pub use identity::model_identity;
 pub use layered::{Layered, open_layered};
 pub use open::{OpenOptions, open_decoder};

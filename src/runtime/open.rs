@@ -9,9 +9,9 @@ use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
 use crate::models::hparams::config_from_gguf;
 use crate::models::layer_split::SplitMode;
-use crate::models::loader::DecoderModel;
+use crate::models::loader::{DecoderModel, file_tensors};
 use crate::models::paths::{ModelPath, resolve};
-use crate::models::split::{DecoderSplit, SplitOptions, megatron, policy};
+use crate::models::split::{DecoderSplit, SplitDims, SplitOptions, megatron, policy};
 use crate::{Error, Result};
 
 /// How to open a decoder.
@@ -52,6 +52,8 @@ pub fn open_decoder(
     };
     let g = crate::io::gguf::GgufFile::open(&path)?;
     let cfg = config_from_gguf(&g)?;
+    // The split keeps whole blocks of every tensor's own type (a file mixes types).
+    let dims = SplitDims::from(&cfg).with_blocks(&file_tensors(&g, &cfg)?);
     drop(g);
     if opts.split_mode != SplitMode::Tensor {
         if opts.dist != crate::dist::Dist::Local {
@@ -74,7 +76,7 @@ pub fn open_decoder(
             devices,
             opts.precision,
             opts.meta,
-            &cfg,
+            &dims,
             opts.split_mode,
             opts.ratios.as_deref(),
             opts.groups.unwrap_or(2),
@@ -95,10 +97,10 @@ pub fn open_decoder(
             if plan.ratios.is_none() {
                 plan.ratios = opts.ratios.clone();
             }
-            policy(&cfg, plan)
+            policy(dims, plan)
         }
         None => megatron(
-            &cfg,
+            dims,
             SplitOptions {
                 ratios: opts.ratios.clone(),
                 mirror_attention: opts.mirror_attention,

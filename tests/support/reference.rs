@@ -232,7 +232,7 @@ fn compute(op: &Op, s: &[T]) -> R<T> {
             r.iter().map(|x| (x - mean) * k).collect()
         }),
         Op::SoftMax { scale } => soft_max(&s[0], s.get(1), scale as f64),
-        Op::Rope(p) => rope(&s[0], &s[1], &p),
+        Op::Rope(p) => rope(&s[0], &s[1], s.get(2), &p),
         Op::SumRows => reduce_rows(&s[0], |r| r.iter().sum()),
         Op::Mean => reduce_rows(&s[0], |r| r.iter().sum::<f64>() / r.len() as f64),
         Op::Argmax => argmax(&s[0]),
@@ -384,9 +384,9 @@ fn rows_map_at(a: &T, f: impl Fn(&[f64], usize, usize, usize) -> Vec<f64>) -> T 
 }
 
 /// Rotate `x [head_dim, n_head, n_tokens, ..]` by `theta_i = pos * freq_scale *
-/// freq_base^(-2i / n_dims)`: pairs `(2i, 2i + 1)` (normal) or `(i, i + n_dims / 2)` (NeoX);
-/// dims from `n_dims` on pass through.
-fn rope(x: &T, pos: &T, p: &RopeParams) -> T {
+/// freq_base^(-2i / n_dims) / factors[i]` (factors 1 without them): pairs `(2i, 2i + 1)`
+/// (normal) or `(i, i + n_dims / 2)` (NeoX); dims from `n_dims` on pass through.
+fn rope(x: &T, pos: &T, factors: Option<&T>, p: &RopeParams) -> T {
     let half = p.n_dims / 2;
     rows_map_at(x, |r, _, i2, _| {
         let t = pos.d[i2];
@@ -394,7 +394,8 @@ fn rope(x: &T, pos: &T, p: &RopeParams) -> T {
         for i in 0..half {
             let theta = t
                 * p.freq_scale as f64
-                * (p.freq_base as f64).powf(-2.0 * i as f64 / p.n_dims as f64);
+                * (p.freq_base as f64).powf(-2.0 * i as f64 / p.n_dims as f64)
+                / factors.map_or(1.0, |f| f.d[i]);
             let (a, b) = match p.mode {
                 RopeMode::Normal => (2 * i, 2 * i + 1),
                 RopeMode::NeoX => (i, i + half),

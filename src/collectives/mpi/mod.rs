@@ -38,7 +38,12 @@
 //! - a peer process that exits or is killed is seen within about 1 ms when it runs on the same
 //!   host (its pid, exchanged at start-up, is polled in `/proc`);
 //! - a peer that sends nothing for the timeout (stalled, or on another host and gone) makes
-//!   the waiting rank give up then, naming it.
+//!   the waiting rank give up then, naming it;
+//! - a peer that finished its work normally (the ranks were given different work) says so on
+//!   the control channel at the end of its `main` ([`finalize`]): the waiting rank names it
+//!   as finished at once, not as stalled after the timeout;
+//! - a process that never starts MPI (one rank given `--help`) is named at start-up, within a
+//!   second or a deadline (`startup.rs`), instead of leaving the others in `MPI_Init_thread`.
 //!
 //! Messages carry a header (sequence number, collective, dtype, sizes, layout fingerprint)
 //! that the receiver compares with its own call, so calls that do not match across ranks are
@@ -52,9 +57,11 @@
 //! MPI is initialized with `MPI_THREAD_SERIALIZED`: calls come from the meta backend's worker
 //! thread and the main thread, one at a time, all under one lock ([`MpiWorld`]'s state).
 
+mod startup;
 mod world;
 
-pub use world::{MpiWorld, Peer, finalize, started_rank, world};
+pub use startup::{INIT_THREAD, STARTUP_TIMEOUT_VAR, startup_timeout};
+pub use world::{MpiWorld, Peer, abort, finalize, started_rank, world};
 
 use super::reduce::{check_reducible, sum_into};
 use super::{Communicator, CommunicatorFactory, SliceLayout};

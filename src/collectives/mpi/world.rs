@@ -1,8 +1,12 @@
-//! `MpiWorld`: this process's place in the MPI job (MPI initialized once, every rank's host
-//! and pid) and the one exchange primitive the collectives are built on: a round of
-//! non-blocking sends and receives with a header per message, waited for with a deadline while
-//! polling abort messages and the peers' liveness (see the parent module's failure model).
+//! `MpiWorld`: this process's place in the MPI job (MPI initialized once, by `startup.rs`,
+//! every rank's host and pid) and the one exchange primitive the collectives are built on: a
+//! round of non-blocking sends and receives with a header per message, waited for with a
+//! deadline while polling control messages (a peer's abort, or its normal finish) and the
+//! peers' liveness (see the parent module's failure model); and the end of the job
+//! ([`finalize`]: every rank says it finished and waits for the others' word before
+//! `MPI_Finalize`, so a rank still waiting in a collective learns that its peer finished).
 
+use super::startup::StartError;
 use crate::{DType, Error, Result};
 use mpi::ffi;
 use parking_lot::Mutex;
@@ -13,13 +17,14 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 const TAG_DATA: c_int = 0x6d73;
-const TAG_CTRL: c_int = 0x6d74;
+pub(super) const TAG_CTRL: c_int = 0x6d74;
 /// Bytes of the header in front of every data message.
 pub(super) const HDR: usize = 32;
-/// Bytes of an abort message (culprit rank, then the reason in UTF-8).
-const CTRL_BYTES: usize = 1024;
-/// How long start-up waits for every process to say who it is.
-const STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+/// Bytes of a control message: a word (the culprit rank of an abort, or [`FINISHED`] with the
+/// sender's rank), then the reason in UTF-8.
+pub(super) const CTRL_BYTES: usize = 1024;
+/// The flag of the first word of a control message that says "I finished normally".
+const FINISHED: u32 = 1 << 31;
 /// How long a waiting rank yields between polls before it starts sleeping between them.
 const YIELD_FOR: Duration = Duration::from_millis(20);
 /// How long a rank that saw a peer exit still polls for that peer's abort message.
@@ -136,6 +141,13 @@ pub struct Peer {
     pub pid: u32,
 }
 
+/// A control message from a peer: its finish word (the text says after which call), or an
+/// abort.
+enum Ctrl {
+    Finished(String),
+    Abort(Fault),
+}
+
 /// A failure and the rank at fault.
 #[derive(Clone, Debug)]
 pub(super) struct Fault {
@@ -180,17 +192,14 @@ pub struct MpiWorld {
     pub(super) finalized: AtomicBool,
 }
 
-static WORLD: OnceLock<std::result::Result<Arc<MpiWorld>, String>> = OnceLock::new();
+static WORLD: OnceLock<std::result::Result<Arc<MpiWorld>, StartError>> = OnceLock::new();
 
-/// This process's MPI world, initializing MPI on the first call.
+/// This process's MPI world, initializing MPI on the first call (bounded: see `startup.rs`).
 pub fn world() -> Result<Arc<MpiWorld>> {
     WORLD
         .get_or_init(|| MpiWorld::init().map(Arc::new))
         .clone()
-        .map_err(|reason| Error::Device {
-            device: "mpi".into(),
-            reason,
-        })
+        .map_err(StartError::into_error)
 }
 
 /// This process's rank if MPI was started (by [`world`]), without starting it.
@@ -201,16 +210,36 @@ pub fn started_rank() -> Option<usize> {
     }
 }
 
-/// Finalize MPI if it was initialized and the group did not fail (`MPI_Finalize` waits for
-/// every process, so after a failure it is skipped: the process exits with its error). Call
-/// once, at the end of `main`.
-pub fn finalize() {
-    if let Some(Ok(w)) = WORLD.get() {
-        w.finalize();
+/// End the job on this rank, if MPI was started and the group did not fail: tell every peer
+/// this rank finished, wait for each peer's word, then `MPI_Finalize`. A peer that aborted or
+/// exited instead makes this an error naming it (`MPI_Finalize` is then skipped: it would
+/// wait for the dead process; the process exits with the error). Call once, at the end of
+/// `main`, after a success.
+pub fn finalize() -> Result<()> {
+    match WORLD.get() {
+        Some(Ok(w)) => w.finalize(),
+        _ => Ok(()),
     }
 }
 
-fn mpi_err(rc: c_int) -> String {
+/// This rank fails with `reason` (an error outside any collective, e.g. a bad prompt on
+/// rank 0): the group is marked failed and every peer is told at once, so a peer waiting for
+/// this rank reports the reason instead of waiting for a timeout. A no-op if MPI was not
+/// started.
+pub fn abort(reason: &str) {
+    if let Some(Ok(w)) = WORLD.get() {
+        w.fail(
+            Fault {
+                culprit: w.rank,
+                reason: reason.to_string(),
+            },
+            None,
+            true,
+        );
+    }
+}
+
+pub(super) fn mpi_err(rc: c_int) -> String {
     let mut buf = vec![0 as std::os::raw::c_char; 512];
     let mut len: c_int = 0;
     // SAFETY: MPI_Error_string writes at most MPI_MAX_ERROR_STRING (256 in OpenMPI) chars and
@@ -223,7 +252,7 @@ fn mpi_err(rc: c_int) -> String {
     format!("MPI error {rc}: {}", String::from_utf8_lossy(&bytes))
 }
 
-fn check(rc: c_int, what: &str) -> std::result::Result<(), String> {
+pub(super) fn check(rc: c_int, what: &str) -> std::result::Result<(), String> {
     if rc == 0 {
         Ok(())
     } else {
@@ -231,23 +260,23 @@ fn check(rc: c_int, what: &str) -> std::result::Result<(), String> {
     }
 }
 
-fn null_request() -> ffi::MPI_Request {
+pub(super) fn null_request() -> ffi::MPI_Request {
     // SAFETY: a constant the MPI library exports; reading it has no side effect.
     unsafe { ffi::RSMPI_REQUEST_NULL }
 }
 
-fn comm_world() -> ffi::MPI_Comm {
+pub(super) fn comm_world() -> ffi::MPI_Comm {
     // SAFETY: as null_request.
     unsafe { ffi::RSMPI_COMM_WORLD }
 }
 
-fn bytes_type() -> ffi::MPI_Datatype {
+pub(super) fn bytes_type() -> ffi::MPI_Datatype {
     // SAFETY: as null_request.
     unsafe { ffi::RSMPI_UINT8_T }
 }
 
 /// Whether process `pid` on this host has exited (gone, or a zombie not yet reaped).
-fn exited(pid: u32) -> bool {
+pub(super) fn exited(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         Ok(s) => {
@@ -260,147 +289,13 @@ fn exited(pid: u32) -> bool {
     }
 }
 
-fn hostname() -> String {
+pub(super) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "?".into())
 }
 
 impl MpiWorld {
-    fn init() -> std::result::Result<MpiWorld, String> {
-        let mut flag: c_int = 0;
-        // SAFETY: MPI_Initialized may be called at any time, even before MPI_Init.
-        check(
-            unsafe { ffi::MPI_Initialized(&mut flag) },
-            "MPI_Initialized",
-        )?;
-        // SAFETY: constants exported by the library.
-        let (serialized, world) = unsafe { (ffi::RSMPI_THREAD_SERIALIZED, comm_world()) };
-        if flag == 0 {
-            let mut provided: c_int = 0;
-            // SAFETY: null argc/argv are allowed (MPI-2); called once (guarded by `WORLD`).
-            let rc = unsafe {
-                ffi::MPI_Init_thread(
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    serialized,
-                    &mut provided,
-                )
-            };
-            check(rc, "MPI_Init_thread")?;
-            if provided < serialized {
-                return Err(format!(
-                    "the MPI library gives thread level {provided}, below MPI_THREAD_SERIALIZED \
-                     ({serialized}) which the meta backend's worker threads need"
-                ));
-            }
-        }
-        // Errors come back as return codes, never as an abort of the job.
-        // SAFETY: MPI is initialized; COMM_WORLD and ERRORS_RETURN are valid handles.
-        check(
-            unsafe { ffi::MPI_Comm_set_errhandler(world, ffi::RSMPI_ERRORS_RETURN) },
-            "MPI_Comm_set_errhandler",
-        )?;
-        let (mut rank, mut size): (c_int, c_int) = (0, 0);
-        // SAFETY: MPI is initialized; the outputs are ours.
-        unsafe {
-            check(ffi::MPI_Comm_rank(world, &mut rank), "MPI_Comm_rank")?;
-            check(ffi::MPI_Comm_size(world, &mut size), "MPI_Comm_size")?;
-        }
-        let (rank, size) = (rank as usize, size as usize);
-        let mut ctrl = Vec::with_capacity(size);
-        for q in 0..size {
-            let mut buf = Box::new([0u8; CTRL_BYTES]);
-            let mut req = null_request();
-            if q != rank {
-                // SAFETY: the boxed buffer lives in the state until the request is cancelled
-                // and completed in `finalize`, or forever (leaked with the state) otherwise.
-                let rc = unsafe {
-                    ffi::MPI_Irecv(
-                        buf.as_mut_ptr().cast::<c_void>(),
-                        CTRL_BYTES as c_int,
-                        bytes_type(),
-                        q as c_int,
-                        TAG_CTRL,
-                        world,
-                        &mut req,
-                    )
-                };
-                check(rc, "MPI_Irecv (abort messages)")?;
-            }
-            ctrl.push((buf, req));
-        }
-        let me = Peer {
-            host: hostname(),
-            pid: std::process::id(),
-        };
-        let w = MpiWorld {
-            rank,
-            size,
-            peers: vec![me.clone(); size],
-            state: Mutex::new(State {
-                seq: 0,
-                send: Vec::new(),
-                recv: vec![Vec::new(); size],
-                ctrl,
-                notified: false,
-            }),
-            failed: AtomicBool::new(false),
-            fault: Mutex::new(None),
-            bytes_moved: AtomicU64::new(0),
-            finalized: AtomicBool::new(false),
-        };
-        // Who is who: 4 bytes of pid, then the host name.
-        let mut hello = (me.pid).to_le_bytes().to_vec();
-        hello.extend_from_slice(me.host.as_bytes());
-        let peers = w.hello(&hello).map_err(|f| {
-            format!(
-                "start-up: rank {} of {size} did not answer: {}",
-                f.culprit, f.reason
-            )
-        })?;
-        // `w` is not shared yet: fill in the peers.
-        let mut w = w;
-        w.peers = peers;
-        Ok(w)
-    }
-
-    /// Exchange start-up records with every peer (deadline `STARTUP_TIMEOUT`).
-    fn hello(&self, mine: &[u8]) -> std::result::Result<Vec<Peer>, Fault> {
-        let mut st = self.state.lock();
-        let sig = self.next_sig(&mut st, Kind::Hello, None, 0, 256, 0);
-        let peers: Vec<usize> = (0..self.size).filter(|&q| q != self.rank).collect();
-        let mut rec = [0u8; 256];
-        rec[..mine.len().min(256)].copy_from_slice(&mine[..mine.len().min(256)]);
-        let sends: Vec<(usize, usize)> = peers.iter().map(|&q| (q, 256)).collect();
-        let recvs: Vec<(usize, usize)> = peers.iter().map(|&q| (q, 256)).collect();
-        self.exchange(
-            &mut st,
-            &sig,
-            &sends,
-            &recvs,
-            &mut |_, out| {
-                out.copy_from_slice(&rec);
-                Ok(())
-            },
-            STARTUP_TIMEOUT,
-        )?;
-        let mut out = Vec::with_capacity(self.size);
-        for q in 0..self.size {
-            let r = if q == self.rank {
-                &rec[..]
-            } else {
-                &st.recv[q][HDR..]
-            };
-            let pid = u32::from_le_bytes(r[0..4].try_into().expect("4 bytes"));
-            let host = String::from_utf8_lossy(&r[4..])
-                .trim_end_matches('\0')
-                .to_string();
-            out.push(Peer { host, pid });
-        }
-        Ok(out)
-    }
-
     pub fn rank(&self) -> usize {
         self.rank
     }
@@ -475,8 +370,8 @@ impl MpiWorld {
         }
     }
 
-    /// Send an abort message to every peer, once. Fire and forget: the request is freed and
-    /// the message buffer leaked, as a dead peer never completes it.
+    /// Send an abort message to every peer, once (no message after this rank's finish word:
+    /// a peer posts one control receive per rank).
     pub(super) fn notify(&self, st: &mut State) {
         if st.notified || self.finalized.load(Acquire) {
             return;
@@ -485,9 +380,15 @@ impl MpiWorld {
         let Some(f) = self.fault.lock().clone() else {
             return;
         };
+        self.send_ctrl(f.culprit as u32, &f.reason);
+    }
+
+    /// Send a control message (`word`, then `text`) to every peer. Fire and forget: the
+    /// request is freed and the message buffer leaked, as a dead peer never completes it.
+    fn send_ctrl(&self, word: u32, text: &str) {
         let mut msg = vec![0u8; CTRL_BYTES];
-        msg[..4].copy_from_slice(&(f.culprit as u32).to_le_bytes());
-        let text = f.reason.as_bytes();
+        msg[..4].copy_from_slice(&word.to_le_bytes());
+        let text = text.as_bytes();
         let n = text.len().min(CTRL_BYTES - 4);
         msg[4..4 + n].copy_from_slice(&text[..n]);
         let msg: &'static [u8] = Vec::leak(msg);
@@ -512,37 +413,63 @@ impl MpiWorld {
         }
     }
 
-    /// An abort message from a peer, if one arrived.
-    fn poll_ctrl(&self, st: &mut State) -> Option<Fault> {
-        for q in 0..self.size {
-            let (buf, req) = &mut st.ctrl[q];
-            if *req == null_request() {
-                continue;
-            }
-            let mut flag: c_int = 0;
-            // SAFETY: `status` is ours; the request is a posted receive of this state.
-            let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
-            let rc = unsafe { ffi::MPI_Test(req, &mut flag, &mut status) };
-            if rc != 0 {
-                return Some(Fault {
-                    culprit: q,
-                    reason: format!("its connection failed: {}", mpi_err(rc)),
-                });
-            }
-            if flag != 0 {
-                let culprit = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
-                let text = String::from_utf8_lossy(&buf[4..])
-                    .trim_end_matches('\0')
-                    .to_string();
-                let reason = if culprit == q {
-                    format!("it aborted: {text}")
-                } else {
-                    format!("{text} (reported by rank {q})")
-                };
-                return Some(Fault {
-                    culprit: culprit.min(self.size.saturating_sub(1)),
-                    reason,
-                });
+    /// The control message of peer `q`, if it arrived: `Ok(Some(None))` for its finish word,
+    /// `Ok(Some(Some(fault)))` for an abort.
+    fn test_ctrl(&self, st: &mut State, q: usize) -> std::result::Result<Option<Ctrl>, Fault> {
+        let (buf, req) = &mut st.ctrl[q];
+        if *req == null_request() {
+            return Ok(None);
+        }
+        let mut flag: c_int = 0;
+        // SAFETY: `status` is ours; the request is a posted receive of this state.
+        let mut status: ffi::MPI_Status = unsafe { std::mem::zeroed() };
+        let rc = unsafe { ffi::MPI_Test(req, &mut flag, &mut status) };
+        if rc != 0 {
+            return Err(Fault {
+                culprit: q,
+                reason: format!("its connection failed: {}", mpi_err(rc)),
+            });
+        }
+        if flag == 0 {
+            return Ok(None);
+        }
+        let word = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes"));
+        let text = String::from_utf8_lossy(&buf[4..])
+            .trim_end_matches('\0')
+            .to_string();
+        if word & FINISHED != 0 {
+            return Ok(Some(Ctrl::Finished(text)));
+        }
+        let culprit = word as usize;
+        let reason = if culprit == q {
+            format!("it aborted: {text}")
+        } else {
+            format!("{text} (reported by rank {q})")
+        };
+        Ok(Some(Ctrl::Abort(Fault {
+            culprit: culprit.min(self.size.saturating_sub(1)),
+            reason,
+        })))
+    }
+
+    /// A control message from a peer while this rank waits in the call `during`: an abort,
+    /// or a peer that finished its work normally (the ranks did different work).
+    fn poll_ctrl(&self, st: &mut State, during: &Sig) -> Option<Fault> {
+        for q in (0..self.size).filter(|&q| q != self.rank) {
+            match self.test_ctrl(st, q) {
+                Ok(None) => {}
+                Ok(Some(Ctrl::Abort(f))) | Err(f) => return Some(f),
+                Ok(Some(Ctrl::Finished(after))) => {
+                    return Some(Fault {
+                        culprit: q,
+                        reason: format!(
+                            "rank {q} finished normally {after}, while rank {} waits in {}: the \
+                             ranks were given different work",
+                            self.rank,
+                            during.describe()
+                        ),
+                    });
+                }
             }
         }
         None
@@ -729,7 +656,7 @@ impl MpiWorld {
             if !pending {
                 return Ok(());
             }
-            if let Some(f) = self.poll_ctrl(st) {
+            if let Some(f) = self.poll_ctrl(st, sig) {
                 return Err(f);
             }
             if self.failed.load(Acquire) {
@@ -751,7 +678,7 @@ impl MpiWorld {
                         // others report the reason rather than only the exit.
                         let seen = Instant::now();
                         while seen.elapsed() < EXIT_GRACE {
-                            if let Some(f) = self.poll_ctrl(st) {
+                            if let Some(f) = self.poll_ctrl(st, sig) {
                                 return Err(f);
                             }
                             std::thread::sleep(Duration::from_millis(1));
@@ -796,22 +723,78 @@ impl MpiWorld {
         }
     }
 
-    fn finalize(&self) {
-        if self.failed.load(Acquire) || self.finalized.swap(true, Release) {
-            return;
+    /// End the job on this rank (see [`finalize`]).
+    fn finalize(&self) -> Result<()> {
+        if self.failed.load(Acquire) || self.finalized.load(Acquire) {
+            return Ok(());
         }
         let mut st = self.state.lock();
-        for (_, req) in st.ctrl.iter_mut() {
-            if *req != null_request() {
-                // SAFETY: a posted receive of ours; cancelling a receive and waiting for it
-                // completes at once (MPI 3.1, 3.8.4).
-                unsafe {
-                    ffi::MPI_Cancel(req);
-                    ffi::MPI_Wait(req, ffi::RSMPI_STATUS_IGNORE);
+        if let Err(f) = self.finish(&mut st) {
+            // Every peer holds this rank's finish word already: nothing more to send.
+            self.fail(f, Some(&mut st), false);
+            return Err(self.failed_error("finish"));
+        }
+        self.finalized.store(true, Release);
+        // SAFETY: every request of ours is complete (the control receives by `finish`, the
+        // data requests by their exchanges); called once (the `finalized` flag).
+        unsafe { ffi::MPI_Finalize() };
+        Ok(())
+    }
+
+    /// Say "finished" to every peer, then wait for every peer's word: its own finish, or an
+    /// abort (a peer still waiting in a collective learns from this rank's word that the
+    /// ranks did different work, and aborts). A peer on this host that exits instead is
+    /// seen through its pid; there is no deadline otherwise (a peer may still be busy with
+    /// work of its own, such as rank 0 printing; `MPI_Finalize` waits for it as well).
+    fn finish(&self, st: &mut State) -> std::result::Result<(), Fault> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        if !st.notified {
+            st.notified = true;
+            self.send_ctrl(
+                FINISHED | self.rank as u32,
+                &format!("after call #{}", st.seq),
+            );
+        }
+        let me = &self.peers[self.rank];
+        let mut last_check = Instant::now();
+        loop {
+            let mut pending = Vec::new();
+            for q in (0..self.size).filter(|&q| q != self.rank) {
+                match self.test_ctrl(st, q)? {
+                    Some(Ctrl::Abort(f)) => return Err(f),
+                    Some(Ctrl::Finished(_)) => {}
+                    None if st.ctrl[q].1 != null_request() => pending.push(q),
+                    None => {}
                 }
             }
+            if pending.is_empty() {
+                return Ok(());
+            }
+            if last_check.elapsed() >= Duration::from_millis(10) {
+                last_check = Instant::now();
+                for &q in &pending {
+                    let p = &self.peers[q];
+                    if p.host == me.host && exited(p.pid) {
+                        // Its last word may still be on its way.
+                        std::thread::sleep(EXIT_GRACE);
+                        if let Some(Ctrl::Abort(f)) = self.test_ctrl(st, q)? {
+                            return Err(f);
+                        }
+                        if st.ctrl[q].1 != null_request() {
+                            return Err(Fault {
+                                culprit: q,
+                                reason: format!(
+                                    "{} exited before it finished its work",
+                                    self.describe_peer(q)
+                                ),
+                            });
+                        }
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
-        // SAFETY: every request of ours is complete; called once (the `finalized` flag).
-        unsafe { ffi::MPI_Finalize() };
     }
 }

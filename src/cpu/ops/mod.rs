@@ -155,7 +155,7 @@ pub fn forward(
         Op::SumRows => norm::sum_rows(p, dst, &src[0], false),
         Op::Mean => norm::sum_rows(p, dst, &src[0], true),
         Op::Argmax => norm::argmax(p, dst, &src[0]),
-        Op::Rope(params) => rope::rope(p, dst, &src[0], &src[1], &params),
+        Op::Rope(params) => rope::rope(p, dst, &src[0], &src[1], src.get(2), &params),
         Op::Cont => copy::cont(p, dst, &src[0]),
         Op::Cpy => copy::cpy(p, dst, &src[0]),
         Op::Concat { dim } => copy::concat(p, dst, &src[0], &src[1], dim),

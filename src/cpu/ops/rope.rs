@@ -1,7 +1,9 @@
 //! Rotary position embedding. For each row `(head, token)`, pairs of dimensions are rotated by
 //! `theta_i = pos * freq_scale * freq_base^(-2i/n_dims)`: adjacent pairs `(2i, 2i+1)` in normal
 //! mode, `(i, i + n_dims/2)` in NeoX mode (ggml `ggml_rope`, modes 0 and 2); dimensions from
-//! `n_dims` on are copied. Angles are computed in f64 per token.
+//! `n_dims` on are copied. Angles are computed in f64 per token; with frequency factors
+//! (ggml's `ggml_rope_ext` `c` operand, Llama 3's `rope_freqs`) pair i's angle is divided by
+//! `factors[i]`.
 
 use super::{read_row_f32, thread_scratch, unravel_row, write_row_f32};
 use crate::cpu::view::{ComputeParams, TensorView};
@@ -12,6 +14,7 @@ pub fn rope(
     dst: &TensorView,
     x: &TensorView,
     pos: &TensorView,
+    factors: Option<&TensorView>,
     rp: &RopeParams,
 ) {
     let n = x.ne[0];
@@ -23,7 +26,14 @@ pub fn rope(
     let (row, rest) = buf.split_at_mut(n);
     let (cos, sin) = rest.split_at_mut(half);
     let mut cur_token = usize::MAX;
-    let inv_freq = |i: usize| (rp.freq_base as f64).powf(-2.0 * i as f64 / rp.n_dims as f64);
+    let inv_freq = |i: usize| {
+        let f = (rp.freq_base as f64).powf(-2.0 * i as f64 / rp.n_dims as f64);
+        match factors {
+            // SAFETY: the builder checked the factors are a contiguous F32 [n_dims / 2].
+            Some(ff) => f / unsafe { ff.ptr(i, 0, 0, 0).cast::<f32>().read_unaligned() } as f64,
+            None => f,
+        }
+    };
     for r in p.range(x.nrows()) {
         let (i1, i2, i3) = unravel_row(r, &x.ne);
         if i2 != cur_token {

@@ -8,13 +8,19 @@
 //! Adding a family is one file here (its `Arch` constant) and one line in [`ARCHS`].
 
 mod bert;
+mod gemma2;
+mod gemma3;
 mod llama;
 mod qwen2;
+mod qwen3;
 pub mod tensor;
 
 pub use bert::BERT;
+pub use gemma2::GEMMA2;
+pub use gemma3::GEMMA3;
 pub use llama::LLAMA;
 pub use qwen2::QWEN2;
+pub use qwen3::QWEN3;
 pub use tensor::{Cut, Dim, Group, Naming, Part, ROLES, RoleInfo, Scope, Tensor, Unit, layer_of};
 
 use crate::op::{RopeMode, UnaryOp};
@@ -41,14 +47,48 @@ pub enum Mlp {
 }
 
 /// What a decoder layer computes: pre-norm attention with a KV cache, then a pre-norm MLP,
-/// each added to the residual stream. Biases are added wherever the model has them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// each added to the residual stream. Optional parts follow the tensors the model has: biases
+/// are added, Q and K are normalized per head (`attn_q_norm`, `attn_k_norm`) and a block's
+/// output is normalized before the residual add (`post_attention_norm`, `post_ffw_norm`)
+/// wherever the model has those tensors.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecoderSpec {
     /// How RoPE pairs dimensions in this family's GGUF files (llama.cpp's
     /// `llama_model_rope_type`: the llama converter permutes Q and K for adjacent pairs,
     /// Qwen2 keeps Hugging Face's halves, NeoX).
     pub rope_mode: RopeMode,
     pub mlp: Mlp,
+    /// Token embeddings multiplied by sqrt(n_embd) (Gemma).
+    pub scale_embeddings: bool,
+    /// The attention scores' scale.
+    pub attn_scale: AttnScale,
+    /// Sliding-window attention on some layers (Gemma 2 and 3).
+    pub swa: Option<SwaSpec>,
+    /// Reads `{arch}.attn_logit_softcapping` and `{arch}.final_logit_softcapping` (Gemma 2).
+    pub softcap: bool,
+}
+
+/// How the attention scores are scaled before the softmax.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnScale {
+    /// 1 / sqrt(head_dim).
+    HeadDim,
+    /// Gemma's `query_pre_attn_scalar`, as llama.cpp sets it (`llama-model.cpp`, after
+    /// gemma_pytorch's config): 1 / sqrt(n_embd / n_head) for the 27B models (the layer count
+    /// names them: `large_layers`), 1 / sqrt(head_dim) otherwise.
+    Gemma { large_layers: &'static [usize] },
+}
+
+/// Which layers attend through a sliding window, after llama.cpp's `set_swa_pattern`: layer
+/// `l` is local when `l % pattern < pattern - 1` (every `pattern`-th layer attends to the
+/// whole context).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SwaSpec {
+    pub pattern: usize,
+    /// The RoPE base of local layers (`None`: the file's `rope.freq_base`, as global layers).
+    pub rope_base: Option<f32>,
+    /// The window when the file has no `{arch}.attention.sliding_window` (`None`: required).
+    pub default_window: Option<usize>,
 }
 
 /// What an encoder layer computes: post-norm attention without a cache (LayerNorm with bias),
@@ -59,7 +99,7 @@ pub struct EncoderSpec {
 }
 
 /// Which graph builder runs the family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kind {
     Decoder(DecoderSpec),
     Encoder(EncoderSpec),
@@ -80,7 +120,14 @@ pub struct Arch {
 }
 
 /// Every architecture metashard runs.
-pub const ARCHS: &[&Arch] = &[&llama::LLAMA, &qwen2::QWEN2, &bert::BERT];
+pub const ARCHS: &[&Arch] = &[
+    &llama::LLAMA,
+    &qwen2::QWEN2,
+    &qwen3::QWEN3,
+    &gemma2::GEMMA2,
+    &gemma3::GEMMA3,
+    &bert::BERT,
+];
 
 impl Arch {
     /// The architecture a GGUF file's `general.architecture` names.
@@ -192,6 +239,12 @@ pub mod groups {
         (AttnKBias, Required),
         (AttnVBias, Required),
     ];
+    /// Per-head Q and K norms (Qwen3, Gemma 3).
+    pub const QK_NORM: &[(Tensor, Need)] = &[(AttnQNorm, Required), (AttnKNorm, Required)];
+    /// Norms of each block's output before its residual add (Gemma 2 and 3).
+    pub const POST_NORMS: &[(Tensor, Need)] = &[(AttnPostNorm, Required), (FfnPostNorm, Required)];
+    /// Llama 3's RoPE frequency factors, when the file has them (`rope_freqs.weight`).
+    pub const ROPE_FACTORS: &[(Tensor, Need)] = &[(RopeFreqs, Optional)];
     /// Attention biases a family may have (llama.cpp loads them optionally for llama).
     pub const OPTIONAL_ATTN_BIAS: &[(Tensor, Need)] = &[
         (AttnQBias, Optional),
@@ -216,9 +269,9 @@ mod tests {
     fn archs_are_found_by_gguf_name_and_unknown_ones_named() {
         assert_eq!(Arch::from_gguf_name("mistral").unwrap().name, "llama");
         assert_eq!(Arch::from_gguf_name("qwen2").unwrap().name, "qwen2");
-        assert!(Arch::from_gguf_name("gemma3").is_none());
-        let e = Arch::unsupported("gemma3");
-        assert!(e.contains("`gemma3`") && e.contains("qwen2"), "{e}");
+        assert!(Arch::from_gguf_name("falcon").is_none());
+        let e = Arch::unsupported("falcon");
+        assert!(e.contains("`falcon`") && e.contains("gemma3"), "{e}");
         // BERT is read from safetensors, not looked up by a GGUF name.
         assert!(Arch::from_gguf_name("bert").is_none());
     }

@@ -4,7 +4,7 @@
 //! `o_proj` without) and `rotate_half`.
 
 use super::groups::{ATTENTION, DECODER_ENDS, GATED_MLP, QKV_BIAS};
-use super::{Arch, DecoderSpec, Kind, Mlp, Naming};
+use super::{Arch, AttnScale, DecoderSpec, Kind, Mlp, Naming};
 use crate::op::{RopeMode, UnaryOp};
 
 pub const QWEN2: Arch = Arch {
@@ -15,5 +15,9 @@ pub const QWEN2: Arch = Arch {
     kind: Kind::Decoder(DecoderSpec {
         rope_mode: RopeMode::NeoX,
         mlp: Mlp::Gated(UnaryOp::Silu),
+        scale_embeddings: false,
+        attn_scale: AttnScale::HeadDim,
+        swa: None,
+        softcap: false,
     }),
 };

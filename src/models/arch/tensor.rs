@@ -20,6 +20,7 @@ pub enum Tensor {
     TokenEmbdNormBias,
     OutputNorm,
     Output,
+    RopeFreqs,
     // Each layer.
     AttnNorm,
     AttnQ,
@@ -32,6 +33,9 @@ pub enum Tensor {
     AttnOutBias,
     AttnOutNorm,
     AttnOutNormBias,
+    AttnQNorm,
+    AttnKNorm,
+    AttnPostNorm,
     FfnNorm,
     FfnGate,
     FfnUp,
@@ -40,6 +44,7 @@ pub enum Tensor {
     FfnDownBias,
     LayerOutNorm,
     LayerOutNormBias,
+    FfnPostNorm,
     // Each layer's KV cache (made at run time, never in a file).
     CacheK,
     CacheV,
@@ -70,6 +75,10 @@ pub enum Dim {
     Q,
     /// All key (or value) heads: `n_head_kv * head_dim`.
     Kv,
+    /// One head: `head_dim`.
+    HeadDim,
+    /// Half the rotated dimensions of a head: `rope_dims / 2`.
+    RopeHalf,
     /// The position table (BERT's `max_position_embeddings`).
     Pos,
     /// The token-type table (BERT's `type_vocab_size`).
@@ -173,6 +182,8 @@ roles! {
     TokenEmbdNormBias, Model, "token_embd_norm.bias", Some("embeddings.LayerNorm.bias"), [Embd, One], Embedding, None;
     OutputNorm, Model, "output_norm.weight", None, [Embd, One], OutputNorm, None;
     Output, Model, "output.weight", None, [Embd, Vocab], Output, cut(Part::Output, 1, Vocab);
+    // Llama 3's per-pair RoPE frequency factors (its long-context scaling).
+    RopeFreqs, Model, "rope_freqs.weight", None, [RopeHalf, One], Norms, None;
     AttnNorm, Layer, "attn_norm.weight", None, [Embd, One], Norms, None;
     AttnQ, Layer, "attn_q.weight", Some("attention.self.query.weight"), [Embd, Q], AttnQkv, cut(Attention, 1, QGroup);
     AttnQBias, Layer, "attn_q.bias", Some("attention.self.query.bias"), [Q, One], AttnQkv, cut(Attention, 0, QGroup);
@@ -185,6 +196,11 @@ roles! {
     AttnOutBias, Layer, "attn_output.bias", Some("attention.output.dense.bias"), [Embd, One], AttnOut, None;
     AttnOutNorm, Layer, "attn_output_norm.weight", Some("attention.output.LayerNorm.weight"), [Embd, One], Norms, None;
     AttnOutNormBias, Layer, "attn_output_norm.bias", Some("attention.output.LayerNorm.bias"), [Embd, One], Norms, None;
+    // Per-head RMS norms of Q and K (Qwen3, Gemma 3): every device normalizes its own heads.
+    AttnQNorm, Layer, "attn_q_norm.weight", None, [HeadDim, One], Norms, None;
+    AttnKNorm, Layer, "attn_k_norm.weight", None, [HeadDim, One], Norms, None;
+    // Norms of a block's output before the residual add (Gemma 2 and 3).
+    AttnPostNorm, Layer, "post_attention_norm.weight", None, [Embd, One], Norms, None;
     FfnNorm, Layer, "ffn_norm.weight", None, [Embd, One], Norms, None;
     FfnGate, Layer, "ffn_gate.weight", None, [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
     FfnUp, Layer, "ffn_up.weight", Some("intermediate.dense.weight"), [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
@@ -193,6 +209,7 @@ roles! {
     FfnDownBias, Layer, "ffn_down.bias", Some("output.dense.bias"), [Embd, One], FfnOut, None;
     LayerOutNorm, Layer, "layer_output_norm.weight", Some("output.LayerNorm.weight"), [Embd, One], Norms, None;
     LayerOutNormBias, Layer, "layer_output_norm.bias", Some("output.LayerNorm.bias"), [Embd, One], Norms, None;
+    FfnPostNorm, Layer, "post_ffw_norm.weight", None, [Embd, One], Norms, None;
     CacheK, Cache, "cache_k_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
     CacheV, Cache, "cache_v_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
 }
@@ -347,7 +364,11 @@ mod tests {
         );
         assert_eq!(Naming::Gguf.parse("blk.x.attn_q.weight"), None);
         assert_eq!(Naming::Gguf.parse("blk.1.attn_qq.weight"), None);
-        assert_eq!(Naming::Gguf.parse("rope_freqs.weight"), None);
+        assert_eq!(
+            Naming::Gguf.parse("rope_freqs.weight"),
+            Some((Tensor::RopeFreqs, None))
+        );
+        assert_eq!(Naming::Gguf.parse("rope_freqz.weight"), None);
         assert_eq!(layer_of("cache_v_l3"), Some(3));
         assert_eq!(layer_of("output.weight"), None);
         assert_eq!(Tensor::CacheK.base_name(), "cache_k");

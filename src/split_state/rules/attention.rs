@@ -24,14 +24,21 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Attention) -> Vec<Pattern
 
 fn rope(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
     let s = &src[0];
+    // Frequency factors (a third source) are per dimension pair: every device needs them all.
+    let with_factors = |mut v: Vec<SplitState>| {
+        if cx.n_src() == 3 {
+            v.push(cx.mirrored());
+        }
+        v
+    };
     let mut out = Vec::new();
     match s.axis {
         // Heads split: positions are shared.
         SplitAxis::Axis(1) | SplitAxis::Partial => {
-            out.push(pat(vec![s.clone(), cx.mirrored()], s.clone()))
+            out.push(pat(with_factors(vec![s.clone(), cx.mirrored()]), s.clone()))
         }
         // Tokens split: positions split alike.
-        SplitAxis::Axis(2) => out.push(pat(vec![s.clone(), moved(s, 0)], s.clone())),
+        SplitAxis::Axis(2) => out.push(pat(with_factors(vec![s.clone(), moved(s, 0)]), s.clone())),
         _ => {}
     }
     out.push(cx.all_mirrored());

@@ -195,6 +195,19 @@ pub fn random_rope(rng: &mut Rng, hd: usize, nh: usize, t: usize, neox: bool) ->
         freq_base: 10000.0,
         freq_scale: rng.pick(&[1.0, 0.5]),
     };
+    // Half the cases with per-pair frequency factors (Llama 3's `rope_freqs`), in 1..8.
+    if rng.below(2) == 1 {
+        let f: Vec<f32> = (0..p.n_dims / 2)
+            .map(|_| 1.0 + rng.below(7000) as f32 / 1000.0)
+            .collect();
+        let factors = Input::from_f32("factors", DType::F32, [p.n_dims / 2, 1, 1, 1], &f);
+        // Any placement but partial sums (pieces of these values do not add up exactly).
+        let sf = Space::any(&factors).no_partial();
+        return Case::new("rope", vec![x, pos, factors], move |g, l| {
+            Ok(vec![g.rope_ext(l[0], l[1], Some(l[2]), p)?])
+        })
+        .space(2, sf);
+    }
     Case::new("rope", vec![x, pos], move |g, l| {
         Ok(vec![g.rope(l[0], l[1], p)?])
     })

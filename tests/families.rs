@@ -69,7 +69,11 @@ fn write(name: &str, bytes: &[u8]) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("metashard-families-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let p = dir.join(name);
-    std::fs::write(&p, bytes).unwrap();
+    // Tests running at once write the same file: write a private copy, then rename it into
+    // place (atomic), so no test opens it half written.
+    let tmp = dir.join(format!("{name}.{:?}.part", std::thread::current().id()));
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
     p
 }
 

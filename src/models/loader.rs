@@ -3,7 +3,8 @@
 //! architecture's table before anything is placed (an unknown tensor, a missing required one,
 //! a wrong shape or an element type metashard cannot run is an error naming it), the weights
 //! placed in any buffer type (a meta buffer scatters them to the devices as they are placed),
-//! the byte-level BPE tokenizer and the chat template.
+//! the tokenizer the file names (byte-level BPE or SentencePiece-style) and its own chat
+//! template (a template that cannot be parsed or rendered is an error naming it).
 //!
 //! When the output projection is tied to the token embedding (no `output.weight`), the
 //! embedding's bytes are placed a second time as `output.weight`, so the embedding can stay
@@ -14,9 +15,8 @@ use super::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use super::weights::{ModelWeights, TensorDecl, decoder_layouts, place_decoder};
 use crate::buffer::{Buffer, BufferType};
 use crate::io::gguf::{GgufFile, GgufTensorInfo};
-use crate::tokenizer::Tokenizer;
-use crate::tokenizer::bpe::BpeTokenizer;
 use crate::tokenizer::chat::ChatTemplate;
+use crate::tokenizer::{GgufTokenizer, Tokenizer};
 use crate::{DType, Error, Result};
 use std::path::Path;
 use std::sync::Arc;
@@ -27,7 +27,7 @@ pub struct DecoderModel {
     pub cfg: DecoderConfig,
     pub weights: ModelWeights,
     pub weight_buffer: Arc<dyn Buffer>,
-    pub tokenizer: BpeTokenizer,
+    pub tokenizer: GgufTokenizer,
     pub chat: Option<ChatTemplate>,
     pub context_length: usize,
     /// Bytes of all weights as stored (the tied output counted once).
@@ -222,7 +222,7 @@ impl DecoderModel {
         let file_bytes_read = crate::io::rss_file_bytes()
             .zip(rss_before)
             .map(|(a, b)| a.saturating_sub(b));
-        let tokenizer = BpeTokenizer::from_gguf(&g)?;
+        let tokenizer = GgufTokenizer::from_gguf(&g)?;
         if tokenizer.vocab_size() != cfg.n_vocab {
             return Err(model_err(
                 &g,
@@ -245,7 +245,7 @@ impl DecoderModel {
                 .opt_str("general.name")?
                 .unwrap_or(cfg.arch.name)
                 .to_string(),
-            chat: ChatTemplate::from_gguf(&g).ok(),
+            chat: ChatTemplate::from_gguf(&g)?,
             context_length: context_length_from_gguf(&g)?,
             cfg,
             weights,

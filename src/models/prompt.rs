@@ -31,10 +31,10 @@ pub fn prompt_tokens(m: &DecoderModel, prompt: &str, opts: &PromptOptions) -> Re
                 msgs.push(ChatMessage::new("system", s));
             }
             msgs.push(ChatMessage::new("user", prompt));
-            let (text, user) = t.render_spans(&msgs, true)?;
             if opts.special {
-                m.tokenizer.encode(&text, true)
+                m.tokenizer.encode(&t.render(&msgs, true)?, true)
             } else {
+                let (text, user) = t.render_spans(&msgs, true)?;
                 m.tokenizer.encode_with_literals(&text, true, &user)
             }
         }

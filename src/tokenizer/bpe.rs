@@ -10,17 +10,13 @@
 //! `llama_token_type`: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 
 use super::pretok::{PreTokenizer, byte_to_char_table, char_to_byte_table};
-use super::{Segment, SpecialMatcher, Tokenizer};
+use super::{GgufVocab, Piece, Specials, TOKEN_TYPE_UNKNOWN, Tokenizer};
+pub use super::{TOKEN_TYPE_CONTROL, TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED};
 use crate::io::GgufFile;
 use crate::{Error, Result};
 use parking_lot::Mutex;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::path::PathBuf;
-
-pub const TOKEN_TYPE_NORMAL: i32 = 1;
-pub const TOKEN_TYPE_CONTROL: i32 = 3;
-pub const TOKEN_TYPE_USER_DEFINED: i32 = 4;
 
 /// Words cached before the cache is cleared (bounds memory on long inputs).
 const CACHE_LIMIT: usize = 65_536;
@@ -53,50 +49,32 @@ fn pair_key(a: u32, b: u32) -> u64 {
 /// Everything a BPE vocabulary is made of, independent of where it was read.
 #[derive(Clone, Debug)]
 pub struct BpeVocab {
-    /// Names the source in messages (the GGUF path).
-    pub source: PathBuf,
-    pub tokens: Vec<String>,
-    /// One per token; empty means all normal.
-    pub token_types: Vec<i32>,
+    /// Tokens, types, special ids and add-BOS/EOS.
+    pub vocab: GgufVocab,
     /// "left right" strings, rank = index.
     pub merges: Vec<String>,
     pub pre: PreTokenizer,
-    pub bos: Option<u32>,
-    pub eos: Option<u32>,
-    pub unk: Option<u32>,
-    pub pad: Option<u32>,
-    pub add_bos: bool,
-    pub add_eos: bool,
 }
 
 pub struct BpeTokenizer {
-    source: PathBuf,
-    tokens: Vec<String>,
-    token_types: Vec<i32>,
+    vocab: GgufVocab,
     ids: HashMap<String, u32>,
     merges: PairMap,
     /// Token id of each single byte's char, when the vocabulary has it.
     byte_ids: [Option<u32>; 256],
     char_to_byte: [i16; 324],
-    /// Control and user-defined tokens.
-    specials: SpecialMatcher,
-    /// User-defined tokens only (matched even when special parsing is off, as llama.cpp does).
-    user_defined: SpecialMatcher,
+    /// Control, unknown and user-defined tokens.
+    specials: Specials,
     pre: PreTokenizer,
-    bos: Option<u32>,
-    eos: Option<u32>,
-    unk: Option<u32>,
-    pad: Option<u32>,
-    add_bos: bool,
-    add_eos: bool,
+    eog: Vec<u32>,
     cache: Mutex<HashMap<String, Vec<u32>>>,
 }
 
 impl std::fmt::Debug for BpeTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BpeTokenizer")
-            .field("source", &self.source)
-            .field("vocab", &self.tokens.len())
+            .field("source", &self.vocab.source)
+            .field("vocab", &self.vocab.tokens.len())
             .field("merges", &self.merges.len())
             .field("pre", &self.pre)
             .finish()
@@ -122,8 +100,8 @@ impl BpeTokenizer {
             return Err(fmt(
                 "metadata key 'tokenizer.ggml.model' value",
                 format!(
-                    "tokenizer model '{model}' is not supported (supported: 'gpt2', byte-level \
-                     BPE); 'llama' (SentencePiece) and others are not implemented"
+                    "tokenizer model '{model}' is not byte-level BPE ('gpt2'); \
+                     GgufTokenizer::from_gguf reads every supported model"
                 ),
             ));
         }
@@ -132,9 +110,8 @@ impl BpeTokenizer {
                 fmt(
                     "metadata key 'tokenizer.ggml.pre' value",
                     format!(
-                        "pre-tokenizer '{p}' is not supported (supported: gpt2, gpt-2, phi-2, \
-                         mpt, olmo, jais, smollm, starcoder, refact, command-r, codeshell, \
-                         exaone)"
+                        "pre-tokenizer '{p}' is not supported (supported: {})",
+                        PreTokenizer::SUPPORTED
                     ),
                 )
             })?,
@@ -146,62 +123,26 @@ impl BpeTokenizer {
                 PreTokenizer::Gpt2
             }
         };
-        let tokens = g.get_str_array("tokenizer.ggml.tokens")?.to_vec();
-        let token_types = g
-            .opt_i32_array("tokenizer.ggml.token_type")?
-            .unwrap_or_default();
-        let merges = g.get_str_array("tokenizer.ggml.merges")?.to_vec();
-        let id = |key: &str| g.opt_u32(key);
         BpeTokenizer::new(BpeVocab {
-            source: g.path().to_path_buf(),
-            tokens,
-            token_types,
-            merges,
+            // llama.cpp's BPE defaults: no special ids, no BOS added unless the file says so.
+            vocab: GgufVocab::from_gguf(g, (None, None, None, false))?,
+            merges: g.get_str_array("tokenizer.ggml.merges")?.to_vec(),
             pre,
-            bos: id("tokenizer.ggml.bos_token_id")?,
-            eos: id("tokenizer.ggml.eos_token_id")?,
-            unk: id("tokenizer.ggml.unknown_token_id")?,
-            pad: id("tokenizer.ggml.padding_token_id")?,
-            add_bos: g.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false),
-            add_eos: g.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
         })
     }
 
     /// Builds the tokenizer and checks the vocabulary: ids in range, token types one per
     /// token, every merge "a b" naming two tokens whose concatenation is a token.
     pub fn new(v: BpeVocab) -> Result<BpeTokenizer> {
-        let src = v.source.clone();
+        v.vocab.check()?;
         let fmt = |key: &str, reason: String| {
-            Error::format(&src, format!("metadata key 'tokenizer.ggml.{key}'"), reason)
+            Error::format(
+                &v.vocab.source,
+                format!("metadata key 'tokenizer.ggml.{key}'"),
+                reason,
+            )
         };
-        let n = v.tokens.len();
-        if n == 0 || n >= u32::MAX as usize {
-            return Err(fmt("tokens", format!("vocabulary of {n} tokens")));
-        }
-        if !v.token_types.is_empty() && v.token_types.len() != n {
-            return Err(fmt(
-                "token_type",
-                format!("{} token types for {n} tokens", v.token_types.len()),
-            ));
-        }
-        for (name, id) in [
-            ("bos", v.bos),
-            ("eos", v.eos),
-            ("unknown", v.unk),
-            ("padding", v.pad),
-        ] {
-            if let Some(id) = id.filter(|&id| id as usize >= n) {
-                return Err(fmt(
-                    &format!("{name}_token_id"),
-                    format!("id {id} is outside the vocabulary of {n} tokens"),
-                ));
-            }
-        }
-        let mut ids = HashMap::with_capacity(n);
-        for (i, t) in v.tokens.iter().enumerate() {
-            // On duplicate strings the first id wins, as in llama.cpp's token_to_id map.
-            ids.entry(t.clone()).or_insert(i as u32);
-        }
+        let ids = v.vocab.ids();
         let mut merges = PairMap::with_capacity_and_hasher(v.merges.len(), Default::default());
         for (rank, m) in v.merges.iter().enumerate() {
             let bad = |why: &str| fmt("merges", format!("element {rank} {m:?}: {why}"));
@@ -226,32 +167,15 @@ impl BpeTokenizer {
         for (b, slot) in byte_ids.iter_mut().enumerate() {
             *slot = ids.get(table[b].to_string().as_str()).copied();
         }
-        let ty = |i: usize| v.token_types.get(i).copied().unwrap_or(TOKEN_TYPE_NORMAL);
-        let pick = |want: &[i32]| {
-            v.tokens
-                .iter()
-                .enumerate()
-                .filter(|&(i, t)| want.contains(&ty(i)) && !t.is_empty())
-                .map(|(i, t)| (t.clone(), i as u32))
-                .collect::<Vec<_>>()
-        };
         Ok(BpeTokenizer {
-            specials: SpecialMatcher::new(pick(&[TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED])),
-            user_defined: SpecialMatcher::new(pick(&[TOKEN_TYPE_USER_DEFINED])),
-            source: v.source,
-            tokens: v.tokens,
-            token_types: v.token_types,
+            specials: v.vocab.specials(),
+            eog: v.vocab.eog(),
+            vocab: v.vocab,
             ids,
             merges,
             byte_ids,
             char_to_byte: char_to_byte_table(),
             pre: v.pre,
-            bos: v.bos,
-            eos: v.eos,
-            unk: v.unk,
-            pad: v.pad,
-            add_bos: v.add_bos,
-            add_eos: v.add_eos,
             cache: Mutex::new(HashMap::new()),
         })
     }
@@ -261,28 +185,30 @@ impl BpeTokenizer {
     }
 
     pub fn pad(&self) -> Option<u32> {
-        self.pad
+        self.vocab.pad
     }
 
     pub fn unk(&self) -> Option<u32> {
-        self.unk
+        self.vocab.unk
     }
 
     /// Whether BOS/EOS are added by `encode(.., add_special = true)`.
     pub fn adds_bos_eos(&self) -> (bool, bool) {
-        (self.add_bos, self.add_eos)
+        (self.vocab.add_bos, self.vocab.add_eos)
     }
 
     pub fn token_type(&self, id: u32) -> i32 {
-        self.token_types
-            .get(id as usize)
-            .copied()
-            .unwrap_or(TOKEN_TYPE_NORMAL)
+        self.vocab.token_type(id)
     }
 
     /// Control tokens (`<|im_end|>`, ...).
     pub fn is_control(&self, id: u32) -> bool {
         self.token_type(id) == TOKEN_TYPE_CONTROL
+    }
+
+    /// EOS and the tokens that end a turn (`<|im_end|>`, `<|eot_id|>`, ...).
+    pub fn eog(&self) -> &[u32] {
+        &self.eog
     }
 
     /// Encodes with an explicit choice: `parse_special` recognizes control tokens written
@@ -314,59 +240,10 @@ impl BpeTokenizer {
         add_special: bool,
         literal: &[std::ops::Range<usize>],
     ) -> Result<Vec<u32>> {
-        let mut pos = 0;
-        for r in literal {
-            if r.start < pos
-                || r.start > r.end
-                || r.end > text.len()
-                || !text.is_char_boundary(r.start)
-                || !text.is_char_boundary(r.end)
-            {
-                return Err(Error::invalid_argument(
-                    "literal range",
-                    format!("{r:?}"),
-                    format!(
-                        "ranges must be sorted, disjoint and on character boundaries of the \
-                         {}-byte text",
-                        text.len()
-                    ),
-                ));
-            }
-            pos = r.end;
-        }
-        // Pieces as byte ranges of `text` (adjacent text joined) or special ids.
-        enum Piece {
-            Text(std::ops::Range<usize>),
-            Special(u32),
-        }
-        let mut pieces: Vec<Piece> = Vec::new();
-        let base = text.as_ptr() as usize;
-        let mut push = |part: std::ops::Range<usize>, matcher: &SpecialMatcher| {
-            for seg in matcher.split(&text[part]) {
-                match seg {
-                    Segment::Special(id) => pieces.push(Piece::Special(id)),
-                    Segment::Text(t) => {
-                        let start = t.as_ptr() as usize - base;
-                        let r = start..start + t.len();
-                        match pieces.last_mut() {
-                            Some(Piece::Text(prev)) if prev.end == r.start => prev.end = r.end,
-                            _ => pieces.push(Piece::Text(r)),
-                        }
-                    }
-                }
-            }
-        };
-        let mut pos = 0;
-        for r in literal {
-            push(pos..r.start, &self.specials);
-            push(r.clone(), &self.user_defined);
-            pos = r.end;
-        }
-        push(pos..text.len(), &self.specials);
-
+        let pieces = self.specials.pieces(text, literal)?;
         let mut out = Vec::with_capacity(text.len() / 3 + 2);
-        if add_special && self.add_bos {
-            out.extend(self.bos);
+        if add_special && self.vocab.add_bos {
+            out.extend(self.vocab.bos);
         }
         let mut words = Vec::new();
         for piece in pieces {
@@ -381,8 +258,8 @@ impl BpeTokenizer {
                 }
             }
         }
-        if add_special && self.add_eos {
-            out.extend(self.eos);
+        if add_special && self.vocab.add_eos {
+            out.extend(self.vocab.eos);
         }
         Ok(out)
     }
@@ -408,9 +285,9 @@ impl BpeTokenizer {
         let mut syms: Vec<Sym> = Vec::with_capacity(word.len());
         for (i, b) in word.bytes().enumerate() {
             let id = self.byte_ids[b as usize]
-                .or(self.unk)
+                .or(self.vocab.unk)
                 .ok_or_else(|| Error::Model {
-                    model: self.source.display().to_string(),
+                    model: self.vocab.source.display().to_string(),
                     reason: format!(
                         "byte {b:#04x} has no token and the vocabulary has no unknown token"
                     ),
@@ -473,16 +350,7 @@ impl BpeTokenizer {
     }
 
     fn check_id(&self, id: u32) -> Result<&str> {
-        self.tokens
-            .get(id as usize)
-            .map(String::as_str)
-            .ok_or_else(|| Error::Model {
-                model: self.source.display().to_string(),
-                reason: format!(
-                    "token id {id} is outside the vocabulary of {}",
-                    self.tokens.len()
-                ),
-            })
+        check_id(&self.vocab, id)
     }
 
     /// The bytes token `id` contributes to decoded text: control and user-defined tokens
@@ -490,7 +358,7 @@ impl BpeTokenizer {
     pub fn token_bytes(&self, id: u32, out: &mut Vec<u8>) -> Result<()> {
         let piece = self.check_id(id)?;
         let ty = self.token_type(id);
-        if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED {
+        if ty == TOKEN_TYPE_CONTROL || ty == TOKEN_TYPE_USER_DEFINED || ty == TOKEN_TYPE_UNKNOWN {
             out.extend_from_slice(piece.as_bytes());
             return Ok(());
         }
@@ -535,16 +403,30 @@ impl Tokenizer for BpeTokenizer {
     }
 
     fn vocab_size(&self) -> usize {
-        self.tokens.len()
+        self.vocab.tokens.len()
     }
 
     fn bos(&self) -> Option<u32> {
-        self.bos
+        self.vocab.bos
     }
 
     fn eos(&self) -> Option<u32> {
-        self.eos
+        self.vocab.eos
     }
+}
+
+/// The stored text of token `id`, or an error naming the vocabulary's source.
+pub(crate) fn check_id(v: &GgufVocab, id: u32) -> Result<&str> {
+    v.tokens
+        .get(id as usize)
+        .map(String::as_str)
+        .ok_or_else(|| Error::Model {
+            model: v.source.display().to_string(),
+            reason: format!(
+                "token id {id} is outside the vocabulary of {}",
+                v.tokens.len()
+            ),
+        })
 }
 
 #[cfg(test)]
@@ -561,17 +443,19 @@ mod tests {
         let mut types = vec![TOKEN_TYPE_NORMAL; tokens.len()];
         *types.last_mut().unwrap() = TOKEN_TYPE_CONTROL;
         BpeTokenizer::new(BpeVocab {
-            source: "tiny".into(),
-            tokens,
-            token_types: types,
+            vocab: GgufVocab {
+                source: "tiny".into(),
+                tokens,
+                token_types: types,
+                bos: None,
+                eos: None,
+                unk: None,
+                pad: None,
+                add_bos: false,
+                add_eos: false,
+            },
             merges: ["a b", "ab c", "Ġ a", "a a"].map(String::from).to_vec(),
             pre: PreTokenizer::Gpt2,
-            bos: None,
-            eos: None,
-            unk: None,
-            pad: None,
-            add_bos: false,
-            add_eos: false,
         })
         .unwrap()
     }

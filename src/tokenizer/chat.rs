@@ -1,21 +1,27 @@
-//! Chat templates without a Jinja engine: a template from `tokenizer.chat_template` is
-//! reduced to a canonical form and matched against the families metashard knows; a match
-//! renders messages with plain Rust, anything else is an error that quotes the template.
+//! Chat templates: the model's own Jinja template (`tokenizer.chat_template`) rendered with
+//! minijinja the way Hugging Face transformers renders it (`apply_chat_template`,
+//! `utils/chat_template_utils.py`): `trim_blocks` and `lstrip_blocks` on, loop controls, the
+//! variables `messages` (a list of `{role, content}`), `add_generation_prompt`, `bos_token`,
+//! `eos_token`, `unk_token`, `pad_token` (those the vocabulary has), `tools` and `documents`
+//! (none), and the functions `raise_exception(message)` and `strftime_now(format)` (UTC here).
+//! Python's string and dict methods (`.strip()`, `.startswith()`, `.items()`) come from
+//! minijinja-contrib's pycompat. A `{% generation %}` block (transformers' assistant-mask
+//! extension) renders its body.
 //!
-//! Canonical form: Jinja tags with trim markers (`{%- -%}`) applied and removed, whitespace
-//! outside string literals removed, string escapes (`\n`, `\'`) resolved, strings re-quoted
-//! with single quotes, and HF transformers' rendering options applied to the text between
-//! tags (`trim_blocks`: drop the first newline after a block tag; `lstrip_blocks`: drop
-//! spaces and tabs before a block tag at the start of a line).
+//! A template is parsed and rendered once on a one-message conversation when it is made, so
+//! one that fails to parse or render is an error at load time naming the template (its first
+//! characters) and the reason.
 //!
-//! Families: ChatML (`<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
-//! `<|im_start|>assistant\n` for a generation prompt), optionally with a default system
-//! prompt emitted when the first message is not a system message (SmolLM2's template).
-//! [`ChatTemplate::render_spans`] also returns where the messages' text lies in the prompt,
-//! so a tokenizer can keep it literal and take control tokens from the markup only.
+//! [`ChatTemplate::render_spans`] also says where each message's text lies in the prompt, so a
+//! tokenizer can keep it literal and take control tokens from the markup only. It renders the
+//! conversation a second time with a marker in place of each message's text and aligns the two
+//! renderings: the template's own text must agree, and each marker's place holds the message's
+//! text (or its trimmed form, for templates that `trim` it).
 
 use crate::io::GgufFile;
 use crate::{Error, Result};
+use minijinja::{Environment, ErrorKind, Value};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,93 +39,132 @@ impl ChatMessage {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ChatFamily {
-    ChatMl { default_system: Option<String> },
+/// The special tokens' text a template may use (`bos_token`, ...), as transformers passes its
+/// `special_tokens_map`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChatTokens {
+    pub bos: Option<String>,
+    pub eos: Option<String>,
+    pub unk: Option<String>,
+    pub pad: Option<String>,
 }
 
-#[derive(Clone, Debug)]
+impl ChatTokens {
+    /// The tokens a GGUF vocabulary names (`tokenizer.ggml.bos_token_id`, ...).
+    pub fn from_gguf(g: &GgufFile) -> Result<ChatTokens> {
+        let tokens = g.opt_str_array("tokenizer.ggml.tokens")?.unwrap_or(&[]);
+        let text = |key: &str| -> Result<Option<String>> {
+            Ok(g.opt_u32(key)?
+                .and_then(|id| tokens.get(id as usize))
+                .cloned())
+        };
+        Ok(ChatTokens {
+            bos: text("tokenizer.ggml.bos_token_id")?,
+            eos: text("tokenizer.ggml.eos_token_id")?,
+            unk: text("tokenizer.ggml.unknown_token_id")?,
+            pad: text("tokenizer.ggml.padding_token_id")?,
+        })
+    }
+}
+
 pub struct ChatTemplate {
-    family: ChatFamily,
     source: String,
+    /// Where the template came from, for messages (the GGUF path).
+    origin: PathBuf,
+    env: Environment<'static>,
+    tokens: ChatTokens,
 }
 
-const SYS: &str = "\u{0}SYSTEM\u{0}";
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
+            .field("begins", &head(&self.source))
+            .finish()
+    }
+}
 
-/// Canonical forms of the known templates; `SYS` stands for the default system prompt.
-fn known() -> Vec<(String, bool)> {
-    let turn = "{{'<|im_start|>'+message['role']+'\n'+message['content']+'<|im_end|>'+'\n'}}";
-    let gen_prompt = "{%ifadd_generation_prompt%}{{'<|im_start|>assistant\n'}}{%endif%}";
-    let plain = format!("{{%formessageinmessages%}}{turn}{{%endfor%}}{gen_prompt}");
-    let with_sys = format!(
-        "{{%formessageinmessages%}}{{%ifloop.firstandmessages[0]['role']!='system'%}}\
-         {{{{'<|im_start|>system\n{SYS}<|im_end|>\n'}}}}{{%endif%}}{turn}{{%endfor%}}{gen_prompt}"
-    );
-    vec![(plain, false), (with_sys, true)]
+const NAME: &str = "chat_template";
+
+/// The first characters of a template, to name it in messages.
+fn head(source: &str) -> String {
+    let h: String = source.chars().take(60).collect();
+    if h.len() < source.len() {
+        format!("{h}...")
+    } else {
+        h
+    }
 }
 
 impl ChatTemplate {
-    /// The template in `tokenizer.chat_template`; errors name the file and key.
-    pub fn from_gguf(g: &GgufFile) -> Result<ChatTemplate> {
-        let text = g.get_str("tokenizer.chat_template")?;
-        ChatTemplate::recognize(text).map_err(|reason| {
-            Error::format(
-                g.path(),
-                "metadata key 'tokenizer.chat_template' value",
-                reason,
-            )
-        })
-    }
-
-    /// Recognizes a template given as text; `source` names where it came from in errors.
-    pub fn parse(text: &str, source: impl Into<PathBuf>) -> Result<ChatTemplate> {
-        let source: PathBuf = source.into();
-        ChatTemplate::recognize(text)
-            .map_err(|reason| Error::format(source.as_path(), "chat template", reason))
-    }
-
-    fn recognize(text: &str) -> std::result::Result<ChatTemplate, String> {
-        let unrecognized = |why: &str| {
-            let head: String = text.chars().take(60).collect();
-            format!(
-                "unrecognized chat template ({why}; supported: ChatML, ChatML with a default \
-                 system prompt); it begins: {head:?}"
-            )
+    /// The template in `tokenizer.chat_template`, or None when the file has none; errors name
+    /// the file, the key and the template.
+    pub fn from_gguf(g: &GgufFile) -> Result<Option<ChatTemplate>> {
+        let Some(text) = g.opt_str("tokenizer.chat_template")? else {
+            return Ok(None);
         };
-        let canon = canonical(text).map_err(|e| unrecognized(&e))?;
-        for (form, has_sys) in known() {
-            if !has_sys {
-                if canon == form {
-                    return Ok(ChatTemplate {
-                        family: ChatFamily::ChatMl {
-                            default_system: None,
-                        },
-                        source: text.to_string(),
-                    });
-                }
-                continue;
-            }
-            let (pre, post) = form.split_once(SYS).expect("form has the placeholder");
-            if canon.len() >= pre.len() + post.len()
-                && canon.starts_with(pre)
-                && canon.ends_with(post)
-            {
-                let sys = &canon[pre.len()..canon.len() - post.len()];
-                if !sys.contains('\'') {
-                    return Ok(ChatTemplate {
-                        family: ChatFamily::ChatMl {
-                            default_system: Some(sys.to_string()),
-                        },
-                        source: text.to_string(),
-                    });
-                }
-            }
-        }
-        Err(unrecognized("no known family matches"))
+        let tokens = ChatTokens::from_gguf(g)?;
+        ChatTemplate::with_origin(text, tokens, g.path()).map(Some)
     }
 
-    pub fn family(&self) -> &ChatFamily {
-        &self.family
+    /// A template given as text; `tokens` are the special tokens' text it may use.
+    pub fn new(text: &str, tokens: ChatTokens) -> Result<ChatTemplate> {
+        ChatTemplate::with_origin(text, tokens, Path::new("<chat template>"))
+    }
+
+    fn with_origin(text: &str, tokens: ChatTokens, origin: &Path) -> Result<ChatTemplate> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| {
+                Error::format(
+                    origin,
+                    "metadata key 'tokenizer.chat_template'",
+                    e.to_string(),
+                )
+            })?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_function("strftime_now", |fmt: String| strftime_utc(&fmt, now_secs()));
+        let t = ChatTemplate {
+            source: text.to_string(),
+            origin: origin.to_path_buf(),
+            env,
+            tokens,
+        };
+        let mut t = t;
+        let body = strip_generation_tags(text);
+        t.env
+            .add_template_owned(NAME, body)
+            .map_err(|e| t.error("cannot be parsed", &e))?;
+        // A trial render, so a template that cannot render fails now rather than at the prompt.
+        t.render(&[ChatMessage::new("user", "Hello")], true)?;
+        Ok(t)
+    }
+
+    fn error(&self, what: &str, e: &minijinja::Error) -> Error {
+        let mut reason = e.to_string();
+        let mut src = std::error::Error::source(e);
+        while let Some(s) = src {
+            reason.push_str(&format!(": {s}"));
+            src = s.source();
+        }
+        Error::format(
+            &self.origin,
+            "metadata key 'tokenizer.chat_template'",
+            format!(
+                "the chat template beginning {:?} {what}: {reason}",
+                head(&self.source)
+            ),
+        )
     }
 
     /// The template text as given.
@@ -127,198 +172,320 @@ impl ChatTemplate {
         &self.source
     }
 
-    pub fn default_system_prompt(&self) -> Option<&str> {
-        match &self.family {
-            ChatFamily::ChatMl { default_system } => default_system.as_deref(),
-        }
-    }
-
     /// The prompt for `messages`; `add_generation_prompt` opens the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        Ok(self.render_spans(messages, add_generation_prompt)?.0)
+        let tmpl = self
+            .env
+            .get_template(NAME)
+            .map_err(|e| self.error("cannot be parsed", &e))?;
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                Value::from_pairs([
+                    ("role", Value::from(m.role.as_str())),
+                    ("content", Value::from(m.content.as_str())),
+                ])
+            })
+            .collect();
+        let mut vars = vec![
+            ("messages", Value::from(messages)),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+            ("tools", Value::from(())),
+            ("documents", Value::from(())),
+        ];
+        // Only the tokens the vocabulary has, as in transformers' special_tokens_map.
+        let t = &self.tokens;
+        for (name, tok) in [
+            ("bos_token", &t.bos),
+            ("eos_token", &t.eos),
+            ("unk_token", &t.unk),
+            ("pad_token", &t.pad),
+        ] {
+            if let Some(tok) = tok {
+                vars.push((name, Value::from(tok.as_str())));
+            }
+        }
+        tmpl.render(Value::from_pairs(vars))
+            .map_err(|e| self.error("cannot be rendered", &e))
     }
 
-    /// [`ChatTemplate::render`], with the byte ranges of the text that came from the messages
-    /// (roles and contents, in order): what a tokenizer should keep as literal text, so that
-    /// control tokens come only from the template's markup
-    /// ([`crate::tokenizer::BpeTokenizer::encode_with_literals`]).
+    /// [`ChatTemplate::render`], with the byte ranges of the messages' text (contents, in
+    /// order) in the prompt: what a tokenizer should keep as literal text, so that control
+    /// tokens come only from the template's markup
+    /// ([`crate::tokenizer::GgufTokenizer::encode_with_literals`]). Roles are the program's,
+    /// not the user's, and are not marked.
     pub fn render_spans(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
-    ) -> Result<(String, Vec<std::ops::Range<usize>>)> {
-        let ChatFamily::ChatMl { default_system } = &self.family;
-        let mut out = String::new();
-        let mut spans = Vec::new();
-        let mut literal = |out: &mut String, text: &str| {
-            let start = out.len();
-            out.push_str(text);
-            if !text.is_empty() {
-                spans.push(start..out.len());
-            }
-        };
-        for (i, m) in messages.iter().enumerate() {
-            if i == 0
-                && messages[0].role != "system"
-                && let Some(sys) = default_system
-            {
-                out.push_str("<|im_start|>system\n");
-                out.push_str(sys);
-                out.push_str("<|im_end|>\n");
-            }
-            out.push_str("<|im_start|>");
-            literal(&mut out, &m.role);
-            out.push('\n');
-            literal(&mut out, &m.content);
-            out.push_str("<|im_end|>\n");
-        }
-        if add_generation_prompt {
-            out.push_str("<|im_start|>assistant\n");
-        }
-        Ok((out, spans))
-    }
-}
-
-/// The canonical form described in the module docs; an error for an unterminated tag or
-/// string.
-fn canonical(t: &str) -> std::result::Result<String, String> {
-    let mut out = String::new();
-    let mut rest = t;
-    // Whether the previous tag asked to trim what follows it ("-%}"), and whether it was a
-    // block tag (trim_blocks removes one newline after it).
-    let mut trim_next = false;
-    let mut after_block = false;
-    loop {
-        let next = ["{%", "{{", "{#"]
+    ) -> Result<(String, Vec<Range<usize>>)> {
+        let real = self.render(messages, add_generation_prompt)?;
+        // A marker character no message and no template text contains.
+        let mark = ('\u{F8F0}'..='\u{F8FF}')
+            .find(|&c| !self.source.contains(c) && !messages.iter().any(|m| m.content.contains(c)))
+            .ok_or_else(|| {
+                Error::invalid_argument(
+                    "chat message",
+                    "(text)",
+                    "the messages use every private-use character U+F8F0..U+F8FF",
+                )
+            })?;
+        let marked: Vec<ChatMessage> = messages
             .iter()
-            .filter_map(|o| rest.find(o).map(|p| (p, *o)))
-            .min();
-        let (pos, open) = match next {
-            Some(x) => x,
-            None => (rest.len(), ""),
-        };
-        let mut lit = &rest[..pos];
-        if trim_next {
-            lit = lit.trim_start();
-        } else if after_block {
-            lit = lit.strip_prefix('\n').unwrap_or(lit);
-        }
-        if open.is_empty() {
-            out.push_str(lit);
-            return Ok(out);
-        }
-        let after_open = &rest[pos + 2..];
-        let trim_before = after_open.starts_with('-');
-        if trim_before {
-            lit = lit.trim_end();
-        } else if open == "{%" {
-            // lstrip_blocks: spaces and tabs between a line start and a block tag.
-            let stripped = lit.trim_end_matches([' ', '\t']);
-            let at_line_start = out.is_empty() || out.ends_with('\n');
-            if stripped.ends_with('\n') || (stripped.is_empty() && at_line_start) {
-                lit = stripped;
-            }
-        }
-        out.push_str(lit);
-        let close = match open {
-            "{%" => "%}",
-            "{{" => "}}",
-            _ => "#}",
-        };
-        let (body, consumed) = tag_body(after_open, close)?;
-        let mut body = body.strip_prefix('-').unwrap_or(body);
-        trim_next = body.ends_with('-');
-        if trim_next {
-            body = &body[..body.len() - 1];
-        }
-        after_block = open != "{{";
-        if open != "{#" {
-            out.push_str(open);
-            squeeze(body, &mut out)?;
-            out.push_str(close);
-        }
-        rest = &after_open[consumed..];
+            .enumerate()
+            .map(|(i, m)| {
+                let content = if m.content.is_empty() {
+                    String::new()
+                } else {
+                    format!("{mark}{i}{mark}")
+                };
+                ChatMessage::new(m.role.clone(), content)
+            })
+            .collect();
+        let with_marks = self.render(&marked, add_generation_prompt)?;
+        let spans = align(&real, &with_marks, mark, messages).ok_or_else(|| {
+            Error::format(
+                &self.origin,
+                "metadata key 'tokenizer.chat_template'",
+                format!(
+                    "the chat template beginning {:?} changes the messages' text in a way \
+                     metashard cannot follow, so the user's text cannot be kept literal; use \
+                     --raw, or --special to tokenize the rendered prompt as a whole",
+                    head(&self.source)
+                ),
+            )
+        })?;
+        Ok((real, spans))
     }
 }
 
-/// The body of a tag up to `close` (outside string literals) and the bytes consumed.
-fn tag_body<'a>(s: &'a str, close: &str) -> std::result::Result<(&'a str, usize), String> {
-    let mut quote = None;
-    let mut chars = s.char_indices();
-    while let Some((i, c)) = chars.next() {
-        match quote {
-            Some(q) => {
-                if c == '\\' {
-                    chars.next();
-                } else if c == q {
-                    quote = None;
+/// A rendering with markers as template text and message indices.
+enum Seg<'a> {
+    Lit(&'a str),
+    Msg(usize),
+}
+
+fn segments(s: &str, mark: char) -> Option<Vec<Seg<'_>>> {
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some(p) = rest.find(mark) {
+        out.push(Seg::Lit(&rest[..p]));
+        let after = &rest[p + mark.len_utf8()..];
+        let q = after.find(mark)?;
+        out.push(Seg::Msg(after[..q].parse().ok()?));
+        rest = &after[q + mark.len_utf8()..];
+    }
+    out.push(Seg::Lit(rest));
+    Some(out)
+}
+
+/// The spans of the messages' text in `real`, from the rendering with markers (module docs).
+fn align(
+    real: &str,
+    marked: &str,
+    mark: char,
+    messages: &[ChatMessage],
+) -> Option<Vec<Range<usize>>> {
+    let segs = segments(marked, mark)?;
+    let mut spans = Vec::new();
+    let mut pos = 0;
+    for (k, seg) in segs.iter().enumerate() {
+        match *seg {
+            Seg::Lit(t) => {
+                if !real[pos..].starts_with(t) {
+                    return None;
                 }
+                pos += t.len();
             }
-            None if c == '\'' || c == '"' => quote = Some(c),
-            None if s[i..].starts_with(close) => return Ok((&s[..i], i + close.len())),
-            None => {}
+            Seg::Msg(i) => {
+                let c = messages.get(i)?.content.as_str();
+                // The template text after the marker (always a literal: segments alternate).
+                let next = match segs.get(k + 1) {
+                    Some(Seg::Lit(t)) => *t,
+                    _ => return None,
+                };
+                let last = k + 2 == segs.len();
+                let fits = |v: &str| {
+                    let end = pos + v.len();
+                    real[pos..].starts_with(v)
+                        && real[end..].starts_with(next)
+                        && (!last || end + next.len() == real.len())
+                };
+                let len = [c, c.trim(), c.trim_start(), c.trim_end()]
+                    .into_iter()
+                    .find(|v| fits(v))
+                    .map(str::len)?;
+                if len > 0 {
+                    spans.push(pos..pos + len);
+                }
+                pos += len;
+            }
         }
     }
-    Err(format!("a tag is not closed with {close}"))
+    (pos == real.len()).then_some(spans)
 }
 
-/// A tag body without whitespace outside strings, strings unescaped and single-quoted.
-fn squeeze(body: &str, out: &mut String) -> std::result::Result<(), String> {
-    let mut chars = body.chars();
+/// The template without transformers' `{% generation %}` / `{% endgeneration %}` tags (its
+/// assistant-mask extension, which renders the block's body as is).
+fn strip_generation_tags(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(p) = rest.find("{%") {
+        let Some(q) = rest[p..].find("%}") else { break };
+        let tag = &rest[p + 2..p + q];
+        let word = tag.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        out.push_str(&rest[..p]);
+        if word != "generation" && word != "endgeneration" {
+            out.push_str(&rest[p..p + q + 2]);
+        }
+        rest = &rest[p + q + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+fn now_secs() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// `datetime.strftime` for the codes chat templates use (%d %m %Y %y %b %B %a %A %H %M %S %j
+/// %%), at `secs` since the Unix epoch in UTC; other codes are copied as written. The civil
+/// date comes from Howard Hinnant's `civil_from_days` (chrono-compatible date algorithms).
+pub fn strftime_utc(fmt: &str, secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+    ];
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const CUM: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = CUM[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let mname = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
     while let Some(c) = chars.next() {
-        if c == '\'' || c == '"' {
-            out.push('\'');
-            loop {
-                match chars.next() {
-                    None => return Err("a string literal is not closed".into()),
-                    Some(x) if x == c => break,
-                    Some('\\') => match chars.next() {
-                        Some('n') => out.push('\n'),
-                        Some('t') => out.push('\t'),
-                        Some(e) => out.push(e),
-                        None => return Err("a string literal is not closed".into()),
-                    },
-                    Some(x) => out.push(x),
-                }
-            }
-            out.push('\'');
-        } else if !c.is_whitespace() {
+        if c != '%' {
             out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year.rem_euclid(100))),
+            Some('b') => out.push_str(&mname[..3]),
+            Some('B') => out.push_str(mname),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('H') => out.push_str(&format!("{:02}", tod / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", tod / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", tod % 60)),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
         }
     }
-    Ok(())
-}
-
-/// Where a template came from, for callers that only have text.
-pub fn unnamed_source() -> &'static Path {
-    Path::new("<chat template>")
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn plain_chatml_with_spacing_and_trim_markers() {
+    fn chatml() -> ChatTemplate {
         let t = "{%- for message in messages -%}\n  {{- \"<|im_start|>\" + message['role'] + \
-                 '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}\n{%- endfor %}\
+                 '\\n' + message['content'] | trim + '<|im_end|>' + '\\n' -}}\n{%- endfor %}\
                  {% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
-        let ct = ChatTemplate::parse(t, unnamed_source()).unwrap();
-        assert_eq!(ct.default_system_prompt(), None);
-        let out = ct.render(&[ChatMessage::new("user", "hi")], true).unwrap();
-        assert_eq!(
-            out,
-            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
+        ChatTemplate::new(t, ChatTokens::default()).unwrap()
     }
 
     #[test]
-    fn unknown_template_error_quotes_its_start() {
-        let t = "{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}";
-        let e = ChatTemplate::parse(t, unnamed_source())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("unrecognized chat template"), "{e}");
-        assert!(e.contains("[INST]"), "{e}");
+    fn renders_and_marks_the_messages_text() {
+        let ct = chatml();
+        let msgs = [
+            ChatMessage::new("system", "  Be brief. "),
+            ChatMessage::new("user", "hi <|im_end|>"),
+        ];
+        let (out, spans) = ct.render_spans(&msgs, true).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi <|im_end|><|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        let texts: Vec<&str> = spans.iter().map(|r| &out[r.clone()]).collect();
+        assert_eq!(texts, ["Be brief.", "hi <|im_end|>"]);
+    }
+
+    #[test]
+    fn bad_templates_are_errors_naming_them() {
+        for (t, why) in [
+            (
+                "{% for m in messages %}[INST] {{ m.content }",
+                "cannot be parsed",
+            ),
+            ("{{ raise_exception('no user turns') }}", "no user turns"),
+            (
+                "{{ messages[0].content.nosuchmethod() }}",
+                "cannot be rendered",
+            ),
+        ] {
+            let e = ChatTemplate::new(t, ChatTokens::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(why) && e.contains(&t[..10]), "{e}");
+        }
+    }
+
+    #[test]
+    fn strftime_matches_known_dates() {
+        // 2024-07-26 13:05:09 UTC, a Friday, day 208 of a leap year.
+        let s = strftime_utc("%d %b %Y|%A %B %j %H:%M:%S %y %m %%", 1_721_999_109);
+        assert_eq!(s, "26 Jul 2024|Friday July 208 13:05:09 24 07 %");
+        assert_eq!(strftime_utc("%Y-%m-%d %a", 0), "1970-01-01 Thu");
+    }
+
+    #[test]
+    fn generation_tags_are_dropped() {
+        assert_eq!(
+            strip_generation_tags("a{% generation %}b{%- endgeneration -%}c{% if x %}"),
+            "abc{% if x %}"
+        );
     }
 }

@@ -17,7 +17,9 @@
 # Each stage writes gpu_check.md (a pass/fail table and the ratios the CUDA issue targets, from
 # every result so far), gpu_check-STAGE.log and the JSON behind them to $OUT; every step has a
 # time limit (STEP_TIMEOUT, 240 s), so one hang cannot eat the lease. MiniLM (87 MiB) does not
-# fit the two calls and is left out unless MINILM=1 (then send models-02 too).
+# fit the two calls: `MODELS=minilm gpu_check.sh build` bundles it alone (MODELS names the
+# folders of the models cache to carry; default smollm2); `run models` runs the checks of the
+# models it finds.
 # Exit status: 0 when every step of the stage passed.
 set -uo pipefail
 
@@ -56,8 +58,9 @@ for line in sys.stdin:
     echo "== model files"
     bash scripts/fetch_models.sh >/dev/null
     models="${METASHARD_MODELS:-$repo/models-cache}"
-    cp -r "$models/smollm2" "$dir/models/models/"
-    [ "${MINILM:-0}" = 1 ] && cp -r "$models/minilm" "$dir/models/models/"
+    for m in ${MODELS:-smollm2}; do
+        cp -r "$models/$m" "$dir/models/models/"
+    done
     tar -C "$dir/models" -cf "$dir/models.tar" models
     rm -rf "$dir/models"
     # The first call carries the binaries and the first model part: 60 MiB together, leaving
@@ -162,15 +165,21 @@ run() {
         step "bench backend" sh -c "\"$bin/metashard\" bench backend --devices cuda --json >\"$res/backend.json\""
         step "torch kernels" sh -c "python3 \"$work/scripts/gpu_torch_ref.py\" >\"$res/torch_ref.json\""
     else
-        step "models on cuda, cuda:0x2" "$bin/cuda_models" --nocapture --skip minilm
-        step "bench model" sh -c "\"$bin/metashard\" bench model --model smollm2 --devices cuda \
-            --devices cuda:0x2 --devices cpu --pp 128 --tg 64 --reps 3 --json >\"$res/model.json\""
-        if ls "$work"/wheels/*.whl >/dev/null 2>&1; then
-            python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site "$work"/wheels/*.whl &&
-                export PYTHONPATH=/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}
+        # The checks of the models the bundle carries (MODELS at build time).
+        local skip=()
+        [ -d "$work/models/minilm" ] || skip+=(--skip minilm)
+        [ -d "$work/models/smollm2" ] || skip+=(--skip smollm2)
+        step "models on cuda, cuda:0x2" "$bin/cuda_models" --nocapture "${skip[@]}"
+        if [ -d "$work/models/smollm2" ]; then
+            step "bench model" sh -c "\"$bin/metashard\" bench model --model smollm2 --devices cuda \
+                --devices cuda:0x2 --devices cpu --pp 128 --tg 64 --reps 3 --json >\"$res/model.json\""
+            if ls "$work"/wheels/*.whl >/dev/null 2>&1; then
+                python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site "$work"/wheels/*.whl &&
+                    export PYTHONPATH=/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}
+            fi
+            step "torch reference" sh -c "python3 \"$work/scripts/gpu_torch_ref.py\" \
+                --gguf \"$work/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\" >\"$res/torch_ref.json\""
         fi
-        step "torch reference" sh -c "python3 \"$work/scripts/gpu_torch_ref.py\" \
-            --gguf \"$work/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\" >\"$res/torch_ref.json\""
     fi
     summary "$res" >"$res/summary.md" 2>>"$log"
     cp "$res"/*.json "$res"/*.log "$res"/*.md "$out"/ 2>/dev/null

@@ -514,6 +514,7 @@ fn special_and_huge_files_are_refused_naming_them() {
             Cluster::load(path).map(|_| ()),
             metashard::planner::load_plan(path, 30, 2).map(|_| ()),
             metashard::io::JsonConfig::open(path).map(|_| ()),
+            metashard::tokenizer::WordPieceTokenizer::from_file(path).map(|_| ()),
         ] {
             let e = e.unwrap_err();
             assert!(matches!(e, Error::Io { .. }), "{e}");

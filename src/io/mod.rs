@@ -12,7 +12,10 @@ pub mod gguf_writer;
 pub mod safetensors;
 
 pub use config::JsonConfig;
-pub use file::{MAX_JSON_BYTES, read_json_text, read_limited, regular_file};
+pub use file::{
+    MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, read_json_text, read_limited, read_text_limited,
+    regular_file,
+};
 pub use gguf::{GgufFile, GgufTensorInfo};
 pub use gguf_types::{GgmlType, GgufArray, GgufType, GgufValue, ggml_type, ggml_type_label};
 pub use gguf_writer::GgufWriter;

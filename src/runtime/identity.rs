@@ -84,7 +84,8 @@ pub fn model_identity(model: &str) -> Result<String> {
                 jsons.push(pooling);
             }
             for p in &jsons {
-                let bytes = std::fs::read(p).map_err(|e| io_err(p, e))?;
+                // tokenizer.json is the largest of them.
+                let bytes = crate::io::read_limited(p, crate::io::MAX_TOKENIZER_JSON_BYTES)?;
                 h = fnv1a(h, p.file_name().map_or(&[][..], |n| n.as_encoded_bytes()));
                 h = fnv1a(h, &bytes);
             }

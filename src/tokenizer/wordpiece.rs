@@ -148,7 +148,7 @@ impl WordPieceTokenizer {
     /// `truncation.max_length` (if any); see [`WordPieceTokenizer::from_model_dir`].
     pub fn from_file(path: impl AsRef<Path>) -> Result<WordPieceTokenizer> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::io::read_text_limited(path, crate::io::MAX_TOKENIZER_JSON_BYTES)?;
         let json: Value = serde_json::from_str(&text)
             .map_err(|e| fmt_err(path, "JSON", format!("line {}: {e}", e.line())))?;
         WordPieceTokenizer::from_json(path, &json)

@@ -242,3 +242,52 @@ fn family_keys_are_read_from_the_file() {
         assert_eq!(got, want, "{}", arch.name);
     }
 }
+
+/// Issue 18 item 4: `metashard verify --reference` (the command a user runs) on each family's
+/// file: the sharded run (cpu:2x1) gives one device's greedy tokens, and both agree with the
+/// numpy reference's tokens and logits.
+#[test]
+fn verify_reference_covers_every_family() {
+    let steps = 4;
+    for (arch, optional) in [
+        (&LLAMA, &[Tensor::RopeFreqs][..]),
+        (&QWEN2, &[]),
+        (&QWEN3, &[]),
+        (&GEMMA2, &[]),
+        (&GEMMA3, &[]),
+    ] {
+        let path = model_file(arch, optional);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(["verify", "--model", path.to_str().unwrap()])
+            .args(["--devices", "cpu:2x1", "--reference", "--raw", "--json"])
+            .args(["--prompt", "Hello, Qwen3!", "--steps", &steps.to_string()])
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        if !out.status.success() {
+            if std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
+                eprintln!("NOTE: METASHARD_SKIP_PYREF=1: verify --reference failed: {stderr}");
+                return;
+            }
+            panic!("{}: verify --reference failed: {stderr}", arch.name);
+        }
+        let v: serde_json::Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("{}: not JSON ({e}): {stdout}", arch.name));
+        assert_eq!(v["greedy_tokens_equal"], steps, "{}: {v}", arch.name);
+        assert_eq!(
+            v["reference_greedy_tokens_equal"], steps,
+            "{}: {v}",
+            arch.name
+        );
+        let nmse = v["reference_logits_nmse"].as_f64().unwrap();
+        assert!(
+            nmse < 1e-5,
+            "{}: NMSE {nmse:.3e} against the reference",
+            arch.name
+        );
+        eprintln!("{}: verify --reference NMSE {nmse:.2e}", arch.name);
+    }
+}

@@ -2,8 +2,9 @@
 //! writer, the family's keys and tensors): its logits at every prompt position match the
 //! independent numpy reference (`scripts/reference/smollm2_ref.py`, which reads the file with
 //! gguf-py and runs each family's Hugging Face math), and the sharded runs (cpu:2x1, cpu:3x1,
-//! a layer split) give one device's greedy tokens. The prompt is longer than the sliding
-//! window of the Gemma files, so local layers mask what global ones see.
+//! a layer split) give one device's greedy tokens; `metashard verify --reference` says so
+//! too. The prompt is longer than the sliding window of the Gemma files, so local layers mask
+//! what global ones see.
 
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;

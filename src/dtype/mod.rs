@@ -3,7 +3,7 @@
 //! their reference quantizers (`formats.rs`: blocks of 32; `kquants.rs` with the scale
 //! searches of `kscales.rs`: the K-quants; `iquants.rs`: IQ4_NL, IQ4_XS), byte views
 //! (`pod.rs`), and conversions of whole rows to and from `f32` through the table. Block
-//! formats that are not yet `DType`s (no kernels) are reached by GGUF id through
+//! formats that are not `DType`s (Q8_K) are reached by GGUF id, as every written one, through
 //! [`format_of`] / [`dequantize_row`].
 //!
 //! Block layouts follow ggml's `ggml-common.h` and the reference quantizers in `ggml-quants.c`,

@@ -3,8 +3,8 @@
 //! name a `DType` variant: the table's macro declares the enum from them, and they add the
 //! kind of number held and the reference conversions of a row to and from f32. The rest of
 //! ggml's types are known by name and size (their data can be sized, skipped and named in
-//! errors: "q5_0 (id 6)"); those whose block format is written (`formats.rs`, `kquants.rs`,
-//! `iquants.rs`) also carry its reference conversions, so files in them can be read and
+//! errors: "iq1_s (id 19)"); Q8_K, whose block format is written (`kquants.rs`),
+//! also carries its reference conversions, so files in it can be read and
 //! written, without being a `DType` that a backend would have to run (a [`Format`]: "formats
 //! without kernels", docs/kernels.md).
 //!

@@ -9,7 +9,7 @@
 
 use metashard::DType;
 use metashard::cuda::comm::{Deposit, Rendezvous};
-use metashard::cuda::kernels::{Fault, KERNELS, SOURCE, Tensor, compile, dtype_code};
+use metashard::cuda::kernels::{Fault, KERNELS, SOURCE, Tensor, compile, dtype_code, kernels_for};
 use metashard::cuda::libs::{Lib, candidates_in, present};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -78,8 +78,15 @@ fn argument_structs_have_the_kernels_layout() {
     // struct Tensor: a pointer, ne[4], nb[4], two ints; struct Fault: two ints, five i64.
     assert_eq!(std::mem::size_of::<Tensor>(), 80);
     assert_eq!(std::mem::size_of::<Fault>(), 48);
-    let codes: Vec<i32> = DType::ALL.iter().map(|&d| dtype_code(d)).collect();
+    // The types with kernels have codes 0..=6; the others (Q5_0 .. IQ4_XS) none yet.
+    let codes: Vec<i32> = DType::ALL.iter().filter_map(|&d| kernels_for(d)).collect();
     assert_eq!(codes, [0, 1, 2, 3, 4, 5, 6]);
+    for d in DType::ALL {
+        if let Some(c) = kernels_for(d) {
+            assert_eq!(dtype_code(d), c, "{d}");
+        }
+    }
+    assert_eq!(kernels_for(DType::Q4_K), None);
     for (name, code) in [("T_F32", 0), ("T_I32", 3), ("T_Q8_0", 4), ("T_Q4_1", 6)] {
         assert!(SOURCE.contains(&format!("#define {name} {code}")), "{name}");
     }

@@ -5,8 +5,8 @@
 //! has (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) equal it byte for byte; every quantizer's round trip stays
 //! within ggml's own error bounds (tests/test-quantize-fns.cpp) and re-quantizing what it
 //! produced keeps it where ggml's algorithm does. The real Gemma 3 270M Q4_K_M file
-//! (`quant_formats/gemma.rs`) dequantizes tensor by tensor as gguf-py does and is refused by the
-//! loader with an error naming what it cannot run.
+//! (`quant_formats/gemma.rs`) dequantizes tensor by tensor as gguf-py does and loads; a weight of
+//! a type without kernels (Q8_K) is refused by the loader with an error naming it.
 //!
 //! The K-quant and IQ4 quantizers were compared with ggml's C reference quantizers
 //! (`quantize_row_*_ref`) outside the test suite, which has no ggml: see docs/kernels.md.

@@ -27,7 +27,18 @@ pub fn row_to_f32(dtype: DType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => (dtype.traits().to_f32)(src, out),
+        DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => (dtype.traits().to_f32)(src, out),
         #[cfg(test)]
         DType::FakeQ4x16 => (dtype.traits().to_f32)(src, out),
     }
@@ -51,7 +62,18 @@ pub fn row_from_f32(dtype: DType, src: &[f32], dst: &mut [u8]) {
             }
         }
         // Quantizing is rare on the hot path (casts); the reference is exact to ggml's.
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => (dtype.traits().from_f32)(src, dst),
+        DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => (dtype.traits().from_f32)(src, dst),
         #[cfg(test)]
         DType::FakeQ4x16 => (dtype.traits().from_f32)(src, dst),
     }

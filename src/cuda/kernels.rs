@@ -93,6 +93,16 @@ pub const fn kernels_for(d: DType) -> Option<i32> {
         DType::Q8_0 => Some(4),
         DType::Q4_0 => Some(5),
         DType::Q4_1 => Some(6),
+        // No CUDA kernels yet (issue 17 item 4): refused by name, the CPU takes these nodes.
+        DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,
     }
@@ -272,7 +282,17 @@ pub(crate) fn gemm_input(dtype: DType) -> Option<(usize, i32, blas_sys::cudaData
         DType::F32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
             Some((4, 0, blas_sys::cudaDataType::CUDA_R_32F))
         }
-        DType::I32 => None,
+        // Not weights the kernels can expand (no code in `kernels_for`).
+        DType::I32
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,
     }

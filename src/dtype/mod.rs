@@ -3,7 +3,7 @@
 //! their reference quantizers (`formats.rs`: blocks of 32; `kquants.rs` with the scale
 //! searches of `kscales.rs`: the K-quants; `iquants.rs`: IQ4_NL, IQ4_XS), byte views
 //! (`pod.rs`), and conversions of whole rows to and from `f32` through the table. Block
-//! formats that are not yet `DType`s (no kernels) are reached by GGUF id through
+//! formats that are not `DType`s (Q8_K) are reached by GGUF id, as every written one, through
 //! [`format_of`] / [`dequantize_row`].
 //!
 //! Block layouts follow ggml's `ggml-common.h` and the reference quantizers in `ggml-quants.c`,
@@ -180,7 +180,13 @@ mod tests {
         assert_eq!(DType::Q4_0.row_size(4096), 4096 / 32 * 18);
         assert_eq!(DType::from_ggml_type(8), Some(DType::Q8_0));
         assert_eq!(DType::from_ggml_type(30), Some(DType::BF16));
-        assert_eq!(DType::from_ggml_type(12), None);
+        assert_eq!(DType::from_ggml_type(12), Some(DType::Q4_K));
+        assert_eq!(DType::Q4_K.row_size(4096), 16 * 144);
+        assert_eq!(
+            DType::from_ggml_type(15),
+            None,
+            "q8_k is an activation type only"
+        );
     }
 
     #[test]
@@ -248,11 +254,17 @@ mod tests {
         // The fake type is a row of test builds only, after the real ones.
         assert_eq!(
             DType::WEIGHT_TYPES,
-            [F32, F16, BF16, Q8_0, Q4_0, Q4_1, FakeQ4x16]
+            [
+                F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+                IQ4_XS, FakeQ4x16
+            ]
         );
         assert_eq!(
             DType::ALL,
-            [F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1, FakeQ4x16]
+            [
+                F32, F16, BF16, I32, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+                IQ4_NL, IQ4_XS, FakeQ4x16
+            ]
         );
         assert!(FakeQ4x16.is_quantized() && !FakeQ4x16.is_float());
         assert_eq!((FakeQ4x16.block_size(), FakeQ4x16.type_size()), (16, 10));

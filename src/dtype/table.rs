@@ -3,8 +3,8 @@
 //! name a `DType` variant: the table's macro declares the enum from them, and they add the
 //! kind of number held and the reference conversions of a row to and from f32. The rest of
 //! ggml's types are known by name and size (their data can be sized, skipped and named in
-//! errors: "q5_0 (id 6)"); those whose block format is written (`formats.rs`, `kquants.rs`,
-//! `iquants.rs`) also carry its reference conversions, so files in them can be read and
+//! errors: "iq1_s (id 19)"); Q8_K, whose block format is written (`kquants.rs`),
+//! also carries its reference conversions, so files in it can be read and
 //! written, without being a `DType` that a backend would have to run (a [`Format`]: "formats
 //! without kernels", docs/kernels.md).
 //!
@@ -166,6 +166,8 @@ macro_rules! type_table {
                     $to:expr, $from:expr),
     )*) => {
         /// The element type of a tensor: one row of the type table (`dtype/table.rs`).
+        // ggml's names (Q4_K, IQ4_NL), as users and files spell them.
+        #[allow(non_camel_case_types)]
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum DType {
             $( $(#[doc = $doc])* $(#[cfg($cfg)])? $v, )*
@@ -209,6 +211,33 @@ type_table! {
     /// Blocks of 32: f16 scale `d`, f16 minimum `m`, 16 bytes of nibbles; x = d * q + m.
     Q4_1 = (3, "q4_1", QK4_1, size_of::<BlockQ4_1>(), Quantized,
             formats::blocks_to_f32::<BlockQ4_1>, formats::blocks_from_f32::<BlockQ4_1>),
+    /// Blocks of 32: f16 scale `d`, 32 high bits, 16 bytes of nibbles; x = d * (q - 16).
+    Q5_0 = (6, "q5_0", BlockQ5_0::BLOCK, size_of::<BlockQ5_0>(), Quantized,
+            formats::blocks_to_f32::<BlockQ5_0>, formats::blocks_from_f32::<BlockQ5_0>),
+    /// Blocks of 32: f16 scale `d`, f16 minimum `m`, 32 high bits, 16 bytes of nibbles; x = d * q + m.
+    Q5_1 = (7, "q5_1", BlockQ5_1::BLOCK, size_of::<BlockQ5_1>(), Quantized,
+            formats::blocks_to_f32::<BlockQ5_1>, formats::blocks_from_f32::<BlockQ5_1>),
+    /// Super-blocks of 256: 16 sub-blocks of 16 with 4-bit scales and minimums, 2-bit values.
+    Q2_K = (10, "q2_k", BlockQ2K::BLOCK, size_of::<BlockQ2K>(), Quantized,
+            formats::blocks_to_f32::<BlockQ2K>, formats::blocks_from_f32::<BlockQ2K>),
+    /// Super-blocks of 256: 16 sub-blocks of 16 with 6-bit scales, 3-bit values.
+    Q3_K = (11, "q3_k", BlockQ3K::BLOCK, size_of::<BlockQ3K>(), Quantized,
+            formats::blocks_to_f32::<BlockQ3K>, formats::blocks_from_f32::<BlockQ3K>),
+    /// Super-blocks of 256: 8 sub-blocks of 32 with 6-bit scales and minimums, 4-bit values.
+    Q4_K = (12, "q4_k", BlockQ4K::BLOCK, size_of::<BlockQ4K>(), Quantized,
+            formats::blocks_to_f32::<BlockQ4K>, formats::blocks_from_f32::<BlockQ4K>),
+    /// Super-blocks of 256: 8 sub-blocks of 32 with 6-bit scales and minimums, 5-bit values.
+    Q5_K = (13, "q5_k", BlockQ5K::BLOCK, size_of::<BlockQ5K>(), Quantized,
+            formats::blocks_to_f32::<BlockQ5K>, formats::blocks_from_f32::<BlockQ5K>),
+    /// Super-blocks of 256: 16 sub-blocks of 16 with 8-bit scales, 6-bit values.
+    Q6_K = (14, "q6_k", BlockQ6K::BLOCK, size_of::<BlockQ6K>(), Quantized,
+            formats::blocks_to_f32::<BlockQ6K>, formats::blocks_from_f32::<BlockQ6K>),
+    /// Blocks of 32: f16 scale, 4-bit indices into a fixed non-linear table.
+    IQ4_NL = (20, "iq4_nl", BlockIq4Nl::BLOCK, size_of::<BlockIq4Nl>(), Quantized,
+            formats::blocks_to_f32::<BlockIq4Nl>, formats::blocks_from_f32::<BlockIq4Nl>),
+    /// Super-blocks of 256: 8 sub-blocks of 32 with 6-bit scales, 4-bit indices into IQ4_NL's table.
+    IQ4_XS = (23, "iq4_xs", BlockIq4Xs::BLOCK, size_of::<BlockIq4Xs>(), Quantized,
+            formats::blocks_to_f32::<BlockIq4Xs>, formats::blocks_from_f32::<BlockIq4Xs>),
     /// Test builds of the library only: a quantized type with blocks of 16 in 10 bytes
     /// ([`formats::BlockFake`]) and no kernels on any backend. Its id is not a ggml id.
     #[cfg(test)]
@@ -249,23 +278,14 @@ const fn blocks<B: GgmlBlock>(id: u32, name: &'static str) -> OtherRow {
 /// 36-38 (repacked CPU layouts) were removed from ggml and are unknown here. Q8_1 is
 /// ggml-common.h's 36-byte `block_q8_1` (half d, half s, 32 int8).
 const OTHER_GGML_TYPES: &[OtherRow] = &[
-    blocks::<BlockQ5_0>(6, "q5_0"),
-    blocks::<BlockQ5_1>(7, "q5_1"),
     named(9, "q8_1", formats::QK8_1, size_of::<formats::BlockQ8_1>()),
-    blocks::<BlockQ2K>(10, "q2_k"),
-    blocks::<BlockQ3K>(11, "q3_k"),
-    blocks::<BlockQ4K>(12, "q4_k"),
-    blocks::<BlockQ5K>(13, "q5_k"),
-    blocks::<BlockQ6K>(14, "q6_k"),
     blocks::<BlockQ8K>(15, "q8_k"),
     named(16, "iq2_xxs", 256, 66),
     named(17, "iq2_xs", 256, 74),
     named(18, "iq3_xxs", 256, 98),
     named(19, "iq1_s", 256, 50),
-    blocks::<BlockIq4Nl>(20, "iq4_nl"),
     named(21, "iq3_s", 256, 110),
     named(22, "iq2_s", 256, 82),
-    blocks::<BlockIq4Xs>(23, "iq4_xs"),
     named(24, "i8", 1, 1),
     named(25, "i16", 1, 2),
     named(27, "i64", 1, 8),
@@ -477,14 +497,16 @@ mod tests {
             .filter(|r| r.conversions.is_some())
             .map(|r| r.ggml.name)
             .collect();
-        assert_eq!(
-            written,
-            [
-                "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_k", "iq4_nl", "iq4_xs"
-            ]
-        );
+        // Q8_K is ggml's activation type for the K-quants: a format, not a weight type.
+        assert_eq!(written, ["q8_k"]);
         for name in written {
             assert_eq!(DType::from_name(name), None, "{name} has no kernels yet");
+        }
+        for name in [
+            "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+        ] {
+            let d = DType::from_name(name).unwrap_or_else(|| panic!("{name} is a DType"));
+            assert!(d.is_quantized(), "{name}");
         }
         assert!(format_of(16).is_none(), "iq2_xxs: name and size only");
         assert!(format_of(99).is_none());

@@ -371,7 +371,18 @@ pub fn dtype_tol(dt: DType) -> f64 {
         DType::BF16 => 1e-4,
         // Quantized tensors as inputs are exact values; as outputs the reference quantizes like
         // the format's definition, so a backend may differ only by an occasional level flip.
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => 1e-6,
+        DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => 1e-6,
     }
 }
 

@@ -137,6 +137,14 @@ fn round_row(dtype: DType, row: &[f64]) -> R<Vec<f64>> {
 /// Write logical values `t` through node `id`'s layout into its root's image, row by row
 /// (quantized rows are whole blocks), rounded to the dtype.
 fn scatter(g: &Graph, mem: &mut Memory, id: TensorId, t: &T) -> R<()> {
+    scatter_rounded(g, mem, id, t, true)
+}
+
+/// [`scatter`], rounding to the dtype only when `round`: a copy between tensors of one dtype
+/// moves the stored values as they are (ggml's `dup` copies the bytes; requantizing values
+/// already in Q3_K or IQ4_XS need not give them back, their scale searches are not
+/// idempotent).
+fn scatter_rounded(g: &Graph, mem: &mut Memory, id: TensorId, t: &T, round: bool) -> R<()> {
     let n = g.node(id);
     if t.ne != n.layout.ne {
         return Err(format!(
@@ -152,7 +160,11 @@ fn scatter(g: &Graph, mem: &mut Memory, id: TensorId, t: &T) -> R<()> {
         .as_mut()
         .ok_or_else(|| format!("`{}` writes a root without an image", n.name))?;
     for (i1, i2, i3) in t.rows() {
-        let row = round_row(n.layout.dtype, t.row(i1, i2, i3))?;
+        let row = if round {
+            round_row(n.layout.dtype, t.row(i1, i2, i3))?
+        } else {
+            t.row(i1, i2, i3).to_vec()
+        };
         for (i0, v) in row.into_iter().enumerate() {
             let e = elem_index(n, [i0, i1, i2, i3])?;
             *img.get_mut(e)
@@ -181,15 +193,12 @@ pub fn evaluate(g: &Graph, inputs: &[(TensorId, Vec<f64>)]) -> R<Memory> {
             Op::Reshape | Op::View { .. } | Op::Permute { .. } => {}
             Op::Cpy => {
                 let s = gather(g, &mem, n.src[0])?;
-                scatter(
-                    g,
-                    &mut mem,
-                    id,
-                    &T {
-                        ne: n.layout.ne,
-                        d: s.d,
-                    },
-                )?;
+                let same = g.layout(n.src[0]).dtype == n.layout.dtype;
+                let t = T {
+                    ne: n.layout.ne,
+                    d: s.d,
+                };
+                scatter_rounded(g, &mut mem, id, &t, !same)?;
             }
             Op::SetRows { window } => {
                 let srcs = sources(g, &mem, n)?;
@@ -200,7 +209,8 @@ pub fn evaluate(g: &Graph, inputs: &[(TensorId, Vec<f64>)]) -> R<Memory> {
                 let srcs = sources(g, &mem, n)?;
                 let out = compute(&n.op, &srcs)?;
                 mem.images[id.index()] = Some(vec![0.0; n.layout.nelements()]);
-                scatter(g, &mut mem, id, &out)?;
+                let copy = matches!(n.op, Op::Cont) && g.layout(n.src[0]).dtype == n.layout.dtype;
+                scatter_rounded(g, &mut mem, id, &out, !copy)?;
             }
         }
     }

@@ -28,11 +28,13 @@ fn state(s: SplitState) -> Place {
 pub fn quantized_weight_follows_k_split_in_whole_blocks_only(t: &Target) {
     let mut rng = Rng::new(1);
     for dt in quantized_weight_types() {
+        let bs = dt.block_size();
         let case = random_mul_mat(&mut rng, dt, [1, 2, 1, 1, 1, 1, 1]);
-        let b = state(SplitState::axis(0, &[21, 11]));
+        let b = state(SplitState::axis(0, &[bs - 11, 11]));
         regress(t, case, vec![Place::Inline, b], 2);
         let case = random_mul_mat(&mut rng, dt, [4, 2, 3, 1, 1, 1, 2]);
-        let b = state(SplitState::segmented(0, &[vec![32, 0, 0], vec![0, 16, 16]]));
+        let (h, hh) = (bs, bs / 2);
+        let b = state(SplitState::segmented(0, &[vec![h, 0, 0], vec![0, hh, hh]]));
         regress(t, case, vec![Place::Inline, b], 3);
     }
 }
@@ -42,17 +44,23 @@ pub fn quantized_weight_follows_k_split_in_whole_blocks_only(t: &Target) {
 pub fn cast_to_quantized_keeps_axis0_split_only_in_whole_blocks(t: &Target) {
     let mut rng = Rng::new(2);
     for to in quantized_weight_types() {
-        let a = Input::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
+        let bs = to.block_size();
+        let a = Input::random(&mut rng, "a", DType::F32, [2 * bs, 3, 1, 1]);
         let case = Case::new("cont", vec![a], move |g, l| Ok(vec![g.cast(l[0], to)?]));
-        regress(t, case, vec![state(SplitState::axis(0, &[3, 61]))], 2);
-        let a = Input::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
+        regress(
+            t,
+            case,
+            vec![state(SplitState::axis(0, &[3, 2 * bs - 3]))],
+            2,
+        );
+        let a = Input::random(&mut rng, "a", DType::F32, [2 * bs, 3, 1, 1]);
         let case = Case::new("cont", vec![a], move |g, l| Ok(vec![g.cast(l[0], to)?]));
-        let s = SplitState::segmented(0, &[vec![0, 32, 0], vec![16, 0, 16]]);
+        let s = SplitState::segmented(0, &[vec![0, bs, 0], vec![bs / 2, 0, bs / 2]]);
         regress(t, case, vec![state(s)], 3);
         // Whole blocks stay split.
-        let a = Input::random(&mut rng, "a", DType::F32, [64, 3, 1, 1]);
+        let a = Input::random(&mut rng, "a", DType::F32, [2 * bs, 3, 1, 1]);
         let case = Case::new("cont", vec![a], move |g, l| Ok(vec![g.cast(l[0], to)?]));
-        regress(t, case, vec![state(SplitState::axis(0, &[32, 0, 32]))], 3);
+        regress(t, case, vec![state(SplitState::axis(0, &[bs, 0, bs]))], 3);
     }
 }
 
@@ -62,7 +70,8 @@ pub fn cast_to_quantized_keeps_axis0_split_only_in_whole_blocks(t: &Target) {
 pub fn segmented_slice_of_quantized_tensor(t: &Target) {
     let mut rng = Rng::new(3);
     for dt in quantized_weight_types() {
-        let table = Input::random(&mut rng, "table", dt, [32, 3, 2, 1]);
+        let bs = dt.block_size();
+        let table = Input::random(&mut rng, "table", dt, [bs, 3, 2, 1]);
         let ids = Input::from_i32("ids", [2, 2, 1, 1], &[2, 0, 1, 1]);
         let case = Case::new("get_rows", vec![table, ids], |g, l| {
             Ok(vec![g.get_rows(l[0], l[1])?])
@@ -70,7 +79,7 @@ pub fn segmented_slice_of_quantized_tensor(t: &Target) {
         let s = SplitState::segmented(1, &[vec![1, 0], vec![0, 1]]);
         regress(t, case, vec![Place::Inline, state(s)], 2);
         let case = random_mul_mat(&mut rng, dt, [6, 3, 2, 1, 1, 1, 1]);
-        let s = SplitState::segmented(0, &[vec![32, 0], vec![0, 32]]);
+        let s = SplitState::segmented(0, &[vec![bs, 0], vec![0, bs]]);
         regress(t, case, vec![Place::Inline, state(s)], 2);
     }
 }

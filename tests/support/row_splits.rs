@@ -94,7 +94,11 @@ pub fn table_split_by_rows_gives_a_partial_lookup(t: &Target) {
     let mut dtypes = vec![DType::F32, DType::F16, DType::BF16];
     dtypes.extend(quantized_weight_types());
     for dt in dtypes {
-        let ne0 = if dt.is_quantized() { 64 } else { 6 };
+        let ne0 = if dt.is_quantized() {
+            2 * dt.block_size()
+        } else {
+            6
+        };
         for (i, (n, state)) in row_splits().into_iter().enumerate() {
             let e2 = 1 + i % 2;
             let table = Input::random(&mut rng, "table", dt, [ne0, 10, e2, 1]);

@@ -11,6 +11,9 @@
 //! - float weights (or quantized ones with f32 activations and medium M, dequantized chunk by
 //!   chunk into per-thread scratch) with small and medium M: register-tiled SIMD kernels
 //!   ([`float`]);
+//! - weights of a type without kernels of its own ([`Weights::Table`]: K-quants, Q5_0/Q5_1,
+//!   IQ4) at every M: rows dequantized by the type table's reference conversion into
+//!   per-thread scratch, then the f32 tiles or the GEMM (correct, not fast: docs/kernels.md);
 //! - large M ([`use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
 //!   the output (`Parallelism::None`), F16/BF16/quantized weights converted to f32 chunk by chunk.
 //!
@@ -134,6 +137,10 @@ pub(crate) enum QuantW {
 pub(crate) enum Weights {
     Float(FloatW),
     Quant(QuantW),
+    /// A quantized type without kernels of its own (the K-quants, Q5_0/Q5_1, IQ4): rows
+    /// dequantized by the type table's reference conversion into per-thread scratch, then the
+    /// f32 tiles or the GEMM, at every M and precision (activations stay f32).
+    Table(DType),
 }
 
 impl Weights {
@@ -146,6 +153,7 @@ impl Weights {
             Weights::Quant(QuantW::Q8_0) => DType::Q8_0,
             Weights::Quant(QuantW::Q4_0) => DType::Q4_0,
             Weights::Quant(QuantW::Q4_1) => DType::Q4_1,
+            Weights::Table(d) => d,
         }
     }
 }
@@ -162,6 +170,15 @@ pub(crate) const fn kernels_for(dtype: DType) -> Option<Weights> {
         DType::Q8_0 => Some(Weights::Quant(QuantW::Q8_0)),
         DType::Q4_0 => Some(Weights::Quant(QuantW::Q4_0)),
         DType::Q4_1 => Some(Weights::Quant(QuantW::Q4_1)),
+        DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => Some(Weights::Table(dtype)),
         DType::I32 => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,
@@ -396,7 +413,9 @@ impl Plan {
                 Weights::Quant(q) if precision == Precision::Q8 => Path::Quant(q),
                 Weights::Quant(q) if m <= FUSED_MAX_M => Path::Fused(q),
                 Weights::Float(wt) if !gemm || f32_rows => Path::Direct { wt, gemm },
-                Weights::Quant(_) | Weights::Float(_) => Path::Convert { w, gemm },
+                Weights::Quant(_) | Weights::Float(_) | Weights::Table(_) => {
+                    Path::Convert { w, gemm }
+                }
             }
         };
         let rows1 = m * batches;

@@ -193,6 +193,11 @@ pub(crate) unsafe fn row_to_f32(isa: Isa, w: Weights, src: *const u8, dst: *mut 
             Weights::Float(FloatW::F16) => simd::f16_to_f32_raw(isa, src, dst, k),
             Weights::Float(FloatW::BF16) => simd::bf16_to_f32_raw(isa, src, dst, k),
             Weights::Quant(wt) => dequant_row(isa, wt, src, dst, k),
+            Weights::Table(d) => {
+                let src = std::slice::from_raw_parts(src, d.row_size(k));
+                let dst = std::slice::from_raw_parts_mut(dst, k);
+                (d.traits().to_f32)(src, dst);
+            }
         }
     }
 }
@@ -763,7 +768,7 @@ mod tests {
 
     #[test]
     fn dequantized_rows_match_the_reference() {
-        let k = 128;
+        let k = 512; // whole blocks of every type (K-quants: 256)
         let x: Vec<f32> = (0..k)
             .map(|i| ((i * 31 % 97) as f32 - 48.0) / 9.0)
             .collect();

@@ -32,7 +32,20 @@ const fn kv_row(dtype: DType) -> Option<KvRow> {
     match dtype {
         DType::F32 => Some(KvRow::F32),
         DType::F16 => Some(KvRow::F16),
-        DType::BF16 | DType::I32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => None,
+        DType::BF16
+        | DType::I32
+        | DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_1
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_NL
+        | DType::IQ4_XS => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,
     }

@@ -35,7 +35,11 @@ fn get_rows_case(dt: DType, table: [usize; 4], lay: Lay, ids: [usize; 4]) -> Cas
 
 fn get_rows_cases(v: &mut Vec<Case>) {
     for dt in DType::WEIGHT_TYPES.iter().copied().chain([I32]) {
-        let ne0 = if dt.is_quantized() { 64 } else { 7 };
+        let ne0 = if dt.is_quantized() {
+            2 * dt.block_size()
+        } else {
+            7
+        };
         let p = Lay::Packed;
         v.push(get_rows_case(dt, [ne0, 10, 1, 1], p, [13, 1, 1, 1]));
         v.push(get_rows_case(dt, [ne0, 10, 2, 1], p, [5, 2, 1, 1]));
@@ -66,7 +70,11 @@ fn get_rows_cases(v: &mut Vec<Case>) {
         at,
     };
     for dt in DType::WEIGHT_TYPES.iter().copied().chain([I32]) {
-        let ne0 = if dt.is_quantized() { 64 } else { 7 };
+        let ne0 = if dt.is_quantized() {
+            2 * dt.block_size()
+        } else {
+            7
+        };
         for win in [w(3, 7, 0), w(6, 10, 1), w(0, 5, 0), w(0, 0, 0)] {
             v.push(
                 case(
@@ -214,15 +222,16 @@ fn cont_cases(v: &mut Vec<Case>) {
         );
     }
     for dt in quantized_weight_types() {
+        let bs = dt.block_size();
         v.push(
             case("cont", "")
-                .packed("a", dt, [64, 3, 2, 1], u())
+                .packed("a", dt, [2 * bs, 3, 2, 1], u())
                 .build(|g, s| g.cont(s[0])),
         );
-        let pad = Lay::Padded { pad: 32, off: 32 };
+        let pad = Lay::Padded { pad: bs, off: bs };
         v.push(
             case("cont", "")
-                .input("a", dt, [64, 3, 2, 1], pad, u())
+                .input("a", dt, [2 * bs, 3, 2, 1], pad, u())
                 .build(|g, s| g.cont(s[0])),
         );
     }

@@ -71,8 +71,10 @@ pub fn mul_mat_cases(v: &mut Vec<Case>) {
         ));
     }
     for dt in quantized_weight_types() {
+        // One, three and eight blocks (K = 32, 96, 256 for blocks of 32).
+        let bs = dt.block_size();
         for m in [1, 2, 7, 32, 33] {
-            for (k, n) in [(32, 7), (96, 33), (256, 16)] {
+            for (k, n) in [(bs, 7), (3 * bs, 33), (8 * bs, 16)] {
                 v.push(mm_case(
                     mnk(m, n, k),
                     (dt, [k, n, 1, 1], p),
@@ -99,15 +101,16 @@ pub fn mul_mat_cases(v: &mut Vec<Case>) {
     ));
     // Batches, and src0 broadcast over dims 2 and 3 (r2 = 3, r3 = 2).
     for &dt in DType::WEIGHT_TYPES {
+        let k = dt.block_size().max(64);
         v.push(mm_case(
             "batch 3 x 2".into(),
-            (dt, [64, 9, 3, 2], p),
-            ([64, 5, 3, 2], p),
+            (dt, [k, 9, 3, 2], p),
+            ([k, 5, 3, 2], p),
         ));
         v.push(mm_case(
             "broadcast r2 = 3, r3 = 2".into(),
-            (dt, [64, 9, 2, 1], p),
-            ([64, 3, 6, 2], p),
+            (dt, [k, 9, 2, 1], p),
+            ([k, 3, 6, 2], p),
         ));
     }
     v.push(mm_case(

@@ -38,7 +38,7 @@ pub fn random_shape(rng: &mut Rng, count: usize) -> [usize; 4] {
 pub fn random_mul_mat(rng: &mut Rng, dt: DType, p: [usize; 7]) -> Case {
     let [k, rows, m, b2, r2, b3, r3] = p;
     let k = if dt.is_quantized() {
-        32 * k.div_ceil(3)
+        dt.block_size() * k.div_ceil(3)
     } else {
         k
     };
@@ -234,7 +234,7 @@ pub fn random_get_rows(
         .collect();
     let dt = rng.pick(&tables);
     let ne0 = if dt.is_quantized() {
-        32 * ne0.div_ceil(3)
+        dt.block_size() * ne0.div_ceil(3)
     } else {
         ne0
     };
@@ -293,8 +293,9 @@ pub fn random_cpy(rng: &mut Rng, ne: [usize; 4]) -> (Case, bool) {
     let quant = rng.chance(1, 4);
     let mut ne = ne;
     let sdt = if quant {
-        ne[0] = 32 * (1 + ne[0] % 2);
-        rng.pick(&quantized_weight_types())
+        let dt = rng.pick(&quantized_weight_types());
+        ne[0] = dt.block_size() * (1 + ne[0] % 2);
+        dt
     } else {
         DType::F32
     };

@@ -241,33 +241,31 @@ fn unknown_and_unsupported_types_keep_metadata_readable() {
     w.add_raw_tensor("q4k", 12, vec![256, 2], vec![7; 288]);
     w.add_raw_tensor("mystery", 99, vec![16], vec![0; 64]);
     w.add_tensor("ok", DType::F32, &[2], vec![0; 8]).unwrap();
-    w.add_raw_tensor("q5", 6, vec![64], vec![1; 44]);
+    w.add_raw_tensor("q8k", 15, vec![256], vec![1; 292]);
     let f = Scratch::write("types.gguf", &w.to_bytes());
     let g = GgufFile::open(&f.0).unwrap();
     assert_eq!(g.architecture().unwrap(), "test");
     let q4k = g.tensor("q4k").unwrap();
-    assert_eq!((q4k.dtype, q4k.nbytes), (None, 288));
+    // Q4_K is a weight type: sized, typed and readable.
+    assert_eq!((q4k.dtype, q4k.nbytes), (Some(DType::Q4_K), 288));
     assert_eq!(
         (q4k.type_name(), q4k.type_label().as_str()),
         (Some("q4_k"), "q4_k (id 12)")
     );
-    // A type ggml has and metashard does not compute with is named, sized and refused.
-    let q5 = g.tensor("q5").unwrap();
+    assert_eq!(g.tensor_data(q4k).unwrap(), &[7u8; 288][..]);
+    // A type ggml has and metashard does not compute with (Q8_K, the K-quants' activation
+    // type) is named, sized and refused.
+    let q8k = g.tensor("q8k").unwrap();
     assert_eq!(
-        (q5.dtype, q5.nbytes, q5.type_label()),
-        (None, 44, "q5_0 (id 6)".into())
+        (q8k.dtype, q8k.nbytes, q8k.type_label()),
+        (None, 292, "q8_k (id 15)".into())
     );
     expect_err(
-        g.tensor_data(q5),
+        g.tensor_data(q8k),
         &f.0,
-        &["tensor info 3 (q5) type", "q5_0 (id 6)", "not supported"],
+        &["tensor info 3 (q8k) type", "q8_k (id 15)", "not supported"],
     );
-    expect_err(
-        g.tensor_data(q4k),
-        &f.0,
-        &["tensor info 0 (q4k) type", "q4_k (id 12)", "not supported"],
-    );
-    assert_eq!(g.raw_tensor_data(q4k).unwrap(), &[7u8; 288][..]);
+    assert_eq!(g.raw_tensor_data(q8k).unwrap(), &[1u8; 292][..]);
     let m = g.tensor("mystery").unwrap();
     assert_eq!((m.ggml_type, m.dtype), (99, None));
     assert_eq!(

@@ -67,17 +67,19 @@ fn extents_that_do_not_add_up() {
 #[test]
 fn quantized_axis0_extents_must_be_whole_blocks() {
     for dt in quantized_weight_types() {
-        let l = Layout::contiguous(dt, [96, 4, 1, 1]);
+        // Three blocks, cut in halves of 1.5 blocks.
+        let b = dt.block_size();
+        let l = Layout::contiguous(dt, [3 * b, 4, 1, 1]);
         let e = bind_error(
             2,
             "blk.3.ffn_down.weight",
             l,
-            SplitState::axis(0, &[48, 48]),
+            SplitState::axis(0, &[3 * b / 2, 3 * b / 2]),
         );
-        assert_invalid(e, "blk.3.ffn_down.weight", "whole blocks of 32");
+        assert_invalid(e, "blk.3.ffn_down.weight", &format!("whole blocks of {b}"));
         // Whole blocks, unevenly and with a zero, are fine.
         let mut states = HashMap::new();
-        states.insert("w".to_string(), SplitState::axis(0, &[64, 0, 32]));
+        states.insert("w".to_string(), SplitState::axis(0, &[2 * b, 0, b]));
         let dev = CPU
             .meta_device(3, 1, states, MetaOptions::default())
             .unwrap();
@@ -122,7 +124,7 @@ fn segments_that_do_not_add_up() {
 #[test]
 fn partial_state_of_a_non_float_tensor() {
     for dt in DType::ALL.into_iter().filter(|d| !d.is_float()) {
-        let l = Layout::contiguous(dt, [32, 2, 1, 1]);
+        let l = Layout::contiguous(dt, [dt.block_size(), 2, 1, 1]);
         let e = bind_error(2, "ids", l, SplitState::partial(2));
         assert_invalid(e, "ids", "Partial");
     }

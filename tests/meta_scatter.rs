@@ -273,8 +273,11 @@ fn every_dtype_axis_and_device_count() {
 /// over N (up to one unit of rounding per split tensor) plus the mirrored bytes.
 #[test]
 fn megatron_weights_allocate_one_nth_plus_mirrored() {
-    let (d, f, heads, hd) = (192, 320, 6, 32);
     for &dt in DType::WEIGHT_TYPES {
+        // Widths in whole blocks: 192, 320, heads of 32 for blocks of 32 (and plain types);
+        // eight times that for the K-quants' blocks of 256.
+        let b = dt.block_size().max(32);
+        let (d, f, heads, hd) = (6 * b, 10 * b, 6, b);
         for n in 1..=8 {
             let weights: Vec<(&str, Layout)> = vec![
                 ("attn_q", Layout::contiguous(dt, [d, heads * hd, 1, 1])),

@@ -173,7 +173,7 @@ fn assert_valid_calibration(c: &Cluster, n: usize) {
         assert!(pos(d.mem_bw) && pos(d.step_overhead_s) && pos(d.node_overhead_s));
         // A CPU reads memory at 0.1 GB/s .. 1 TB/s.
         assert!((1e8..1e12).contains(&d.mem_bw), "{}", d.mem_bw);
-        for t in DType::WEIGHT_TYPES {
+        for t in metashard::calibrate::MEASURED_TYPES {
             let g = d.gemv_bw[t.name()];
             let f = d.gemm_flops[t.name()];
             assert!(pos(g) && (1e8..1e12).contains(&g), "gemv {t}: {g}");
@@ -227,7 +227,7 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
     // A second run: device rates and the all-reduce bandwidth within a factor of 5.
     let c2 = calibrate("cpu:2x1", &opts, &no_progress).unwrap();
     let (a, b) = (&c.devices[0], &c2.devices[0]);
-    for t in DType::WEIGHT_TYPES {
+    for t in metashard::calibrate::MEASURED_TYPES {
         let k = t.name();
         assert!(
             within(a.gemv_bw[k], b.gemv_bw[k], 5.0),

@@ -158,11 +158,16 @@ fn matmul_rates(
     let per_device_gemv = (b.gemv_total / n).max(8 << 20);
     // GEMV: the shapes in turn until the device's weights reach its share of the total.
     step(&format!("GEMV {dt} (M = {GEMV_M})"));
-    let cycle: usize = SHAPES.iter().map(|&(k, m)| dt.row_size(k) * m).sum();
+    // Rows in whole blocks (576 -> 768 for the K-quants' blocks of 256).
+    let base: Vec<(usize, usize)> = SHAPES
+        .iter()
+        .map(|&(k, m)| (k.next_multiple_of(dt.block_size()), m))
+        .collect();
+    let cycle: usize = base.iter().map(|&(k, m)| dt.row_size(k) * m).sum();
     let cycles = per_device_gemv.div_ceil(cycle).max(1);
-    let shapes: Vec<(usize, usize)> = (0..cycles).flat_map(|_| SHAPES).collect();
+    let shapes: Vec<(usize, usize)> = (0..cycles).flat_map(|_| base.clone()).collect();
     let mut tensors = BTreeMap::new();
-    for &(k, m) in &SHAPES {
+    for &(k, m) in &base {
         tensors.insert((k, m), tensor_bytes(dt, k, m)?);
     }
     let p = rig.prepare(&|_, bt| {
@@ -178,7 +183,7 @@ fn matmul_rates(
     r.gemv_nodes.insert(dt.name().into(), shapes.len());
     // GEMM: one copy of the first shapes (compute-bound, the weights may stay cached).
     step(&format!("GEMM {dt} (M = {GEMM_M})"));
-    let shapes = &SHAPES[..b.gemm_shapes];
+    let shapes = &base[..b.gemm_shapes];
     let flops: f64 = shapes
         .iter()
         .map(|&(k, m)| 2.0 * (GEMM_M * k * m) as f64)

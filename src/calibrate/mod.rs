@@ -64,4 +64,4 @@ mod rig;
 
 pub use crate::planner::fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
 pub use driver::{Calibration, calibrate, calibrate_report};
-pub use options::{CalibrateOptions, GEMM_M, GEMV_M, SHAPES, STEP_GAP};
+pub use options::{CalibrateOptions, GEMM_M, GEMV_M, MEASURED_TYPES, SHAPES, STEP_GAP};

@@ -8,12 +8,12 @@
 
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
-use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, QWEN2, QWEN3, Tensor};
+use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, PHI3, QWEN2, QWEN3, Tensor};
 use metashard::models::hparams::{DecoderConfig, SlidingWindow};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
 use metashard::models::session::Session;
-use metashard::models::synthetic::gguf_bytes_with;
+use metashard::models::synthetic::{gguf_bytes_extra, gguf_bytes_with};
 use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, max_abs, nmse};
 use metashard::{DType, Result};
@@ -60,6 +60,15 @@ fn config(arch: &'static Arch) -> DecoderConfig {
                 c.attn_softcap = Some(0.75);
                 c.final_softcap = Some(2.5);
             }
+        }
+        "phi3" => {
+            // Phi-4-mini's partial rotary (12 of 16 dimensions) and a window on every layer.
+            c.rope_dims = 12;
+            c.swa = Some(SlidingWindow {
+                window: 5,
+                pattern: 0,
+                rope_base: c.rope_base,
+            });
         }
         _ => {}
     }
@@ -230,11 +239,62 @@ fn gemma3_matches_the_reference_and_splits() {
     splits_give_one_devices_tokens(&GEMMA3, &[]);
 }
 
+/// Phi-3: Q | K | V and gate | up fused (split per segment on cpu:2x1 and cpu:3x1: each
+/// device its heads' Q, K and V rows, its share of gate and of up), 8 heads over 2 KV heads,
+/// partial rotary, a window on every layer.
+#[test]
+fn phi3_matches_the_reference_and_splits() {
+    matches_the_reference(&PHI3, &[]);
+    splits_give_one_devices_tokens(&PHI3, &[]);
+}
+
+/// The planner's model shape of a Phi-3 file counts the fused tensors' bytes as the loader
+/// places them, and both equal the file's tensor data (no tied output here).
+#[test]
+fn phi3_shape_counts_the_fused_tensors() {
+    let path = model_file(&PHI3, &[]);
+    let shape = metashard::planner::ModelShape::from_gguf(&path).unwrap();
+    let (_, m) = open(&path, "cpu:1x1", SplitMode::Tensor).unwrap();
+    assert_eq!(shape.weight_bytes(), m.weight_bytes);
+    let c = config(&PHI3);
+    let (e, q, kv, f) = (c.n_embd, c.n_embd_q(), c.n_embd_kv(), c.n_ff);
+    let layer = e * (q + 2 * kv) + q * e + e * 2 * f + f * e + 2 * e;
+    let model = 2 * c.n_vocab * e + e;
+    assert_eq!(m.weight_bytes, 4 * (model + c.n_layer * layer));
+    assert_eq!(shape.types.ffn_gate_up, DType::F32);
+}
+
+/// A Phi-3 file with LongRoPE factors (the 128k-context models) is refused naming the
+/// tensor, never run with plain RoPE; a file without the window key has no window.
+#[test]
+fn phi3_long_rope_is_refused_by_name() {
+    let c = config(&PHI3);
+    let half = c.rope_dims / 2;
+    for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+        let extra = [(name, vec![1.0f32; half])];
+        let bytes = gguf_bytes_extra(&c, DType::F32, false, 512, 11, &[], &extra).unwrap();
+        let path = write(&format!("phi3-{name}.gguf"), &bytes);
+        let e = open(&path, "cpu:1x1", SplitMode::Tensor)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(name) && e.contains("LongRoPE"), "{e}");
+    }
+    let mut c0 = c.clone();
+    c0.swa = None;
+    let bytes = gguf_bytes_with(&c0, DType::F32, false, 512, 11, &[]).unwrap();
+    let path = write("phi3-no-window.gguf", &bytes);
+    // Without the window key: no sliding window.
+    let g = metashard::io::GgufFile::open(&path).unwrap();
+    let got = metashard::models::hparams::config_from_gguf(&g).unwrap();
+    assert_eq!(got.swa, None);
+}
+
 /// The families' keys are read as the config says: a head size from `key_length`, the
 /// window, the local RoPE base, the scales and the caps.
 #[test]
 fn family_keys_are_read_from_the_file() {
-    for arch in [&QWEN3, &GEMMA2, &GEMMA3] {
+    for arch in [&QWEN3, &GEMMA2, &GEMMA3, &PHI3] {
         let path = model_file(arch, &[]);
         let g = metashard::io::GgufFile::open(&path).unwrap();
         let got = metashard::models::hparams::config_from_gguf(&g).unwrap();
@@ -256,6 +316,7 @@ fn verify_reference_covers_every_family() {
         (&QWEN3, &[]),
         (&GEMMA2, &[]),
         (&GEMMA3, &[]),
+        (&PHI3, &[]),
     ] {
         let path = model_file(arch, optional);
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Independent numpy reference of the SmolLM2 (llama architecture) forward pass, and of the other
-decoder families metashard runs (qwen2, qwen3, gemma2, gemma3).
+decoder families metashard runs (qwen2, qwen3, gemma2, gemma3, phi3).
 
 metashard's Rust tests call this script as a subprocess and compare their logits and
 greedy tokens with what it prints. It shares no code with metashard: it reads the GGUF
@@ -28,6 +28,13 @@ Sources of the facts used here (formats and algorithms only, no code taken):
     one RoPE base; gemma3: pattern 6, the file's window, local RoPE base 10000); gemma2 also
     soft-caps the attention scores and the logits, cap * tanh(x / cap). GGUF stores Gemma's
     RMS norm weights with the 1 + w already added, so they multiply as any other.
+  * phi3 (Hugging Face's Phi3 modelling; llama.cpp's LLM_ARCH_PHI3 tensors): llama's layer
+    with Q | K | V in one matrix (attn_qkv, ne = [n_embd, (n_head + 2 n_head_kv) head_dim],
+    rows Q then K then V) and gate | up in one matrix named ffn_up (ne = [n_embd, 2 n_ff],
+    gate rows first: silu(gate) * up, HF's `gate, up = up_states.chunk(2)`); NeoX RoPE over
+    phi3.rope.dimension_count dims of each head (partial rotary: the rest pass through);
+    with phi3.attention.sliding_window, every layer attends through the window (HF's mask);
+    LongRoPE files (rope_factors_long/short) are refused.
   * llama.cpp runs LLM_ARCH_LLAMA with LLAMA_ROPE_TYPE_NORM: the HF->GGUF converter
     permutes the rows of Q and K so that the rotation acts on ADJACENT pairs
     (x[2i], x[2i+1]) of each head, theta_i = pos * base^(-2i / n_rot).
@@ -169,9 +176,9 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         raise RefError(f"cannot parse GGUF file {path}: {e}")
 
     arch = _field_str(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3"):
+    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
         raise RefError(
-            f"{path}: general.architecture is '{arch}', this reference handles llama, qwen2, qwen3, gemma2, gemma3"
+            f"{path}: general.architecture is '{arch}', this reference handles llama, qwen2, qwen3, gemma2, gemma3, phi3"
         )
 
     def u(key, required=True):
@@ -218,6 +225,12 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         else:
             hp.swa_window = int(u("attention.sliding_window"))
             hp.swa_pattern, hp.swa_rope_base = 6, 10000.0
+    if arch == "phi3":
+        hp.swa_window = int(u("attention.sliding_window", False) or 0)
+        hp.swa_pattern, hp.swa_rope_base = 0, hp.rope_base  # pattern 0: every layer
+        for t in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            if t in tensors:
+                raise RefError(f"{path}: tensor '{t}': LongRoPE is not implemented here")
     if head_dim * n_head != n_embd and u("attention.key_length", False) is None:
         raise RefError(f"{path}: {n_head} heads do not divide the width {n_embd}")
     if n_head % n_head_kv or n_rot > head_dim or n_rot % 2:
@@ -243,9 +256,30 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     def opt(name: str, ne: list[int]):
         return get(name, ne) if name in tensors else None
 
+    def attn_qkv(p: str):
+        """Q, K, V weights: three tensors, or the rows of Phi-3's fused attn_qkv."""
+        Q, KVW = hp.n_head * HD, hp.n_head_kv * HD
+        if arch != "phi3":
+            return (
+                get(p + "attn_q.weight", [E, Q]),
+                get(p + "attn_k.weight", [E, KVW]),
+                get(p + "attn_v.weight", [E, KVW]),
+            )
+        w = get(p + "attn_qkv.weight", [E, Q + 2 * KVW])
+        return w[:Q], w[Q : Q + KVW], w[Q + KVW :]
+
+    def gate_up(p: str):
+        """Gate and up weights: two tensors, or the halves of Phi-3's fused ffn_up."""
+        if arch != "phi3":
+            return get(p + "ffn_gate.weight", [E, F]), get(p + "ffn_up.weight", [E, F])
+        w = get(p + "ffn_up.weight", [E, 2 * F])
+        return w[:F], w[F:]
+
     layers = []
     for i in range(hp.n_layer):
         p = f"blk.{i}."
+        wq, wk, wv = attn_qkv(p)
+        w_gate, w_up = gate_up(p)
         if arch == "qwen2":
             for b in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
                 if p + b not in tensors:
@@ -253,13 +287,13 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         layers.append(
             Layer(
                 attn_norm=get(p + "attn_norm.weight", [E]),
-                wq=get(p + "attn_q.weight", [E, hp.n_head * HD]),
-                wk=get(p + "attn_k.weight", [E, hp.n_head_kv * HD]),
-                wv=get(p + "attn_v.weight", [E, hp.n_head_kv * HD]),
+                wq=wq,
+                wk=wk,
+                wv=wv,
                 wo=get(p + "attn_output.weight", [hp.n_head * HD, E]),
                 ffn_norm=get(p + "ffn_norm.weight", [E]),
-                w_gate=get(p + "ffn_gate.weight", [E, F]),
-                w_up=get(p + "ffn_up.weight", [E, F]),
+                w_gate=w_gate,
+                w_up=w_up,
                 w_down=get(p + "ffn_down.weight", [F, E]),
                 bq=opt(p + "attn_q.bias", [hp.n_head * HD]),
                 bk=opt(p + "attn_k.bias", [hp.n_head_kv * HD]),
@@ -396,7 +430,8 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
 
     x = m.tok_embd[np.asarray(tokens)] * dtype.type(hp.embd_scale)  # (n, E)
     for li, L in enumerate(m.layers):
-        local = hp.swa_window > 0 and li % hp.swa_pattern < hp.swa_pattern - 1
+        # pattern 0: every layer is local (llama.cpp's set_swa_pattern)
+        local = hp.swa_window > 0 and (hp.swa_pattern == 0 or li % hp.swa_pattern < hp.swa_pattern - 1)
         masked = masked_local if local else masked_global
         c_, s_ = (cos_l, sin_l) if local else (cos, sin)
         h = rms_norm(x, L.attn_norm, hp.rms_eps)

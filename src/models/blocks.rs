@@ -86,13 +86,114 @@ pub fn linear(
     add_bias(g, y, b)
 }
 
+/// The Q, K and V projections of a layer's normed input `cur` `[n_embd, t]`, each `[rows, t]`
+/// with its bias where the layer has one: from three matrices (each product made when asked,
+/// after all weights are declared), or from Q | K | V in one matrix (Phi-3's `attn_qkv`, as
+/// llama.cpp's `build_qkv` reads it): one product at declaration, then each segment's rows
+/// viewed and made contiguous. Under tensor parallelism the fused weight is split per segment,
+/// so each device's view holds its own heads' rows.
+pub enum Qkv {
+    Separate {
+        cur: TensorId,
+        w: [TensorId; 3],
+        b: [Option<TensorId>; 3],
+    },
+    Fused {
+        qkv: TensorId,
+        q_rows: usize,
+        kv_rows: usize,
+    },
+}
+
+impl Qkv {
+    /// Declare the layer's Q/K/V weights (and make the fused product).
+    pub fn declare(
+        g: &mut Graph,
+        lw: &Weights,
+        cur: TensorId,
+        q_rows: usize,
+        kv_rows: usize,
+    ) -> Result<Qkv> {
+        if let Some(w) = lw.opt(Tensor::AttnQkv) {
+            let qkv = linear(g, cur, w, None)?;
+            return Ok(Qkv::Fused {
+                qkv,
+                q_rows,
+                kv_rows,
+            });
+        }
+        let w = [
+            lw.get(Tensor::AttnQ)?.leaf(g)?,
+            lw.get(Tensor::AttnK)?.leaf(g)?,
+            lw.get(Tensor::AttnV)?.leaf(g)?,
+        ];
+        let b = [
+            leaf_opt(g, lw, Some(Tensor::AttnQBias))?,
+            leaf_opt(g, lw, Some(Tensor::AttnKBias))?,
+            leaf_opt(g, lw, Some(Tensor::AttnVBias))?,
+        ];
+        Ok(Qkv::Separate { cur, w, b })
+    }
+
+    /// Projection `i` (0: Q, 1: K, 2: V).
+    fn get(&self, g: &mut Graph, i: usize) -> Result<TensorId> {
+        match *self {
+            Qkv::Separate { cur, w, b } => {
+                let y = g.mul_mat(w[i], cur)?;
+                add_bias(g, y, b[i])
+            }
+            Qkv::Fused {
+                qkv,
+                q_rows,
+                kv_rows,
+            } => {
+                let l = g.layout(qkv);
+                let (start, rows) = match i {
+                    0 => (0, q_rows),
+                    _ => (q_rows + (i - 1) * kv_rows, kv_rows),
+                };
+                let es = l.dtype.type_size();
+                let view = g.view_2d(qkv, rows, l.ne[1], l.nb[1], start * es)?;
+                g.cont(view)
+            }
+        }
+    }
+
+    pub fn q(&self, g: &mut Graph) -> Result<TensorId> {
+        self.get(g, 0)
+    }
+    pub fn k(&self, g: &mut Graph) -> Result<TensorId> {
+        self.get(g, 1)
+    }
+    pub fn v(&self, g: &mut Graph) -> Result<TensorId> {
+        self.get(g, 2)
+    }
+}
+
 /// The feed-forward block of a layer on `x` (its norm applied by the caller):
 ///
 /// - [`Mlp::Gated`]: gate, up and down declared first, then `down(act(gate x) * (up x))`; SiLU
-///   is the fused `swiglu` op (SwiGLU), another activation its unary op and a `mul`;
+///   is the fused `swiglu` op (SwiGLU), another activation its unary op and a `mul`; with
+///   gate | up in one matrix (Phi-3's `ffn_up`), one product and the fused `swiglu` over its
+///   halves (SiLU only);
 /// - [`Mlp::Plain`]: `down(act(up x + b_up)) + b_down`, each linear layer with its bias.
 pub fn ffn(g: &mut Graph, mlp: Mlp, lw: &Weights, x: TensorId) -> Result<TensorId> {
     match mlp {
+        Mlp::Gated(act) if lw.opt(Tensor::FfnGateUp).is_some() => {
+            let wgu = lw.get(Tensor::FfnGateUp)?.leaf(g)?;
+            let wd = lw.get(Tensor::FfnDown)?.leaf(g)?;
+            if act != UnaryOp::Silu {
+                return Err(crate::Error::Model {
+                    model: "weights".into(),
+                    reason: format!(
+                        "a fused gate | up projection runs with SiLU only, not {act:?}"
+                    ),
+                });
+            }
+            let h = g.mul_mat(wgu, x)?;
+            let h = g.swiglu_fused(h)?;
+            g.mul_mat(wd, h)
+        }
         Mlp::Gated(act) => {
             let wg = lw.get(Tensor::FfnGate)?.leaf(g)?;
             let wu = lw.get(Tensor::FfnUp)?.leaf(g)?;

@@ -1,6 +1,6 @@
 //! The decoder step graph every decoder architecture runs: token embedding lookup, then per
 //! layer a pre-norm attention block (Q/K/V projections with their biases where the model has
-//! them, RoPE in the architecture's pairing, an F16 KV cache written with `set_rows`,
+//! them, or Q | K | V from one fused matrix, RoPE in the architecture's pairing, an F16 KV cache written with `set_rows`,
 //! grouped-query heads, either the fused `flash_attn` kernel or batched `mul_mat` + `soft_max`
 //! per head, the output projection) added to the residual, and a pre-norm feed-forward block
 //! ([`blocks::ffn`], the architecture's MLP) added to the residual; then the final norm and
@@ -325,25 +325,17 @@ fn self_attention(
         Some(m) if local => m,
         _ => step.mask,
     };
-    let wq = lw.get(Tensor::AttnQ)?.leaf(g)?;
-    let wk = lw.get(Tensor::AttnK)?.leaf(g)?;
-    let wv = lw.get(Tensor::AttnV)?.leaf(g)?;
-    let bq = blocks::leaf_opt(g, lw, Some(Tensor::AttnQBias))?;
-    let bk = blocks::leaf_opt(g, lw, Some(Tensor::AttnKBias))?;
-    let bv = blocks::leaf_opt(g, lw, Some(Tensor::AttnVBias))?;
-    let q = g.mul_mat(wq, cur)?;
-    let q = blocks::add_bias(g, q, bq)?;
+    let proj = blocks::Qkv::declare(g, lw, cur, cfg.n_embd_q(), cfg.n_embd_kv())?;
+    let q = proj.q(g)?;
     let q = g.reshape(q, [hd, nh, t, 1])?;
     let q = norm_where_present(g, cfg, lw, Tensor::AttnQNorm, q)?;
     let q = g.rope_ext(q, step.pos, step.rope_factors, rope)?;
-    let k = g.mul_mat(wk, cur)?;
-    let k = blocks::add_bias(g, k, bk)?;
+    let k = proj.k(g)?;
     let k = g.reshape(k, [hd, nkv, t, 1])?;
     let k = norm_where_present(g, cfg, lw, Tensor::AttnKNorm, k)?;
     let k = g.rope_ext(k, step.pos, step.rope_factors, rope)?;
     let k = g.reshape(k, [hd * nkv, t, 1, 1])?;
-    let v = g.mul_mat(wv, cur)?;
-    let v = blocks::add_bias(g, v, bv)?;
+    let v = proj.v(g)?;
     let ck = cache.k[l].leaf(g)?;
     let cv = cache.v[l].leaf(g)?;
     let ck = g.set_rows(ck, k, step.slots)?;

@@ -46,7 +46,8 @@ pub struct DecoderConfig {
 
 /// Sliding-window attention: a local layer's token at position p sees the cache rows holding
 /// positions in `p - window + 1 ..= p` (llama.cpp's `LLAMA_SWA_TYPE_STANDARD`); layer `l` is
-/// local when `l % pattern < pattern - 1`.
+/// local when `l % pattern < pattern - 1`, every layer with pattern 0 (llama.cpp's
+/// `set_swa_pattern`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SlidingWindow {
     pub window: usize,
@@ -56,9 +57,9 @@ pub struct SlidingWindow {
 }
 
 impl SlidingWindow {
-    /// Whether layer `l` attends through the window.
+    /// Whether layer `l` attends through the window (every layer with pattern 0).
     pub fn is_local(&self, l: usize) -> bool {
-        l % self.pattern < self.pattern - 1
+        self.pattern == 0 || l % self.pattern < self.pattern - 1
     }
 }
 
@@ -159,10 +160,10 @@ impl DecoderConfig {
             ));
         }
         if let Some(w) = self.swa
-            && (w.window == 0 || w.pattern == 0 || !finite(w.rope_base))
+            && (w.window == 0 || !finite(w.rope_base))
         {
             return bad(format!(
-                "sliding window {w:?}: window and pattern must be at least 1"
+                "sliding window {w:?}: the window must be at least 1 and the RoPE base finite"
             ));
         }
         for c in [self.attn_softcap, self.final_softcap]
@@ -348,13 +349,19 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
     let n_layer = read_block_count(g, &keys)?;
     let (n_embd, n_vocab) = read_embedding(g, arch, &keys)?;
     let n_ff = keys.usize("feed_forward_length")?;
-    let gate = shape_of(g, arch, Tensor::FfnGate)?;
-    if n_ff != gate[1] {
+    // The gate's rows, or twice them where gate | up are one matrix (Phi-3).
+    let (gate_t, per_ff) = if arch.has(Tensor::FfnGateUp) {
+        (Tensor::FfnGateUp, 2)
+    } else {
+        (Tensor::FfnGate, 1)
+    };
+    let gate = shape_of(g, arch, gate_t)?;
+    if n_ff.checked_mul(per_ff) != Some(gate[1]) {
         return Err(keys.err(
             &keys.key("feed_forward_length"),
             format!(
                 "{n_ff}, but {} is {}",
-                arch.name(Tensor::FfnGate, 0),
+                arch.name(gate_t, 0),
                 crate::Shape(gate)
             ),
         ));
@@ -380,6 +387,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         "must be finite and > 0",
     )?;
     let spec = arch.decoder()?;
+    refuse_long_rope(g)?;
     let mut cfg = DecoderConfig {
         arch,
         n_layer,
@@ -415,6 +423,25 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
     Ok(cfg)
 }
 
+/// LongRoPE's per-pair factors (`rope_factors_long` / `rope_factors_short`, llama.cpp's
+/// `LLM_TENSOR_ROPE_FACTORS_LONG/SHORT`, written by its converter for Phi-3's 128k-context
+/// models): metashard does not compute them, so such a file is refused naming the tensor
+/// rather than run with plain RoPE.
+fn refuse_long_rope(g: &GgufFile) -> Result<()> {
+    for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
+        if g.tensor(name).is_some() {
+            return Err(model_err(
+                g,
+                format!(
+                    "tensor `{name}`: LongRoPE scaling (rope_factors_long / rope_factors_short) \
+                     is not computed by metashard"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The keys of the family's own layer: the attention scale, the embedding scale, the sliding
 /// window and the soft-capping, as llama.cpp's `load_hparams` reads them for the family.
 fn read_family_keys(keys: &Keys, spec: &DecoderSpec, cfg: &mut DecoderConfig) -> Result<()> {
@@ -429,17 +456,18 @@ fn read_family_keys(keys: &Keys, spec: &DecoderSpec, cfg: &mut DecoderConfig) ->
     if let Some(w) = spec.swa {
         let key = "attention.sliding_window";
         let window = match (keys.opt_usize(key)?, w.default_window) {
-            (Some(v), _) => v,
-            (None, Some(d)) => d,
-            (None, None) => keys.usize(key)?,
+            (Some(v), _) => Some(v),
+            (None, Some(d)) => Some(d),
+            (None, None) if w.optional => None,
+            (None, None) => Some(keys.usize(key)?),
         };
-        if window == 0 {
+        if window == Some(0) {
             return Err(keys.err(
                 &keys.key(key),
                 "0: a window holds at least one position".into(),
             ));
         }
-        cfg.swa = Some(SlidingWindow {
+        cfg.swa = window.map(|window| SlidingWindow {
             window,
             pattern: w.pattern,
             rope_base: w.rope_base.unwrap_or(cfg.rope_base),
@@ -557,10 +585,20 @@ fn read_heads(
             format!("{n_head_kv} KV heads do not divide the {n_head} heads"),
         ));
     }
-    for (t, heads, what) in [
-        (Tensor::AttnK, n_head_kv, "KV heads"),
-        (Tensor::AttnQ, n_head, "query heads"),
-    ] {
+    // Q and K, or Q | K | V in one matrix (Phi-3).
+    let checks: &[(Tensor, usize, &str)] = if arch.has(Tensor::AttnQkv) {
+        &[(
+            Tensor::AttnQkv,
+            n_head.saturating_add(n_head_kv.saturating_mul(2)),
+            "query, key and value heads",
+        )]
+    } else {
+        &[
+            (Tensor::AttnK, n_head_kv, "KV heads"),
+            (Tensor::AttnQ, n_head, "query heads"),
+        ]
+    };
+    for &(t, heads, what) in checks {
         let shape = shape_of(g, arch, t)?;
         if heads.checked_mul(head_dim) != Some(shape[1]) {
             let explicit = keys.g.get(&keys.key("attention.key_length")).is_some();

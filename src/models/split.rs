@@ -117,6 +117,8 @@ impl SplitDims {
             Dim::Vocab => self.n_vocab,
             Dim::Q => self.n_head * self.head_dim,
             Dim::Kv => self.n_head_kv * self.head_dim,
+            Dim::Qkv => (self.n_head + 2 * self.n_head_kv).saturating_mul(self.head_dim),
+            Dim::Ff2 => self.n_ff.saturating_mul(2),
             Dim::HeadDim => self.head_dim,
             Dim::Pos | Dim::Types | Dim::Ctx | Dim::RopeHalf => return None,
         })
@@ -350,10 +352,35 @@ pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
                 ne[cut.axis]
             )));
         }
+        if let Unit::Segments(segments) = cut.unit {
+            return segmented(&dims, segments, cut.axis, t, n, &plan, layer).map_err(named);
+        }
         let extents = unit_extents(&dims, cut.unit, ne[cut.axis], t, n, &plan, layer)
             .map_err(|e| named(e.to_string()))?;
         Ok(SplitState::axis(cut.axis, &extents))
     })
+}
+
+/// A fused tensor's state (Phi-3's Q | K | V, gate | up): each segment cut on its own in its
+/// unit, as the unfused tensors would be, so device d holds its heads' Q, K and V rows (its
+/// share of gate and of up) side by side.
+fn segmented(
+    dims: &SplitDims,
+    segments: &[(Dim, Unit)],
+    axis: usize,
+    t: &TensorInfo,
+    n: usize,
+    plan: &DecoderSplit,
+    layer: usize,
+) -> std::result::Result<SplitState, String> {
+    let mut cuts = Vec::with_capacity(segments.len());
+    for &(dim, unit) in segments {
+        let total = dims
+            .dim(dim)
+            .ok_or_else(|| format!("a segment of {dim:?} has no extent in a decoder"))?;
+        cuts.push(unit_extents(dims, unit, total, t, n, plan, layer).map_err(|e| e.to_string())?);
+    }
+    SplitState::try_segmented(axis, &cuts).map_err(|e| e.to_string())
 }
 
 /// Extents of `total` features cut in `unit`s over `n` devices for `layer`: whole KV-head
@@ -412,6 +439,12 @@ fn unit_extents(
             extents(total / unit, unit, n, ratios, layer)
         }
         Unit::Vocab => extents(total, 1, n, ratios, 0),
+        Unit::Segments(_) => Err(Error::invalid_input(
+            "tensor split",
+            "fused tensor",
+            "one unit per segment",
+            "segments within a segment",
+        )),
     }
 }
 
@@ -580,6 +613,49 @@ mod tests {
         assert_eq!(
             state(&f, "blk.0.attn_k.weight", [512, 256, 1, 1], 3),
             SplitState::axis(1, &[128, 128, 0])
+        );
+    }
+
+    #[test]
+    fn fused_tensors_are_cut_per_segment() {
+        // Phi-3's layout: 8 heads of 16 over 2 KV heads, FFN 256.
+        let mut cfg = DecoderConfig::llama(2, 128, 256, 8, 2, 300);
+        cfg.arch = &crate::models::arch::PHI3;
+        let f = megatron(&cfg, SplitOptions::default());
+        // Q | K | V rows (128 | 32 | 32): one KV group each on 2 devices; on 3, one gets none.
+        assert_eq!(
+            state(&f, "blk.0.attn_qkv.weight", [128, 192, 1, 1], 2),
+            SplitState::segmented(1, &[vec![64, 64], vec![16, 16], vec![16, 16]])
+        );
+        assert_eq!(
+            state(&f, "blk.0.attn_qkv.weight", [128, 192, 1, 1], 3),
+            SplitState::segmented(1, &[vec![64, 64, 0], vec![16, 16, 0], vec![16, 16, 0]])
+        );
+        // The output projection follows the Q segment.
+        assert_eq!(
+            state(&f, "blk.0.attn_output.weight", [128, 128, 1, 1], 3),
+            SplitState::axis(0, &[64, 64, 0])
+        );
+        // gate | up (256 | 256): each device its share of each; down by the same rows.
+        let up = state(&f, "blk.0.ffn_up.weight", [128, 512, 1, 1], 3);
+        let down = state(&f, "blk.0.ffn_down.weight", [256, 128, 1, 1], 3);
+        assert_eq!(
+            up,
+            SplitState::segmented(1, &[vec![96, 96, 64], vec![96, 96, 64]])
+        );
+        assert_eq!(down, SplitState::axis(0, &[96, 96, 64]));
+        // A fused tensor whose rows disagree with the configuration is named.
+        let l = Layout::contiguous(DType::F32, [128, 256, 1, 1]);
+        let e = f(&TensorInfo {
+            name: "blk.0.ffn_up.weight",
+            layout: &l,
+            n_devices: 2,
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidSplit { tensor, reason }
+                if tensor == "blk.0.ffn_up.weight" && reason.contains("implies 512")),
+            "{e:?}"
         );
     }
 

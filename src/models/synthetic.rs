@@ -111,6 +111,21 @@ pub fn gguf_bytes_with(
     seed: u64,
     optional: &[Tensor],
 ) -> Result<Vec<u8>> {
+    gguf_bytes_extra(cfg, wdtype, tied, context_length, seed, optional, &[])
+}
+
+/// [`gguf_bytes_with`] plus F32 vectors under names of the caller's (`extra`: name and
+/// values), written after the model's tensors: a file with tensors the table may not know
+/// (Phi-3's LongRoPE factors `rope_factors_long.weight`), for tests of their refusal.
+pub fn gguf_bytes_extra(
+    cfg: &DecoderConfig,
+    wdtype: DType,
+    tied: bool,
+    context_length: usize,
+    seed: u64,
+    optional: &[Tensor],
+    extra: &[(&str, Vec<f32>)],
+) -> Result<Vec<u8>> {
     use crate::io::{GgufArray, GgufValue, GgufWriter};
     cfg.validate()?;
     if cfg.n_vocab <= 256 {
@@ -207,6 +222,10 @@ pub fn gguf_bytes_with(
         };
         let bytes = crate::dtype::f32_to_bytes(d.layout.dtype, &v)?;
         w.add_tensor(d.name.clone(), d.layout.dtype, dims, bytes)?;
+    }
+    for (name, v) in extra {
+        let bytes = crate::dtype::f32_to_bytes(DType::F32, v)?;
+        w.add_tensor(name.to_string(), DType::F32, &[v.len()], bytes)?;
     }
     Ok(w.to_bytes())
 }

@@ -136,6 +136,10 @@ impl DecoderConfig {
             Dim::Vocab => self.n_vocab,
             Dim::Q => self.n_embd_q(),
             Dim::Kv => self.n_embd_kv(),
+            Dim::Qkv => self
+                .n_embd_q()
+                .saturating_add(self.n_embd_kv().saturating_mul(2)),
+            Dim::Ff2 => self.n_ff.saturating_mul(2),
             Dim::HeadDim => self.head_dim,
             Dim::RopeHalf => self.rope_dims / 2,
             Dim::Pos | Dim::Types | Dim::Ctx => return None,

@@ -38,7 +38,7 @@ impl WeightTypes {
             Tensor::TokenEmbd => self.embedding,
             Tensor::Output if tied => self.embedding,
             Tensor::Output => self.output,
-            Tensor::FfnGate | Tensor::FfnUp => self.ffn_gate_up,
+            Tensor::FfnGate | Tensor::FfnUp | Tensor::FfnGateUp => self.ffn_gate_up,
             Tensor::FfnDown => self.ffn_down,
             t if t.is_vector() => self.norm,
             _ => self.attention,
@@ -56,6 +56,12 @@ impl WeightTypes {
             norm: DType::F32,
         }
     }
+}
+
+/// The first of `roles` the architecture has (the last when it has none, for the message).
+fn first_of(arch: &Arch, roles: &[Tensor]) -> Tensor {
+    let last = roles[roles.len() - 1];
+    roles.iter().copied().find(|t| arch.has(*t)).unwrap_or(last)
 }
 
 /// A decoder's shape: what planning needs, no weights.
@@ -159,8 +165,9 @@ impl ModelShape {
         let types = WeightTypes {
             embedding,
             output: if tied { embedding } else { ty(Tensor::Output)? },
-            attention: ty(Tensor::AttnQ)?,
-            ffn_gate_up: ty(Tensor::FfnUp)?,
+            // Q, or Q | K | V in one matrix (Phi-3); up, or gate | up.
+            attention: ty(first_of(cfg.arch, &[Tensor::AttnQ, Tensor::AttnQkv]))?,
+            ffn_gate_up: ty(first_of(cfg.arch, &[Tensor::FfnUp, Tensor::FfnGateUp]))?,
             ffn_down: ty(Tensor::FfnDown)?,
             norm: DType::F32,
         };

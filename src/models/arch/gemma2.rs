@@ -28,6 +28,7 @@ pub const GEMMA2: Arch = Arch {
             pattern: 2,
             rope_base: None,
             default_window: Some(4096),
+            optional: false,
         }),
         softcap: true,
     }),

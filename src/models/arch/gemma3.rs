@@ -27,6 +27,7 @@ pub const GEMMA3: Arch = Arch {
             pattern: 6,
             rope_base: Some(10000.0),
             default_window: None,
+            optional: false,
         }),
         softcap: false,
     }),

@@ -11,6 +11,7 @@ mod bert;
 mod gemma2;
 mod gemma3;
 mod llama;
+mod phi3;
 mod qwen2;
 mod qwen3;
 pub mod tensor;
@@ -19,6 +20,7 @@ pub use bert::BERT;
 pub use gemma2::GEMMA2;
 pub use gemma3::GEMMA3;
 pub use llama::LLAMA;
+pub use phi3::PHI3;
 pub use qwen2::QWEN2;
 pub use qwen3::QWEN3;
 pub use tensor::{Cut, Dim, Group, Naming, Part, ROLES, RoleInfo, Scope, Tensor, Unit, layer_of};
@@ -81,14 +83,17 @@ pub enum AttnScale {
 
 /// Which layers attend through a sliding window, after llama.cpp's `set_swa_pattern`: layer
 /// `l` is local when `l % pattern < pattern - 1` (every `pattern`-th layer attends to the
-/// whole context).
+/// whole context); pattern 0: every layer is local (Phi-3).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SwaSpec {
     pub pattern: usize,
     /// The RoPE base of local layers (`None`: the file's `rope.freq_base`, as global layers).
     pub rope_base: Option<f32>,
-    /// The window when the file has no `{arch}.attention.sliding_window` (`None`: required).
+    /// The window when the file has no `{arch}.attention.sliding_window` (`None`: required,
+    /// unless `optional`).
     pub default_window: Option<usize>,
+    /// A file without the window key has no sliding window (Phi-3).
+    pub optional: bool,
 }
 
 /// What an encoder layer computes: post-norm attention without a cache (LayerNorm with bias),
@@ -126,6 +131,7 @@ pub const ARCHS: &[&Arch] = &[
     &qwen3::QWEN3,
     &gemma2::GEMMA2,
     &gemma3::GEMMA3,
+    &phi3::PHI3,
     &bert::BERT,
 ];
 
@@ -192,8 +198,7 @@ impl Arch {
     /// family does not have.
     pub fn parse(&self, name: &str) -> Option<(Tensor, Option<usize>)> {
         self.naming
-            .parse(name)
-            .filter(|(t, _)| t.scope() == Scope::Cache || self.has(*t))
+            .parse_among(name, &|t| t.scope() == Scope::Cache || self.has(t))
     }
 
     /// The name of `tensor` (of `layer`) in this family's files.
@@ -252,6 +257,18 @@ pub mod groups {
         (AttnVBias, Optional),
         (AttnOutBias, Optional),
     ];
+    /// A pre-norm attention block with Q | K | V in one matrix (Phi-3).
+    pub const FUSED_ATTENTION: &[(Tensor, Need)] = &[
+        (AttnNorm, Required),
+        (AttnQkv, Required),
+        (AttnOut, Required),
+    ];
+    /// A pre-norm gated MLP with gate | up in one matrix (Phi-3's `ffn_up`).
+    pub const FUSED_GATED_MLP: &[(Tensor, Need)] = &[
+        (FfnNorm, Required),
+        (FfnGateUp, Required),
+        (FfnDown, Required),
+    ];
     /// A pre-norm gated MLP.
     pub const GATED_MLP: &[(Tensor, Need)] = &[
         (FfnNorm, Required),
@@ -269,6 +286,7 @@ mod tests {
     fn archs_are_found_by_gguf_name_and_unknown_ones_named() {
         assert_eq!(Arch::from_gguf_name("mistral").unwrap().name, "llama");
         assert_eq!(Arch::from_gguf_name("qwen2").unwrap().name, "qwen2");
+        assert_eq!(Arch::from_gguf_name("phi3").unwrap().name, "phi3");
         assert!(Arch::from_gguf_name("falcon").is_none());
         let e = Arch::unsupported("falcon");
         assert!(e.contains("`falcon`") && e.contains("gemma3"), "{e}");
@@ -294,5 +312,14 @@ mod tests {
                 .map(|p| p.0),
             Some(Tensor::AttnQBias)
         );
+        // `ffn_up.weight` is gate | up in Phi-3 files, the plain up projection elsewhere.
+        let up = |a: &str| {
+            Arch::from_gguf_name(a)
+                .unwrap()
+                .parse("blk.1.ffn_up.weight")
+        };
+        assert_eq!(up("phi3"), Some((Tensor::FfnGateUp, Some(1))));
+        assert_eq!(up("llama"), Some((Tensor::FfnUp, Some(1))));
+        assert_eq!(up("gemma3"), Some((Tensor::FfnUp, Some(1))));
     }
 }

@@ -29,6 +29,7 @@ pub enum Tensor {
     AttnKBias,
     AttnV,
     AttnVBias,
+    AttnQkv,
     AttnOut,
     AttnOutBias,
     AttnOutNorm,
@@ -39,6 +40,7 @@ pub enum Tensor {
     FfnNorm,
     FfnGate,
     FfnUp,
+    FfnGateUp,
     FfnUpBias,
     FfnDown,
     FfnDownBias,
@@ -75,6 +77,10 @@ pub enum Dim {
     Q,
     /// All key (or value) heads: `n_head_kv * head_dim`.
     Kv,
+    /// Q, K and V fused: `(n_head + 2 * n_head_kv) * head_dim`.
+    Qkv,
+    /// Gate and up fused: `2 * n_ff`.
+    Ff2,
     /// One head: `head_dim`.
     HeadDim,
     /// Half the rotated dimensions of a head: `rope_dims / 2`.
@@ -125,6 +131,10 @@ pub enum Unit {
     Ffn,
     /// Vocabulary rows.
     Vocab,
+    /// A fused tensor: consecutive segments along the cut axis, each of the given extent and
+    /// cut in its own unit, so every device gets its share of each (the split state's
+    /// segments; Phi-3's `attn_qkv` is Q | K | V, its `ffn_up` gate | up).
+    Segments(&'static [(Dim, Unit)]),
 }
 
 /// How a tensor-parallel split cuts a tensor when its part is split: along `axis`, in `unit`s.
@@ -174,6 +184,12 @@ macro_rules! roles {
 use Part::{Attention, Embedding, Mlp};
 use Unit::{Ffn, KvHead, QGroup, Vocab};
 
+/// Q | K | V of a fused projection: query groups, then KV heads twice.
+const QKV_SEGMENTS: Unit =
+    Unit::Segments(&[(Dim::Q, QGroup), (Dim::Kv, KvHead), (Dim::Kv, KvHead)]);
+/// gate | up of a fused projection: feed-forward features twice.
+const GATE_UP_SEGMENTS: Unit = Unit::Segments(&[(Dim::Ff, Ffn), (Dim::Ff, Ffn)]);
+
 roles! {
     TokenEmbd, Model, "token_embd.weight", Some("embeddings.word_embeddings.weight"), [Embd, Vocab], Embedding, cut(Embedding, 1, Vocab);
     TokenTypes, Model, "token_types.weight", Some("embeddings.token_type_embeddings.weight"), [Embd, Types], Embedding, None;
@@ -191,6 +207,8 @@ roles! {
     AttnKBias, Layer, "attn_k.bias", Some("attention.self.key.bias"), [Kv, One], AttnQkv, cut(Attention, 0, KvHead);
     AttnV, Layer, "attn_v.weight", Some("attention.self.value.weight"), [Embd, Kv], AttnQkv, cut(Attention, 1, KvHead);
     AttnVBias, Layer, "attn_v.bias", Some("attention.self.value.bias"), [Kv, One], AttnQkv, cut(Attention, 0, KvHead);
+    // Q | K | V in one matrix (Phi-3); cut per segment, each device its heads' rows of each.
+    AttnQkv, Layer, "attn_qkv.weight", None, [Embd, Qkv], AttnQkv, cut(Attention, 1, QKV_SEGMENTS);
     AttnOut, Layer, "attn_output.weight", Some("attention.output.dense.weight"), [Q, Embd], AttnOut, cut(Attention, 0, QGroup);
     // Added after the output's partial sums are reduced: mirrored.
     AttnOutBias, Layer, "attn_output.bias", Some("attention.output.dense.bias"), [Embd, One], AttnOut, None;
@@ -204,6 +222,9 @@ roles! {
     FfnNorm, Layer, "ffn_norm.weight", None, [Embd, One], Norms, None;
     FfnGate, Layer, "ffn_gate.weight", None, [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
     FfnUp, Layer, "ffn_up.weight", Some("intermediate.dense.weight"), [Embd, Ff], FfnIn, cut(Mlp, 1, Ffn);
+    // gate | up in one matrix under the name of the plain up projection (Phi-3): the
+    // architecture says which of the two roles `ffn_up.weight` is (`Arch::parse`).
+    FfnGateUp, Layer, "ffn_up.weight", None, [Embd, Ff2], FfnIn, cut(Mlp, 1, GATE_UP_SEGMENTS);
     FfnUpBias, Layer, "ffn_up.bias", Some("intermediate.dense.bias"), [Ff, One], FfnIn, cut(Mlp, 0, Ffn);
     FfnDown, Layer, "ffn_down.weight", Some("output.dense.weight"), [Ff, Embd], FfnOut, cut(Mlp, 0, Ffn);
     FfnDownBias, Layer, "ffn_down.bias", Some("output.dense.bias"), [Embd, One], FfnOut, None;
@@ -283,6 +304,16 @@ impl Naming {
     /// The role and layer (`None` for whole-model tensors) a name refers to; `None` for a name
     /// this naming does not know.
     pub fn parse(self, name: &str) -> Option<(Tensor, Option<usize>)> {
+        self.parse_among(name, &|_| true)
+    }
+
+    /// [`Naming::parse`] among the roles `keep` accepts (a family's own: two roles may share
+    /// a name, as Phi-3's fused gate/up and the plain up projection do).
+    pub fn parse_among(
+        self,
+        name: &str,
+        keep: &dyn Fn(Tensor) -> bool,
+    ) -> Option<(Tensor, Option<usize>)> {
         for p in ["cache_k_l", "cache_v_l"] {
             if let Some(l) = name.strip_prefix(p) {
                 let t = if p == "cache_k_l" {
@@ -313,12 +344,12 @@ impl Naming {
             let layer = layer.parse().ok()?;
             return ROLES
                 .iter()
-                .find(|r| r.scope == Scope::Layer && base(r) == Some(kind))
+                .find(|r| r.scope == Scope::Layer && base(r) == Some(kind) && keep(r.tensor))
                 .map(|r| (r.tensor, Some(layer)));
         }
         ROLES
             .iter()
-            .find(|r| r.scope == Scope::Model && base(r) == Some(name))
+            .find(|r| r.scope == Scope::Model && base(r) == Some(name) && keep(r.tensor))
             .map(|r| (r.tensor, None))
     }
 }
@@ -351,7 +382,12 @@ mod tests {
                     continue;
                 };
                 let layer = (r.scope != Scope::Model).then_some(7);
-                assert_eq!(naming.parse(&name), Some((r.tensor, layer)), "{name}");
+                let only = |t: Tensor| t == r.tensor;
+                assert_eq!(
+                    naming.parse_among(&name, &only),
+                    Some((r.tensor, layer)),
+                    "{name}"
+                );
             }
         }
         assert_eq!(
@@ -361,6 +397,16 @@ mod tests {
         assert_eq!(
             Naming::HfBert.parse("bert.encoder.layer.1.output.dense.weight"),
             Some((Tensor::FfnDown, Some(1)))
+        );
+        // A shared name is the first role's unless the caller narrows the roles.
+        assert_eq!(
+            Naming::Gguf.parse("blk.2.ffn_up.weight"),
+            Some((Tensor::FfnUp, Some(2)))
+        );
+        let fused = |t: Tensor| t != Tensor::FfnUp;
+        assert_eq!(
+            Naming::Gguf.parse_among("blk.2.ffn_up.weight", &fused),
+            Some((Tensor::FfnGateUp, Some(2)))
         );
         assert_eq!(Naming::Gguf.parse("blk.x.attn_q.weight"), None);
         assert_eq!(Naming::Gguf.parse("blk.1.attn_qq.weight"), None);

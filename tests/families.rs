@@ -353,3 +353,62 @@ fn verify_reference_covers_every_family() {
         eprintln!("{}: verify --reference NMSE {nmse:.2e}", arch.name);
     }
 }
+
+/// Phi-3 on a meta device with the Megatron split: the fused weights and their products stay
+/// split per segment (the Q, K and V views and the fused SwiGLU run on each device's own
+/// rows): no conversion reads a fused weight or its product, and a decode step has the two
+/// all-reduces per layer of any Megatron block.
+#[test]
+fn phi3_fused_products_stay_split_per_segment() {
+    use metashard::meta::{ConversionKind, MetaDevice};
+    use metashard::models::decoder::{SequenceStep, build_step};
+    use metashard::models::split::{SplitOptions, megatron};
+    use metashard::models::synthetic::{alloc_kv_cache, random_decoder};
+    use metashard::{Device, parse_devices};
+    let c = config(&PHI3);
+    for n in [2, 3] {
+        let m = MetaDevice::new(
+            parse_devices(&format!("cpu:{n}x1")).unwrap(),
+            megatron(&c, SplitOptions::default()),
+        )
+        .unwrap();
+        let mb = m.meta_backend().unwrap();
+        let bt = m.buffer_type();
+        let (_wb, w) = random_decoder(&c, DType::F32, bt.as_ref(), 5).unwrap();
+        let (_cb, cache) = alloc_kv_cache(&c, 16, bt.as_ref()).unwrap();
+        let step = SequenceStep::new(&[7], 4, 5);
+        let sg = build_step(&c, &w, &cache, &step.input(0..1)).unwrap();
+        let g = &sg.graph;
+        let plan = mb.sharding(g).unwrap();
+        let text = plan.describe(g);
+        for l in 0..c.n_layer {
+            for name in [
+                format!("blk.{l}.attn_qkv.weight"),
+                format!("blk.{l}.ffn_up.weight"),
+            ] {
+                let wt = g.find(&name).unwrap();
+                let product = g
+                    .ids()
+                    .find(|&id| g.node(id).src.first() == Some(&wt))
+                    .unwrap();
+                assert!(
+                    plan.states[wt.index()].n_segments() > 1,
+                    "{name} on {n}: {:?}\n{text}",
+                    plan.states[wt.index()]
+                );
+                assert!(
+                    plan.conversions
+                        .iter()
+                        .all(|cv| cv.source != wt && cv.source != product),
+                    "{name} on {n}: converted\n{text}"
+                );
+            }
+        }
+        let kinds: Vec<_> = plan.conversions.iter().map(|cv| cv.kind).collect();
+        let reduces = kinds
+            .iter()
+            .filter(|k| **k == ConversionKind::AllReduce)
+            .count();
+        assert_eq!(reduces, 2 * c.n_layer, "{n} devices:\n{text}");
+    }
+}

@@ -44,6 +44,8 @@ enum Cmd {
     /// Measure a device list (rates per weight type, overheads, collective links) into a
     /// cluster profile (JSON) for the planner.
     Calibrate(cli::calibrate::CalibrateArgs),
+    /// Quantize a GGUF file of F32/F16/BF16 weights (llama.cpp's types and mixes).
+    Quantize(cli::quantize::QuantizeArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -64,6 +66,7 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Embed(a) => cli::embed::run(&a, &mut std::io::stdout().lock()),
         Cmd::Plan(a) => cli::plan::run(&a),
         Cmd::Calibrate(a) => cli::calibrate::run(&a),
+        Cmd::Quantize(a) => cli::quantize::run(&a),
         Cmd::Bench { what } => bench::run(&what),
         Cmd::Selftest { what } => cli::selftest::run(&what),
     }

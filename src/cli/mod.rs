@@ -1,7 +1,7 @@
 //! Command implementations of the `metashard` binary (not part of the library, so a user of
 //! the crate does not pull clap and indicatif): one file per subcommand, each with its clap
 //! arguments and its `run` (`devices`, `run`, `verify`, `embed`, `plan`, `calibrate`,
-//! `selftest`; the `bench` family is in `src/bench/`), and here the flag groups they share
+//! `quantize`, `selftest`; the `bench` family is in `src/bench/`), and here the flag groups they share
 //! (model, split, prompt, precision, `--dist`, `--json`) with the parsers that refuse bad
 //! values naming the flag, progress bars and memory summaries; with ranks as processes, what
 //! the ranks must agree on (`agree`) and rank 0's request (`share_request`); and the quiet end
@@ -12,6 +12,7 @@ pub mod calibrate;
 pub mod devices;
 pub mod embed;
 pub mod plan;
+pub mod quantize;
 pub mod run;
 pub mod selftest;
 pub mod verify;

@@ -13,7 +13,7 @@ use metashard::models::hparams::{DecoderConfig, SlidingWindow};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
 use metashard::models::session::Session;
-use metashard::models::synthetic::{gguf_bytes_extra, gguf_bytes_with};
+use metashard::models::synthetic::{gguf_bytes_with, with_extra_tensors};
 use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, max_abs, nmse};
 use metashard::{DType, Result};
@@ -272,7 +272,8 @@ fn phi3_long_rope_is_refused_by_name() {
     let half = c.rope_dims / 2;
     for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
         let extra = [(name, vec![1.0f32; half])];
-        let bytes = gguf_bytes_extra(&c, DType::F32, false, 512, 11, &[], &extra).unwrap();
+        let plain = gguf_bytes_with(&c, DType::F32, false, 512, 11, &[]).unwrap();
+        let bytes = with_extra_tensors(plain, &extra).unwrap();
         let path = write(&format!("phi3-{name}.gguf"), &bytes);
         let e = open(&path, "cpu:1x1", SplitMode::Tensor)
             .err()

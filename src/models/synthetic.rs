@@ -111,21 +111,6 @@ pub fn gguf_bytes_with(
     seed: u64,
     optional: &[Tensor],
 ) -> Result<Vec<u8>> {
-    gguf_bytes_extra(cfg, wdtype, tied, context_length, seed, optional, &[])
-}
-
-/// [`gguf_bytes_with`] plus F32 vectors under names of the caller's (`extra`: name and
-/// values), written after the model's tensors: a file with tensors the table may not know
-/// (Phi-3's LongRoPE factors `rope_factors_long.weight`), for tests of their refusal.
-pub fn gguf_bytes_extra(
-    cfg: &DecoderConfig,
-    wdtype: DType,
-    tied: bool,
-    context_length: usize,
-    seed: u64,
-    optional: &[Tensor],
-    extra: &[(&str, Vec<f32>)],
-) -> Result<Vec<u8>> {
     use crate::io::{GgufArray, GgufValue, GgufWriter};
     cfg.validate()?;
     if cfg.n_vocab <= 256 {
@@ -222,6 +207,28 @@ pub fn gguf_bytes_extra(
         };
         let bytes = crate::dtype::f32_to_bytes(d.layout.dtype, &v)?;
         w.add_tensor(d.name.clone(), d.layout.dtype, dims, bytes)?;
+    }
+    Ok(w.to_bytes())
+}
+
+/// A GGUF image `bytes` with F32 vectors appended under names of the caller's (`extra`: name
+/// and values): a file with tensors the table may not know (Phi-3's LongRoPE factors
+/// `rope_factors_long.weight`), for tests of their refusal.
+pub fn with_extra_tensors(bytes: Vec<u8>, extra: &[(&str, Vec<f32>)]) -> Result<Vec<u8>> {
+    use crate::io::GgufWriter;
+    let g = crate::io::GgufFile::from_bytes("synthetic.gguf", bytes)?;
+    let mut w = GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add(k.clone(), v.clone());
+    }
+    for t in g.tensors() {
+        let dtype = t.dtype.unwrap_or(DType::F32);
+        w.add_tensor(
+            t.name.clone(),
+            dtype,
+            &t.ne[..t.n_dims],
+            g.tensor_data(t)?.to_vec(),
+        )?;
     }
     for (name, v) in extra {
         let bytes = crate::dtype::f32_to_bytes(DType::F32, v)?;

@@ -9,7 +9,7 @@
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
 use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, PHI3, QWEN2, QWEN3, Tensor};
-use metashard::models::hparams::{DecoderConfig, SlidingWindow};
+use metashard::models::hparams::{DecoderConfig, LongRope, SlidingWindow};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
 use metashard::models::session::Session;
@@ -91,9 +91,25 @@ fn write(name: &str, bytes: &[u8]) -> PathBuf {
 /// files do), with the optional tensors of the roles in `optional`.
 fn model_file(arch: &'static Arch, optional: &[Tensor]) -> PathBuf {
     let tied = arch.name.starts_with("gemma");
-    let bytes = gguf_bytes_with(&config(arch), DType::F32, tied, 512, 11, optional).unwrap();
+    let mut cfg = config(arch);
+    if optional.contains(&Tensor::RopeFactorsLong) {
+        cfg.long_rope = Some(long_rope(8));
+    }
+    let bytes = gguf_bytes_with(&cfg, DType::F32, tied, 512, 11, optional).unwrap();
     write(&format!("{}-{}.gguf", arch.name, optional.len()), &bytes)
 }
+
+/// LongRoPE with an attention factor of Phi-3-mini-128k's size and an original context of
+/// `original` (8: the sessions here, 64 rows, and the reference's cache, prompt + steps + 1,
+/// both exceed it and take the long factors; 512: both take the short ones).
+fn long_rope(original: usize) -> LongRope {
+    LongRope {
+        attn_factor: 1.19,
+        original_context: original,
+    }
+}
+
+const LONG_ROPE: &[Tensor] = &[Tensor::RopeFactorsLong, Tensor::RopeFactorsShort];
 
 fn open(path: &Path, devices: &str, mode: SplitMode) -> Result<(DeviceSet, DecoderModel)> {
     let opts = OpenOptions {
@@ -148,10 +164,7 @@ fn reference_prompt_logits(path: &Path, rope: Option<&str>) -> Option<Vec<f32>> 
 /// the other RoPE pairing is far off.
 fn matches_the_reference(arch: &'static Arch, optional: &[Tensor]) {
     let path = model_file(arch, optional);
-    let (set, m) = open(&path, "cpu:1x1", SplitMode::Tensor).unwrap();
-    assert_eq!(m.cfg.arch.name, arch.name);
-    let mut s = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 64).unwrap();
-    let ours = s.eval(PROMPT, true).unwrap();
+    let ours = prompt_logits(&path, arch);
     let Some(want) = reference_prompt_logits(&path, None) else {
         return;
     };
@@ -168,6 +181,14 @@ fn matches_the_reference(arch: &'static Arch, optional: &[Tensor]) {
     let e_wrong = nmse(&ours, &wrong);
     eprintln!("{}: against {other} RoPE, NMSE {e_wrong:.2e}", arch.name);
     assert!(e_wrong > 1e-3, "{}: {e_wrong:.3e}", arch.name);
+}
+
+/// Our logits at every prompt position on one device (a session of 64 rows).
+fn prompt_logits(path: &Path, arch: &Arch) -> Vec<f32> {
+    let (set, m) = open(path, "cpu:1x1", SplitMode::Tensor).unwrap();
+    assert_eq!(m.cfg.arch.name, arch.name);
+    let mut s = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 64).unwrap();
+    s.eval(PROMPT, true).unwrap()
 }
 
 /// Greedy tokens and prompt logits on cpu:2x1, cpu:3x1 and a layer split equal one device's.
@@ -264,28 +285,57 @@ fn phi3_shape_counts_the_fused_tensors() {
     assert_eq!(shape.types.ffn_gate_up, DType::F32);
 }
 
-/// A Phi-3 file with LongRoPE factors (the 128k-context models) is refused naming the
-/// tensor, never run with plain RoPE; a file without the window key has no window.
+/// Phi-3's LongRoPE (the 128k-context models): the long factors (the session exceeds the
+/// original context) match the reference and split; with a larger original context the short
+/// factors do, and both differ from plain RoPE. Half a LongRoPE (one factor tensor) is an error
+/// naming the missing one, an attention factor without factors one naming the key; a file
+/// without the window key has no window.
 #[test]
-fn phi3_long_rope_is_refused_by_name() {
-    let c = config(&PHI3);
+fn phi3_long_rope_matches_the_reference_and_splits() {
+    matches_the_reference(&PHI3, LONG_ROPE);
+    splits_give_one_devices_tokens(&PHI3, LONG_ROPE);
+    let long = prompt_logits(&model_file(&PHI3, LONG_ROPE), &PHI3);
+    let plain = prompt_logits(&model_file(&PHI3, &[]), &PHI3);
+    let mut c = config(&PHI3);
+    c.long_rope = Some(long_rope(512));
+    let bytes = gguf_bytes_with(&c, DType::F32, false, 512, 11, LONG_ROPE).unwrap();
+    let short_path = write("phi3-short.gguf", &bytes);
+    let short = prompt_logits(&short_path, &PHI3);
+    for (what, other) in [("plain RoPE", &plain), ("the long factors", &long)] {
+        let e = nmse(&short, other);
+        assert!(e > 1e-3, "short factors against {what}: {e:.3e}");
+    }
+    if let Some(want) = reference_prompt_logits(&short_path, None) {
+        let e = nmse(&short, &want);
+        eprintln!("phi3 short factors: NMSE {e:.2e}");
+        assert!(e < 1e-5, "short factors: NMSE {e:.3e}");
+    }
     let half = c.rope_dims / 2;
-    for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
-        let extra = [(name, vec![1.0f32; half])];
-        let plain = gguf_bytes_with(&c, DType::F32, false, 512, 11, &[]).unwrap();
-        let bytes = with_extra_tensors(plain, &extra).unwrap();
+    let plain_bytes = gguf_bytes_with(&c, DType::F32, false, 512, 11, &[]).unwrap();
+    for (name, missing) in [
+        ("rope_factors_long.weight", "rope_factors_short.weight"),
+        ("rope_factors_short.weight", "rope_factors_long.weight"),
+    ] {
+        let extra = [(name, vec![1.5f32; half])];
+        let bytes = with_extra_tensors(plain_bytes.clone(), &extra).unwrap();
         let path = write(&format!("phi3-{name}.gguf"), &bytes);
         let e = open(&path, "cpu:1x1", SplitMode::Tensor)
             .err()
             .unwrap()
             .to_string();
-        assert!(e.contains(name) && e.contains("LongRoPE"), "{e}");
+        assert!(e.contains(missing) && e.contains("missing"), "{e}");
     }
-    let mut c0 = c.clone();
+    // The keys of LongRoPE without its factors: the attention factor is refused by name.
+    let path = write("phi3-no-factors.gguf", &plain_bytes);
+    let e = open(&path, "cpu:1x1", SplitMode::Tensor)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("phi3.rope.scaling.attn_factor"), "{e}");
+    let mut c0 = config(&PHI3);
     c0.swa = None;
     let bytes = gguf_bytes_with(&c0, DType::F32, false, 512, 11, &[]).unwrap();
     let path = write("phi3-no-window.gguf", &bytes);
-    // Without the window key: no sliding window.
     let g = metashard::io::GgufFile::open(&path).unwrap();
     let got = metashard::models::hparams::config_from_gguf(&g).unwrap();
     assert_eq!(got.swa, None);
@@ -317,7 +367,7 @@ fn verify_reference_covers_every_family() {
         (&QWEN3, &[]),
         (&GEMMA2, &[]),
         (&GEMMA3, &[]),
-        (&PHI3, &[]),
+        (&PHI3, LONG_ROPE),
     ] {
         let path = model_file(arch, optional);
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))

@@ -34,7 +34,10 @@ Sources of the facts used here (formats and algorithms only, no code taken):
     gate rows first: silu(gate) * up, HF's `gate, up = up_states.chunk(2)`); NeoX RoPE over
     phi3.rope.dimension_count dims of each head (partial rotary: the rest pass through);
     with phi3.attention.sliding_window, every layer attends through the window (HF's mask);
-    LongRoPE files (rope_factors_long/short) are refused.
+    LongRoPE (rope_factors_long/short): HF's Phi-3 LongRoPE, inv_freq / factor and cos, sin
+    times phi3.rope.scaling.attn_factor, with llama.cpp's choice of factors: the long ones
+    when the context (here the cache: prompt + steps + 1) exceeds
+    phi3.rope.scaling.original_context_length, the short ones otherwise.
   * llama.cpp runs LLM_ARCH_LLAMA with LLAMA_ROPE_TYPE_NORM: the HF->GGUF converter
     permutes the rows of Q and K so that the rotation acts on ADJACENT pairs
     (x[2i], x[2i+1]) of each head, theta_i = pos * base^(-2i / n_rot).
@@ -99,6 +102,8 @@ class HParams:
     final_softcap: float = 0.0
     gelu: bool = False  # the MLP's gate activation: tanh GELU (Gemma) or SiLU
     rope_factors: np.ndarray | None = None  # Llama 3's rope_freqs: pair i's angle / factor i
+    rope_mscale: float = 1.0  # LongRoPE's attention factor on cos and sin
+    long_rope: tuple | None = None  # (long, short, original context) of Phi-3's LongRoPE
 
 
 @dataclass
@@ -228,9 +233,9 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     if arch == "phi3":
         hp.swa_window = int(u("attention.sliding_window", False) or 0)
         hp.swa_pattern, hp.swa_rope_base = 0, hp.rope_base  # pattern 0: every layer
-        for t in ("rope_factors_long.weight", "rope_factors_short.weight"):
-            if t in tensors:
-                raise RefError(f"{path}: tensor '{t}': LongRoPE is not implemented here")
+        have = [t in tensors for t in ("rope_factors_long.weight", "rope_factors_short.weight")]
+        if any(have) and not all(have):
+            raise RefError(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short")
     if head_dim * n_head != n_embd and u("attention.key_length", False) is None:
         raise RefError(f"{path}: {n_head} heads do not divide the width {n_embd}")
     if n_head % n_head_kv or n_rot > head_dim or n_rot % 2:
@@ -312,6 +317,12 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     output_norm = get("output_norm.weight", [E])
     if "rope_freqs.weight" in tensors:
         hp.rope_factors = get("rope_freqs.weight", [hp.n_rot // 2]).astype(np.float64)
+    if arch == "phi3" and "rope_factors_long.weight" in tensors:
+        long_f = get("rope_factors_long.weight", [hp.n_rot // 2]).astype(np.float64)
+        short_f = get("rope_factors_short.weight", [hp.n_rot // 2]).astype(np.float64)
+        orig = int(u("rope.scaling.original_context_length", False) or hp.n_ctx_train)
+        hp.long_rope = (long_f, short_f, orig)
+        hp.rope_mscale = float(u("rope.scaling.attn_factor", False) or 1.0)
     log(f"dequantized weights to {np.dtype(dtype).name} in {time.time() - t1:.2f}s")
 
     m = Model(arch=arch, hp=hp, tok_embd=tok_embd, output=output, output_norm=output_norm, layers=layers)
@@ -345,7 +356,8 @@ def rope_tables(hp: HParams, positions: np.ndarray, dtype, base: float | None = 
     if hp.rope_factors is not None:
         inv_freq = inv_freq / hp.rope_factors
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (n, n_rot/2)
-    return np.cos(ang).astype(dtype), np.sin(ang).astype(dtype)
+    m = hp.rope_mscale
+    return (m * np.cos(ang)).astype(dtype), (m * np.sin(ang)).astype(dtype)
 
 
 def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
@@ -613,6 +625,9 @@ def main(argv: list[str]) -> int:
     if m.hp.n_ctx_train and n_ctx > m.hp.n_ctx_train:
         raise RefError(f"prompt + steps = {n_ctx} exceeds the training context {m.hp.n_ctx_train}")
     cache = KVCache(m.hp, n_ctx, dtype)
+    if m.hp.long_rope is not None:
+        long_f, short_f, orig = m.hp.long_rope
+        m.hp.rope_factors = long_f if n_ctx > orig else short_f
 
     t1 = time.time()
     logits = forward(m, cache, prompt, args.rope)

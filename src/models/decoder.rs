@@ -106,8 +106,11 @@ struct StepTensors {
     mask: TensorId,
     /// The sliding window's mask, for models with local layers.
     mask_swa: Option<TensorId>,
-    /// RoPE frequency factors, for models that have them (Llama 3).
+    /// RoPE frequency factors, for models that have them (Llama 3, LongRoPE).
     rope_factors: Option<TensorId>,
+    /// LongRoPE's attention factor on each head's rotated dimensions (`[head_dim]`: the
+    /// factor, then 1 for the dimensions RoPE leaves alone), multiplying Q and K after RoPE.
+    rope_mscale: Option<TensorId>,
     n_kv: usize,
 }
 
@@ -201,13 +204,14 @@ pub fn build_step(
         }
         None => None,
     };
-    let rope_factors = blocks::leaf_opt(&mut g, &w.model, Some(Tensor::RopeFreqs))?;
+    let (rope_factors, rope_mscale) = rope_scaling(&mut g, cfg, w, cache.size)?;
     let step = StepTensors {
         pos,
         slots,
         mask,
         mask_swa,
         rope_factors,
+        rope_mscale,
         n_kv: inp.n_kv,
     };
 
@@ -245,6 +249,52 @@ pub fn build_step(
     g.set_name(logits, "logits");
     g.set_output(logits);
     Ok(StepGraph { graph: g, logits })
+}
+
+/// The RoPE frequency factors of a step with a cache of `ctx` rows (Llama 3's `rope_freqs`,
+/// or LongRoPE's long factors past the original context and short ones within it, as
+/// llama.cpp's `get_rope_factors` picks them by the session's context) and LongRoPE's
+/// attention factor as a `[head_dim]` vector (None when it is 1).
+fn rope_scaling(
+    g: &mut Graph,
+    cfg: &DecoderConfig,
+    w: &ModelWeights,
+    ctx: usize,
+) -> Result<(Option<TensorId>, Option<TensorId>)> {
+    let Some(lr) = cfg.long_rope else {
+        return Ok((
+            blocks::leaf_opt(g, &w.model, Some(Tensor::RopeFreqs))?,
+            None,
+        ));
+    };
+    let t = if ctx > lr.original_context {
+        Tensor::RopeFactorsLong
+    } else {
+        Tensor::RopeFactorsShort
+    };
+    let factors = Some(w.model.get(t)?.leaf(g)?);
+    if lr.attn_factor == 1.0 {
+        return Ok((factors, None));
+    }
+    let m: Vec<f32> = (0..cfg.head_dim)
+        .map(|i| {
+            if i < cfg.rope_dims {
+                lr.attn_factor
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let m = g.input_f32("rope_attn_factor", [cfg.head_dim, 1, 1, 1], &m)?;
+    Ok((factors, Some(m)))
+}
+
+/// `x * m` where there is an `m`.
+fn mul_opt(g: &mut Graph, x: TensorId, m: Option<TensorId>) -> Result<TensorId> {
+    match m {
+        Some(m) => g.mul(x, m),
+        None => Ok(x),
+    }
 }
 
 /// One layer: `x + attention(norm(x))`, then `+ ffn(norm(.))`.
@@ -330,10 +380,12 @@ fn self_attention(
     let q = g.reshape(q, [hd, nh, t, 1])?;
     let q = norm_where_present(g, cfg, lw, Tensor::AttnQNorm, q)?;
     let q = g.rope_ext(q, step.pos, step.rope_factors, rope)?;
+    let q = mul_opt(g, q, step.rope_mscale)?;
     let k = proj.k(g)?;
     let k = g.reshape(k, [hd, nkv, t, 1])?;
     let k = norm_where_present(g, cfg, lw, Tensor::AttnKNorm, k)?;
     let k = g.rope_ext(k, step.pos, step.rope_factors, rope)?;
+    let k = mul_opt(g, k, step.rope_mscale)?;
     let k = g.reshape(k, [hd * nkv, t, 1, 1])?;
     let v = proj.v(g)?;
     let ck = cache.k[l].leaf(g)?;

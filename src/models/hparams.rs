@@ -42,6 +42,20 @@ pub struct DecoderConfig {
     pub attn_softcap: Option<f32>,
     /// Logits soft-capped the same way (Gemma 2).
     pub final_softcap: Option<f32>,
+    /// LongRoPE (Phi-3's 128k-context models), when the file has its factors.
+    pub long_rope: Option<LongRope>,
+}
+
+/// LongRoPE as llama.cpp runs it (`llama_model::get_rope_factors`, `ggml_rope_ext`'s
+/// `attn_factor`): pair i's angle divided by factor i of `rope_factors_long` when the
+/// session's context exceeds `original_context`, of `rope_factors_short` otherwise, and the
+/// rotated dimensions of Q and K multiplied by `attn_factor`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LongRope {
+    /// `{arch}.rope.scaling.attn_factor` (1 when absent).
+    pub attn_factor: f32,
+    /// `{arch}.rope.scaling.original_context_length` (the trained context when absent).
+    pub original_context: usize,
 }
 
 /// Sliding-window attention: a local layer's token at position p sees the cache rows holding
@@ -94,6 +108,7 @@ impl DecoderConfig {
             swa: None,
             attn_softcap: None,
             final_softcap: None,
+            long_rope: None,
         }
     }
 
@@ -257,9 +272,10 @@ impl Keys<'_> {
 
     /// Refuse every [`MATH_KEYS`] entry set to a value that changes the math of a model with
     /// heads of `head_dim`, unless the family computes it (`spec`).
-    fn refuse_math_keys(&self, head_dim: usize, spec: &DecoderSpec) -> Result<()> {
+    fn refuse_math_keys(&self, head_dim: usize, spec: &DecoderSpec, long_rope: bool) -> Result<()> {
         for &(s, neutral) in MATH_KEYS {
             let computed = match s {
+                "rope.scaling.attn_factor" => long_rope,
                 "attention.sliding_window" => spec.swa.is_some(),
                 "attn_logit_softcapping" | "final_logit_softcapping" => spec.softcap,
                 _ => false,
@@ -387,7 +403,6 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         "must be finite and > 0",
     )?;
     let spec = arch.decoder()?;
-    refuse_long_rope(g)?;
     let mut cfg = DecoderConfig {
         arch,
         n_layer,
@@ -407,6 +422,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         swa: None,
         attn_softcap: None,
         final_softcap: None,
+        long_rope: read_long_rope(g, arch, &keys)?,
     };
     read_family_keys(&keys, spec, &mut cfg)?;
     let src = super::limits::Source::Gguf {
@@ -418,28 +434,51 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         Error::Model { reason, .. } => model_err(g, reason),
         e => e,
     })?;
-    keys.refuse_math_keys(head_dim, spec)?;
+    keys.refuse_math_keys(head_dim, spec, cfg.long_rope.is_some())?;
     context_length_from_gguf(g)?;
     Ok(cfg)
 }
 
-/// LongRoPE's per-pair factors (`rope_factors_long` / `rope_factors_short`, llama.cpp's
-/// `LLM_TENSOR_ROPE_FACTORS_LONG/SHORT`, written by its converter for Phi-3's 128k-context
-/// models): metashard does not compute them, so such a file is refused naming the tensor
-/// rather than run with plain RoPE.
-fn refuse_long_rope(g: &GgufFile) -> Result<()> {
-    for name in ["rope_factors_long.weight", "rope_factors_short.weight"] {
-        if g.tensor(name).is_some() {
+/// LongRoPE's parameters where the architecture has its factors (llama.cpp's
+/// `LLM_TENSOR_ROPE_FACTORS_LONG/SHORT`) and the file holds them: both factors or neither (an
+/// error naming the missing one), the attention factor and the original context from the
+/// keys.
+fn read_long_rope(g: &GgufFile, arch: &Arch, keys: &Keys) -> Result<Option<LongRope>> {
+    if !arch.has(Tensor::RopeFactorsLong) {
+        return Ok(None);
+    }
+    let [long, short] =
+        [Tensor::RopeFactorsLong, Tensor::RopeFactorsShort].map(|t| arch.name(t, 0));
+    match (g.tensor(&long).is_some(), g.tensor(&short).is_some()) {
+        (false, false) => return Ok(None),
+        (true, false) => {
             return Err(model_err(
                 g,
-                format!(
-                    "tensor `{name}`: LongRoPE scaling (rope_factors_long / rope_factors_short) \
-                     is not computed by metashard"
-                ),
+                format!("tensor `{short}` is missing (`{long}` is there)"),
             ));
         }
+        (false, true) => {
+            return Err(model_err(
+                g,
+                format!("tensor `{long}` is missing (`{short}` is there)"),
+            ));
+        }
+        (true, true) => {}
     }
-    Ok(())
+    let attn_factor = keys.f32_in(
+        "rope.scaling.attn_factor",
+        1.0,
+        |v| v.is_finite() && v > 0.0,
+        "must be finite and > 0",
+    )?;
+    let original_context = match keys.opt_usize("rope.scaling.original_context_length")? {
+        Some(v) => v,
+        None => context_length_from_gguf(g)?,
+    };
+    Ok(Some(LongRope {
+        attn_factor,
+        original_context,
+    }))
 }
 
 /// The keys of the family's own layer: the attention scale, the embedding scale, the sliding

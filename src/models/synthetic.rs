@@ -49,7 +49,10 @@ pub fn small_config(n_layer: usize) -> DecoderConfig {
 /// norms near 1, everything else scaled by 1/sqrt(K).
 pub fn random_values(tensor: Tensor, ne0: usize, n: usize, seed: u64) -> Vec<f32> {
     let mut v = random_f32(n, seed);
-    if tensor == Tensor::RopeFreqs {
+    if matches!(
+        tensor,
+        Tensor::RopeFreqs | Tensor::RopeFactorsLong | Tensor::RopeFactorsShort
+    ) {
         // Frequency factors in 1..8, as Llama 3's.
         v.iter_mut().for_each(|x| *x = 4.5 + 7.0 * *x);
         return v;
@@ -153,6 +156,16 @@ pub fn gguf_bytes_with(
         if let Some(v) = v {
             w.add(format!("{arch}.{k}"), GgufValue::F32(v));
         }
+    }
+    if let Some(lr) = cfg.long_rope {
+        w.add(
+            format!("{arch}.rope.scaling.attn_factor"),
+            GgufValue::F32(lr.attn_factor),
+        );
+        w.add(
+            format!("{arch}.rope.scaling.original_context_length"),
+            u32v(lr.original_context),
+        );
     }
     w.add(
         format!("{arch}.rope.freq_base"),

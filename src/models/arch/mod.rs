@@ -250,6 +250,9 @@ pub mod groups {
     pub const POST_NORMS: &[(Tensor, Need)] = &[(AttnPostNorm, Required), (FfnPostNorm, Required)];
     /// Llama 3's RoPE frequency factors, when the file has them (`rope_freqs.weight`).
     pub const ROPE_FACTORS: &[(Tensor, Need)] = &[(RopeFreqs, Optional)];
+    /// LongRoPE's factors, when the file has them (Phi-3's 128k-context models).
+    pub const LONG_ROPE: &[(Tensor, Need)] =
+        &[(RopeFactorsLong, Optional), (RopeFactorsShort, Optional)];
     /// Attention biases a family may have (llama.cpp loads them optionally for llama).
     pub const OPTIONAL_ATTN_BIAS: &[(Tensor, Need)] = &[
         (AttnQBias, Optional),

@@ -9,11 +9,16 @@
 //!
 //! The sliding window (`phi3.attention.sliding_window`, Hugging Face's `sliding_window`)
 //! applies to every layer when the file sets it (llama.cpp's pattern 0); current llama.cpp
-//! turns it off with a warning (its PR 13676), Hugging Face's mask keeps it. LongRoPE files
-//! (`rope_factors_long` / `rope_factors_short`, the 128k-context models) are refused by name
-//! (`hparams.rs`).
+//! turns it off with a warning (its PR 13676), Hugging Face's mask keeps it.
+//!
+//! LongRoPE (the 128k-context models: `rope_factors_long` / `rope_factors_short`,
+//! `phi3.rope.scaling.attn_factor`, `phi3.rope.scaling.original_context_length`), as
+//! llama.cpp's `get_rope_factors` and `ggml_rope_ext` apply it: pair i's angle divided by
+//! factor i, the long factors when the session's context exceeds the original one, the short
+//! ones otherwise; the rotated dimensions of Q and K multiplied by the attention factor
+//! (Hugging Face's `attention_scaling` on cos and sin).
 
-use super::groups::{DECODER_ENDS, FUSED_ATTENTION, FUSED_GATED_MLP};
+use super::groups::{DECODER_ENDS, FUSED_ATTENTION, FUSED_GATED_MLP, LONG_ROPE};
 use super::{Arch, AttnScale, DecoderSpec, Kind, Mlp, Naming, SwaSpec};
 use crate::op::{RopeMode, UnaryOp};
 
@@ -21,7 +26,7 @@ pub const PHI3: Arch = Arch {
     name: "phi3",
     aliases: &[],
     naming: Naming::Gguf,
-    tensors: &[DECODER_ENDS, FUSED_ATTENTION, FUSED_GATED_MLP],
+    tensors: &[DECODER_ENDS, LONG_ROPE, FUSED_ATTENTION, FUSED_GATED_MLP],
     kind: Kind::Decoder(DecoderSpec {
         rope_mode: RopeMode::NeoX,
         mlp: Mlp::Gated(UnaryOp::Silu),

@@ -21,6 +21,8 @@ pub enum Tensor {
     OutputNorm,
     Output,
     RopeFreqs,
+    RopeFactorsLong,
+    RopeFactorsShort,
     // Each layer.
     AttnNorm,
     AttnQ,
@@ -200,6 +202,10 @@ roles! {
     Output, Model, "output.weight", None, [Embd, Vocab], Output, cut(Part::Output, 1, Vocab);
     // Llama 3's per-pair RoPE frequency factors (its long-context scaling).
     RopeFreqs, Model, "rope_freqs.weight", None, [RopeHalf, One], Norms, None;
+    // LongRoPE's per-pair factors (Phi-3's 128k-context models): the long ones past the
+    // original context, the short ones within it.
+    RopeFactorsLong, Model, "rope_factors_long.weight", None, [RopeHalf, One], Norms, None;
+    RopeFactorsShort, Model, "rope_factors_short.weight", None, [RopeHalf, One], Norms, None;
     AttnNorm, Layer, "attn_norm.weight", None, [Embd, One], Norms, None;
     AttnQ, Layer, "attn_q.weight", Some("attention.self.query.weight"), [Embd, Q], AttnQkv, cut(Attention, 1, QGroup);
     AttnQBias, Layer, "attn_q.bias", Some("attention.self.query.bias"), [Q, One], AttnQkv, cut(Attention, 0, QGroup);

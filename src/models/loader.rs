@@ -6,13 +6,18 @@
 //! the tokenizer the file names (byte-level BPE or SentencePiece-style) and its own chat
 //! template (a template that cannot be parsed or rendered is an error naming it).
 //!
+//! With virtual KV heads ([`DecoderModel::load_repeated`]) each KV head's rows of K, V and
+//! their biases are placed `r` times (`weights::repeat_kv_rows`, a byte copy).
+//!
 //! When the output projection is tied to the token embedding (no `output.weight`), the
 //! embedding's bytes are placed a second time as `output.weight`, so the embedding can stay
 //! mirrored for the row lookup while the output projection is vocabulary-split.
 
 use super::arch::{Arch, Need, Scope, Tensor};
 use super::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
-use super::weights::{ModelWeights, TensorDecl, decoder_layouts, place_decoder};
+use super::weights::{
+    ModelWeights, TensorDecl, decoder_layouts, place_decoder, repeat_kv_decl, repeat_kv_rows,
+};
 use crate::buffer::{Buffer, BufferType};
 use crate::io::gguf::{GgufFile, GgufTensorInfo};
 use crate::tokenizer::chat::ChatTemplate;
@@ -206,17 +211,42 @@ impl DecoderModel {
         bt: &dyn BufferType,
         progress: &dyn Fn(usize, usize),
     ) -> Result<DecoderModel> {
+        Self::load_repeated(path, bt, 1, progress)
+    }
+
+    /// [`DecoderModel::load`] with each KV head repeated `kv_repeat` times
+    /// (`DecoderConfig::with_kv_repeat`: the model's configuration says `n_head_kv *
+    /// kv_repeat` KV heads, and K, V and their biases are placed with each head's rows
+    /// copied); `progress` counts the file's bytes.
+    pub fn load_repeated(
+        path: &Path,
+        bt: &dyn BufferType,
+        kv_repeat: usize,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<DecoderModel> {
         let g = GgufFile::open(path)?;
-        let cfg = config_from_gguf(&g)?;
-        check_known_tensors(&g, &cfg)?;
-        let (decls, sources) = declare(&g, &cfg)?;
-        let total: usize = decls.iter().map(|d| d.layout.nbytes()).sum();
+        let file_cfg = config_from_gguf(&g)?;
+        check_known_tensors(&g, &file_cfg)?;
+        let (file_decls, sources) = declare(&g, &file_cfg)?;
+        let total: usize = file_decls.iter().map(|d| d.layout.nbytes()).sum();
+        let cfg = file_cfg.with_kv_repeat(kv_repeat)?;
+        let decls: Vec<TensorDecl> = file_decls
+            .iter()
+            .map(|d| repeat_kv_decl(d, kv_repeat))
+            .collect();
         let (buf, refs, weights) = place_decoder(&cfg, &decls, bt)?;
         let rss_before = crate::io::rss_file_bytes();
         let mut done = 0;
-        for (r, src) in refs.iter().zip(&sources) {
-            r.storage.set(&r.layout, g.tensor_data(src)?)?;
-            done += r.layout.nbytes();
+        for ((r, src), fd) in refs.iter().zip(&sources).zip(&file_decls) {
+            let data = g.tensor_data(src)?;
+            if r.layout == fd.layout {
+                r.storage.set(&r.layout, data)?;
+            } else {
+                let hd = file_cfg.head_dim;
+                let rows = repeat_kv_rows(&r.name, fd.tensor, &fd.layout, hd, kv_repeat, data)?;
+                r.storage.set(&r.layout, &rows)?;
+            }
+            done += fd.layout.nbytes();
             progress(done, total);
         }
         let file_bytes_read = crate::io::rss_file_bytes()
@@ -234,7 +264,7 @@ impl DecoderModel {
             ));
         }
         // Bytes placed twice (a tied output) are counted once.
-        let tied: usize = decls
+        let tied: usize = file_decls
             .iter()
             .zip(&sources)
             .filter(|(d, s)| s.name != d.name)

@@ -1,8 +1,10 @@
 //! Tensors that live in buffers across steps: [`WeightRef`] (a named tensor bound to storage),
 //! [`Weights`] (one scope's tensors by role: the whole model's, or one layer's),
 //! [`ModelWeights`] and the [`KvCache`]; the layouts a decoder places, derived from its
-//! architecture's tensor list ([`decoder_layouts`]); and [`place`], which allocates named
-//! tensors in any buffer type (a meta buffer type calls its split callback for each).
+//! architecture's tensor list ([`decoder_layouts`]); [`place`], which allocates named
+//! tensors in any buffer type (a meta buffer type calls its split callback for each); and the
+//! virtual KV heads' placement ([`repeat_kv_decl`], [`repeat_kv_rows`]: each KV head's rows of
+//! K, V and their biases copied `r` times, see `DecoderConfig::with_kv_repeat`).
 
 use super::arch::{Arch, Dim, Need, Scope, Tensor};
 use super::hparams::DecoderConfig;
@@ -202,6 +204,75 @@ pub fn decoder_layouts(
     optional: &dyn Fn(Tensor, Option<usize>) -> bool,
 ) -> Result<Vec<TensorDecl>> {
     model_layouts(cfg.arch, cfg.n_layer, &|d| cfg.dim(d), dtype_of, optional)
+}
+
+/// The axis of a role's shape that counts KV-head features (`Dim::Kv`: K, V, their biases,
+/// the cache), if it has one.
+pub fn kv_axis(tensor: Tensor) -> Option<usize> {
+    tensor.info().shape.iter().position(|d| *d == Dim::Kv)
+}
+
+/// `d` as placed with each KV head repeated `r` times: a role with a KV-head dimension
+/// ([`kv_axis`]) is `r` times longer along it; any other is unchanged.
+pub fn repeat_kv_decl(d: &TensorDecl, r: usize) -> TensorDecl {
+    let mut out = d.clone();
+    if let Some(a) = kv_axis(d.tensor) {
+        let mut ne = d.layout.ne;
+        ne[a] *= r;
+        out.layout = Layout::contiguous(d.layout.dtype, ne);
+    }
+    out
+}
+
+/// The bytes of a tensor of role `tensor` (`bytes`, contiguous in `layout` as the file stores
+/// it) with each KV head's `head_dim` features repeated `r` times in place along the KV-head
+/// axis: heads `h0 h1` become `h0 h0 h1 h1` for `r = 2`. Along axis 1 (the rows of K and V)
+/// whole rows are copied, so any element type works (rows are whole blocks); along axis 0
+/// (a bias) a head must be whole blocks. A byte copy: the values are the file's, bit for bit.
+/// An error naming the tensor when the layout does not hold whole heads.
+pub fn repeat_kv_rows(
+    name: &str,
+    tensor: Tensor,
+    layout: &Layout,
+    head_dim: usize,
+    r: usize,
+    bytes: &[u8],
+) -> Result<Vec<u8>> {
+    let bad = |reason: String| Error::Model {
+        model: "weights".into(),
+        reason: format!("cannot repeat the KV heads of `{name}`: {reason}"),
+    };
+    let Some(a) = kv_axis(tensor) else {
+        return Err(bad("the tensor has no KV-head dimension".into()));
+    };
+    let ne = layout.ne;
+    let block = layout.dtype.block_size();
+    if bytes.len() != layout.nbytes()
+        || head_dim == 0
+        || !ne[a].is_multiple_of(head_dim)
+        || (a == 0 && !head_dim.is_multiple_of(block))
+    {
+        return Err(bad(format!(
+            "{} bytes of {} {} do not hold whole heads of {head_dim} features",
+            bytes.len(),
+            layout.dtype,
+            layout.shape()
+        )));
+    }
+    let heads = ne[a] / head_dim;
+    // Bytes of one index of the axes above `a`: `heads` chunks of one head each.
+    let outer: usize = ne[a + 1..].iter().product();
+    let slab = bytes.len() / outer.max(1);
+    let chunk = slab / heads.max(1);
+    let mut out = Vec::with_capacity(bytes.len() * r);
+    for s in bytes.chunks_exact(slab.max(1)) {
+        for h in s.chunks_exact(chunk.max(1)) {
+            for _ in 0..r {
+                out.extend_from_slice(h);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Names and layouts of the cache tensors, for allocation.

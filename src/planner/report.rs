@@ -41,12 +41,71 @@ pub struct Plan {
     pub split: DecoderSplit,
     pub summary: String,
     pub groups: Vec<GroupRow>,
+    /// How attention's heads lie over the devices.
+    pub heads: HeadSplit,
     pub evaluation: Evaluation,
     /// The search's best assignment per choice of ends, best first.
     pub candidates: Vec<Candidate>,
     /// Per run of equal layers, what the other patterns would cost (search only).
     pub alternatives: Vec<RunAlternatives>,
     pub solve_ms: Option<f64>,
+}
+
+/// How attention's heads lie over the devices (of the first layer whose attention is split;
+/// every device holds all of them where none is).
+#[derive(Clone, Debug, Serialize)]
+pub struct HeadSplit {
+    /// Query heads of the model.
+    pub n_head: usize,
+    /// KV heads of the model (as its file holds them).
+    pub n_head_kv: usize,
+    /// Copies of each KV head the run places (virtual KV heads; 1: none).
+    pub kv_repeat: usize,
+    /// Query heads per device.
+    pub heads: Vec<usize>,
+    /// KV heads per device (virtual ones: a shared KV head counts on every device computing
+    /// it).
+    pub kv_heads: Vec<usize>,
+}
+
+impl HeadSplit {
+    /// The heads of `shape` (as `split` places it, [`ModelShape::for_split`]) on `n` devices.
+    pub fn of(shape: &ModelShape, n: usize, split: &DecoderSplit) -> Result<HeadSplit> {
+        let dims = shape.split_dims();
+        let layer = (0..shape.n_layer())
+            .find(|&l| split.splits(Part::Attention, l))
+            .unwrap_or(0);
+        let heads = crate::models::split::query_heads(&dims, n, split, layer)?;
+        let group = shape.cfg.group().max(1);
+        Ok(HeadSplit {
+            n_head: shape.cfg.n_head,
+            n_head_kv: shape.cfg.file_kv_heads(),
+            kv_repeat: shape.cfg.kv_repeat,
+            kv_heads: heads.iter().map(|h| h.div_ceil(group)).collect(),
+            heads,
+        })
+    }
+
+    /// One line for the plan's table.
+    pub fn line(&self) -> String {
+        let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join("/");
+        let repeat = if self.kv_repeat > 1 {
+            format!(
+                ", each repeated {}x ({} virtual KV heads)",
+                self.kv_repeat,
+                self.n_head_kv * self.kv_repeat
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "heads: {} query, {} KV{repeat}; per device {} query, {} KV",
+            self.n_head,
+            self.n_head_kv,
+            list(&self.heads),
+            list(&self.kv_heads)
+        )
+    }
 }
 
 /// The part of a plan file `--plan` reads.
@@ -120,9 +179,23 @@ pub fn parse_plan(
 }
 
 /// The split callback of an assignment for `shape`, with its state hints (sequence
-/// parallelism).
+/// parallelism). `shape` as the assignment places it: [`ModelShape::for_split`] where its
+/// KV heads may be repeated ([`evaluate_split`] does both).
 pub fn split_fn(shape: &ModelShape, split: &DecoderSplit) -> SplitPolicy {
     policy(shape.split_dims(), split.clone())
+}
+
+/// [`evaluate`](super::evaluate::evaluate) of an assignment as a run places it: the model's
+/// KV heads repeated where the run repeats them ([`ModelShape::for_split`]), with its state
+/// hints.
+pub fn evaluate_split(
+    shape: &ModelShape,
+    split: &DecoderSplit,
+    cluster: &Cluster,
+    workload: &Workload,
+) -> Result<Evaluation> {
+    let shape = shape.for_split(cluster.devices.len(), split);
+    super::evaluate::evaluate(&shape, split_fn(&shape, split), cluster, workload)
 }
 
 impl Plan {
@@ -181,7 +254,9 @@ impl Plan {
         alternatives: Vec<RunAlternatives>,
         solve_ms: Option<f64>,
     ) -> Result<Plan> {
+        let shape = &shape.for_split(cluster.devices.len(), &split);
         let placed = Placed::new(shape, cluster, split_fn(shape, &split), workload.context)?;
+        let heads = HeadSplit::of(shape, cluster.devices.len(), &split)?;
         let groups = groups(
             &placed,
             &split,
@@ -199,6 +274,7 @@ impl Plan {
             summary: describe(&split),
             split,
             groups,
+            heads,
             evaluation,
             candidates,
             alternatives,
@@ -224,6 +300,7 @@ impl Plan {
             self.strategy
         );
         let _ = writeln!(s, "assignment: {}", self.summary);
+        let _ = writeln!(s, "{}", self.heads.line());
         if let Some(ms) = self.solve_ms {
             let _ = writeln!(s, "search: {ms:.1} ms");
         }
@@ -683,9 +760,9 @@ fn groups(
 /// DOT of the per-device programs of layer 0 for one decode step: a cluster per device, nodes
 /// with their local shapes, collectives joined across devices by dashed edges.
 pub fn dot(shape: &ModelShape, cluster: &Cluster, split: &DecoderSplit) -> Result<String> {
-    let one = shape.with_layers(1);
     let mut s1 = split.clone();
     s1.layers.truncate(1);
+    let one = shape.with_layers(1).for_split(cluster.devices.len(), &s1);
     let placed = Placed::new(&one, cluster, split_fn(&one, &s1), 64)?;
     let g = placed.step_graph(1, 8)?;
     let (_, rw) = placed.shard(&g)?;

@@ -10,8 +10,8 @@ use crate::io::gguf::GgufFile;
 use crate::models::arch::{Arch, LLAMA, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use crate::models::limits::{self, Count, Source};
-use crate::models::split::SplitDims;
-use crate::models::weights::{TensorDecl, decoder_layouts};
+use crate::models::split::{DecoderSplit, SplitDims, kv_repeat};
+use crate::models::weights::{TensorDecl, decoder_layouts, repeat_kv_decl};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
 use serde::Serialize;
@@ -105,6 +105,24 @@ impl ModelShape {
         decoder_layouts(&self.cfg, &|t, _| self.types.of(t, self.tied), &|_, _| {
             false
         })
+    }
+
+    /// This model as `split` places it on `n` devices: with each KV head repeated as the run
+    /// repeats it (`models::split::kv_repeat`, virtual KV heads), so the planner prices the
+    /// copies of K and V and the larger cache. Unchanged where no repetition is needed.
+    pub fn for_split(&self, n: usize, split: &DecoderSplit) -> ModelShape {
+        let r = kv_repeat(&self.split_dims(), n, split);
+        let Ok(cfg) = self.cfg.with_kv_repeat(r) else {
+            return self.clone();
+        };
+        ModelShape {
+            cfg,
+            file_tensors: self
+                .file_tensors
+                .as_ref()
+                .map(|fd| fd.iter().map(|d| repeat_kv_decl(d, r)).collect()),
+            ..self.clone()
+        }
     }
 
     /// What a split callback needs of this model: its dimensions and the block sizes of its

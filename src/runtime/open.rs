@@ -1,7 +1,8 @@
 //! Open a GGUF decoder on a device set in one call: resolve the model name, read the header,
 //! open the devices (one device, or a meta device with the built-in Megatron split, a plan or
 //! `--tensor-split` ratios, or the scheduler for a layer or hybrid split), and load the
-//! weights with a progress callback.
+//! weights with a progress callback. A tensor split with fewer KV-head groups than devices
+//! repeats each KV head (`models::split::kv_repeat`, virtual KV heads).
 
 use super::layered::open_layered;
 use crate::cpu::Precision;
@@ -11,7 +12,9 @@ use crate::models::hparams::config_from_gguf;
 use crate::models::layer_split::SplitMode;
 use crate::models::loader::{DecoderModel, file_tensors};
 use crate::models::paths::{ModelPath, resolve};
-use crate::models::split::{DecoderSplit, SplitDims, SplitOptions, megatron, policy};
+use crate::models::split::{
+    DecoderSplit, SplitDims, SplitOptions, kv_repeat, megatron_plan, policy,
+};
 use crate::{Error, Result};
 
 /// How to open a decoder.
@@ -84,7 +87,7 @@ pub fn open_decoder(
         let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
         return Ok((set, m));
     }
-    let split_fn = match &opts.split {
+    let plan = match &opts.split {
         Some(plan) => {
             if plan.layers.len() != cfg.n_layer {
                 return Err(Error::invalid_argument(
@@ -97,18 +100,24 @@ pub fn open_decoder(
             if plan.ratios.is_none() {
                 plan.ratios = opts.ratios.clone();
             }
-            policy(dims, plan)
+            plan
         }
-        None => megatron(
-            dims,
+        None => megatron_plan(
+            cfg.n_layer,
             SplitOptions {
                 ratios: opts.ratios.clone(),
                 mirror_attention: opts.mirror_attention,
             },
-        )
-        .into(),
+        ),
     };
-    let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |_| split_fn)?;
-    let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
+    // Fewer KV-head groups than devices: each KV head repeated (virtual KV heads), so the
+    // query heads spread over every device.
+    let repeat = std::cell::Cell::new(1);
+    let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |n| {
+        let r = kv_repeat(&dims, n, &plan);
+        repeat.set(r);
+        policy(dims.with_kv_repeat(r), plan)
+    })?;
+    let m = DecoderModel::load_repeated(&path, set.buffer_type.as_ref(), repeat.get(), progress)?;
     Ok((set, m))
 }

@@ -54,6 +54,13 @@ fn placed_heads(m: &DecoderModel, l: usize) -> Vec<usize> {
 fn spreads_and_equals_one_device(path: &Path, devices: &str, n: usize, r: usize) {
     let (set, m) = open(path, "cpu:1x1").unwrap();
     assert_eq!(m.cfg.kv_repeat, 1);
+    // One device holds the file's weights once: a tied output shares the embedding's bytes.
+    let held = set.bytes_per_device(&[&m.weight_buffer])[0];
+    assert!(
+        held < m.weight_bytes + m.weight_bytes / 100,
+        "{held} bytes held of {}",
+        m.weight_bytes
+    );
     let (want_logits, want) = greedy(&m, &set, &prompt(&m), STEPS).unwrap();
     let (set, m) = open(path, devices).unwrap();
     assert_eq!(m.cfg.kv_repeat, r, "{devices}: KV heads repeated");

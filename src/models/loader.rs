@@ -6,17 +6,18 @@
 //! the tokenizer the file names (byte-level BPE or SentencePiece-style) and its own chat
 //! template (a template that cannot be parsed or rendered is an error naming it).
 //!
-//! With virtual KV heads ([`DecoderModel::load_repeated`]) each KV head's rows of K, V and
-//! their biases are placed `r` times (`weights::repeat_kv_rows`, a byte copy).
+//! With virtual KV heads ([`LoadOptions::kv_repeat`]) each KV head's rows of K, V and their
+//! biases are placed `r` times (`weights::repeat_kv_rows`, a byte copy).
 //!
 //! When the output projection is tied to the token embedding (no `output.weight`), the
 //! embedding's bytes are placed a second time as `output.weight`, so the embedding can stay
-//! mirrored for the row lookup while the output projection is vocabulary-split.
+//! mirrored for the row lookup while the output projection is vocabulary-split; where both
+//! lie alike ([`LoadOptions::share_tied`]) the output is another name of the same bytes.
 
 use super::arch::{Arch, Need, Scope, Tensor};
 use super::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use super::weights::{
-    ModelWeights, TensorDecl, decoder_layouts, place_decoder, repeat_kv_decl, repeat_kv_rows,
+    ModelWeights, TensorDecl, decoder_layouts, place_decoder_shared, repeat_kv_decl, repeat_kv_rows,
 };
 use crate::buffer::{Buffer, BufferType};
 use crate::io::gguf::{GgufFile, GgufTensorInfo};
@@ -25,6 +26,28 @@ use crate::tokenizer::{GgufTokenizer, Tokenizer};
 use crate::{DType, Error, Result};
 use std::path::Path;
 use std::sync::Arc;
+
+/// How [`DecoderModel::load_with`] places a model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Copies of each KV head (`DecoderConfig::with_kv_repeat`: the model's configuration
+    /// says `n_head_kv * kv_repeat` KV heads, and K, V and their biases are placed with each
+    /// head's rows copied; virtual KV heads). 1: none.
+    pub kv_repeat: usize,
+    /// A tied output projection takes the embedding's bytes instead of a copy of them: right
+    /// when both lie alike on the devices (one device; both split by vocabulary or both
+    /// mirrored), never on the scheduler (it places them on different backends by name).
+    pub share_tied: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            kv_repeat: 1,
+            share_tied: false,
+        }
+    }
+}
 
 /// A loaded decoder.
 pub struct DecoderModel {
@@ -211,19 +234,18 @@ impl DecoderModel {
         bt: &dyn BufferType,
         progress: &dyn Fn(usize, usize),
     ) -> Result<DecoderModel> {
-        Self::load_repeated(path, bt, 1, progress)
+        Self::load_with(path, bt, &LoadOptions::default(), progress)
     }
 
-    /// [`DecoderModel::load`] with each KV head repeated `kv_repeat` times
-    /// (`DecoderConfig::with_kv_repeat`: the model's configuration says `n_head_kv *
-    /// kv_repeat` KV heads, and K, V and their biases are placed with each head's rows
-    /// copied); `progress` counts the file's bytes.
-    pub fn load_repeated(
+    /// [`DecoderModel::load`] as `opts` says: each KV head repeated, the tied output sharing
+    /// the embedding's bytes; `progress` counts the file's bytes.
+    pub fn load_with(
         path: &Path,
         bt: &dyn BufferType,
-        kv_repeat: usize,
+        opts: &LoadOptions,
         progress: &dyn Fn(usize, usize),
     ) -> Result<DecoderModel> {
+        let kv_repeat = opts.kv_repeat.max(1);
         let g = GgufFile::open(path)?;
         let file_cfg = config_from_gguf(&g)?;
         check_known_tensors(&g, &file_cfg)?;
@@ -234,10 +256,26 @@ impl DecoderModel {
             .iter()
             .map(|d| repeat_kv_decl(d, kv_repeat))
             .collect();
-        let (buf, refs, weights) = place_decoder(&cfg, &decls, bt)?;
+        // A tied output (its bytes the embedding's) placed as another name of them.
+        let shared: Vec<(usize, usize)> = match opts.share_tied {
+            true => (0..decls.len())
+                .filter(|&i| sources[i].name != decls[i].name)
+                .filter_map(|i| {
+                    let j = decls.iter().position(|d| d.name == sources[i].name)?;
+                    Some((i, j))
+                })
+                .collect(),
+            false => Vec::new(),
+        };
+        let (buf, refs, weights) = place_decoder_shared(&cfg, &decls, bt, &shared)?;
         let rss_before = crate::io::rss_file_bytes();
         let mut done = 0;
-        for ((r, src), fd) in refs.iter().zip(&sources).zip(&file_decls) {
+        for (i, ((r, src), fd)) in refs.iter().zip(&sources).zip(&file_decls).enumerate() {
+            done += fd.layout.nbytes();
+            if shared.iter().any(|&(s, _)| s == i) {
+                progress(done, total);
+                continue;
+            }
             let data = g.tensor_data(src)?;
             if r.layout == fd.layout {
                 r.storage.set(&r.layout, data)?;
@@ -246,7 +284,6 @@ impl DecoderModel {
                 let rows = repeat_kv_rows(&r.name, fd.tensor, &fd.layout, hd, kv_repeat, data)?;
                 r.storage.set(&r.layout, &rows)?;
             }
-            done += fd.layout.nbytes();
             progress(done, total);
         }
         let file_bytes_read = crate::io::rss_file_bytes()

@@ -319,10 +319,79 @@ pub fn place_decoder(
     decls: &[TensorDecl],
     bt: &dyn BufferType,
 ) -> Result<(Arc<dyn Buffer>, Vec<WeightRef>, ModelWeights)> {
-    let named: Vec<(String, Layout)> = decls.iter().map(|d| (d.name.clone(), d.layout)).collect();
-    let (buf, refs) = place(bt, &named, BufferUsage::Weights)?;
+    place_decoder_shared(cfg, decls, bt, &[])
+}
+
+/// [`place_decoder`] with some tensors placed as other names of another's bytes: each pair
+/// `(i, j)` of `shared` makes `decls[i]` a reference to the storage of `decls[j]` (same
+/// layout; `j` itself placed). A tied output projection split as the embedding is (both by
+/// vocabulary, or both mirrored, or one device) needs no copy of its own: the meta device
+/// finds a leaf's state by its storage, so the product reads the embedding's slices.
+pub fn place_decoder_shared(
+    cfg: &DecoderConfig,
+    decls: &[TensorDecl],
+    bt: &dyn BufferType,
+    shared: &[(usize, usize)],
+) -> Result<(Arc<dyn Buffer>, Vec<WeightRef>, ModelWeights)> {
+    if let Some(&(i, j)) = shared
+        .iter()
+        .find(|&&(i, j)| i.max(j) >= decls.len() || i == j)
+    {
+        return Err(Error::invalid_input(
+            "placing a decoder",
+            "shared tensors",
+            format!("two of {} declared tensors", decls.len()),
+            format!("({i}, {j})"),
+        ));
+    }
+    let is_shared = |i: usize| shared.iter().any(|&(a, _)| a == i);
+    let own: Vec<usize> = (0..decls.len()).filter(|&i| !is_shared(i)).collect();
+    let named: Vec<(String, Layout)> = own
+        .iter()
+        .map(|&i| (decls[i].name.clone(), decls[i].layout))
+        .collect();
+    let (buf, placed) = place(bt, &named, BufferUsage::Weights)?;
+    let mut refs: Vec<Option<WeightRef>> = vec![None; decls.len()];
+    for (r, &i) in placed.into_iter().zip(&own) {
+        refs[i] = Some(r);
+    }
+    for &(i, j) in shared {
+        let (d, to) = (&decls[i], &decls[j]);
+        let storage = match refs[j].as_ref() {
+            Some(r) if d.layout == to.layout => r.storage.clone(),
+            _ => {
+                return Err(Error::Model {
+                    model: cfg.arch.name.into(),
+                    reason: format!(
+                        "`{}` ({}) cannot share the bytes of `{}` ({})",
+                        d.name,
+                        d.layout.shape(),
+                        to.name,
+                        to.layout.shape()
+                    ),
+                });
+            }
+        };
+        refs[i] = Some(WeightRef {
+            name: d.name.clone(),
+            layout: d.layout,
+            storage,
+        });
+    }
+    let refs: Vec<WeightRef> = refs.into_iter().flatten().collect();
     let w = ModelWeights::assemble(cfg.n_layer, decls, &refs);
     Ok((buf, refs, w))
+}
+
+/// The pairs of [`place_decoder_shared`] for a model whose output projection is tied to its
+/// token embedding: (the output's index, the embedding's) in `decls`; none when either is
+/// absent.
+pub fn tied_output_pair(decls: &[TensorDecl]) -> Vec<(usize, usize)> {
+    let find = |t: Tensor| decls.iter().position(|d| d.tensor == t);
+    match (find(Tensor::Output), find(Tensor::TokenEmbd)) {
+        (Some(o), Some(e)) => vec![(o, e)],
+        _ => Vec::new(),
+    }
 }
 
 /// A zeroed KV cache of `size` rows per layer placed in `bt`.

@@ -75,6 +75,10 @@ pub struct ModelShape {
     /// has Q4_K, Q6_K and Q8_0 tensors), when read from a file; else `types` decides.
     #[serde(skip)]
     pub file_tensors: Option<Vec<TensorDecl>>,
+    /// The tied output is placed as another name of the embedding's bytes (set by
+    /// [`ModelShape::for_split`] where both lie alike, as a run places them).
+    #[serde(skip)]
+    pub share_tied: bool,
 }
 
 impl ModelShape {
@@ -109,14 +113,20 @@ impl ModelShape {
 
     /// This model as `split` places it on `n` devices: with each KV head repeated as the run
     /// repeats it (`models::split::kv_repeat`, virtual KV heads), so the planner prices the
-    /// copies of K and V and the larger cache. Unchanged where no repetition is needed.
+    /// copies of K and V and the larger cache, and a tied output sharing the embedding's
+    /// bytes where both are split alike (`LoadOptions::share_tied`).
     pub fn for_split(&self, n: usize, split: &DecoderSplit) -> ModelShape {
         let r = kv_repeat(&self.split_dims(), n, split);
+        let share_tied = self.tied && split.output == split.embedding;
         let Ok(cfg) = self.cfg.with_kv_repeat(r) else {
-            return self.clone();
+            return ModelShape {
+                share_tied,
+                ..self.clone()
+            };
         };
         ModelShape {
             cfg,
+            share_tied,
             file_tensors: self
                 .file_tensors
                 .as_ref()
@@ -198,6 +208,7 @@ impl ModelShape {
             cache: DType::F16,
             context_length,
             file_tensors: Some(file_tensors),
+            share_tied: false,
         })
     }
 
@@ -298,6 +309,7 @@ impl ModelShape {
             cache: DType::F16,
             context_length,
             file_tensors: None,
+            share_tied: false,
         })
     }
 
@@ -356,6 +368,7 @@ impl ModelShape {
             cache: DType::F16,
             context_length: ctx,
             file_tensors: None,
+            share_tied: false,
         })
     }
 

@@ -2,7 +2,9 @@
 //! open the devices (one device, or a meta device with the built-in Megatron split, a plan or
 //! `--tensor-split` ratios, or the scheduler for a layer or hybrid split), and load the
 //! weights with a progress callback. A tensor split with fewer KV-head groups than devices
-//! repeats each KV head (`models::split::kv_repeat`, virtual KV heads).
+//! repeats each KV head (`models::split::kv_repeat`, virtual KV heads); a tied output shares
+//! the embedding's bytes where both lie alike (one device; both split by vocabulary, as
+//! `--strategy memory` or `vocab-split` has them; both mirrored).
 
 use super::layered::open_layered;
 use crate::cpu::Precision;
@@ -10,7 +12,7 @@ use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
 use crate::models::hparams::config_from_gguf;
 use crate::models::layer_split::SplitMode;
-use crate::models::loader::{DecoderModel, file_tensors};
+use crate::models::loader::{DecoderModel, LoadOptions, file_tensors};
 use crate::models::paths::{ModelPath, resolve};
 use crate::models::split::{
     DecoderSplit, SplitDims, SplitOptions, kv_repeat, megatron_plan, policy,
@@ -110,14 +112,20 @@ pub fn open_decoder(
             },
         ),
     };
-    // Fewer KV-head groups than devices: each KV head repeated (virtual KV heads), so the
-    // query heads spread over every device.
-    let repeat = std::cell::Cell::new(1);
+    // One device (the callback is not called) shares a tied output's bytes with the
+    // embedding; a meta device where both are split alike.
+    let load = std::cell::Cell::new(LoadOptions {
+        kv_repeat: 1,
+        share_tied: true,
+    });
     let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |n| {
         let r = kv_repeat(&dims, n, &plan);
-        repeat.set(r);
+        load.set(LoadOptions {
+            kv_repeat: r,
+            share_tied: plan.output == plan.embedding,
+        });
         policy(dims.with_kv_repeat(r), plan)
     })?;
-    let m = DecoderModel::load_repeated(&path, set.buffer_type.as_ref(), repeat.get(), progress)?;
+    let m = DecoderModel::load_with(&path, set.buffer_type.as_ref(), &load.get(), progress)?;
     Ok((set, m))
 }

@@ -11,7 +11,9 @@
 //! it; BERT's groups are single heads), the MLP in units of at least 32 features and whole
 //! blocks of the weights' type; the rounding remainder rotates with the layer index.
 //! `--tensor-split` ratios are honoured in the same units. With more devices than groups some
-//! devices get no attention heads (zero extents) unless attention is mirrored.
+//! devices would get no attention heads (zero extents): [`kv_repeat`] says how many times the
+//! run repeats each KV head (virtual KV heads, `DecoderConfig::with_kv_repeat`) so that every
+//! device gets whole groups; the callbacks then split the repeated heads like any others.
 //!
 //! [`by_layer`] is the general form the planner uses: per layer, attention and MLP split or
 //! mirrored ([`LayerSplit`]); the output projection and the token embedding split by

@@ -426,3 +426,42 @@ pub fn place_kv_cache(
     }
     Ok((buf, KvCache { k, v, size }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_heads_are_repeated_in_place_as_whole_rows_or_elements() {
+        // K: 2 heads of 2 rows, rows of 3 f32 (12 bytes): rows 0 1 | 2 3 -> 0 1 0 1 | 2 3 2 3.
+        let k = Layout::contiguous(DType::F32, [3, 4, 1, 1]);
+        let bytes: Vec<u8> = (0..48).collect();
+        let out = repeat_kv_rows("k", Tensor::AttnK, &k, 2, 2, &bytes).unwrap();
+        let row = |r: u8| (r * 12..r * 12 + 12).collect::<Vec<u8>>();
+        let want: Vec<u8> = [0, 1, 0, 1, 2, 3, 2, 3].into_iter().flat_map(row).collect();
+        assert_eq!(out, want);
+        let d = TensorDecl {
+            name: "blk.0.attn_k.weight".into(),
+            tensor: Tensor::AttnK,
+            layer: Some(0),
+            layout: k,
+        };
+        assert_eq!(repeat_kv_decl(&d, 2).layout.ne, [3, 8, 1, 1]);
+        // A bias: elements of a head along axis 0, three copies.
+        let b = Layout::contiguous(DType::F32, [4, 1, 1, 1]);
+        let v: Vec<u8> = [1f32, 2., 3., 4.]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let out = repeat_kv_rows("b", Tensor::AttnKBias, &b, 2, 3, &v).unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [1., 2., 1., 2., 1., 2., 3., 4., 3., 4., 3., 4.]);
+        // No KV-head axis, or heads not whole: errors naming the tensor.
+        let q = repeat_kv_rows("blk.0.attn_q.weight", Tensor::AttnQ, &k, 2, 2, &bytes);
+        assert!(format!("{q:?}").contains("blk.0.attn_q.weight"));
+        assert!(repeat_kv_rows("k", Tensor::AttnK, &k, 3, 2, &bytes).is_err());
+    }
+}

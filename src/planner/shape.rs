@@ -7,10 +7,10 @@
 
 use crate::io::config::JsonConfig;
 use crate::io::gguf::GgufFile;
-use crate::models::arch::{Arch, LLAMA, Tensor};
+use crate::models::arch::{Arch, LLAMA, Part, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use crate::models::limits::{self, Count, Source};
-use crate::models::split::{DecoderSplit, SplitDims, kv_repeat};
+use crate::models::split::{DecoderSplit, SplitDims, kv_repeat, query_heads};
 use crate::models::weights::{TensorDecl, decoder_layouts, repeat_kv_decl};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
@@ -399,6 +399,63 @@ impl ModelShape {
                 Self::from_config_json(&d.join("config.json"))
             }
         }
+    }
+}
+
+/// How attention's heads lie over the devices (of the first layer whose attention is split;
+/// every device holds all of them where none is).
+#[derive(Clone, Debug, Serialize)]
+pub struct HeadSplit {
+    /// Query heads of the model.
+    pub n_head: usize,
+    /// KV heads of the model (as its file holds them).
+    pub n_head_kv: usize,
+    /// Copies of each KV head the run places (virtual KV heads; 1: none).
+    pub kv_repeat: usize,
+    /// Query heads per device.
+    pub heads: Vec<usize>,
+    /// KV heads per device (virtual ones: a shared KV head counts on every device computing
+    /// it).
+    pub kv_heads: Vec<usize>,
+}
+
+impl HeadSplit {
+    /// The heads of `shape` (as `split` places it, [`ModelShape::for_split`]) on `n` devices.
+    pub fn of(shape: &ModelShape, n: usize, split: &DecoderSplit) -> Result<HeadSplit> {
+        let dims = shape.split_dims();
+        let layer = (0..shape.n_layer())
+            .find(|&l| split.splits(Part::Attention, l))
+            .unwrap_or(0);
+        let heads = query_heads(&dims, n, split, layer)?;
+        let group = shape.cfg.group().max(1);
+        Ok(HeadSplit {
+            n_head: shape.cfg.n_head,
+            n_head_kv: shape.cfg.file_kv_heads(),
+            kv_repeat: shape.cfg.kv_repeat,
+            kv_heads: heads.iter().map(|h| h.div_ceil(group)).collect(),
+            heads,
+        })
+    }
+
+    /// One line for the plan's table.
+    pub fn line(&self) -> String {
+        let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join("/");
+        let repeat = if self.kv_repeat > 1 {
+            format!(
+                ", each repeated {}x ({} virtual KV heads)",
+                self.kv_repeat,
+                self.n_head_kv * self.kv_repeat
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "heads: {} query, {} KV{repeat}; per device {} query, {} KV",
+            self.n_head,
+            self.n_head_kv,
+            list(&self.heads),
+            list(&self.kv_heads)
+        )
     }
 }
 

@@ -7,7 +7,7 @@ use metashard::meta::{SplitFn, TensorInfo};
 use metashard::models::arch::{Naming, Tensor};
 use metashard::models::split::{DecoderSplit, LayerSplit};
 use metashard::planner::evaluate::{Workload, evaluate};
-use metashard::planner::report::{Plan, split_fn};
+use metashard::planner::report::{Plan, evaluate_split};
 use metashard::planner::{
     Cluster, CollectiveFit, DeviceProfile, LinkLevel, Links, ModelShape, Strategy, auto, load_plan,
 };
@@ -64,7 +64,7 @@ fn megatron_has_two_all_reduces_per_layer_and_mirrored_none() -> Result<()> {
     let s = smol();
     let c = cluster(2, 8 << 30);
     let mega = Strategy::Megatron.split(s.n_layer()).unwrap();
-    let e = evaluate(&s, split_fn(&s, &mega), &c, &w())?;
+    let e = evaluate_split(&s, &mega, &c, &w())?;
     let d = e.decode.as_ref().unwrap();
     assert_eq!(d.collectives.len(), 1, "{:?}", d.collectives);
     assert_eq!(d.collectives[0].kind, "all-reduce");
@@ -72,10 +72,17 @@ fn megatron_has_two_all_reduces_per_layer_and_mirrored_none() -> Result<()> {
     // Each all-reduce sums one token's activations: 576 f32.
     assert_eq!(d.collectives[0].bytes, 2 * s.n_layer() * 576 * 4);
     let mirrored = Strategy::Mirrored.split(s.n_layer()).unwrap();
-    let m = evaluate(&s, split_fn(&s, &mirrored), &c, &w())?;
+    let m = evaluate_split(&s, &mirrored, &c, &w())?;
     assert!(m.decode.as_ref().unwrap().collectives.is_empty());
-    // Mirrored holds everything on each device; Megatron about half of the layers.
-    assert!(m.memory[0].weights > e.memory[0].weights * 3 / 2);
+    // Mirrored holds everything on each device (the tied output as the embedding's bytes,
+    // once: 96.6 MB); Megatron half of the layers, the embedding and half a copy of it for
+    // the vocabulary-split output (78.4 MB).
+    assert!(
+        m.memory[0].weights > e.memory[0].weights * 6 / 5,
+        "{} {}",
+        m.memory[0].weights,
+        e.memory[0].weights
+    );
     // Per-layer costs: the MLP and attention halves run on two devices at once.
     assert!(
         e.decode_tps() > m.decode_tps(),
@@ -92,9 +99,9 @@ fn sequence_parallel_predicts_reduce_scatters_and_all_gathers_in_the_layers() ->
     let c = cluster(2, 8 << 30);
     let l = s.n_layer();
     let sp = Strategy::SequenceParallel.split(l).unwrap();
-    let e = evaluate(&s, split_fn(&s, &sp), &c, &w())?;
+    let e = evaluate_split(&s, &sp, &c, &w())?;
     let mega = Strategy::Megatron.split(l).unwrap();
-    let m = evaluate(&s, split_fn(&s, &mega), &c, &w())?;
+    let m = evaluate_split(&s, &mega, &c, &w())?;
     let count = |e: &metashard::planner::evaluate::StepCost, kind: &str| {
         e.collectives
             .iter()
@@ -138,7 +145,7 @@ fn predicted_weight_bytes_equal_a_real_run_on_two_devices() -> Result<()> {
     let (set, m) = metashard::runtime::open_decoder("smollm2", "cpu:2x1", &opts, &|_, _| {})?;
     let real = set.bytes_per_device(&[&m.weight_buffer]);
     let mega = Strategy::Megatron.split(shape.n_layer()).unwrap();
-    let e = evaluate(&shape, split_fn(&shape, &mega), &cluster(2, 8 << 30), &w())?;
+    let e = evaluate_split(&shape, &mega, &cluster(2, 8 << 30), &w())?;
     let predicted: Vec<usize> = e.memory.iter().map(|x| x.weights).collect();
     assert_eq!(predicted, real, "weights per device, predicted vs loaded");
     Ok(())
@@ -160,7 +167,7 @@ fn a_users_callback_is_costed_like_the_strategy_it_equals() -> Result<()> {
     });
     let user = evaluate(&s, cb, &c, &w())?;
     let named = Strategy::MlpOnly.split(s.n_layer()).unwrap();
-    let strat = evaluate(&s, split_fn(&s, &named), &c, &w())?;
+    let strat = evaluate_split(&s, &named, &c, &w())?;
     let (a, b) = (user.total_s, strat.total_s);
     assert!((a - b).abs() <= 0.01 * b, "user {a} vs mlp-only {b}");
     assert_eq!(
@@ -185,7 +192,7 @@ fn auto_fits_the_budget_and_names_the_device_when_nothing_fits() -> Result<()> {
     // Every fixed strategy that fits is no faster than auto's (by the same model).
     for st in Strategy::ALL.into_iter().filter(|s| *s != Strategy::Auto) {
         let split = st.split(s.n_layer()).unwrap();
-        let e = evaluate(&s, split_fn(&s, &split), &c, &w())?;
+        let e = evaluate_split(&s, &split, &c, &w())?;
         assert!(
             e.total_s >= r.evaluation.total_s * 0.98,
             "{} predicted {} < auto {}",
@@ -200,7 +207,7 @@ fn auto_fits_the_budget_and_names_the_device_when_nothing_fits() -> Result<()> {
         sequence_parallel: !r.split.sequence_parallel,
         ..r.split.clone()
     };
-    let f = evaluate(&s, split_fn(&s, &flipped), &c, &w())?;
+    let f = evaluate_split(&s, &flipped, &c, &w())?;
     assert!(
         f.total_s >= r.evaluation.total_s,
         "sequence_parallel={} predicted {} < auto's {}",
@@ -213,7 +220,7 @@ fn auto_fits_the_budget_and_names_the_device_when_nothing_fits() -> Result<()> {
     // Tight: just under what Megatron needs, so some layers must be split further or the
     // search must pick the memory strategy's splits; the plan stays under the budget.
     let mega = Strategy::Megatron.split(s.n_layer()).unwrap();
-    let e = evaluate(&s, split_fn(&s, &mega), &c, &w())?;
+    let e = evaluate_split(&s, &mega, &c, &w())?;
     let need = e.memory.iter().map(|m| m.total).max().unwrap() as u64;
     let tight = cluster(2, need + (need / 50));
     let r = auto(&s, &tight, &w(), None)?;
@@ -316,10 +323,19 @@ fn a_layer_split_costs_one_device_at_a_time_plus_the_copies_between_them() -> Re
         ..c.clone()
     };
     let mirrored = Strategy::Mirrored.split(s.n_layer()).unwrap();
-    let alone = evaluate(&s, split_fn(&s, &mirrored), &one, &w())?;
+    let alone = evaluate_split(&s, &mirrored, &one, &w())?;
     let resident: usize = l.memory.iter().map(|m| m.resident).sum();
     let m0 = &alone.memory[0];
-    assert_eq!(resident, m0.weights + m0.kv_cache);
+    // One device shares the tied output's bytes with the embedding; the layer split holds
+    // the embedding on the first device and the output on the last.
+    let tied_output: usize = s
+        .weight_decls()?
+        .iter()
+        .filter(|d| d.tensor == metashard::models::arch::Tensor::Output)
+        .map(|d| d.layout.nbytes())
+        .sum();
+    assert!(s.tied && tied_output > 0);
+    assert_eq!(resident, m0.weights + m0.kv_cache + tied_output);
     // A step is one device's step plus the copy (alpha + bytes / bandwidth at 2 devices) and
     // the second device's step overhead.
     let fit = &c.links.intra.all_gather;
@@ -402,7 +418,7 @@ fn a_mixed_type_file_is_planned_tensor_by_tensor() -> Result<()> {
             metashard::runtime::open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {})?;
         let real = set.bytes_per_device(&[&m.weight_buffer]);
         let mega = Strategy::Megatron.split(shape.n_layer()).unwrap();
-        let e = evaluate(&shape, split_fn(&shape, &mega), &cluster(n, 8 << 30), &w())?;
+        let e = evaluate_split(&shape, &mega, &cluster(n, 8 << 30), &w())?;
         let predicted: Vec<usize> = e.memory.iter().map(|x| x.weights).collect();
         assert_eq!(
             predicted, real,

@@ -13,8 +13,8 @@ use metashard::calibrate::{CalibrateOptions, calibrate};
 use metashard::cpu::Precision;
 use metashard::models::session::Session;
 use metashard::models::split::DecoderSplit;
-use metashard::planner::evaluate::{Evaluation, Workload, evaluate};
-use metashard::planner::report::split_fn;
+use metashard::planner::evaluate::{Evaluation, Workload};
+use metashard::planner::report::evaluate_split;
 use metashard::planner::{Cluster, ModelShape, Strategy, auto};
 use serde::Serialize;
 use std::time::Instant;
@@ -238,7 +238,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                 Some(s) => s,
                 None => auto(&shape, &cluster, &workload, None)?.split,
             };
-            let predicted = evaluate(&shape, split_fn(&shape, &split), &cluster, &workload)?;
+            let predicted = evaluate_split(&shape, &split, &cluster, &workload)?;
             cands.push(Candidate {
                 strategy: st.name().to_string(),
                 split,

@@ -3,8 +3,8 @@
 //! with `--json` or `-o`, DOT or SVG of one layer's per-device programs with `--dot`/`--svg`.
 
 use metashard::Result;
-use metashard::planner::evaluate::{Workload, evaluate};
-use metashard::planner::report::{Plan, dot, split_fn};
+use metashard::planner::evaluate::Workload;
+use metashard::planner::report::{Plan, dot, evaluate_split};
 use metashard::planner::{Cluster, ModelShape, Shares, Strategy, auto, evaluate_layer_split};
 use std::path::PathBuf;
 
@@ -95,7 +95,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let plan = match strategy.split(shape.n_layer()) {
         Some(mut split) => {
             split.ratios = ratios.clone();
-            let e = evaluate(&shape, split_fn(&shape, &split), &cluster, &workload)?;
+            let e = evaluate_split(&shape, &split, &cluster, &workload)?;
             Plan::fixed(&shape, &cluster, &workload, strategy.name(), split, e)?
         }
         None => {

@@ -19,7 +19,11 @@ pub struct DecoderConfig {
     pub n_embd: usize,
     pub n_ff: usize,
     pub n_head: usize,
+    /// KV heads as the graph and the cache see them: the file's count times `kv_repeat`.
     pub n_head_kv: usize,
+    /// Copies of each of the file's KV heads (1 unless [`DecoderConfig::with_kv_repeat`]):
+    /// virtual KV heads that let fewer KV heads than devices spread attention over them.
+    pub kv_repeat: usize,
     pub n_vocab: usize,
     /// Features per attention head (`{arch}.attention.key_length`; n_embd / n_head when the
     /// file does not say).
@@ -96,6 +100,7 @@ impl DecoderConfig {
             n_ff,
             n_head,
             n_head_kv,
+            kv_repeat: 1,
             n_vocab,
             head_dim,
             rms_eps: 1e-5,
@@ -132,6 +137,35 @@ impl DecoderConfig {
         self.n_head / self.n_head_kv
     }
 
+    /// The KV heads the file holds (`n_head_kv` without the repetition).
+    pub fn file_kv_heads(&self) -> usize {
+        self.n_head_kv / self.kv_repeat.max(1)
+    }
+
+    /// This model with each KV head repeated `r` times (`r` dividing the query heads per
+    /// KV head): `n_head_kv * r` KV heads, each read by `group() / r` query heads. Query head
+    /// `i` reads KV head `i / group()`, which becomes virtual head `i / (group() / r)`, a copy
+    /// of the same head when the copies of head `h` are heads `h * r .. h * r + r` (what
+    /// `weights::repeat_kv_rows` places), so the math is unchanged; K and V (and the cache) are
+    /// `r` times larger. An error naming the counts when `r` does not divide the group.
+    pub fn with_kv_repeat(&self, r: usize) -> Result<DecoderConfig> {
+        if r == 0 || !self.group().is_multiple_of(r) {
+            return Err(Error::Model {
+                model: self.arch.name.into(),
+                reason: format!(
+                    "cannot repeat each of {} KV heads {r} times: the repetition must divide \
+                     the {} query heads per KV head",
+                    self.n_head_kv,
+                    self.group()
+                ),
+            });
+        }
+        let mut c = self.clone();
+        c.n_head_kv *= r;
+        c.kv_repeat *= r;
+        Ok(c)
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |r: String| {
             Err(Error::Model {
@@ -156,6 +190,12 @@ impl DecoderConfig {
             return bad(format!(
                 "n_head {} is not a multiple of n_head_kv {}",
                 self.n_head, self.n_head_kv
+            ));
+        }
+        if self.kv_repeat == 0 || !self.n_head_kv.is_multiple_of(self.kv_repeat) {
+            return bad(format!(
+                "n_head_kv {} is not a multiple of its repetition {}",
+                self.n_head_kv, self.kv_repeat
             ));
         }
         if self.rope_dims == 0
@@ -410,6 +450,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         n_ff,
         n_head,
         n_head_kv,
+        kv_repeat: 1,
         n_vocab,
         head_dim,
         rms_eps,

@@ -6,13 +6,19 @@
 //! the tokenizer the file names (byte-level BPE or SentencePiece-style) and its own chat
 //! template (a template that cannot be parsed or rendered is an error naming it).
 //!
+//! With virtual KV heads ([`LoadOptions::kv_repeat`]) each KV head's rows of K, V and their
+//! biases are placed `r` times (`weights::repeat_kv_rows`, a byte copy).
+//!
 //! When the output projection is tied to the token embedding (no `output.weight`), the
 //! embedding's bytes are placed a second time as `output.weight`, so the embedding can stay
-//! mirrored for the row lookup while the output projection is vocabulary-split.
+//! mirrored for the row lookup while the output projection is vocabulary-split; where both
+//! lie alike ([`LoadOptions::share_tied`]) the output is another name of the same bytes.
 
 use super::arch::{Arch, Need, Scope, Tensor};
 use super::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
-use super::weights::{ModelWeights, TensorDecl, decoder_layouts, place_decoder};
+use super::weights::{
+    ModelWeights, TensorDecl, decoder_layouts, place_decoder_shared, repeat_kv_decl, repeat_kv_rows,
+};
 use crate::buffer::{Buffer, BufferType};
 use crate::io::gguf::{GgufFile, GgufTensorInfo};
 use crate::tokenizer::chat::ChatTemplate;
@@ -20,6 +26,28 @@ use crate::tokenizer::{GgufTokenizer, Tokenizer};
 use crate::{DType, Error, Result};
 use std::path::Path;
 use std::sync::Arc;
+
+/// How [`DecoderModel::load_with`] places a model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Copies of each KV head (`DecoderConfig::with_kv_repeat`: the model's configuration
+    /// says `n_head_kv * kv_repeat` KV heads, and K, V and their biases are placed with each
+    /// head's rows copied; virtual KV heads). 1: none.
+    pub kv_repeat: usize,
+    /// A tied output projection takes the embedding's bytes instead of a copy of them: right
+    /// when both lie alike on the devices (one device; both split by vocabulary or both
+    /// mirrored), never on the scheduler (it places them on different backends by name).
+    pub share_tied: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            kv_repeat: 1,
+            share_tied: false,
+        }
+    }
+}
 
 /// A loaded decoder.
 pub struct DecoderModel {
@@ -206,17 +234,56 @@ impl DecoderModel {
         bt: &dyn BufferType,
         progress: &dyn Fn(usize, usize),
     ) -> Result<DecoderModel> {
+        Self::load_with(path, bt, &LoadOptions::default(), progress)
+    }
+
+    /// [`DecoderModel::load`] as `opts` says: each KV head repeated, the tied output sharing
+    /// the embedding's bytes; `progress` counts the file's bytes.
+    pub fn load_with(
+        path: &Path,
+        bt: &dyn BufferType,
+        opts: &LoadOptions,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<DecoderModel> {
+        let kv_repeat = opts.kv_repeat.max(1);
         let g = GgufFile::open(path)?;
-        let cfg = config_from_gguf(&g)?;
-        check_known_tensors(&g, &cfg)?;
-        let (decls, sources) = declare(&g, &cfg)?;
-        let total: usize = decls.iter().map(|d| d.layout.nbytes()).sum();
-        let (buf, refs, weights) = place_decoder(&cfg, &decls, bt)?;
+        let file_cfg = config_from_gguf(&g)?;
+        check_known_tensors(&g, &file_cfg)?;
+        let (file_decls, sources) = declare(&g, &file_cfg)?;
+        let total: usize = file_decls.iter().map(|d| d.layout.nbytes()).sum();
+        let cfg = file_cfg.with_kv_repeat(kv_repeat)?;
+        let decls: Vec<TensorDecl> = file_decls
+            .iter()
+            .map(|d| repeat_kv_decl(d, kv_repeat))
+            .collect();
+        // A tied output (its bytes the embedding's) placed as another name of them.
+        let shared: Vec<(usize, usize)> = match opts.share_tied {
+            true => (0..decls.len())
+                .filter(|&i| sources[i].name != decls[i].name)
+                .filter_map(|i| {
+                    let j = decls.iter().position(|d| d.name == sources[i].name)?;
+                    Some((i, j))
+                })
+                .collect(),
+            false => Vec::new(),
+        };
+        let (buf, refs, weights) = place_decoder_shared(&cfg, &decls, bt, &shared)?;
         let rss_before = crate::io::rss_file_bytes();
         let mut done = 0;
-        for (r, src) in refs.iter().zip(&sources) {
-            r.storage.set(&r.layout, g.tensor_data(src)?)?;
-            done += r.layout.nbytes();
+        for (i, ((r, src), fd)) in refs.iter().zip(&sources).zip(&file_decls).enumerate() {
+            done += fd.layout.nbytes();
+            if shared.iter().any(|&(s, _)| s == i) {
+                progress(done, total);
+                continue;
+            }
+            let data = g.tensor_data(src)?;
+            if r.layout == fd.layout {
+                r.storage.set(&r.layout, data)?;
+            } else {
+                let hd = file_cfg.head_dim;
+                let rows = repeat_kv_rows(&r.name, fd.tensor, &fd.layout, hd, kv_repeat, data)?;
+                r.storage.set(&r.layout, &rows)?;
+            }
             progress(done, total);
         }
         let file_bytes_read = crate::io::rss_file_bytes()
@@ -234,7 +301,7 @@ impl DecoderModel {
             ));
         }
         // Bytes placed twice (a tied output) are counted once.
-        let tied: usize = decls
+        let tied: usize = file_decls
             .iter()
             .zip(&sources)
             .filter(|(d, s)| s.name != d.name)

@@ -11,7 +11,9 @@
 //! it; BERT's groups are single heads), the MLP in units of at least 32 features and whole
 //! blocks of the weights' type; the rounding remainder rotates with the layer index.
 //! `--tensor-split` ratios are honoured in the same units. With more devices than groups some
-//! devices get no attention heads (zero extents) unless attention is mirrored.
+//! devices would get no attention heads (zero extents): [`kv_repeat`] says how many times the
+//! run repeats each KV head (virtual KV heads, `DecoderConfig::with_kv_repeat`) so that every
+//! device gets whole groups; the callbacks then split the repeated heads like any others.
 //!
 //! [`by_layer`] is the general form the planner uses: per layer, attention and MLP split or
 //! mirrored ([`LayerSplit`]); the output projection and the token embedding split by
@@ -108,6 +110,13 @@ impl SplitDims {
 }
 
 impl SplitDims {
+    /// These dimensions with each KV head repeated `r` times (`DecoderConfig::with_kv_repeat`).
+    pub fn with_kv_repeat(&self, r: usize) -> SplitDims {
+        let mut d = self.clone();
+        d.n_head_kv *= r;
+        d
+    }
+
     /// The extent of `d` (`None` where it is not a model count: cache rows, tables).
     fn dim(&self, d: Dim) -> Option<usize> {
         Some(match d {
@@ -304,13 +313,20 @@ pub fn policy(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitPolicy {
 /// vocabulary-split, the embedding mirrored.
 pub fn megatron(dims: impl Into<SplitDims>, opts: SplitOptions) -> SplitFn {
     let dims: SplitDims = dims.into();
+    let plan = megatron_plan(dims.n_layer, opts);
+    by_layer(dims, plan)
+}
+
+/// The assignment [`megatron`] splits by: attention (unless `mirror_attention`) and the MLP in
+/// each of `n_layer` layers, the output by vocabulary, the embedding mirrored, `opts.ratios`.
+pub fn megatron_plan(n_layer: usize, opts: SplitOptions) -> DecoderSplit {
     let layer = LayerSplit {
         attention: !opts.mirror_attention,
         mlp: true,
     };
-    let mut plan = DecoderSplit::uniform(dims.n_layer, layer, true, false);
+    let mut plan = DecoderSplit::uniform(n_layer, layer, true, false);
     plan.ratios = opts.ratios;
-    by_layer(dims, plan)
+    plan
 }
 
 /// The callback for a per-layer choice of splits (`plan.layers[i]` for layer i; layers past
@@ -383,6 +399,93 @@ fn segmented(
     SplitState::try_segmented(axis, &cuts).map_err(|e| e.to_string())
 }
 
+/// KV-head groups per device of `layer`'s attention over `n` devices: whole groups, as many
+/// per unit as whole blocks of the layer's attention need (the remainder rotating with the
+/// layer), or an error when such units do not divide the groups.
+fn group_extents(
+    dims: &SplitDims,
+    n: usize,
+    ratios: Option<&[f64]>,
+    layer: usize,
+) -> Result<Vec<usize>> {
+    let hd = dims.head_dim;
+    let group = dims.n_head / dims.n_head_kv.max(1);
+    let blocks = dims.blocks.as_ref().and_then(|b| b.get(layer)).copied();
+    // k groups per unit, so that k groups of query features are whole blocks.
+    let block = blocks.map_or(1, |b| b.attention);
+    let k = Granularity(hd * group).and(Granularity(block)).0 / (hd * group);
+    if !dims.n_head_kv.is_multiple_of(k) {
+        return Err(Error::invalid_input(
+            "tensor split",
+            "attention",
+            format!(
+                "whole blocks of {block} over {} KV-head groups of {} features",
+                dims.n_head_kv,
+                hd * group
+            ),
+            format!("{k} groups per block do not divide {}", dims.n_head_kv),
+        ));
+    }
+    extents(dims.n_head_kv / k, k, n, ratios, layer)
+}
+
+/// Query heads per device of `layer`'s attention under `plan` on `n` devices (all on every
+/// device where the layer's attention is mirrored): what `plan` reports per device.
+pub fn query_heads(
+    dims: &SplitDims,
+    n: usize,
+    plan: &DecoderSplit,
+    layer: usize,
+) -> Result<Vec<usize>> {
+    if n < 2 || !plan.splits(Part::Attention, layer) {
+        return Ok(vec![dims.n_head; n]);
+    }
+    let group = dims.n_head / dims.n_head_kv.max(1);
+    let g = group_extents(dims, n, plan.ratios.as_deref(), layer)?;
+    Ok(g.into_iter().map(|g| g * group).collect())
+}
+
+/// How many times to repeat each KV head (virtual KV heads, `DecoderConfig::with_kv_repeat`)
+/// for `plan` on `n` devices: 1 unless some layer's attention is split and whole KV-head
+/// groups leave a device with a share but no query heads (fewer groups than devices: Gemma 3
+/// 270M's one KV head, Qwen2.5 0.5B's two on three devices); then the smallest divisor `r` of
+/// the query heads per KV head that gives every device with a share at least one group in
+/// every split layer, or, when none does, the largest (one query head per group). The
+/// smallest such `r` costs the least memory: each device holds K, V and the cache of every
+/// virtual head it computes (`r` copies of a head over the devices that share it).
+pub fn kv_repeat(dims: &SplitDims, n: usize, plan: &DecoderSplit) -> usize {
+    let split_layers: Vec<usize> = (0..dims.n_layer)
+        .filter(|&l| plan.splits(Part::Attention, l))
+        .collect();
+    if n < 2 || split_layers.is_empty() || dims.n_head_kv == 0 {
+        return 1;
+    }
+    let group = dims.n_head / dims.n_head_kv;
+    let shared = |d: usize| plan.ratios.as_ref().is_none_or(|r| r.get(d) > Some(&0.0));
+    let spreads = |r: usize| {
+        let v = dims.with_kv_repeat(r);
+        split_layers.iter().all(|&l| {
+            group_extents(&v, n, plan.ratios.as_deref(), l)
+                .is_ok_and(|g| g.iter().enumerate().all(|(d, &x)| x > 0 || !shared(d)))
+        })
+    };
+    let divisors: Vec<usize> = (1..=group).filter(|r| group.is_multiple_of(*r)).collect();
+    divisors
+        .iter()
+        .copied()
+        .find(|&r| spreads(r))
+        .or_else(|| {
+            // The largest repetition whose units still keep whole blocks.
+            divisors.iter().rev().copied().find(|&r| {
+                let v = dims.with_kv_repeat(r);
+                split_layers
+                    .iter()
+                    .all(|&l| group_extents(&v, n, plan.ratios.as_deref(), l).is_ok())
+            })
+        })
+        .unwrap_or(1)
+}
+
 /// Extents of `total` features cut in `unit`s over `n` devices for `layer`: whole KV-head
 /// groups (as many per unit as whole blocks of the layer's attention need), or feed-forward
 /// features in units of at least [`FFN_UNIT`] and whole blocks, or vocabulary rows.
@@ -397,27 +500,13 @@ fn unit_extents(
 ) -> Result<Vec<usize>> {
     let ratios = plan.ratios.as_deref();
     let hd = dims.head_dim;
-    let group = dims.n_head / dims.n_head_kv.max(1);
     let blocks = dims.blocks.as_ref().and_then(|b| b.get(layer)).copied();
     match unit {
         Unit::QGroup | Unit::KvHead => {
-            // k groups per unit, so that k groups of query features are whole blocks.
-            let block = blocks.map_or(1, |b| b.attention);
-            let k = Granularity(hd * group).and(Granularity(block)).0 / (hd * group);
-            if !dims.n_head_kv.is_multiple_of(k) {
-                return Err(Error::invalid_input(
-                    "tensor split",
-                    "attention",
-                    format!(
-                        "whole blocks of {block} over {} KV-head groups of {} features",
-                        dims.n_head_kv,
-                        hd * group
-                    ),
-                    format!("{k} groups per block do not divide {}", dims.n_head_kv),
-                ));
-            }
+            let group = dims.n_head / dims.n_head_kv.max(1);
             let per = if unit == Unit::QGroup { hd * group } else { hd };
-            extents(dims.n_head_kv / k, per * k, n, ratios, layer)
+            let groups = group_extents(dims, n, ratios, layer)?;
+            Ok(groups.into_iter().map(|g| g * per).collect())
         }
         Unit::Ffn => {
             // Whole blocks of the MLP's types (axis 0 of the down projection is its rows of

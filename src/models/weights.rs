@@ -1,8 +1,10 @@
 //! Tensors that live in buffers across steps: [`WeightRef`] (a named tensor bound to storage),
 //! [`Weights`] (one scope's tensors by role: the whole model's, or one layer's),
 //! [`ModelWeights`] and the [`KvCache`]; the layouts a decoder places, derived from its
-//! architecture's tensor list ([`decoder_layouts`]); and [`place`], which allocates named
-//! tensors in any buffer type (a meta buffer type calls its split callback for each).
+//! architecture's tensor list ([`decoder_layouts`]); [`place`], which allocates named
+//! tensors in any buffer type (a meta buffer type calls its split callback for each); and the
+//! virtual KV heads' placement ([`repeat_kv_decl`], [`repeat_kv_rows`]: each KV head's rows of
+//! K, V and their biases copied `r` times, see `DecoderConfig::with_kv_repeat`).
 
 use super::arch::{Arch, Dim, Need, Scope, Tensor};
 use super::hparams::DecoderConfig;
@@ -208,6 +210,75 @@ pub fn decoder_layouts(
     model_layouts(cfg.arch, cfg.n_layer, &|d| cfg.dim(d), dtype_of, optional)
 }
 
+/// The axis of a role's shape that counts KV-head features (`Dim::Kv`: K, V, their biases,
+/// the cache), if it has one.
+pub fn kv_axis(tensor: Tensor) -> Option<usize> {
+    tensor.info().shape.iter().position(|d| *d == Dim::Kv)
+}
+
+/// `d` as placed with each KV head repeated `r` times: a role with a KV-head dimension
+/// ([`kv_axis`]) is `r` times longer along it; any other is unchanged.
+pub fn repeat_kv_decl(d: &TensorDecl, r: usize) -> TensorDecl {
+    let mut out = d.clone();
+    if let Some(a) = kv_axis(d.tensor) {
+        let mut ne = d.layout.ne;
+        ne[a] *= r;
+        out.layout = Layout::contiguous(d.layout.dtype, ne);
+    }
+    out
+}
+
+/// The bytes of a tensor of role `tensor` (`bytes`, contiguous in `layout` as the file stores
+/// it) with each KV head's `head_dim` features repeated `r` times in place along the KV-head
+/// axis: heads `h0 h1` become `h0 h0 h1 h1` for `r = 2`. Along axis 1 (the rows of K and V)
+/// whole rows are copied, so any element type works (rows are whole blocks); along axis 0
+/// (a bias) a head must be whole blocks. A byte copy: the values are the file's, bit for bit.
+/// An error naming the tensor when the layout does not hold whole heads.
+pub fn repeat_kv_rows(
+    name: &str,
+    tensor: Tensor,
+    layout: &Layout,
+    head_dim: usize,
+    r: usize,
+    bytes: &[u8],
+) -> Result<Vec<u8>> {
+    let bad = |reason: String| Error::Model {
+        model: "weights".into(),
+        reason: format!("cannot repeat the KV heads of `{name}`: {reason}"),
+    };
+    let Some(a) = kv_axis(tensor) else {
+        return Err(bad("the tensor has no KV-head dimension".into()));
+    };
+    let ne = layout.ne;
+    let block = layout.dtype.block_size();
+    if bytes.len() != layout.nbytes()
+        || head_dim == 0
+        || !ne[a].is_multiple_of(head_dim)
+        || (a == 0 && !head_dim.is_multiple_of(block))
+    {
+        return Err(bad(format!(
+            "{} bytes of {} {} do not hold whole heads of {head_dim} features",
+            bytes.len(),
+            layout.dtype,
+            layout.shape()
+        )));
+    }
+    let heads = ne[a] / head_dim;
+    // Bytes of one index of the axes above `a`: `heads` chunks of one head each.
+    let outer: usize = ne[a + 1..].iter().product();
+    let slab = bytes.len() / outer.max(1);
+    let chunk = slab / heads.max(1);
+    let mut out = Vec::with_capacity(bytes.len() * r);
+    for s in bytes.chunks_exact(slab.max(1)) {
+        for h in s.chunks_exact(chunk.max(1)) {
+            for _ in 0..r {
+                out.extend_from_slice(h);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// Names and layouts of the cache tensors, for allocation.
 pub fn kv_cache_layouts(cfg: &DecoderConfig, size: usize) -> Vec<(String, Layout)> {
     let mut v = Vec::new();
@@ -252,10 +323,79 @@ pub fn place_decoder(
     decls: &[TensorDecl],
     bt: &dyn BufferType,
 ) -> Result<(Arc<dyn Buffer>, Vec<WeightRef>, ModelWeights)> {
-    let named: Vec<(String, Layout)> = decls.iter().map(|d| (d.name.clone(), d.layout)).collect();
-    let (buf, refs) = place(bt, &named, BufferUsage::Weights)?;
+    place_decoder_shared(cfg, decls, bt, &[])
+}
+
+/// [`place_decoder`] with some tensors placed as other names of another's bytes: each pair
+/// `(i, j)` of `shared` makes `decls[i]` a reference to the storage of `decls[j]` (same
+/// layout; `j` itself placed). A tied output projection split as the embedding is (both by
+/// vocabulary, or both mirrored, or one device) needs no copy of its own: the meta device
+/// finds a leaf's state by its storage, so the product reads the embedding's slices.
+pub fn place_decoder_shared(
+    cfg: &DecoderConfig,
+    decls: &[TensorDecl],
+    bt: &dyn BufferType,
+    shared: &[(usize, usize)],
+) -> Result<(Arc<dyn Buffer>, Vec<WeightRef>, ModelWeights)> {
+    if let Some(&(i, j)) = shared
+        .iter()
+        .find(|&&(i, j)| i.max(j) >= decls.len() || i == j)
+    {
+        return Err(Error::invalid_input(
+            "placing a decoder",
+            "shared tensors",
+            format!("two of {} declared tensors", decls.len()),
+            format!("({i}, {j})"),
+        ));
+    }
+    let is_shared = |i: usize| shared.iter().any(|&(a, _)| a == i);
+    let own: Vec<usize> = (0..decls.len()).filter(|&i| !is_shared(i)).collect();
+    let named: Vec<(String, Layout)> = own
+        .iter()
+        .map(|&i| (decls[i].name.clone(), decls[i].layout))
+        .collect();
+    let (buf, placed) = place(bt, &named, BufferUsage::Weights)?;
+    let mut refs: Vec<Option<WeightRef>> = vec![None; decls.len()];
+    for (r, &i) in placed.into_iter().zip(&own) {
+        refs[i] = Some(r);
+    }
+    for &(i, j) in shared {
+        let (d, to) = (&decls[i], &decls[j]);
+        let storage = match refs[j].as_ref() {
+            Some(r) if d.layout == to.layout => r.storage.clone(),
+            _ => {
+                return Err(Error::Model {
+                    model: cfg.arch.name.into(),
+                    reason: format!(
+                        "`{}` ({}) cannot share the bytes of `{}` ({})",
+                        d.name,
+                        d.layout.shape(),
+                        to.name,
+                        to.layout.shape()
+                    ),
+                });
+            }
+        };
+        refs[i] = Some(WeightRef {
+            name: d.name.clone(),
+            layout: d.layout,
+            storage,
+        });
+    }
+    let refs: Vec<WeightRef> = refs.into_iter().flatten().collect();
     let w = ModelWeights::assemble(cfg.n_layer, decls, &refs);
     Ok((buf, refs, w))
+}
+
+/// The pairs of [`place_decoder_shared`] for a model whose output projection is tied to its
+/// token embedding: (the output's index, the embedding's) in `decls`; none when either is
+/// absent.
+pub fn tied_output_pair(decls: &[TensorDecl]) -> Vec<(usize, usize)> {
+    let find = |t: Tensor| decls.iter().position(|d| d.tensor == t);
+    match (find(Tensor::Output), find(Tensor::TokenEmbd)) {
+        (Some(o), Some(e)) => vec![(o, e)],
+        _ => Vec::new(),
+    }
 }
 
 /// A zeroed KV cache of `size` rows per layer placed in `bt`.
@@ -289,4 +429,43 @@ pub fn place_kv_cache(
         }
     }
     Ok((buf, KvCache { k, v, size }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_heads_are_repeated_in_place_as_whole_rows_or_elements() {
+        // K: 2 heads of 2 rows, rows of 3 f32 (12 bytes): rows 0 1 | 2 3 -> 0 1 0 1 | 2 3 2 3.
+        let k = Layout::contiguous(DType::F32, [3, 4, 1, 1]);
+        let bytes: Vec<u8> = (0..48).collect();
+        let out = repeat_kv_rows("k", Tensor::AttnK, &k, 2, 2, &bytes).unwrap();
+        let row = |r: u8| (r * 12..r * 12 + 12).collect::<Vec<u8>>();
+        let want: Vec<u8> = [0, 1, 0, 1, 2, 3, 2, 3].into_iter().flat_map(row).collect();
+        assert_eq!(out, want);
+        let d = TensorDecl {
+            name: "blk.0.attn_k.weight".into(),
+            tensor: Tensor::AttnK,
+            layer: Some(0),
+            layout: k,
+        };
+        assert_eq!(repeat_kv_decl(&d, 2).layout.ne, [3, 8, 1, 1]);
+        // A bias: elements of a head along axis 0, three copies.
+        let b = Layout::contiguous(DType::F32, [4, 1, 1, 1]);
+        let v: Vec<u8> = [1f32, 2., 3., 4.]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let out = repeat_kv_rows("b", Tensor::AttnKBias, &b, 2, 3, &v).unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, [1., 2., 1., 2., 1., 2., 3., 4., 3., 4., 3., 4.]);
+        // No KV-head axis, or heads not whole: errors naming the tensor.
+        let q = repeat_kv_rows("blk.0.attn_q.weight", Tensor::AttnQ, &k, 2, 2, &bytes);
+        assert!(format!("{q:?}").contains("blk.0.attn_q.weight"));
+        assert!(repeat_kv_rows("k", Tensor::AttnK, &k, 3, 2, &bytes).is_err());
+    }
 }

@@ -32,7 +32,9 @@ use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint
 use crate::models::arch::{Naming, Tensor};
 use crate::models::decoder::{SequenceStep, build_step};
 use crate::models::limits::Count;
-use crate::models::weights::{KvCache, ModelWeights, WeightRef, place_decoder, place_kv_cache};
+use crate::models::weights::{
+    KvCache, ModelWeights, WeightRef, place_decoder_shared, place_kv_cache, tied_output_pair,
+};
 use crate::op::{CollectiveKind, Op};
 use crate::{DType, Error, Result};
 use serde::Serialize;
@@ -336,8 +338,13 @@ impl Placed {
         let hints = policy.hints.clone();
         let meta = MetaDevice::with_policy(devices.clone(), policy, MetaOptions::default())?;
         let bt = meta.buffer_type();
+        let decls = shape.weight_decls()?;
+        let shared = match shape.share_tied {
+            true => tied_output_pair(&decls),
+            false => Vec::new(),
+        };
         let (weight_buffer, refs, weights) =
-            place_decoder(&shape.cfg, &shape.weight_decls()?, bt.as_ref())?;
+            place_decoder_shared(&shape.cfg, &decls, bt.as_ref(), &shared)?;
         // The cache is placed, not cleared: a virtual device has nothing to clear, and a meta
         // buffer's clear walks every slice.
         let (cache_buffer, cache) = place_kv_cache(&shape.cfg, context, bt.as_ref(), false)?;
@@ -401,7 +408,10 @@ impl Placed {
         let layers = self.shape.n_layer();
         let mut out = vec![vec![0usize; n]; layers + 2];
         let caches = self.cache.k.iter().chain(&self.cache.v);
-        for r in self.refs.iter().chain(caches) {
+        // A tied output sharing the embedding's bytes counts once (as the embedding).
+        let mut seen = std::collections::HashSet::new();
+        let weights = self.refs.iter().filter(|r| seen.insert(r.storage.offset));
+        for r in weights.chain(caches) {
             let seg = match self.shape.cfg.arch.parse(&r.name) {
                 Some((Tensor::TokenEmbd, None)) => 0,
                 Some((_, Some(l))) => l + 1,

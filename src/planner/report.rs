@@ -7,6 +7,7 @@
 use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload};
 use super::search::{Candidate, RunAlternatives, SearchResult};
+pub use super::shape::HeadSplit;
 use super::shape::ModelShape;
 use super::strategy::describe;
 use crate::meta::rewrite::Stage;
@@ -41,6 +42,8 @@ pub struct Plan {
     pub split: DecoderSplit,
     pub summary: String,
     pub groups: Vec<GroupRow>,
+    /// How attention's heads lie over the devices.
+    pub heads: HeadSplit,
     pub evaluation: Evaluation,
     /// The search's best assignment per choice of ends, best first.
     pub candidates: Vec<Candidate>,
@@ -120,9 +123,23 @@ pub fn parse_plan(
 }
 
 /// The split callback of an assignment for `shape`, with its state hints (sequence
-/// parallelism).
+/// parallelism). `shape` as the assignment places it: [`ModelShape::for_split`] where its
+/// KV heads may be repeated ([`evaluate_split`] does both).
 pub fn split_fn(shape: &ModelShape, split: &DecoderSplit) -> SplitPolicy {
     policy(shape.split_dims(), split.clone())
+}
+
+/// [`evaluate`](super::evaluate::evaluate) of an assignment as a run places it: the model's
+/// KV heads repeated where the run repeats them ([`ModelShape::for_split`]), with its state
+/// hints.
+pub fn evaluate_split(
+    shape: &ModelShape,
+    split: &DecoderSplit,
+    cluster: &Cluster,
+    workload: &Workload,
+) -> Result<Evaluation> {
+    let shape = shape.for_split(cluster.devices.len(), split);
+    super::evaluate::evaluate(&shape, split_fn(&shape, split), cluster, workload)
 }
 
 impl Plan {
@@ -181,7 +198,9 @@ impl Plan {
         alternatives: Vec<RunAlternatives>,
         solve_ms: Option<f64>,
     ) -> Result<Plan> {
+        let shape = &shape.for_split(cluster.devices.len(), &split);
         let placed = Placed::new(shape, cluster, split_fn(shape, &split), workload.context)?;
+        let heads = HeadSplit::of(shape, cluster.devices.len(), &split)?;
         let groups = groups(
             &placed,
             &split,
@@ -199,6 +218,7 @@ impl Plan {
             summary: describe(&split),
             split,
             groups,
+            heads,
             evaluation,
             candidates,
             alternatives,
@@ -224,6 +244,7 @@ impl Plan {
             self.strategy
         );
         let _ = writeln!(s, "assignment: {}", self.summary);
+        let _ = writeln!(s, "{}", self.heads.line());
         if let Some(ms) = self.solve_ms {
             let _ = writeln!(s, "search: {ms:.1} ms");
         }
@@ -683,9 +704,9 @@ fn groups(
 /// DOT of the per-device programs of layer 0 for one decode step: a cluster per device, nodes
 /// with their local shapes, collectives joined across devices by dashed edges.
 pub fn dot(shape: &ModelShape, cluster: &Cluster, split: &DecoderSplit) -> Result<String> {
-    let one = shape.with_layers(1);
     let mut s1 = split.clone();
     s1.layers.truncate(1);
+    let one = shape.with_layers(1).for_split(cluster.devices.len(), &s1);
     let placed = Placed::new(&one, cluster, split_fn(&one, &s1), 64)?;
     let g = placed.step_graph(1, 8)?;
     let (_, rw) = placed.shard(&g)?;

@@ -103,6 +103,7 @@ fn costed(
     cluster: &Cluster,
     w: &Workload,
 ) -> Result<(Evaluation, Vec<Vec<usize>>)> {
+    let shape = &shape.for_split(cluster.devices.len(), split);
     let placed = Placed::new(
         shape,
         cluster,
@@ -506,6 +507,7 @@ pub fn auto(
         let mut b = budget;
         for _ in 0..4 {
             let split = found[i].2.clone();
+            let shape = &shape.for_split(cluster.devices.len(), &split);
             let placed = Placed::new(
                 shape,
                 cluster,
@@ -567,6 +569,7 @@ pub fn auto(
             ratios: ratios.clone(),
             ..least
         };
+        let shape = &shape.for_split(cluster.devices.len(), &least);
         let placed = Placed::new(
             shape,
             cluster,

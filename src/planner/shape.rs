@@ -7,11 +7,11 @@
 
 use crate::io::config::JsonConfig;
 use crate::io::gguf::GgufFile;
-use crate::models::arch::{Arch, LLAMA, Tensor};
+use crate::models::arch::{Arch, LLAMA, Part, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use crate::models::limits::{self, Count, Source};
-use crate::models::split::SplitDims;
-use crate::models::weights::{TensorDecl, decoder_layouts};
+use crate::models::split::{DecoderSplit, SplitDims, kv_repeat, query_heads};
+use crate::models::weights::{TensorDecl, decoder_layouts, repeat_kv_decl};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
 use serde::Serialize;
@@ -81,6 +81,10 @@ pub struct ModelShape {
     /// has Q4_K, Q6_K and Q8_0 tensors), when read from a file; else `types` decides.
     #[serde(skip)]
     pub file_tensors: Option<Vec<TensorDecl>>,
+    /// The tied output is placed as another name of the embedding's bytes (set by
+    /// [`ModelShape::for_split`] where both lie alike, as a run places them).
+    #[serde(skip)]
+    pub share_tied: bool,
 }
 
 impl ModelShape {
@@ -111,6 +115,30 @@ impl ModelShape {
         decoder_layouts(&self.cfg, &|t, _| self.types.of(t, self.tied), &|_, _| {
             false
         })
+    }
+
+    /// This model as `split` places it on `n` devices: with each KV head repeated as the run
+    /// repeats it (`models::split::kv_repeat`, virtual KV heads), so the planner prices the
+    /// copies of K and V and the larger cache, and a tied output sharing the embedding's
+    /// bytes where both are split alike (`LoadOptions::share_tied`).
+    pub fn for_split(&self, n: usize, split: &DecoderSplit) -> ModelShape {
+        let r = kv_repeat(&self.split_dims(), n, split);
+        let share_tied = self.tied && split.output == split.embedding;
+        let Ok(cfg) = self.cfg.with_kv_repeat(r) else {
+            return ModelShape {
+                share_tied,
+                ..self.clone()
+            };
+        };
+        ModelShape {
+            cfg,
+            share_tied,
+            file_tensors: self
+                .file_tensors
+                .as_ref()
+                .map(|fd| fd.iter().map(|d| repeat_kv_decl(d, r)).collect()),
+            ..self.clone()
+        }
     }
 
     /// What a split callback needs of this model: its dimensions and the block sizes of its
@@ -187,6 +215,7 @@ impl ModelShape {
             cache: DType::F16,
             context_length,
             file_tensors: Some(file_tensors),
+            share_tied: false,
         })
     }
 
@@ -287,6 +316,7 @@ impl ModelShape {
             cache: DType::F16,
             context_length,
             file_tensors: None,
+            share_tied: false,
         })
     }
 
@@ -345,6 +375,7 @@ impl ModelShape {
             cache: DType::F16,
             context_length: ctx,
             file_tensors: None,
+            share_tied: false,
         })
     }
 
@@ -375,6 +406,63 @@ impl ModelShape {
                 Self::from_config_json(&d.join("config.json"))
             }
         }
+    }
+}
+
+/// How attention's heads lie over the devices (of the first layer whose attention is split;
+/// every device holds all of them where none is).
+#[derive(Clone, Debug, Serialize)]
+pub struct HeadSplit {
+    /// Query heads of the model.
+    pub n_head: usize,
+    /// KV heads of the model (as its file holds them).
+    pub n_head_kv: usize,
+    /// Copies of each KV head the run places (virtual KV heads; 1: none).
+    pub kv_repeat: usize,
+    /// Query heads per device.
+    pub heads: Vec<usize>,
+    /// KV heads per device (virtual ones: a shared KV head counts on every device computing
+    /// it).
+    pub kv_heads: Vec<usize>,
+}
+
+impl HeadSplit {
+    /// The heads of `shape` (as `split` places it, [`ModelShape::for_split`]) on `n` devices.
+    pub fn of(shape: &ModelShape, n: usize, split: &DecoderSplit) -> Result<HeadSplit> {
+        let dims = shape.split_dims();
+        let layer = (0..shape.n_layer())
+            .find(|&l| split.splits(Part::Attention, l))
+            .unwrap_or(0);
+        let heads = query_heads(&dims, n, split, layer)?;
+        let group = shape.cfg.group().max(1);
+        Ok(HeadSplit {
+            n_head: shape.cfg.n_head,
+            n_head_kv: shape.cfg.file_kv_heads(),
+            kv_repeat: shape.cfg.kv_repeat,
+            kv_heads: heads.iter().map(|h| h.div_ceil(group)).collect(),
+            heads,
+        })
+    }
+
+    /// One line for the plan's table.
+    pub fn line(&self) -> String {
+        let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join("/");
+        let repeat = if self.kv_repeat > 1 {
+            format!(
+                ", each repeated {}x ({} virtual KV heads)",
+                self.kv_repeat,
+                self.n_head_kv * self.kv_repeat
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "heads: {} query, {} KV{repeat}; per device {} query, {} KV",
+            self.n_head,
+            self.n_head_kv,
+            list(&self.heads),
+            list(&self.kv_heads)
+        )
     }
 }
 

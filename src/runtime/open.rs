@@ -1,7 +1,10 @@
 //! Open a GGUF decoder on a device set in one call: resolve the model name, read the header,
 //! open the devices (one device, or a meta device with the built-in Megatron split, a plan or
 //! `--tensor-split` ratios, or the scheduler for a layer or hybrid split), and load the
-//! weights with a progress callback.
+//! weights with a progress callback. A tensor split with fewer KV-head groups than devices
+//! repeats each KV head (`models::split::kv_repeat`, virtual KV heads); a tied output shares
+//! the embedding's bytes where both lie alike (one device; both split by vocabulary, as
+//! `--strategy memory` or `vocab-split` has them; both mirrored).
 
 use super::layered::open_layered;
 use crate::cpu::Precision;
@@ -9,9 +12,11 @@ use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
 use crate::models::hparams::config_from_gguf;
 use crate::models::layer_split::SplitMode;
-use crate::models::loader::{DecoderModel, file_tensors};
+use crate::models::loader::{DecoderModel, LoadOptions, file_tensors};
 use crate::models::paths::{ModelPath, resolve};
-use crate::models::split::{DecoderSplit, SplitDims, SplitOptions, megatron, policy};
+use crate::models::split::{
+    DecoderSplit, SplitDims, SplitOptions, kv_repeat, megatron_plan, policy,
+};
 use crate::{Error, Result};
 
 /// How to open a decoder.
@@ -84,7 +89,7 @@ pub fn open_decoder(
         let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
         return Ok((set, m));
     }
-    let split_fn = match &opts.split {
+    let plan = match &opts.split {
         Some(plan) => {
             if plan.layers.len() != cfg.n_layer {
                 return Err(Error::invalid_argument(
@@ -97,18 +102,30 @@ pub fn open_decoder(
             if plan.ratios.is_none() {
                 plan.ratios = opts.ratios.clone();
             }
-            policy(dims, plan)
+            plan
         }
-        None => megatron(
-            dims,
+        None => megatron_plan(
+            cfg.n_layer,
             SplitOptions {
                 ratios: opts.ratios.clone(),
                 mirror_attention: opts.mirror_attention,
             },
-        )
-        .into(),
+        ),
     };
-    let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |_| split_fn)?;
-    let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
+    // One device (the callback is not called) shares a tied output's bytes with the
+    // embedding; a meta device where both are split alike.
+    let load = std::cell::Cell::new(LoadOptions {
+        kv_repeat: 1,
+        share_tied: true,
+    });
+    let set = DeviceSet::open_dist(devices, opts.dist, opts.precision, opts.meta, |n| {
+        let r = kv_repeat(&dims, n, &plan);
+        load.set(LoadOptions {
+            kv_repeat: r,
+            share_tied: plan.output == plan.embedding,
+        });
+        policy(dims.with_kv_repeat(r), plan)
+    })?;
+    let m = DecoderModel::load_with(&path, set.buffer_type.as_ref(), &load.get(), progress)?;
     Ok((set, m))
 }

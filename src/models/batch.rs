@@ -9,7 +9,7 @@
 
 use super::decoder::{StepInput, StepSeqs, build_step_seqs};
 use super::loader::DecoderModel;
-use super::session::KV_PAD;
+use super::session::{KV_PAD, padded_context};
 use super::weights::{KvCache, alloc_kv_cache};
 use crate::backend::Backend;
 use crate::buffer::{Buffer, BufferType};
@@ -58,20 +58,7 @@ impl<'m> BatchSession<'m> {
                 format!("must be in 1..={MAX_SLOTS} (sequences decoded together)"),
             ));
         }
-        let ctx = ctx
-            .min(model.context_length)
-            .checked_next_multiple_of(KV_PAD)
-            .filter(|&c| c > 0)
-            .ok_or_else(|| {
-                Error::invalid_argument(
-                    "context",
-                    ctx,
-                    format!(
-                        "must be in 1..={} (the model's context length)",
-                        model.context_length
-                    ),
-                )
-            })?;
+        let ctx = padded_context(model, ctx)?;
         let (buffer, cache) = alloc_kv_cache(&model.cfg, slots * ctx, bt)?;
         Ok(BatchSession {
             model,

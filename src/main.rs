@@ -44,6 +44,9 @@ enum Cmd {
     /// Measure a device list (rates per weight type, overheads, collective links) into a
     /// cluster profile (JSON) for the planner.
     Calibrate(cli::calibrate::CalibrateArgs),
+    /// Serve a GGUF decoder over HTTP with the OpenAI API's shapes (completions, chat
+    /// completions, streamed or whole), many requests decoded together.
+    Serve(cli::serve::ServeArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -64,6 +67,7 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Embed(a) => cli::embed::run(&a, &mut std::io::stdout().lock()),
         Cmd::Plan(a) => cli::plan::run(&a),
         Cmd::Calibrate(a) => cli::calibrate::run(&a),
+        Cmd::Serve(a) => cli::serve::run(&a),
         Cmd::Bench { what } => bench::run(&what),
         Cmd::Selftest { what } => cli::selftest::run(&what),
     }

@@ -14,6 +14,7 @@ pub mod embed;
 pub mod plan;
 pub mod run;
 pub mod selftest;
+pub mod serve;
 pub mod verify;
 
 use metashard::dist::{Dist, Setting};

@@ -2,12 +2,14 @@
 """Talk to a running `metashard serve` with the official `openai` client (tests/serve.rs starts
 the server and runs this): completions and chat completions, whole and streamed, from 8 clients
 at once, each text equal to the one `metashard run` gave for the same prompt (--expect, a JSON
-list of {"prompt", "chat", "text"}); then the 4xx cases: max_tokens 0, a bad temperature, a
-prompt past the context, malformed JSON, a missing and a wrong API key."""
+list of {"prompt", "chat", "text"}); clients that close their streams early free their slots
+(`/metrics`); then the 4xx cases: max_tokens 0, a bad temperature, a prompt past the context,
+malformed JSON, a wrong type, a missing and a wrong API key."""
 import argparse
 import concurrent.futures
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -67,6 +69,29 @@ def expect_status(status, fn, what):
         failed += not ok
 
 
+def metric(name):
+    root = args.base_url.rsplit("/v1", 1)[0]
+    req = urllib.request.Request(root + "/metrics", headers={"Authorization": "Bearer " + args.api_key})
+    for line in urllib.request.urlopen(req).read().decode().splitlines():
+        if line.startswith("metashard_" + name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+# Clients that go away after their first chunk free their slots: none is running soon after
+# (left running, each would hold its slot for the ~250 tokens its context allows).
+streams = [client.completions.create(model=model, prompt=c["prompt"], max_tokens=100000,
+                                     temperature=0, stream=True) for c in cases]
+for st in streams:
+    next(iter(st))
+    st.close()
+t0 = time.time()
+while metric("requests_running") + metric("requests_queued") > 0 and time.time() - t0 < 10:
+    time.sleep(0.1)
+held = metric("requests_running") + metric("requests_queued")
+print(f"{'ok  ' if held == 0 else 'FAIL'} closed streams: {held} requests held after {time.time() - t0:.1f} s")
+failed += held != 0
+
 p = cases[0]["prompt"]
 expect_status(400, lambda: client.completions.create(model=model, prompt=p, max_tokens=0), "max_tokens 0")
 expect_status(400, lambda: client.completions.create(model=model, prompt=p, temperature=-1), "temperature -1")
@@ -92,4 +117,8 @@ for body, auth, status, what in [(b"{not json", True, 400, "malformed JSON"),
         ok = e.code == status
         print(f"{'ok  ' if ok else 'FAIL'} {what}: {e.code} {msg}")
         failed += not ok
+total = metric("requests_total")
+ok = metric("requests_running") == 0 and total >= len(jobs) + len(streams)
+print(f"{'ok  ' if ok else 'FAIL'} metrics: {total} requests, none running")
+failed += not ok
 sys.exit(1 if failed else 0)

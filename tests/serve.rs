@@ -1,7 +1,7 @@
 //! `metashard serve` against the official `openai` Python client
 //! (`scripts/serve_openai_test.py`): completions and chat completions, whole and streamed, 8
 //! clients at once on 4 slots, each text equal to what `metashard run` gives for the prompt
-//! (greedy); the 4xx cases (max_tokens 0, a bad temperature, a prompt past the context,
+//! (greedy); clients closing their streams early free their slots (`/metrics`); the 4xx cases (max_tokens 0, a bad temperature, a prompt past the context,
 //! malformed JSON, a wrong type, a missing or wrong API key) get their status and an
 //! OpenAI-style message; SIGTERM ends the server with status 0.
 

@@ -1,6 +1,7 @@
 //! `metashard serve`: an OpenAI-compatible HTTP server (axum on tokio) over the request
 //! scheduler (`models::engine`): `POST /v1/completions` and `/v1/chat/completions` (the model's
-//! chat template), whole or streamed as server-sent events, `GET /v1/models`, `GET /health`.
+//! chat template), whole or streamed as server-sent events, `GET /v1/models`, `GET /health`,
+//! `GET /metrics` (Prometheus text).
 //! The engine runs on its own thread and steps while requests are running; each HTTP request
 //! submits a generation and receives its events over a channel; a client that goes away
 //! (its channel closed) cancels its request and frees its slot. Errors are OpenAI-style JSON
@@ -81,6 +82,21 @@ struct AppState {
     cmds: std_mpsc::Sender<Cmd>,
     api_key: Option<String>,
     ctx: usize,
+    /// The engine's counters, as of its last step.
+    gauges: Arc<parking_lot::Mutex<Gauges>>,
+}
+
+/// What `GET /metrics` reports, published by the engine thread.
+#[derive(Clone, Copy, Debug, Default)]
+struct Gauges {
+    requests: u64,
+    running: usize,
+    queued: usize,
+    slots: usize,
+    steps: u64,
+    prompt_tokens: u64,
+    generated_tokens: u64,
+    last_step_secs: f64,
 }
 
 /// Chat messages to prompt tokens: the model's chat template (the messages' text literal, so
@@ -120,15 +136,20 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let ctx = batch.ctx();
     let engine = Engine::new(batch, a.batch_tokens);
     let (tx, rx) = std_mpsc::channel();
+    let gauges = Arc::new(parking_lot::Mutex::new(Gauges {
+        slots: a.parallel,
+        ..Gauges::default()
+    }));
     let state = Arc::new(AppState {
         model: m,
         cmds: tx,
         api_key: a.api_key.clone(),
         ctx,
+        gauges: gauges.clone(),
     });
     let addr = format!("{}:{}", a.host, a.port);
     std::thread::scope(|s| {
-        s.spawn(move || engine_loop(engine, rx));
+        s.spawn(move || engine_loop(engine, rx, &gauges));
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -145,6 +166,7 @@ async fn serve(addr: String, state: Arc<AppState>) -> Result<()> {
             get(|| async { axum::Json(json!({"status": "ok"})) }),
         )
         .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
@@ -170,7 +192,7 @@ async fn serve(addr: String, state: Arc<AppState>) -> Result<()> {
 /// The engine thread: waits for a request when idle, else takes every command then steps;
 /// each event goes to its request's channel, and a request whose channel is closed (the client
 /// went away) is cancelled. Ends when the server drops its sender.
-fn engine_loop(mut e: Engine, rx: std_mpsc::Receiver<Cmd>) {
+fn engine_loop(mut e: Engine, rx: std_mpsc::Receiver<Cmd>, gauges: &parking_lot::Mutex<Gauges>) {
     let mut senders: std::collections::HashMap<RequestId, mpsc::UnboundedSender<Msg>> =
         std::collections::HashMap::new();
     loop {
@@ -207,7 +229,19 @@ fn engine_loop(mut e: Engine, rx: std_mpsc::Receiver<Cmd>) {
             senders.remove(&id);
             let _ = e.cancel(id);
         }
-        match e.step() {
+        let t0 = std::time::Instant::now();
+        let stepped = e.step();
+        {
+            let mut g = gauges.lock();
+            g.requests = e.stats.requests;
+            g.running = e.running();
+            g.queued = e.queued();
+            g.steps = e.stats.steps;
+            g.prompt_tokens = e.stats.prompt_tokens;
+            g.generated_tokens = e.stats.generated_tokens;
+            g.last_step_secs = t0.elapsed().as_secs_f64();
+        }
+        match stepped {
             Ok(events) => {
                 for ev in events {
                     let id = match &ev {
@@ -282,6 +316,66 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
         {"id": state.model.name, "object": "model", "created": 0, "owned_by": "metashard"}
     ]}))
     .into_response()
+}
+
+/// Prometheus text exposition format (prometheus.io/docs/instrumenting/exposition_formats).
+async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorized(&state, &headers) {
+        return r;
+    }
+    let g = *state.gauges.lock();
+    let rows: [(&str, &str, &str, f64); 8] = [
+        (
+            "requests_total",
+            "counter",
+            "requests accepted",
+            g.requests as f64,
+        ),
+        (
+            "requests_running",
+            "gauge",
+            "requests holding a slot",
+            g.running as f64,
+        ),
+        (
+            "requests_queued",
+            "gauge",
+            "requests waiting for a slot",
+            g.queued as f64,
+        ),
+        ("slots", "gauge", "KV cache slots", g.slots as f64),
+        (
+            "steps_total",
+            "counter",
+            "batched steps run",
+            g.steps as f64,
+        ),
+        (
+            "prompt_tokens_total",
+            "counter",
+            "prompt tokens evaluated",
+            g.prompt_tokens as f64,
+        ),
+        (
+            "generated_tokens_total",
+            "counter",
+            "tokens generated",
+            g.generated_tokens as f64,
+        ),
+        (
+            "step_seconds",
+            "gauge",
+            "time of the last step",
+            g.last_step_secs,
+        ),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, v) in rows {
+        out.push_str(&format!(
+            "# HELP metashard_{name} {help}\n# TYPE metashard_{name} {kind}\nmetashard_{name} {v}\n"
+        ));
+    }
+    ([("content-type", "text/plain; version=0.0.4")], out).into_response()
 }
 
 async fn completions(

@@ -86,6 +86,8 @@ struct Running {
 /// Counters since the engine started.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct EngineStats {
+    /// Requests accepted by [`Engine::submit`].
+    pub requests: u64,
     pub steps: u64,
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
@@ -177,6 +179,7 @@ impl<'m> Engine<'m> {
         req.sampling.validate()?;
         let id = self.next_id;
         self.next_id += 1;
+        self.stats.requests += 1;
         self.queue.push_back((id, req));
         Ok(id)
     }

@@ -46,6 +46,9 @@ enum Cmd {
     Calibrate(cli::calibrate::CalibrateArgs),
     /// Quantize a GGUF file of F32/F16/BF16 weights (llama.cpp's types and mixes).
     Quantize(cli::quantize::QuantizeArgs),
+    /// Serve a GGUF decoder over HTTP with the OpenAI API's shapes (completions, chat
+    /// completions, streamed or whole), many requests decoded together.
+    Serve(cli::serve::ServeArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -67,6 +70,7 @@ fn run(cmd: Cmd) -> Result<()> {
         Cmd::Plan(a) => cli::plan::run(&a),
         Cmd::Calibrate(a) => cli::calibrate::run(&a),
         Cmd::Quantize(a) => cli::quantize::run(&a),
+        Cmd::Serve(a) => cli::serve::run(&a),
         Cmd::Bench { what } => bench::run(&what),
         Cmd::Selftest { what } => cli::selftest::run(&what),
     }

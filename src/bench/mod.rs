@@ -2,10 +2,12 @@
 //! (the per-op kernel benchmark [`ops`], the cost of tensor parallelism on one host [`meta`], a
 //! real model's prompt and generation throughput per device set [`model`], every split
 //! strategy's prediction against a measurement [`strategies`], one op at a time on any device
-//! through the backend API [`backend`], the collectives' bandwidth [`comm`]), and here the
+//! through the backend API [`backend`], the collectives' bandwidth [`comm`], sequences decoded
+//! together [`batch`]), and here the
 //! dispatch and timing helpers that report medians.
 
 pub mod backend;
+pub mod batch;
 pub mod comm;
 pub mod meta;
 pub mod model;
@@ -31,6 +33,9 @@ pub enum BenchCmd {
     Comm(comm::BenchCommArgs),
     /// Tensor parallelism on one host: plain cpu:1x2 vs meta over cpu:2x1 vs meta over cpu:1x2.
     Meta(meta::BenchMetaArgs),
+    /// Aggregate generation tokens/s of S sequences decoded together in one KV cache, for
+    /// each S of --parallel.
+    Batch(batch::BenchBatchArgs),
 }
 
 /// Run the benchmark `what` names.
@@ -42,6 +47,7 @@ pub fn run(what: &BenchCmd) -> Result<()> {
         BenchCmd::Backend(a) => backend::run(a),
         BenchCmd::Comm(a) => comm::run(a),
         BenchCmd::Meta(a) => meta::run(a),
+        BenchCmd::Batch(a) => batch::run(a),
     }
 }
 

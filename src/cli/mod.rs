@@ -15,6 +15,7 @@ pub mod plan;
 pub mod quantize;
 pub mod run;
 pub mod selftest;
+pub mod serve;
 pub mod verify;
 
 use metashard::dist::{Dist, Setting};

@@ -114,16 +114,28 @@ struct StepTensors {
     n_kv: usize,
 }
 
+/// Which sequence each token of a step and each cache row `0..n_kv` belongs to, for a step
+/// over several sequences ([`build_step_seqs`]): a token sees only its own sequence's rows.
+#[derive(Clone, Copy, Debug)]
+pub struct StepSeqs<'a> {
+    /// One per token.
+    pub tokens: &'a [i32],
+    /// One per cache row attended to.
+    pub kv_rows: &'a [i32],
+}
+
 /// The causal mask `[n_kv, t]` of a step: row i may see the cache rows holding positions at
-/// or before its own, and with a `window`, only the last `window` of them.
-fn causal_mask(inp: &StepInput, window: Option<usize>) -> Vec<f32> {
+/// or before its own (of its own sequence, with `seqs`), and with a `window`, only the last
+/// `window` of them.
+fn causal_mask(inp: &StepInput, seqs: Option<&StepSeqs>, window: Option<usize>) -> Vec<f32> {
     let t = inp.tokens.len();
     let mut mask = vec![0f32; inp.n_kv * t];
     for i in 0..t {
         for j in 0..inp.n_kv {
             let (kp, qp) = (inp.kv_positions[j], inp.positions[i]);
             let outside = window.is_some_and(|w| (qp as i64 - kp as i64) >= w as i64);
-            if kp > qp || kp < 0 || outside {
+            let other = seqs.is_some_and(|s| s.kv_rows[j] != s.tokens[i]);
+            if kp > qp || kp < 0 || outside || other {
                 mask[i * inp.n_kv + j] = f32::NEG_INFINITY;
             }
         }
@@ -137,6 +149,7 @@ fn check_step(
     w: &ModelWeights,
     cache: &KvCache,
     inp: &StepInput,
+    seqs: Option<&StepSeqs>,
 ) -> Result<()> {
     let t = inp.tokens.len();
     let bad = |what: &str, expected: String, got: String| {
@@ -162,6 +175,22 @@ fn check_step(
             format!("one per cache row in use ({})", inp.n_kv),
             inp.kv_positions.len().to_string(),
         );
+    }
+    if let Some(s) = seqs {
+        if s.tokens.len() != t {
+            return bad(
+                "sequence ids",
+                format!("one per token ({t})"),
+                s.tokens.len().to_string(),
+            );
+        }
+        if s.kv_rows.len() != inp.n_kv {
+            return bad(
+                "cache row sequence ids",
+                format!("one per cache row in use ({})", inp.n_kv),
+                s.kv_rows.len().to_string(),
+            );
+        }
     }
     if inp.logits_rows.is_empty() || inp.logits_rows.end > t {
         return bad(
@@ -189,17 +218,35 @@ pub fn build_step(
     cache: &KvCache,
     inp: &StepInput,
 ) -> Result<StepGraph> {
+    build_step_seqs(cfg, w, cache, inp, None)
+}
+
+/// Build one decoder step over tokens of several sequences (`seqs`; `None`: all one
+/// sequence): each token attends to the cache rows of its own sequence only, through the
+/// step's mask (as llama.cpp's unified KV cache does), so the graph is the one-sequence graph
+/// with a different mask, and runs wherever that one runs.
+pub fn build_step_seqs(
+    cfg: &DecoderConfig,
+    w: &ModelWeights,
+    cache: &KvCache,
+    inp: &StepInput,
+    seqs: Option<&StepSeqs>,
+) -> Result<StepGraph> {
     cfg.validate()?;
-    check_step(cfg, w, cache, inp)?;
+    check_step(cfg, w, cache, inp, seqs)?;
     let t = inp.tokens.len();
     let mut g = Graph::new();
     let tokens = g.input_i32("tokens", [t, 1, 1, 1], inp.tokens)?;
     let pos = g.input_i32("positions", [t, 1, 1, 1], inp.positions)?;
     let slots = g.input_i32("slots", [t, 1, 1, 1], inp.slots)?;
-    let mask = g.input_f32("kq_mask", [inp.n_kv, t, 1, 1], &causal_mask(inp, None))?;
+    let mask = g.input_f32(
+        "kq_mask",
+        [inp.n_kv, t, 1, 1],
+        &causal_mask(inp, seqs, None),
+    )?;
     let mask_swa = match cfg.swa {
         Some(w) => {
-            let m = causal_mask(inp, Some(w.window));
+            let m = causal_mask(inp, seqs, Some(w.window));
             Some(g.input_f32("kq_mask_swa", [inp.n_kv, t, 1, 1], &m)?)
         }
         None => None,

@@ -8,9 +8,11 @@
 //! a configuration declares is bounded in one table (`limits.rs`) before anything is sized.
 
 pub mod arch;
+pub mod batch;
 pub mod bert;
 pub mod blocks;
 pub mod decoder;
+pub mod engine;
 pub mod hparams;
 pub mod layer_split;
 pub mod limits;

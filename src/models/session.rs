@@ -14,6 +14,24 @@ use std::sync::Arc;
 /// graph structure (and the meta backend's plan); padded rows are masked.
 pub const KV_PAD: usize = 32;
 
+/// The positions a cache of `ctx` holds: at most the model's context length, rounded up to a
+/// multiple of [`KV_PAD`]; 0 is an error naming the context.
+pub fn padded_context(model: &DecoderModel, ctx: usize) -> Result<usize> {
+    ctx.min(model.context_length)
+        .checked_next_multiple_of(KV_PAD)
+        .filter(|&c| c > 0)
+        .ok_or_else(|| {
+            Error::invalid_argument(
+                "context",
+                ctx,
+                format!(
+                    "must be in 1..={} (the model's context length)",
+                    model.context_length
+                ),
+            )
+        })
+}
+
 /// A running sequence: the model, a backend, and a KV cache.
 pub struct Session<'m> {
     pub model: &'m DecoderModel,
@@ -35,20 +53,7 @@ impl<'m> Session<'m> {
         bt: &dyn BufferType,
         ctx: usize,
     ) -> Result<Self> {
-        let ctx = ctx
-            .min(model.context_length)
-            .checked_next_multiple_of(KV_PAD)
-            .filter(|&c| c > 0)
-            .ok_or_else(|| {
-                Error::invalid_argument(
-                    "context",
-                    ctx,
-                    format!(
-                        "must be in 1..={} (the model's context length)",
-                        model.context_length
-                    ),
-                )
-            })?;
+        let ctx = padded_context(model, ctx)?;
         let (buf, cache) = alloc_kv_cache(&model.cfg, ctx, bt)?;
         Ok(Session {
             model,

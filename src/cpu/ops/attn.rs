@@ -320,6 +320,17 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
         let mut j0 = 0;
         while j0 < n_kv {
             let jn = BLOCK.min(n_kv - j0);
+            // A block the mask hides entirely adds nothing (its weights are all 0): skipped, so
+            // a step over many sequences in one cache (each token seeing its own sequence's
+            // rows) reads only those rows.
+            // SAFETY: the builder checked the mask is [n_kv, >= n_q].
+            let hidden = |mk: &TensorView| unsafe {
+                (j0..j0 + jn).all(|j| mk.get_f32(j, iq, 0, 0) == f32::NEG_INFINITY)
+            };
+            if mask.is_some_and(hidden) {
+                j0 += jn;
+                continue;
+            }
             // Scores of the block for every head.
             #[cfg(target_arch = "x86_64")]
             if let Some(kc) = k_chunks {

@@ -1,0 +1,386 @@
+//! Many sequences in one KV cache (`models::batch`) and the request scheduler over it
+//! (`models::engine`): sequences decoded together, with mixed prompt lengths, staggered
+//! arrivals, chunked prompts and reused slots, give exactly the greedy tokens each gives alone
+//! on cpu, cpu:2x1, cpu:3x1 and a layer split (a llama and a Gemma 2 file: sliding window and
+//! soft-capping); their logits agree with one sequence's and with the numpy reference; a
+//! prompt past a slot's context is refused for that request only; cancelling frees the slot;
+//! a stop string ends the text where it starts (SmolLM2).
+
+use metashard::cpu::Precision;
+use metashard::devices::DeviceSet;
+use metashard::models::arch::{Arch, GEMMA2, LLAMA};
+use metashard::models::batch::{BatchSession, SeqInput};
+use metashard::models::engine::{Engine, Event, FinishReason, GenRequest, RequestId};
+use metashard::models::hparams::{DecoderConfig, SlidingWindow};
+use metashard::models::layer_split::SplitMode;
+use metashard::models::loader::DecoderModel;
+use metashard::models::prompt::{PromptOptions, prompt_tokens};
+use metashard::models::sampler::SamplerConfig;
+use metashard::models::session::Session;
+use metashard::models::synthetic::gguf_bytes;
+use metashard::runtime::{OpenOptions, open_decoder};
+use metashard::verify::{greedy, nmse};
+use metashard::{DType, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+const STEPS: usize = 8;
+
+/// A small file of `arch`: width 128, 300 tokens; Gemma 2 with 5 layers, a window of 5 and
+/// caps small enough to bend the scores.
+fn config(arch: &'static Arch) -> DecoderConfig {
+    let spec = arch.decoder().unwrap();
+    let mut c = DecoderConfig {
+        arch,
+        rope_mode: spec.rope_mode,
+        rms_eps: 1e-6,
+        ..DecoderConfig::llama(2, 128, 256, 8, 2, 300)
+    };
+    if arch.name == "gemma2" {
+        c.n_layer = 5;
+        c.n_head = 4;
+        c.n_head_kv = 1;
+        c.head_dim = 48;
+        c.rope_dims = 48;
+        c.attn_scale = 1.0 / 48f32.sqrt();
+        c.embd_scale = 128f32.sqrt();
+        let w = spec.swa.unwrap();
+        c.swa = Some(SlidingWindow {
+            window: 5,
+            pattern: w.pattern,
+            rope_base: w.rope_base.unwrap_or(c.rope_base),
+        });
+        c.attn_softcap = Some(0.75);
+        c.final_softcap = Some(2.5);
+    }
+    c
+}
+
+fn model_file(arch: &'static Arch) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("metashard-batched-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(format!("{}.gguf", arch.name));
+    let tied = arch.name.starts_with("gemma");
+    let bytes = gguf_bytes(&config(arch), DType::F32, tied, 512, 5).unwrap();
+    // Tests running at once write the same file: a private copy renamed into place.
+    let tmp = dir.join(format!(
+        "{}.{:?}.part",
+        arch.name,
+        std::thread::current().id()
+    ));
+    std::fs::write(&tmp, bytes).unwrap();
+    std::fs::rename(&tmp, &p).unwrap();
+    p
+}
+
+fn open(model: &str, devices: &str, mode: SplitMode) -> (DeviceSet, DecoderModel) {
+    let opts = OpenOptions {
+        precision: Precision::Exact,
+        split_mode: mode,
+        ..OpenOptions::default()
+    };
+    open_decoder(model, devices, &opts, &|_, _| {}).unwrap()
+}
+
+/// Prompts of 3 to 17 tokens.
+fn prompts() -> Vec<Vec<u32>> {
+    [3usize, 17, 9, 5, 12]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|j| ((i * 37 + j * 11) % 250) as u32).collect())
+        .collect()
+}
+
+fn request(prompt: &[u32], max_tokens: usize) -> GenRequest {
+    GenRequest {
+        prompt: prompt.to_vec(),
+        max_tokens,
+        sampling: SamplerConfig {
+            temperature: 0.0,
+            ..SamplerConfig::default()
+        },
+        stop: Vec::new(),
+        ignore_eos: true,
+    }
+}
+
+/// Each request's tokens, text and finish reason from a run's events.
+#[derive(Default, Debug)]
+struct Outcome {
+    tokens: Vec<u32>,
+    text: String,
+    reason: Option<FinishReason>,
+}
+
+fn collect(events: &[Event], out: &mut HashMap<RequestId, Outcome>) {
+    for e in events {
+        match e {
+            Event::Token { id, token, text } => {
+                let o = out.entry(*id).or_default();
+                o.tokens.push(*token);
+                o.text.push_str(text);
+            }
+            Event::Finished {
+                id, reason, text, ..
+            } => {
+                let o = out.entry(*id).or_default();
+                assert!(o.reason.is_none(), "request {id} finished twice");
+                o.text.push_str(text);
+                o.reason = Some(*reason);
+            }
+        }
+    }
+}
+
+/// Five requests on three slots of 64 positions (two slots reused), a budget of 8 tokens per
+/// step (prompts in chunks), two arriving after two steps, and one prompt of 70 tokens that
+/// is refused alone: each gets its own greedy tokens.
+fn batched_equals_alone(model: &str, devices: &str, mode: SplitMode, want: &[Vec<u32>]) {
+    let (set, m) = open(model, devices, mode);
+    let batch =
+        BatchSession::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 3, 64).unwrap();
+    let mut e = Engine::new(batch, 8);
+    let ps = prompts();
+    let mut ids = Vec::new();
+    let mut out = HashMap::new();
+    for p in &ps[..3] {
+        ids.push(e.submit(request(p, STEPS)).unwrap());
+    }
+    let long = vec![1u32; 70];
+    let err = e.submit(request(&long, STEPS)).unwrap_err().to_string();
+    assert!(
+        err.contains("prompt") && err.contains("context of 64"),
+        "{err}"
+    );
+    for _ in 0..2 {
+        collect(&e.step().unwrap(), &mut out);
+    }
+    for p in &ps[3..] {
+        ids.push(e.submit(request(p, STEPS)).unwrap());
+    }
+    collect(&e.run_all().unwrap(), &mut out);
+    for (i, id) in ids.iter().enumerate() {
+        let o = &out[id];
+        assert_eq!(o.tokens, want[i], "{model} {devices} {mode}: request {i}");
+        assert_eq!(o.reason, Some(FinishReason::Length));
+    }
+    assert_eq!(e.batch().free_slots(), 3, "every slot is free again");
+    assert!(e.stats.steps > 0 && e.stats.generated_tokens == (STEPS * ps.len()) as u64);
+}
+
+fn every_split(arch: &'static Arch) {
+    let path = model_file(arch);
+    let model = path.to_str().unwrap();
+    let (set, m) = open(model, "cpu:1x1", SplitMode::Tensor);
+    let want: Vec<Vec<u32>> = prompts()
+        .iter()
+        .map(|p| greedy(&m, &set, p, STEPS).unwrap().1)
+        .collect();
+    for (devices, mode) in [
+        ("cpu:1x1", SplitMode::Tensor),
+        ("cpu:2x1", SplitMode::Tensor),
+        ("cpu:3x1", SplitMode::Tensor),
+        ("cpu:2x1", SplitMode::Layer),
+    ] {
+        batched_equals_alone(model, devices, mode, &want);
+    }
+}
+
+#[test]
+fn llama_batched_gives_each_sequences_tokens_on_every_split() {
+    every_split(&LLAMA);
+}
+
+#[test]
+fn gemma2_batched_gives_each_sequences_tokens_on_every_split() {
+    every_split(&GEMMA2);
+}
+
+/// The numpy reference's logits of the last prompt position (`None` when its packages are
+/// missing and METASHARD_SKIP_PYREF=1 allows it).
+fn reference_last_logits(path: &Path, prompt: &[u32], nv: usize) -> Option<Vec<f32>> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/smollm2_ref.py");
+    let out_file = path.with_extension("ref.f32");
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .arg("--model")
+        .arg(path)
+        .arg("--tokens")
+        .arg(ids.join(","))
+        .arg("--prompt-logits-out")
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        let e = String::from_utf8_lossy(&out.stderr);
+        if std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
+            eprintln!("NOTE: METASHARD_SKIP_PYREF=1: no numpy reference ({e})");
+            return None;
+        }
+        panic!("the numpy reference failed: {e}");
+    }
+    let v: Vec<f32> = std::fs::read(&out_file)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Some(v[v.len() - nv..].to_vec())
+}
+
+/// Two sequences in one step, then a decode step of both, on cpu and cpu:2x1: each one's
+/// logits equal its own run's (NMSE < 1e-6) and the numpy reference's; a step naming a free
+/// slot, or tokens past a slot's room, is an error naming it.
+#[test]
+fn batched_logits_match_one_sequence_and_the_reference() {
+    let path = model_file(&GEMMA2);
+    let model = path.to_str().unwrap();
+    let ps = prompts();
+    let (a, b) = (&ps[1], &ps[4]);
+    for devices in ["cpu:1x1", "cpu:2x1"] {
+        let (set, m) = open(model, devices, SplitMode::Tensor);
+        let nv = m.cfg.n_vocab;
+        let alone = |p: &[u32], next: u32| -> Result<(Vec<f32>, Vec<f32>)> {
+            let mut s = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 64)?;
+            Ok((s.eval(p, false)?, s.eval(&[next], false)?))
+        };
+        let mut bs =
+            BatchSession::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 2, 64).unwrap();
+        // Slot 0 is taken and freed first, so slot 1 holds a sequence above the free slot.
+        let s0 = bs.acquire().unwrap();
+        let s1 = bs.acquire().unwrap();
+        let seqs = [
+            SeqInput {
+                slot: s1,
+                tokens: a,
+                logits: true,
+            },
+            SeqInput {
+                slot: s0,
+                tokens: b,
+                logits: true,
+            },
+        ];
+        let first = bs.step(&seqs).unwrap();
+        let next = [7u32, 9];
+        let second = bs
+            .step(&[
+                SeqInput {
+                    slot: s1,
+                    tokens: &next[..1],
+                    logits: true,
+                },
+                SeqInput {
+                    slot: s0,
+                    tokens: &next[1..],
+                    logits: true,
+                },
+            ])
+            .unwrap();
+        for (k, p) in [a, b].iter().enumerate() {
+            let (l0, l1) = alone(p, next[k]).unwrap();
+            for (got, want) in [(&first[k], &l0), (&second[k], &l1)] {
+                let e = nmse(got.as_ref().unwrap(), want);
+                assert!(e < 1e-6, "{devices} sequence {k}: NMSE {e:.3e}");
+            }
+            if devices == "cpu:1x1"
+                && let Some(r) = reference_last_logits(&path, p, nv)
+            {
+                let e = nmse(first[k].as_ref().unwrap(), &r);
+                assert!(e < 1e-5, "sequence {k} against numpy: NMSE {e:.3e}");
+            }
+        }
+        bs.release(s0).unwrap();
+        let err = bs
+            .step(&[SeqInput {
+                slot: s0,
+                tokens: &next[..1],
+                logits: true,
+            }])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("slot"), "{err}");
+        let room = vec![3u32; 64 - a.len()];
+        let err = bs
+            .step(&[SeqInput {
+                slot: s1,
+                tokens: &room,
+                logits: true,
+            }])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("tokens") && err.contains("slot 1"), "{err}");
+    }
+}
+
+fn smollm2_prompt(m: &DecoderModel, text: &str) -> Vec<u32> {
+    let opts = PromptOptions {
+        raw: true,
+        ..PromptOptions::default()
+    };
+    prompt_tokens(m, text, &opts).unwrap()
+}
+
+/// SmolLM2, four prompts on two slots with cancelling and a stop string: the uncancelled
+/// requests give their greedy tokens alone; the cancelled one frees its slot for the queue;
+/// the stop string cuts the text where it first appears and ends that request.
+#[test]
+fn smollm2_cancel_and_stop_strings() {
+    let (set, m) = open("smollm2", "cpu", SplitMode::Tensor);
+    let texts = [
+        "The capital of France is",
+        "Once upon a time, in a small village near the mountains,",
+        "1, 2, 3, 4,",
+        "def fibonacci(n):",
+    ];
+    let ps: Vec<Vec<u32>> = texts.iter().map(|t| smollm2_prompt(&m, t)).collect();
+    let n = 12;
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| greedy(&m, &set, p, n).unwrap().1)
+        .collect();
+    let want_text: Vec<String> = want
+        .iter()
+        .map(|t| String::from_utf8_lossy(&m.tokenizer.decode_bytes(t).unwrap()).to_string())
+        .collect();
+    // A stop string from the middle of request 2's text.
+    let t2 = &want_text[2];
+    let cut = t2.char_indices().nth(t2.chars().count() / 2).unwrap().0;
+    let stop: String = t2[cut..].chars().take(3).collect();
+    let batch =
+        BatchSession::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 2, 64).unwrap();
+    let mut e = Engine::new(batch, 16);
+    let mut out = HashMap::new();
+    let mut ids = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        let mut r = request(p, n);
+        if i == 1 {
+            r.max_tokens = 1000;
+        }
+        if i == 2 {
+            r.stop = vec![stop.clone()];
+        }
+        ids.push(e.submit(r).unwrap());
+    }
+    for _ in 0..4 {
+        collect(&e.step().unwrap(), &mut out);
+    }
+    assert_eq!((e.running(), e.queued()), (2, 2));
+    assert!(e.cancel(ids[1]).unwrap());
+    assert!(!e.cancel(ids[1]).unwrap(), "cancelled twice");
+    collect(&e.run_all().unwrap(), &mut out);
+    assert_eq!(out[&ids[1]].reason, Some(FinishReason::Cancelled));
+    for i in [0, 3] {
+        assert_eq!(out[&ids[i]].tokens, want[i], "request {i}");
+        assert_eq!(out[&ids[i]].text, want_text[i], "request {i}");
+    }
+    let o = &out[&ids[2]];
+    assert_eq!(
+        o.reason,
+        Some(FinishReason::Stop),
+        "stop {stop:?} in {t2:?}"
+    );
+    let first = t2.find(&stop).unwrap();
+    assert_eq!(o.text, t2[..first], "stop {stop:?}");
+    assert_eq!(e.batch().free_slots(), 2);
+}

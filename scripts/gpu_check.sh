@@ -164,7 +164,7 @@ run() {
         echo "   -> $r" | tee -a "$log"
     }
     if [ "$stage" = kernels ]; then
-        # The host_ tests compile kernels.cu's new-type section with a host C++ compiler (CI
+        # The host_ tests compile kernels_qx.cu's host-testable part with a host C++ compiler (CI
         # runs them; the GPU machine may have none). The rest include synthetic decoders in
         # every K-quant / Q5 / IQ4 type on cuda and cuda:0x2 against the CPU.
         step "cuda_kernels" "$bin/cuda_kernels" --skip host_ --nocapture

@@ -252,6 +252,7 @@ typedef unsigned int u32;
 typedef long long i64;
 #define __device__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 static inline float h2f(u16 h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }
 static inline u16 f2h(float x) { _Float16 f = (_Float16)x; u16 h; std::memcpy(&h, &f, 2); return h; }
 static inline float __fmul_rn(float a, float b) { return a * b; }

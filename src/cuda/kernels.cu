@@ -106,7 +106,7 @@ __device__ __forceinline__ bool packed(const Tensor &t, int esize) {
 // kernels_qx.cu, which kernels.rs appends to this source).
 __device__ __forceinline__ bool is_qx(int type);
 __device__ __forceinline__ int qx_block_bytes(int type);
-__device__ __forceinline__ float load_qx(const char *row, int type, i64 i0);
+__device__ __noinline__ float load_qx(const char *row, int type, i64 i0);
 __device__ __forceinline__ void quantize32_qx(const float *x, int type, char *blk);
 
 // Element i0 of the row at byte offset `row` of a quantized tensor.
@@ -765,6 +765,17 @@ __device__ __forceinline__ void deq_quarter(const char *blk, int type, int t, fl
     *e1 = 16 + 4 * t;
 }
 
+// acc[m] += the dot product of the 8 values `q` (two runs of 4, at elements e0 and e1 of the
+// block at element `at`) with activation row m, for every m < M (<= 8).
+__device__ __forceinline__ void gemv_acc_runs(float *acc, const float *q, const Tensor &x, i64 at,
+                                              int e0, int e1, i64 M, i64 b2, i64 b3) {
+    for (int m = 0; m < 8 && m < M; m++) {
+        const char *xp = x.p + offset(x, at, m, b2, b3);
+        acc[m] += dot_x(q, 4, xp + e0 * x.nb[0], x.nb[0]) +
+                  dot_x(q + 4, 4, xp + e1 * x.nb[0], x.nb[0]);
+    }
+}
+
 // Quantized weights: four lanes per block, so a warp reads 8 consecutive blocks at once and the
 // activations it needs are one contiguous run (coalesced 16-byte loads), as ggml's mmvq kernels
 // split a block among lanes.
@@ -782,11 +793,7 @@ extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x) {
         float q[8];
         int e0, e1;
         deq_quarter(wr + b * bs, w.type, t, q, &e0, &e1);
-        for (int m = 0; m < 8 && m < M; m++) {
-            const char *xp = x.p + offset(x, b * 32, m, b2, b3);
-            acc[m] += dot_x(q, 4, xp + e0 * x.nb[0], x.nb[0]) +
-                      dot_x(q + 4, 4, xp + e1 * x.nb[0], x.nb[0]);
-        }
+        gemv_acc_runs(acc, q, x, b * 32, e0, e1, M, b2, b3);
     }
     gemv_store(dst, acc, M, row, b2, b3);
 }

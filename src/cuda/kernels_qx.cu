@@ -11,7 +11,7 @@
 // formed first), so a host compiler reproduces the CPU backend's values bit for bit.
 //
 // Host-testable: everything between HOST-TESTABLE BEGIN and END uses only the T_ codes,
-// u16 / u32 / i64, h2f / f2h, fabsf / sqrtf and the intrinsics __fmul_rn / __fadd_rn /
+// __device__ / __forceinline__ / __noinline__, u16 / u32 / i64, h2f / f2h, fabsf / sqrtf and the intrinsics __fmul_rn / __fadd_rn /
 // __fsub_rn / __float2int_rz / __float_as_int, so tests/cuda_kernels.rs compiles this text
 // with the host C++ compiler (those names defined in plain C++) and checks every value, every
 // GEMV lane's elements and every quantized block against the dtype table, with no GPU.
@@ -46,7 +46,7 @@ __device__ __forceinline__ int qx_block_bytes(int type) {
 
 __device__ __forceinline__ int ub(const char *p, int at) { return (unsigned char)p[at]; }
 
-// The f16 at byte `at` (2-byte aligned in every block of this section).
+// The f16 at byte `at` (2-byte aligned in every block of this file).
 __device__ __forceinline__ float hf(const char *p, int at) { return h2f(*(const u16 *)(p + at)); }
 
 // Element j (0..31) of a block of 32. block_q5_0: d (f16) at 0, qh (4 bytes, a little-endian
@@ -143,8 +143,10 @@ __device__ __forceinline__ int kq_quant(const char *blk, int type, int e) {
     }
 }
 
-// Element i0 of the row at `row` (packed blocks) of one of this section's types.
-__device__ __forceinline__ float load_qx(const char *row, int type, i64 i0) {
+// Element i0 of the row at `row` (packed blocks) of one of this file's types. Not inlined:
+// `load` (every element-wise kernel's reader) calls it, and inlined it tripled NVRTC's time
+// and swelled every kernel for a path only quantized operands take.
+__device__ __noinline__ float load_qx(const char *row, int type, i64 i0) {
     int be = qx_block_elems(type);
     const char *blk = row + (i0 / be) * qx_block_bytes(type);
     int j = (int)(i0 % be);
@@ -206,7 +208,8 @@ __device__ __forceinline__ int iq4_best_index(float x) {
 // quantize_row_q6_K_ref, quantize_row_iq4_xs_ref) with their scale searches (make_qx_quants
 // with rmse_type 1, make_q3_quants with do_rmse, make_qkx2_quants, quantize_row_iq4_nl_impl),
 // in the f32 operations and order of `dtype::kscales`, `dtype::kquants` and `dtype::iquants`
-// (each rounded on its own), so the blocks equal the CPU backend's bit for bit.
+// (each rounded on its own), so the blocks equal the CPU backend's bit for bit. The searches
+// are not inlined (NVRTC's time: each is called from several places).
 
 // ggml's nearest_int: x rounded to the nearest integer (ties to even) through the mantissa of
 // x + 1.5 * 2^23.
@@ -231,7 +234,7 @@ __device__ __forceinline__ float q_signed_amax(const float *x, int n, float *ama
 }
 
 // make_qx_quants(n, nmax, x, L, rmse_type = 1, NULL): quants offset by nmax into l; the scale.
-__device__ float q_make_qx(int nmax, const float *x, int n, signed char *l) {
+__device__ __noinline__ float q_make_qx(int nmax, const float *x, int n, signed char *l) {
     float amax, max = q_signed_amax(x, n, &amax);
     if (amax < 1e-15f) {
         for (int i = 0; i < n; i++) l[i] = 0;
@@ -263,7 +266,7 @@ __device__ float q_make_qx(int nmax, const float *x, int n, signed char *l) {
 
 // make_q3_quants(n, nmax, x, L, do_rmse = true): quants offset by nmax into l (left 0 for a
 // group of zeros); the scale.
-__device__ float q_make_q3(int nmax, const float *x, int n, signed char *l) {
+__device__ __noinline__ float q_make_q3(int nmax, const float *x, int n, signed char *l) {
     float amax, max = q_signed_amax(x, n, &amax);
     if (amax < 1e-15f) {
         for (int i = 0; i < n; i++) l[i] = 0;
@@ -306,7 +309,7 @@ __device__ float q_make_q3(int nmax, const float *x, int n, signed char *l) {
 
 // make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep, use_mad):
 // x ~ scale * q - the_min with q in 0 .. nmax into l; the scale, the minimum in *the_min.
-__device__ float q_make_qkx2(int nmax, float rmin, float rdelta, int nstep, bool mad,
+__device__ __noinline__ float q_make_qkx2(int nmax, float rmin, float rdelta, int nstep, bool mad,
                              const float *x, const float *w, int n, unsigned char *l,
                              float *the_min) {
     float min = x[0], max = x[0], sum_w = w[0], sum_x = __fmul_rn(w[0], x[0]);
@@ -384,7 +387,7 @@ __device__ float iq4_fit(const float *x, float id, int *l, float *sumq2) {
     return sumqx;
 }
 
-__device__ float iq4_group_scale(const float *x, int ntry, int *l) {
+__device__ __noinline__ float iq4_group_scale(const float *x, int ntry, int *l) {
     float amax, max = q_signed_amax(x, 32, &amax);
     if (amax < 1e-15f) return 0.0f;
     float k0 = (float)KV_IQ4NL[0];
@@ -412,7 +415,7 @@ __device__ __forceinline__ float q_max0(const float *v, int n) {
 
 // One super-block of 256 values `x` into a Q2_K .. Q6_K or IQ4_XS block at `blk` (every byte
 // written). `l` and the scales as `dtype::kquants` / `dtype::iquants` compute them.
-__device__ void quantize256_qx(const float *x, int type, char *blk) {
+__device__ __noinline__ void quantize256_qx(const float *x, int type, char *blk) {
     unsigned char u[256];
     signed char s[256];
     float sc[16], mn[16], w[32];
@@ -629,11 +632,7 @@ extern "C" __global__ void k_mul_mat_vec_qx(Tensor dst, Tensor w, Tensor x) {
         float q[8];
         int e0, e1;
         deq8_qx(wr + b * bb, w.type, t, q, &e0, &e1);
-        for (int m = 0; m < 8 && m < M; m++) {
-            const char *xp = x.p + offset(x, b * be, m, b2, b3);
-            acc[m] += dot_x(q, 4, xp + e0 * x.nb[0], x.nb[0]) +
-                      dot_x(q + 4, 4, xp + e1 * x.nb[0], x.nb[0]);
-        }
+        gemv_acc_runs(acc, q, x, b * be, e0, e1, M, b2, b3);
     }
     gemv_store(dst, acc, M, row, b2, b3);
 }

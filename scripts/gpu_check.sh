@@ -7,8 +7,10 @@
 #
 #   1. carry gpu-bundle/bins.tar.xz and gpu-bundle/models-00, run `gpu_check.sh run kernels`:
 #      unpacks the binaries (metashard and the CUDA test executables, stripped, xz) and runs
-#      cuda_kernels (NVRTC, rendezvous), targets cuda:: (the op harness and the meta properties
-#      on cuda:0xN), `bench backend` (copy, GEMM, GEMV) and PyTorch's copy and matmul;
+#      cuda_kernels (NVRTC, rendezvous, synthetic decoders in each of Q5_0, Q5_1, Q2_K..Q6_K,
+#      IQ4_NL, IQ4_XS against the CPU), targets cuda:: (the op harness and the meta properties
+#      on cuda:0xN, every weight type included), `bench backend` (copy, GEMM, GEMV) and
+#      PyTorch's copy and matmul;
 #   2. carry gpu-bundle/models-01 (a warm machine keeps the first call's files), run
 #      `gpu_check.sh run models`: joins the model parts (SmolLM2's GGUF), runs cuda_models
 #      (SmolLM2's greedy tokens on cuda and cuda:0x2 against the CPU), `bench model` on cuda,
@@ -19,7 +21,9 @@
 # time limit (STEP_TIMEOUT, 240 s), so one hang cannot eat the lease. MiniLM (87 MiB) does not
 # fit the two calls: `MODELS=minilm gpu_check.sh build` bundles it alone (MODELS names the
 # folders of the models cache to carry; default smollm2); `run models` runs the checks of the
-# models it finds.
+# models it finds. `MODELS=gemma3` bundles the Gemma 3 270M Q4_K_M file (253 MB: models-00 ..
+# models-04, five calls: the parts between the first and the last carried with the command
+# `true`), which `run models` verifies on cuda and cuda:0x2 against the CPU.
 # Exit status: 0 when every step of the stage passed.
 set -uo pipefail
 
@@ -160,7 +164,10 @@ run() {
         echo "   -> $r" | tee -a "$log"
     }
     if [ "$stage" = kernels ]; then
-        step "cuda_kernels" "$bin/cuda_kernels"
+        # The host_ tests compile kernels_qx.cu's host-testable part with a host C++ compiler (CI
+        # runs them; the GPU machine may have none). The rest include synthetic decoders in
+        # every K-quant / Q5 / IQ4 type on cuda and cuda:0x2 against the CPU.
+        step "cuda_kernels" "$bin/cuda_kernels" --skip host_ --nocapture
         step "op harness on cuda" "$bin/targets" cuda:: --nocapture
         step "bench backend" sh -c "\"$bin/metashard\" bench backend --devices cuda --json >\"$res/backend.json\""
         step "torch kernels" sh -c "python3 \"$work/scripts/gpu_torch_ref.py\" >\"$res/torch_ref.json\""
@@ -169,7 +176,18 @@ run() {
         local skip=()
         [ -d "$work/models/minilm" ] || skip+=(--skip minilm)
         [ -d "$work/models/smollm2" ] || skip+=(--skip smollm2)
-        step "models on cuda, cuda:0x2" "$bin/cuda_models" --nocapture "${skip[@]}"
+        if [ -d "$work/models/minilm" ] || [ -d "$work/models/smollm2" ]; then
+            step "models on cuda, cuda:0x2" "$bin/cuda_models" --nocapture "${skip[@]}"
+        fi
+        # The real Gemma 3 270M Q4_K_M file (Q4_K, Q6_K, Q5_0 and Q8_0 tensors), when bundled
+        # (MODELS=gemma3: five parts), against the CPU: logits and 16 greedy tokens.
+        local g3="$work/models/gemma3/gemma-3-270m-q4_k_m.gguf"
+        if [ -f "$g3" ]; then
+            for d in cuda cuda:0x2; do
+                step "gemma3 Q4_K_M on $d" "$bin/metashard" verify --model "$g3" --devices "$d" \
+                    --against cpu --steps 16
+            done
+        fi
         if [ -d "$work/models/smollm2" ]; then
             step "bench model" sh -c "\"$bin/metashard\" bench model --model smollm2 --devices cuda \
                 --devices cuda:0x2 --devices cpu --pp 128 --tg 64 --reps 3 --json >\"$res/model.json\""

@@ -7,7 +7,8 @@
 //! communicator and to synchronous copies.
 //!
 //! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` (float
-//! weights) or `k_mul_mat_vec_q` (quantized) reads the weights once in their own dtype,
+//! weights), `k_mul_mat_vec_q` (Q8_0, Q4_0, Q4_1) or `k_mul_mat_vec_qx` (Q5_0, Q5_1, the
+//! K-quants, IQ4_NL, IQ4_XS) reads the weights once in their own dtype (`gemv_kernel`),
 //! quantized blocks dequantized in registers, f32 activations
 //! (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
 //! (dim 2, dim 3) pair: F16 and BF16 weights in place on tensor cores with the activations
@@ -20,7 +21,7 @@
 
 use super::device::{CudaBuffer, CudaDevice, driver_err};
 pub use super::kernels::supports_node;
-use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, no_kernels};
+use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, gemv_kernel, no_kernels};
 use super::libs::{Lib, missing, present};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
@@ -394,8 +395,8 @@ impl CudaPlan {
     }
 
     /// `cont` / `cpy`: rows of one quantized type copied as bytes, float sources quantized into
-    /// a quantized destination block by block (`k_quantize`), anything else converted
-    /// element by element.
+    /// a quantized destination block by block (`k_quantize`, `k_quantize_qk`), anything else
+    /// converted element by element.
     fn copy(&self, e: &ExecNode) -> Result<()> {
         let (inner, one) = (&self.inner, (BLOCK, 1, 1));
         let (d, s) = (&e.dst, &e.src);
@@ -413,9 +414,16 @@ impl CudaPlan {
                 &mut [arg(d), arg(&s[0]), arg(&row)],
             )
         } else if dl.dtype.is_quantized() {
-            let n = nrows(d) * (dl.ne[0] / dl.dtype.block_size());
+            // One thread per destination block: of 32 (`k_quantize`) or of 256, the K-quants'
+            // and IQ4_XS's super-blocks with their scale searches (`k_quantize_qk`).
+            let bs = dl.dtype.block_size();
+            let n = nrows(d) * (dl.ne[0] / bs);
             inner.launch(
-                "k_quantize",
+                if bs == 256 {
+                    "k_quantize_qk"
+                } else {
+                    "k_quantize"
+                },
                 (blocks(n), 1, 1),
                 one,
                 0,
@@ -567,10 +575,14 @@ impl CudaPlan {
         let (b2, b3) = (x.ne[2] as usize, x.ne[3] as usize);
         if m <= GEMV_MAX_M {
             let warps = BLOCK / 32;
-            let kernel = if e.src_layouts[0].dtype.is_quantized() {
-                "k_mul_mat_vec_q"
-            } else {
-                "k_mul_mat_vec"
+            let wt = e.src_layouts[0].dtype;
+            let Some(kernel) = gemv_kernel(wt) else {
+                return Err(Error::UnsupportedOp {
+                    backend: inner.name(),
+                    op: e.op.name().to_string(),
+                    node: e.name.clone(),
+                    detail: format!("weights of dtype {wt} are not supported"),
+                });
             };
             return inner.launch(
                 kernel,

@@ -28,6 +28,15 @@ typedef unsigned long long u64;
 #define T_Q8_0 4
 #define T_Q4_0 5
 #define T_Q4_1 6
+#define T_Q5_0 7
+#define T_Q5_1 8
+#define T_Q2_K 9
+#define T_Q3_K 10
+#define T_Q4_K 11
+#define T_Q5_K 12
+#define T_Q6_K 13
+#define T_IQ4_NL 14
+#define T_IQ4_XS 15
 
 // Matches `cuda::kernels::Tensor` (repr(C)): 80 bytes.
 struct Tensor {
@@ -93,6 +102,13 @@ __device__ __forceinline__ bool packed(const Tensor &t, int esize) {
            t.nb[2] == t.ne[1] * t.nb[1] && t.nb[3] == t.ne[2] * t.nb[2];
 }
 
+// The weight types after Q4_1 (their layouts, dequantization, quantizers and GEMV are in
+// kernels_qx.cu, which kernels.rs appends to this source).
+__device__ __forceinline__ bool is_qx(int type);
+__device__ __forceinline__ int qx_block_bytes(int type);
+__device__ __noinline__ float load_qx(const char *row, int type, i64 i0);
+__device__ __forceinline__ void quantize32_qx(const float *x, int type, char *blk);
+
 // Element i0 of the row at byte offset `row` of a quantized tensor.
 __device__ __forceinline__ float load_q(const char *row, int type, i64 i0) {
     i64 b = i0 >> 5;
@@ -109,13 +125,18 @@ __device__ __forceinline__ float load_q(const char *row, int type, i64 i0) {
         int v = j < 16 ? (q & 15) : (q >> 4);
         return d * (float)(v - 8);
     }
-    // Q4_1
-    const char *blk = row + b * 20;
-    float d = h2f(*(const u16 *)blk);
-    float m = h2f(*(const u16 *)(blk + 2));
-    unsigned char q = (unsigned char)blk[4 + (j & 15)];
-    int v = j < 16 ? (q & 15) : (q >> 4);
-    return d * (float)v + m;
+    if (type == T_Q4_1) {
+        const char *blk = row + b * 20;
+        float d = h2f(*(const u16 *)blk);
+        float m = h2f(*(const u16 *)(blk + 2));
+        unsigned char q = (unsigned char)blk[4 + (j & 15)];
+        int v = j < 16 ? (q & 15) : (q >> 4);
+        return d * (float)v + m;
+    }
+    if (is_qx(type)) return load_qx(row, type, i0);
+    // A code without a layout here (kernels_for and supports_node never let one through): a
+    // NaN, never another type's reading of the bytes.
+    return __int_as_float(0x7fc00000);
 }
 
 // Element (i0, i1, i2, i3) of `t` as f32 (I32 values converted).
@@ -220,25 +241,35 @@ extern "C" __global__ void k_cpy(Tensor dst, Tensor src) {
     }
 }
 
+// Destination block `k` (of `be` elements; blocks counted row by row) of a quantizing copy:
+// its source values into `x` (element k of `src` in logical order to element k of `dst`), its
+// index in its row into *blk; the address of its row in `dst`.
+__device__ __forceinline__ char *quantize_source(const Tensor &dst, const Tensor &src, i64 k,
+                                                 int be, float *x, i64 *blk) {
+    i64 per_row = dst.ne[0] / be, r = k / per_row;
+    *blk = k % per_row;
+    i64 one[4] = {1, dst.ne[1], dst.ne[2], dst.ne[3]};
+    i64 b[4], a[4];
+    unravel(r, one, b);
+    for (int j = 0; j < be; j++) {
+        unravel(r * dst.ne[0] + *blk * be + j, src.ne, a);
+        x[j] = load(src, a[0], a[1], a[2], a[3]);
+    }
+    return dst.p + offset(dst, 0, b[1], b[2], b[3]);
+}
+
 // `cont` / `cpy` into a quantized type from a float source of any strides: one thread per
 // destination block of 32, element k of `src` (logical order) to element k of `dst`, with
-// ggml's reference quantizers (quantize_row_q8_0_ref, _q4_0_ref, _q4_1_ref in ggml-quants.c),
+// ggml's reference quantizers (quantize_row_q8_0_ref, _q4_0_ref, _q4_1_ref in ggml-quants.c;
+// Q5_0, Q5_1 and IQ4_NL by `quantize32_qx`; the super-block types by `k_quantize_qk`),
 // the same arithmetic as `dtype::formats` (products and sums rounded separately, never fused,
 // so the blocks equal the CPU backend's bit for bit).
 extern "C" __global__ void k_quantize(Tensor dst, Tensor src) {
-    i64 per_row = dst.ne[0] >> 5;
-    i64 n = nrows(dst) * per_row;
+    i64 n = nrows(dst) * (dst.ne[0] >> 5);
     GRID_STRIDE(k, n) {
-        i64 r = k / per_row, blk = k % per_row;
-        i64 one[4] = {1, dst.ne[1], dst.ne[2], dst.ne[3]};
-        i64 b[4], a[4];
-        unravel(r, one, b);
         float x[32];
-        for (int j = 0; j < 32; j++) {
-            unravel(r * dst.ne[0] + blk * 32 + j, src.ne, a);
-            x[j] = load(src, a[0], a[1], a[2], a[3]);
-        }
-        char *row = dst.p + offset(dst, 0, b[1], b[2], b[3]);
+        i64 blk;
+        char *row = quantize_source(dst, src, k, 32, x, &blk);
         if (dst.type == T_Q8_0) {
             float amax = 0.0f;
             for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
@@ -280,6 +311,8 @@ extern "C" __global__ void k_quantize(Tensor dst, Tensor src) {
                 int q1 = min(__float2int_rz(__fadd_rn(__fmul_rn(__fsub_rn(x[16 + j], mn), id), 0.5f)), 15);
                 blk_p[4 + j] = (char)((q0 & 15) | ((q1 & 15) << 4));
             }
+        } else if (dst.type == T_Q5_0 || dst.type == T_Q5_1 || dst.type == T_IQ4_NL) {
+            quantize32_qx(x, dst.type, row + blk * qx_block_bytes(dst.type));
         }
     }
 }
@@ -732,6 +765,17 @@ __device__ __forceinline__ void deq_quarter(const char *blk, int type, int t, fl
     *e1 = 16 + 4 * t;
 }
 
+// acc[m] += the dot product of the 8 values `q` (two runs of 4, at elements e0 and e1 of the
+// block at element `at`) with activation row m, for every m < M (<= 8).
+__device__ __forceinline__ void gemv_acc_runs(float *acc, const float *q, const Tensor &x, i64 at,
+                                              int e0, int e1, i64 M, i64 b2, i64 b3) {
+    for (int m = 0; m < 8 && m < M; m++) {
+        const char *xp = x.p + offset(x, at, m, b2, b3);
+        acc[m] += dot_x(q, 4, xp + e0 * x.nb[0], x.nb[0]) +
+                  dot_x(q + 4, 4, xp + e1 * x.nb[0], x.nb[0]);
+    }
+}
+
 // Quantized weights: four lanes per block, so a warp reads 8 consecutive blocks at once and the
 // activations it needs are one contiguous run (coalesced 16-byte loads), as ggml's mmvq kernels
 // split a block among lanes.
@@ -749,11 +793,7 @@ extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x) {
         float q[8];
         int e0, e1;
         deq_quarter(wr + b * bs, w.type, t, q, &e0, &e1);
-        for (int m = 0; m < 8 && m < M; m++) {
-            const char *xp = x.p + offset(x, b * 32, m, b2, b3);
-            acc[m] += dot_x(q, 4, xp + e0 * x.nb[0], x.nb[0]) +
-                      dot_x(q + 4, 4, xp + e1 * x.nb[0], x.nb[0]);
-        }
+        gemv_acc_runs(acc, q, x, b * 32, e0, e1, M, b2, b3);
     }
     gemv_store(dst, acc, M, row, b2, b3);
 }

@@ -1,8 +1,8 @@
-//! The CUDA kernels (`kernels.cu`), their argument types, what they take (the dtype codes
-//! they dispatch on, `kernels_for`, and the nodes they compute, `supports_node`) and their
-//! compilation by NVRTC: once per process and compute capability, to PTX for the virtual
-//! architecture `compute_XY`, which the driver turns into machine code for the GPU when the
-//! module is loaded.
+//! The CUDA kernels (`kernels.cu`, and `kernels_qx.cu` for the weight types after Q4_1), their
+//! argument types, what they take (the dtype codes they dispatch on, `kernels_for`, and the
+//! nodes they compute, `supports_node`) and their compilation by NVRTC: once per process and
+//! compute capability, to PTX for the virtual architecture `compute_XY`, which the driver turns
+//! into machine code for the GPU when the module is loaded.
 
 use super::libs::{Lib, missing, present};
 use crate::graph::{Graph, TensorId};
@@ -14,14 +14,15 @@ use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// The kernel source.
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The kernel source: `kernels.cu`, then the weight types after Q4_1 (`kernels_qx.cu`).
+pub const SOURCE: &str = concat!(include_str!("kernels.cu"), include_str!("kernels_qx.cu"));
 
 /// Every kernel the backend launches, by its `extern "C"` name.
 pub const KERNELS: &[&str] = &[
     "k_cpy",
     "k_cpy_rows_bytes",
     "k_quantize",
+    "k_quantize_qk",
     "k_concat",
     "k_binary",
     "k_unary",
@@ -34,6 +35,7 @@ pub const KERNELS: &[&str] = &[
     "k_set_rows",
     "k_mul_mat_vec",
     "k_mul_mat_vec_q",
+    "k_mul_mat_vec_qx",
     "k_to_dense",
     "k_flash_attn",
     "k_sum_ranks",
@@ -93,16 +95,15 @@ pub const fn kernels_for(d: DType) -> Option<i32> {
         DType::Q8_0 => Some(4),
         DType::Q4_0 => Some(5),
         DType::Q4_1 => Some(6),
-        // No CUDA kernels yet (issue 17 item 4): refused by name, the CPU takes these nodes.
-        DType::Q5_0
-        | DType::Q5_1
-        | DType::Q2_K
-        | DType::Q3_K
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K
-        | DType::IQ4_NL
-        | DType::IQ4_XS => None,
+        DType::Q5_0 => Some(7),
+        DType::Q5_1 => Some(8),
+        DType::Q2_K => Some(9),
+        DType::Q3_K => Some(10),
+        DType::Q4_K => Some(11),
+        DType::Q5_K => Some(12),
+        DType::Q6_K => Some(13),
+        DType::IQ4_NL => Some(14),
+        DType::IQ4_XS => Some(15),
         #[cfg(test)]
         DType::FakeQ4x16 => None,
     }
@@ -273,18 +274,27 @@ pub(crate) fn no_kernels(l: &Layout) -> String {
 }
 
 /// How the GEMM takes weights of `dtype` (bytes per element, the `kernels.cu` code of the dense
-/// copy, the cuBLAS type): F16 and BF16 on tensor cores, every other type with kernels
-/// expanded to f32; `None` for types that are not weights. Every `DType` is matched by name.
+/// copy, the cuBLAS type): F16 and BF16 on tensor cores, every other weight type expanded to
+/// f32; `None` for types that are not weights.
 pub(crate) fn gemm_input(dtype: DType) -> Option<(usize, i32, blas_sys::cudaDataType)> {
     match dtype {
         DType::F16 => Some((2, 1, blas_sys::cudaDataType::CUDA_R_16F)),
         DType::BF16 => Some((2, 2, blas_sys::cudaDataType::CUDA_R_16BF)),
-        DType::F32 | DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-            Some((4, 0, blas_sys::cudaDataType::CUDA_R_32F))
-        }
-        // Not weights the kernels can expand (no code in `kernels_for`).
-        DType::I32
-        | DType::Q5_0
+        // F32 and every quantized type with a GEMV kernel (which `gemv_kernel` answers for
+        // every `DType` by name).
+        _ => gemv_kernel(dtype).map(|_| (4, 0, blas_sys::cudaDataType::CUDA_R_32F)),
+    }
+}
+
+/// The GEMV kernel (M <= 8) for weights of `dtype`: `k_mul_mat_vec` for float weights,
+/// `k_mul_mat_vec_q` for Q8_0 / Q4_0 / Q4_1, `k_mul_mat_vec_qx` for the other quantized types
+/// (`deq8_qx` in `kernels_qx.cu`); `None` for types that are not weights. Every `DType` is matched
+/// by name.
+pub(crate) fn gemv_kernel(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => Some("k_mul_mat_vec"),
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => Some("k_mul_mat_vec_q"),
+        DType::Q5_0
         | DType::Q5_1
         | DType::Q2_K
         | DType::Q3_K
@@ -292,7 +302,8 @@ pub(crate) fn gemm_input(dtype: DType) -> Option<(usize, i32, blas_sys::cudaData
         | DType::Q5_K
         | DType::Q6_K
         | DType::IQ4_NL
-        | DType::IQ4_XS => None,
+        | DType::IQ4_XS => Some("k_mul_mat_vec_qx"),
+        DType::I32 => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,
     }

@@ -17,7 +17,8 @@
 use super::arch::{Arch, Need, Scope, Tensor};
 use super::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use super::weights::{
-    ModelWeights, TensorDecl, decoder_layouts, place_decoder_shared, repeat_kv_decl, repeat_kv_rows,
+    KvRepeat, ModelWeights, TensorDecl, decoder_layouts, place_decoder_shared, repeat_kv_decl,
+    repeat_kv_rows,
 };
 use crate::buffer::{Buffer, BufferType};
 use crate::io::gguf::{GgufFile, GgufTensorInfo};
@@ -252,10 +253,12 @@ impl DecoderModel {
         let (file_decls, sources) = declare(&g, &file_cfg)?;
         let total: usize = file_decls.iter().map(|d| d.layout.nbytes()).sum();
         let cfg = file_cfg.with_kv_repeat(kv_repeat)?;
-        let decls: Vec<TensorDecl> = file_decls
-            .iter()
-            .map(|d| repeat_kv_decl(d, kv_repeat))
-            .collect();
+        let kv = KvRepeat {
+            r: kv_repeat,
+            n_head_kv: file_cfg.n_head_kv,
+            head_dim: file_cfg.head_dim,
+        };
+        let decls: Vec<TensorDecl> = file_decls.iter().map(|d| repeat_kv_decl(d, kv)).collect();
         // A tied output (its bytes the embedding's) placed as another name of them.
         let shared: Vec<(usize, usize)> = match opts.share_tied {
             true => (0..decls.len())
@@ -280,8 +283,7 @@ impl DecoderModel {
             if r.layout == fd.layout {
                 r.storage.set(&r.layout, data)?;
             } else {
-                let hd = file_cfg.head_dim;
-                let rows = repeat_kv_rows(&r.name, fd.tensor, &fd.layout, hd, kv_repeat, data)?;
+                let rows = repeat_kv_rows(&r.name, fd.tensor, &fd.layout, kv, data)?;
                 r.storage.set(&r.layout, &rows)?;
             }
             progress(done, total);

@@ -216,13 +216,32 @@ pub fn kv_axis(tensor: Tensor) -> Option<usize> {
     tensor.info().shape.iter().position(|d| *d == Dim::Kv)
 }
 
-/// `d` as placed with each KV head repeated `r` times: a role with a KV-head dimension
-/// ([`kv_axis`]) is `r` times longer along it; any other is unchanged.
-pub fn repeat_kv_decl(d: &TensorDecl, r: usize) -> TensorDecl {
+/// Where a role's KV heads lie: the axis, and how many runs of KV heads end it (`Dim::Kv`:
+/// one run, the whole axis; a fused Q | K | V (`Dim::Qkv`, Phi-3): two runs, K and V, after
+/// the query heads).
+fn kv_runs(tensor: Tensor) -> Option<(usize, usize)> {
+    let shape = tensor.info().shape;
+    kv_axis(tensor)
+        .map(|a| (a, 1))
+        .or_else(|| shape.iter().position(|d| *d == Dim::Qkv).map(|a| (a, 2)))
+}
+
+/// How each KV head is repeated at placement (virtual KV heads): `r` copies of each of the
+/// file's `n_head_kv` heads of `head_dim` features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvRepeat {
+    pub r: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+}
+
+/// `d` as placed with each KV head repeated ([`KvRepeat`]): a role with KV heads (K, V, their
+/// biases; a fused Q | K | V) is longer along that axis by the copies; any other is unchanged.
+pub fn repeat_kv_decl(d: &TensorDecl, kv: KvRepeat) -> TensorDecl {
     let mut out = d.clone();
-    if let Some(a) = kv_axis(d.tensor) {
+    if let Some((a, runs)) = kv_runs(d.tensor) {
         let mut ne = d.layout.ne;
-        ne[a] *= r;
+        ne[a] += runs * (kv.r.max(1) - 1) * kv.n_head_kv * kv.head_dim;
         out.layout = Layout::contiguous(d.layout.dtype, ne);
     }
     out
@@ -230,7 +249,8 @@ pub fn repeat_kv_decl(d: &TensorDecl, r: usize) -> TensorDecl {
 
 /// The bytes of a tensor of role `tensor` (`bytes`, contiguous in `layout` as the file stores
 /// it) with each KV head's `head_dim` features repeated `r` times in place along the KV-head
-/// axis: heads `h0 h1` become `h0 h0 h1 h1` for `r = 2`. Along axis 1 (the rows of K and V)
+/// axis: heads `h0 h1` become `h0 h0 h1 h1` for `r = 2` (in a fused Q | K | V the query heads
+/// stay as they are and the K and V heads are repeated). Along axis 1 (the rows of K and V)
 /// whole rows are copied, so any element type works (rows are whole blocks); along axis 0
 /// (a bias) a head must be whole blocks. A byte copy: the values are the file's, bit for bit.
 /// An error naming the tensor when the layout does not hold whole heads.
@@ -238,23 +258,24 @@ pub fn repeat_kv_rows(
     name: &str,
     tensor: Tensor,
     layout: &Layout,
-    head_dim: usize,
-    r: usize,
+    kv: KvRepeat,
     bytes: &[u8],
 ) -> Result<Vec<u8>> {
     let bad = |reason: String| Error::Model {
         model: "weights".into(),
         reason: format!("cannot repeat the KV heads of `{name}`: {reason}"),
     };
-    let Some(a) = kv_axis(tensor) else {
+    let Some((a, runs)) = kv_runs(tensor) else {
         return Err(bad("the tensor has no KV-head dimension".into()));
     };
+    let (head_dim, r) = (kv.head_dim, kv.r.max(1));
     let ne = layout.ne;
     let block = layout.dtype.block_size();
     if bytes.len() != layout.nbytes()
         || head_dim == 0
         || !ne[a].is_multiple_of(head_dim)
         || (a == 0 && !head_dim.is_multiple_of(block))
+        || ne[a] / head_dim < runs * kv.n_head_kv
     {
         return Err(bad(format!(
             "{} bytes of {} {} do not hold whole heads of {head_dim} features",
@@ -264,14 +285,17 @@ pub fn repeat_kv_rows(
         )));
     }
     let heads = ne[a] / head_dim;
+    // Heads before the KV runs (a fused tensor's query heads), copied once.
+    let lead = heads - runs * kv.n_head_kv;
     // Bytes of one index of the axes above `a`: `heads` chunks of one head each.
     let outer: usize = ne[a + 1..].iter().product();
     let slab = bytes.len() / outer.max(1);
     let chunk = slab / heads.max(1);
     let mut out = Vec::with_capacity(bytes.len() * r);
     for s in bytes.chunks_exact(slab.max(1)) {
-        for h in s.chunks_exact(chunk.max(1)) {
-            for _ in 0..r {
+        for (i, h) in s.chunks_exact(chunk.max(1)).enumerate() {
+            let copies = if i < lead { 1 } else { r };
+            for _ in 0..copies {
                 out.extend_from_slice(h);
             }
         }
@@ -440,7 +464,7 @@ mod tests {
         // K: 2 heads of 2 rows, rows of 3 f32 (12 bytes): rows 0 1 | 2 3 -> 0 1 0 1 | 2 3 2 3.
         let k = Layout::contiguous(DType::F32, [3, 4, 1, 1]);
         let bytes: Vec<u8> = (0..48).collect();
-        let out = repeat_kv_rows("k", Tensor::AttnK, &k, 2, 2, &bytes).unwrap();
+        let out = repeat_kv_rows("k", Tensor::AttnK, &k, kv(2, 2, 2), &bytes).unwrap();
         let row = |r: u8| (r * 12..r * 12 + 12).collect::<Vec<u8>>();
         let want: Vec<u8> = [0, 1, 0, 1, 2, 3, 2, 3].into_iter().flat_map(row).collect();
         assert_eq!(out, want);
@@ -450,22 +474,55 @@ mod tests {
             layer: Some(0),
             layout: k,
         };
-        assert_eq!(repeat_kv_decl(&d, 2).layout.ne, [3, 8, 1, 1]);
+        assert_eq!(repeat_kv_decl(&d, kv(2, 2, 2)).layout.ne, [3, 8, 1, 1]);
         // A bias: elements of a head along axis 0, three copies.
         let b = Layout::contiguous(DType::F32, [4, 1, 1, 1]);
         let v: Vec<u8> = [1f32, 2., 3., 4.]
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();
-        let out = repeat_kv_rows("b", Tensor::AttnKBias, &b, 2, 3, &v).unwrap();
+        let out = repeat_kv_rows("b", Tensor::AttnKBias, &b, kv(3, 2, 2), &v).unwrap();
         let got: Vec<f32> = out
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
             .collect();
         assert_eq!(got, [1., 2., 1., 2., 1., 2., 3., 4., 3., 4., 3., 4.]);
         // No KV-head axis, or heads not whole: errors naming the tensor.
-        let q = repeat_kv_rows("blk.0.attn_q.weight", Tensor::AttnQ, &k, 2, 2, &bytes);
+        let q = repeat_kv_rows(
+            "blk.0.attn_q.weight",
+            Tensor::AttnQ,
+            &k,
+            kv(2, 2, 2),
+            &bytes,
+        );
         assert!(format!("{q:?}").contains("blk.0.attn_q.weight"));
-        assert!(repeat_kv_rows("k", Tensor::AttnK, &k, 3, 2, &bytes).is_err());
+        assert!(repeat_kv_rows("k", Tensor::AttnK, &k, kv(2, 1, 3), &bytes).is_err());
+    }
+
+    fn kv(r: usize, n_head_kv: usize, head_dim: usize) -> KvRepeat {
+        KvRepeat {
+            r,
+            n_head_kv,
+            head_dim,
+        }
+    }
+
+    #[test]
+    fn a_fused_qkv_repeats_its_k_and_v_heads_after_the_query_heads() {
+        // Q | K | V rows of Phi-3's attn_qkv: 2 query heads, 1 KV head, heads of 1 row of 2
+        // f32: rows q0 q1 k v -> q0 q1 k k v v for r = 2.
+        let qkv = Layout::contiguous(DType::F32, [2, 4, 1, 1]);
+        let bytes: Vec<u8> = (0..32).collect();
+        let out = repeat_kv_rows("qkv", Tensor::AttnQkv, &qkv, kv(2, 1, 1), &bytes).unwrap();
+        let row = |r: u8| (r * 8..r * 8 + 8).collect::<Vec<u8>>();
+        let want: Vec<u8> = [0, 1, 2, 2, 3, 3].into_iter().flat_map(row).collect();
+        assert_eq!(out, want);
+        let d = TensorDecl {
+            name: "blk.0.attn_qkv.weight".into(),
+            tensor: Tensor::AttnQkv,
+            layer: Some(0),
+            layout: qkv,
+        };
+        assert_eq!(repeat_kv_decl(&d, kv(2, 1, 1)).layout.ne, [2, 6, 1, 1]);
     }
 }

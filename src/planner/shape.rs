@@ -11,7 +11,7 @@ use crate::models::arch::{Arch, LLAMA, Part, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use crate::models::limits::{self, Count, Source};
 use crate::models::split::{DecoderSplit, SplitDims, kv_repeat, query_heads};
-use crate::models::weights::{TensorDecl, decoder_layouts, repeat_kv_decl};
+use crate::models::weights::{KvRepeat, TensorDecl, decoder_layouts, repeat_kv_decl};
 use crate::tensor::Layout;
 use crate::{DType, Error, Result};
 use serde::Serialize;
@@ -124,6 +124,11 @@ impl ModelShape {
     pub fn for_split(&self, n: usize, split: &DecoderSplit) -> ModelShape {
         let r = kv_repeat(&self.split_dims(), n, split);
         let share_tied = self.tied && split.output == split.embedding;
+        let kv = KvRepeat {
+            r,
+            n_head_kv: self.cfg.n_head_kv,
+            head_dim: self.cfg.head_dim,
+        };
         let Ok(cfg) = self.cfg.with_kv_repeat(r) else {
             return ModelShape {
                 share_tied,
@@ -136,7 +141,7 @@ impl ModelShape {
             file_tensors: self
                 .file_tensors
                 .as_ref()
-                .map(|fd| fd.iter().map(|d| repeat_kv_decl(d, r)).collect()),
+                .map(|fd| fd.iter().map(|d| repeat_kv_decl(d, kv)).collect()),
             ..self.clone()
         }
     }

@@ -237,25 +237,36 @@ mod avx512 {
     ) {
         let bs = const { kblock_bytes(T) };
         let mut acc = [[_mm512_setzero_ps(); RM]; RN];
-        let (mut dl, mut ml) = ([0f32; 16], [0f32; 16]);
+        let mut dl = [[0f32; 16]; RN];
+        let mut ml = [[0f32; 16]; RN];
         for blk in 0..nblk {
-            for (r, accr) in acc.iter_mut().enumerate() {
-                // SAFETY: super-block blk of weight row r.
-                let wb = unsafe { w.add(r * ldw + blk * bs) };
+            let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
+            for r in 0..RN {
                 for l in 0..bs.div_ceil(64) {
-                    prefetch(wb.wrapping_add(PF_ROWS * ldw + 64 * l));
+                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
                 }
-                // Broadcast from memory (a load) rather than by a lane permute: the permutes
-                // compete with the byte widening for the one shuffle port.
-                // SAFETY: as above; the arrays hold 16 f32.
+                // Scales broadcast from memory (a load) rather than by a lane permute: the
+                // permutes would compete with the byte widening for the one shuffle port.
+                // SAFETY: super-block blk of weight row r; the arrays hold 16 f32.
                 unsafe {
-                    let (dv, mv) = scales16::<T>(wb, tab);
-                    _mm512_storeu_ps(dl.as_mut_ptr(), dv);
-                    _mm512_storeu_ps(ml.as_mut_ptr(), mv);
+                    let (dv, mv) = scales16::<T>(wb(r), tab);
+                    _mm512_storeu_ps(dl[r].as_mut_ptr(), dv);
+                    _mm512_storeu_ps(ml[r].as_mut_ptr(), mv);
                 }
-                for c in 0..8 {
-                    // SAFETY: as above.
-                    let q = unsafe { chunk32::<T>(wb, c) };
+            }
+            // Chunk-outer, row-inner: consecutive FMAs go to different accumulators.
+            for c in 0..8 {
+                let mut xv = [[_mm512_setzero_ps(); 2]; RM];
+                for (m, v) in xv.iter_mut().enumerate() {
+                    // SAFETY: 32 activations of row m inside super-block blk.
+                    unsafe {
+                        let p = x.add(m * ldx + blk * QK_K + 32 * c);
+                        *v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+                    }
+                }
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    // SAFETY: super-block blk of weight row r.
+                    let q = unsafe { chunk32::<T>(wb(r), c) };
                     for half in 0..2 {
                         let j = 2 * c + half;
                         let qb = if half == 0 {
@@ -264,13 +275,10 @@ mod avx512 {
                             _mm256_extracti128_si256::<1>(q)
                         };
                         let qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qb));
-                        let wv = _mm512_fmsub_ps(qf, _mm512_set1_ps(dl[j]), _mm512_set1_ps(ml[j]));
-                        for (m, a) in accr.iter_mut().enumerate() {
-                            // SAFETY: 16 activations of row m inside super-block blk.
-                            let xv = unsafe {
-                                _mm512_loadu_ps(x.add(m * ldx + blk * QK_K + 32 * c + 16 * half))
-                            };
-                            *a = _mm512_fmadd_ps(wv, xv, *a);
+                        let wv =
+                            _mm512_fmsub_ps(qf, _mm512_set1_ps(dl[r][j]), _mm512_set1_ps(ml[r][j]));
+                        for (a, xm) in accr.iter_mut().zip(&xv) {
+                            *a = _mm512_fmadd_ps(wv, xm[half], *a);
                         }
                     }
                 }
@@ -315,28 +323,30 @@ mod avx2 {
     ) {
         let bs = const { kblock_bytes(T) };
         let mut acc = [[_mm256_setzero_ps(); RM]; RN];
-        let mut dl = [0f32; 16];
-        let mut ml = [0f32; 16];
+        let mut dl = [[0f32; 16]; RN];
+        let mut ml = [[0f32; 16]; RN];
         for blk in 0..nblk {
-            for (r, accr) in acc.iter_mut().enumerate() {
-                // SAFETY: super-block blk of weight row r.
-                let wb = unsafe { w.add(r * ldw + blk * bs) };
+            let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
+            for r in 0..RN {
                 for l in 0..bs.div_ceil(64) {
-                    prefetch(wb.wrapping_add(PF_ROWS * ldw + 64 * l));
+                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
                 }
-                // SAFETY: as above.
-                let h = unsafe { head::<T>(wb, tab) };
+                // SAFETY: super-block blk of weight row r.
+                let h = unsafe { head::<T>(wb(r), tab) };
                 for j in 0..16 {
-                    dl[j] = h.d * h.sc[j] as f32;
-                    ml[j] = h.dm * h.mn[j] as f32;
+                    dl[r][j] = h.d * h.sc[j] as f32;
+                    ml[r][j] = h.dm * h.mn[j] as f32;
                 }
-                for c in 0..8 {
-                    // SAFETY: as above.
-                    let q = unsafe { chunk32::<T>(wb, c) };
+            }
+            // Chunk-outer, row-inner: consecutive FMAs go to different accumulators.
+            for c in 0..8 {
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    // SAFETY: super-block blk of weight row r.
+                    let q = unsafe { chunk32::<T>(wb(r), c) };
                     let parts = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
                     for (half, p) in parts.iter().enumerate() {
                         let j = 2 * c + half;
-                        let (dv, mv) = (_mm256_set1_ps(dl[j]), _mm256_set1_ps(ml[j]));
+                        let (dv, mv) = (_mm256_set1_ps(dl[r][j]), _mm256_set1_ps(ml[r][j]));
                         for e in 0..2 {
                             let bytes = if e == 0 { *p } else { _mm_srli_si128::<8>(*p) };
                             let qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));

@@ -11,7 +11,10 @@
 //! - float weights (or quantized ones with f32 activations and medium M, dequantized chunk by
 //!   chunk into per-thread scratch) with small and medium M: register-tiled SIMD kernels
 //!   ([`float`]);
-//! - weights of a type without kernels of its own ([`Weights::Table`]: K-quants, Q5_0/Q5_1,
+//! - K-quant weights (Q4_K, Q5_K, Q6_K; [`Weights::KQuant`]): with 8-bit activations, Q8_K
+//!   activations and integer dot products per 256-element super-block ([`kquant`]); with f32
+//!   activations below the GEMM's M, super-blocks dequantized in registers ([`kf32`]);
+//! - weights of a type without kernels of its own ([`Weights::Table`]: Q2_K, Q3_K, Q5_1,
 //!   IQ4) at every M: rows dequantized by the type table's reference conversion into
 //!   per-thread scratch, then the f32 tiles or the GEMM (correct, not fast: docs/kernels.md);
 //! - large M ([`use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
@@ -156,7 +159,7 @@ pub(crate) enum Weights {
     Float(FloatW),
     Quant(QuantW),
     KQuant(KQuantW),
-    /// A quantized type without kernels of its own (the K-quants, Q5_0/Q5_1, IQ4): rows
+    /// A quantized type without kernels of its own (Q2_K, Q3_K, Q5_1, IQ4): rows
     /// dequantized by the type table's reference conversion into per-thread scratch, then the
     /// f32 tiles or the GEMM, at every M and precision (activations stay f32).
     Table(DType),

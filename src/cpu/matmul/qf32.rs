@@ -1,4 +1,4 @@
-//! Quantized weights (Q8_0, Q4_0, Q4_1) times f32 activations, fused: each weight block is
+//! Quantized weights (Q8_0, Q4_0, Q4_1, Q5_0) times f32 activations, fused: each weight block is
 //! dequantized in registers and multiplied with the f32 activations directly, with no 8-bit
 //! rounding of the activations and no scratch round trip. A register tile of `RN` weight rows x
 //! `RM` activation rows dequantizes each weight block once and uses it for the `RM` rows.
@@ -8,7 +8,9 @@
 //! bit-identical), Q4_1 `q * d + m` in one fused multiply-add (one rounding where the reference
 //! rounds twice). Block layouts per ggml-common.h (`block_q8_0`: f16 d, 32 i8; `block_q4_0`: f16
 //! d, 16 bytes of nibbles, element j < 16 in the low nibble of byte j, element j + 16 in its
-//! high nibble; `block_q4_1`: f16 d, f16 m, the same nibbles).
+//! high nibble; `block_q4_1`: f16 d, f16 m, the same nibbles; `block_q5_0`: f16 d, u32 qh of
+//! fifth bits, the same nibbles, value `(q - 16) * d`, one rounding: taken as signed bytes
+//! through Q8_0's code).
 //!
 //! Levels:
 //! - AVX-512: a Q4 block's 16 possible values are computed once per block and row

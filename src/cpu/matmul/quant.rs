@@ -1,6 +1,7 @@
 //! Quantized matrix products: activations quantized to 8 bits per 32-element block (the
-//! numbers of ggml's `block_q8_0` / `block_q8_1`), then integer dot products with Q8_0, Q4_0
-//! and Q4_1 weight blocks, scaled per block (ggml-cpu `ggml_vec_dot_q4_0_q8_0` and friends:
+//! numbers of ggml's `block_q8_0` / `block_q8_1`), then integer dot products with Q8_0, Q4_0,
+//! Q4_1 and Q5_0 weight blocks (Q5_0: signed `q - 16` through Q8_0's AVX2 code, unsigned `q`
+//! with `off = 16` under VNNI), scaled per block (ggml-cpu `ggml_vec_dot_q4_0_q8_0` and friends:
 //! integer products summed pairwise, one float multiply-add per block).
 //!
 //! Activation rows live in the node's scratch as structure-of-arrays ([`ActLayout`]): the 32

@@ -105,46 +105,7 @@ unsafe fn scalar_block<const T: u8>(b: &KF32Block) {
     }
 }
 
-/// Drive `$tile::<T, RN, RM>(w, ldw, x, ldx, d, ldd, nblk, tab)` over a block: full `$rn`-row
-/// tiles, leftover weight rows one at a time, activation rows in the widest listed tile.
-#[cfg(target_arch = "x86_64")]
-macro_rules! drive_kf32 {
-    ($b:expr, $tile:ident, $rn:literal, [$($rm:literal),+], $tab:expr) => {{
-        let b = $b;
-        let mut n0 = 0;
-        while n0 < b.n {
-            let rows = if b.n - n0 >= $rn { $rn } else { 1 };
-            let mut m0 = 0;
-            while m0 < b.m {
-                let left = b.m - m0;
-                // SAFETY: rows n0..n0 + rows <= b.n and m0..m0 + cols <= b.m and their
-                // outputs are inside the caller's block.
-                let (w, x, d) = unsafe {
-                    (b.w.add(n0 * b.ldw), b.x.add(m0 * b.ldx), b.d.add(m0 * b.ldd + n0))
-                };
-                let mut cols = 0;
-                $(
-                    if cols == 0 && left >= $rm {
-                        cols = $rm;
-                        // SAFETY: as above.
-                        unsafe {
-                            if rows == $rn {
-                                $tile::<T, $rn, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.nblk, $tab);
-                            } else {
-                                $tile::<T, 1, $rm>(w, b.ldw, x, b.ldx, d, b.ldd, b.nblk, $tab);
-                            }
-                        }
-                    }
-                )+
-                m0 += cols;
-            }
-            n0 += rows;
-        }
-    }};
-}
-
-/// The 16 quants of elements `16 j .. 16 j + 16` of the super-block at `b` as bytes, and the
-/// super-block's scales and minimums per 16 as f32 (`d * sc`, `dm * mn`).
+/// The super-block's scales and minimums per 16 as f32 (`d * sc`, `dm * mn`).
 #[cfg(target_arch = "x86_64")]
 mod unpack {
     use super::*;
@@ -175,51 +136,12 @@ mod unpack {
             )
         }
     }
-
-    /// Quants `32 c .. 32 c + 32` as unsigned bytes (see [`super::super::kquant::chunk`]).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    pub(super) unsafe fn chunk32<const T: u8>(b: *const u8, c: usize) -> __m256i {
-        let m4 = _mm256_set1_epi8(0x0f);
-        // SAFETY: offsets inside the super-block.
-        unsafe {
-            if T == K6 {
-                let (h, t) = (c / 4, c % 4);
-                let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)).cast());
-                let lo = _mm256_and_si256(
-                    _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t / 2) as i32)),
-                    m4,
-                );
-                let qh = _mm256_loadu_si256(b.add(128 + 32 * h).cast());
-                let hi = _mm256_and_si256(
-                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)),
-                    _mm256_set1_epi8(3),
-                );
-                _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
-            } else {
-                let off = if T == K4 { 16 } else { 48 };
-                let qs = _mm256_loadu_si256(b.add(off + 32 * (c / 2)).cast());
-                let lo = _mm256_and_si256(
-                    _mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (c % 2) as i32)),
-                    m4,
-                );
-                if T != K5 {
-                    return lo;
-                }
-                let qh = _mm256_loadu_si256(b.add(16).cast());
-                let hi = _mm256_and_si256(
-                    _mm256_srl_epi16(qh, _mm_cvtsi32_si128(c as i32)),
-                    _mm256_set1_epi8(1),
-                );
-                _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
-            }
-        }
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::unpack::{chunk32, scales16};
+    use super::super::kquant::chunk_avx2 as chunk32;
+    use super::unpack::scales16;
     use super::*;
 
     /// `RN x RM` outputs over all super-blocks.
@@ -295,16 +217,16 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn block<const T: u8>(b: &KF32Block, tab: *const f32) {
         if b.m == 1 {
-            drive_kf32!(b, tile, 8, [1], tab);
+            drive_tiles!(b, tile, T, 8, [1], (b.nblk, tab));
         } else {
-            drive_kf32!(b, tile, 4, [4, 3, 2, 1], tab);
+            drive_tiles!(b, tile, T, 4, [4, 3, 2, 1], (b.nblk, tab));
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::unpack::chunk32;
+    use super::super::kquant::chunk_avx2 as chunk32;
     use super::*;
     use crate::cpu::simd::hsum256;
 
@@ -374,9 +296,9 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const T: u8>(b: &KF32Block, tab: *const f32) {
         if b.m == 1 {
-            drive_kf32!(b, tile, 4, [1], tab);
+            drive_tiles!(b, tile, T, 4, [1], (b.nblk, tab));
         } else {
-            drive_kf32!(b, tile, 2, [2, 1], tab);
+            drive_tiles!(b, tile, T, 2, [2, 1], (b.nblk, tab));
         }
     }
 }

@@ -353,6 +353,46 @@ unsafe fn scalar_block<const T: u8>(b: &KQuantBlock, tab: *const f32) {
     }
 }
 
+/// Quants `32 c .. 32 c + 32` of the super-block at `b` as unsigned bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn chunk_avx2<const T: u8>(b: *const u8, c: usize) -> __m256i {
+    let m4 = _mm256_set1_epi8(0x0f);
+    // SAFETY: offsets inside the super-block.
+    unsafe {
+        if T == K6 {
+            let (h, t) = (c / 4, c % 4);
+            let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)).cast());
+            let lo = _mm256_and_si256(
+                _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t / 2) as i32)),
+                m4,
+            );
+            let qh = _mm256_loadu_si256(b.add(K6_QH + 32 * h).cast());
+            let hi = _mm256_and_si256(
+                _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)),
+                _mm256_set1_epi8(3),
+            );
+            _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+        } else {
+            let qs = _mm256_loadu_si256(b.add(qs_off(T) + 32 * (c / 2)).cast());
+            let lo = _mm256_and_si256(
+                _mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (c % 2) as i32)),
+                m4,
+            );
+            if T != K5 {
+                return lo;
+            }
+            let qh = _mm256_loadu_si256(b.add(K5_QH).cast());
+            let hi = _mm256_and_si256(
+                _mm256_srl_epi16(qh, _mm_cvtsi32_si128(c as i32)),
+                _mm256_set1_epi8(1),
+            );
+            _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+        }
+    }
+}
+
 /// The AVX2 kernels, compiled for the feature list `$feat` with tiles `$m1` (M = 1) and
 /// `$mm` (otherwise): `(RN, [RM..])`.
 #[cfg(target_arch = "x86_64")]
@@ -378,45 +418,6 @@ macro_rules! k_q8_kernels {
                     let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
                     let mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
                     (sc, mn, f16_at(tab, b), f16_at(tab, b.add(2)))
-                }
-            }
-        }
-
-        /// Quants `32 c .. 32 c + 32` of the super-block at `b` as unsigned bytes.
-        #[target_feature(enable = $feat)]
-        #[inline]
-        unsafe fn chunk_v<const T: u8>(b: *const u8, c: usize) -> __m256i {
-            let m4 = _mm256_set1_epi8(0x0f);
-            // SAFETY: offsets inside the super-block.
-            unsafe {
-                if T == K6 {
-                    let (h, t) = (c / 4, c % 4);
-                    let ql = _mm256_loadu_si256(b.add(64 * h + 32 * (t % 2)).cast());
-                    let lo = _mm256_and_si256(
-                        _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t / 2) as i32)),
-                        m4,
-                    );
-                    let qh = _mm256_loadu_si256(b.add(K6_QH + 32 * h).cast());
-                    let hi = _mm256_and_si256(
-                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t as i32)),
-                        _mm256_set1_epi8(3),
-                    );
-                    _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
-                } else {
-                    let qs = _mm256_loadu_si256(b.add(qs_off(T) + 32 * (c / 2)).cast());
-                    let lo = _mm256_and_si256(
-                        _mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (c % 2) as i32)),
-                        m4,
-                    );
-                    if T != K5 {
-                        return lo;
-                    }
-                    let qh = _mm256_loadu_si256(b.add(K5_QH).cast());
-                    let hi = _mm256_and_si256(
-                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(c as i32)),
-                        _mm256_set1_epi8(1),
-                    );
-                    _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
                 }
             }
         }
@@ -471,7 +472,7 @@ macro_rules! k_q8_kernels {
                     let mut isum = [_mm256_setzero_si256(); RM];
                     for c in 0..8 {
                         // SAFETY: as above.
-                        let q = unsafe { chunk_v::<T>(wb, c) };
+                        let q = unsafe { chunk_avx2::<T>(wb, c) };
                         let sv = chunk_scales(sc, c);
                         for m in 0..RM {
                             // SAFETY: 32 quants of activation row m.

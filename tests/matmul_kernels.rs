@@ -661,3 +661,72 @@ fn unsupported_operands_are_refused_by_supports() {
             .contains("f32")
     );
 }
+
+/// Byte offset of the f16 block scale `d` in a block of `wt` (ggml-common.h: first in every
+/// block type but Q2_K (after 16 scale and 64 quant bytes), Q3_K (after 32 + 64 + 12) and
+/// Q6_K (after 128 + 64 + 16)).
+fn scale_offset(wt: DType) -> usize {
+    match wt {
+        DType::Q2_K => 80,
+        DType::Q3_K => 108,
+        DType::Q6_K => 208,
+        _ => 0,
+    }
+}
+
+#[test]
+fn non_finite_and_huge_block_scales_give_what_the_reference_gives() {
+    // One block of each of rows 0..4 gets the scale NaN, +inf, -inf or 65504 (the largest
+    // f16); rows 4..8 stay ordinary. Every level, thread count and precision must give a
+    // non-finite output exactly where the reference (dequantized weights, f64 sums) has one,
+    // never panic, and agree with it elsewhere: to f32 rounding with f32 activations, to
+    // the 8-bit rounding of the activations (a few percent of the sum of |w x|) with --q8.
+    const SPECIAL: [u16; 4] = [0x7e00, 0x7c00, 0xfc00, 0x7bff];
+    let pools = pools();
+    for wt in quantized_weight_types() {
+        let c = Case {
+            n: 8,
+            ..base(wt, 3)
+        };
+        let mut o = make_operands(&c, 91);
+        let row = c.wt.row_size(c.k);
+        let nblk = c.k / wt.block_size();
+        let mut deq = vec![0f32; c.k];
+        for (r, bits) in SPECIAL.iter().enumerate() {
+            let at = r * row + (r % nblk) * wt.type_size() + scale_offset(wt);
+            o.wbuf.bytes_mut()[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+            row_to_f32(wt, &o.wbuf.bytes()[r * row..(r + 1) * row], &mut deq).unwrap();
+            for (w, &v) in o.wref[r * c.k..(r + 1) * c.k].iter_mut().zip(&deq) {
+                *w = v as f64;
+            }
+        }
+        let want = reference(&c, &o);
+        let mag: Vec<f64> = (0..c.m * c.n)
+            .map(|i| {
+                let (m, n) = (i / c.n, i % c.n);
+                let (wr, xr) = (&o.wref[n * c.k..][..c.k], &o.xref[m * c.k..][..c.k]);
+                wr.iter().zip(xr).map(|(a, b)| (a * b).abs()).sum()
+            })
+            .collect();
+        assert!(want.iter().any(|v| !v.is_finite()) && want.iter().any(|v| v.is_finite()));
+        for pool in &pools {
+            for isa in Isa::available() {
+                for &precision in modes(wt) {
+                    let got = run(&c, &o, pool, isa, precision);
+                    let tol = if tolerance(&o, precision) == TOL_FLOAT {
+                        1e-5
+                    } else {
+                        5e-2
+                    };
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let at = format!("{wt} {isa} nth={} {precision} output {i}", pool.nth());
+                        assert_eq!(g.is_finite(), w.is_finite(), "{at}: {g} vs {w}");
+                        if w.is_finite() {
+                            assert!((*g as f64 - w).abs() <= tol * mag[i], "{at}: {g} vs {w}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

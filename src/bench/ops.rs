@@ -230,9 +230,19 @@ pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
             v.push(mm(dt, m, 4096, 4096, true));
         }
     }
-    // ggml test-backend-ops perf shape (its m = our N, its n = our M).
+    // ggml test-backend-ops perf shape (its m = our N, its n = our M), and the types of
+    // Q4_K_M / Q5_K_M files.
     for m in [1, 2] {
-        for dt in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_0] {
+        for dt in [
+            DType::F32,
+            DType::F16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q5_0,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+        ] {
             v.push(mm(dt, m, 4096, 14336, true));
         }
     }

@@ -11,7 +11,10 @@
 //! - float weights (or quantized ones with f32 activations and medium M, dequantized chunk by
 //!   chunk into per-thread scratch) with small and medium M: register-tiled SIMD kernels
 //!   ([`float`]);
-//! - weights of a type without kernels of its own ([`Weights::Table`]: K-quants, Q5_0/Q5_1,
+//! - K-quant weights (Q4_K, Q5_K, Q6_K; [`Weights::KQuant`]): with 8-bit activations, Q8_K
+//!   activations and integer dot products per 256-element super-block ([`kquant`]); with f32
+//!   activations below the GEMM's M, super-blocks dequantized in registers ([`kf32`]);
+//! - weights of a type without kernels of its own ([`Weights::Table`]: Q2_K, Q3_K, Q5_1,
 //!   IQ4) at every M: rows dequantized by the type table's reference conversion into
 //!   per-thread scratch, then the f32 tiles or the GEMM (correct, not fast: docs/kernels.md);
 //! - large M ([`use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
@@ -68,6 +71,8 @@ macro_rules! drive_tiles {
 }
 
 mod float;
+mod kf32;
+mod kquant;
 mod qf32;
 mod quant;
 
@@ -77,6 +82,8 @@ pub use crate::cpu::view::Precision;
 use crate::DType;
 use crate::cpu::view::{ComputeParams, TensorView, split_range};
 use float::FloatBlock;
+use kf32::KF32Block;
+use kquant::{KActLayout, KQuantBlock};
 use qf32::QF32Block;
 use quant::{ActLayout, QuantBlock};
 
@@ -98,7 +105,10 @@ const FUSED_MAX_M: usize = 8;
 /// Whether `mul_mat(src0, src1)` at `precision` quantizes the activations to 8 bits (false for
 /// float weights, and for every product at [`Precision::Exact`]).
 pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
-    matches!(kernels_for(src0.dtype), Some(Weights::Quant(_))) && precision == Precision::Q8
+    matches!(
+        kernels_for(src0.dtype),
+        Some(Weights::Quant(_) | Weights::KQuant(_))
+    ) && precision == Precision::Q8
 }
 
 /// Activation rows the fused kernels multiply per pass over an item's weights: as many as
@@ -130,6 +140,17 @@ pub(crate) enum QuantW {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+}
+
+/// K-quant weight types (256-element super-blocks) of the fused and integer kernels
+/// ([`kf32`], [`kquant`]).
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KQuantW {
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 /// The kernels that multiply weights of one dtype, chosen once per node by [`kernels_for`].
@@ -137,7 +158,8 @@ pub(crate) enum QuantW {
 pub(crate) enum Weights {
     Float(FloatW),
     Quant(QuantW),
-    /// A quantized type without kernels of its own (the K-quants, Q5_0/Q5_1, IQ4): rows
+    KQuant(KQuantW),
+    /// A quantized type without kernels of its own (Q2_K, Q3_K, Q5_1, IQ4): rows
     /// dequantized by the type table's reference conversion into per-thread scratch, then the
     /// f32 tiles or the GEMM, at every M and precision (activations stay f32).
     Table(DType),
@@ -153,6 +175,10 @@ impl Weights {
             Weights::Quant(QuantW::Q8_0) => DType::Q8_0,
             Weights::Quant(QuantW::Q4_0) => DType::Q4_0,
             Weights::Quant(QuantW::Q4_1) => DType::Q4_1,
+            Weights::Quant(QuantW::Q5_0) => DType::Q5_0,
+            Weights::KQuant(KQuantW::Q4_K) => DType::Q4_K,
+            Weights::KQuant(KQuantW::Q5_K) => DType::Q5_K,
+            Weights::KQuant(KQuantW::Q6_K) => DType::Q6_K,
             Weights::Table(d) => d,
         }
     }
@@ -170,15 +196,13 @@ pub(crate) const fn kernels_for(dtype: DType) -> Option<Weights> {
         DType::Q8_0 => Some(Weights::Quant(QuantW::Q8_0)),
         DType::Q4_0 => Some(Weights::Quant(QuantW::Q4_0)),
         DType::Q4_1 => Some(Weights::Quant(QuantW::Q4_1)),
-        DType::Q5_0
-        | DType::Q5_1
-        | DType::Q2_K
-        | DType::Q3_K
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K
-        | DType::IQ4_NL
-        | DType::IQ4_XS => Some(Weights::Table(dtype)),
+        DType::Q4_K => Some(Weights::KQuant(KQuantW::Q4_K)),
+        DType::Q5_K => Some(Weights::KQuant(KQuantW::Q5_K)),
+        DType::Q6_K => Some(Weights::KQuant(KQuantW::Q6_K)),
+        DType::Q5_0 => Some(Weights::Quant(QuantW::Q5_0)),
+        DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::IQ4_NL | DType::IQ4_XS => {
+            Some(Weights::Table(dtype))
+        }
         DType::I32 => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,
@@ -311,6 +335,10 @@ pub fn forward_with(
             quantize_rows(isa, p, &plan, src1, lay);
             p.barrier();
         }
+        Src1::KQuant(lay) => {
+            quantize_rows_k(p, &plan, src1, lay);
+            p.barrier();
+        }
     }
     // Stage 2: this thread's items.
     let per_item = plan.cn * plan.cm;
@@ -350,6 +378,10 @@ enum Path {
     Fused(QuantW),
     /// Integer kernels on quantized activations.
     Quant(QuantW),
+    /// K-quant weights dequantized in registers, f32 activations ([`kf32`]).
+    KFused(KQuantW),
+    /// K-quant integer kernels on Q8_K activations ([`kquant`]).
+    KQuant(KQuantW),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -360,6 +392,8 @@ enum Src1 {
     Gather { ld: usize },
     /// Quantized into the shared scratch.
     Quant(ActLayout),
+    /// Quantized to Q8_K into the shared scratch.
+    KQuant(KActLayout),
 }
 
 /// Everything `forward` decides before touching data; computed identically by every thread and
@@ -412,8 +446,10 @@ impl Plan {
             match w {
                 Weights::Quant(q) if precision == Precision::Q8 => Path::Quant(q),
                 Weights::Quant(q) if m <= FUSED_MAX_M => Path::Fused(q),
+                Weights::KQuant(q) if precision == Precision::Q8 => Path::KQuant(q),
+                Weights::KQuant(q) if !gemm => Path::KFused(q),
                 Weights::Float(wt) if !gemm || f32_rows => Path::Direct { wt, gemm },
-                Weights::Quant(_) | Weights::Float(_) | Weights::Table(_) => {
+                Weights::Quant(_) | Weights::KQuant(_) | Weights::Float(_) | Weights::Table(_) => {
                     Path::Convert { w, gemm }
                 }
             }
@@ -425,7 +461,13 @@ impl Plan {
                 let lay = ActLayout::new(k);
                 (Src1::Quant(lay), rows1 * lay.row_bytes)
             }
-            Path::Direct { .. } | Path::Convert { .. } | Path::Fused(_) if !src1_direct => {
+            Path::KQuant(_) => {
+                let lay = KActLayout::new(k);
+                (Src1::KQuant(lay), rows1 * lay.row_bytes)
+            }
+            Path::Direct { .. } | Path::Convert { .. } | Path::Fused(_) | Path::KFused(_)
+                if !src1_direct =>
+            {
                 let ld = k.next_multiple_of(16);
                 (Src1::Gather { ld }, rows1 * ld * 4)
             }
@@ -539,6 +581,26 @@ unsafe fn run_item(
             }
             return;
         }
+        if let (Path::KQuant(wt), Src1::KQuant(lay)) = (plan.path, plan.src1) {
+            let mut mc = 0;
+            while mc < m {
+                let rows = Q_CHUNK_M.min(m - mc);
+                let b = KQuantBlock {
+                    w,
+                    ldw: src0.nb[1],
+                    wt,
+                    a: p.wdata.add((row1 + mc) * lay.row_bytes).cast_const(),
+                    lay,
+                    d: d.add(mc * ldd),
+                    ldd,
+                    n,
+                    m: rows,
+                };
+                kquant::block(isa, &b);
+                mc += rows;
+            }
+            return;
+        }
         let (x, ldx) = match plan.src1 {
             Src1::Gather { ld } => (p.wdata.cast::<f32>().add(row1 * ld).cast_const(), ld),
             _ => (
@@ -570,6 +632,28 @@ unsafe fn run_item(
             }
             return;
         }
+        if let Path::KFused(wt) = plan.path {
+            let chunk = fused_chunk_m(plan.k);
+            let mut mc = 0;
+            while mc < m {
+                let rows = chunk.min(m - mc);
+                let b = KF32Block {
+                    w,
+                    ldw: src0.nb[1],
+                    wt,
+                    x: x.add(mc * ldx),
+                    ldx,
+                    d: d.add(mc * ldd),
+                    ldd,
+                    n,
+                    m: rows,
+                    nblk: plan.k / crate::dtype::QK_K,
+                };
+                kf32::block(isa, &b);
+                mc += rows;
+            }
+            return;
+        }
         let (conv, gemm) = match plan.path {
             Path::Convert { w, gemm } => (w, gemm),
             Path::Direct { wt, gemm } => {
@@ -592,7 +676,12 @@ unsafe fn run_item(
                 float::block(isa, &b);
                 return;
             }
-            Path::Nothing | Path::Zero | Path::Fused(_) | Path::Quant(_) => return,
+            Path::Nothing
+            | Path::Zero
+            | Path::Fused(_)
+            | Path::Quant(_)
+            | Path::KFused(_)
+            | Path::KQuant(_) => return,
         };
         // Convert chunks of weight rows to f32 in this thread's scratch, then multiply.
         let scratch = p
@@ -728,6 +817,36 @@ fn quantize_rows(isa: Isa, p: &ComputeParams, plan: &Plan, src1: &TensorView, la
                 row.add(blk * quant::BLK).cast(),
                 row.add(lay.d_off()).cast::<f32>().add(blk),
                 row.add(lay.s_off()).cast::<f32>().add(blk),
+                count,
+            );
+        }
+        f += count;
+    }
+}
+
+/// [`quantize_rows`] for Q8_K activations (256-element blocks).
+fn quantize_rows_k(p: &ComputeParams, plan: &Plan, src1: &TensorView, lay: KActLayout) {
+    let total = src1.nrows() * lay.nblk;
+    let range = split_range(total, p.ith, p.nth);
+    let mut f = range.start;
+    while f < range.end {
+        let r = f / lay.nblk;
+        let blk = f % lay.nblk;
+        let count = (lay.nblk - blk).min(range.end - f);
+        let (i1, i2, i3) = (r % plan.m, r / plan.m % plan.ne12, r / plan.m / plan.ne12);
+        // SAFETY: blocks blk..blk+count of row r are inside src1 and inside row r of the
+        // scratch; block ranges are split disjointly between threads.
+        unsafe {
+            let x = src1
+                .row_ptr(i1, i2, i3)
+                .add(blk * crate::dtype::QK_K * src1.nb[0]);
+            let row = p.wdata.add(r * lay.row_bytes);
+            kquant::quantize_blocks(
+                x,
+                src1.nb[0],
+                row.add(blk * crate::dtype::QK_K).cast(),
+                row.add(lay.d_off()).cast::<f32>().add(blk),
+                row.add(lay.s_off()).cast::<i16>().add(16 * blk),
                 count,
             );
         }

@@ -1,4 +1,4 @@
-//! Quantized weights (Q8_0, Q4_0, Q4_1) times f32 activations, fused: each weight block is
+//! Quantized weights (Q8_0, Q4_0, Q4_1, Q5_0) times f32 activations, fused: each weight block is
 //! dequantized in registers and multiplied with the f32 activations directly, with no 8-bit
 //! rounding of the activations and no scratch round trip. A register tile of `RN` weight rows x
 //! `RM` activation rows dequantizes each weight block once and uses it for the `RM` rows.
@@ -8,7 +8,9 @@
 //! bit-identical), Q4_1 `q * d + m` in one fused multiply-add (one rounding where the reference
 //! rounds twice). Block layouts per ggml-common.h (`block_q8_0`: f16 d, 32 i8; `block_q4_0`: f16
 //! d, 16 bytes of nibbles, element j < 16 in the low nibble of byte j, element j + 16 in its
-//! high nibble; `block_q4_1`: f16 d, f16 m, the same nibbles).
+//! high nibble; `block_q4_1`: f16 d, f16 m, the same nibbles; `block_q5_0`: f16 d, u32 qh of
+//! fifth bits, the same nibbles, value `(q - 16) * d`, one rounding: taken as signed bytes
+//! through Q8_0's code).
 //!
 //! Levels:
 //! - AVX-512: a Q4 block's 16 possible values are computed once per block and row
@@ -24,9 +26,9 @@
 //! - Scalar: a block dequantized into 32 floats, then dotted with each activation row.
 
 use super::QuantW as WType;
-use super::quant::{BLK, Q4_0, Q4_1, Q8_0, block_bytes};
+use super::quant::{BLK, Q4_0, Q4_1, Q5_0, Q8_0, block_bytes, q5_0};
 #[cfg(target_arch = "x86_64")]
-use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2};
+use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2, q5_0_avx2};
 use crate::cpu::simd::{self, Isa};
 use half::f16;
 
@@ -72,9 +74,11 @@ pub(crate) unsafe fn block(isa: Isa, b: &QF32Block) {
                 (Isa::Avx512, WType::Q8_0) => return avx512::block::<Q8_0>(b, tab),
                 (Isa::Avx512, WType::Q4_0) => return avx512::block::<Q4_0>(b, tab),
                 (Isa::Avx512, WType::Q4_1) => return avx512::block::<Q4_1>(b, tab),
+                (Isa::Avx512, WType::Q5_0) => return avx512::block::<Q5_0>(b, tab),
                 (Isa::Avx2, WType::Q8_0) => return avx2::block::<Q8_0>(b, tab),
                 (Isa::Avx2, WType::Q4_0) => return avx2::block::<Q4_0>(b, tab),
                 (Isa::Avx2, WType::Q4_1) => return avx2::block::<Q4_1>(b, tab),
+                (Isa::Avx2, WType::Q5_0) => return avx2::block::<Q5_0>(b, tab),
                 _ => {}
             }
         }
@@ -87,6 +91,7 @@ pub(crate) unsafe fn block(isa: Isa, b: &QF32Block) {
             WType::Q8_0 => scalar_block::<Q8_0>(b),
             WType::Q4_0 => scalar_block::<Q4_0>(b),
             WType::Q4_1 => scalar_block::<Q4_1>(b),
+            WType::Q5_0 => scalar_block::<Q5_0>(b),
         }
     }
 }
@@ -133,6 +138,11 @@ unsafe fn dequant_block<const WQ: u8>(wb: *const u8, out: &mut [f32; BLK]) {
             Q8_0 => {
                 for (j, o) in out.iter_mut().enumerate() {
                     *o = *wb.add(2 + j) as i8 as f32 * d;
+                }
+            }
+            Q5_0 => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = (q5_0(wb, j) as i32 - 16) as f32 * d;
                 }
             }
             _ => {
@@ -301,13 +311,21 @@ mod avx512 {
                 prefetch(wb.wrapping_add(pf));
                 // SAFETY: as above.
                 let dv = _mm512_set1_ps(unsafe { tab.get(wb) });
-                if WQ == Q8_0 {
-                    // SAFETY: the block's 32 quants follow its scale.
+                if WQ == Q8_0 || WQ == Q5_0 {
+                    // SAFETY: the block's 32 quants follow its scale (Q5_0: its bits).
                     let (q0, q1) = unsafe {
-                        (
-                            _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(2).cast())),
-                            _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(18).cast())),
-                        )
+                        if WQ == Q5_0 {
+                            let b = _mm256_sub_epi8(q5_0_avx2(wb), _mm256_set1_epi8(16));
+                            (
+                                _mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)),
+                                _mm512_cvtepi8_epi32(_mm256_extracti128_si256::<1>(b)),
+                            )
+                        } else {
+                            (
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(2).cast())),
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(18).cast())),
+                            )
+                        }
                     };
                     let (q0, q1) = (_mm512_cvtepi32_ps(q0), _mm512_cvtepi32_ps(q1));
                     if late_scale {
@@ -379,6 +397,10 @@ mod avx2 {
         // SAFETY: the block (header and quants) is readable.
         unsafe {
             let d = _mm256_set1_ps(tab.get(wb));
+            if WQ == Q5_0 {
+                let (q, _) = q8_ints::<Q5_0>(wb, tab);
+                return q.map(|v| _mm256_mul_ps(v, d));
+            }
             if WQ == Q8_0 {
                 let q = |i: usize| {
                     let b = _mm_loadl_epi64(wb.add(2 + 8 * i).cast());
@@ -409,9 +431,21 @@ mod avx2 {
     /// The 32 integer quants of the Q8_0 block at `wb` as four vectors of 8, and its scale.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn q8_ints(wb: *const u8, tab: F16Tab) -> ([__m256; 4], __m256) {
+    unsafe fn q8_ints<const WQ: u8>(wb: *const u8, tab: F16Tab) -> ([__m256; 4], __m256) {
         // SAFETY: the block (scale and quants) is readable.
         unsafe {
+            if WQ == Q5_0 {
+                let b = _mm256_sub_epi8(q5_0_avx2(wb), _mm256_set1_epi8(16));
+                let (lo, hi) = (_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
+                let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                let q = [
+                    f(lo),
+                    f(_mm_srli_si128::<8>(lo)),
+                    f(hi),
+                    f(_mm_srli_si128::<8>(hi)),
+                ];
+                return (q, _mm256_set1_ps(tab.get(wb)));
+            }
             let q = |i: usize| {
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                     wb.add(2 + 8 * i).cast(),
@@ -467,7 +501,7 @@ mod avx2 {
                 // SAFETY: block blk of weight row r.
                 let wb = unsafe { w.add(r * ldw + blk * bs) };
                 prefetch(wb.wrapping_add(pf));
-                if WQ != Q8_0 && late_scale {
+                if (WQ == Q4_0 || WQ == Q4_1) && late_scale {
                     // Q4 matrix-vector product: the dot product with the integer quants
                     // (`q - 8` for Q4_0, as signed bytes), scaled once per block, plus
                     // `m * sum(x)` for Q4_1; no dequantized weights live across the block,
@@ -510,12 +544,12 @@ mod avx2 {
                     }
                     continue;
                 }
-                if WQ == Q8_0 && late_scale {
+                if (WQ == Q8_0 || WQ == Q5_0) && late_scale {
                     // The block's dot products with the integer quants, scaled once per 16
                     // weights: 3 operations per 8 weights where scaling them first takes 4
                     // (10% of a cached M = 1 product on Zen 2).
                     // SAFETY: as above.
-                    let (q, dv) = unsafe { q8_ints(wb, tab) };
+                    let (q, dv) = unsafe { q8_ints::<WQ>(wb, tab) };
                     for (m, a) in accr.iter_mut().enumerate() {
                         // SAFETY: 32 floats of block blk of activation row m.
                         let xv = |i: usize| unsafe {

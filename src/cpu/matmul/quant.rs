@@ -1,6 +1,7 @@
 //! Quantized matrix products: activations quantized to 8 bits per 32-element block (the
-//! numbers of ggml's `block_q8_0` / `block_q8_1`), then integer dot products with Q8_0, Q4_0
-//! and Q4_1 weight blocks, scaled per block (ggml-cpu `ggml_vec_dot_q4_0_q8_0` and friends:
+//! numbers of ggml's `block_q8_0` / `block_q8_1`), then integer dot products with Q8_0, Q4_0,
+//! Q4_1 and Q5_0 weight blocks (Q5_0: signed `q - 16` through Q8_0's AVX2 code, unsigned `q`
+//! with `off = 16` under VNNI), scaled per block (ggml-cpu `ggml_vec_dot_q4_0_q8_0` and friends:
 //! integer products summed pairwise, one float multiply-add per block).
 //!
 //! Activation rows live in the node's scratch as structure-of-arrays ([`ActLayout`]): the 32
@@ -19,7 +20,7 @@
 use super::QuantW as WType;
 use super::{FloatW, Weights};
 use crate::cpu::simd::Isa;
-use crate::dtype::{QK4_0, QK4_1, QK8_0, QK8_1};
+use crate::dtype::{QK4_0, QK4_1, QK5_0, QK8_0, QK8_1};
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
@@ -30,7 +31,7 @@ use std::arch::x86_64::*;
 /// weight types with blocks of the same length (asserted below); a type with other blocks
 /// needs kernels of its own.
 pub(crate) const BLK: usize = QK8_1;
-const _: () = assert!(QK8_0 == BLK && QK4_0 == BLK && QK4_1 == BLK);
+const _: () = assert!(QK8_0 == BLK && QK4_0 == BLK && QK4_1 == BLK && QK5_0 == BLK);
 
 /// Where activation row `r`'s quants, scales and sums live in the scratch.
 #[derive(Clone, Copy, Debug)]
@@ -193,7 +194,8 @@ pub(crate) unsafe fn row_to_f32(isa: Isa, w: Weights, src: *const u8, dst: *mut 
             Weights::Float(FloatW::F16) => simd::f16_to_f32_raw(isa, src, dst, k),
             Weights::Float(FloatW::BF16) => simd::bf16_to_f32_raw(isa, src, dst, k),
             Weights::Quant(wt) => dequant_row(isa, wt, src, dst, k),
-            Weights::Table(d) => {
+            Weights::KQuant(_) | Weights::Table(_) => {
+                let d = w.dtype();
                 let src = std::slice::from_raw_parts(src, d.row_size(k));
                 let dst = std::slice::from_raw_parts_mut(dst, k);
                 (d.traits().to_f32)(src, dst);
@@ -224,9 +226,49 @@ unsafe fn dequant_row(isa: Isa, wt: WType, src: *const u8, dst: *mut f32, k: usi
                     WType::Q8_0 => *blk.add(2 + j) as i8 as f32 * dv,
                     WType::Q4_0 => (nibble(blk.add(2), j) as i32 - 8) as f32 * dv,
                     WType::Q4_1 => nibble(blk.add(4), j) as f32 * dv + read_f16(blk.add(2)),
+                    WType::Q5_0 => (q5_0(blk, j) as i32 - 16) as f32 * dv,
                 };
             }
         }
+    }
+}
+
+/// The unsigned 5-bit quant `j < 32` of the Q5_0 block at `blk` (ggml-common.h `block_q5_0`:
+/// f16 `d`, then `qh`, 32 fifth bits as a little-endian u32 (bit j for element j), then the
+/// 16 nibble bytes as Q4_0's; the value is `(q - 16) * d`).
+///
+/// # Safety
+/// `blk` must be readable for one Q5_0 block.
+#[inline(always)]
+pub(super) unsafe fn q5_0(blk: *const u8, j: usize) -> u8 {
+    // SAFETY: the block's qh and quants.
+    unsafe {
+        let qh = blk.add(2).cast::<u32>().read_unaligned();
+        nibble(blk.add(6), j) | ((((qh >> j) & 1) as u8) << 4)
+    }
+}
+
+/// The 32 unsigned 5-bit quants of the Q5_0 block at `blk`, as bytes in element order: the
+/// nibbles, plus 16 where byte j's bit of `qh` is set (the 4 bytes of `qh` spread over the
+/// 4 quarters, each byte tested against its own bit).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn q5_0_avx2(blk: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees one readable block.
+    unsafe {
+        let nib = nibbles_avx2(blk.add(6), _mm256_set1_epi8(0x0f));
+        let qh = _mm256_set1_epi32(blk.add(2).cast::<i32>().read_unaligned());
+        let spread = _mm256_shuffle_epi8(
+            qh,
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                3, 3, 3, 3,
+            ),
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)))
     }
 }
 
@@ -264,6 +306,7 @@ unsafe fn dequant_row_avx2(wt: WType, src: *const u8, dst: *mut f32, nblk: usize
                 WType::Q8_0 => _mm256_loadu_si256(blk.add(2).cast()),
                 WType::Q4_0 => _mm256_sub_epi8(nibbles_avx2(blk.add(2), mask), eight),
                 WType::Q4_1 => nibbles_avx2(blk.add(4), mask),
+                WType::Q5_0 => _mm256_sub_epi8(q5_0_avx2(blk), _mm256_set1_epi8(16)),
             };
             let mv = if wt == WType::Q4_1 {
                 _mm256_set1_ps(f16_bits_to_f32(blk.add(2)))
@@ -374,6 +417,7 @@ pub(crate) struct QuantBlock {
 pub(super) const Q8_0: u8 = 0;
 pub(super) const Q4_0: u8 = 1;
 pub(super) const Q4_1: u8 = 2;
+pub(super) const Q5_0: u8 = 3;
 
 /// Bytes of one block of weights of kernel type `wq`: the type table's figure for its dtype.
 pub(super) const fn block_bytes(wq: u8) -> usize {
@@ -381,6 +425,7 @@ pub(super) const fn block_bytes(wq: u8) -> usize {
         Q8_0 => WType::Q8_0,
         Q4_0 => WType::Q4_0,
         Q4_1 => WType::Q4_1,
+        Q5_0 => WType::Q5_0,
         _ => panic!("not a weight type of the quantized kernels"),
     };
     Weights::Quant(wt).dtype().type_size()
@@ -402,9 +447,11 @@ pub(crate) unsafe fn block(isa: Isa, b: &QuantBlock) {
                 (Isa::Avx512, WType::Q8_0) => return vnni::block::<Q8_0>(b),
                 (Isa::Avx512, WType::Q4_0) => return vnni::block::<Q4_0>(b),
                 (Isa::Avx512, WType::Q4_1) => return vnni::block::<Q4_1>(b),
+                (Isa::Avx512, WType::Q5_0) => return vnni::block::<Q5_0>(b),
                 (Isa::Avx2, WType::Q8_0) => return avx2::block::<Q8_0>(b),
                 (Isa::Avx2, WType::Q4_0) => return avx2::block::<Q4_0>(b),
                 (Isa::Avx2, WType::Q4_1) => return avx2::block::<Q4_1>(b),
+                (Isa::Avx2, WType::Q5_0) => return avx2::block::<Q5_0>(b),
                 _ => {}
             }
         }
@@ -417,6 +464,7 @@ pub(crate) unsafe fn block(isa: Isa, b: &QuantBlock) {
             WType::Q8_0 => scalar_block::<Q8_0>(b),
             WType::Q4_0 => scalar_block::<Q4_0>(b),
             WType::Q4_1 => scalar_block::<Q4_1>(b),
+            WType::Q5_0 => scalar_block::<Q5_0>(b),
         }
     }
 }
@@ -440,6 +488,7 @@ unsafe fn scalar_block<const WQ: u8>(b: &QuantBlock) {
                         let wv = match WQ {
                             Q8_0 => *wb.add(2 + j) as i8 as i32,
                             Q4_0 => nibble(wb.add(2), j) as i32 - 8,
+                            Q5_0 => q5_0(wb, j) as i32 - 16,
                             _ => nibble(wb.add(4), j) as i32,
                         };
                         isum += wv * *y.add(j) as i32;
@@ -545,17 +594,18 @@ mod avx2 {
                 let wq = unsafe {
                     match WQ {
                         Q8_0 => _mm256_loadu_si256(wb.add(2).cast()),
+                        Q5_0 => _mm256_sub_epi8(q5_0_avx2(wb), _mm256_set1_epi8(16)),
                         Q4_0 => nibbles_avx2(wb.add(2), mask),
                         _ => nibbles_avx2(wb.add(4), mask),
                     }
                 };
-                let wabs = if WQ == Q8_0 {
+                let wabs = if WQ == Q8_0 || WQ == Q5_0 {
                     _mm256_sign_epi8(wq, wq)
                 } else {
                     wq
                 };
                 for (m, acc_rm) in accr.iter_mut().enumerate() {
-                    let p16 = if WQ == Q8_0 {
+                    let p16 = if WQ == Q8_0 || WQ == Q5_0 {
                         _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(y[m], wq))
                     } else {
                         _mm256_maddubs_epi16(wq, y[m])
@@ -617,7 +667,11 @@ mod vnni {
         let bs = const { block_bytes(WQ) };
         let mask = _mm256_set1_epi8(0x0f);
         let flip = _mm256_set1_epi8(-128);
-        let off = _mm256_set1_epi8(if WQ == Q8_0 { -128 } else { 8 });
+        let off = _mm256_set1_epi8(match WQ {
+            Q8_0 => -128,
+            Q5_0 => 16,
+            _ => 8,
+        });
         let zero = _mm256_setzero_si256();
         let mut acc = [[_mm256_setzero_ps(); RM]; RN];
         let (ah, lps) = l2_stream::<RN>(ldw, lay.nblk);
@@ -651,6 +705,7 @@ mod vnni {
                 let u = unsafe {
                     match WQ {
                         Q8_0 => _mm256_xor_si256(_mm256_loadu_si256(wb.add(2).cast()), flip),
+                        Q5_0 => q5_0_avx2(wb),
                         Q4_0 => nibbles_avx2(wb.add(2), mask),
                         _ => nibbles_avx2(wb.add(4), mask),
                     }

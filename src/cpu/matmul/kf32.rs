@@ -1,0 +1,304 @@
+//! K-quant weights (Q4_K, Q5_K, Q6_K) times f32 activations, fused: each super-block is
+//! dequantized in registers, 16 weights at a time (`q * (d * sc) - dm * mn` in one FMA, the
+//! reference's `d * sc * q - dmin * m` with one rounding where it rounds twice; Q6_K's
+//! `d * sc * (q - 32)` exactly), and multiplied with the f32 activations in place: no 8-bit
+//! rounding of the activations and no scratch. Layouts and the [`Head`] form: [`super::kquant`].
+//!
+//! Levels: AVX-512 (16 weights per vector, tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1}
+//! otherwise); AVX2 (8 per vector, tiles 4 x 1 and 2 x {2, 1}); scalar: the reference
+//! dequantization of a super-block, then dot products with 8 partial sums. An output's
+//! operations do not depend on the tile it lands in, so results do not depend on the thread
+//! count.
+
+use super::KQuantW as KW;
+use super::kquant::{K4, K5, K6, kblock_bytes};
+#[cfg(target_arch = "x86_64")]
+use super::kquant::{f16_at, head, scales_k4};
+use crate::cpu::simd::Isa;
+use crate::dtype::QK_K;
+
+#[cfg(target_arch = "x86_64")]
+use super::quant::{PF_ROWS, prefetch};
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// One block of `dst[m][n] = dot(w[n], x[m])` with K-quant weights and f32 activations.
+#[derive(Clone, Copy)]
+pub(crate) struct KF32Block {
+    /// First weight row: `nblk` super-blocks of `wt` at `w + n * ldw` bytes.
+    pub w: *const u8,
+    pub ldw: usize,
+    pub wt: KW,
+    /// First activation row; row `m` at `x + m * ldx` elements.
+    pub x: *const f32,
+    pub ldx: usize,
+    /// Output: `dst[m][n]` at `d + m * ldd + n` elements.
+    pub d: *mut f32,
+    pub ldd: usize,
+    pub n: usize,
+    pub m: usize,
+    /// Super-blocks per row (K / 256).
+    pub nblk: usize,
+}
+
+/// Compute one block at the given level.
+///
+/// # Safety
+/// Weight rows `n < b.n` hold `b.nblk` super-blocks of `b.wt`, activation rows `m < b.m` hold
+/// `256 * b.nblk` f32, `dst[m][n]` is writable and owned by the caller's thread.
+pub(crate) unsafe fn block(isa: Isa, b: &KF32Block) {
+    let tab = crate::cpu::simd::f16_table().as_ptr();
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: supported level (clamped); forwarded caller guarantees.
+        unsafe {
+            match (isa.clamp(), b.wt) {
+                (Isa::Avx512, KW::Q4_K) => return avx512::block::<K4>(b, tab),
+                (Isa::Avx512, KW::Q5_K) => return avx512::block::<K5>(b, tab),
+                (Isa::Avx512, KW::Q6_K) => return avx512::block::<K6>(b, tab),
+                (Isa::Avx2, KW::Q4_K) => return avx2::block::<K4>(b, tab),
+                (Isa::Avx2, KW::Q5_K) => return avx2::block::<K5>(b, tab),
+                (Isa::Avx2, KW::Q6_K) => return avx2::block::<K6>(b, tab),
+                _ => {}
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    let _ = tab;
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match b.wt {
+            KW::Q4_K => scalar_block::<K4>(b),
+            KW::Q5_K => scalar_block::<K5>(b),
+            KW::Q6_K => scalar_block::<K6>(b),
+        }
+    }
+}
+
+/// Portable fallback: the reference dequantization of each super-block, dotted with every
+/// activation row in 8 partial sums.
+unsafe fn scalar_block<const T: u8>(b: &KF32Block) {
+    let bs = const { kblock_bytes(T) };
+    let dt = super::Weights::KQuant(b.wt).dtype();
+    let to_f32 = dt.traits().to_f32;
+    let mut wv = [0f32; QK_K];
+    for n in 0..b.n {
+        for m in 0..b.m {
+            let mut acc = [0f32; 8];
+            for blk in 0..b.nblk {
+                // SAFETY: super-block blk of weight row n and of activation row m.
+                unsafe {
+                    let wb = std::slice::from_raw_parts(b.w.add(n * b.ldw + blk * bs), bs);
+                    to_f32(wb, &mut wv);
+                    let x = std::slice::from_raw_parts(b.x.add(m * b.ldx + blk * QK_K), QK_K);
+                    for (wc, xc) in wv.chunks_exact(8).zip(x.chunks_exact(8)) {
+                        for l in 0..8 {
+                            acc[l] = wc[l].mul_add(xc[l], acc[l]);
+                        }
+                    }
+                }
+            }
+            // SAFETY: the caller owns this output element.
+            unsafe { *b.d.add(m * b.ldd + n) = acc.iter().sum() };
+        }
+    }
+}
+
+/// The super-block's scales and minimums per 16 as f32 (`d * sc`, `dm * mn`).
+#[cfg(target_arch = "x86_64")]
+mod unpack {
+    use super::*;
+
+    /// `(d * sc[j], dm * mn[j])` for j in 0..16, as two vectors of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn scales16<const T: u8>(b: *const u8, tab: *const f32) -> (__m512, __m512) {
+        // SAFETY: offsets inside the super-block.
+        unsafe {
+            let (sc, mn, d, dm) = if T == K6 {
+                let d = f16_at(tab, b.add(208));
+                let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192).cast()));
+                (sc, _mm512_slli_epi32::<5>(sc), d, d)
+            } else {
+                let w = scales_k4(b.add(4));
+                let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
+                (
+                    _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, v)),
+                    _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(v, v)),
+                    f16_at(tab, b),
+                    f16_at(tab, b.add(2)),
+                )
+            };
+            (
+                _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(d)),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(mn), _mm512_set1_ps(dm)),
+            )
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::kquant::chunk_avx2 as chunk32;
+    use super::unpack::scales16;
+    use super::*;
+
+    /// `RN x RM` outputs over all super-blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const T: u8, const RN: usize, const RM: usize>(
+        w: *const u8,
+        ldw: usize,
+        x: *const f32,
+        ldx: usize,
+        d: *mut f32,
+        ldd: usize,
+        nblk: usize,
+        tab: *const f32,
+    ) {
+        let bs = const { kblock_bytes(T) };
+        let mut acc = [[_mm512_setzero_ps(); RM]; RN];
+        let mut dl = [[0f32; 16]; RN];
+        let mut ml = [[0f32; 16]; RN];
+        for blk in 0..nblk {
+            let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
+            for r in 0..RN {
+                for l in 0..bs.div_ceil(64) {
+                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
+                }
+                // Scales broadcast from memory (a load) rather than by a lane permute: the
+                // permutes would compete with the byte widening for the one shuffle port.
+                // SAFETY: super-block blk of weight row r; the arrays hold 16 f32.
+                unsafe {
+                    let (dv, mv) = scales16::<T>(wb(r), tab);
+                    _mm512_storeu_ps(dl[r].as_mut_ptr(), dv);
+                    _mm512_storeu_ps(ml[r].as_mut_ptr(), mv);
+                }
+            }
+            // Chunk-outer, row-inner: consecutive FMAs go to different accumulators.
+            for c in 0..8 {
+                let mut xv = [[_mm512_setzero_ps(); 2]; RM];
+                for (m, v) in xv.iter_mut().enumerate() {
+                    // SAFETY: 32 activations of row m inside super-block blk.
+                    unsafe {
+                        let p = x.add(m * ldx + blk * QK_K + 32 * c);
+                        *v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+                    }
+                }
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    // SAFETY: super-block blk of weight row r.
+                    let q = unsafe { chunk32::<T>(wb(r), c) };
+                    for half in 0..2 {
+                        let j = 2 * c + half;
+                        let qb = if half == 0 {
+                            _mm256_castsi256_si128(q)
+                        } else {
+                            _mm256_extracti128_si256::<1>(q)
+                        };
+                        let qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qb));
+                        let wv =
+                            _mm512_fmsub_ps(qf, _mm512_set1_ps(dl[r][j]), _mm512_set1_ps(ml[r][j]));
+                        for (a, xm) in accr.iter_mut().zip(&xv) {
+                            *a = _mm512_fmadd_ps(wv, xm[half], *a);
+                        }
+                    }
+                }
+            }
+        }
+        for (r, accr) in acc.iter().enumerate() {
+            for (m, a) in accr.iter().enumerate() {
+                // SAFETY: the output element is in the caller's block.
+                unsafe { *d.add(m * ldd + r) = _mm512_reduce_add_ps(*a) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn block<const T: u8>(b: &KF32Block, tab: *const f32) {
+        if b.m == 1 {
+            drive_tiles!(b, tile, T, 8, [1], (b.nblk, tab));
+        } else {
+            drive_tiles!(b, tile, T, 4, [4, 3, 2, 1], (b.nblk, tab));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::super::kquant::chunk_avx2 as chunk32;
+    use super::*;
+    use crate::cpu::simd::hsum256;
+
+    /// `RN x RM` outputs over all super-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const T: u8, const RN: usize, const RM: usize>(
+        w: *const u8,
+        ldw: usize,
+        x: *const f32,
+        ldx: usize,
+        d: *mut f32,
+        ldd: usize,
+        nblk: usize,
+        tab: *const f32,
+    ) {
+        let bs = const { kblock_bytes(T) };
+        let mut acc = [[_mm256_setzero_ps(); RM]; RN];
+        let mut dl = [[0f32; 16]; RN];
+        let mut ml = [[0f32; 16]; RN];
+        for blk in 0..nblk {
+            let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
+            for r in 0..RN {
+                for l in 0..bs.div_ceil(64) {
+                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
+                }
+                // SAFETY: super-block blk of weight row r.
+                let h = unsafe { head::<T>(wb(r), tab) };
+                for j in 0..16 {
+                    dl[r][j] = h.d * h.sc[j] as f32;
+                    ml[r][j] = h.dm * h.mn[j] as f32;
+                }
+            }
+            // Chunk-outer, row-inner: consecutive FMAs go to different accumulators.
+            for c in 0..8 {
+                for (r, accr) in acc.iter_mut().enumerate() {
+                    // SAFETY: super-block blk of weight row r.
+                    let q = unsafe { chunk32::<T>(wb(r), c) };
+                    let parts = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+                    for (half, p) in parts.iter().enumerate() {
+                        let j = 2 * c + half;
+                        let (dv, mv) = (_mm256_set1_ps(dl[r][j]), _mm256_set1_ps(ml[r][j]));
+                        for e in 0..2 {
+                            let bytes = if e == 0 { *p } else { _mm_srli_si128::<8>(*p) };
+                            let qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+                            let wv = _mm256_fmsub_ps(qf, dv, mv);
+                            for (m, a) in accr.iter_mut().enumerate() {
+                                // SAFETY: 8 activations of row m inside super-block blk.
+                                let xv = unsafe {
+                                    _mm256_loadu_ps(x.add(m * ldx + blk * QK_K + 16 * j + 8 * e))
+                                };
+                                *a = _mm256_fmadd_ps(wv, xv, *a);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (r, accr) in acc.iter().enumerate() {
+            for (m, a) in accr.iter().enumerate() {
+                // SAFETY: the output element is in the caller's block.
+                unsafe { *d.add(m * ldd + r) = hsum256(*a) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block<const T: u8>(b: &KF32Block, tab: *const f32) {
+        if b.m == 1 {
+            drive_tiles!(b, tile, T, 4, [1], (b.nblk, tab));
+        } else {
+            drive_tiles!(b, tile, T, 2, [2, 1], (b.nblk, tab));
+        }
+    }
+}

@@ -176,6 +176,11 @@ mod avx512 {
                     _mm512_storeu_ps(ml[r].as_mut_ptr(), mv);
                 }
             }
+            if T != K6 {
+                // SAFETY: super-block blk of every weight row and activation row.
+                unsafe { k45_lut::<T, RN, RM>(&mut acc, wb(0), ldw, x.add(blk * QK_K), ldx, &dl, &ml) };
+                continue;
+            }
             // Chunk-outer, row-inner: consecutive FMAs go to different accumulators.
             for c in 0..8 {
                 let mut xv = [[_mm512_setzero_ps(); 2]; RM];
@@ -210,6 +215,77 @@ mod avx512 {
             for (m, a) in accr.iter().enumerate() {
                 // SAFETY: the output element is in the caller's block.
                 unsafe { *d.add(m * ldd + r) = _mm512_reduce_add_ps(*a) };
+            }
+        }
+    }
+
+    /// One Q4_K or Q5_K super-block of `RN` weight rows (at `w + r * ldw`) times `RM`
+    /// activation rows (256 f32 at `x + m * ldx`), added to `acc`. Each sub-block's possible
+    /// weights `q * (d * sc) - dm * mn` (q = 0..15, Q5_K: 0..31) are one vector (Q5_K: two),
+    /// computed as the generic path computes each weight, and the quants pick from it with
+    /// `vpermps` (low 4 bits of each lane) or `vpermt2ps` (low 5 bits; bit 4, Q5_K's `qh` bit,
+    /// put in place with one `vpternlogd`). A 32-byte group of `qs` holds sub-block 2g in its
+    /// low nibbles and 2g + 1 in its high ones, so two byte widenings serve 64 weights. Each
+    /// accumulator gets the generic path's FMAs in the generic order: the same bits.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn k45_lut<const T: u8, const RN: usize, const RM: usize>(
+        acc: &mut [[__m512; RM]; RN],
+        w: *const u8,
+        ldw: usize,
+        x: *const f32,
+        ldx: usize,
+        dl: &[[f32; 16]; RN],
+        ml: &[[f32; 16]; RN],
+    ) {
+        let iota = _mm512_setr_ps(
+            0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
+        );
+        let iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.));
+        let (qs0, nib) = (super::super::kquant::qs_off(T), _mm512_set1_epi32(0x0f));
+        // SAFETY (both): 16 bytes inside the super-block.
+        let widen = |p: *const u8| unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast())) };
+        for g in 0..4 {
+            for (r, accr) in acc.iter_mut().enumerate() {
+                let p = w.wrapping_add(r * ldw);
+                let q = p.wrapping_add(qs0 + 32 * g);
+                let i = [widen(q), widen(q.wrapping_add(16))];
+                let ih = [_mm512_srli_epi32::<4>(i[0]), _mm512_srli_epi32::<4>(i[1])];
+                let t = |j: usize, io: __m512| {
+                    _mm512_fmsub_ps(io, _mm512_set1_ps(dl[r][j]), _mm512_set1_ps(ml[r][j]))
+                };
+                let (tlo, thi) = (t(4 * g, iota), t(4 * g + 2, iota));
+                let wv = if T == K4 {
+                    [
+                        _mm512_permutexvar_ps(i[0], tlo),
+                        _mm512_permutexvar_ps(i[1], tlo),
+                        _mm512_permutexvar_ps(ih[0], thi),
+                        _mm512_permutexvar_ps(ih[1], thi),
+                    ]
+                } else {
+                    // qh bit c of byte l is bit 4 of quant l of sub-block c.
+                    let h = [widen(p.wrapping_add(16)), widen(p.wrapping_add(32))];
+                    let h = [_mm512_slli_epi32::<4>(h[0]), _mm512_slli_epi32::<4>(h[1])];
+                    let sel = |a: __m512i, hh: __m512i, bit: usize| {
+                        let b = _mm512_srlv_epi32(hh, _mm512_set1_epi32(bit as i32));
+                        // bits 0..3 from a (where nib is 1), the rest from b
+                        _mm512_ternarylogic_epi32::<0xE4>(a, b, nib)
+                    };
+                    let (tlo2, thi2) = (t(4 * g, iota16), t(4 * g + 2, iota16));
+                    [
+                        _mm512_permutex2var_ps(tlo, sel(i[0], h[0], 2 * g), tlo2),
+                        _mm512_permutex2var_ps(tlo, sel(i[1], h[1], 2 * g), tlo2),
+                        _mm512_permutex2var_ps(thi, sel(ih[0], h[0], 2 * g + 1), thi2),
+                        _mm512_permutex2var_ps(thi, sel(ih[1], h[1], 2 * g + 1), thi2),
+                    ]
+                };
+                for (k, wk) in wv.iter().enumerate() {
+                    for (m, a) in accr.iter_mut().enumerate() {
+                        // SAFETY: 16 activations of row m inside the super-block.
+                        let xv = unsafe { _mm512_loadu_ps(x.add(m * ldx + 64 * g + 16 * k)) };
+                        *a = _mm512_fmadd_ps(*wk, xv, *a);
+                    }
+                }
             }
         }
     }

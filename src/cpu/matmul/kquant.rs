@@ -59,7 +59,7 @@ const K5_QH: usize = 16;
 const K6_QH: usize = 128;
 const K6_SCALES: usize = 192;
 const K6_D: usize = 208;
-const fn qs_off(t: u8) -> usize {
+pub(super) const fn qs_off(t: u8) -> usize {
     match t {
         K4 => 16,
         K5 => 48,

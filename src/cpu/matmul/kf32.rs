@@ -6,7 +6,10 @@
 //!
 //! Levels: AVX-512 (16 weights per vector, tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1}
 //! otherwise); AVX2 (8 per vector, tiles 4 x 1 and 2 x {2, 1}); scalar: the reference
-//! dequantization of a super-block, then dot products with 8 partial sums. An output's
+//! dequantization of a super-block, then dot products with 8 partial sums. On AVX-512, Q4_K
+//! and Q5_K take each weight from a table of the 16 or 32 values its sub-block can hold
+//! (`vpermps` / `vpermt2ps`; each entry computed by the same FMA, so bit-identical to the
+//! per-weight path). An output's
 //! operations do not depend on the tile it lands in, so results do not depend on the thread
 //! count.
 
@@ -178,7 +181,9 @@ mod avx512 {
             }
             if T != K6 {
                 // SAFETY: super-block blk of every weight row and activation row.
-                unsafe { k45_lut::<T, RN, RM>(&mut acc, wb(0), ldw, x.add(blk * QK_K), ldx, &dl, &ml) };
+                unsafe {
+                    k45_lut::<T, RN, RM>(&mut acc, wb(0), ldw, x.add(blk * QK_K), ldx, &dl, &ml)
+                };
                 continue;
             }
             // Chunk-outer, row-inner: consecutive FMAs go to different accumulators.

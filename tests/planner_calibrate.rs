@@ -217,15 +217,31 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
         assert!((1e8..1e12).contains(&f.bus_bw), "{coll:?} {}", f.bus_bw);
         let rep = r.links.iter().find(|l| l.collective == coll).unwrap();
         assert!(rep.samples.len() >= 3 && rep.rel_rms.is_finite());
-        // Bigger collectives take longer.
-        let t: Vec<f64> = rep.samples.iter().map(|s| s.seconds).collect();
-        assert!(t.last() > t.first(), "{coll:?} {t:?}");
     }
     // The profile says where it comes from.
     assert!(c.sources.iter().any(|s| s.contains("cpu:2x1")));
 
     // A second run: device rates and the all-reduce bandwidth within a factor of 5.
-    let c2 = calibrate("cpu:2x1", &opts, &no_progress).unwrap();
+    let r2 = calibrate_report("cpu:2x1", &opts, &no_progress).unwrap();
+    let c2 = &r2.cluster;
+    // Bigger collectives take longer, in at least one of the two runs: on a shared 2-core
+    // machine a preempted worker can hold the smallest size's median at a scheduler tick
+    // (11 ms for 4 KiB was seen in CI) for a whole run, rarely for two.
+    for coll in [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+    ] {
+        let times = |r: &metashard::calibrate::Calibration| -> Vec<f64> {
+            let rep = r.links.iter().find(|l| l.collective == coll).unwrap();
+            rep.samples.iter().map(|s| s.seconds).collect()
+        };
+        let (t1, t2) = (times(&r), times(&r2));
+        assert!(
+            t1.last() > t1.first() || t2.last() > t2.first(),
+            "{coll:?} {t1:?} {t2:?}"
+        );
+    }
     let (a, b) = (&c.devices[0], &c2.devices[0]);
     for t in metashard::calibrate::MEASURED_TYPES {
         let k = t.name();

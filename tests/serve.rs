@@ -5,7 +5,9 @@
 //! malformed JSON, a wrong type, a missing or wrong API key) get their status and an
 //! OpenAI-style message; SIGTERM ends the server with status 0. A full queue answers 429 with
 //! `Retry-After` and an OpenAI-style error; `/metrics` gives each device's weight and KV cache
-//! bytes (equal to what `run` reports) and the queue-time histogram.
+//! bytes (equal to what `run` reports) and the queue-time histogram. A load test: `bench serve`
+//! sends 200 requests from 16 clients, every one completes with the text `run` gives for its
+//! prompt, and no slot is held afterwards.
 
 use serde_json::Value;
 use std::io::{Read, Write};
@@ -247,4 +249,55 @@ fn a_full_queue_answers_429_and_metrics_give_memory_and_queue_time() {
     assert_eq!(metric(port, &label("kv_cache")), per_position * 256.0);
     server.kill().unwrap();
     server.wait().unwrap();
+}
+
+#[test]
+fn a_load_of_200_requests_from_16_clients_loses_nothing() {
+    let t = Instant::now();
+    let out = Command::new(BIN)
+        .env("METASHARD_MODELS", models())
+        .args([
+            "bench",
+            "serve",
+            "--model",
+            "smollm2",
+            "--devices",
+            "cpu",
+            "--json",
+        ])
+        .args(["--parallel", "8", "--ctx", "64", "--concurrency", "16"])
+        .args(["--requests", "200", "--max-tokens", "4"])
+        .output()
+        .unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("bench serve: {secs:.1} s, {}", v["rows"]);
+    let row = &v["rows"][0];
+    assert_eq!(
+        (row["requests"].as_u64(), row["failed"].as_u64()),
+        (Some(200), Some(0))
+    );
+    assert_eq!(row["generated_tokens"], 800);
+    assert_eq!(v["held_after"], 0.0, "slots held after the load");
+    let outputs = v["outputs"].as_array().unwrap();
+    assert_eq!(outputs.len(), 8);
+    for o in outputs {
+        let prompt = o["prompt"].as_str().unwrap();
+        let texts = o["texts"].as_object().unwrap();
+        let want = run_json(prompt, false, 4)["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(texts.len(), 1, "{prompt:?} got several texts: {texts:?}");
+        assert_eq!(
+            texts.get(&want).and_then(Value::as_u64),
+            Some(25),
+            "{prompt:?}: {texts:?} vs {want:?}"
+        );
+    }
 }

@@ -6,7 +6,7 @@
 //! and over every gap between two streamed tokens). Without `--url` it starts `metashard serve`
 //! itself on a loopback port (`cli::serve::start`) with the model flags given; with `--url` it
 //! measures any server speaking the OpenAI completions API (llama.cpp's `llama-server`
-//! included). Each request asks for `--max-tokens` tokens past the end-of-sequence token
+//! included; its `/health` is awaited). Each request asks for `--max-tokens` tokens past the end-of-sequence token
 //! (`ignore_eos`, llama-server's extension, which `metashard serve` also takes) and no prompt
 //! cache (`cache_prompt: false`), so both servers do the same work; the prompts cycle through
 //! a fixed list, and the report gives each prompt's distinct texts (greedy: one each when
@@ -141,6 +141,7 @@ pub fn run(a: &BenchServeArgs) -> Result<()> {
         api_key: a.api_key.clone(),
         timeout: Duration::from_secs(a.timeout as u64),
     };
+    client.wait_healthy()?;
     let model = client.model_name()?;
     // One untimed request: the server is up and its first step paid.
     client

@@ -193,6 +193,25 @@ impl Client {
         Ok(text)
     }
 
+    /// Wait until `/health` answers 200 (llama-server answers 503 while it loads), within
+    /// the client's timeout; an error naming `--url` with the last answer otherwise.
+    pub fn wait_healthy(&self) -> Result<()> {
+        let t0 = Instant::now();
+        loop {
+            match self.fetch("GET", "/health") {
+                Ok(_) => return Ok(()),
+                Err(e) if t0.elapsed() > self.timeout => {
+                    return Err(Error::invalid_argument(
+                        "--url",
+                        self.base.to_string(),
+                        format!("not healthy after {:.0} s: {e}", self.timeout.as_secs_f64()),
+                    ));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(250)),
+            }
+        }
+    }
+
     /// The first model `/v1/models` lists (`default` where the list is empty).
     pub fn model_name(&self) -> Result<String> {
         let text = self

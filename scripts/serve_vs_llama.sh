@@ -28,7 +28,7 @@ out="$(mktemp -d)"
 pids=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 "$bin" serve --model "$model" --devices "cpu:1x$threads" --parallel "$slots" --ctx 512 \
-    --port "$ms_port" >"$out/metashard.log" 2>&1 &
+    --port "$ms_port" ${METASHARD_FLAGS:-} >"$out/metashard.log" 2>&1 &
 pids+=($!)
 "$llama" -m "$model" -t "$threads" -tb "$threads" -np "$slots" -c $((slots * 512)) \
     --host 127.0.0.1 --port "$ll_port" >"$out/llama.log" 2>&1 &

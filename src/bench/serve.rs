@@ -4,7 +4,7 @@
 //! from them the aggregate generated tokens/s (all tokens over the wall time of the level),
 //! time to first token and inter-token latency (medians and 95th percentiles over requests,
 //! and over every gap between two streamed tokens). Without `--url` it starts `metashard serve`
-//! itself on a loopback port (`cli::serve::start`) with the model flags given; with `--url` it
+//! itself on a loopback port (`cli::serve::start`) with `serve`'s model and engine flags; with `--url` it
 //! measures any server speaking the OpenAI completions API (llama.cpp's `llama-server`
 //! included; its `/health` is awaited). Each request asks for `--max-tokens` tokens past the end-of-sequence token
 //! (`ignore_eos`, llama-server's extension, which `metashard serve` also takes) and no prompt
@@ -15,8 +15,8 @@
 
 mod http;
 
-use crate::cli::serve::{ServeArgs, start};
-use crate::cli::{JsonArgs, ModelArgs, SplitArgs, parse_positive};
+use crate::cli::serve::{EngineArgs, ServeArgs, start};
+use crate::cli::{JsonArgs, parse_positive};
 use metashard::{Error, Result};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -45,25 +45,9 @@ pub struct BenchServeArgs {
     /// Seconds a request may take before it counts as failed.
     #[arg(long, default_value_t = 300, value_parser = parse_positive)]
     pub timeout: usize,
+    /// The server started without --url.
     #[command(flatten)]
-    pub model: ModelArgs,
-    /// Devices of the server started without --url.
-    #[arg(long, default_value = "cpu")]
-    pub devices: String,
-    #[command(flatten)]
-    pub split: SplitArgs,
-    /// KV cache slots of the server started without --url.
-    #[arg(long, default_value_t = 8, value_parser = parse_positive)]
-    pub parallel: usize,
-    /// Context of each slot of the server started without --url.
-    #[arg(long, default_value_t = 512, value_parser = parse_positive)]
-    pub ctx: usize,
-    /// Tokens per step of the server started without --url.
-    #[arg(long, default_value_t = 256, value_parser = parse_positive)]
-    pub batch_tokens: usize,
-    /// Quantized weights times 8-bit activations (the server started without --url).
-    #[arg(long)]
-    pub q8: bool,
+    pub server: EngineArgs,
     #[command(flatten)]
     pub out: JsonArgs,
 }
@@ -198,17 +182,10 @@ pub fn run(a: &BenchServeArgs) -> Result<()> {
 /// The `serve` flags of the server `bench serve` starts: loopback, any free port.
 fn serve_args(a: &BenchServeArgs) -> ServeArgs {
     ServeArgs {
-        model: a.model.clone(),
-        devices: a.devices.clone(),
-        split: a.split.clone(),
-        parallel: a.parallel,
-        ctx: a.ctx,
-        batch_tokens: a.batch_tokens,
-        max_queue: 1 << 16,
+        engine: a.server.clone(),
         host: "127.0.0.1".into(),
         port: 0,
         api_key: a.api_key.clone(),
-        q8: a.q8,
     }
 }
 

@@ -32,8 +32,9 @@ use std::sync::mpsc as std_mpsc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 
+/// The model and engine flags of `serve`, which `bench serve` takes for the server it starts.
 #[derive(Clone, Debug, clap::Args)]
-pub struct ServeArgs {
+pub struct EngineArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Devices: `cpu`, `cpu:N`, `cpu:NxT`.
@@ -54,6 +55,15 @@ pub struct ServeArgs {
     /// `Retry-After`.
     #[arg(long, default_value_t = 64, value_parser = parse_max_queue)]
     pub max_queue: usize,
+    /// Quantized weights times 8-bit activations.
+    #[arg(long)]
+    pub q8: bool,
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Address to listen on (loopback unless told otherwise).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -63,9 +73,6 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY`.
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Quantized weights times 8-bit activations.
-    #[arg(long)]
-    pub q8: bool,
 }
 
 /// Most requests `--max-queue` lets wait.
@@ -209,7 +216,8 @@ struct EngineThread {
 
 /// The model loaded, the engine made and the address bound (the port taken, so a caller
 /// learns it before serving).
-fn open(a: &ServeArgs, quiet: bool) -> Result<(std::net::TcpListener, AppState, EngineThread)> {
+fn open(s: &ServeArgs, quiet: bool) -> Result<(std::net::TcpListener, AppState, EngineThread)> {
+    let a = &s.engine;
     a.split.check(&a.devices)?;
     let (set, m) = load(
         &a.model.name,
@@ -240,14 +248,14 @@ fn open(a: &ServeArgs, quiet: bool) -> Result<(std::net::TcpListener, AppState, 
     let state = AppState {
         model: m,
         cmds: tx,
-        api_key: a.api_key.clone(),
+        api_key: s.api_key.clone(),
         ctx,
         slots: a.parallel,
         max_queue: a.max_queue,
         gauges: gauges.clone(),
         memory,
     };
-    let addr = format!("{}:{}", a.host, a.port);
+    let addr = format!("{}:{}", s.host, s.port);
     let listener = std::net::TcpListener::bind(&addr)
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .map_err(|e| Error::invalid_argument("--host/--port", &addr, e.to_string()))?;

@@ -6,19 +6,20 @@
 //! prompt past a slot's context is refused for that request only; cancelling frees the slot;
 //! a stop string ends the text where it starts (SmolLM2).
 
-use metashard::cpu::Precision;
+#[path = "support/decoders.rs"]
+mod decoders;
+
+use decoders::config;
 use metashard::devices::DeviceSet;
 use metashard::models::arch::{Arch, GEMMA2, LLAMA};
 use metashard::models::batch::{BatchSession, SeqInput};
 use metashard::models::engine::{Engine, Event, FinishReason, GenRequest, RequestId};
-use metashard::models::hparams::{DecoderConfig, SlidingWindow};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
 use metashard::models::prompt::{PromptOptions, prompt_tokens};
 use metashard::models::sampler::SamplerConfig;
 use metashard::models::session::Session;
 use metashard::models::synthetic::gguf_bytes;
-use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, nmse};
 use metashard::{DType, Result};
 use std::collections::HashMap;
@@ -26,60 +27,16 @@ use std::path::{Path, PathBuf};
 
 const STEPS: usize = 8;
 
-/// A small file of `arch`: width 128, 300 tokens; Gemma 2 with 5 layers, a window of 5 and
-/// caps small enough to bend the scores.
-fn config(arch: &'static Arch) -> DecoderConfig {
-    let spec = arch.decoder().unwrap();
-    let mut c = DecoderConfig {
-        arch,
-        rope_mode: spec.rope_mode,
-        rms_eps: 1e-6,
-        ..DecoderConfig::llama(2, 128, 256, 8, 2, 300)
-    };
-    if arch.name == "gemma2" {
-        c.n_layer = 5;
-        c.n_head = 4;
-        c.n_head_kv = 1;
-        c.head_dim = 48;
-        c.rope_dims = 48;
-        c.attn_scale = 1.0 / 48f32.sqrt();
-        c.embd_scale = 128f32.sqrt();
-        let w = spec.swa.unwrap();
-        c.swa = Some(SlidingWindow {
-            window: 5,
-            pattern: w.pattern,
-            rope_base: w.rope_base.unwrap_or(c.rope_base),
-        });
-        c.attn_softcap = Some(0.75);
-        c.final_softcap = Some(2.5);
-    }
-    c
-}
-
+/// A small file of `arch` (the families' configuration: Gemma 2 with its window of 5 and
+/// caps small enough to bend the scores).
 fn model_file(arch: &'static Arch) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("metashard-batched-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(format!("{}.gguf", arch.name));
     let tied = arch.name.starts_with("gemma");
     let bytes = gguf_bytes(&config(arch), DType::F32, tied, 512, 5).unwrap();
-    // Tests running at once write the same file: a private copy renamed into place.
-    let tmp = dir.join(format!(
-        "{}.{:?}.part",
-        arch.name,
-        std::thread::current().id()
-    ));
-    std::fs::write(&tmp, bytes).unwrap();
-    std::fs::rename(&tmp, &p).unwrap();
-    p
+    decoders::write("batched", &format!("{}.gguf", arch.name), &bytes)
 }
 
 fn open(model: &str, devices: &str, mode: SplitMode) -> (DeviceSet, DecoderModel) {
-    let opts = OpenOptions {
-        precision: Precision::Exact,
-        split_mode: mode,
-        ..OpenOptions::default()
-    };
-    open_decoder(model, devices, &opts, &|_, _| {}).unwrap()
+    decoders::open(model, devices, mode).unwrap()
 }
 
 /// Prompts of 3 to 17 tokens.
@@ -199,32 +156,8 @@ fn gemma2_batched_gives_each_sequences_tokens_on_every_split() {
 /// The numpy reference's logits of the last prompt position (`None` when its packages are
 /// missing and METASHARD_SKIP_PYREF=1 allows it).
 fn reference_last_logits(path: &Path, prompt: &[u32], nv: usize) -> Option<Vec<f32>> {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/smollm2_ref.py");
-    let out_file = path.with_extension("ref.f32");
-    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg("--model")
-        .arg(path)
-        .arg("--tokens")
-        .arg(ids.join(","))
-        .arg("--prompt-logits-out")
-        .arg(&out_file)
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        let e = String::from_utf8_lossy(&out.stderr);
-        if std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
-            eprintln!("NOTE: METASHARD_SKIP_PYREF=1: no numpy reference ({e})");
-            return None;
-        }
-        panic!("the numpy reference failed: {e}");
-    }
-    let v: Vec<f32> = std::fs::read(&out_file)
-        .unwrap()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let out = path.with_extension("ref.f32");
+    let (_, v) = decoders::reference(path, prompt, &[], "--prompt-logits-out", &out)?;
     Some(v[v.len() - nv..].to_vec())
 }
 

@@ -6,86 +6,21 @@
 //! too. The prompt is longer than the sliding window of the Gemma files, so local layers mask
 //! what global ones see.
 
-use metashard::cpu::Precision;
-use metashard::devices::DeviceSet;
+#[path = "support/decoders.rs"]
+mod decoders;
+
+use decoders::{config, open};
+use metashard::DType;
 use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, PHI3, QWEN2, QWEN3, Tensor};
-use metashard::models::hparams::{DecoderConfig, LongRope, SlidingWindow};
+use metashard::models::hparams::LongRope;
 use metashard::models::layer_split::SplitMode;
-use metashard::models::loader::DecoderModel;
 use metashard::models::session::Session;
 use metashard::models::synthetic::{gguf_bytes_with, with_extra_tensors};
-use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, max_abs, nmse};
-use metashard::{DType, Result};
 use std::path::{Path, PathBuf};
 
 const PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 81, 119, 101, 110, 51, 33];
 const STEPS: usize = 8;
-
-/// A family's small configuration: width 128, 3 layers (Gemma: 7, so both kinds of layer
-/// come twice), 300 tokens; each family's own parts switched on as its files have them.
-fn config(arch: &'static Arch) -> DecoderConfig {
-    let spec = arch.decoder().unwrap();
-    let base = DecoderConfig::llama(3, 128, 256, 8, 2, 300);
-    let mut c = DecoderConfig {
-        arch,
-        rope_mode: spec.rope_mode,
-        rope_base: 1_000_000.0,
-        rms_eps: 1e-6,
-        ..base
-    };
-    match arch.name {
-        "qwen3" => {
-            // A head size the file gives (not 128 / 8).
-            c.head_dim = 32;
-            c.rope_dims = 32;
-            c.attn_scale = 1.0 / 32f32.sqrt();
-        }
-        "gemma2" | "gemma3" => {
-            c.n_layer = 7;
-            c.n_head = 4;
-            c.n_head_kv = 1;
-            c.head_dim = 48;
-            c.rope_dims = 48;
-            c.attn_scale = 1.0 / 48f32.sqrt();
-            c.embd_scale = 128f32.sqrt();
-            let w = spec.swa.unwrap();
-            c.swa = Some(SlidingWindow {
-                window: 5,
-                pattern: w.pattern,
-                rope_base: w.rope_base.unwrap_or(c.rope_base),
-            });
-            if arch.name == "gemma2" {
-                // Caps small enough that tanh bends the scores and the logits.
-                c.attn_softcap = Some(0.75);
-                c.final_softcap = Some(2.5);
-            }
-        }
-        "phi3" => {
-            // Phi-4-mini's partial rotary (12 of 16 dimensions) and a window on every layer.
-            c.rope_dims = 12;
-            c.swa = Some(SlidingWindow {
-                window: 5,
-                pattern: 0,
-                rope_base: c.rope_base,
-            });
-        }
-        _ => {}
-    }
-    c
-}
-
-fn write(name: &str, bytes: &[u8]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("metashard-families-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    // Tests running at once write the same file: write a private copy, then rename it into
-    // place (atomic), so no test opens it half written.
-    let tmp = dir.join(format!("{name}.{:?}.part", std::thread::current().id()));
-    std::fs::write(&tmp, bytes).unwrap();
-    std::fs::rename(&tmp, &p).unwrap();
-    p
-}
 
 /// The family's synthetic file (F32 weights; Gemma ties its output projection as the real
 /// files do), with the optional tensors of the roles in `optional`.
@@ -97,6 +32,10 @@ fn model_file(arch: &'static Arch, optional: &[Tensor]) -> PathBuf {
     }
     let bytes = gguf_bytes_with(&cfg, DType::F32, tied, 512, 11, optional).unwrap();
     write(&format!("{}-{}.gguf", arch.name, optional.len()), &bytes)
+}
+
+fn write(name: &str, bytes: &[u8]) -> PathBuf {
+    decoders::write("families", name, bytes)
 }
 
 /// LongRoPE with an attention factor of Phi-3-mini-128k's size and an original context of
@@ -111,52 +50,16 @@ fn long_rope(original: usize) -> LongRope {
 
 const LONG_ROPE: &[Tensor] = &[Tensor::RopeFactorsLong, Tensor::RopeFactorsShort];
 
-fn open(path: &Path, devices: &str, mode: SplitMode) -> Result<(DeviceSet, DecoderModel)> {
-    let opts = OpenOptions {
-        precision: Precision::Exact,
-        split_mode: mode,
-        ..OpenOptions::default()
-    };
-    open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {})
-}
-
 /// The numpy reference's logits at every prompt position, with RoPE pairing `rope` (its
 /// default for the family when `None`); `None` when the Python packages are missing and
 /// METASHARD_SKIP_PYREF=1 allows it.
 fn reference_prompt_logits(path: &Path, rope: Option<&str>) -> Option<Vec<f32>> {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/smollm2_ref.py");
-    let out_file = path.with_extension(format!("{}.f32", rope.unwrap_or("default")));
-    let ids: Vec<String> = PROMPT.iter().map(u32::to_string).collect();
-    let mut cmd = std::process::Command::new("python3");
-    cmd.arg(&script)
-        .arg("--model")
-        .arg(path)
-        .arg("--tokens")
-        .arg(ids.join(","))
-        .arg("--prompt-logits-out")
-        .arg(&out_file);
-    if let Some(r) = rope {
-        cmd.arg("--rope").arg(r);
-    }
-    let out = cmd.output().unwrap();
-    if !out.status.success() {
-        let e = String::from_utf8_lossy(&out.stderr);
-        if std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
-            eprintln!("NOTE: METASHARD_SKIP_PYREF=1: no numpy reference ({e})");
-            return None;
-        }
-        panic!(
-            "the numpy reference failed: {e}\ninstall its packages with \
-             `python3 -m pip install -r scripts/requirements.txt`, or set METASHARD_SKIP_PYREF=1"
-        );
-    }
-    let bytes = std::fs::read(&out_file).unwrap();
-    Some(
-        bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
+    let out = path.with_extension(format!("{}.f32", rope.unwrap_or("default")));
+    let args: &[&str] = match rope {
+        Some(r) => &["--rope", r],
+        None => &[],
+    };
+    decoders::reference(path, PROMPT, args, "--prompt-logits-out", &out).map(|(_, l)| l)
 }
 
 /// Logits at every prompt position on one device match the numpy reference (the KV cache is

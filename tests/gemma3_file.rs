@@ -5,13 +5,13 @@
 //! logits agree with them, and the tensor split (4 query heads, 1 KV head) and the layer split
 //! over two and three CPU devices give one device's tokens.
 
-use metashard::cpu::Precision;
-use metashard::devices::DeviceSet;
+#[path = "support/decoders.rs"]
+mod decoders;
+
+use decoders::open;
+use metashard::DType;
 use metashard::models::layer_split::SplitMode;
-use metashard::models::loader::DecoderModel;
-use metashard::runtime::{OpenOptions, open_decoder};
 use metashard::verify::{greedy, max_abs, nmse};
-use metashard::{DType, Result};
 use std::path::{Path, PathBuf};
 
 /// "<bos>The capital of France is" in the file's own vocabulary (metashard's tokenizer of
@@ -29,54 +29,19 @@ fn gemma_path() -> PathBuf {
     p
 }
 
-fn open(path: &Path, devices: &str, mode: SplitMode) -> Result<(DeviceSet, DecoderModel)> {
-    let opts = OpenOptions {
-        precision: Precision::Exact,
-        split_mode: mode,
-        ..OpenOptions::default()
-    };
-    open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {})
-}
-
 /// The reference's greedy tokens and the logits of the last prompt position; `None` when the
 /// Python packages are missing and METASHARD_SKIP_PYREF=1 allows it.
 fn reference(path: &Path) -> Option<(Vec<u32>, Vec<f32>)> {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/smollm2_ref.py");
-    let out_file =
+    let out =
         std::env::temp_dir().join(format!("metashard-gemma3-file-{}.f32", std::process::id()));
-    let ids: Vec<String> = PROMPT.iter().map(u32::to_string).collect();
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg("--model")
-        .arg(path)
-        .arg("--tokens")
-        .arg(ids.join(","))
-        .arg("--steps")
-        .arg(STEPS.to_string())
-        .arg("--logits-out")
-        .arg(&out_file)
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        let e = String::from_utf8_lossy(&out.stderr);
-        if std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
-            eprintln!("NOTE: METASHARD_SKIP_PYREF=1: no numpy reference ({e})");
-            return None;
-        }
-        panic!(
-            "the numpy reference failed: {e}\ninstall its packages with \
-             `python3 -m pip install -r scripts/requirements.txt`, or set METASHARD_SKIP_PYREF=1"
-        );
-    }
-    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let toks: Vec<u32> = serde_json::from_value(j["generated"].clone()).unwrap();
-    let bytes = std::fs::read(&out_file).unwrap();
-    let _ = std::fs::remove_file(&out_file);
-    let logits = bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    Some((toks, logits))
+    let steps = STEPS.to_string();
+    let (printed, logits) =
+        decoders::reference(path, PROMPT, &["--steps", &steps], "--logits-out", &out)?;
+    let _ = std::fs::remove_file(&out);
+    Some((
+        serde_json::from_value(printed["generated"].clone()).unwrap(),
+        logits,
+    ))
 }
 
 /// One device: the file's weight types as read, greedy tokens equal to the reference's, and

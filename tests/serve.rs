@@ -3,9 +3,15 @@
 //! clients at once on 4 slots, each text equal to what `metashard run` gives for the prompt
 //! (greedy); clients closing their streams early free their slots (`/metrics`); the 4xx cases (max_tokens 0, a bad temperature, a prompt past the context,
 //! malformed JSON, a wrong type, a missing or wrong API key) get their status and an
-//! OpenAI-style message; SIGTERM ends the server with status 0.
+//! OpenAI-style message; SIGTERM ends the server with status 0. A full queue answers 429 with
+//! `Retry-After` and an OpenAI-style error; `/metrics` gives each device's weight and KV cache
+//! bytes (equal to what `run` reports) and the queue-time histogram. A load test: `bench serve`
+//! sends 200 requests from 16 clients, every one completes with the text `run` gives for its
+//! prompt, and no slot is held afterwards.
 
+use serde_json::Value;
 use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -25,10 +31,18 @@ fn models() -> String {
 /// The text `metashard run` generates for `prompt` (greedy, -n N), raw or through the chat
 /// template.
 fn run_text(prompt: &str, chat: bool) -> String {
+    run_json(prompt, chat, N)["text"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// `metashard run --json` of `prompt` (greedy, -n `n`), raw or through the chat template.
+fn run_json(prompt: &str, chat: bool, n: usize) -> Value {
     let mut cmd = Command::new(BIN);
     cmd.env("METASHARD_MODELS", models())
         .args(["run", "--model", "smollm2", "--devices", "cpu", "--json"])
-        .args(["-n", &N.to_string(), "--prompt", prompt]);
+        .args(["-n", &n.to_string(), "--prompt", prompt]);
     if !chat {
         cmd.arg("--raw");
     }
@@ -38,12 +52,38 @@ fn run_text(prompt: &str, chat: bool) -> String {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["text"].as_str().unwrap().to_string()
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `metashard serve` on SmolLM2 with `args`, on a free port, once healthy.
+fn start(args: &[&str]) -> (std::process::Child, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = Command::new(BIN)
+        .env("METASHARD_MODELS", models())
+        .args(["serve", "--model", "smollm2", "--devices", "cpu"])
+        .args(args)
+        .args(["--port", &port.to_string()])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !healthy(port) {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the server did not start"
+        );
+        assert!(server.try_wait().unwrap().is_none(), "the server exited");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (server, port)
 }
 
 fn healthy(port: u16) -> bool {
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
     };
     let _ = s.write_all(b"GET /health HTTP/1.0\r\n\r\n");
@@ -77,28 +117,7 @@ fn the_openai_client_gets_what_run_gives_and_the_errors_it_should() {
     std::fs::create_dir_all(&dir).unwrap();
     let expect = dir.join("expect.json");
     std::fs::write(&expect, serde_json::to_vec(&cases).unwrap()).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut server = Command::new(BIN)
-        .env("METASHARD_MODELS", models())
-        .args(["serve", "--model", "smollm2", "--devices", "cpu"])
-        .args(["--parallel", "4", "--ctx", "256", "--api-key", "test-key"])
-        .args(["--port", &port.to_string()])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let start = Instant::now();
-    while !healthy(port) {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the server did not start"
-        );
-        assert!(server.try_wait().unwrap().is_none(), "the server exited");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let (mut server, port) = start(&["--parallel", "4", "--ctx", "256", "--api-key", "test-key"]);
     let out = Command::new("python3")
         .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/serve_openai_test.py"))
         .args(["--base-url", &format!("http://127.0.0.1:{port}/v1")])
@@ -130,4 +149,155 @@ fn the_openai_client_gets_what_run_gives_and_the_errors_it_should() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(status.success(), "the server ended with {status}");
+}
+
+/// Send an HTTP/1.0 request (the response ends with the connection).
+fn send(port: u16, method: &str, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+/// An HTTP/1.0 exchange: the status, the header lines and the body.
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String, String) {
+    let mut r = String::new();
+    send(port, method, path, body)
+        .read_to_string(&mut r)
+        .unwrap();
+    let (head, body) = r.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+/// The value of the `/metrics` line that starts with `name` (labels included) and a space.
+fn metric(port: u16, name: &str) -> f64 {
+    let (status, _, text) = http(port, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+fn wait_for(port: u16, name: &str, value: f64) {
+    let t = Instant::now();
+    while metric(port, name) != value {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{name} never became {value}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_full_queue_answers_429_and_metrics_give_memory_and_queue_time() {
+    let (mut server, port) = start(&["--parallel", "1", "--max-queue", "1", "--ctx", "256"]);
+    // A holds the only slot (streamed, long), B waits in the queue, C finds the queue full.
+    let mut a = send(
+        port,
+        "POST",
+        "/v1/completions",
+        r#"{"prompt": "Once upon a time", "max_tokens": 240, "stream": true}"#,
+    );
+    let mut first = [0u8; 16];
+    a.read_exact(&mut first).unwrap();
+    wait_for(port, "metashard_requests_running", 1.0);
+    let france = "The capital of France is";
+    let b_body = format!(r#"{{"prompt": "{france}", "max_tokens": 4, "temperature": 0}}"#);
+    let b = std::thread::spawn(move || http(port, "POST", "/v1/completions", &b_body));
+    wait_for(port, "metashard_requests_queued", 1.0);
+    let (status, head, body) = http(port, "POST", "/v1/completions", r#"{"prompt": "x"}"#);
+    assert_eq!(status, 429, "{body}");
+    assert!(head.contains("\r\nretry-after: 1"), "{head}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{body}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("--max-queue 1"), "{msg}");
+    // A goes away: B gets the slot and the text `run` gives.
+    drop(a);
+    let (status, _, body) = b.join().unwrap();
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let alone = run_json(france, false, 4);
+    assert_eq!(v["choices"][0]["text"], alone["text"]);
+    assert_eq!(metric(port, "metashard_requests_rejected_total"), 1.0);
+    // Both waits are counted; B's took at least the time A held the slot.
+    assert_eq!(metric(port, "metashard_queue_seconds_count"), 2.0);
+    assert_eq!(
+        metric(port, "metashard_queue_seconds_bucket{le=\"+Inf\"}"),
+        2.0
+    );
+    assert!(metric(port, "metashard_queue_seconds_bucket{le=\"0.001\"}") <= 1.0);
+    assert!(metric(port, "metashard_queue_seconds_sum") > 0.01);
+    // The bytes each device holds are what `run` reports: the same weights, and a KV cache
+    // of the same bytes per position, for 1 slot of 256 positions.
+    let mem = &alone["memory"];
+    let label = |kind: &str| {
+        format!(r#"metashard_device_memory_bytes{{device="cpu",index="0",kind="{kind}"}}"#)
+    };
+    assert_eq!(
+        metric(port, &label("weights")),
+        mem["weights"][0].as_f64().unwrap()
+    );
+    let per_position =
+        mem["kv_cache"][0].as_f64().unwrap() / alone["context_size"].as_f64().unwrap();
+    assert_eq!(metric(port, &label("kv_cache")), per_position * 256.0);
+    server.kill().unwrap();
+    server.wait().unwrap();
+}
+
+#[test]
+fn a_load_of_200_requests_from_16_clients_loses_nothing() {
+    let t = Instant::now();
+    let out = Command::new(BIN)
+        .env("METASHARD_MODELS", models())
+        .args([
+            "bench",
+            "serve",
+            "--model",
+            "smollm2",
+            "--devices",
+            "cpu",
+            "--json",
+        ])
+        .args(["--parallel", "8", "--ctx", "64", "--concurrency", "16"])
+        .args(["--requests", "200", "--max-tokens", "4"])
+        .output()
+        .unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("bench serve: {secs:.1} s, {}", v["rows"]);
+    let row = &v["rows"][0];
+    assert_eq!(
+        (row["requests"].as_u64(), row["failed"].as_u64()),
+        (Some(200), Some(0))
+    );
+    assert_eq!(row["generated_tokens"], 800);
+    assert_eq!(v["held_after"], 0.0, "slots held after the load");
+    let outputs = v["outputs"].as_array().unwrap();
+    assert_eq!(outputs.len(), 8);
+    for o in outputs {
+        let prompt = o["prompt"].as_str().unwrap();
+        let texts = o["texts"].as_object().unwrap();
+        let want = run_json(prompt, false, 4)["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(texts.len(), 1, "{prompt:?} got several texts: {texts:?}");
+        assert_eq!(
+            texts.get(&want).and_then(Value::as_u64),
+            Some(25),
+            "{prompt:?}: {texts:?} vs {want:?}"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 //! real model's prompt and generation throughput per device set [`model`], every split
 //! strategy's prediction against a measurement [`strategies`], one op at a time on any device
 //! through the backend API [`backend`], the collectives' bandwidth [`comm`], sequences decoded
-//! together [`batch`]), and here the
+//! together [`batch`], an OpenAI-compatible server under load [`serve`]), and here the
 //! dispatch and timing helpers that report medians.
 
 pub mod backend;
@@ -12,6 +12,7 @@ pub mod comm;
 pub mod meta;
 pub mod model;
 pub mod ops;
+pub mod serve;
 pub mod strategies;
 
 use metashard::Result;
@@ -36,6 +37,10 @@ pub enum BenchCmd {
     /// Aggregate generation tokens/s of S sequences decoded together in one KV cache, for
     /// each S of --parallel.
     Batch(batch::BenchBatchArgs),
+    /// An OpenAI-compatible server under load (`metashard serve`, started on a loopback port,
+    /// or any server at --url): aggregate tokens/s, time to first token and inter-token
+    /// latency for each concurrency of --concurrency.
+    Serve(serve::BenchServeArgs),
 }
 
 /// Run the benchmark `what` names.
@@ -48,6 +53,7 @@ pub fn run(what: &BenchCmd) -> Result<()> {
         BenchCmd::Comm(a) => comm::run(a),
         BenchCmd::Meta(a) => meta::run(a),
         BenchCmd::Batch(a) => batch::run(a),
+        BenchCmd::Serve(a) => serve::run(a),
     }
 }
 

@@ -6,13 +6,15 @@
 //! count, the end-of-sequence token, a stop string or a full slot, and may be cancelled. A
 //! prompt that does not fit a slot is refused for that request only. Events say what each step
 //! produced, text streamed in whole UTF-8 characters with any text that could still become a
-//! stop string held back.
+//! stop string held back. How long each request waited for its slot is counted in a
+//! histogram ([`WaitHistogram`], in [`EngineStats`]); [`Engine::waiting`] is what a server bounds.
 
 use super::batch::{BatchSession, SeqInput};
 use super::sampler::{Sampler, SamplerConfig};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::collections::VecDeque;
+use std::time::Instant;
 
 /// One generation request.
 #[derive(Clone, Debug)]
@@ -91,12 +93,40 @@ pub struct EngineStats {
     pub steps: u64,
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
+    /// Seconds from submission to a slot, of every admitted request.
+    pub queue_wait: WaitHistogram,
+}
+
+/// Upper bounds (seconds) of [`WaitHistogram`]'s buckets; the last bucket is unbounded.
+pub const WAIT_BUCKETS: [f64; 12] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
+];
+
+/// A histogram of durations in seconds with the fixed bounds [`WAIT_BUCKETS`], cumulative as
+/// Prometheus' histograms are (prometheus.io/docs/concepts/metric_types/#histogram): `le[i]`
+/// counts the observations at most `WAIT_BUCKETS[i]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct WaitHistogram {
+    pub le: [u64; WAIT_BUCKETS.len()],
+    pub count: u64,
+    pub sum: f64,
+}
+
+impl WaitHistogram {
+    pub fn observe(&mut self, secs: f64) {
+        for (n, &b) in self.le.iter_mut().zip(&WAIT_BUCKETS) {
+            *n += (secs <= b) as u64;
+        }
+        self.count += 1;
+        self.sum += secs;
+    }
 }
 
 /// Requests scheduled onto a batch session.
 pub struct Engine<'m> {
     batch: BatchSession<'m>,
-    queue: VecDeque<(RequestId, GenRequest)>,
+    /// Waiting requests and when each was submitted.
+    queue: VecDeque<(RequestId, GenRequest, Instant)>,
     running: Vec<Running>,
     /// Events of requests finished outside a step (cancelled while queued).
     finished: Vec<Event>,
@@ -131,6 +161,12 @@ impl<'m> Engine<'m> {
         self.queue.len()
     }
 
+    /// Queued requests that the next step's admission leaves waiting (those beyond the free
+    /// slots): what a server bounds.
+    pub fn waiting(&self) -> usize {
+        self.queue.len().saturating_sub(self.batch.free_slots())
+    }
+
     /// Requests holding a slot.
     pub fn running(&self) -> usize {
         self.running.len()
@@ -145,6 +181,12 @@ impl<'m> Engine<'m> {
     /// that leaves no room in a slot for a generated token, a token outside the vocabulary,
     /// `max_tokens` 0, sampling settings out of range. Other requests are not affected.
     pub fn submit(&mut self, req: GenRequest) -> Result<RequestId> {
+        self.submit_since(req, Instant::now())
+    }
+
+    /// As [`Engine::submit`], for a request that arrived at `since` (its wait for a slot is
+    /// counted from there).
+    pub fn submit_since(&mut self, req: GenRequest, since: Instant) -> Result<RequestId> {
         let ctx = self.batch.ctx();
         let n = req.prompt.len();
         if n == 0 {
@@ -180,7 +222,7 @@ impl<'m> Engine<'m> {
         let id = self.next_id;
         self.next_id += 1;
         self.stats.requests += 1;
-        self.queue.push_back((id, req));
+        self.queue.push_back((id, req, since));
         Ok(id)
     }
 
@@ -188,8 +230,8 @@ impl<'m> Engine<'m> {
     /// `Finished` event (reason `Cancelled`) comes with the next step. False when it is not
     /// queued or running.
     pub fn cancel(&mut self, id: RequestId) -> Result<bool> {
-        if let Some(i) = self.queue.iter().position(|(q, _)| *q == id) {
-            let (_, req) = self.queue.remove(i).expect("the position is in the queue");
+        if let Some(i) = self.queue.iter().position(|(q, ..)| *q == id) {
+            let (_, req, _) = self.queue.remove(i).expect("the position is in the queue");
             self.finished.push(Event::Finished {
                 id,
                 reason: FinishReason::Cancelled,
@@ -212,8 +254,9 @@ impl<'m> Engine<'m> {
     /// Admit queued requests into free slots.
     fn admit(&mut self) -> Result<()> {
         while !self.queue.is_empty() && self.batch.free_slots() > 0 {
-            let (id, req) = self.queue.pop_front().expect("the queue is not empty");
+            let (id, req, since) = self.queue.pop_front().expect("the queue is not empty");
             let slot = self.batch.acquire().expect("a slot is free");
+            self.stats.queue_wait.observe(since.elapsed().as_secs_f64());
             let sampler = Sampler::new(req.sampling)?;
             self.running.push(Running {
                 id,
@@ -386,4 +429,25 @@ fn advance(
         r.released = r.text.len();
         (reason, tail)
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{WAIT_BUCKETS, WaitHistogram};
+
+    #[test]
+    fn the_wait_histogram_is_cumulative() {
+        let mut h = WaitHistogram::default();
+        for s in [0.0005, 0.02, 0.02, 3.0, 1e6] {
+            h.observe(s);
+        }
+        assert_eq!(h.count, 5);
+        assert!((h.sum - (0.0405 + 3.0 + 1e6)).abs() < 1e-6);
+        let at = |b: f64| h.le[WAIT_BUCKETS.iter().position(|&x| x == b).unwrap()];
+        assert_eq!(
+            (at(0.001), at(0.01), at(0.025), at(2.5), at(10.0)),
+            (1, 1, 3, 3, 4)
+        );
+        assert!(h.le.windows(2).all(|w| w[0] <= w[1]));
+    }
 }

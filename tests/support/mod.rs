@@ -20,6 +20,9 @@
 //!   case, with their plans).
 //! - `plugin.rs`: a backend from outside the crate (a wrapped CPU device with its own
 //!   communicator), [`plugin::PLUGIN`].
+//! - `decoders.rs` (not a module of this one: `tests/families.rs`, `batched.rs` and
+//!   `gemma3_file.rs` include it alone with `#[path]`): the families' small configurations,
+//!   synthetic files written atomically, exact opening, the numpy reference runner.
 //!
 //! # Running the whole harness on a backend
 //!

@@ -12,6 +12,12 @@ side's medians and their ratio (ggml time / ours: above 1 means ours is faster):
   (f32 activations), ggml with its 8-bit activations for quantized weights;
 - the F32 MLP stack (D = 1024, F = 4096, 4 layers, one token): `ggml_meta_anchor 1 4 THREADS`
   (its plain backend) against `metashard bench meta --graph mlp --tokens 1` (plain cpu:1xT).
+
+With `--table` it runs issue 17's speed table instead: every type of `--types` (default Q4_K,
+Q5_K, Q6_K, Q5_0, Q8_0) at 4096x4096 and 4096x14336, every M of `--ms` (default 1,2,8,32,128),
+ours with f32 activations (`exact`) and with 8-bit activations (`q8`, like for like with ggml),
+one `bench ops` run per type and round (`--precision exact,q8 --m MS`). Only `ggml_mm_bench`
+is needed then.
 """
 import argparse, json, os, re, statistics, subprocess, sys
 
@@ -28,6 +34,47 @@ def run(cmd):
     return p.stdout
 
 
+def speed_table(a, mm):
+    """Issue 17's speed table: types x shapes x M, ours at both precisions against ggml."""
+    t = str(a.threads)
+    ms = [int(x) for x in a.ms.split(",")]
+    types = a.types.split(",")
+    shapes = [(4096, 4096), (4096, 14336)]
+    res = {}
+    for rep in range(a.reps):
+        print("round %d/%d" % (rep + 1, a.reps), file=sys.stderr)
+        for dt in types:
+            ours = dt.lower()
+            for (n, k) in shapes:
+                for m in ms:
+                    g = run([mm, dt, str(n), str(m), str(k), t]).split()
+                    res.setdefault((dt, n, k, m), {"ggml": [], "exact": [], "q8": []})
+                    res[(dt, n, k, m)]["ggml"].append(float(g[5]))
+            js = json.loads(run([a.metashard, "bench", "ops", "--threads", t, "--no-rotate",
+                                 "--m", a.ms, "--precision", "exact,q8",
+                                 "--filter", "mul_mat %s " % ours, "--json"]))
+            for e in js:
+                key = (dt, e["n"], e["k"], e["m"])
+                if key in res:
+                    res[key][e["precision"]].append(e["median_us"])
+    rows = []
+    for (dt, n, k, m), v in res.items():
+        g, x, q = (statistics.median(v[s]) if v[s] else float("nan")
+                   for s in ("ggml", "exact", "q8"))
+        rows.append({"type": dt, "n": n, "k": k, "m": m, "threads": a.threads, "ggml_us": g,
+                     "exact_us": x, "q8_us": q, "exact_ratio": g / x, "q8_ratio": g / q})
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print("| type | N x K | M | ggml us | ours f32-act us | ours q8 us | f32-act / ggml "
+          "| q8 / ggml |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| %s | %d x %d | %d | %.0f | %.0f | %.0f | %.2fx | %.2fx |" % (
+            r["type"], r["n"], r["k"], r["m"], r["ggml_us"], r["exact_us"], r["q8_us"],
+            r["exact_ratio"], r["q8_ratio"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ggml-dir", required=True)
@@ -36,8 +83,18 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--filter", default="", help="only cases whose label contains this")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--table", action="store_true",
+                    help="issue 17's table: --types x two shapes x --ms, both precisions")
+    ap.add_argument("--types", default="q4_K,q5_K,q6_K,q5_0,q8_0", help="ggml type names")
+    ap.add_argument("--ms", default="1,2,8,32,128")
     a = ap.parse_args()
     mm = os.path.join(a.ggml_dir, "ggml_mm_bench")
+    if a.table:
+        for f in (mm, a.metashard):
+            if not os.access(f, os.X_OK):
+                sys.exit("not an executable: %s" % f)
+        speed_table(a, mm)
+        return
     anchor = os.path.join(a.ggml_dir, "ggml_meta_anchor")
     for f in (mm, anchor, a.metashard):
         if not os.access(f, os.X_OK):

@@ -39,7 +39,8 @@ pub struct BenchOpsArgs {
     pub filter: Option<String>,
     #[command(flatten)]
     pub precision: PrecisionsArgs,
-    /// M values of the K = N = 4096 cases (default 1,32).
+    /// M values of the K = N = 4096 cases (default 1,32) and of the 4096 x 14336 cases
+    /// (default 1,2).
     #[arg(long, value_delimiter = ',')]
     pub m: Option<Vec<usize>>,
     /// Also time numpy (scripts/bench_numpy.py) in this run and print the ratios.
@@ -111,7 +112,8 @@ pub struct OpsBenchOptions {
     /// Precisions of products with quantized weights; quantized cases run at each (float
     /// weights once). Empty: [`Precision::Exact`].
     pub precisions: Vec<Precision>,
-    /// M values of the K = N = 4096 cases (default 1 and 32).
+    /// M values of the K = N = 4096 cases (default 1 and 32) and of the N = 4096, K = 14336
+    /// cases (default 1 and 2).
     pub ms: Option<Vec<usize>>,
     /// Only cases whose label contains this substring (e.g. "q4_0", "m=1 ").
     pub filter: Option<String>,
@@ -202,8 +204,9 @@ impl OpCase {
     }
 }
 
-/// The case list with the K = N = 4096 cases at these M.
-pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
+/// The case list with the K = N = 4096 cases at `ms` and the N = 4096, K = 14336 cases at
+/// `wide_ms`.
+pub fn cases_with(ms: &[usize], wide_ms: &[usize]) -> Vec<OpCase> {
     let mm = |dtype, m, n, k, rotate| OpCase {
         op: "mul_mat",
         dtype,
@@ -232,7 +235,7 @@ pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
     }
     // ggml test-backend-ops perf shape (its m = our N, its n = our M), and the types of
     // Q4_K_M / Q5_K_M files.
-    for m in [1, 2] {
+    for &m in wide_ms {
         for dt in [
             DType::F32,
             DType::F16,
@@ -261,6 +264,8 @@ pub fn cases_with(ms: &[usize]) -> Vec<OpCase> {
 pub fn measure(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     let isa = opts.isa.unwrap_or_else(Isa::detect).clamp();
     let ms = opts.ms.clone().unwrap_or_else(|| vec![1, 32]);
+    // The 4096 x 14336 cases: M = 1 and 2 unless M values are given.
+    let wide_ms = opts.ms.clone().unwrap_or_else(|| vec![1, 2]);
     if ms.iter().any(|&m| m == 0 || m > 4096) {
         return Err(metashard::Error::invalid_input(
             "bench ops",
@@ -274,7 +279,7 @@ pub fn measure(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     } else {
         opts.precisions.clone()
     };
-    let selected: Vec<OpCase> = cases_with(&ms)
+    let selected: Vec<OpCase> = cases_with(&ms, &wide_ms)
         .into_iter()
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.label().contains(f)))
         .collect();

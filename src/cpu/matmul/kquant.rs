@@ -21,9 +21,9 @@
 //! a scale `|sc| <= 128` summed in pairs fits i32 (`vpmaddwd`), and so does the sum over 256
 //! elements (< 2^28). The minimum term `sum(mn * bsums)` uses the activations' sums of 16.
 //!
-//! Levels: AVX2 (`vpmaddubsw` + `vpmaddwd`, tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise); the
-//! AVX-512 level runs the same code compiled with AVX-512 VL (32 registers: tiles 4 x
-//! {4, 2, 1}); scalar: the same integer sums. Every output's operations are the same whatever
+//! Levels: AVX2 (`vpmaddubsw` + `vpmaddwd`, tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise);
+//! AVX-512 with VNNI in [`super::kquant512`] (64 quants per vector, `vpdpwssd`); scalar: the
+//! same integer sums. Every output's operations are the same whatever
 //! tile it lands in, so results do not depend on the thread count.
 
 use super::KQuantW as KW;
@@ -55,8 +55,8 @@ pub(super) const fn kblock_bytes(t: u8) -> usize {
 /// Offset of the 12 packed scale bytes (Q4_K, Q5_K), of `qh` (Q5_K: 32 bytes, Q6_K: 64), of
 /// the nibbles (`qs` / `ql`), and of Q6_K's scales and `d`.
 const K45_SCALES: usize = 4;
-const K5_QH: usize = 16;
-const K6_QH: usize = 128;
+pub(super) const K5_QH: usize = 16;
+pub(super) const K6_QH: usize = 128;
 const K6_SCALES: usize = 192;
 const K6_D: usize = 208;
 pub(super) const fn qs_off(t: u8) -> usize {
@@ -292,9 +292,9 @@ pub(crate) unsafe fn block(isa: Isa, b: &KQuantBlock) {
         // SAFETY: supported level (clamped); forwarded caller guarantees.
         unsafe {
             match (isa.clamp(), b.wt) {
-                (Isa::Avx512, KW::Q4_K) => return wide::block::<K4>(b, tab),
-                (Isa::Avx512, KW::Q5_K) => return wide::block::<K5>(b, tab),
-                (Isa::Avx512, KW::Q6_K) => return wide::block::<K6>(b, tab),
+                (Isa::Avx512, KW::Q4_K) => return super::kquant512::block::<K4>(b, tab),
+                (Isa::Avx512, KW::Q5_K) => return super::kquant512::block::<K5>(b, tab),
+                (Isa::Avx512, KW::Q6_K) => return super::kquant512::block::<K6>(b, tab),
                 (Isa::Avx2, KW::Q4_K) => return avx2::block::<K4>(b, tab),
                 (Isa::Avx2, KW::Q5_K) => return avx2::block::<K5>(b, tab),
                 (Isa::Avx2, KW::Q6_K) => return avx2::block::<K6>(b, tab),
@@ -353,6 +353,35 @@ unsafe fn scalar_block<const T: u8>(b: &KQuantBlock, tab: *const f32) {
     }
 }
 
+/// 16 i16 scales and minimums of the super-block at `b` (the [`Head`] in two vectors) and its
+/// two multipliers.
+///
+/// # Safety
+/// `b` readable for one super-block of `T`; `tab` the f16 table.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn head_v<const T: u8>(
+    b: *const u8,
+    tab: *const f32,
+) -> (__m256i, __m256i, f32, f32) {
+    // SAFETY: offsets inside the super-block.
+    unsafe {
+        if T == K6 {
+            let d = f16_at(tab, b.add(K6_D));
+            let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(K6_SCALES).cast()));
+            (sc, _mm256_slli_epi16::<5>(sc), d, d)
+        } else {
+            let w = scales_k4(b.add(K45_SCALES));
+            let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
+            // Each scale and minimum twice: one per 16 elements.
+            let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+            let mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+            (sc, mn, f16_at(tab, b), f16_at(tab, b.add(2)))
+        }
+    }
+}
+
 /// Quants `32 c .. 32 c + 32` of the super-block at `b` as unsigned bytes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -393,6 +422,43 @@ pub(super) unsafe fn chunk_avx2<const T: u8>(b: *const u8, c: usize) -> __m256i 
     }
 }
 
+/// Super-block `blk` of `RM` activation rows in the [`KActLayout`] form at `a`: each row's
+/// quants, its scale `dy` and its 16 sums.
+///
+/// # Safety
+/// `a` holds `RM` rows of `lay` with at least `blk + 1` super-blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn act_rows<const RM: usize>(
+    a: *const u8,
+    lay: KActLayout,
+    blk: usize,
+) -> ([*const u8; RM], [f32; RM], [__m256i; RM]) {
+    let mut y = [std::ptr::null::<u8>(); RM];
+    let mut dy = [0f32; RM];
+    let mut sums = [_mm256_setzero_si256(); RM];
+    for m in 0..RM {
+        // SAFETY: super-block blk of activation row m, its scale and sums.
+        unsafe {
+            let ar = a.add(m * lay.row_bytes);
+            y[m] = ar.add(blk * QK_K);
+            dy[m] = *ar.add(lay.d_off()).cast::<f32>().add(blk);
+            sums[m] = _mm256_loadu_si256(ar.add(lay.s_off() + 32 * blk).cast());
+        }
+    }
+    (y, dy, sums)
+}
+
+/// Prefetch the super-block of `bs` bytes `PF_ROWS` weight rows below the one at `wb`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) fn prefetch_rows_ahead(wb: *const u8, ldw: usize, bs: usize) {
+    for l in 0..bs.div_ceil(64) {
+        prefetch(wb.wrapping_add(PF_ROWS * ldw + 64 * l));
+    }
+}
+
 /// The AVX2 kernels, compiled for the feature list `$feat` with tiles `$m1` (M = 1) and
 /// `$mm` (otherwise): `(RN, [RM..])`.
 #[cfg(target_arch = "x86_64")]
@@ -400,27 +466,6 @@ macro_rules! k_q8_kernels {
     ($feat:literal, ($rn1:literal, [$($rm1:literal),+]), ($rn:literal, [$($rm:literal),+])) => {
         use super::*;
         use crate::cpu::simd::hsum256;
-
-        /// 16 i16 scales and minimums of the super-block at `b`.
-        #[target_feature(enable = $feat)]
-        #[inline]
-        unsafe fn head_v<const T: u8>(b: *const u8, tab: *const f32) -> (__m256i, __m256i, f32, f32) {
-            // SAFETY: offsets inside the super-block.
-            unsafe {
-                if T == K6 {
-                    let d = f16_at(tab, b.add(K6_D));
-                    let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(K6_SCALES).cast()));
-                    (sc, _mm256_slli_epi16::<5>(sc), d, d)
-                } else {
-                    let w = scales_k4(b.add(K45_SCALES));
-                    let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
-                    // Each scale and minimum twice: one per 16 elements.
-                    let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
-                    let mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
-                    (sc, mn, f16_at(tab, b), f16_at(tab, b.add(2)))
-                }
-            }
-        }
 
         /// Scales of chunk `c` for `vpmaddwd`: lanes 0-7 `sc[2c]`, lanes 8-15 `sc[2c + 1]`.
         #[target_feature(enable = $feat)]
@@ -449,24 +494,12 @@ macro_rules! k_q8_kernels {
             let bs = const { kblock_bytes(T) };
             let mut acc = [[_mm256_setzero_ps(); RM]; RN];
             for blk in 0..lay.nblk {
-                let mut y = [std::ptr::null::<u8>(); RM];
-                let mut dy = [0f32; RM];
-                let mut sums = [_mm256_setzero_si256(); RM];
-                for m in 0..RM {
-                    // SAFETY: super-block blk of activation row m, its scale and sums.
-                    unsafe {
-                        let ar = a.add(m * lay.row_bytes);
-                        y[m] = ar.add(blk * QK_K);
-                        dy[m] = *ar.add(lay.d_off()).cast::<f32>().add(blk);
-                        sums[m] = _mm256_loadu_si256(ar.add(lay.s_off() + 32 * blk).cast());
-                    }
-                }
+                // SAFETY: super-block blk of the tile's activation rows.
+                let (y, dy, sums) = unsafe { act_rows::<RM>(a, lay, blk) };
                 for (r, accr) in acc.iter_mut().enumerate() {
                     // SAFETY: super-block blk of weight row r.
                     let wb = unsafe { w.add(r * ldw + blk * bs) };
-                    for l in 0..bs.div_ceil(64) {
-                        prefetch(wb.wrapping_add(PF_ROWS * ldw + 64 * l));
-                    }
+                    prefetch_rows_ahead(wb, ldw, bs);
                     // SAFETY: as above.
                     let (sc, mn, dw, dm) = unsafe { head_v::<T>(wb, tab) };
                     let mut isum = [_mm256_setzero_si256(); RM];
@@ -555,15 +588,6 @@ macro_rules! drive_ktiles {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     k_q8_kernels!("avx2,fma,f16c", (4, [1]), (2, [2, 1]));
-}
-
-#[cfg(target_arch = "x86_64")]
-mod wide {
-    k_q8_kernels!(
-        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
-        (4, [1]),
-        (4, [4, 2, 1])
-    );
 }
 
 #[cfg(test)]

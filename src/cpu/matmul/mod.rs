@@ -12,8 +12,9 @@
 //!   chunk into per-thread scratch) with small and medium M: register-tiled SIMD kernels
 //!   ([`float`]);
 //! - K-quant weights (Q4_K, Q5_K, Q6_K; [`Weights::KQuant`]): with 8-bit activations, Q8_K
-//!   activations and integer dot products per 256-element super-block ([`kquant`]); with f32
-//!   activations below the GEMM's M, super-blocks dequantized in registers ([`kf32`]);
+//!   activations and integer dot products per 256-element super-block ([`kquant`], AVX-512:
+//!   [`kquant512`]); with f32 activations and small M, super-blocks dequantized in registers
+//!   ([`kf32`]), above it rows dequantized into scratch ([`dequant`]) for the f32 tiles;
 //! - weights of a type without kernels of its own ([`Weights::Table`]: Q2_K, Q3_K, Q5_1,
 //!   IQ4) at every M: rows dequantized by the type table's reference conversion into
 //!   per-thread scratch, then the f32 tiles or the GEMM (correct, not fast: docs/kernels.md);
@@ -70,11 +71,16 @@ macro_rules! drive_tiles {
     }};
 }
 
+mod dequant;
 mod float;
 mod kf32;
 mod kquant;
+#[cfg(target_arch = "x86_64")]
+mod kquant512;
 mod qf32;
 mod quant;
+#[cfg(target_arch = "x86_64")]
+mod quant512;
 
 pub use crate::cpu::simd::Isa;
 pub use crate::cpu::view::Precision;
@@ -447,7 +453,7 @@ impl Plan {
                 Weights::Quant(q) if precision == Precision::Q8 => Path::Quant(q),
                 Weights::Quant(q) if m <= FUSED_MAX_M => Path::Fused(q),
                 Weights::KQuant(q) if precision == Precision::Q8 => Path::KQuant(q),
-                Weights::KQuant(q) if !gemm => Path::KFused(q),
+                Weights::KQuant(q) if m <= FUSED_MAX_M => Path::KFused(q),
                 Weights::Float(wt) if !gemm || f32_rows => Path::Direct { wt, gemm },
                 Weights::Quant(_) | Weights::KQuant(_) | Weights::Float(_) | Weights::Table(_) => {
                     Path::Convert { w, gemm }
@@ -693,7 +699,7 @@ unsafe fn run_item(
             let rows = plan.conv_rows.min(n - r0);
             for r in 0..rows {
                 let src = w.add((r0 + r) * src0.nb[1]);
-                quant::row_to_f32(isa, conv, src, scratch.add(r * plan.conv_ld), plan.k);
+                dequant::row_to_f32(isa, conv, src, scratch.add(r * plan.conv_ld), plan.k);
             }
             let dr = d.add(r0);
             if gemm {

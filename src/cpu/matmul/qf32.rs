@@ -26,9 +26,12 @@
 //! - Scalar: a block dequantized into 32 floats, then dotted with each activation row.
 
 use super::QuantW as WType;
-use super::quant::{BLK, Q4_0, Q4_1, Q5_0, Q8_0, block_bytes, q5_0};
+use super::dequant::q5_0;
 #[cfg(target_arch = "x86_64")]
-use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2, q5_0_avx2};
+use super::dequant::q5_0_avx2;
+use super::quant::{BLK, Q4_0, Q4_1, Q5_0, Q8_0, block_bytes};
+#[cfg(target_arch = "x86_64")]
+use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2};
 use crate::cpu::simd::{self, Isa};
 use half::f16;
 

@@ -14,11 +14,17 @@
 //! flipping the sign bit; Q4_0: the raw nibble, off = 8; Q4_1: the raw nibble, off = 0), so
 //! `dot(w, y) = dot(u, y) - off * sum(y)`. With AVX-512 VNNI, `vpdpbusd` multiplies u8 by i8
 //! and accumulates into i32 lanes that start at `-off * sum(y)`, so the offset costs nothing per
-//! weight row. With AVX2, `vpmaddubsw` + `vpmaddwd` (Q4: unsigned nibbles times signed
+//! weight row (Q8_0, Q4_0, Q5_0: two blocks per 512-bit vector, [`super::quant512`]; Q4_1 here
+//! on 256-bit vectors). With AVX2, `vpmaddubsw` + `vpmaddwd` (Q4: unsigned nibbles times signed
 //! activations cannot saturate 16 bits; Q8_0 uses ggml's sign trick, |w| times sign-adjusted y).
 
 use super::QuantW as WType;
-use super::{FloatW, Weights};
+use super::Weights;
+#[cfg(target_arch = "x86_64")]
+use super::dequant::{f16_bits_to_f32, nibbles_avx2, q5_0_avx2};
+use super::dequant::{nibble, q5_0, read_f16};
+#[cfg(target_arch = "x86_64")]
+use super::kquant::f16_at;
 use crate::cpu::simd::Isa;
 use crate::dtype::{QK4_0, QK4_1, QK5_0, QK8_0, QK8_1};
 use half::f16;
@@ -176,170 +182,6 @@ unsafe fn quantize_blocks_avx2(
     }
 }
 
-// ---- weight dequantization (exact mode) --------------------------------------------------
-
-/// Convert one weight row of `k` elements of `w` at `src` into f32 at `dst`.
-///
-/// # Safety
-/// `src` must be readable for one row of `k` elements of `w.dtype()` (any alignment) and
-/// `dst` writable for `k` f32; `k` must be a multiple of the block size.
-pub(crate) unsafe fn row_to_f32(isa: Isa, w: Weights, src: *const u8, dst: *mut f32, k: usize) {
-    use crate::cpu::simd;
-    // SAFETY: forwarded caller guarantees.
-    unsafe {
-        match w {
-            Weights::Float(FloatW::F32) => {
-                std::ptr::copy_nonoverlapping(src, dst.cast::<u8>(), 4 * k)
-            }
-            Weights::Float(FloatW::F16) => simd::f16_to_f32_raw(isa, src, dst, k),
-            Weights::Float(FloatW::BF16) => simd::bf16_to_f32_raw(isa, src, dst, k),
-            Weights::Quant(wt) => dequant_row(isa, wt, src, dst, k),
-            Weights::KQuant(_) | Weights::Table(_) => {
-                let d = w.dtype();
-                let src = std::slice::from_raw_parts(src, d.row_size(k));
-                let dst = std::slice::from_raw_parts_mut(dst, k);
-                (d.traits().to_f32)(src, dst);
-            }
-        }
-    }
-}
-
-unsafe fn dequant_row(isa: Isa, wt: WType, src: *const u8, dst: *mut f32, k: usize) {
-    let nblk = k / BLK;
-    let bs = Weights::Quant(wt).dtype().type_size();
-    #[cfg(target_arch = "x86_64")]
-    if isa.clamp() >= Isa::Avx2 {
-        // SAFETY: supported level; forwarded caller guarantees.
-        unsafe { dequant_row_avx2(wt, src, dst, nblk) };
-        return;
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = isa;
-    for b in 0..nblk {
-        // SAFETY: block b is inside the row; dst has room for its 32 values.
-        unsafe {
-            let blk = src.add(b * bs);
-            let dv = read_f16(blk);
-            let out = dst.add(b * BLK);
-            for j in 0..BLK {
-                *out.add(j) = match wt {
-                    WType::Q8_0 => *blk.add(2 + j) as i8 as f32 * dv,
-                    WType::Q4_0 => (nibble(blk.add(2), j) as i32 - 8) as f32 * dv,
-                    WType::Q4_1 => nibble(blk.add(4), j) as f32 * dv + read_f16(blk.add(2)),
-                    WType::Q5_0 => (q5_0(blk, j) as i32 - 16) as f32 * dv,
-                };
-            }
-        }
-    }
-}
-
-/// The unsigned 5-bit quant `j < 32` of the Q5_0 block at `blk` (ggml-common.h `block_q5_0`:
-/// f16 `d`, then `qh`, 32 fifth bits as a little-endian u32 (bit j for element j), then the
-/// 16 nibble bytes as Q4_0's; the value is `(q - 16) * d`).
-///
-/// # Safety
-/// `blk` must be readable for one Q5_0 block.
-#[inline(always)]
-pub(super) unsafe fn q5_0(blk: *const u8, j: usize) -> u8 {
-    // SAFETY: the block's qh and quants.
-    unsafe {
-        let qh = blk.add(2).cast::<u32>().read_unaligned();
-        nibble(blk.add(6), j) | ((((qh >> j) & 1) as u8) << 4)
-    }
-}
-
-/// The 32 unsigned 5-bit quants of the Q5_0 block at `blk`, as bytes in element order: the
-/// nibbles, plus 16 where byte j's bit of `qh` is set (the 4 bytes of `qh` spread over the
-/// 4 quarters, each byte tested against its own bit).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-pub(super) unsafe fn q5_0_avx2(blk: *const u8) -> __m256i {
-    // SAFETY: the caller guarantees one readable block.
-    unsafe {
-        let nib = nibbles_avx2(blk.add(6), _mm256_set1_epi8(0x0f));
-        let qh = _mm256_set1_epi32(blk.add(2).cast::<i32>().read_unaligned());
-        let spread = _mm256_shuffle_epi8(
-            qh,
-            _mm256_setr_epi8(
-                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
-                3, 3, 3, 3,
-            ),
-        );
-        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)))
-    }
-}
-
-/// Element `j < 32` of a block's 16 nibble bytes at `qs` (low nibbles are 0..16, high 16..32).
-///
-/// # Safety
-/// `qs` must be readable for 16 bytes.
-#[inline(always)]
-unsafe fn nibble(qs: *const u8, j: usize) -> u8 {
-    // SAFETY: j % 16 < 16.
-    let b = unsafe { *qs.add(j % 16) };
-    if j < 16 { b & 0x0f } else { b >> 4 }
-}
-
-/// # Safety
-/// `p` must be readable for 2 bytes.
-#[inline(always)]
-unsafe fn read_f16(p: *const u8) -> f32 {
-    // SAFETY: the caller guarantees two readable bytes.
-    f16::from_bits(unsafe { p.cast::<u16>().read_unaligned() }).to_f32()
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dequant_row_avx2(wt: WType, src: *const u8, dst: *mut f32, nblk: usize) {
-    let bs = Weights::Quant(wt).dtype().type_size();
-    let mask = _mm256_set1_epi8(0x0f);
-    let eight = _mm256_set1_epi8(8);
-    for b in 0..nblk {
-        // SAFETY: block b is inside the row and dst has room for 32 floats at b * 32.
-        unsafe {
-            let blk = src.add(b * bs);
-            let dv = _mm256_set1_ps(f16_bits_to_f32(blk));
-            let bytes = match wt {
-                WType::Q8_0 => _mm256_loadu_si256(blk.add(2).cast()),
-                WType::Q4_0 => _mm256_sub_epi8(nibbles_avx2(blk.add(2), mask), eight),
-                WType::Q4_1 => nibbles_avx2(blk.add(4), mask),
-                WType::Q5_0 => _mm256_sub_epi8(q5_0_avx2(blk), _mm256_set1_epi8(16)),
-            };
-            let mv = if wt == WType::Q4_1 {
-                _mm256_set1_ps(f16_bits_to_f32(blk.add(2)))
-            } else {
-                _mm256_setzero_ps()
-            };
-            let lo = _mm256_castsi256_si128(bytes);
-            let hi = _mm256_extracti128_si256::<1>(bytes);
-            let parts = [
-                _mm256_cvtepi8_epi32(lo),
-                _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(lo)),
-                _mm256_cvtepi8_epi32(hi),
-                _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(hi)),
-            ];
-            for (i, p) in parts.iter().enumerate() {
-                // Multiply then add (two roundings), as the scalar reference does.
-                let v = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(*p), dv), mv);
-                _mm256_storeu_ps(dst.add(b * BLK + 8 * i), v);
-            }
-        }
-    }
-}
-
-/// f16 bits at `p` to f32 with F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn f16_bits_to_f32(p: *const u8) -> f32 {
-    // SAFETY: the caller guarantees two readable bytes.
-    let bits = unsafe { p.cast::<u16>().read_unaligned() };
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-}
-
 /// Prefetch distance in weight rows (see `prefetch`).
 pub(super) const PF_ROWS: usize = 4;
 /// Ask for the cache line at `p` ahead of use. Weight rows of quantized types are short (2.3 KB
@@ -381,17 +223,6 @@ pub(super) fn l2_stream<const RN: usize>(ldw: usize, nblk: usize) -> (usize, usi
 pub(super) fn prefetch_l2(p: *const u8) {
     // SAFETY: prefetch is a hint with no architectural effect; any address is allowed.
     unsafe { _mm_prefetch::<_MM_HINT_T1>(p.cast()) }
-}
-
-/// The 32 nibbles of a Q4 block (16 bytes at `qs`) as bytes in element order.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn nibbles_avx2(qs: *const u8, mask: __m256i) -> __m256i {
-    // SAFETY: the caller guarantees 16 readable bytes.
-    let q = unsafe { _mm_loadu_si128(qs.cast()) };
-    let hi = _mm_srli_epi16::<4>(q);
-    _mm256_and_si256(_mm256_set_m128i(hi, q), mask)
 }
 
 // ---- dot-product blocks --------------------------------------------------------------------
@@ -444,10 +275,10 @@ pub(crate) unsafe fn block(isa: Isa, b: &QuantBlock) {
         // SAFETY: supported level (clamped); forwarded caller guarantees.
         unsafe {
             match (isa, b.wt) {
-                (Isa::Avx512, WType::Q8_0) => return vnni::block::<Q8_0>(b),
-                (Isa::Avx512, WType::Q4_0) => return vnni::block::<Q4_0>(b),
+                (Isa::Avx512, WType::Q8_0) => return super::quant512::block::<Q8_0>(b),
+                (Isa::Avx512, WType::Q4_0) => return super::quant512::block::<Q4_0>(b),
                 (Isa::Avx512, WType::Q4_1) => return vnni::block::<Q4_1>(b),
-                (Isa::Avx512, WType::Q5_0) => return vnni::block::<Q5_0>(b),
+                (Isa::Avx512, WType::Q5_0) => return super::quant512::block::<Q5_0>(b),
                 (Isa::Avx2, WType::Q8_0) => return avx2::block::<Q8_0>(b),
                 (Isa::Avx2, WType::Q4_0) => return avx2::block::<Q4_0>(b),
                 (Isa::Avx2, WType::Q4_1) => return avx2::block::<Q4_1>(b),
@@ -673,6 +504,9 @@ mod vnni {
             _ => 8,
         });
         let zero = _mm256_setzero_si256();
+        // Scales through the table of every f16 (a load and a broadcast from memory, where
+        // F16C takes a move, a conversion and a broadcast).
+        let tab = crate::cpu::simd::f16_table().as_ptr();
         let mut acc = [[_mm256_setzero_ps(); RM]; RN];
         let (ah, lps) = l2_stream::<RN>(ldw, lay.nblk);
         for blk in 0..lay.nblk {
@@ -694,10 +528,10 @@ mod vnni {
                 let wb = unsafe { w.add(r * ldw + blk * bs) };
                 prefetch(wb.wrapping_add(PF_ROWS * ldw));
                 // SAFETY: the block's scale (and min) are its first bytes.
-                let dw = _mm256_set1_ps(unsafe { f16_bits_to_f32(wb) });
+                let dw = _mm256_set1_ps(unsafe { f16_at(tab, wb) });
                 let mw = if WQ == Q4_1 {
                     // SAFETY: as above.
-                    _mm256_set1_ps(unsafe { f16_bits_to_f32(wb.add(2)) })
+                    _mm256_set1_ps(unsafe { f16_at(tab, wb.add(2)) })
                 } else {
                     _mm256_setzero_ps()
                 };
@@ -749,7 +583,6 @@ mod vnni {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DType;
     use crate::dtype::{BlockQ8_1, quantize};
 
     #[test]
@@ -818,29 +651,6 @@ mod tests {
                 qs.iter().all(|&q| q == 0) && d == [0.0, 0.0] && s8 == [0.0, 0.0],
                 "{isa}"
             );
-        }
-    }
-
-    #[test]
-    fn dequantized_rows_match_the_reference() {
-        let k = 512; // whole blocks of every type (K-quants: 256)
-        let x: Vec<f32> = (0..k)
-            .map(|i| ((i * 31 % 97) as f32 - 48.0) / 9.0)
-            .collect();
-        // Every type with kernels, each converted by its own kernel type.
-        for dt in DType::ALL {
-            let Some(w) = super::super::kernels_for(dt) else {
-                continue;
-            };
-            assert_eq!(w.dtype(), dt);
-            let bytes = crate::dtype::f32_to_bytes(dt, &x).unwrap();
-            let want = crate::dtype::bytes_to_f32(dt, &bytes, k).unwrap();
-            for isa in Isa::available() {
-                let mut got = vec![0f32; k];
-                // SAFETY: bytes hold one row of k elements, got has room for k.
-                unsafe { row_to_f32(isa, w, bytes.as_ptr(), got.as_mut_ptr(), k) };
-                assert_eq!(got, want, "{isa} {dt}");
-            }
         }
     }
 }

@@ -489,35 +489,50 @@ pub fn query_heads(
 /// smallest such `r` costs the least memory: each device holds K, V and the cache of every
 /// virtual head it computes (`r` copies of a head over the devices that share it).
 pub fn kv_repeat(dims: &SplitDims, n: usize, plan: &DecoderSplit) -> usize {
-    let split_layers: Vec<usize> = (0..dims.n_layer)
-        .filter(|&l| plan.splits(Part::Attention, l))
+    kv_repeat_groups(dims, &[(n, plan.clone())])
+}
+
+/// [`kv_repeat`] for several meta devices sharing one model (a hybrid split: each group of
+/// `n` devices splits the layers its plan splits): the smallest repetition that spreads every
+/// group's split layers, or, when none does, the largest that keeps whole blocks in all.
+pub fn kv_repeat_groups(dims: &SplitDims, groups: &[(usize, DecoderSplit)]) -> usize {
+    // Each group's devices and split layers (groups of one device, or with no split
+    // attention, need no repetition).
+    let groups: Vec<(usize, &DecoderSplit, Vec<usize>)> = groups
+        .iter()
+        .map(|(n, plan)| {
+            let layers = (0..dims.n_layer)
+                .filter(|&l| plan.splits(Part::Attention, l))
+                .collect();
+            (*n, plan, layers)
+        })
+        .filter(|(n, _, layers): &(usize, &DecoderSplit, Vec<usize>)| *n >= 2 && !layers.is_empty())
         .collect();
-    if n < 2 || split_layers.is_empty() || dims.n_head_kv == 0 {
+    if groups.is_empty() || dims.n_head_kv == 0 {
         return 1;
     }
     let group = dims.n_head / dims.n_head_kv;
-    let shared = |d: usize| plan.ratios.as_ref().is_none_or(|r| r.get(d) > Some(&0.0));
-    let spreads = |r: usize| {
+    // Whether every split layer of every group cuts with `r` (and, `spread`, gives each
+    // device with a share whole groups).
+    let fits = |r: usize, spread: bool| {
         let v = dims.with_kv_repeat(r);
-        split_layers.iter().all(|&l| {
-            group_extents(&v, n, plan.ratios.as_deref(), l)
-                .is_ok_and(|g| g.iter().enumerate().all(|(d, &x)| x > 0 || !shared(d)))
+        groups.iter().all(|(n, plan, layers)| {
+            let ratios = plan.ratios.as_deref();
+            let shared = |d: usize| ratios.is_none_or(|r| r.get(d) > Some(&0.0));
+            layers.iter().all(|&l| {
+                group_extents(&v, *n, ratios, l).is_ok_and(|g| {
+                    !spread || g.iter().enumerate().all(|(d, &x)| x > 0 || !shared(d))
+                })
+            })
         })
     };
     let divisors: Vec<usize> = (1..=group).filter(|r| group.is_multiple_of(*r)).collect();
     divisors
         .iter()
         .copied()
-        .find(|&r| spreads(r))
-        .or_else(|| {
-            // The largest repetition whose units still keep whole blocks.
-            divisors.iter().rev().copied().find(|&r| {
-                let v = dims.with_kv_repeat(r);
-                split_layers
-                    .iter()
-                    .all(|&l| group_extents(&v, n, plan.ratios.as_deref(), l).is_ok())
-            })
-        })
+        .find(|&r| fits(r, true))
+        // The largest repetition whose units still keep whole blocks.
+        .or_else(|| divisors.iter().rev().copied().find(|&r| fits(r, false)))
         .unwrap_or(1)
 }
 

@@ -79,7 +79,7 @@ pub fn open_decoder(
                  --split-mode tensor with them",
             ));
         }
-        let set = open_layered(
+        let (set, kv_repeat) = open_layered(
             devices,
             opts.precision,
             opts.meta,
@@ -88,7 +88,13 @@ pub fn open_decoder(
             opts.ratios.as_deref(),
             opts.groups.unwrap_or(2),
         )?;
-        let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
+        // The scheduler places the embedding and the output by name on different backends:
+        // a tied output is a copy of its own.
+        let load = LoadOptions {
+            kv_repeat,
+            share_tied: false,
+        };
+        let m = DecoderModel::load_with(&path, set.buffer_type.as_ref(), &load, progress)?;
         return Ok((set, m));
     }
     let plan = match &opts.split {

@@ -27,7 +27,7 @@ fn encoder_strategies(n_layer: usize) -> Vec<(Strategy, DecoderSplit)> {
     let v: Vec<_> = Strategy::ALL
         .into_iter()
         .filter(|&s| s != Strategy::SequenceParallel)
-        .filter_map(|s| s.split(n_layer).map(|sp| (s, sp)))
+        .filter_map(|s| s.split(n_layer, false).map(|sp| (s, sp)))
         .collect();
     assert_eq!(
         v.len(),
@@ -199,7 +199,7 @@ fn bert_by_layer_splits_what_each_flag_names() {
     let names = weight_layouts(&cfg);
     // bert_split is the megatron assignment; `output` (meaningless to an encoder) changes
     // nothing.
-    let mut megatron = Strategy::Megatron.split(cfg.n_layer).unwrap();
+    let mut megatron = Strategy::Megatron.split(cfg.n_layer, false).unwrap();
     assert!(megatron.output && !megatron.embedding);
     let builtin = bert_split(&cfg);
     let per_layer = by_layer(&cfg, megatron.clone());

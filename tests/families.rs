@@ -11,7 +11,9 @@ mod decoders;
 
 use decoders::{config, open};
 use metashard::DType;
-use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, PHI3, QWEN2, QWEN3, Tensor};
+use metashard::models::arch::{
+    Arch, GEMMA2, GEMMA3, LLAMA, PHI3, PHI3_SEPARATE_QKV, QWEN2, QWEN3, Tensor,
+};
 use metashard::models::hparams::LongRope;
 use metashard::models::layer_split::SplitMode;
 use metashard::models::session::Session;
@@ -31,7 +33,16 @@ fn model_file(arch: &'static Arch, optional: &[Tensor]) -> PathBuf {
         cfg.long_rope = Some(long_rope(8));
     }
     let bytes = gguf_bytes_with(&cfg, DType::F32, tied, 512, 11, optional).unwrap();
-    write(&format!("{}-{}.gguf", arch.name, optional.len()), &bytes)
+    // Variants of one GGUF name (Phi-3 with separate Q, K and V) get files of their own.
+    let variant = if arch.name == "phi3" && !arch.has(Tensor::AttnQkv) {
+        "-separate-qkv"
+    } else {
+        ""
+    };
+    write(
+        &format!("{}{variant}-{}.gguf", arch.name, optional.len()),
+        &bytes,
+    )
 }
 
 fn write(name: &str, bytes: &[u8]) -> PathBuf {
@@ -174,6 +185,23 @@ fn phi3_matches_the_reference_and_splits() {
 
 /// The planner's model shape of a Phi-3 file counts the fused tensors' bytes as the loader
 /// places them, and both equal the file's tensor data (no tied output here).
+/// A Phi-3 file with `attn_q`, `attn_k`, `attn_v` instead of `attn_qkv` (llama.cpp loads
+/// either): read as such, equal to the numpy reference, split on 2 and 3 devices and by layers
+/// with one device's tokens.
+#[test]
+fn phi3_with_separate_qkv_matches_the_reference_and_splits() {
+    let path = model_file(&PHI3_SEPARATE_QKV, &[]);
+    let g = metashard::io::GgufFile::open(&path).unwrap();
+    assert!(g.tensor("blk.0.attn_q.weight").is_some());
+    assert!(g.tensor("blk.0.attn_qkv.weight").is_none());
+    let (_, m) = open(&path, "cpu:1x1", SplitMode::Tensor).unwrap();
+    assert_eq!(m.cfg.arch.name, "phi3");
+    assert!(m.cfg.arch.has(Tensor::AttnQ) && !m.cfg.arch.has(Tensor::AttnQkv));
+    assert!(m.weights.layers[0].get(Tensor::AttnK).is_ok());
+    matches_the_reference(&PHI3_SEPARATE_QKV, &[]);
+    splits_give_one_devices_tokens(&PHI3_SEPARATE_QKV, &[]);
+}
+
 #[test]
 fn phi3_shape_counts_the_fused_tensors() {
     let path = model_file(&PHI3, &[]);

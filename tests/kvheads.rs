@@ -4,15 +4,17 @@
 //! over every device; one device's greedy tokens and logits (to f32 rounding) result, and
 //! `verify --reference` (the numpy reference of the file) agrees. The real Gemma 3 270M file
 //! (4 query heads, 1 KV head) on cpu:2x1, cpu:3x1, cpu:4x1; synthetic Qwen2-style files with 14
-//! query / 2 KV heads on cpu:3x1 and 4 / 1 on cpu:4x1 (Q8_0 weights: rows copied as blocks).
+//! query / 2 KV heads on cpu:3x1 and 4 / 1 on cpu:4x1 (Q8_0 weights: rows copied as blocks);
+//! the groups of a hybrid split (Gemma on cpu:4x1 and cpu:5x1) repeat them alike.
 
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
 use metashard::meta::MetaBuffer;
 use metashard::models::arch::{QWEN2, Tensor};
 use metashard::models::hparams::DecoderConfig;
+use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
-use metashard::models::split::{DecoderSplit, LayerSplit, SplitDims, kv_repeat};
+use metashard::models::split::{DecoderSplit, LayerSplit, SplitDims, kv_repeat, kv_repeat_groups};
 use metashard::planner::ModelShape;
 use metashard::planner::report::HeadSplit;
 use metashard::runtime::{OpenOptions, open_decoder};
@@ -214,4 +216,55 @@ fn the_repetition_is_the_smallest_that_spreads() {
     let mut shares = split(true);
     shares.ratios = Some(vec![1.0, 1.0, 0.0]);
     assert_eq!(kv_repeat(&gemma, 3, &shares), 2);
+    // Groups of a hybrid split (3 + 2 devices, each its own layers): one repetition for the
+    // model, the smallest that spreads every group; groups of one device need none.
+    let own = |layers: std::ops::Range<usize>| {
+        let mut p = split(true);
+        for (l, ls) in p.layers.iter_mut().enumerate() {
+            ls.attention = layers.contains(&l);
+        }
+        p
+    };
+    assert_eq!(
+        kv_repeat_groups(&gemma, &[(3, own(0..2)), (2, own(2..4))]),
+        4
+    );
+    assert_eq!(
+        kv_repeat_groups(&gemma, &[(2, own(0..2)), (2, own(2..4))]),
+        2
+    );
+    assert_eq!(
+        kv_repeat_groups(&gemma, &[(1, own(0..2)), (1, own(2..4))]),
+        1
+    );
+    assert_eq!(
+        kv_repeat_groups(&qwen, &[(2, own(0..2)), (3, own(2..4))]),
+        7
+    );
+}
+
+/// A hybrid split (`--split-mode hybrid`: groups of devices, each a meta device, whole layers
+/// per group) of the real Gemma 3 270M file repeats its one KV head as the tensor split does:
+/// 2 groups of 2 devices, 2 copies; 3 + 2 devices, 4 copies; one device's greedy tokens and
+/// logits (to f32 rounding).
+#[test]
+fn gemma3_file_hybrid_groups_repeat_kv_heads() {
+    let path = metashard::models::paths::models_dir().join("gemma3/gemma-3-270m-q4_k_m.gguf");
+    assert!(path.is_file(), "{} not found", path.display());
+    let (set, m) = open(&path, "cpu:1x1").unwrap();
+    let (want_logits, want) = greedy(&m, &set, &prompt(&m), STEPS).unwrap();
+    for (devices, r) in [("cpu:4x1", 2), ("cpu:5x1", 4)] {
+        let opts = OpenOptions {
+            precision: Precision::Exact,
+            split_mode: SplitMode::Hybrid,
+            ..OpenOptions::default()
+        };
+        let (set, m) = open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {}).unwrap();
+        assert_eq!(m.cfg.kv_repeat, r, "{devices} hybrid: KV heads repeated");
+        let (logits, toks) = greedy(&m, &set, &prompt(&m), STEPS).unwrap();
+        assert_eq!(toks, want, "{devices} hybrid: greedy tokens");
+        let e = nmse(&logits, &want_logits);
+        eprintln!("{devices} hybrid: logits NMSE {e:.2e} against one device");
+        assert!(e < 1e-7, "{devices} hybrid: logits NMSE {e:.3e}");
+    }
 }

@@ -61,7 +61,7 @@ fn megatron_block_sharding_on_two_devices() {
 #[test]
 fn sequence_parallel_block_sharding_on_two_devices() {
     let cfg = cfg(1);
-    let split = Strategy::SequenceParallel.split(1).unwrap();
+    let split = Strategy::SequenceParallel.split(1, false).unwrap();
     let (g, s) = sharding(&cfg, policy(&cfg, split), 4);
     expect_file!["snapshots/sequence_parallel_block_sharding.txt"].assert_eq(&s.describe(&g));
     // The all-reduce between attention and the MLP is a reduce-scatter into the token split and
@@ -76,7 +76,7 @@ fn sequence_parallel_block_sharding_on_two_devices() {
 #[test]
 fn sequence_parallel_replaces_every_full_all_reduce_between_layers() {
     let cfg = cfg(3);
-    let split = Strategy::SequenceParallel.split(3).unwrap();
+    let split = Strategy::SequenceParallel.split(3, false).unwrap();
     let (g, s) = sharding(&cfg, policy(&cfg, split.clone()), 4);
     let d = s.describe(&g);
     // Megatron: 2 all-reduces per layer (6, the last of one row). Sequence parallel: 5

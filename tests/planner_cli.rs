@@ -2,7 +2,7 @@
 //! on a preset prints its table and writes a plan file that `run --plan` executes (the same
 //! answer as the built-in split); DOT of layer 0 names its collectives; bad clusters,
 //! strategies and plans are errors naming the flag; `bench strategies` reports every strategy
-//! predicted against measured.
+//! predicted against measured (SmolLM2, and the Gemma 3 270M file).
 
 use std::process::Command;
 
@@ -222,6 +222,59 @@ fn bench_strategies_holds_predictions_against_measurements() {
         plot.starts_with("<svg") && plot.contains("megatron"),
         "{plot}"
     );
+}
+
+/// `bench strategies` on the real Gemma 3 270M Q4_K_M file (K-quants, 4 query heads over 1
+/// KV head, a tied 262144 x 640 table) with a few tokens: every strategy loads, runs and is
+/// predicted, weights per device exactly, and the strategies that split the output hold the
+/// tied table once, split (megatron: 119.9 MiB per device; 289.9 with the table whole on each).
+#[test]
+fn bench_strategies_runs_the_gemma3_file() {
+    let path = metashard::models::paths::models_dir().join("gemma3/gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        path.is_file(),
+        "{} not found (set METASHARD_MODELS or run scripts/fetch_models.sh)",
+        path.display()
+    );
+    let (code, out, err) = metashard(&[
+        "bench",
+        "strategies",
+        "--model",
+        path.to_str().unwrap(),
+        "--devices",
+        "cpu:2x1",
+        "--pp",
+        "4",
+        "--tg",
+        "2",
+        "--reps",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    let bytes = |name: &str| -> u64 {
+        let r = rows
+            .iter()
+            .find(|r| r["strategy"] == name)
+            .unwrap_or_else(|| panic!("{name} missing: {v}"));
+        r["measured_weight_bytes"].as_u64().unwrap()
+    };
+    assert_eq!(rows.len(), 8, "{v}");
+    for r in rows {
+        assert_eq!(
+            r["predicted_weight_bytes"], r["measured_weight_bytes"],
+            "{r}"
+        );
+        assert!(r["measured_tg_tps"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["predicted_tg_tps"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    // The file's weights are 246.6 MB: each of two devices holds about half of them.
+    let file = std::fs::metadata(&path).unwrap().len();
+    assert!(bytes("megatron") < file * 11 / 20, "{v}");
+    assert_eq!(bytes("megatron"), bytes("memory"), "{v}");
+    assert!(bytes("mirrored") > bytes("megatron") * 3 / 2, "{v}");
 }
 
 #[test]

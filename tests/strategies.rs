@@ -74,7 +74,7 @@ fn every_strategy_equals_one_device() {
         let mut splits: Vec<(String, DecoderSplit)> = Strategy::ALL
             .iter()
             .filter_map(|s| {
-                s.split(shape.n_layer())
+                s.split(shape.n_layer(), shape.tied)
                     .map(|sp| (s.name().to_string(), sp))
             })
             .collect();

@@ -264,7 +264,9 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     def attn_qkv(p: str):
         """Q, K, V weights: three tensors, or the rows of Phi-3's fused attn_qkv."""
         Q, KVW = hp.n_head * HD, hp.n_head_kv * HD
-        if arch != "phi3":
+        # Phi-3 files may hold three tensors too (llama.cpp's llama-model.cpp loads attn_qkv
+        # as not required for LLM_ARCH_PHI3, then attn_q / attn_k / attn_v).
+        if arch != "phi3" or p + "attn_qkv.weight" not in tensors:
             return (
                 get(p + "attn_q.weight", [E, Q]),
                 get(p + "attn_k.weight", [E, KVW]),

@@ -234,7 +234,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         check_profile(&cluster, spec)?;
         let mut cands = Vec::new();
         for st in Strategy::ALL {
-            let split = match st.split(shape.n_layer()) {
+            let split = match st.split(shape.n_layer(), shape.tied) {
                 Some(s) => s,
                 None => auto(&shape, &cluster, &workload, None)?.split,
             };

@@ -276,7 +276,8 @@ pub fn encoder_split(name: &str, n_layer: usize) -> Result<DecoderSplit> {
             ),
         ));
     }
-    s.split(n_layer).ok_or_else(|| {
+    // An encoder has no output projection: nothing is tied.
+    s.split(n_layer, false).ok_or_else(|| {
         Error::invalid_argument(
             "--strategy",
             name,

@@ -280,7 +280,8 @@ impl SplitArgs {
         if self.strategy.is_none() && self.plan.is_none() {
             return Ok(None);
         }
-        let n_layer = metashard::planner::ModelShape::resolve(model)?.n_layer();
+        let shape = metashard::planner::ModelShape::resolve(model)?;
+        let n_layer = shape.n_layer();
         let n_devices = match ranks {
             Some(n) => n,
             None => metashard::parse_devices(devices)?.len(),
@@ -289,13 +290,12 @@ impl SplitArgs {
             (_, Some(path)) => metashard::planner::load_plan(path, n_layer, n_devices)?,
             (Some(name), None) => {
                 let s = metashard::planner::Strategy::parse(name)?;
-                match s.split(n_layer) {
+                match s.split(n_layer, shape.tied) {
                     Some(split) => split,
                     None => {
                         // auto: measure these devices (quickly) and search for a default
                         // workload; `metashard plan` gives the full report and a plan file.
                         let cluster = calibrate::resolve_cluster(None, Some(devices))?;
-                        let shape = metashard::planner::ModelShape::resolve(model)?;
                         let w = metashard::planner::Workload::parse("pp=128,tg=128,ctx=512")?;
                         let r = metashard::planner::auto(&shape, &cluster, &w, None)?;
                         eprintln!(

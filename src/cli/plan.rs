@@ -92,7 +92,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         });
     }
     let strategy = Strategy::parse(&a.strategy)?;
-    let plan = match strategy.split(shape.n_layer()) {
+    let plan = match strategy.split(shape.n_layer(), shape.tied) {
         Some(mut split) => {
             split.ratios = ratios.clone();
             let e = evaluate_split(&shape, &split, &cluster, &workload)?;

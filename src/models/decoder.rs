@@ -81,6 +81,10 @@ pub fn attn_out_name(l: usize) -> String {
     format!("l{l}.attn_out")
 }
 
+/// The name of the residual stream before the first layer: the looked-up (and scaled) token
+/// embeddings.
+pub const INP_EMBD: &str = "inp_embd";
+
 /// The name of the residual stream after layer `l` (its MLP block).
 pub fn layer_out_name(l: usize) -> String {
     format!("l{l}.out")
@@ -267,7 +271,7 @@ pub fn build_step_seqs(
     if cfg.embd_scale != 1.0 {
         x = g.scale(x, cfg.embd_scale)?;
     }
-    g.set_name(x, "inp_embd");
+    g.set_name(x, INP_EMBD);
     for (l, lw) in w.layers.iter().enumerate() {
         x = decoder_layer(&mut g, cfg, l, lw, cache, &step, x)?;
     }

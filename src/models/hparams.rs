@@ -357,7 +357,8 @@ fn model_err(g: &GgufFile, reason: String) -> Error {
 /// The architecture a GGUF file declares, or an error naming it.
 pub fn arch_of(g: &GgufFile) -> Result<&'static Arch> {
     let name = g.architecture()?;
-    let arch = Arch::from_gguf_name(name).ok_or_else(|| model_err(g, Arch::unsupported(name)))?;
+    let has = |t: &str| g.tensor(t).is_some();
+    let arch = Arch::for_file(name, &has).ok_or_else(|| model_err(g, Arch::unsupported(name)))?;
     arch.decoder().map_err(|_| {
         model_err(
             g,

@@ -152,6 +152,13 @@ fn source<'g>(g: &'g GgufFile, cfg: &DecoderConfig, d: &TensorDecl) -> Result<&'
     tied.ok_or_else(|| model_err(g, format!("tensor `{}` is missing", d.name)))
 }
 
+/// Whether the output projection of a file of `cfg` is the token embedding (tied: the
+/// architecture allows it and the file has no output tensor of its own).
+pub fn output_tied(g: &GgufFile, cfg: &DecoderConfig) -> bool {
+    matches!(cfg.arch.need(Tensor::Output), Some(Need::TiedTo(_)))
+        && g.tensor(&cfg.arch.name(Tensor::Output, 0)).is_none()
+}
+
 /// What the model places, each with the file tensor its bytes come from, checked: shapes as
 /// the metadata implies, norms and biases in F32, element types metashard runs.
 fn declare<'g>(

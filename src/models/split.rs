@@ -28,7 +28,7 @@
 //! column-parallel products. [`policy`] gives the callback and the hints together.
 
 use super::arch::{Arch, Dim, Naming, Part, Tensor, Unit};
-use super::decoder::parse_residual_name;
+use super::decoder::{INP_EMBD, parse_residual_name};
 use super::hparams::DecoderConfig;
 use super::weights::TensorDecl;
 use crate::meta::{HintFn, NodeInfo, SplitFn, SplitPolicy, TensorInfo};
@@ -214,6 +214,19 @@ impl DecoderSplit {
         }
     }
 
+    /// This assignment for a model whose output projection is its token embedding (`tied`:
+    /// one table, no `output.weight` in the file): the embedding split as the output is, so
+    /// the output is another name of the embedding's bytes (`LoadOptions::share_tied`)
+    /// instead of a vocabulary-split copy beside a whole table on every device. A split table
+    /// gives each device the rows it holds (a partial lookup), summed by one all-reduce of
+    /// the step's embeddings. Untied models keep the assignment as it is.
+    pub fn tied(mut self, tied: bool) -> Self {
+        if tied {
+            self.embedding = self.output;
+        }
+        self
+    }
+
     /// Whether `part` of `layer` (for the ends: the output or the embedding) is split.
     pub fn splits(&self, part: Part, layer: usize) -> bool {
         let l = self.layers.get(layer).copied().unwrap_or(LayerSplit {
@@ -253,6 +266,12 @@ fn norm_weight(name: &str) -> Option<(usize, bool)> {
 ///   small (quantized) weights would gather each weight instead (fewer bytes for that product,
 ///   but the attention after it then needs all-to-alls into the head-split cache).
 ///
+/// With a vocabulary-split embedding (partial lookups) and the first layer's attention split,
+/// the first norm of the stream before it (`inp_embd`, its first consumer) is hinted to the
+/// token split and the normed activation Mirrored: the lookups are reduce-scattered once for
+/// the norm and the residual add both, as a split block's output, not also all-reduced. (The
+/// lookup itself is not hinted: a table split by rows gives a Partial lookup only.)
+///
 /// Only steps of at least as many tokens as devices are hinted: a decode step (one token)
 /// would leave all but one device idle for the price of two collectives instead of one, so it
 /// keeps Megatron's all-reduce. The last layer's output is not hinted either: the step keeps
@@ -274,13 +293,26 @@ pub fn sequence_parallel_hints(plan: &DecoderSplit) -> Option<HintFn> {
             }
         })
     };
+    // A vocabulary-split embedding's lookups are partial too: the stream before the first
+    // layer is token-split like a split block's output when the first attention is split
+    // (else the partial sum would be both reduce-scattered into `l0.attn_out` and all-reduced
+    // for the norm).
+    let embedding_split = plan.embedding && split_after(0, true);
     Some(Arc::new(move |node: &NodeInfo| -> Option<SplitState> {
         let (n, ne) = (node.n_devices, node.layout().ne);
         if n < 2 || ne[1] < n || ne[2] * ne[3] != 1 {
             return None;
         }
-        if let Some((layer, after_attention)) = parse_residual_name(node.name()) {
-            if !split_after(layer, after_attention) {
+        // The first norm of the embeddings (their first consumer: the partial sum is
+        // reduce-scattered for it, and the residual add after attention reuses that).
+        let first_norm = matches!(node.op(), Op::RmsNorm { .. } | Op::Norm { .. })
+            && node.source_names().any(|s| s == INP_EMBD);
+        let residual = match parse_residual_name(node.name()) {
+            Some((layer, after_attention)) => Some(split_after(layer, after_attention)),
+            None => first_norm.then_some(embedding_split),
+        };
+        if let Some(split) = residual {
+            if !split {
                 return None;
             }
             let extents = split_even(ne[1], n, Granularity(1), 0).ok()?;
@@ -291,7 +323,10 @@ pub fn sequence_parallel_hints(plan: &DecoderSplit) -> Option<HintFn> {
         }
         let (layer, before_attention) = node.source_names().find_map(norm_weight)?;
         let input_split = if before_attention {
-            layer > 0 && split_after(layer - 1, false)
+            match layer {
+                0 => embedding_split,
+                _ => split_after(layer - 1, false),
+            }
         } else {
             split_after(layer, true)
         };
@@ -454,35 +489,50 @@ pub fn query_heads(
 /// smallest such `r` costs the least memory: each device holds K, V and the cache of every
 /// virtual head it computes (`r` copies of a head over the devices that share it).
 pub fn kv_repeat(dims: &SplitDims, n: usize, plan: &DecoderSplit) -> usize {
-    let split_layers: Vec<usize> = (0..dims.n_layer)
-        .filter(|&l| plan.splits(Part::Attention, l))
+    kv_repeat_groups(dims, &[(n, plan.clone())])
+}
+
+/// [`kv_repeat`] for several meta devices sharing one model (a hybrid split: each group of
+/// `n` devices splits the layers its plan splits): the smallest repetition that spreads every
+/// group's split layers, or, when none does, the largest that keeps whole blocks in all.
+pub fn kv_repeat_groups(dims: &SplitDims, groups: &[(usize, DecoderSplit)]) -> usize {
+    // Each group's devices and split layers (groups of one device, or with no split
+    // attention, need no repetition).
+    let groups: Vec<(usize, &DecoderSplit, Vec<usize>)> = groups
+        .iter()
+        .map(|(n, plan)| {
+            let layers = (0..dims.n_layer)
+                .filter(|&l| plan.splits(Part::Attention, l))
+                .collect();
+            (*n, plan, layers)
+        })
+        .filter(|(n, _, layers): &(usize, &DecoderSplit, Vec<usize>)| *n >= 2 && !layers.is_empty())
         .collect();
-    if n < 2 || split_layers.is_empty() || dims.n_head_kv == 0 {
+    if groups.is_empty() || dims.n_head_kv == 0 {
         return 1;
     }
     let group = dims.n_head / dims.n_head_kv;
-    let shared = |d: usize| plan.ratios.as_ref().is_none_or(|r| r.get(d) > Some(&0.0));
-    let spreads = |r: usize| {
+    // Whether every split layer of every group cuts with `r` (and, `spread`, gives each
+    // device with a share whole groups).
+    let fits = |r: usize, spread: bool| {
         let v = dims.with_kv_repeat(r);
-        split_layers.iter().all(|&l| {
-            group_extents(&v, n, plan.ratios.as_deref(), l)
-                .is_ok_and(|g| g.iter().enumerate().all(|(d, &x)| x > 0 || !shared(d)))
+        groups.iter().all(|(n, plan, layers)| {
+            let ratios = plan.ratios.as_deref();
+            let shared = |d: usize| ratios.is_none_or(|r| r.get(d) > Some(&0.0));
+            layers.iter().all(|&l| {
+                group_extents(&v, *n, ratios, l).is_ok_and(|g| {
+                    !spread || g.iter().enumerate().all(|(d, &x)| x > 0 || !shared(d))
+                })
+            })
         })
     };
     let divisors: Vec<usize> = (1..=group).filter(|r| group.is_multiple_of(*r)).collect();
     divisors
         .iter()
         .copied()
-        .find(|&r| spreads(r))
-        .or_else(|| {
-            // The largest repetition whose units still keep whole blocks.
-            divisors.iter().rev().copied().find(|&r| {
-                let v = dims.with_kv_repeat(r);
-                split_layers
-                    .iter()
-                    .all(|&l| group_extents(&v, n, plan.ratios.as_deref(), l).is_ok())
-            })
-        })
+        .find(|&r| fits(r, true))
+        // The largest repetition whose units still keep whole blocks.
+        .or_else(|| divisors.iter().rev().copied().find(|&r| fits(r, false)))
         .unwrap_or(1)
 }
 
@@ -784,12 +834,16 @@ mod tests {
         let h = sequence_parallel_hints(&plan).unwrap();
         // A residual add named `name`, or the product with the norm weight `name`, of `t`
         // tokens on `n` devices.
-        let hint = |name: &str, t: usize, n: usize| {
+        let hint = |h: &HintFn, name: &str, t: usize, n: usize| {
             let mut g = crate::Graph::new();
             let x = g.input("x", DType::F32, [576, t, 1, 1]).unwrap();
             let id = if name.starts_with("blk.") {
                 let w = g.input(name, DType::F32, [576, 1, 1, 1]).unwrap();
                 g.mul(x, w).unwrap()
+            } else if let Some(src) = name.strip_prefix("norm(") {
+                // An RMS norm of a node named `src`.
+                g.set_name(x, src.trim_end_matches(')'));
+                g.rms_norm(x, 1e-6).unwrap()
             } else {
                 let a = g.add(x, x).unwrap();
                 g.set_name(a, name);
@@ -802,28 +856,42 @@ mod tests {
             })
         };
         let tokens = |e: &[usize]| Some(SplitState::axis(1, e));
-        assert_eq!(hint("l0.attn_out", 5, 2), tokens(&[3, 2]));
-        assert_eq!(hint("l0.out", 5, 2), tokens(&[3, 2]));
-        assert_eq!(hint("l2.attn_out", 7, 3), tokens(&[3, 2, 2]));
+        assert_eq!(hint(&h, "l0.attn_out", 5, 2), tokens(&[3, 2]));
+        assert_eq!(hint(&h, "l0.out", 5, 2), tokens(&[3, 2]));
+        assert_eq!(hint(&h, "l2.attn_out", 7, 3), tokens(&[3, 2, 2]));
         // Layer 1's attention is mirrored: its output is not partial, nothing to scatter.
-        assert_eq!(hint("l1.attn_out", 5, 2), None);
-        assert_eq!(hint("l1.out", 5, 2), tokens(&[3, 2]));
+        assert_eq!(hint(&h, "l1.attn_out", 5, 2), None);
+        assert_eq!(hint(&h, "l1.out", 5, 2), tokens(&[3, 2]));
         // The last layer's output, fewer tokens than devices, other nodes: no hint.
-        assert_eq!(hint("l2.out", 5, 2), None);
-        assert_eq!(hint("l0.out", 1, 2), None);
-        assert_eq!(hint("l0.out", 2, 3), None);
-        assert_eq!(hint("l3.out", 5, 2), None);
-        assert_eq!(hint("l0.outer", 5, 2), None);
+        assert_eq!(hint(&h, "l2.out", 5, 2), None);
+        assert_eq!(hint(&h, "l0.out", 1, 2), None);
+        assert_eq!(hint(&h, "l0.out", 2, 3), None);
+        assert_eq!(hint(&h, "l3.out", 5, 2), None);
+        assert_eq!(hint(&h, "l0.outer", 5, 2), None);
         // The normed activations after a token-split residual are gathered (mirrored).
         let m = Some(SplitState::mirrored(2));
-        assert_eq!(hint("blk.0.ffn_norm.weight", 5, 2), m);
-        assert_eq!(hint("blk.1.attn_norm.weight", 5, 2), m);
-        assert_eq!(hint("blk.1.ffn_norm.weight", 5, 2), None);
-        assert_eq!(hint("blk.2.attn_norm.weight", 5, 2), m);
+        assert_eq!(hint(&h, "blk.0.ffn_norm.weight", 5, 2), m);
+        assert_eq!(hint(&h, "blk.1.attn_norm.weight", 5, 2), m);
+        assert_eq!(hint(&h, "blk.1.ffn_norm.weight", 5, 2), None);
+        assert_eq!(hint(&h, "blk.2.attn_norm.weight", 5, 2), m);
         // Before the first layer the stream is the (mirrored) embedding.
-        assert_eq!(hint("blk.0.attn_norm.weight", 5, 2), None);
-        assert_eq!(hint("blk.0.ffn_norm.weight", 1, 2), None);
-        assert_eq!(hint("output_norm.weight", 5, 2), None);
+        assert_eq!(hint(&h, "blk.0.attn_norm.weight", 5, 2), None);
+        assert_eq!(hint(&h, "inp_embd", 5, 2), None);
+        assert_eq!(hint(&h, "blk.0.ffn_norm.weight", 1, 2), None);
+        assert_eq!(hint(&h, "output_norm.weight", 5, 2), None);
+        // A vocabulary-split embedding (a tied model's): its partial lookups are token-split
+        // as a split block's output, the first norm's output gathered.
+        plan.embedding = true;
+        let h = sequence_parallel_hints(&plan).unwrap();
+        assert_eq!(hint(&h, "norm(inp_embd)", 5, 2), tokens(&[3, 2]));
+        assert_eq!(hint(&h, "blk.0.attn_norm.weight", 5, 2), m);
+        assert_eq!(hint(&h, "norm(inp_embd)", 1, 2), None);
+        assert_eq!(hint(&h, "inp_embd", 5, 2), None);
+        // Not when the first layer's attention is mirrored.
+        plan.layers[0] = l(false, true);
+        let h = sequence_parallel_hints(&plan).unwrap();
+        assert_eq!(hint(&h, "norm(inp_embd)", 5, 2), None);
+        assert_eq!(hint(&h, "blk.0.attn_norm.weight", 5, 2), None);
     }
 
     #[test]

@@ -141,7 +141,7 @@ pub fn evaluate_layer_split(
     }
     let ranges = layer_ranges(n_layer, shares)?;
     let mirrored = Strategy::Mirrored
-        .split(n_layer)
+        .split(n_layer, shape.tied)
         .expect("a fixed strategy has an assignment");
     // Devices of one profile (names aside) share an evaluation.
     let mut alone: Vec<Alone> = Vec::new();

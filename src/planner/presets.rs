@@ -416,7 +416,9 @@ mod tests {
         let mut flat = c.clone();
         flat.links.inter = None;
         let shape = ModelShape::preset("smollm2-135m").unwrap();
-        let split = Strategy::Megatron.split(shape.n_layer()).unwrap();
+        let split = Strategy::Megatron
+            .split(shape.n_layer(), shape.tied)
+            .unwrap();
         let w = Workload::parse("pp=16,tg=8,ctx=128").unwrap();
         let decode = |c: &Cluster| {
             let e = evaluate(&shape, split_fn(&shape, &split), c, &w).unwrap();

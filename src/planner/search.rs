@@ -563,7 +563,7 @@ pub fn auto(
     let Some((_, evaluation)) = chosen else {
         // Name the device over its budget under the least-memory assignment.
         let least = super::strategy::Strategy::Memory
-            .split(shape.n_layer())
+            .split(shape.n_layer(), shape.tied)
             .expect("a fixed strategy");
         let least = DecoderSplit {
             ratios: ratios.clone(),

@@ -193,7 +193,7 @@ impl ModelShape {
                 ),
             })
         };
-        let tied = g.tensor(&cfg.arch.name(Tensor::Output, 0)).is_none();
+        let tied = crate::models::loader::output_tied(&g, &cfg);
         let embedding = ty(Tensor::TokenEmbd)?;
         let types = WeightTypes {
             embedding,

@@ -1,7 +1,7 @@
 //! Named strategies and device shares. A strategy is an assignment of split states to a
 //! decoder's weights ([`DecoderSplit`]: per layer, attention by KV-head groups or mirrored, the
 //! MLP column/row or mirrored; the output projection and the token embedding by vocabulary or
-//! mirrored; sequence parallelism of the residual stream, as state hints); `auto` is the
+//! mirrored, a tied embedding as the output; sequence parallelism of the residual stream, as state hints); `auto` is the
 //! search's answer for a workload. A plan file holds one assignment, so a plan is an ordinary
 //! split callback (with its hints: `models::split::policy`).
 
@@ -15,7 +15,8 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Strategy {
     /// Attention by KV-head groups and the MLP column/row in every layer, the output by
-    /// vocabulary (llama.cpp's assignment; two all-reduces per layer).
+    /// vocabulary (llama.cpp's assignment; two all-reduces per layer), a tied embedding with
+    /// it.
     Megatron,
     /// Only the MLP split; attention mirrored (one all-reduce per layer).
     MlpOnly,
@@ -72,8 +73,10 @@ impl Strategy {
             })
     }
 
-    /// The assignment of a fixed strategy for `n_layer` layers (`None` for `auto`).
-    pub fn split(self, n_layer: usize) -> Option<DecoderSplit> {
+    /// The assignment of a fixed strategy for `n_layer` layers (`None` for `auto`); for a
+    /// `tied` model (the output projection is the token embedding) the embedding is split as
+    /// the output is, one table shared by both (`DecoderSplit::tied`).
+    pub fn split(self, n_layer: usize, tied: bool) -> Option<DecoderSplit> {
         let l = |attention, mlp| LayerSplit { attention, mlp };
         let (layer, output, embedding) = match self {
             Strategy::Megatron | Strategy::SequenceParallel => (l(true, true), true, false),
@@ -84,7 +87,7 @@ impl Strategy {
             Strategy::Memory => (l(true, true), true, true),
             Strategy::Auto => return None,
         };
-        let mut split = DecoderSplit::uniform(n_layer, layer, output, embedding);
+        let mut split = DecoderSplit::uniform(n_layer, layer, output, embedding).tied(tied);
         split.sequence_parallel = self == Strategy::SequenceParallel;
         Some(split)
     }

@@ -3,8 +3,9 @@
 //! `--tensor-split` ratios, or the scheduler for a layer or hybrid split), and load the
 //! weights with a progress callback. A tensor split with fewer KV-head groups than devices
 //! repeats each KV head (`models::split::kv_repeat`, virtual KV heads); a tied output shares
-//! the embedding's bytes where both lie alike (one device; both split by vocabulary, as
-//! `--strategy memory` or `vocab-split` has them; both mirrored).
+//! the embedding's bytes where both lie alike (one device; both split by vocabulary, as the
+//! built-in split and every strategy that splits the output have them for a tied model,
+//! `DecoderSplit::tied`; both mirrored).
 
 use super::layered::open_layered;
 use crate::cpu::Precision;
@@ -12,7 +13,7 @@ use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
 use crate::models::hparams::config_from_gguf;
 use crate::models::layer_split::SplitMode;
-use crate::models::loader::{DecoderModel, LoadOptions, file_tensors};
+use crate::models::loader::{DecoderModel, LoadOptions, file_tensors, output_tied};
 use crate::models::paths::{ModelPath, resolve};
 use crate::models::split::{
     DecoderSplit, SplitDims, SplitOptions, kv_repeat, megatron_plan, policy,
@@ -59,6 +60,7 @@ pub fn open_decoder(
     let cfg = config_from_gguf(&g)?;
     // The split keeps whole blocks of every tensor's own type (a file mixes types).
     let dims = SplitDims::from(&cfg).with_blocks(&file_tensors(&g, &cfg)?);
+    let tied = output_tied(&g, &cfg);
     drop(g);
     if opts.split_mode != SplitMode::Tensor {
         if opts.dist != crate::dist::Dist::Local {
@@ -77,7 +79,7 @@ pub fn open_decoder(
                  --split-mode tensor with them",
             ));
         }
-        let set = open_layered(
+        let (set, kv_repeat) = open_layered(
             devices,
             opts.precision,
             opts.meta,
@@ -86,7 +88,13 @@ pub fn open_decoder(
             opts.ratios.as_deref(),
             opts.groups.unwrap_or(2),
         )?;
-        let m = DecoderModel::load(&path, set.buffer_type.as_ref(), progress)?;
+        // The scheduler places the embedding and the output by name on different backends:
+        // a tied output is a copy of its own.
+        let load = LoadOptions {
+            kv_repeat,
+            share_tied: false,
+        };
+        let m = DecoderModel::load_with(&path, set.buffer_type.as_ref(), &load, progress)?;
         return Ok((set, m));
     }
     let plan = match &opts.split {
@@ -104,13 +112,15 @@ pub fn open_decoder(
             }
             plan
         }
+        // A tied embedding split by vocabulary as the output is (one table).
         None => megatron_plan(
             cfg.n_layer,
             SplitOptions {
                 ratios: opts.ratios.clone(),
                 mirror_attention: opts.mirror_attention,
             },
-        ),
+        )
+        .tied(tied),
     };
     // One device (the callback is not called) shares a tied output's bytes with the
     // embedding; a meta device where both are split alike.

@@ -197,7 +197,7 @@ fn exercise_profile(text: &str) {
     c.validate().unwrap();
     let shape = ModelShape::preset("smollm2-135m").unwrap().with_layers(2);
     let w = Workload::parse("pp=8,tg=4,ctx=64").unwrap();
-    let split = SplitStrategy::Megatron.split(2).unwrap();
+    let split = SplitStrategy::Megatron.split(2, shape.tied).unwrap();
     if let Ok(e) = evaluate(&shape, split_fn(&shape, &split), &c, &w) {
         assert!(e.total_s.is_finite() && e.total_s > 0.0, "{}", e.total_s);
         assert!(e.decode_tps().is_finite() && e.decode_tps() > 0.0);
@@ -214,7 +214,9 @@ fn make_plan_file() -> Value {
     let shape = ModelShape::preset("smollm2-135m").unwrap();
     let c = Cluster::preset("h100x8-nvswitch").unwrap();
     let w = Workload::parse("pp=8,tg=4,ctx=64").unwrap();
-    let mut split = SplitStrategy::Megatron.split(shape.n_layer()).unwrap();
+    let mut split = SplitStrategy::Megatron
+        .split(shape.n_layer(), shape.tied)
+        .unwrap();
     split.ratios = Some(vec![1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0]);
     let e = evaluate(&shape, split_fn(&shape, &split), &c, &w).unwrap();
     let plan = metashard::planner::Plan::fixed(&shape, &c, &w, "megatron", split, e).unwrap();

@@ -20,7 +20,7 @@ pub use bert::BERT;
 pub use gemma2::GEMMA2;
 pub use gemma3::GEMMA3;
 pub use llama::LLAMA;
-pub use phi3::PHI3;
+pub use phi3::{PHI3, PHI3_SEPARATE_QKV};
 pub use qwen2::QWEN2;
 pub use qwen3::QWEN3;
 pub use tensor::{Cut, Dim, Group, Naming, Part, ROLES, RoleInfo, Scope, Tensor, Unit, layer_of};
@@ -135,7 +135,33 @@ pub const ARCHS: &[&Arch] = &[
     &bert::BERT,
 ];
 
+/// Other tensor layouts of a GGUF architecture name, told apart by the tensors a file has
+/// ([`Arch::for_file`]).
+pub const VARIANTS: &[&Arch] = &[&phi3::PHI3_SEPARATE_QKV];
+
 impl Arch {
+    /// The architecture of a GGUF file whose `general.architecture` is `name` and which has a
+    /// tensor named `n` where `has(n)`: the one [`ARCHS`] lists under the name, unless the file
+    /// lacks one of its required layer-0 tensors and a variant of the same name
+    /// ([`VARIANTS`]) has all of its own (Phi-3 with separate Q, K and V). A file fitting
+    /// neither gets the listed one, whose loading names the missing tensor.
+    pub fn for_file(name: &str, has: &dyn Fn(&str) -> bool) -> Option<&'static Arch> {
+        let listed = Arch::from_gguf_name(name)?;
+        let complete = |a: &Arch| {
+            a.layer_tensors()
+                .filter(|(_, need)| *need == Need::Required)
+                .all(|(t, _)| has(&a.name(t, 0)))
+        };
+        if complete(listed) {
+            return Some(listed);
+        }
+        let variant = VARIANTS
+            .iter()
+            .copied()
+            .find(|v| v.name == listed.name && complete(v));
+        Some(variant.unwrap_or(listed))
+    }
+
     /// The architecture a GGUF file's `general.architecture` names.
     pub fn from_gguf_name(name: &str) -> Option<&'static Arch> {
         ARCHS

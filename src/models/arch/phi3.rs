@@ -17,8 +17,14 @@
 //! factor i, the long factors when the session's context exceeds the original one, the short
 //! ones otherwise; the rotated dimensions of Q and K multiplied by the attention factor
 //! (Hugging Face's `attention_scaling` on cos and sin).
+//!
+//! Some Phi-3 files hold Q, K and V as three tensors (`attn_q`, `attn_k`, `attn_v`, llama's
+//! names and shapes) instead of `attn_qkv`: llama.cpp's `llama-model.cpp` loads `attn_qkv` as
+//! not required for `LLM_ARCH_PHI3` and the three tensors when it is absent, and its graph
+//! takes whichever the file has. [`PHI3_SEPARATE_QKV`] is that layout, a variant of the same
+//! GGUF name (`Arch::for_file` picks it by the tensors present).
 
-use super::groups::{DECODER_ENDS, FUSED_ATTENTION, FUSED_GATED_MLP, LONG_ROPE};
+use super::groups::{ATTENTION, DECODER_ENDS, FUSED_ATTENTION, FUSED_GATED_MLP, LONG_ROPE};
 use super::{Arch, AttnScale, DecoderSpec, Kind, Mlp, Naming, SwaSpec};
 use crate::op::{RopeMode, UnaryOp};
 
@@ -40,4 +46,10 @@ pub const PHI3: Arch = Arch {
         }),
         softcap: false,
     }),
+};
+
+/// Phi-3 with Q, K and V as three tensors (see the module doc): everything else as [`PHI3`].
+pub const PHI3_SEPARATE_QKV: Arch = Arch {
+    tensors: &[DECODER_ENDS, LONG_ROPE, ATTENTION, FUSED_GATED_MLP],
+    ..PHI3
 };

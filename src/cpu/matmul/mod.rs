@@ -14,9 +14,12 @@
 //! - K-quant weights (Q4_K, Q5_K, Q6_K; [`Weights::KQuant`]): with 8-bit activations, Q8_K
 //!   activations and integer dot products per 256-element super-block ([`kquant`]); with f32
 //!   activations below the GEMM's M, super-blocks dequantized in registers ([`kf32`]);
-//! - weights of a type without kernels of its own ([`Weights::Table`]: Q2_K, Q3_K, Q5_1,
-//!   IQ4) at every M: rows dequantized by the type table's reference conversion into
-//!   per-thread scratch, then the f32 tiles or the GEMM (correct, not fast: docs/kernels.md);
+//! - Q2_K, Q3_K, IQ4_XS, Q5_1 and IQ4_NL ([`Weights::Low`]): blocks decoded to small
+//!   integers and per-16 scales ([`low`]); with 8-bit activations (Q8_K for the 256-element
+//!   types, [`quant`]'s blocks of 32 for the others, as ggml pairs them) integer dot products
+//!   at every M ([`lowq8`]); with f32 activations and M <= 8 fused in registers ([`lowf32`]);
+//!   larger M converts rows through the type table's reference conversion (scratch, then the
+//!   f32 tiles or the GEMM);
 //! - large M ([`plan::use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
 //!   the output (`Parallelism::None`), F16/BF16/quantized weights converted to f32 chunk by chunk.
 //!
@@ -27,7 +30,7 @@
 //! Files: this one holds the weight-type dispatch ([`kernels_for`]), [`supports`], and the
 //! threaded driver ([`forward_with`]); [`plan`] decides the path, scratch and work items;
 //! [`run`] runs one item (and the shared stage-1 gather/quantize of src1); the kernels live in
-//! [`float`], [`qf32`], [`quant`], [`kf32`] and [`kquant`].
+//! [`float`], [`qf32`], [`quant`], [`kf32`], [`kquant`], [`lowf32`] and [`lowq8`].
 
 /// `f::<..>(args.., extra..)`: splices [`drive_tiles`]'s extra arguments after the common ones.
 macro_rules! call_tile {
@@ -78,6 +81,9 @@ macro_rules! drive_tiles {
 mod float;
 mod kf32;
 mod kquant;
+mod low;
+mod lowf32;
+mod lowq8;
 mod plan;
 mod qf32;
 mod quant;
@@ -96,7 +102,7 @@ use run::{Item, gather_rows, quantize_rows, quantize_rows_k, run_item, zero_rows
 pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
     matches!(
         kernels_for(src0.dtype),
-        Some(Weights::Quant(_) | Weights::KQuant(_))
+        Some(Weights::Quant(_) | Weights::KQuant(_) | Weights::Low(_))
     ) && precision == Precision::Q8
 }
 
@@ -127,16 +133,26 @@ pub(crate) enum KQuantW {
     Q6_K,
 }
 
+/// Weight types of the fused kernels over decoded blocks ([`low`], [`lowf32`], [`lowq8`]):
+/// the K-quants of 2 and 3 bits and IQ4_XS (256-element super-blocks, Q8_K activations under
+/// `--q8`), Q5_1 and IQ4_NL (blocks of 32, activations as [`quant`]'s Q8_1-style blocks).
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LowW {
+    Q2_K,
+    Q3_K,
+    IQ4_XS,
+    Q5_1,
+    IQ4_NL,
+}
+
 /// The kernels that multiply weights of one dtype, chosen once per node by [`kernels_for`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Weights {
     Float(FloatW),
     Quant(QuantW),
     KQuant(KQuantW),
-    /// A quantized type without kernels of its own (Q2_K, Q3_K, Q5_1, IQ4): rows
-    /// dequantized by the type table's reference conversion into per-thread scratch, then the
-    /// f32 tiles or the GEMM, at every M and precision (activations stay f32).
-    Table(DType),
+    Low(LowW),
 }
 
 impl Weights {
@@ -153,7 +169,11 @@ impl Weights {
             Weights::KQuant(KQuantW::Q4_K) => DType::Q4_K,
             Weights::KQuant(KQuantW::Q5_K) => DType::Q5_K,
             Weights::KQuant(KQuantW::Q6_K) => DType::Q6_K,
-            Weights::Table(d) => d,
+            Weights::Low(LowW::Q2_K) => DType::Q2_K,
+            Weights::Low(LowW::Q3_K) => DType::Q3_K,
+            Weights::Low(LowW::IQ4_XS) => DType::IQ4_XS,
+            Weights::Low(LowW::Q5_1) => DType::Q5_1,
+            Weights::Low(LowW::IQ4_NL) => DType::IQ4_NL,
         }
     }
 }
@@ -174,9 +194,11 @@ pub(crate) const fn kernels_for(dtype: DType) -> Option<Weights> {
         DType::Q5_K => Some(Weights::KQuant(KQuantW::Q5_K)),
         DType::Q6_K => Some(Weights::KQuant(KQuantW::Q6_K)),
         DType::Q5_0 => Some(Weights::Quant(QuantW::Q5_0)),
-        DType::Q5_1 | DType::Q2_K | DType::Q3_K | DType::IQ4_NL | DType::IQ4_XS => {
-            Some(Weights::Table(dtype))
-        }
+        DType::Q2_K => Some(Weights::Low(LowW::Q2_K)),
+        DType::Q3_K => Some(Weights::Low(LowW::Q3_K)),
+        DType::IQ4_XS => Some(Weights::Low(LowW::IQ4_XS)),
+        DType::Q5_1 => Some(Weights::Low(LowW::Q5_1)),
+        DType::IQ4_NL => Some(Weights::Low(LowW::IQ4_NL)),
         DType::I32 => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,

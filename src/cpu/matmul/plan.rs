@@ -4,7 +4,7 @@
 
 use super::kquant::KActLayout;
 use super::quant::ActLayout;
-use super::{FloatW, KQuantW, Precision, QuantW, Weights};
+use super::{FloatW, KQuantW, LowW, Precision, QuantW, Weights};
 use crate::cpu::view::TensorView;
 
 /// Whether `m` activation rows of length `k` go to the packed GEMM (the `gemm` crate) rather
@@ -56,6 +56,12 @@ pub(super) enum Path {
     KFused(KQuantW),
     /// K-quant integer kernels on Q8_K activations ([`kquant`](super::kquant)).
     KQuant(KQuantW),
+    /// Q2_K, Q3_K, IQ4 or Q5_1 weights decoded in registers, f32 activations, M <= 8
+    /// ([`lowf32`](super::lowf32)).
+    LowFused(LowW),
+    /// Their integer kernels on Q8_K (256-element types) or Q8_1-style (blocks of 32)
+    /// activations ([`lowq8`](super::lowq8)).
+    LowQuant(LowW),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -123,7 +129,9 @@ impl Plan {
                 Weights::KQuant(q) if precision == Precision::Q8 => Path::KQuant(q),
                 Weights::KQuant(q) if !gemm => Path::KFused(q),
                 Weights::Float(wt) if !gemm || f32_rows => Path::Direct { wt, gemm },
-                Weights::Quant(_) | Weights::KQuant(_) | Weights::Float(_) | Weights::Table(_) => {
+                Weights::Low(q) if precision == Precision::Q8 => Path::LowQuant(q),
+                Weights::Low(q) if m <= FUSED_MAX_M => Path::LowFused(q),
+                Weights::Quant(_) | Weights::KQuant(_) | Weights::Float(_) | Weights::Low(_) => {
                     Path::Convert { w, gemm }
                 }
             }
@@ -139,7 +147,19 @@ impl Plan {
                 let lay = KActLayout::new(k);
                 (Src1::KQuant(lay), rows1 * lay.row_bytes)
             }
-            Path::Direct { .. } | Path::Convert { .. } | Path::Fused(_) | Path::KFused(_)
+            Path::LowQuant(q) if super::lowq8::k_act(q) => {
+                let lay = KActLayout::new(k);
+                (Src1::KQuant(lay), rows1 * lay.row_bytes)
+            }
+            Path::LowQuant(_) => {
+                let lay = ActLayout::new(k);
+                (Src1::Quant(lay), rows1 * lay.row_bytes)
+            }
+            Path::Direct { .. }
+            | Path::Convert { .. }
+            | Path::Fused(_)
+            | Path::KFused(_)
+            | Path::LowFused(_)
                 if !src1_direct =>
             {
                 let ld = k.next_multiple_of(16);

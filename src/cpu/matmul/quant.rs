@@ -194,7 +194,7 @@ pub(crate) unsafe fn row_to_f32(isa: Isa, w: Weights, src: *const u8, dst: *mut 
             Weights::Float(FloatW::F16) => simd::f16_to_f32_raw(isa, src, dst, k),
             Weights::Float(FloatW::BF16) => simd::bf16_to_f32_raw(isa, src, dst, k),
             Weights::Quant(wt) => dequant_row(isa, wt, src, dst, k),
-            Weights::KQuant(_) | Weights::Table(_) => {
+            Weights::KQuant(_) | Weights::Low(_) => {
                 let d = w.dtype();
                 let src = std::slice::from_raw_parts(src, d.row_size(k));
                 let dst = std::slice::from_raw_parts_mut(dst, k);

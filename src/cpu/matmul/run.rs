@@ -5,6 +5,9 @@
 use super::float::{self, FloatBlock};
 use super::kf32::{self, KF32Block};
 use super::kquant::{self, KActLayout, KQuantBlock};
+use super::low;
+use super::lowf32::{self, LowF32Block};
+use super::lowq8::{self, LowQ8Block};
 use super::plan::{Path, Plan, Q_CHUNK_M, Src1, fused_chunk_m};
 use super::qf32::{self, QF32Block};
 use super::quant::{self, ActLayout, QuantBlock};
@@ -86,6 +89,34 @@ pub(super) unsafe fn run_item(
             }
             return;
         }
+        if let Path::LowQuant(wt) = plan.path {
+            let (row_bytes, d_off, s_off) = match plan.src1 {
+                Src1::KQuant(l) => (l.row_bytes, l.d_off(), l.s_off()),
+                Src1::Quant(l) => (l.row_bytes, l.d_off(), l.s_off()),
+                Src1::Direct | Src1::Gather { .. } => return,
+            };
+            let mut mc = 0;
+            while mc < m {
+                let rows = Q_CHUNK_M.min(m - mc);
+                let b = LowQ8Block {
+                    w,
+                    ldw: src0.nb[1],
+                    wt,
+                    x: p.wdata.add((row1 + mc) * row_bytes).cast_const(),
+                    ldx: row_bytes,
+                    d_off,
+                    s_off,
+                    d: d.add(mc * ldd),
+                    ldd,
+                    n,
+                    m: rows,
+                    nblk: plan.k / low::elems(low::code(wt)),
+                };
+                lowq8::block(isa, &b);
+                mc += rows;
+            }
+            return;
+        }
         let (x, ldx) = match plan.src1 {
             Src1::Gather { ld } => (p.wdata.cast::<f32>().add(row1 * ld).cast_const(), ld),
             _ => (
@@ -115,6 +146,22 @@ pub(super) unsafe fn run_item(
                 qf32::block(isa, &b);
                 mc += rows;
             }
+            return;
+        }
+        if let Path::LowFused(wt) = plan.path {
+            let b = LowF32Block {
+                w,
+                ldw: src0.nb[1],
+                wt,
+                x,
+                ldx,
+                d,
+                ldd,
+                n,
+                m,
+                nblk: plan.k / low::elems(low::code(wt)),
+            };
+            lowf32::block(isa, &b);
             return;
         }
         if let Path::KFused(wt) = plan.path {
@@ -166,7 +213,9 @@ pub(super) unsafe fn run_item(
             | Path::Fused(_)
             | Path::Quant(_)
             | Path::KFused(_)
-            | Path::KQuant(_) => return,
+            | Path::KQuant(_)
+            | Path::LowFused(_)
+            | Path::LowQuant(_) => return,
         };
         // Convert chunks of weight rows to f32 in this thread's scratch, then multiply.
         let scratch = p

@@ -93,7 +93,7 @@ pub(super) unsafe fn f16_at(tab: *const f32, p: *const u8) -> f32 {
 /// Q3_K's 6-bit scale of group `g` (0..16), offset to -32..=31 (ggml-common.h: low 4 bits of
 /// groups 0-7 and 8-15 in the low and high nibbles of bytes 0-7, the top 2 bits of group g in
 /// byte `8 + g % 4` at bit `2 (g / 4)`).
-#[inline(always)]
+#[cfg(test)]
 fn q3_scale(s: &[u8; 12], g: usize) -> i32 {
     let low = (s[g % 8] >> (4 * (g / 8))) & 0x0f;
     let high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
@@ -143,9 +143,20 @@ pub(super) unsafe fn int_scales<const T: u8>(b: *const u8, tab: *const f32) -> I
                 s.db = f16_at(tab, b.add(82));
             }
             L3K => {
-                let sc = &*b.add(96).cast::<[u8; 12]>();
-                for j in 0..16 {
-                    s.sc[j] = q3_scale(sc, j) as i16;
+                // Four words of four 6-bit scales (groups 4w..4w + 4): the low nibbles from
+                // bytes 0-7, the top 2 bits from bytes 8-11 (the layout `q3_scale` reads).
+                let w = |i: usize| b.add(96 + 4 * i).cast::<u32>().read_unaligned();
+                let (w0, w1, top) = (w(0), w(1), w(2));
+                const LOW4: u32 = 0x0f0f_0f0f;
+                const TOP2: u32 = 0x0303_0303;
+                let words = [
+                    (w0 & LOW4) | ((top & TOP2) << 4),
+                    (w1 & LOW4) | (((top >> 2) & TOP2) << 4),
+                    ((w0 >> 4) & LOW4) | (((top >> 4) & TOP2) << 4),
+                    ((w1 >> 4) & LOW4) | (((top >> 6) & TOP2) << 4),
+                ];
+                for (j, v) in s.sc.iter_mut().enumerate() {
+                    *v = (words[j / 4] >> (8 * (j % 4)) & 0xff) as i16 - 32;
                 }
                 s.da = f16_at(tab, b.add(108));
             }
@@ -356,6 +367,13 @@ mod tests {
                         int_scales::<T>(blk.as_ptr(), tab),
                     )
                 };
+                if T == L3K {
+                    // SAFETY: the scales are inside the block.
+                    let sc = unsafe { &*blk.as_ptr().add(96).cast::<[u8; 12]>() };
+                    for j in 0..16 {
+                        assert_eq!(s.sc[j] as i32, q3_scale(sc, j), "q3_k scale {j}");
+                    }
+                }
                 for e in 0..n {
                     let j = e / 16;
                     let got = (q[e] as f32).mul_add(dl[j], -ml[j]);

@@ -197,12 +197,18 @@ macro_rules! low_q8_kernels {
                     }
                     // SAFETY: block blk of weight row r.
                     let (q, s) = unsafe { (quants_avx2::<T>(wb), int_scales::<T>(wb, tab)) };
+                    // Scales of chunk c for `vpmaddwd`: lanes 0-7 `sc[2c]`, 8-15 `sc[2c + 1]`
+                    // (word c of the 16 i16 broadcast, then its two halves spread).
+                    // SAFETY: 16 i16.
+                    let all = unsafe { _mm256_loadu_si256(s.sc.as_ptr().cast()) };
+                    let pick = _mm256_setr_epi8(
+                        0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                        3, 2, 3, 2, 3, 2, 3,
+                    );
                     let mut scv = [_mm256_setzero_si256(); 8];
                     for (c, v) in scv.iter_mut().enumerate().take(ne / 32) {
-                        *v = _mm256_set_m128i(
-                            _mm_set1_epi16(s.sc[2 * c + 1]),
-                            _mm_set1_epi16(s.sc[2 * c]),
-                        );
+                        let pair = _mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(c as i32));
+                        *v = _mm256_shuffle_epi8(pair, pick);
                     }
                     let qa = if signed(T) {
                         q.map(|v| _mm256_sign_epi8(v, v))

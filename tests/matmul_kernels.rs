@@ -308,8 +308,8 @@ fn check(c: &Case, pools: &[ThreadPool], seed: u64) {
         }
     }
     if matmul::quantizes_activations(&o.w, Precision::Q8) && c.k > 0 && c.n * c.m > 0 {
-        // Exact mode is the accuracy mode: strictly closer to the reference (types whose
-        // kernels take 8-bit activations at all; the others keep f32 at both precisions).
+        // Exact mode is the accuracy mode: strictly closer to the reference (every quantized
+        // type; float weights keep f32 at both precisions).
         let pool = &pools[0];
         let e_exact = nmse(&run(c, &o, pool, Isa::detect(), Precision::Exact), &want);
         let e_q8 = nmse(&run(c, &o, pool, Isa::detect(), Precision::Q8), &want);
@@ -403,6 +403,15 @@ fn only_q8_quantizes_activations_and_only_for_quantized_weights() {
     let o = make_operands(&base(DType::Q4_1, 1), 1);
     assert!(matmul::quantizes_activations(&o.w, Precision::Q8));
     assert!(!matmul::quantizes_activations(&o.w, Precision::Exact));
+    // Every quantized type has 8-bit kernels, the types of 2 to 5 bits included.
+    for wt in quantized_weight_types() {
+        let o = make_operands(&base(wt, 1), 1);
+        assert!(matmul::quantizes_activations(&o.w, Precision::Q8), "{wt}");
+        assert!(
+            !matmul::quantizes_activations(&o.w, Precision::Exact),
+            "{wt}"
+        );
+    }
     let f = make_operands(&base(DType::F16, 1), 1);
     assert!(!matmul::quantizes_activations(&f.w, Precision::Q8));
 }

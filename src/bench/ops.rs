@@ -234,7 +234,7 @@ pub fn cases_with(ms: &[usize], wide_ms: &[usize]) -> Vec<OpCase> {
         }
     }
     // ggml test-backend-ops perf shape (its m = our N, its n = our M), and the types of
-    // Q4_K_M / Q5_K_M files.
+    // Q4_K_M / Q5_K_M files, Q3_K_M / Q2_K files and the IQ4 and Q5_1 uploads.
     for &m in wide_ms {
         for dt in [
             DType::F32,
@@ -245,6 +245,11 @@ pub fn cases_with(ms: &[usize], wide_ms: &[usize]) -> Vec<OpCase> {
             DType::Q4_K,
             DType::Q5_K,
             DType::Q6_K,
+            DType::Q3_K,
+            DType::Q2_K,
+            DType::IQ4_XS,
+            DType::IQ4_NL,
+            DType::Q5_1,
         ] {
             v.push(mm(dt, m, 4096, 14336, true));
         }

@@ -49,7 +49,7 @@ pub(crate) unsafe fn row_to_f32(isa: Isa, w: Weights, src: *const u8, dst: *mut 
                     KW::Q6_K => kdequant_avx2::<K6>(src, dst, nblk),
                 }
             }
-            Weights::KQuant(_) | Weights::Table(_) => {
+            Weights::KQuant(_) | Weights::Low(_) => {
                 let d = w.dtype();
                 let src = std::slice::from_raw_parts(src, d.row_size(k));
                 let dst = std::slice::from_raw_parts_mut(dst, k);

@@ -1,0 +1,246 @@
+//! The plan of one `mul_mat` node: the path (which kernels), the form src1 takes in the shared
+//! scratch, the scratch sizes and the work items, decided identically by every thread and by
+//! `work_size` before any data is touched.
+
+use super::kquant::KActLayout;
+use super::quant::ActLayout;
+use super::{FloatW, KQuantW, LowW, Precision, QuantW, Weights};
+use crate::cpu::view::TensorView;
+
+/// Whether `m` activation rows of length `k` go to the packed GEMM (the `gemm` crate) rather
+/// than the register-tiled kernels. Measured on Zen 4 with the AVX-512 tiles, F32 weights,
+/// N and K in 1024..4096, 1 and 2 threads (docs/kernels.md): the tiles are 1.3-1.9x faster at
+/// M = 128 and 256 (they read each weight once, the GEMM packs them), about even at M = 512,
+/// the GEMM 1.1-1.3x faster from M = 1024; at K = 64 (attention heads) the GEMM wins from
+/// M = 64. The rule does not depend on the SIMD level so that `work_size` and `forward_with`
+/// at any level agree on the scratch.
+pub(super) fn use_gemm(m: usize, k: usize) -> bool {
+    m >= 512 || (m >= 64 && k <= 64)
+}
+/// Largest M (activation rows per batch) multiplied by the fused kernels ([`qf32`](super::qf32)) when
+/// quantized weights meet f32 activations; larger M dequantizes chunks of weight rows into
+/// scratch once and uses the wider f32 tiles.
+pub(super) const FUSED_MAX_M: usize = 8;
+
+/// Activation rows the fused kernels multiply per pass over an item's weights: as many as
+/// fit in 256 KiB of f32 (a quarter of a Zen 4 L2), 8 to 64, a multiple of 4 (the tile width).
+pub(super) fn fused_chunk_m(k: usize) -> usize {
+    ((256 << 10) / (4 * k.max(1))).clamp(8, 64) / 4 * 4
+}
+
+/// Weight rows per work item are a multiple of this (keeps tiles whole).
+pub(super) const TILE_N: usize = 16;
+/// Per-thread scratch for weights converted to f32 before a GEMM call.
+pub(super) const CONV_BYTES: usize = 2 << 20;
+/// Rows converted at a time for the small-M exact-mode path.
+pub(super) const CONV_ROWS_SMALL: usize = 16;
+/// Quantized activation rows multiplied per pass over an item's weights.
+pub(super) const Q_CHUNK_M: usize = 64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Path {
+    /// dst has no elements.
+    Nothing,
+    /// K == 0: every output is an empty sum.
+    Zero,
+    /// Float tiles of `wt`, or the GEMM (then `wt` is F32), reading the weights in place.
+    Direct { wt: FloatW, gemm: bool },
+    /// Weights of `w` converted to f32 chunk by chunk in per-thread scratch, then float tiles
+    /// or the GEMM.
+    Convert { w: Weights, gemm: bool },
+    /// Quantized weights dequantized in registers, f32 activations ([`qf32`](super::qf32)).
+    Fused(QuantW),
+    /// Integer kernels on quantized activations.
+    Quant(QuantW),
+    /// K-quant weights dequantized in registers, f32 activations ([`kf32`](super::kf32)).
+    KFused(KQuantW),
+    /// K-quant integer kernels on Q8_K activations ([`kquant`](super::kquant)).
+    KQuant(KQuantW),
+    /// Q2_K, Q3_K, IQ4 or Q5_1 weights decoded in registers, f32 activations, M <= 8
+    /// ([`lowf32`](super::lowf32)).
+    LowFused(LowW),
+    /// Their integer kernels on Q8_K (256-element types) or Q8_1-style (blocks of 32)
+    /// activations ([`lowq8`](super::lowq8)).
+    LowQuant(LowW),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Src1 {
+    /// The kernels read src1 in place (f32 rows, strides multiples of 4).
+    Direct,
+    /// Gathered into contiguous rows of `ld` f32 in the shared scratch.
+    Gather { ld: usize },
+    /// Quantized into the shared scratch.
+    Quant(ActLayout),
+    /// Quantized to Q8_K into the shared scratch.
+    KQuant(KActLayout),
+}
+
+/// Everything `forward` decides before touching data; computed identically by every thread and
+/// by `work_size`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Plan {
+    pub(super) path: Path,
+    pub(super) src1: Src1,
+    pub(super) nth: usize,
+    pub(super) k: usize,
+    pub(super) n: usize,
+    pub(super) m: usize,
+    pub(super) ne12: usize,
+    pub(super) r2: usize,
+    pub(super) r3: usize,
+    /// Shared scratch bytes (src1 gathered or quantized), a multiple of 64.
+    pub(super) shared: usize,
+    /// Per-thread scratch bytes (converted weights), a multiple of 64.
+    pub(super) per_thread: usize,
+    /// Weight rows converted per step, and their f32 row stride.
+    pub(super) conv_rows: usize,
+    pub(super) conv_ld: usize,
+    /// Work items: batches x `cn` chunks of `bn` weight rows x `cm` chunks of `bm` rows of src1.
+    pub(super) items: usize,
+    pub(super) bn: usize,
+    pub(super) cn: usize,
+    pub(super) bm: usize,
+    pub(super) cm: usize,
+}
+
+impl Plan {
+    pub(super) fn new(
+        w: Weights,
+        src0: &TensorView,
+        src1: &TensorView,
+        dst: &TensorView,
+        nth: usize,
+        precision: Precision,
+    ) -> Plan {
+        let [k, n, ne02, ne03] = src0.ne;
+        let [_, m, ne12, ne13] = src1.ne;
+        let batches = ne12 * ne13;
+        let gemm = use_gemm(m, k);
+        let f32_rows = w == Weights::Float(FloatW::F32) && src0.nb[1..].iter().all(|b| b % 4 == 0);
+        let path = if dst.nelements() == 0 {
+            Path::Nothing
+        } else if k == 0 {
+            Path::Zero
+        } else {
+            match w {
+                Weights::Quant(q) if precision == Precision::Q8 => Path::Quant(q),
+                Weights::Quant(q) if m <= FUSED_MAX_M => Path::Fused(q),
+                Weights::KQuant(q) if precision == Precision::Q8 => Path::KQuant(q),
+                Weights::KQuant(q) if m <= FUSED_MAX_M => Path::KFused(q),
+                Weights::Float(wt) if !gemm || f32_rows => Path::Direct { wt, gemm },
+                Weights::Low(q) if precision == Precision::Q8 => Path::LowQuant(q),
+                Weights::Low(q) if m <= FUSED_MAX_M => Path::LowFused(q),
+                Weights::Quant(_) | Weights::KQuant(_) | Weights::Float(_) | Weights::Low(_) => {
+                    Path::Convert { w, gemm }
+                }
+            }
+        };
+        let rows1 = m * batches;
+        let src1_direct = src1.nb[0] == 4 && src1.nb[1..].iter().all(|b| b % 4 == 0);
+        let (src1_mode, shared) = match path {
+            Path::Quant(_) => {
+                let lay = ActLayout::new(k);
+                (Src1::Quant(lay), rows1 * lay.row_bytes)
+            }
+            Path::KQuant(_) => {
+                let lay = KActLayout::new(k);
+                (Src1::KQuant(lay), rows1 * lay.row_bytes)
+            }
+            Path::LowQuant(q) if super::lowq8::k_act(q) => {
+                let lay = KActLayout::new(k);
+                (Src1::KQuant(lay), rows1 * lay.row_bytes)
+            }
+            Path::LowQuant(_) => {
+                let lay = ActLayout::new(k);
+                (Src1::Quant(lay), rows1 * lay.row_bytes)
+            }
+            Path::Direct { .. }
+            | Path::Convert { .. }
+            | Path::Fused(_)
+            | Path::KFused(_)
+            | Path::LowFused(_)
+                if !src1_direct =>
+            {
+                let ld = k.next_multiple_of(16);
+                (Src1::Gather { ld }, rows1 * ld * 4)
+            }
+            _ => (Src1::Direct, 0),
+        };
+        let conv_ld = k.next_multiple_of(16);
+        let (conv_rows, per_thread) = match path {
+            Path::Convert { gemm, .. } => {
+                let rows = if gemm {
+                    (CONV_BYTES / (4 * conv_ld) / TILE_N * TILE_N).max(TILE_N)
+                } else {
+                    CONV_ROWS_SMALL
+                };
+                let rows = rows.min(n.next_multiple_of(TILE_N));
+                (rows, (rows * conv_ld * 4).next_multiple_of(64))
+            }
+            _ => (0, 0),
+        };
+        let (bn, bm) = grid(batches, n, m, nth);
+        let (cn, cm) = (n.div_ceil(bn.max(1)), m.div_ceil(bm.max(1)));
+        Plan {
+            path,
+            src1: src1_mode,
+            nth,
+            k,
+            n,
+            m,
+            ne12: ne12.max(1),
+            r2: ne12.checked_div(ne02).unwrap_or(1).max(1),
+            r3: ne13.checked_div(ne03).unwrap_or(1).max(1),
+            shared: shared.next_multiple_of(64),
+            per_thread,
+            conv_rows,
+            conv_ld,
+            items: batches * cn * cm,
+            bn,
+            cn,
+            bm,
+            cm,
+        }
+    }
+}
+
+/// Chunk sizes `(bn, bm)` of the work items for `batches` outputs of `n x m` on `nth` threads.
+pub(super) fn grid(batches: usize, n: usize, m: usize, nth: usize) -> (usize, usize) {
+    if nth <= 1 || batches.is_multiple_of(nth) {
+        return (n, m);
+    }
+    if n >= TILE_N * nth {
+        // Each thread takes 1/nth of every batch's weight rows.
+        return (n.div_ceil(nth).next_multiple_of(TILE_N), m);
+    }
+    if m >= nth {
+        return (n, m.div_ceil(nth));
+    }
+    (TILE_N.min(n).max(1), 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::view::split_range;
+
+    #[test]
+    fn grid_covers_the_output_and_balances_decode_shapes() {
+        // M = 1 on two threads: each thread streams half of the weight rows.
+        assert_eq!(grid(1, 4096, 1, 2), (2048, 1));
+        assert_eq!(grid(1, 49152, 1, 2), (24576, 1));
+        // Batches that divide evenly are handed out whole.
+        assert_eq!(grid(4, 100, 7, 2), (100, 7));
+        // Few weight rows: split src1 rows instead.
+        assert_eq!(grid(1, 10, 33, 2), (10, 17));
+        for (b, n, m, nth) in [(3, 4096, 1, 2), (9, 7, 1, 2), (1, 33, 2, 3), (5, 1, 1, 4)] {
+            let (bn, bm) = grid(b, n, m, nth);
+            assert!(bn >= 1 && bm >= 1 && bn <= n.next_multiple_of(TILE_N) && bm <= m);
+            let items = b * n.div_ceil(bn) * m.div_ceil(bm);
+            // Every thread gets within one item of the others.
+            let sizes: Vec<usize> = (0..nth).map(|t| split_range(items, t, nth).len()).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+        }
+    }
+}

@@ -19,7 +19,11 @@ fn bad_operands_are_builder_errors_naming_the_op() {
     let shape = |e: Error, a: [usize; 4], b: [usize; 4]| {
         let msg = e.to_string();
         assert!(matches!(e, Error::ShapeMismatch { .. }), "{e:?}");
-        for want in ["mul_mat_id".to_string(), Shape(a).to_string(), Shape(b).to_string()] {
+        for want in [
+            "mul_mat_id".to_string(),
+            Shape(a).to_string(),
+            Shape(b).to_string(),
+        ] {
             assert!(msg.contains(&want), "`{msg}` does not name {want}");
         }
     };
@@ -40,7 +44,10 @@ fn bad_operands_are_builder_errors_naming_the_op() {
         [3, 3, 1, 1],
     );
     let e = g.mul_mat_id(experts, x, ids_f).unwrap_err();
-    assert!(matches!(e, Error::DTypeMismatch { .. }) && e.to_string().contains("ids_f"), "{e}");
+    assert!(
+        matches!(e, Error::DTypeMismatch { .. }) && e.to_string().contains("ids_f"),
+        "{e}"
+    );
     let e = g.mul_mat_id(ids, x, ids).unwrap_err();
     assert!(matches!(e, Error::DTypeMismatch { .. }), "{e}");
     let probs = g.input("probs", DType::F32, [4, 3, 1, 1]).unwrap();
@@ -56,7 +63,9 @@ fn bad_operands_are_builder_errors_naming_the_op() {
 /// One small graph that must run after an error.
 fn runs(be: &dyn Backend) {
     let mut g = Graph::new();
-    let experts = g.input_f32("experts", [2, 1, 2, 1], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    let experts = g
+        .input_f32("experts", [2, 1, 2, 1], &[1.0, 2.0, 3.0, 4.0])
+        .unwrap();
     let x = g.input_f32("x", [2, 1, 1, 1], &[1.0, 1.0]).unwrap();
     let ids = g.input_i32("ids", [2, 1, 1, 1], &[1, 0]).unwrap();
     let y = g.mul_mat_id(experts, x, ids).unwrap();
@@ -81,7 +90,12 @@ fn an_expert_id_outside_the_experts_is_a_node_error() {
             let e = be.graph_compute(&mut g).expect_err("bad expert id");
             match &e {
                 Error::RowIdOutOfRange {
-                    node, op, id, index, rows, ..
+                    node,
+                    op,
+                    id,
+                    index,
+                    rows,
+                    ..
                 } => assert_eq!(
                     (node.as_str(), *op, *id, *index, *rows),
                     ("ffn_up_exps_out", "mul_mat_id", bad as i64, [1, 1, 0], 4),

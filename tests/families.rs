@@ -8,8 +8,10 @@
 
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
-use metashard::models::arch::{Arch, GEMMA2, GEMMA3, LLAMA, PHI3, QWEN2, QWEN3, Tensor};
-use metashard::models::hparams::{DecoderConfig, LongRope, SlidingWindow};
+use metashard::models::arch::{
+    Arch, GEMMA2, GEMMA3, LLAMA, MIXTRAL, Mlp, PHI3, QWEN2, QWEN2MOE, QWEN3, QWEN3MOE, Tensor,
+};
+use metashard::models::hparams::{DecoderConfig, LongRope, Moe, SlidingWindow};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
 use metashard::models::session::Session;
@@ -34,8 +36,18 @@ fn config(arch: &'static Arch) -> DecoderConfig {
         rms_eps: 1e-6,
         ..base
     };
+    if let Mlp::Moe(m) = spec.mlp {
+        // 6 experts of 64 features, 2 per token (Qwen2-MoE: a shared expert of 96).
+        c.moe = Some(Moe {
+            n_expert: 6,
+            n_expert_used: 2,
+            n_ff_exp: 64,
+            n_ff_shexp: if m.shared_expert { 96 } else { 0 },
+            norm_weights: m.norm_weights,
+        });
+    }
     match arch.name {
-        "qwen3" => {
+        "qwen3" | "qwen3moe" => {
             // A head size the file gives (not 128 / 8).
             c.head_dim = 32;
             c.rope_dims = 32;
@@ -96,7 +108,11 @@ fn model_file(arch: &'static Arch, optional: &[Tensor]) -> PathBuf {
         cfg.long_rope = Some(long_rope(8));
     }
     let bytes = gguf_bytes_with(&cfg, DType::F32, tied, 512, 11, optional).unwrap();
-    write(&format!("{}-{}.gguf", arch.name, optional.len()), &bytes)
+    let moe = if cfg.moe.is_some() { "-moe" } else { "" };
+    write(
+        &format!("{}{moe}-{}.gguf", arch.name, optional.len()),
+        &bytes,
+    )
 }
 
 /// LongRoPE with an attention factor of Phi-3-mini-128k's size and an original context of
@@ -462,4 +478,26 @@ fn phi3_fused_products_stay_split_per_segment() {
             .count();
         assert_eq!(reduces, 2 * c.n_layer, "{n} devices:\n{text}");
     }
+}
+
+/// The mixtures of experts: Qwen3-MoE (normalised weights), Qwen2-MoE (with its shared expert
+/// and its sigmoid gate) and Mixtral (a `llama` file with experts) equal the numpy reference,
+/// and their experts, mirrored on every device, give one device's tokens on cpu:2x1, cpu:3x1
+/// and a layer split.
+#[test]
+fn qwen3moe_matches_the_reference_and_splits() {
+    matches_the_reference(&QWEN3MOE, &[]);
+    splits_give_one_devices_tokens(&QWEN3MOE, &[]);
+}
+
+#[test]
+fn qwen2moe_matches_the_reference_and_splits() {
+    matches_the_reference(&QWEN2MOE, &[]);
+    splits_give_one_devices_tokens(&QWEN2MOE, &[]);
+}
+
+#[test]
+fn mixtral_matches_the_reference_and_splits() {
+    matches_the_reference(&MIXTRAL, &[]);
+    splits_give_one_devices_tokens(&MIXTRAL, &[]);
 }

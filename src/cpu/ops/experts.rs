@@ -7,6 +7,11 @@
 //! f32 matrix in that order; then for every expert with rows, the dense `mul_mat` kernels
 //! (`cpu::matmul`, every weight type and path they have) multiply that expert's slice of the
 //! weights by its rows, on all threads; last, the rows are scattered to their `(e, t)` places.
+//! A decoding step (one token, one activation row, each expert chosen once) skips the gather:
+//! the kernels read the row in place; threads wait for each other between experts only where
+//! the dense kernels use shared scratch (not the fused paths at f32 activations). Measured
+//! (Q4_K, 2 of 8 experts of [4096, 2048], one token, cpu:1x1, a loaded machine): 1.66 ms
+//! against 1.63 ms for `mul_mat` over the same bytes.
 //!
 //! Shared scratch, in order (each part 64-byte aligned): the per-expert row offsets (u32,
 //! `n_expert + 1`), the rows in expert order (u32 `e + n_used * t`), the gathered activations
@@ -192,8 +197,16 @@ pub fn mul_mat_id(
             p.wdata.add(parts.mm),
         )
     };
-    gather(p, b, &d, order, xs);
-    p.barrier();
+    // One token whose experts all read its one packed activation row, each expert once (a
+    // decoding step): the kernels read that row in place; otherwise the rows are gathered.
+    let direct = d.n_tokens == 1
+        && d.n_b == 1
+        && b.nb[0] == 4
+        && offsets.windows(2).all(|o| o[1] - o[0] <= 1);
+    if !direct {
+        gather(p, b, &d, order, xs);
+        p.barrier();
+    }
     let sub = ComputeParams {
         wdata: mm,
         wsize: p.wsize - parts.mm,
@@ -205,12 +218,22 @@ pub fn mul_mat_id(
             continue;
         }
         let w = expert_view(experts, e);
-        let x = packed_f32(xs.wrapping_add(lo * d.k * 4), d.k, hi - lo);
+        let x = if direct {
+            // SAFETY: row (0, 0) of b exists (one token, one row) and is packed f32.
+            packed_f32(unsafe { b.row_ptr(0, 0, 0) }, d.k, 1)
+        } else {
+            packed_f32(xs.wrapping_add(lo * d.k * 4), d.k, hi - lo)
+        };
         let y = packed_f32(ys.wrapping_add(lo * d.n * 4), d.n, hi - lo);
         matmul::forward(&sub, &w, &x, &y);
-        // The next expert's kernels reuse the dense scratch.
-        p.barrier();
+        // The next expert's kernels reuse the dense kernels' shared scratch, if they have one
+        // (the fused paths at f32 activations have none: no barrier).
+        if matmul::work_size(&w, &x, &y, p.nth, p.precision) > 0 {
+            p.barrier();
+        }
     }
+    // Every thread wrote part of every expert's products.
+    p.barrier();
     scatter(p, dst, &d, order, ys);
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! Cases for the mixture-of-experts ops: `mul_mat_id` (every weight type, ids repeating an
 //! expert within a token and leaving experts unused, activations shared by a token's experts
 //! (`n_b = 1`) or one row per expert, M up to 33 rows for one expert so the dense kernels take
-//! their GEMM and tile paths, strided activations, zero tokens), `argsort` both ways, `top_k`,
+//! their GEMM and tile paths, one token (read in place), strided activations, zero tokens),
+//! `argsort` both ways, `top_k`,
 //! and the routing chain of llama.cpp's `build_moe_ffn` (softmax, top-k, weights by
 //! `get_rows`, normalised by their sum, expert products weighted and summed).
 
@@ -52,6 +53,10 @@ fn mul_mat_id_cases(v: &mut Vec<Case>) {
         };
         v.push(mmid_case(dt, [k, 17, 4], 1, [2, 3], p));
         v.push(mmid_case(dt, [k, 7, 3], 2, [2, 5], p));
+        // One token (a decoding step): the experts read its row in place, unless the ids
+        // repeat an expert (then it is gathered; 3 ids of 2 experts always repeat one).
+        v.push(mmid_case(dt, [k, 9, 5], 1, [2, 1], p));
+        v.push(mmid_case(dt, [k, 9, 2], 1, [3, 1], p));
     }
     for dt in [F32, Q8_0, Q4_K] {
         let k = if dt.is_quantized() { 256 } else { 65 };

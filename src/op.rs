@@ -32,6 +32,8 @@ pub enum UnaryOp {
     GeluErf,
     Relu,
     Tanh,
+    /// 1 / (1 + exp(-x)) (ggml `GGML_UNARY_OP_SIGMOID`; the shared-expert gate of Qwen2-MoE)
+    Sigmoid,
 }
 
 impl UnaryOp {
@@ -42,6 +44,7 @@ impl UnaryOp {
             UnaryOp::GeluErf => "gelu_erf",
             UnaryOp::Relu => "relu",
             UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
         }
     }
 }
@@ -199,6 +202,11 @@ pub enum Op {
     // ---- arithmetic ---------------------------------------------------------------------
     /// `[a, b]` -> `[a.ne1, b.ne1, b.ne2, b.ne3]`, each output `dot(a row, b row)`.
     MulMat,
+    /// `[as, b, ids]`: ggml `mul_mat_id` (ggml.c `ggml_mul_mat_id`): expert weights
+    /// `as [K, N, n_expert]`, activations `b [K, n_b, n_tokens]`, I32 expert ids
+    /// `[n_used, n_tokens]` with `n_used % n_b == 0`; output f32 `[N, n_used, n_tokens]` with
+    /// `out[:, e, t] = as[:, :, ids[e, t]] · b[:, e % n_b, t]`.
+    MulMatId,
     Binary(BinaryOp),
     /// `x * scale + bias`.
     Scale {
@@ -232,6 +240,12 @@ pub enum Op {
     Mean,
     /// Index of each row's maximum (I32 `[ne1]`, 2-D input).
     Argmax,
+    /// Each row's indices in the order that sorts it (I32, the input's shape; ggml
+    /// `ggml_argsort` with `GGML_SORT_ORDER_DESC` when `descending`). Equal values keep their
+    /// index order. `top_k` is its first k columns (a view), as ggml's `ggml_top_k` was built.
+    Argsort {
+        descending: bool,
+    },
     /// `[q, k, v, mask?]`: `softmax(q kᵀ * scale + mask) v` per head, grouped-query heads;
     /// output `[dv, n_head, n_q, batch]`.
     FlashAttn {
@@ -256,6 +270,7 @@ impl Op {
             Op::GetRows { .. } => "get_rows",
             Op::SetRows { .. } => "set_rows",
             Op::MulMat => "mul_mat",
+            Op::MulMatId => "mul_mat_id",
             Op::Binary(b) => b.name(),
             Op::Scale { .. } => "scale",
             Op::Clamp { .. } => "clamp",
@@ -268,6 +283,7 @@ impl Op {
             Op::SumRows => "sum_rows",
             Op::Mean => "mean",
             Op::Argmax => "argmax",
+            Op::Argsort { .. } => "argsort",
             Op::FlashAttn { .. } => "flash_attn",
             Op::Collective(CollectiveKind::AllReduce) => "all_reduce",
             Op::Collective(CollectiveKind::AllGather { .. }) => "all_gather",
@@ -318,6 +334,7 @@ impl Hash for Op {
             | Op::Cont
             | Op::Cpy
             | Op::MulMat
+            | Op::MulMatId
             | Op::Swiglu
             | Op::SumRows
             | Op::Mean
@@ -325,6 +342,7 @@ impl Hash for Op {
             Op::View { offset } => offset.hash(h),
             Op::Permute { axes } => axes.hash(h),
             Op::Concat { dim } => dim.hash(h),
+            Op::Argsort { descending } => descending.hash(h),
             Op::GetRows { window } | Op::SetRows { window } => window.hash(h),
             Op::Binary(op) => op.hash(h),
             Op::Scale { scale, bias } => {
@@ -381,6 +399,12 @@ mod tests {
         }
     }
 
+    impl Changes for bool {
+        fn changes(&self) -> Vec<bool> {
+            vec![!*self]
+        }
+    }
+
     impl Changes for usize {
         fn changes(&self) -> Vec<usize> {
             vec![*self + 1]
@@ -429,7 +453,8 @@ mod tests {
                 UnaryOp::Gelu => UnaryOp::GeluErf,
                 UnaryOp::GeluErf => UnaryOp::Relu,
                 UnaryOp::Relu => UnaryOp::Tanh,
-                UnaryOp::Tanh => UnaryOp::Silu,
+                UnaryOp::Tanh => UnaryOp::Sigmoid,
+                UnaryOp::Sigmoid => UnaryOp::Silu,
             })
         }
     }
@@ -577,13 +602,14 @@ mod tests {
     }
 
     every_op! {
-        units: Leaf, Reshape, Cont, Cpy, MulMat, Swiglu, SumRows, Mean, Argmax;
+        units: Leaf, Reshape, Cont, Cpy, MulMat, MulMatId, Swiglu, SumRows, Mean, Argmax;
         structs:
             GetRows { window: Some(RowWindow { rows: 10, lo: 2, hi: 5, at: 1 }) },
             SetRows { window: Some(RowWindow { rows: 8, lo: 4, hi: 8, at: 0 }) },
             View { offset: 64 },
             Permute { axes: [1, 0, 2, 3] },
             Concat { dim: 1 },
+            Argsort { descending: true },
             Scale { scale: 0.5, bias: 0.0 },
             Clamp { min: -1.0, max: 1.0 },
             RmsNorm { eps: 1e-6 },

@@ -12,7 +12,8 @@ mod decoders;
 use decoders::{config, open};
 use metashard::DType;
 use metashard::models::arch::{
-    Arch, GEMMA2, GEMMA3, LLAMA, PHI3, PHI3_SEPARATE_QKV, QWEN2, QWEN3, Tensor,
+    Arch, GEMMA2, GEMMA3, LLAMA, MIXTRAL, PHI3, PHI3_SEPARATE_QKV, QWEN2, QWEN2MOE, QWEN3,
+    QWEN3MOE, Tensor,
 };
 use metashard::models::hparams::LongRope;
 use metashard::models::layer_split::SplitMode;
@@ -39,8 +40,9 @@ fn model_file(arch: &'static Arch, optional: &[Tensor]) -> PathBuf {
     } else {
         ""
     };
+    let moe = if cfg.moe.is_some() { "-moe" } else { "" };
     write(
-        &format!("{}{variant}-{}.gguf", arch.name, optional.len()),
+        &format!("{}{variant}{moe}-{}.gguf", arch.name, optional.len()),
         &bytes,
     )
 }
@@ -393,4 +395,26 @@ fn phi3_fused_products_stay_split_per_segment() {
             .count();
         assert_eq!(reduces, 2 * c.n_layer, "{n} devices:\n{text}");
     }
+}
+
+/// The mixtures of experts: Qwen3-MoE (normalised weights), Qwen2-MoE (with its shared expert
+/// and its sigmoid gate) and Mixtral (a `llama` file with experts) equal the numpy reference,
+/// and their experts, mirrored on every device, give one device's tokens on cpu:2x1, cpu:3x1
+/// and a layer split.
+#[test]
+fn qwen3moe_matches_the_reference_and_splits() {
+    matches_the_reference(&QWEN3MOE, &[]);
+    splits_give_one_devices_tokens(&QWEN3MOE, &[]);
+}
+
+#[test]
+fn qwen2moe_matches_the_reference_and_splits() {
+    matches_the_reference(&QWEN2MOE, &[]);
+    splits_give_one_devices_tokens(&QWEN2MOE, &[]);
+}
+
+#[test]
+fn mixtral_matches_the_reference_and_splits() {
+    matches_the_reference(&MIXTRAL, &[]);
+    splits_give_one_devices_tokens(&MIXTRAL, &[]);
 }

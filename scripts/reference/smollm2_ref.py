@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Independent numpy reference of the SmolLM2 (llama architecture) forward pass, and of the other
-decoder families metashard runs (qwen2, qwen3, gemma2, gemma3, phi3).
+decoder families metashard runs (qwen2, qwen3, gemma2, gemma3, phi3, and the mixtures of
+experts qwen3moe, qwen2moe and Mixtral).
 
 metashard's Rust tests call this script as a subprocess and compare their logits and
 greedy tokens with what it prints. It shares no code with metashard: it reads the GGUF
@@ -38,6 +39,15 @@ Sources of the facts used here (formats and algorithms only, no code taken):
     times phi3.rope.scaling.attn_factor, with llama.cpp's choice of factors: the long ones
     when the context (here the cache: prompt + steps + 1) exceeds
     phi3.rope.scaling.original_context_length, the short ones otherwise.
+  * mixtures of experts (Hugging Face's Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock,
+    MixtralSparseMoeBlock; llama.cpp's build_moe_ffn and tensor names ffn_gate_inp,
+    ffn_{gate,up,down}_exps with ne = [n_embd, n_ff_exp, n_expert] (down: [n_ff_exp, n_embd,
+    n_expert]), ffn_*_shexp, ffn_gate_inp_shexp): router probabilities softmax(W_r h) over
+    all experts, the {arch}.expert_used_count largest per token, their probabilities as
+    weights, divided by their sum for qwen3moe and Mixtral (norm_topk_prob; the file's
+    {arch}.expert_weights_norm when present), not for qwen2moe; each selected expert's SwiGLU
+    output times its weight, summed; qwen2moe adds its shared expert's SwiGLU output times
+    sigmoid(w_shexp_gate . h). Mixtral is a llama file with llama.expert_count > 0.
   * llama.cpp runs LLM_ARCH_LLAMA with LLAMA_ROPE_TYPE_NORM: the HF->GGUF converter
     permutes the rows of Q and K so that the rotation acts on ADJACENT pairs
     (x[2i], x[2i+1]) of each head, theta_i = pos * base^(-2i / n_rot).
@@ -104,6 +114,9 @@ class HParams:
     rope_factors: np.ndarray | None = None  # Llama 3's rope_freqs: pair i's angle / factor i
     rope_mscale: float = 1.0  # LongRoPE's attention factor on cos and sin
     long_rope: tuple | None = None  # (long, short, original context) of Phi-3's LongRoPE
+    n_expert: int = 0  # a mixture of experts when > 0
+    n_expert_used: int = 0
+    moe_norm: bool = True  # the selected experts' weights divided by their sum
 
 
 @dataclass
@@ -114,9 +127,9 @@ class Layer:
     wv: np.ndarray  # (n_head_kv*head_dim, n_embd)
     wo: np.ndarray  # (n_embd, n_head*head_dim)       ggml ne = [n_head*head_dim, n_embd]
     ffn_norm: np.ndarray  # (n_embd,)
-    w_gate: np.ndarray  # (n_ff, n_embd)              ggml ne = [n_embd, n_ff]
-    w_up: np.ndarray  # (n_ff, n_embd)
-    w_down: np.ndarray  # (n_embd, n_ff)             ggml ne = [n_ff, n_embd]
+    w_gate: np.ndarray | None  # (n_ff, n_embd)       ggml ne = [n_embd, n_ff]; None: experts
+    w_up: np.ndarray | None  # (n_ff, n_embd)
+    w_down: np.ndarray | None  # (n_embd, n_ff)      ggml ne = [n_ff, n_embd]
     bq: np.ndarray | None = None  # (n_head*head_dim,)  biases where the file has them
     bk: np.ndarray | None = None  # (n_head_kv*head_dim,)
     bv: np.ndarray | None = None
@@ -125,6 +138,7 @@ class Layer:
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None  # (n_embd,)  post-block norms (Gemma)
     post_ffw_norm: np.ndarray | None = None
+    moe: dict | None = None  # the experts' arrays (see load_experts)
 
 
 @dataclass
@@ -181,10 +195,9 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         raise RefError(f"cannot parse GGUF file {path}: {e}")
 
     arch = _field_str(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
-        raise RefError(
-            f"{path}: general.architecture is '{arch}', this reference handles llama, qwen2, qwen3, gemma2, gemma3, phi3"
-        )
+    archs = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "qwen2moe")
+    if arch not in archs:
+        raise RefError(f"{path}: general.architecture is '{arch}', this reference handles {', '.join(archs)}")
 
     def u(key, required=True):
         return _field_scalar(reader, f"{arch}.{key}", required)
@@ -206,7 +219,7 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     hp = HParams(
         n_layer=int(u("block_count")),
         n_embd=n_embd,
-        n_ff=int(u("feed_forward_length")),
+        n_ff=int(u("feed_forward_length", False) or u("expert_feed_forward_length", False) or 0),
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
@@ -216,6 +229,11 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         n_vocab=n_vocab,
         n_ctx_train=int(u("context_length", False) or 0),
     )
+    hp.n_expert = int(u("expert_count", False) or 0)
+    if hp.n_expert:
+        hp.n_expert_used = int(u("expert_used_count"))
+        norm = u("expert_weights_norm", False)
+        hp.moe_norm = bool(norm) if norm is not None else arch != "qwen2moe"
     gemma = arch in ("gemma2", "gemma3")
     if gemma:
         hp.gelu = True
@@ -282,12 +300,29 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         w = get(p + "ffn_up.weight", [E, 2 * F])
         return w[:F], w[F:]
 
+    def load_experts(p: str) -> dict:
+        X = hp.n_expert
+        FX = int(u("expert_feed_forward_length", False) or F)
+        e = {
+            "router": get(p + "ffn_gate_inp.weight", [E, X]),  # (X, E)
+            "gate": get(p + "ffn_gate_exps.weight", [E, FX, X]),  # (X, FX, E)
+            "up": get(p + "ffn_up_exps.weight", [E, FX, X]),
+            "down": get(p + "ffn_down_exps.weight", [FX, E, X]),  # (X, E, FX)
+        }
+        if arch == "qwen2moe":
+            FS = int(u("expert_shared_feed_forward_length"))
+            e["shexp_gate_inp"] = get(p + "ffn_gate_inp_shexp.weight", [E])
+            e["shexp_gate"] = get(p + "ffn_gate_shexp.weight", [E, FS])
+            e["shexp_up"] = get(p + "ffn_up_shexp.weight", [E, FS])
+            e["shexp_down"] = get(p + "ffn_down_shexp.weight", [FS, E])
+        return e
+
     layers = []
     for i in range(hp.n_layer):
         p = f"blk.{i}."
         wq, wk, wv = attn_qkv(p)
-        w_gate, w_up = gate_up(p)
-        if arch == "qwen2":
+        w_gate, w_up = gate_up(p) if not hp.n_expert else (None, None)
+        if arch in ("qwen2", "qwen2moe"):
             for b in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
                 if p + b not in tensors:
                     raise RefError(f"{path}: qwen2 tensor '{p + b}' is missing")
@@ -301,7 +336,7 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
                 ffn_norm=get(p + "ffn_norm.weight", [E]),
                 w_gate=w_gate,
                 w_up=w_up,
-                w_down=get(p + "ffn_down.weight", [F, E]),
+                w_down=get(p + "ffn_down.weight", [F, E]) if not hp.n_expert else None,
                 bq=opt(p + "attn_q.bias", [hp.n_head * HD]),
                 bk=opt(p + "attn_k.bias", [hp.n_head_kv * HD]),
                 bv=opt(p + "attn_v.bias", [hp.n_head_kv * HD]),
@@ -310,6 +345,7 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
                 k_norm=opt(p + "attn_k_norm.weight", [HD]),
                 post_attn_norm=opt(p + "post_attention_norm.weight", [E]),
                 post_ffw_norm=opt(p + "post_ffw_norm.weight", [E]),
+                moe=load_experts(p) if hp.n_expert else None,
             )
         )
     tok_embd = get("token_embd.weight", [E, hp.n_vocab])
@@ -418,6 +454,28 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     return y if b is None else y + b
 
 
+def experts_ffn(hp: HParams, e: dict, h: np.ndarray) -> np.ndarray:
+    """A mixture of SwiGLU experts over h (n, E), token by token."""
+    logits = h @ e["router"].T  # (n, X)
+    z = logits - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        top = np.argsort(-probs[t], kind="stable")[: hp.n_expert_used]
+        w = probs[t, top]
+        if hp.moe_norm:
+            w = w / w.sum()
+        for x, wx in zip(top, w):
+            y = (silu(e["gate"][x] @ h[t]) * (e["up"][x] @ h[t])) @ e["down"][x].T
+            out[t] += wx * y
+    if "shexp_gate" in e:
+        s = (silu(h @ e["shexp_gate"].T) * (h @ e["shexp_up"].T)) @ e["shexp_down"].T
+        g = 1.0 / (1.0 + np.exp(-(h @ e["shexp_gate_inp"])))  # (n,)
+        out += s * g[:, None]
+    return out
+
+
 def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm") -> np.ndarray:
     """Run `tokens` at positions n_past.. through the model; return logits (n, n_vocab)."""
     hp = m.hp
@@ -480,7 +538,10 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
         x = x + a
         h = rms_norm(x, L.ffn_norm, hp.rms_eps)
         act = gelu_tanh if hp.gelu else silu
-        ff = (act(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+        if L.moe is not None:
+            ff = experts_ffn(hp, L.moe, h)
+        else:
+            ff = (act(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
         if L.post_ffw_norm is not None:
             ff = rms_norm(ff, L.post_ffw_norm, hp.rms_eps)
         x = x + ff

@@ -312,6 +312,13 @@ impl CudaPlan {
             Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Collective(_) => {
                 Ok(())
             }
+            // Refused by `supports_node`; the scheduler gives them to another backend.
+            Op::MulMatId | Op::Argsort { .. } => Err(Error::UnsupportedOp {
+                backend: inner.name(),
+                op: e.op.name().to_string(),
+                node: e.name.clone(),
+                detail: "no CUDA kernel yet".into(),
+            }),
             Op::Cont | Op::Cpy => self.copy(e),
             Op::Concat { dim } => {
                 let dim = dim as i32;
@@ -449,6 +456,7 @@ impl CudaPlan {
             Op::Unary(UnaryOp::GeluErf) => (2, 0.0, 0.0),
             Op::Unary(UnaryOp::Relu) => (3, 0.0, 0.0),
             Op::Unary(UnaryOp::Tanh) => (4, 0.0, 0.0),
+            Op::Unary(UnaryOp::Sigmoid) => (7, 0.0, 0.0),
             Op::Scale { scale, bias } => (5, scale, bias),
             Op::Clamp { min, max } => (6, min, max),
             _ => unreachable!("called for unary, scale and clamp only"),

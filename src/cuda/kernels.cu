@@ -363,7 +363,8 @@ extern "C" __global__ void k_binary(Tensor dst, Tensor a, Tensor b, int op) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
-// op: 0 silu, 1 gelu (tanh), 2 gelu (erf), 3 relu, 4 tanh, 5 scale (x p0 + p1), 6 clamp (p0, p1).
+// op: 0 silu, 1 gelu (tanh), 2 gelu (erf), 3 relu, 4 tanh, 5 scale (x p0 + p1), 6 clamp (p0, p1),
+// 7 sigmoid.
 extern "C" __global__ void k_unary(Tensor dst, Tensor a, int op, float p0, float p1) {
     i64 n = nelements(dst);
     GRID_STRIDE(k, n) {
@@ -378,6 +379,7 @@ extern "C" __global__ void k_unary(Tensor dst, Tensor a, int op, float p0, float
         case 3: r = fmaxf(x, 0.0f); break;
         case 4: r = tanhf(x); break;
         case 5: r = x * p0 + p1; break;
+        case 7: r = 1.0f / (1.0f + expf(-x)); break;
         default: r = fminf(fmaxf(x, p0), p1); break;
         }
         store(dst, i[0], i[1], i[2], i[3], r);

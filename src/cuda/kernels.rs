@@ -185,6 +185,7 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
             }
             float(dst, "the output")
         }
+        Op::MulMatId | Op::Argsort { .. } => Err(format!("{} has no CUDA kernel yet", n.op.name())),
         Op::Argmax => {
             if src[0].dtype == DType::F32 {
                 Ok(())

@@ -7,6 +7,8 @@ use crate::tensor::{Layout, can_repeat};
 use crate::{DType, Error, Result};
 use smallvec::SmallVec;
 
+mod experts;
+
 fn dtype_err(op: &'static str, operand: &str, expected: &str, got: DType) -> Error {
     Error::DTypeMismatch {
         op,

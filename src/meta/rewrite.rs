@@ -449,6 +449,7 @@ fn rebuild_on(
 fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
     match node.op {
         Op::MulMat => lg.mul_mat(s[0], s[1]),
+        Op::MulMatId => lg.mul_mat_id(s[0], s[1], s[2]),
         Op::Binary(b) => lg.binary(b, s[0], s[1]),
         Op::Scale { scale, bias } => lg.scale_bias(s[0], scale, bias),
         Op::Clamp { min, max } => lg.clamp(s[0], min, max),
@@ -462,6 +463,7 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
         Op::SumRows => lg.sum_rows(s[0]),
         Op::Mean => lg.mean(s[0]),
         Op::Argmax => lg.argmax(s[0]),
+        Op::Argsort { descending } => lg.argsort(s[0], descending),
         Op::FlashAttn { scale } => lg.flash_attn(s[0], s[1], s[2], s.get(3).copied(), scale),
         Op::GetRows { window: None } => lg.get_rows(s[0], s[1]),
         Op::GetRows { window: Some(w) } => lg.get_rows_windowed(s[0], s[1], w),

@@ -142,7 +142,13 @@ impl BertConfig {
             Dim::Vocab => self.n_vocab,
             Dim::Pos => self.n_pos,
             Dim::Types => self.n_type,
-            Dim::Ctx | Dim::RopeHalf | Dim::Qkv | Dim::Ff2 => return None,
+            Dim::Ctx
+            | Dim::RopeHalf
+            | Dim::Qkv
+            | Dim::Ff2
+            | Dim::Expert
+            | Dim::FfExp
+            | Dim::FfShexp => return None,
         })
     }
 

@@ -212,6 +212,12 @@ pub fn ffn(g: &mut Graph, mlp: Mlp, lw: &Weights, x: TensorId) -> Result<TensorI
             let d = g.mul_mat(wd, h)?;
             add_bias(g, d, bd)
         }
+        Mlp::Moe(_) => Err(crate::Error::Model {
+            model: "weights".into(),
+            reason: "a mixture of experts is built by `models::moe::moe_ffn` with the model's \
+                     expert counts"
+                .into(),
+        }),
         Mlp::Plain(act) => {
             let h = linear(g, x, lw.get(Tensor::FfnUp)?, lw.opt(Tensor::FfnUpBias))?;
             let h = g.unary(act, h)?;

@@ -369,7 +369,10 @@ fn decoder_layer(
     let x = g.add(o, x)?;
     g.set_name(x, attn_out_name(l));
     let cur = blocks::norm_of(g, NormKind::Rms, lw, Tensor::FfnNorm, None, x, cfg.rms_eps)?;
-    let d = blocks::ffn(g, spec.mlp, lw, cur)?;
+    let d = match &cfg.moe {
+        Some(m) => super::moe::moe_ffn(g, m, lw, cur)?,
+        None => blocks::ffn(g, spec.mlp, lw, cur)?,
+    };
     let d = norm_where_present(g, cfg, lw, Tensor::FfnPostNorm, d)?;
     let x = g.add(d, x)?;
     g.set_name(x, layer_out_name(l));

@@ -5,10 +5,13 @@
 //! it (errors name the file and the key), and the keys that would change the math without
 //! metashard computing it refused by name rather than ignored.
 
-use super::arch::{Arch, AttnScale, DecoderSpec, LLAMA, Tensor};
+use super::arch::{Arch, AttnScale, DecoderSpec, LLAMA, MIXTRAL, Mlp, Tensor};
 use crate::io::gguf::GgufFile;
 use crate::op::RopeMode;
 use crate::{Error, Result};
+
+mod moe;
+pub use moe::{MAX_EXPERTS, Moe};
 
 /// Hyper-parameters of a decoder.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,6 +51,8 @@ pub struct DecoderConfig {
     pub final_softcap: Option<f32>,
     /// LongRoPE (Phi-3's 128k-context models), when the file has its factors.
     pub long_rope: Option<LongRope>,
+    /// The experts of a mixture-of-experts family (`Mlp::Moe`), `None` for dense ones.
+    pub moe: Option<Moe>,
 }
 
 /// LongRoPE as llama.cpp runs it (`llama_model::get_rope_factors`, `ggml_rope_ext`'s
@@ -114,6 +119,7 @@ impl DecoderConfig {
             attn_softcap: None,
             final_softcap: None,
             long_rope: None,
+            moe: None,
         }
     }
 
@@ -318,6 +324,7 @@ impl Keys<'_> {
                 "rope.scaling.attn_factor" => long_rope,
                 "attention.sliding_window" => spec.swa.is_some(),
                 "attn_logit_softcapping" | "final_logit_softcapping" => spec.softcap,
+                "expert_count" => matches!(spec.mlp, Mlp::Moe(_)),
                 _ => false,
             };
             if computed {
@@ -358,7 +365,12 @@ fn model_err(g: &GgufFile, reason: String) -> Error {
 pub fn arch_of(g: &GgufFile) -> Result<&'static Arch> {
     let name = g.architecture()?;
     let has = |t: &str| g.tensor(t).is_some();
-    let arch = Arch::for_file(name, &has).ok_or_else(|| model_err(g, Arch::unsupported(name)))?;
+    let mut arch =
+        Arch::for_file(name, &has).ok_or_else(|| model_err(g, Arch::unsupported(name)))?;
+    // Mixtral is a `llama` file with experts (llama.cpp: LLM_ARCH_LLAMA with n_expert > 0).
+    if *arch == LLAMA && g.opt_u64(&format!("{name}.expert_count"))?.unwrap_or(0) > 0 {
+        arch = &MIXTRAL;
+    }
     arch.decoder().map_err(|_| {
         model_err(
             g,
@@ -405,15 +417,31 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
     };
     let n_layer = read_block_count(g, &keys)?;
     let (n_embd, n_vocab) = read_embedding(g, arch, &keys)?;
-    let n_ff = keys.usize("feed_forward_length")?;
+    let n_ff = if matches!(arch.decoder()?.mlp, Mlp::Moe(_)) {
+        keys.opt_usize("feed_forward_length")?
+    } else {
+        Some(keys.usize("feed_forward_length")?)
+    };
+    let moe = moe::read_moe(g, arch, &keys, n_ff)?;
+    let n_ff = match (n_ff, moe) {
+        (Some(v), _) => v,
+        (None, Some(m)) => m.n_ff_exp,
+        (None, None) => keys.usize("feed_forward_length")?,
+    };
     // The gate's rows, or twice them where gate | up are one matrix (Phi-3).
     let (gate_t, per_ff) = if arch.has(Tensor::FfnGateUp) {
         (Tensor::FfnGateUp, 2)
     } else {
         (Tensor::FfnGate, 1)
     };
-    let gate = shape_of(g, arch, gate_t)?;
-    if n_ff.checked_mul(per_ff) != Some(gate[1]) {
+    // (A mixture of experts has none: its widths are checked against the experts.)
+    let gate = match arch.has(gate_t) {
+        true => Some(shape_of(g, arch, gate_t)?),
+        false => None,
+    };
+    if let Some(gate) = gate
+        && n_ff.checked_mul(per_ff) != Some(gate[1])
+    {
         return Err(keys.err(
             &keys.key("feed_forward_length"),
             format!(
@@ -465,6 +493,7 @@ pub fn config_from_gguf(g: &GgufFile) -> Result<DecoderConfig> {
         attn_softcap: None,
         final_softcap: None,
         long_rope: read_long_rope(g, arch, &keys)?,
+        moe,
     };
     read_family_keys(&keys, spec, &mut cfg)?;
     let src = super::limits::Source::Gguf {

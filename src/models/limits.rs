@@ -259,6 +259,8 @@ fn check_parameters(
         let mut sum = 0u64;
         for t in tensors {
             let [a, b] = t.info().shape.map(|d| dim(d).unwrap_or(1) as u64);
+            // The experts' third dimension counts in with the second.
+            let b = b.saturating_mul(dim(t.info().ne2).unwrap_or(1) as u64);
             let n = a
                 .checked_mul(b)
                 .filter(|n| {

@@ -1,6 +1,7 @@
 //! Models as graphs: the architecture table (`arch/`: tensor roles and names, each family's
 //! tensors and layer), hyper-parameters from GGUF (`hparams.rs`), weights by role
-//! (`weights.rs`), the shared graph blocks (`blocks.rs`), the decoder step graph
+//! (`weights.rs`), the shared graph blocks (`blocks.rs`; the mixture of experts `moe.rs`), the
+//! decoder step graph
 //! (`decoder.rs`), GGUF decoder loading (`loader.rs`), sessions and sampling (`session.rs`,
 //! `sampler.rs`, `prompt.rs`), the built-in split callbacks of every architecture (`split.rs`),
 //! layer and hybrid placement as data (`layer_split.rs`), the BERT encoder (`bert.rs`), model
@@ -17,6 +18,7 @@ pub mod hparams;
 pub mod layer_split;
 pub mod limits;
 pub mod loader;
+pub mod moe;
 pub mod paths;
 pub mod prompt;
 pub mod sampler;

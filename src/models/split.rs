@@ -129,7 +129,14 @@ impl SplitDims {
             Dim::Qkv => (self.n_head + 2 * self.n_head_kv).saturating_mul(self.head_dim),
             Dim::Ff2 => self.n_ff.saturating_mul(2),
             Dim::HeadDim => self.head_dim,
-            Dim::Pos | Dim::Types | Dim::Ctx | Dim::RopeHalf => return None,
+            // No cut is in these units (the experts are mirrored).
+            Dim::Pos
+            | Dim::Types
+            | Dim::Ctx
+            | Dim::RopeHalf
+            | Dim::Expert
+            | Dim::FfExp
+            | Dim::FfShexp => return None,
         })
     }
 }

@@ -89,8 +89,9 @@ pub fn random_decoder(
 /// A GGUF file of a decoder with random weights in `cfg`'s architecture (the values of
 /// [`random_decoder`] with the same seed), as llama.cpp's converter would write it: the
 /// architecture's metadata keys (the head size, sliding window and soft-capping where `cfg`
-/// has them; the local layers' pattern and RoPE base are the family's), every tensor its table requires (the output projection
-/// omitted when `tied`), vectors as 1-D tensors, and a byte-level BPE vocabulary of
+/// has them; the local layers' pattern and RoPE base are the family's; the expert counts of a
+/// mixture of experts), every tensor its table requires (the output projection
+/// omitted when `tied`), vectors as 1-D tensors, the experts as 3-D ones, and a byte-level BPE vocabulary of
 /// `cfg.n_vocab` tokens (the 256 byte tokens, then `<|extra_N|>` control tokens, the last one
 /// the end of sequence), so the loader, the tokenizer and outside readers (gguf-py) take it
 /// as they take a downloaded file. `cfg.n_vocab` must be at least 257.
@@ -141,6 +142,21 @@ pub fn gguf_bytes_with(
         ("rope.dimension_count", cfg.rope_dims),
     ] {
         w.add(format!("{arch}.{k}"), u32v(v));
+    }
+    if let Some(m) = cfg.moe {
+        for (k, v) in [
+            ("expert_count", m.n_expert),
+            ("expert_used_count", m.n_expert_used),
+            ("expert_feed_forward_length", m.n_ff_exp),
+        ] {
+            w.add(format!("{arch}.{k}"), u32v(v));
+        }
+        if m.n_ff_shexp > 0 {
+            w.add(
+                format!("{arch}.expert_shared_feed_forward_length"),
+                u32v(m.n_ff_shexp),
+            );
+        }
     }
     if cfg.n_head * cfg.head_dim != cfg.n_embd {
         w.add(format!("{arch}.attention.key_length"), u32v(cfg.head_dim));
@@ -213,11 +229,7 @@ pub fn gguf_bytes_with(
         }
         let ne = d.layout.ne;
         let v = random_values(d.tensor, ne[0], d.layout.nelements(), seed + i as u64);
-        let dims: &[usize] = if d.tensor.is_vector() {
-            &ne[..1]
-        } else {
-            &ne[..2]
-        };
+        let dims = &ne[..d.tensor.n_dims()];
         let bytes = crate::dtype::f32_to_bytes(d.layout.dtype, &v)?;
         w.add_tensor(d.name.clone(), d.layout.dtype, dims, bytes)?;
     }

@@ -144,15 +144,19 @@ impl DecoderConfig {
             Dim::Ff2 => self.n_ff.saturating_mul(2),
             Dim::HeadDim => self.head_dim,
             Dim::RopeHalf => self.rope_dims / 2,
+            Dim::Expert => self.moe?.n_expert,
+            Dim::FfExp => self.moe?.n_ff_exp,
+            Dim::FfShexp => self.moe.filter(|m| m.n_ff_shexp > 0)?.n_ff_shexp,
             Dim::Pos | Dim::Types | Dim::Ctx => return None,
         })
     }
 }
 
-/// `[ne0, ne1, 1, 1]` of `tensor` with the extents `dim` gives, or an error naming the role.
+/// `[ne0, ne1, ne2, 1]` of `tensor` with the extents `dim` gives, or an error naming the role.
 fn shape_of(arch: &Arch, tensor: Tensor, dim: &dyn Fn(Dim) -> Option<usize>) -> Result<[usize; 4]> {
-    match tensor.info().shape.map(dim) {
-        [Some(a), Some(b)] => Ok([a, b, 1, 1]),
+    let info = tensor.info();
+    match [info.shape[0], info.shape[1], info.ne2].map(dim) {
+        [Some(a), Some(b), Some(c)] => Ok([a, b, c, 1]),
         _ => Err(Error::Model {
             model: arch.name.into(),
             reason: format!("the model has no `{}` tensor", tensor.info().gguf),

@@ -9,8 +9,8 @@
 use metashard::Result;
 use metashard::cpu::Precision;
 use metashard::devices::DeviceSet;
-use metashard::models::arch::Arch;
-use metashard::models::hparams::{DecoderConfig, SlidingWindow};
+use metashard::models::arch::{Arch, Mlp};
+use metashard::models::hparams::{DecoderConfig, Moe, SlidingWindow};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::loader::DecoderModel;
 use metashard::runtime::{OpenOptions, open_decoder};
@@ -28,8 +28,18 @@ pub fn config(arch: &'static Arch) -> DecoderConfig {
         rms_eps: 1e-6,
         ..base
     };
+    if let Mlp::Moe(m) = spec.mlp {
+        // 6 experts of 64 features, 2 per token (Qwen2-MoE: a shared expert of 96).
+        c.moe = Some(Moe {
+            n_expert: 6,
+            n_expert_used: 2,
+            n_ff_exp: 64,
+            n_ff_shexp: if m.shared_expert { 96 } else { 0 },
+            norm_weights: m.norm_weights,
+        });
+    }
     match arch.name {
-        "qwen3" => {
+        "qwen3" | "qwen3moe" => {
             // A head size the file gives (not 128 / 8).
             c.head_dim = 32;
             c.rope_dims = 32;

@@ -139,7 +139,7 @@ macro_rules! harness_tests {
                 }
 
                 #[test]
-                fn unary_scale_clamp(n in 1usize..=8, seed: u64, which in 0usize..7, ne in shape4()) {
+                fn unary_scale_clamp(n in 1usize..=8, seed: u64, which in 0usize..8, ne in shape4()) {
                     if TARGET.absent() { return Ok(()); }
                     suite::unary_scale_clamp(&TARGET, n, seed, which, ne)?;
                 }
@@ -172,6 +172,18 @@ macro_rules! harness_tests {
                 fn argmax(n in 1usize..=8, seed: u64, ne0 in 1usize..=9, ne1 in 1usize..=6) {
                     if TARGET.absent() { return Ok(()); }
                     suite::argmax(&TARGET, n, seed, ne0, ne1)?;
+                }
+
+                #[test]
+                fn mul_mat_id(n in 1usize..=8, seed: u64, p in [1usize..=40, 1usize..=9, 1usize..=5, 1usize..=3, 0usize..=1, 1usize..=5]) {
+                    if TARGET.absent() { return Ok(()); }
+                    suite::mul_mat_id(&TARGET, n, seed, p)?;
+                }
+
+                #[test]
+                fn argsort(n in 1usize..=8, seed: u64, ne in shape4(), descending: bool) {
+                    if TARGET.absent() { return Ok(()); }
+                    suite::argsort(&TARGET, n, seed, ne, descending)?;
                 }
 
                 #[test]

@@ -224,6 +224,7 @@ fn sources(g: &Graph, mem: &Memory, n: &Node) -> R<Vec<T>> {
 fn compute(op: &Op, s: &[T]) -> R<T> {
     Ok(match *op {
         Op::MulMat => mul_mat(&s[0], &s[1]),
+        Op::MulMatId => mul_mat_id(&s[0], &s[1], &s[2])?,
         Op::Binary(b) => binary(b, &s[0], &s[1]),
         Op::Scale { scale, bias } => map(&s[0], |x| x * scale as f64 + bias as f64),
         Op::Clamp { min, max } => map(&s[0], |x| x.clamp(min as f64, max as f64)),
@@ -246,6 +247,7 @@ fn compute(op: &Op, s: &[T]) -> R<T> {
         Op::SumRows => reduce_rows(&s[0], |r| r.iter().sum()),
         Op::Mean => reduce_rows(&s[0], |r| r.iter().sum::<f64>() / r.len() as f64),
         Op::Argmax => argmax(&s[0]),
+        Op::Argsort { descending } => argsort(&s[0], descending),
         Op::FlashAttn { scale } => flash_attn(&s[0], &s[1], &s[2], s.get(3), scale as f64),
         Op::GetRows { window } => get_rows(&s[0], &s[1], window)?,
         Op::Cont => s[0].clone(),
@@ -277,6 +279,40 @@ pub fn mul_mat(a: &T, b: &T) -> T {
         for n in 0..a.ne[1] {
             let ar = a.row(n, i2 / r2, i3 / r3);
             out.set(n, m, i2, i3, ar.iter().zip(br).map(|(x, y)| x * y).sum());
+        }
+    }
+    out
+}
+
+/// ggml `mul_mat_id`: `out[n, e, t] = sum_k as[k, n, ids[e, t]] * b[k, e % n_b, t]`.
+pub fn mul_mat_id(a: &T, b: &T, ids: &T) -> R<T> {
+    let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+    let mut out = T::zeros([a.ne[1], n_used, n_tokens, 1]);
+    for t in 0..n_tokens {
+        for e in 0..n_used {
+            let x = id_of(ids, e, t, 0, a.ne[2], "mul_mat_id")?;
+            let br = b.row(e % b.ne[1], t, 0);
+            for n in 0..a.ne[1] {
+                let dot = a.row(n, x, 0).iter().zip(br).map(|(p, q)| p * q).sum();
+                out.set(n, e, t, 0, dot);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Each row's indices sorted by value (largest first when `descending`), ties by index.
+fn argsort(a: &T, descending: bool) -> T {
+    let mut out = T::zeros(a.ne);
+    for (i1, i2, i3) in a.rows() {
+        let r = a.row(i1, i2, i3);
+        let mut idx: Vec<usize> = (0..r.len()).collect();
+        idx.sort_by(|&i, &j| {
+            let o = r[i].total_cmp(&r[j]);
+            if descending { o.reverse() } else { o }
+        });
+        for (o, i) in out.row_mut(i1, i2, i3).iter_mut().zip(idx) {
+            *o = i as f64;
         }
     }
     out
@@ -321,6 +357,7 @@ pub fn unary(u: UnaryOp, x: f64) -> f64 {
         UnaryOp::GeluErf => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
         UnaryOp::Relu => x.max(0.0),
         UnaryOp::Tanh => x.tanh(),
+        UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
     }
 }
 

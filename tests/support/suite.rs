@@ -153,6 +153,14 @@ pub fn argmax(t: &Target, n: usize, seed: u64, ne0: usize, ne1: usize) -> Prop {
     check(t, random_argmax(&mut rng(seed), ne0, ne1), n, seed)
 }
 
+pub fn mul_mat_id(t: &Target, n: usize, seed: u64, p: [usize; 6]) -> Prop {
+    check(t, random_mul_mat_id(&mut rng(seed), p), n, seed)
+}
+
+pub fn argsort(t: &Target, n: usize, seed: u64, ne: [usize; 4], descending: bool) -> Prop {
+    check(t, random_argsort(&mut rng(seed), ne, descending), n, seed)
+}
+
 pub fn get_rows(t: &Target, n: usize, seed: u64, [ne0, rows, nid, e2, e3]: [usize; 5]) -> Prop {
     check(
         t,

@@ -130,6 +130,7 @@ pub fn unary(p: &ComputeParams, op: UnaryOp, dst: &TensorView, a: &TensorView) {
         UnaryOp::GeluErf => map(p, dst, a, gelu_erf),
         UnaryOp::Relu => map(p, dst, a, |x| x.max(0.0)),
         UnaryOp::Tanh => map(p, dst, a, f32::tanh),
+        UnaryOp::Sigmoid => map(p, dst, a, |x| 1.0 / (1.0 + (-x).exp())),
     }
 }
 

@@ -9,6 +9,7 @@
 mod attn;
 mod copy;
 mod elementwise;
+mod experts;
 #[cfg(test)]
 mod fake_type;
 mod norm;
@@ -37,6 +38,7 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
     match op {
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => Ok(()),
         Op::MulMat => matmul::supports(&src[0], &src[1], dst),
+        Op::MulMatId => experts::supports(src, dst),
         Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Swiglu => {
             for (i, s) in src.iter().enumerate() {
                 float(s, &format!("source {i}"))?;
@@ -53,6 +55,10 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
             })
         }
         Op::Argmax => need(src[0].dtype == DType::F32, || "argmax takes f32".into()),
+        Op::Argsort { .. } => need(
+            src[0].dtype == DType::F32 && dst.dtype == DType::I32 && dst.nb[0] == 4,
+            || "argsort takes f32 into I32 rows whose elements are adjacent".into(),
+        ),
         Op::Rope(_) => need(matches!(src[0].dtype, DType::F32 | DType::F16), || {
             format!("rope takes f32 or f16, not {}", src[0].dtype)
         }),
@@ -96,6 +102,10 @@ pub fn scratch(
             shared: matmul::work_size(&src[0], &src[1], dst, nth, precision),
             per_thread: 0,
         },
+        Op::MulMatId => Scratch {
+            shared: experts::work_size(src, nth, precision),
+            per_thread: 0,
+        },
         Op::FlashAttn { .. } => Scratch {
             shared: 0,
             per_thread: attn::thread_bytes(src, nth),
@@ -106,6 +116,7 @@ pub fn scratch(
         | Op::SumRows
         | Op::Mean
         | Op::Argmax
+        | Op::Argsort { .. }
         | Op::Rope(_)
         | Op::GetRows { .. }
         | Op::SetRows { .. }
@@ -142,6 +153,7 @@ pub fn forward(
         // (operands were checked by `supports` and the builder).
         Op::GetRows { window } => return rows::get_rows(p, dst, &src[0], &src[1], window),
         Op::SetRows { window } => return rows::set_rows(p, dst, &src[1], &src[2], window),
+        Op::MulMatId => return experts::mul_mat_id(p, dst, src),
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => {}
         Op::MulMat => matmul::forward(p, &src[0], &src[1], dst),
         Op::Binary(b) => elementwise::binary(p, b, dst, &src[0], &src[1]),
@@ -155,6 +167,7 @@ pub fn forward(
         Op::SumRows => norm::sum_rows(p, dst, &src[0], false),
         Op::Mean => norm::sum_rows(p, dst, &src[0], true),
         Op::Argmax => norm::argmax(p, dst, &src[0]),
+        Op::Argsort { descending } => norm::argsort(p, dst, &src[0], descending),
         Op::Rope(params) => rope::rope(p, dst, &src[0], &src[1], src.get(2), &params),
         Op::Cont => copy::cont(p, dst, &src[0]),
         Op::Cpy => copy::cpy(p, dst, &src[0]),

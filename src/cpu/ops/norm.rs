@@ -1,5 +1,5 @@
 //! Row-wise kernels (reduce dimension 0): `rms_norm`, `norm`, `soft_max` with mask and scale,
-//! `sum_rows`/`mean`, `argmax`. Sums accumulate in f64 as ggml's CPU backend does for norms
+//! `sum_rows`/`mean`, `argmax`, `argsort`. Sums accumulate in f64 as ggml's CPU backend does for norms
 //! (`ggml_float`), so long rows do not drift.
 
 use super::{read_row_f32, thread_scratch, unravel_row, write_row_f32};
@@ -105,5 +105,30 @@ pub fn argmax(p: &ComputeParams, dst: &TensorView, a: &TensorView) {
                 .cast::<i32>()
                 .write_unaligned(best as i32)
         };
+    });
+}
+
+/// Each row's indices in sorted order into the packed I32 `dst` (ggml `argsort`): ascending or
+/// descending by value, equal values by index (so the result is one permutation, whatever the
+/// sort's algorithm).
+pub fn argsort(p: &ComputeParams, dst: &TensorView, a: &TensorView, descending: bool) {
+    for_rows(p, dst, a, false, |row, i1, i2, i3| {
+        // SAFETY: dst is a packed I32 tensor of a's shape (built by `argsort`); this thread
+        // owns row (i1, i2, i3), whose ne0 elements are adjacent.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(dst.row_ptr(i1, i2, i3).cast::<i32>(), row.len())
+        };
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = i as i32;
+        }
+        out.sort_unstable_by(|&i, &j| {
+            let (x, y) = (row[i as usize], row[j as usize]);
+            let by_value = if descending {
+                y.total_cmp(&x)
+            } else {
+                x.total_cmp(&y)
+            };
+            by_value.then(i.cmp(&j))
+        });
     });
 }

@@ -11,6 +11,7 @@ mod bert;
 mod gemma2;
 mod gemma3;
 mod llama;
+mod moe;
 mod phi3;
 mod qwen2;
 mod qwen3;
@@ -20,6 +21,7 @@ pub use bert::BERT;
 pub use gemma2::GEMMA2;
 pub use gemma3::GEMMA3;
 pub use llama::LLAMA;
+pub use moe::{MIXTRAL, QWEN2MOE, QWEN3MOE};
 pub use phi3::{PHI3, PHI3_SEPARATE_QKV};
 pub use qwen2::QWEN2;
 pub use qwen3::QWEN3;
@@ -46,6 +48,21 @@ pub enum Mlp {
     Gated(UnaryOp),
     /// `down(act(up(x)))` (BERT).
     Plain(UnaryOp),
+    /// A mixture of SwiGLU experts (llama.cpp's `build_moe_ffn` with softmax gating):
+    /// the router's softmax over the experts, the `expert_used_count` largest per token, their
+    /// probabilities as weights of the experts' outputs.
+    Moe(MoeSpec),
+}
+
+/// The family's mixture of experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeSpec {
+    /// The selected experts' weights divided by their sum, unless the file's
+    /// `{arch}.expert_weights_norm` says otherwise (llama.cpp's `norm_w` for the family).
+    pub norm_weights: bool,
+    /// A shared expert every token uses, scaled by the sigmoid of its gate (Qwen2-MoE's
+    /// `ffn_*_shexp`, `ffn_gate_inp_shexp`).
+    pub shared_expert: bool,
 }
 
 /// What a decoder layer computes: pre-norm attention with a KV cache, then a pre-norm MLP,
@@ -129,6 +146,9 @@ pub const ARCHS: &[&Arch] = &[
     &llama::LLAMA,
     &qwen2::QWEN2,
     &qwen3::QWEN3,
+    &moe::QWEN3MOE,
+    &moe::QWEN2MOE,
+    &moe::MIXTRAL,
     &gemma2::GEMMA2,
     &gemma3::GEMMA3,
     &phi3::PHI3,
@@ -241,7 +261,13 @@ pub fn gguf_names() -> Vec<&'static str> {
         .iter()
         .filter(|a| a.naming == Naming::Gguf)
         .flat_map(|a| std::iter::once(a.name).chain(a.aliases.iter().copied()))
-        .collect()
+        .fold(Vec::new(), |mut v, n| {
+            // Mixtral shares `llama`'s names.
+            if !v.contains(&n) {
+                v.push(n);
+            }
+            v
+        })
 }
 
 /// Tensor groups shared by families (llama.cpp's per-architecture lists repeat these).
@@ -297,6 +323,21 @@ pub mod groups {
         (FfnNorm, Required),
         (FfnGateUp, Required),
         (FfnDown, Required),
+    ];
+    /// A pre-norm mixture of experts: the router and the experts' 3-D tensors.
+    pub const MOE_MLP: &[(Tensor, Need)] = &[
+        (FfnNorm, Required),
+        (FfnGateInp, Required),
+        (FfnGateExps, Required),
+        (FfnUpExps, Required),
+        (FfnDownExps, Required),
+    ];
+    /// A shared expert with its sigmoid gate (Qwen2-MoE).
+    pub const SHARED_EXPERT: &[(Tensor, Need)] = &[
+        (FfnGateInpShexp, Required),
+        (FfnGateShexp, Required),
+        (FfnUpShexp, Required),
+        (FfnDownShexp, Required),
     ];
     /// A pre-norm gated MLP.
     pub const GATED_MLP: &[(Tensor, Need)] = &[

@@ -49,6 +49,16 @@ pub enum Tensor {
     LayerOutNorm,
     LayerOutNormBias,
     FfnPostNorm,
+    // A mixture of experts: the router, the experts (3-D: one matrix per expert along ne[2]),
+    // and the shared expert with its sigmoid gate (Qwen2-MoE).
+    FfnGateInp,
+    FfnGateExps,
+    FfnUpExps,
+    FfnDownExps,
+    FfnGateInpShexp,
+    FfnGateShexp,
+    FfnUpShexp,
+    FfnDownShexp,
     // Each layer's KV cache (made at run time, never in a file).
     CacheK,
     CacheV,
@@ -93,6 +103,12 @@ pub enum Dim {
     Types,
     /// KV cache rows (the session's context).
     Ctx,
+    /// Experts of a mixture-of-experts layer (`{arch}.expert_count`).
+    Expert,
+    /// One expert's feed-forward width (`{arch}.expert_feed_forward_length`).
+    FfExp,
+    /// The shared expert's feed-forward width (`{arch}.expert_shared_feed_forward_length`).
+    FfShexp,
 }
 
 /// How the plan report groups tensors (one row per group and run of layers).
@@ -160,6 +176,8 @@ pub struct RoleInfo {
     pub hf_bert: Option<&'static str>,
     /// `ne[0]`, `ne[1]` in hyper-parameter units (vectors are `[n, 1]`).
     pub shape: [Dim; 2],
+    /// `ne[2]`: `Dim::Expert` for the experts' 3-D tensors, `Dim::One` for every other.
+    pub ne2: Dim,
     pub group: Group,
     pub cut: Option<Cut>,
 }
@@ -169,7 +187,9 @@ const fn cut(part: Part, axis: usize, unit: Unit) -> Option<Cut> {
 }
 
 macro_rules! roles {
-    ($( $t:ident, $scope:ident, $gguf:literal, $hf:expr, [$d0:ident, $d1:ident], $group:ident, $cut:expr; )*) => {
+    (@ne2) => { Dim::One };
+    (@ne2 $d2:ident) => { Dim::$d2 };
+    ($( $t:ident, $scope:ident, $gguf:literal, $hf:expr, [$d0:ident, $d1:ident $(, $d2:ident)?], $group:ident, $cut:expr; )*) => {
         /// One row per role: the only place a tensor name, shape or split rule is written.
         pub const ROLES: &[RoleInfo] = &[$(RoleInfo {
             tensor: Tensor::$t,
@@ -177,6 +197,7 @@ macro_rules! roles {
             gguf: $gguf,
             hf_bert: $hf,
             shape: [Dim::$d0, Dim::$d1],
+            ne2: roles!(@ne2 $($d2)?),
             group: Group::$group,
             cut: $cut,
         },)*];
@@ -237,6 +258,18 @@ roles! {
     LayerOutNorm, Layer, "layer_output_norm.weight", Some("output.LayerNorm.weight"), [Embd, One], Norms, None;
     LayerOutNormBias, Layer, "layer_output_norm.bias", Some("output.LayerNorm.bias"), [Embd, One], Norms, None;
     FfnPostNorm, Layer, "post_ffw_norm.weight", None, [Embd, One], Norms, None;
+    // A mixture of experts (llama.cpp's LLM_TENSOR_FFN_*_EXPS, *_SHEXP): the router
+    // `[n_embd, n_expert]`, the experts `[n_embd, n_ff_exp, n_expert]` (down:
+    // `[n_ff_exp, n_embd, n_expert]`), the shared expert and its gate `[n_embd]` (Qwen2-MoE).
+    // No split rule cuts whole experts yet: mirrored.
+    FfnGateInp, Layer, "ffn_gate_inp.weight", None, [Embd, Expert], FfnIn, None;
+    FfnGateExps, Layer, "ffn_gate_exps.weight", None, [Embd, FfExp, Expert], FfnIn, None;
+    FfnUpExps, Layer, "ffn_up_exps.weight", None, [Embd, FfExp, Expert], FfnIn, None;
+    FfnDownExps, Layer, "ffn_down_exps.weight", None, [FfExp, Embd, Expert], FfnOut, None;
+    FfnGateInpShexp, Layer, "ffn_gate_inp_shexp.weight", None, [Embd, One], FfnIn, None;
+    FfnGateShexp, Layer, "ffn_gate_shexp.weight", None, [Embd, FfShexp], FfnIn, None;
+    FfnUpShexp, Layer, "ffn_up_shexp.weight", None, [Embd, FfShexp], FfnIn, None;
+    FfnDownShexp, Layer, "ffn_down_shexp.weight", None, [FfShexp, Embd], FfnOut, None;
     CacheK, Cache, "cache_k_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
     CacheV, Cache, "cache_v_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
 }
@@ -263,6 +296,17 @@ impl Tensor {
     /// A vector (`[n, 1]`: a norm weight or a bias).
     pub fn is_vector(self) -> bool {
         self.info().shape[1] == Dim::One
+    }
+
+    /// The dimensions a file stores it with: 1 (a vector), 2, or 3 (the experts).
+    pub fn n_dims(self) -> usize {
+        if self.info().ne2 != Dim::One {
+            3
+        } else if self.is_vector() {
+            1
+        } else {
+            2
+        }
     }
 
     /// The GGUF base name (`attn_q`, `token_embd`), as error messages and reports show a role.

@@ -9,12 +9,13 @@
 //! | family | ops | file |
 //! |---|---|---|
 //! | matmul | `mul_mat` | `matmul.rs` |
+//! | experts | `mul_mat_id` | `experts.rs` |
 //! | element-wise | binary ops, `scale`, `clamp`, unary ops, `swiglu` | `elementwise.rs` |
 //! | norms | `rms_norm`, `norm`, `soft_max` | `norm.rs` |
 //! | attention | `rope`, `flash_attn` | `attention.rs` |
 //! | rows | `get_rows`, `set_rows` | `rows.rs` |
 //! | views and copies | `reshape`, `view`, `permute`, `cont`, `cpy`, `concat` | `copy.rs` |
-//! | reductions | `sum_rows`, `mean`, `argmax` | `reduce.rs` |
+//! | reductions | `sum_rows`, `mean`, `argmax`, `argsort` | `reduce.rs` |
 //!
 //! Leaves and collectives have no rule (they are placed, not derived), nor do views (derived
 //! from their root in `view.rs`). Every op with a kernel also admits all-Mirrored, except those
@@ -24,6 +25,7 @@
 mod attention;
 mod copy;
 mod elementwise;
+mod experts;
 mod matmul;
 mod norm;
 mod reduce;
@@ -52,6 +54,7 @@ pub struct Pattern {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Family {
     MatMul,
+    MatMulId,
     Elementwise(Elementwise),
     Norm(Norm),
     Attention(Attention),
@@ -72,6 +75,7 @@ pub fn family(op: &Op) -> Family {
         Op::Cpy => Family::ViewCopy(ViewCopy::Cpy),
         Op::Concat { dim } => Family::ViewCopy(ViewCopy::Concat { dim }),
         Op::MulMat => Family::MatMul,
+        Op::MulMatId => Family::MatMulId,
         Op::Binary(op) => Family::Elementwise(Elementwise::Binary(op)),
         // Linear (so Partial in gives Partial out) only without a bias.
         Op::Scale { scale: _, bias } => Family::Elementwise(Elementwise::Map {
@@ -89,6 +93,7 @@ pub fn family(op: &Op) -> Family {
         Op::SumRows => Family::Reduction(Reduction::Sum),
         Op::Mean => Family::Reduction(Reduction::Mean),
         Op::Argmax => Family::Reduction(Reduction::Argmax),
+        Op::Argsort { .. } => Family::Reduction(Reduction::Argsort),
     }
 }
 
@@ -102,6 +107,7 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
     };
     match family(&cx.node.op) {
         Family::MatMul => matmul::rule(&cx, src),
+        Family::MatMulId => experts::rule(&cx, src),
         Family::Elementwise(k) => elementwise::rule(&cx, src, k),
         Family::Norm(k) => norm::rule(&cx, src, k),
         Family::Attention(k) => attention::rule(&cx, src, k),

@@ -1,7 +1,8 @@
 //! The rules of reductions along dimension 0: `sum_rows` and `mean` keep any split of the other
 //! dimensions and Partial (they are linear); a split of dimension 0 gives partial sums for
 //! `sum_rows` only (a mean of partial means would need each device's count). `argmax` of a
-//! 2-D tensor split by rows gives its indices split alike.
+//! 2-D tensor split by rows gives its indices split alike; `argsort` sorts within rows, so any
+//! split of the other dimensions is kept.
 
 use super::{Ctx, Pattern, moved, pat};
 use crate::split_state::{SplitAxis, SplitState};
@@ -15,6 +16,8 @@ pub enum Reduction {
     Mean,
     /// `argmax`: I32 `[ne1]` of a 2-D input.
     Argmax,
+    /// `argsort`: I32 indices of the input's shape.
+    Argsort,
 }
 
 pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Reduction) -> Vec<Pattern> {
@@ -29,6 +32,11 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Reduction) -> Vec<Pattern
             SplitAxis::Partial => out.push(pat(vec![s.clone()], s.clone())),
             _ => {}
         },
+        Reduction::Argsort => {
+            if matches!(s.axis, SplitAxis::Axis(k) if k > 0) {
+                out.push(pat(vec![s.clone()], s.clone()));
+            }
+        }
         Reduction::Argmax => {
             if s.split_dim() == Some(1) {
                 out.push(pat(vec![s.clone()], moved(s, 0)));

@@ -1,7 +1,7 @@
 //! The op-by-op case list: [`all_cases`] gathers every family. This file holds the element-wise
 //! ops, the row-wise ops (norms, soft_max, reductions, argmax), rope, and multi-node chains that
-//! exercise intermediates and in-place reuse; `data.rs` holds data movement and `mm.rs`
-//! mul_mat and flash_attn.
+//! exercise intermediates and in-place reuse; `data.rs` holds data movement, `mm.rs`
+//! mul_mat and flash_attn, `experts.rs` the mixture-of-experts ops.
 //!
 //! Shapes are odd on purpose (1, 3, 7, 33, 65) so that no kernel gets away with assuming
 //! multiples of a vector width; zero extents appear where the builders accept them.
@@ -11,6 +11,7 @@ use metashard::DType::{self, BF16, F16, F32, I32};
 use metashard::op::{BinaryOp, RopeMode, RopeParams, UnaryOp};
 
 mod data;
+mod experts;
 mod mm;
 
 pub use mm::{kv_view, mul_mat_tols};
@@ -29,6 +30,7 @@ pub fn all_cases() -> Vec<Case> {
     data::data_cases(&mut v);
     mm::mul_mat_cases(&mut v);
     mm::flash_attn_cases(&mut v);
+    experts::expert_cases(&mut v);
     v
 }
 
@@ -146,7 +148,7 @@ fn unary_cases(v: &mut Vec<Case>) {
     let wide = || Fill::Uniform(-4.0, 4.0);
     // [777, 1, 1, 1]: one wide row, split by columns between threads.
     let shapes = [[1, 1, 1, 1], [33, 7, 2, 1], [777, 1, 1, 1]];
-    for op in [Silu, Gelu, GeluErf, Relu, Tanh] {
+    for op in [Silu, Gelu, GeluErf, Relu, Tanh, Sigmoid] {
         for dt in FLOATS {
             for ne in shapes {
                 v.push(

@@ -102,6 +102,7 @@ pub fn random_unary(rng: &mut Rng, ne: [usize; 4], which: usize) -> Case {
         UnaryOp::GeluErf,
         UnaryOp::Relu,
         UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
     ];
     let op = match which {
         0 => "scale",
@@ -216,6 +217,39 @@ pub fn random_rope(rng: &mut Rng, hd: usize, nh: usize, t: usize, neox: bool) ->
 pub fn random_argmax(rng: &mut Rng, ne0: usize, ne1: usize) -> Case {
     let a = Input::random(rng, "a", DType::F32, [ne0, ne1, 1, 1]);
     Case::new("argmax", vec![a], |g, l| Ok(vec![g.argmax(l[0])?]))
+}
+
+/// `mul_mat_id(experts, b, ids)` of a random weight type: `[k, n, n_expert]` experts, `n_b`
+/// activation rows per token (1 or `n_used`), ids that may repeat an expert.
+pub fn random_mul_mat_id(rng: &mut Rng, p: [usize; 6]) -> Case {
+    let [k, n, n_expert, n_used, shared, tokens] = p;
+    let dt = rng.pick(DType::WEIGHT_TYPES);
+    let k = if dt.is_quantized() {
+        dt.block_size() * k.div_ceil(3)
+    } else {
+        k
+    };
+    let n_b = if shared == 0 { 1 } else { n_used };
+    let a = Input::random(rng, "experts", dt, [k, n, n_expert, 1]);
+    let b = Input::random(rng, "b", DType::F32, [k, n_b, tokens, 1]);
+    let ids: Vec<i32> = (0..n_used * tokens)
+        .map(|_| rng.below(n_expert) as i32)
+        .collect();
+    let ids = Input::from_i32("ids", [n_used, tokens, 1, 1], &ids);
+    let mut c = Case::new("mul_mat_id", vec![a, b, ids], |g, l| {
+        Ok(vec![g.mul_mat_id(l[0], l[1], l[2])?])
+    });
+    if dt.is_quantized() {
+        c.quant_mm = Some((0, 1));
+    }
+    c
+}
+
+pub fn random_argsort(rng: &mut Rng, ne: [usize; 4], descending: bool) -> Case {
+    let a = Input::random(rng, "a", DType::F32, ne);
+    Case::new("argsort", vec![a], move |g, l| {
+        Ok(vec![g.argsort(l[0], descending)?])
+    })
 }
 
 pub fn random_get_rows(

@@ -399,6 +399,7 @@ impl MpiWorld {
                 recv: vec![Vec::new(); size],
                 ctrl,
                 notified: false,
+                finished: vec![None; size],
             }),
             failed: AtomicBool::new(false),
             fault: Mutex::new(None),

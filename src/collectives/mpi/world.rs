@@ -29,6 +29,11 @@ const FINISHED: u32 = 1 << 31;
 const YIELD_FOR: Duration = Duration::from_millis(20);
 /// How long a rank that saw a peer exit still polls for that peer's abort message.
 const EXIT_GRACE: Duration = Duration::from_millis(50);
+/// How long a wait may still need a peer that said it finished normally before that is an
+/// error: the notice can overtake the completion of this rank's last message to or from that
+/// peer (the peer received it and finished; this rank's `MPI_Test` has not seen it yet), as
+/// CI saw under load (a root's broadcast "failed" after every peer had its data).
+const FINISHED_GRACE: Duration = Duration::from_millis(200);
 
 /// How often a waiting rank checks that its peers on the same host are alive.
 const LIVENESS_EVERY: Duration = Duration::from_millis(1);
@@ -172,6 +177,9 @@ pub(super) struct State {
     pub(super) ctrl: Vec<(Box<[u8; CTRL_BYTES]>, ffi::MPI_Request)>,
     /// Abort messages already sent.
     pub(super) notified: bool,
+    /// Per peer: its "finished normally" notice (the text, and when it was seen), kept until a
+    /// wait still needs that peer after `FINISHED_GRACE`.
+    pub(super) finished: Vec<Option<(String, Instant)>>,
 }
 
 // SAFETY: MPI handles (requests) are plain values that MPI lets any thread pass in once it
@@ -452,24 +460,32 @@ impl MpiWorld {
         })))
     }
 
-    /// A control message from a peer while this rank waits in the call `during`: an abort,
-    /// or a peer that finished its work normally (the ranks did different work).
-    fn poll_ctrl(&self, st: &mut State, during: &Sig) -> Option<Fault> {
+    /// A control message from a peer while this rank waits in the call `during` for the
+    /// requests `reqs`: an abort, or a peer that finished its work normally (the ranks did
+    /// different work) while a request with it is still pending `FINISHED_GRACE` after its
+    /// notice (a finished peer whose part of the call is done is no error).
+    fn poll_ctrl(&self, st: &mut State, during: &Sig, reqs: &[Req]) -> Option<Fault> {
         for q in (0..self.size).filter(|&q| q != self.rank) {
             match self.test_ctrl(st, q) {
                 Ok(None) => {}
                 Ok(Some(Ctrl::Abort(f))) | Err(f) => return Some(f),
-                Ok(Some(Ctrl::Finished(after))) => {
-                    return Some(Fault {
-                        culprit: q,
-                        reason: format!(
-                            "rank {q} finished normally {after}, while rank {} waits in {}: the \
-                             ranks were given different work",
-                            self.rank,
-                            during.describe()
-                        ),
-                    });
-                }
+                Ok(Some(Ctrl::Finished(after))) => st.finished[q] = Some((after, Instant::now())),
+            }
+        }
+        for r in reqs.iter().filter(|r| r.req != null_request()) {
+            let q = r.peer;
+            if let Some((after, seen)) = &st.finished[q]
+                && seen.elapsed() >= FINISHED_GRACE
+            {
+                return Some(Fault {
+                    culprit: q,
+                    reason: format!(
+                        "rank {q} finished normally {after}, while rank {} waits in {}: the \
+                         ranks were given different work",
+                        self.rank,
+                        during.describe()
+                    ),
+                });
             }
         }
         None
@@ -656,7 +672,7 @@ impl MpiWorld {
             if !pending {
                 return Ok(());
             }
-            if let Some(f) = self.poll_ctrl(st, sig) {
+            if let Some(f) = self.poll_ctrl(st, sig, reqs) {
                 return Err(f);
             }
             if self.failed.load(Acquire) {
@@ -678,7 +694,7 @@ impl MpiWorld {
                         // others report the reason rather than only the exit.
                         let seen = Instant::now();
                         while seen.elapsed() < EXIT_GRACE {
-                            if let Some(f) = self.poll_ctrl(st, sig) {
+                            if let Some(f) = self.poll_ctrl(st, sig, reqs) {
                                 return Err(f);
                             }
                             std::thread::sleep(Duration::from_millis(1));

@@ -40,8 +40,9 @@
 //! - a peer that sends nothing for the timeout (stalled, or on another host and gone) makes
 //!   the waiting rank give up then, naming it;
 //! - a peer that finished its work normally (the ranks were given different work) says so on
-//!   the control channel at the end of its `main` ([`finalize`]): the waiting rank names it
-//!   as finished at once, not as stalled after the timeout;
+//!   the control channel at the end of its `main` ([`finalize`]): a rank still waiting on it
+//!   names it as finished within 200 ms, not as stalled after the timeout (a wait whose part
+//!   with that peer is done goes on: the notice can overtake a message's completion);
 //! - a process that never starts MPI (one rank given `--help`) is named at start-up, within a
 //!   second or a deadline (`startup.rs`), instead of leaving the others in `MPI_Init_thread`.
 //!

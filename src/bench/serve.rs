@@ -214,7 +214,7 @@ fn level(client: &http::Client, model: &str, a: &BenchServeArgs, c: usize) -> (V
     );
     bar.set_message(format!("concurrency {c}"));
     let next = AtomicUsize::new(0);
-    let out = parking_lot::Mutex::new(Vec::with_capacity(a.requests));
+    let out = parking_lot::Mutex::new(Vec::new());
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..c.min(a.requests) {

@@ -227,10 +227,14 @@ for dt in ("f16", "bf16"):
     k = f"gemm {dt} 4096^3"
     a, b = ours.get(k, {}).get("rate"), torch.get(k, {}).get("rate")
     rows.append((k, f"{a or 0:.0f} TFLOP/s", f"torch.matmul {b or 0:.0f} TFLOP/s", ratio(a, b), ">= 0.9x"))
-for dt in ("q4_0", "q8_0", "f16"):
+for dt in ("q4_0", "q8_0", "q4_k", "q6_k", "q5_0", "f16"):
     k = f"gemv {dt} m=1 14336x4096"
     a = ours.get(k, {}).get("rate")
     rows.append((k, f"{a or 0:.0f} GB/s", f"copy {copy or 0:.0f} GB/s", ratio(a, copy), ">= 0.5x"))
+for dt in ("q4_k", "q8_0"):
+    k = f"mul_mat_id {dt} 8 of 128 768x2048"
+    a = ours.get(k, {}).get("rate")
+    rows.append((k, f"{a or 0:.0f} GB/s", f"copy {copy or 0:.0f} GB/s", ratio(a, copy), "-"))
 tg = {r["devices"]: r["tg_tokens_per_s"] for r in model.get("rows", [])}
 pp = {r["devices"]: r["pp_tokens_per_s"] for r in model.get("rows", [])}
 hf = torch.get("smollm2 decode f32", {}).get("rate")

@@ -359,7 +359,7 @@ fn bench_backend_times_every_case_on_a_cpu_device_and_refuses_device_groups() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
     let rows = v.as_array().unwrap();
-    assert_eq!(rows.len(), 7, "{}", r.stdout);
+    assert_eq!(rows.len(), 12, "{}", r.stdout);
     for row in rows {
         assert_eq!(row["device"], "cpu");
         let rate = row["rate"].as_f64().unwrap();

@@ -2,9 +2,11 @@
 //! its plan computed again and again, medians): the figures the CUDA issue holds against the
 //! hardware and PyTorch. A device-to-device copy (`cont` of 256 MiB f32: bytes read and
 //! written per second, the bandwidth the other rows are held against), GEMM 4096^3 with F16,
-//! BF16 and F32 weights (TFLOP/s), and decode GEMV 14336 x 4096 at M = 1 with Q4_0, Q8_0 and
-//! F16 weights (weight bytes read per second). The same cases run on a CPU device, so the
-//! command is tested without a GPU (`--small` shrinks every shape).
+//! BF16 and F32 weights (TFLOP/s), and decode GEMV 14336 x 4096 at M = 1 with Q4_0, Q8_0,
+//! Q4_K, Q6_K, Q5_0 and F16 weights (weight bytes read per second), and a decoding step's
+//! `mul_mat_id` (8 of 128 experts of 768 x 2048, Q4_K and Q8_0: the selected experts' bytes
+//! per second). The same cases run on a CPU device, so the command is tested without a GPU
+//! (`--small` shrinks every shape).
 
 use crate::bench::{Repeat, time_it};
 use crate::cli::JsonArgs;
@@ -68,6 +70,15 @@ pub enum Kind {
         n: usize,
         m: usize,
     },
+    /// `mul_mat_id` of one token by `used` of `experts` expert matrices `[k, n]` of `dtype`
+    /// (a decoding step of a mixture of experts; ids `1, 3, 5, ...`).
+    MulMatId {
+        dtype: DType,
+        k: usize,
+        n: usize,
+        experts: usize,
+        used: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -79,7 +90,7 @@ pub struct Case {
 /// The cases, full size or shrunk for tests.
 pub fn cases(small: bool) -> Vec<Case> {
     let (copy, g, (gn, gk)) = if small {
-        (1 << 16, 64, (256, 128))
+        (1 << 16, 64, (128, 256))
     } else {
         (64 << 20, 4096, (14336, 4096))
     };
@@ -102,7 +113,14 @@ pub fn cases(small: bool) -> Vec<Case> {
             },
         });
     }
-    for dt in [DType::Q4_0, DType::Q8_0, DType::F16] {
+    for dt in [
+        DType::Q4_0,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+        DType::Q5_0,
+        DType::F16,
+    ] {
         v.push(Case {
             label: format!("gemv {dt} m=1 {gn}x{gk}"),
             kind: Kind::MulMat {
@@ -110,6 +128,24 @@ pub fn cases(small: bool) -> Vec<Case> {
                 k: gk,
                 n: gn,
                 m: 1,
+            },
+        });
+    }
+    // Qwen3-30B-A3B's expert shape (2048 x 768 at full size), 8 of 128 experts.
+    let (ek, en, experts) = if small {
+        (256, 64, 16)
+    } else {
+        (2048, 768, 128)
+    };
+    for dt in [DType::Q4_K, DType::Q8_0] {
+        v.push(Case {
+            label: format!("mul_mat_id {dt} 8 of {experts} {en}x{ek}"),
+            kind: Kind::MulMatId {
+                dtype: dt,
+                k: ek,
+                n: en,
+                experts,
+                used: 8,
             },
         });
     }
@@ -156,6 +192,17 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
         Kind::MulMat { dtype, k, n, m } => {
             vec![("w", dtype, [k, n, 1, 1]), ("x", DType::F32, [k, m, 1, 1])]
         }
+        Kind::MulMatId {
+            dtype,
+            k,
+            n,
+            experts,
+            used,
+        } => vec![
+            ("w", dtype, [k, n, experts, 1]),
+            ("x", DType::F32, [k, 1, 1, 1]),
+            ("ids", DType::I32, [used, 1, 1, 1]),
+        ],
     };
     let layouts: Vec<_> = inputs
         .iter()
@@ -166,16 +213,22 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
     for (i, &(name, dt, ne)) in inputs.iter().enumerate() {
         let id = g.new_tensor(name, dt, ne)?;
         let st = Storage::new(buf.clone(), offs[i]);
-        st.set(
-            &layouts[i],
-            &f32_to_bytes(dt, &values(ne.iter().product(), i as u64 + 1))?,
-        )?;
+        let bytes = if dt == DType::I32 {
+            // Expert ids 1, 3, 5, ... (each expert once, none adjacent).
+            (0..ne[0] as i32)
+                .flat_map(|e| (2 * e + 1).to_le_bytes())
+                .collect()
+        } else {
+            f32_to_bytes(dt, &values(ne.iter().product(), i as u64 + 1))?
+        };
+        st.set(&layouts[i], &bytes)?;
         g.bind(id, st)?;
         ids.push(id);
     }
     let out = match case.kind {
         Kind::Copy { .. } => g.cont(ids[0])?,
         Kind::MulMat { .. } => g.mul_mat(ids[0], ids[1])?,
+        Kind::MulMatId { .. } => g.mul_mat_id(ids[0], ids[1], ids[2])?,
     };
     g.set_name(out, "out");
     backend.graph_compute(&mut g)?;
@@ -210,6 +263,10 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
             (dtype.row_size(k) as f64 * n as f64 / s / 1e9, "GB/s")
         }
         Kind::MulMat { k, n, m, .. } => (2.0 * (k * n * m) as f64 / s / 1e12, "TFLOP/s"),
+        // The selected experts' bytes.
+        Kind::MulMatId {
+            dtype, k, n, used, ..
+        } => ((dtype.row_size(k) * n * used) as f64 / s / 1e9, "GB/s"),
     };
     Ok(BackendResult {
         device: device.name(),

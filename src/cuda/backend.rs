@@ -7,14 +7,16 @@
 //! communicator and to synchronous copies.
 //!
 //! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` (float
-//! weights), `k_mul_mat_vec_q` (Q8_0, Q4_0, Q4_1) or `k_mul_mat_vec_qx` (Q5_0, Q5_1, the
+//! weights), `k_mul_mat_vec_q` (Q8_0, Q4_0, Q4_1) or `k_mul_mat_vec_<type>` (Q5_0, Q5_1, the
 //! K-quants, IQ4_NL, IQ4_XS) reads the weights once in their own dtype (`gemv_kernel`),
 //! quantized blocks dequantized in registers, f32 activations
 //! (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
 //! (dim 2, dim 3) pair: F16 and BF16 weights in place on tensor cores with the activations
 //! rounded to the weight's type and f32 accumulation (ggml's CUDA backend does the same);
 //! quantized and F32 weights expanded to f32 in scratch memory and multiplied in f32
-//! (CUBLAS_COMPUTE_32F, no TF32). Cached dequantized weights for prompts are not done yet.
+//! (CUBLAS_COMPUTE_32F, no TF32); an empty contraction (K = 0) writes zeros. Cached
+//! dequantized weights for prompts are not done yet. `mul_mat_id` runs the same GEMV kernels
+//! with the expert ids, one (expert slot, token) pair per batch; `argsort` sorts a row per block.
 //!
 //! A kernel that finds a bad operand (an I32 row id outside its table) records it in a `Fault`
 //! word in device memory; the range's synchronization reads it and the error names the node.
@@ -312,13 +314,17 @@ impl CudaPlan {
             Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Collective(_) => {
                 Ok(())
             }
-            // Refused by `supports_node`; the scheduler gives them to another backend.
-            Op::MulMatId | Op::Argsort { .. } => Err(Error::UnsupportedOp {
-                backend: inner.name(),
-                op: e.op.name().to_string(),
-                node: e.name.clone(),
-                detail: "no CUDA kernel yet".into(),
-            }),
+            Op::MulMatId => self.mul_mat_id(at, e),
+            Op::Argsort { descending } => {
+                let desc = descending as i32;
+                inner.launch(
+                    "k_argsort",
+                    (nrows(&s[0]) as u32, 1, 1),
+                    one,
+                    (s[0].ne[0] * 4) as u32,
+                    &mut [arg(d), arg(&s[0]), arg(&desc)],
+                )
+            }
             Op::Cont | Op::Cpy => self.copy(e),
             Op::Concat { dim } => {
                 let dim = dim as i32;
@@ -396,7 +402,7 @@ impl CudaPlan {
             Op::SetRows { window } => {
                 self.rows(at, e, window, ("k_set_rows", nrows(&s[1]), s[1], s[2]))
             }
-            Op::MulMat => self.mul_mat(e),
+            Op::MulMat => self.mul_mat(at, e),
             Op::FlashAttn { scale } => self.flash_attn(e, scale),
         }
     }
@@ -574,15 +580,76 @@ impl CudaPlan {
         )
     }
 
+    /// A GEMV kernel of node `at`: one warp per weight row (`n` rows), `batches` batches
+    /// spread over grid.y and grid.z (each at most 65535); `ids` is `Tensor::none()` except for
+    /// `mul_mat_id`.
+    fn gemv(
+        &self,
+        at: usize,
+        kernel: &str,
+        n: usize,
+        batches: usize,
+        (d, w, x, ids): (&Tensor, &Tensor, &Tensor, &Tensor),
+    ) -> Result<()> {
+        let warps = (BLOCK / 32) as usize;
+        let y = batches.clamp(1, 65535);
+        let z = batches.div_ceil(y);
+        let node = at as i32;
+        self.inner.launch(
+            kernel,
+            (n.div_ceil(warps) as u32, y as u32, z as u32),
+            (BLOCK, 1, 1),
+            0,
+            &mut [
+                arg(d),
+                arg(w),
+                arg(x),
+                arg(ids),
+                arg(&self.inner.fault),
+                arg(&node),
+            ],
+        )
+    }
+
+    /// ggml `mul_mat_id`, `out[:, e, t] = experts[:, :, ids[e, t]] · b[:, e % n_b, t]`: the
+    /// GEMV kernels with the ids, one activation row per batch (e, t). The activations and the
+    /// output are viewed as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens] (column
+    /// e % n_b by a zero stride when n_b is 1; supports_node admits n_b of 1 or n_used). Each
+    /// (e, t) streams its expert's weights: a decoding step reads each selected expert once; a
+    /// prompt reads an expert once per token that chose it (no grouping by expert yet).
+    fn mul_mat_id(&self, at: usize, e: &ExecNode) -> Result<()> {
+        let (w, b, ids) = (&e.src[0], &e.src[1], &e.src[2]);
+        let wt = e.src_layouts[0].dtype;
+        let kernel = gemv_kernel(wt).ok_or_else(|| Error::UnsupportedOp {
+            backend: self.inner.name(),
+            op: e.op.name().to_string(),
+            node: e.name.clone(),
+            detail: format!("expert weights of dtype {wt} are not supported"),
+        })?;
+        let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+        let mut x = *b;
+        x.ne = [b.ne[0], 1, n_used, n_tokens];
+        x.nb = [
+            b.nb[0],
+            b.nb[1],
+            if b.ne[1] == 1 { 0 } else { b.nb[1] },
+            b.nb[2],
+        ];
+        let mut d = e.dst;
+        d.ne = [d.ne[0], 1, n_used, n_tokens];
+        d.nb = [d.nb[0], d.nb[1], d.nb[1], d.nb[2]];
+        let batches = (n_used * n_tokens) as usize;
+        self.gemv(at, kernel, w.ne[1] as usize, batches, (&d, w, &x, ids))
+    }
+
     /// `dst [N, M, b2, b3] = w [K, N, w2, w3] x [K, M, b2, b3]` (each output a dot product of
     /// a weight row and an activation row).
-    fn mul_mat(&self, e: &ExecNode) -> Result<()> {
+    fn mul_mat(&self, at: usize, e: &ExecNode) -> Result<()> {
         let inner = &self.inner;
         let (d, w, x) = (&e.dst, &e.src[0], &e.src[1]);
         let (k, n, m) = (w.ne[0] as usize, w.ne[1] as usize, x.ne[1] as usize);
         let (b2, b3) = (x.ne[2] as usize, x.ne[3] as usize);
         if m <= GEMV_MAX_M {
-            let warps = BLOCK / 32;
             let wt = e.src_layouts[0].dtype;
             let Some(kernel) = gemv_kernel(wt) else {
                 return Err(Error::UnsupportedOp {
@@ -592,13 +659,17 @@ impl CudaPlan {
                     detail: format!("weights of dtype {wt} are not supported"),
                 });
             };
-            return inner.launch(
-                kernel,
-                (n.div_ceil(warps as usize) as u32, (b2 * b3) as u32, 1),
-                (BLOCK, 1, 1),
-                0,
-                &mut [arg(d), arg(w), arg(x)],
-            );
+            return self.gemv(at, kernel, n, b2 * b3, (d, w, x, &Tensor::none()));
+        }
+        if k == 0 {
+            // An empty contraction (a device's share of K split at whole blocks can be none):
+            // zeros, which cuBLAS refuses to compute (a leading dimension of 0).
+            // SAFETY: the output node is packed (supports_node), `nelements * 4` bytes on this
+            // GPU; ordered on this backend's stream.
+            return unsafe {
+                cu::memset_d8_async(d.ptr, 0, e.dst_layout.nelements() * 4, inner.stream.0)
+            }
+            .map_err(|err| inner.err("cuMemsetD8Async", err));
         }
         // F16 and BF16 weights multiply on tensor cores: the activations are rounded to the
         // weight's type (as ggml's CUDA backend does), products accumulate in f32. Other

@@ -543,6 +543,36 @@ extern "C" __global__ void k_argmax(Tensor dst, Tensor a) {
     if (t == 0) *(int *)(dst.p + r * dst.nb[0]) = (int)(si[0] < n ? si[0] : 0);
 }
 
+// f32 bits as an int whose order is Rust's `f32::total_cmp` (negative values' magnitude bits
+// flipped), so that NaNs and signed zeros sort as the CPU backend sorts them.
+__device__ __forceinline__ int total_key(float v) {
+    int b = __float_as_int(v);
+    return b ^ (int)(((u32)(b >> 31)) >> 1);
+}
+
+// ggml `argsort` (ggml.c `ggml_argsort`): each row's indices in the order that sorts it,
+// descending or ascending by value, equal values by index (the CPU backend's order: one
+// permutation whatever the algorithm). One block per row, the row's keys in shared memory
+// (ne0 * 4 bytes); thread i places index i at its rank, the count of elements ordered before
+// it: O(ne0^2 / threads) comparisons, for the short rows argsort sorts (a router's experts;
+// supports_node bounds ne0).
+extern "C" __global__ void k_argsort(Tensor dst, Tensor a, int descending) {
+    extern __shared__ int keys[];
+    i64 i1, i2, i3;
+    row_index(blockIdx.x, a, &i1, &i2, &i3);
+    int n = (int)a.ne[0];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) keys[i] = total_key(load(a, i, i1, i2, i3));
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        int ki = keys[i], rank = 0;
+        for (int j = 0; j < n; j++) {
+            int kj = keys[j];
+            rank += (descending ? kj > ki : kj < ki) || (kj == ki && j < i);
+        }
+        *(int *)(dst.p + offset(dst, rank, i1, i2, i3)) = i;
+    }
+}
+
 // Rotary embedding, one thread per (pair, row): theta_i = pos freq_scale freq_base^(-2i/n_dims)
 // in double; mode 0 rotates (2i, 2i+1), mode 1 (NeoX) (i, i + n_dims/2); dimensions from
 // n_dims on are copied; with has_ff, pair i's angle is divided by ff[i] (ggml_rope_ext's frequency
@@ -649,14 +679,34 @@ extern "C" __global__ void k_set_rows(Tensor dst, Tensor rows_, Tensor ids, i64 
 // Sums in f32 per lane, then a warp reduction. Two kernels, so that the quantized one's
 // registers do not lower the float one's occupancy.
 
-// The warp's row, its batch coordinates and the weight row's address; false past the last row.
-__device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, i64 *row, i64 *b2,
-                                         i64 *b3, const char **wr) {
+// The warp's row, its batch coordinates and the weight row's address; false past the last row
+// (or past the last batch: the host spreads the b2 * b3 batches over grid.y and grid.z, whose
+// extents are limited to 65535 each). With `ids` (mul_mat_id: ggml.c `ggml_mul_mat_id`), x and
+// dst are viewed by the host as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens], and
+// batch (e, t) multiplies expert ids[e, t] of the weights [K, N, n_expert, 1]; an id outside the
+// experts is reported through the fault record (the warp computes nothing).
+__device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, const Tensor &ids,
+                                         Fault *fault, int node, i64 *row, i64 *b2, i64 *b3,
+                                         const char **wr) {
     *row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (*row >= w.ne[1]) return false;
-    *b2 = blockIdx.y % x.ne[2];
-    *b3 = blockIdx.y / x.ne[2];
-    i64 w2 = *b2 / (x.ne[2] / w.ne[2]), w3 = *b3 / (x.ne[3] / w.ne[3]);
+    i64 yz = (i64)blockIdx.y + (i64)blockIdx.z * gridDim.y;
+    *b2 = yz % x.ne[2];
+    *b3 = yz / x.ne[2];
+    if (*b3 >= x.ne[3]) return false;
+    i64 w2, w3;
+    if (ids.p) {
+        i64 id = *(const int *)(ids.p + offset(ids, *b2, *b3, 0, 0));
+        if (id < 0 || id >= w.ne[2]) {
+            if ((threadIdx.x & 31) == 0) fault_row(fault, node, id, *b2, *b3, 0, w.ne[2]);
+            return false;
+        }
+        w2 = id;
+        w3 = 0;
+    } else {
+        w2 = *b2 / (x.ne[2] / w.ne[2]);
+        w3 = *b3 / (x.ne[3] / w.ne[3]);
+    }
     *wr = w.p + offset(w, 0, *row, w2, w3);
     return true;
 }
@@ -706,11 +756,12 @@ __device__ __forceinline__ float dot_x(const float *q, int n, const char *xp, i6
 
 // F32, F16 and BF16 weights: lane l takes chunks of 8 elements l, l + 32, ... (16 or 32 bytes,
 // one or two vector loads) where the row is packed and 16-byte aligned, else single elements.
-extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x) {
+extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x, Tensor ids, Fault *fault,
+                                         int node) {
     int lane = threadIdx.x & 31;
     i64 row, b2, b3;
     const char *wr;
-    if (!gemv_row(w, x, &row, &b2, &b3, &wr)) return;
+    if (!gemv_row(w, x, ids, fault, node, &row, &b2, &b3, &wr)) return;
     i64 K = w.ne[0], M = x.ne[1];
     float acc[8];
     for (int m = 0; m < 8; m++) acc[m] = 0.0f;
@@ -768,34 +819,37 @@ __device__ __forceinline__ void deq_quarter(const char *blk, int type, int t, fl
 }
 
 // acc[m] += the dot product of the 8 values `q` (two runs of 4, at elements e0 and e1 of the
-// block at element `at`) with activation row m, for every m < M (<= 8).
-__device__ __forceinline__ void gemv_acc_runs(float *acc, const float *q, const Tensor &x, i64 at,
-                                              int e0, int e1, i64 M, i64 b2, i64 b3) {
+// block at element `at`) with activation row m, for every m < M (<= 8). `x0` is the address of
+// element (0, 0, b2, b3) of x (computed once per warp, not per block).
+__device__ __forceinline__ void gemv_acc_runs(float *acc, const float *q, const char *x0,
+                                              const Tensor &x, i64 at, int e0, int e1, i64 M) {
+    i64 nb0 = x.nb[0];
     for (int m = 0; m < 8 && m < M; m++) {
-        const char *xp = x.p + offset(x, at, m, b2, b3);
-        acc[m] += dot_x(q, 4, xp + e0 * x.nb[0], x.nb[0]) +
-                  dot_x(q + 4, 4, xp + e1 * x.nb[0], x.nb[0]);
+        const char *xp = x0 + m * x.nb[1] + at * nb0;
+        acc[m] += dot_x(q, 4, xp + e0 * nb0, nb0) + dot_x(q + 4, 4, xp + e1 * nb0, nb0);
     }
 }
 
 // Quantized weights: four lanes per block, so a warp reads 8 consecutive blocks at once and the
 // activations it needs are one contiguous run (coalesced 16-byte loads), as ggml's mmvq kernels
 // split a block among lanes.
-extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x) {
+extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                           Fault *fault, int node) {
     int lane = threadIdx.x & 31, t = lane & 3;
     i64 row, b2, b3;
     const char *wr;
-    if (!gemv_row(w, x, &row, &b2, &b3, &wr)) return;
+    if (!gemv_row(w, x, ids, fault, node, &row, &b2, &b3, &wr)) return;
     i64 K = w.ne[0], M = x.ne[1];
     float acc[8];
     for (int m = 0; m < 8; m++) acc[m] = 0.0f;
     i64 nblk = K >> 5;
     int bs = w.type == T_Q8_0 ? 34 : w.type == T_Q4_0 ? 18 : 20;
+    const char *x0 = x.p + offset(x, 0, 0, b2, b3);
     for (i64 b = lane >> 2; b < nblk; b += 8) {
         float q[8];
         int e0, e1;
         deq_quarter(wr + b * bs, w.type, t, q, &e0, &e1);
-        gemv_acc_runs(acc, q, x, b * 32, e0, e1, M, b2, b3);
+        gemv_acc_runs(acc, q, x0, x, b * 32, e0, e1, M);
     }
     gemv_store(dst, acc, M, row, b2, b3);
 }

@@ -35,7 +35,16 @@ pub const KERNELS: &[&str] = &[
     "k_set_rows",
     "k_mul_mat_vec",
     "k_mul_mat_vec_q",
-    "k_mul_mat_vec_qx",
+    "k_mul_mat_vec_q5_0",
+    "k_mul_mat_vec_q5_1",
+    "k_mul_mat_vec_q2_k",
+    "k_mul_mat_vec_q3_k",
+    "k_mul_mat_vec_q4_k",
+    "k_mul_mat_vec_q5_k",
+    "k_mul_mat_vec_q6_k",
+    "k_mul_mat_vec_iq4_nl",
+    "k_mul_mat_vec_iq4_xs",
+    "k_argsort",
     "k_to_dense",
     "k_flash_attn",
     "k_sum_ranks",
@@ -118,6 +127,10 @@ pub fn dtype_code(d: DType) -> i32 {
     }
 }
 
+/// The longest row `k_argsort` sorts (its keys in shared memory, O(n^2) comparisons per row:
+/// made for a router's experts, not a vocabulary).
+pub(crate) const ARGSORT_MAX: usize = 4096;
+
 /// Threads per block of the attention kernel (kv rows per tile).
 pub(crate) const ATTN_BLOCK: u32 = 128;
 
@@ -185,7 +198,43 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
             }
             float(dst, "the output")
         }
-        Op::MulMatId | Op::Argsort { .. } => Err(format!("{} has no CUDA kernel yet", n.op.name())),
+        Op::MulMatId => {
+            let (w, b, ids) = (src[0], src[1], src[2]);
+            if gemv_kernel(w.dtype).is_none() {
+                return Err(format!(
+                    "expert weights of dtype {} are not supported",
+                    w.dtype
+                ));
+            }
+            packed_blocks(w, "expert weight")?;
+            if b.dtype != DType::F32 || ids.dtype != DType::I32 || dst.dtype != DType::F32 {
+                return Err("mul_mat_id takes f32 activations and I32 ids, and gives f32".into());
+            }
+            if !dst.is_contiguous() {
+                return Err("the output of mul_mat_id must be packed".into());
+            }
+            // The kernels view the activations' column e % n_b by a stride: n_b is 1 or n_used.
+            if b.ne[1] != 1 && b.ne[1] != ids.ne[0] {
+                return Err(format!(
+                    "activations with {} rows per token for {} experts per token (1 or one per \
+                     expert)",
+                    b.ne[1], ids.ne[0]
+                ));
+            }
+            Ok(())
+        }
+        Op::Argsort { .. } => {
+            if src[0].dtype != DType::F32 || dst.dtype != DType::I32 {
+                return Err("argsort takes f32 and gives I32".into());
+            }
+            if src[0].ne[0] > ARGSORT_MAX {
+                return Err(format!(
+                    "rows of {} values (the kernel sorts rows of at most {ARGSORT_MAX})",
+                    src[0].ne[0]
+                ));
+            }
+            Ok(())
+        }
         Op::Argmax => {
             if src[0].dtype == DType::F32 {
                 Ok(())
@@ -288,22 +337,22 @@ pub(crate) fn gemm_input(dtype: DType) -> Option<(usize, i32, blas_sys::cudaData
 }
 
 /// The GEMV kernel (M <= 8) for weights of `dtype`: `k_mul_mat_vec` for float weights,
-/// `k_mul_mat_vec_q` for Q8_0 / Q4_0 / Q4_1, `k_mul_mat_vec_qx` for the other quantized types
+/// `k_mul_mat_vec_q` for Q8_0 / Q4_0 / Q4_1, `k_mul_mat_vec_<type>` for each other quantized type
 /// (`deq8_qx` in `kernels_qx.cu`); `None` for types that are not weights. Every `DType` is matched
 /// by name.
 pub(crate) fn gemv_kernel(dtype: DType) -> Option<&'static str> {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => Some("k_mul_mat_vec"),
         DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => Some("k_mul_mat_vec_q"),
-        DType::Q5_0
-        | DType::Q5_1
-        | DType::Q2_K
-        | DType::Q3_K
-        | DType::Q4_K
-        | DType::Q5_K
-        | DType::Q6_K
-        | DType::IQ4_NL
-        | DType::IQ4_XS => Some("k_mul_mat_vec_qx"),
+        DType::Q5_0 => Some("k_mul_mat_vec_q5_0"),
+        DType::Q5_1 => Some("k_mul_mat_vec_q5_1"),
+        DType::Q2_K => Some("k_mul_mat_vec_q2_k"),
+        DType::Q3_K => Some("k_mul_mat_vec_q3_k"),
+        DType::Q4_K => Some("k_mul_mat_vec_q4_k"),
+        DType::Q5_K => Some("k_mul_mat_vec_q5_k"),
+        DType::Q6_K => Some("k_mul_mat_vec_q6_k"),
+        DType::IQ4_NL => Some("k_mul_mat_vec_iq4_nl"),
+        DType::IQ4_XS => Some("k_mul_mat_vec_iq4_xs"),
         DType::I32 => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,

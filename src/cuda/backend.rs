@@ -23,7 +23,7 @@
 
 use super::device::{CudaBuffer, CudaDevice, driver_err};
 pub use super::kernels::supports_node;
-use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, gemv_kernel, no_kernels};
+use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, gemv_kernel, gemv_rows, no_kernels};
 use super::libs::{Lib, missing, present};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
@@ -580,7 +580,7 @@ impl CudaPlan {
         )
     }
 
-    /// A GEMV kernel of node `at`: one warp per weight row (`n` rows), `batches` batches
+    /// A GEMV kernel of node `at`: one warp per `gemv_rows` weight rows (`n` rows), `batches` batches
     /// spread over grid.y and grid.z (each at most 65535); `ids` is `Tensor::none()` except for
     /// `mul_mat_id`.
     fn gemv(
@@ -591,13 +591,13 @@ impl CudaPlan {
         batches: usize,
         (d, w, x, ids): (&Tensor, &Tensor, &Tensor, &Tensor),
     ) -> Result<()> {
-        let warps = (BLOCK / 32) as usize;
+        let rows = (BLOCK / 32) as usize * gemv_rows(kernel);
         let y = batches.clamp(1, 65535);
         let z = batches.div_ceil(y);
         let node = at as i32;
         self.inner.launch(
             kernel,
-            (n.div_ceil(warps) as u32, y as u32, z as u32),
+            (n.div_ceil(rows) as u32, y as u32, z as u32),
             (BLOCK, 1, 1),
             0,
             &mut [

@@ -127,6 +127,19 @@ pub fn dtype_code(d: DType) -> i32 {
     }
 }
 
+/// Weight rows per warp of the quantized GEMV kernels (`GEMV_ROWS` in `kernels.cu`); the
+/// float one, `k_mul_mat_vec`, takes one.
+pub(crate) const GEMV_ROWS: usize = 4;
+
+/// Weight rows per warp of GEMV `kernel` (a name `gemv_kernel` gave).
+pub(crate) fn gemv_rows(kernel: &str) -> usize {
+    if kernel == "k_mul_mat_vec" {
+        1
+    } else {
+        GEMV_ROWS
+    }
+}
+
 /// The longest row `k_argsort` sorts (its keys in shared memory, O(n^2) comparisons per row:
 /// made for a router's experts, not a vocabulary).
 pub(crate) const ARGSORT_MAX: usize = 4096;
@@ -467,6 +480,16 @@ mod tests {
         }
         // Leaves and views launch nothing.
         assert!(supports_node(&g, w).is_ok());
+    }
+
+    #[test]
+    fn gemv_rows_is_the_kernels_define() {
+        assert!(SOURCE.contains(&format!("#define GEMV_ROWS {GEMV_ROWS}\n")));
+        // Every quantized GEMV kernel takes GEMV_ROWS rows per warp, the float one one.
+        assert_eq!(gemv_rows(gemv_kernel(DType::F16).unwrap()), 1);
+        for d in [DType::Q4_0, DType::Q4_K, DType::IQ4_XS] {
+            assert_eq!(gemv_rows(gemv_kernel(d).unwrap()), GEMV_ROWS);
+        }
     }
 
     #[test]

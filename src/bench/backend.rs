@@ -255,7 +255,7 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
             Kind::MulMat { .. } => g.mul_mat(ids[0][c], ids[1][0])?,
             Kind::MulMatId { .. } => g.mul_mat_id(ids[0][c], ids[1][0], ids[2][0])?,
         };
-        g.set_name(o, &format!("out{c}"));
+        g.set_name(o, format!("out{c}"));
     }
     backend.graph_compute(&mut g)?;
     let mut plan = backend.graph_plan(&g)?;

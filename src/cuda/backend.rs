@@ -8,9 +8,9 @@
 //!
 //! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` (float
 //! weights), `k_mul_mat_vec_q` (Q8_0, Q4_0, Q4_1) or `k_mul_mat_vec_<type>` (Q5_0, Q5_1, the
-//! K-quants, IQ4_NL, IQ4_XS) reads the weights once in their own dtype (`gemv_kernel`),
-//! quantized blocks dequantized in registers, f32 activations
-//! (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
+//! K-quants, IQ4_NL, IQ4_XS) reads the weights once in their own dtype (`gemv_kernel_for`;
+//! the quantized ones have a variant for one activation row), quantized blocks dequantized in
+//! registers, f32 activations (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
 //! (dim 2, dim 3) pair: F16 and BF16 weights in place on tensor cores with the activations
 //! rounded to the weight's type and f32 accumulation (ggml's CUDA backend does the same);
 //! quantized and F32 weights expanded to f32 in scratch memory and multiplied in f32
@@ -23,7 +23,7 @@
 
 use super::device::{CudaBuffer, CudaDevice, driver_err};
 pub use super::kernels::supports_node;
-use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, gemv_kernel, gemv_rows, no_kernels};
+use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, gemv_kernel_for, no_kernels};
 use super::libs::{Lib, missing, present};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
@@ -580,7 +580,7 @@ impl CudaPlan {
         )
     }
 
-    /// A GEMV kernel of node `at`: one warp per `gemv_rows` weight rows (`n` rows), `batches` batches
+    /// A GEMV kernel of node `at`: one warp per weight row (`n` rows), `batches` batches
     /// spread over grid.y and grid.z (each at most 65535); `ids` is `Tensor::none()` except for
     /// `mul_mat_id`.
     fn gemv(
@@ -591,13 +591,13 @@ impl CudaPlan {
         batches: usize,
         (d, w, x, ids): (&Tensor, &Tensor, &Tensor, &Tensor),
     ) -> Result<()> {
-        let rows = (BLOCK / 32) as usize * gemv_rows(kernel);
+        let warps = (BLOCK / 32) as usize;
         let y = batches.clamp(1, 65535);
         let z = batches.div_ceil(y);
         let node = at as i32;
         self.inner.launch(
             kernel,
-            (n.div_ceil(rows) as u32, y as u32, z as u32),
+            (n.div_ceil(warps) as u32, y as u32, z as u32),
             (BLOCK, 1, 1),
             0,
             &mut [
@@ -620,7 +620,7 @@ impl CudaPlan {
     fn mul_mat_id(&self, at: usize, e: &ExecNode) -> Result<()> {
         let (w, b, ids) = (&e.src[0], &e.src[1], &e.src[2]);
         let wt = e.src_layouts[0].dtype;
-        let kernel = gemv_kernel(wt).ok_or_else(|| Error::UnsupportedOp {
+        let kernel = gemv_kernel_for(wt, 1).ok_or_else(|| Error::UnsupportedOp {
             backend: self.inner.name(),
             op: e.op.name().to_string(),
             node: e.name.clone(),
@@ -651,7 +651,7 @@ impl CudaPlan {
         let (b2, b3) = (x.ne[2] as usize, x.ne[3] as usize);
         if m <= GEMV_MAX_M {
             let wt = e.src_layouts[0].dtype;
-            let Some(kernel) = gemv_kernel(wt) else {
+            let Some(kernel) = gemv_kernel_for(wt, m) else {
                 return Err(Error::UnsupportedOp {
                     backend: inner.name(),
                     op: e.op.name().to_string(),

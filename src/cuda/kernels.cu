@@ -679,17 +679,16 @@ extern "C" __global__ void k_set_rows(Tensor dst, Tensor rows_, Tensor ids, i64 
 // Sums in f32 per lane, then a warp reduction. Two kernels, so that the quantized one's
 // registers do not lower the float one's occupancy.
 
-// The warp's first row (of `rows` consecutive ones), its batch coordinates and the weight row's
-// address; false past the last row
+// The warp's row, its batch coordinates and the weight row's address; false past the last row
 // (or past the last batch: the host spreads the b2 * b3 batches over grid.y and grid.z, whose
 // extents are limited to 65535 each). With `ids` (mul_mat_id: ggml.c `ggml_mul_mat_id`), x and
 // dst are viewed by the host as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens], and
 // batch (e, t) multiplies expert ids[e, t] of the weights [K, N, n_expert, 1]; an id outside the
 // experts is reported through the fault record (the warp computes nothing).
 __device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, const Tensor &ids,
-                                         Fault *fault, int node, int rows, i64 *row, i64 *b2,
-                                         i64 *b3, const char **wr) {
-    *row = ((i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * rows;
+                                         Fault *fault, int node, i64 *row, i64 *b2, i64 *b3,
+                                         const char **wr) {
+    *row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (*row >= w.ne[1]) return false;
     i64 yz = (i64)blockIdx.y + (i64)blockIdx.z * gridDim.y;
     *b2 = yz % x.ne[2];
@@ -712,10 +711,12 @@ __device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, const
     return true;
 }
 
+// The warp's sums of acc[m] to dst (MMAX: the most activation rows the kernel was built for).
+template <int MMAX = 8>
 __device__ __forceinline__ void gemv_store(const Tensor &dst, float *acc, i64 M, i64 row, i64 b2,
                                            i64 b3) {
     int lane = threadIdx.x & 31;
-    for (int m = 0; m < 8 && m < M; m++) {
+    for (int m = 0; m < MMAX && m < M; m++) {
         float v = acc[m];
         for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         if (lane == 0) *(float *)(dst.p + offset(dst, row, m, b2, b3)) = v;
@@ -762,7 +763,7 @@ extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x, Tensor 
     int lane = threadIdx.x & 31;
     i64 row, b2, b3;
     const char *wr;
-    if (!gemv_row(w, x, ids, fault, node, 1, &row, &b2, &b3, &wr)) return;
+    if (!gemv_row(w, x, ids, fault, node, &row, &b2, &b3, &wr)) return;
     i64 K = w.ne[0], M = x.ne[1];
     float acc[8];
     for (int m = 0; m < 8; m++) acc[m] = 0.0f;
@@ -819,78 +820,54 @@ __device__ __forceinline__ void deq_quarter(const char *blk, int type, int t, fl
     *e1 = 16 + 4 * t;
 }
 
-// Weight rows per warp in the quantized GEMV kernels: the activations a lane loads serve that
-// many rows (one row per warp read 7 bytes of activations through L1 for every byte of Q4_0
-// weights).
-#define GEMV_ROWS 4
-
-// The 4 activations at `p` (16-byte loads where packed and aligned).
-__device__ __forceinline__ void load_x4(const char *p, i64 nb0, float *v) {
-    if (nb0 == 4 && ((u64)p & 15) == 0) {
-        float4 a = *(const float4 *)p;
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    } else {
-#pragma unroll
-        for (int j = 0; j < 4; j++) v[j] = *(const float *)(p + j * nb0);
-    }
-}
-
-// acc[r][m] += the dot product of the 8 values q[r] (two runs of 4, at elements e0 and e1 of
-// the block at element `at`) with activation row m, for every row r < nr and m < M (<= 8). `x0`
-// is the address of element (0, 0, b2, b3) of x (computed once per warp, not per block).
-__device__ __forceinline__ void gemv_acc_rows(float (*acc)[8], float (*q)[8], int nr,
-                                              const char *x0, const Tensor &x, i64 at, int e0,
-                                              int e1, i64 M) {
+// acc[m] += the dot product of the 8 values `q` (two runs of 4, at elements e0 and e1 of the
+// block at element `at`) with activation row m, for every m < M (<= MMAX). `x0` is the address
+// of element (0, 0, b2, b3) of x (computed once per warp, not per block).
+template <int MMAX>
+__device__ __forceinline__ void gemv_acc_runs(float *acc, const float *q, const char *x0,
+                                              const Tensor &x, i64 at, int e0, int e1, i64 M) {
     i64 nb0 = x.nb[0];
-#pragma unroll
-    for (int m = 0; m < 8; m++) {
-        if (m >= M) break;
+    for (int m = 0; m < MMAX && m < M; m++) {
         const char *xp = x0 + m * x.nb[1] + at * nb0;
-        float v[8];
-        load_x4(xp + e0 * nb0, nb0, v);
-        load_x4(xp + e1 * nb0, nb0, v + 4);
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            if (r >= nr) break;
-            const float *a = q[r];
-            acc[r][m] += (a[0] * v[0] + a[1] * v[1] + a[2] * v[2] + a[3] * v[3]) +
-                         (a[4] * v[4] + a[5] * v[5] + a[6] * v[6] + a[7] * v[7]);
-        }
+        acc[m] += dot_x(q, 4, xp + e0 * nb0, nb0) + dot_x(q + 4, 4, xp + e1 * nb0, nb0);
     }
 }
 
 // Quantized weights: four lanes per block, so a warp reads 8 consecutive blocks at once and the
 // activations it needs are one contiguous run (coalesced 16-byte loads), as ggml's mmvq kernels
-// split a block among lanes.
-extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x, Tensor ids,
-                                           Fault *fault, int node) {
+// split a block among lanes. Built for up to MMAX activation rows: a kernel for one row
+// (`_m1`, decoding and `mul_mat_id`) keeps one accumulator, not eight, in registers (ptxas:
+// 79 registers for eight against fewer for one, so more warps per multiprocessor hide the
+// weights' latency).
+template <int MMAX>
+__device__ __forceinline__ void gemv_q(const Tensor &dst, const Tensor &w, const Tensor &x,
+                                       const Tensor &ids, Fault *fault, int node) {
     int lane = threadIdx.x & 31, t = lane & 3;
     i64 row, b2, b3;
     const char *wr;
-    if (!gemv_row(w, x, ids, fault, node, GEMV_ROWS, &row, &b2, &b3, &wr)) return;
+    if (!gemv_row(w, x, ids, fault, node, &row, &b2, &b3, &wr)) return;
     i64 K = w.ne[0], M = x.ne[1];
-    int nr = w.ne[1] - row < GEMV_ROWS ? (int)(w.ne[1] - row) : GEMV_ROWS;
-    float acc[GEMV_ROWS][8];
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++)
-#pragma unroll
-        for (int m = 0; m < 8; m++) acc[r][m] = 0.0f;
+    float acc[MMAX];
+    for (int m = 0; m < MMAX; m++) acc[m] = 0.0f;
     i64 nblk = K >> 5;
     int bs = w.type == T_Q8_0 ? 34 : w.type == T_Q4_0 ? 18 : 20;
     const char *x0 = x.p + offset(x, 0, 0, b2, b3);
     for (i64 b = lane >> 2; b < nblk; b += 8) {
-        float q[GEMV_ROWS][8];
-        int e0 = 0, e1 = 0;
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++)
-            if (r < nr) deq_quarter(wr + r * w.nb[1] + b * bs, w.type, t, q[r], &e0, &e1);
-        gemv_acc_rows(acc, q, nr, x0, x, b * 32, e0, e1, M);
+        float q[8];
+        int e0, e1;
+        deq_quarter(wr + b * bs, w.type, t, q, &e0, &e1);
+        gemv_acc_runs<MMAX>(acc, q, x0, x, b * 32, e0, e1, M);
     }
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        if (r >= nr) break;
-        gemv_store(dst, acc[r], M, row + r, b2, b3);
-    }
+    gemv_store<MMAX>(dst, acc, M, row, b2, b3);
+}
+
+extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                           Fault *fault, int node) {
+    gemv_q<8>(dst, w, x, ids, fault, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                              Fault *fault, int node) {
+    gemv_q<1>(dst, w, x, ids, fault, node);
 }
 
 // Any tensor to a packed f32, f16 or bf16 matrix [ne0, ne1 * ne2 * ne3] for cuBLAS (out_type:

@@ -44,6 +44,16 @@ pub const KERNELS: &[&str] = &[
     "k_mul_mat_vec_q6_k",
     "k_mul_mat_vec_iq4_nl",
     "k_mul_mat_vec_iq4_xs",
+    "k_mul_mat_vec_q_m1",
+    "k_mul_mat_vec_q5_0_m1",
+    "k_mul_mat_vec_q5_1_m1",
+    "k_mul_mat_vec_q2_k_m1",
+    "k_mul_mat_vec_q3_k_m1",
+    "k_mul_mat_vec_q4_k_m1",
+    "k_mul_mat_vec_q5_k_m1",
+    "k_mul_mat_vec_q6_k_m1",
+    "k_mul_mat_vec_iq4_nl_m1",
+    "k_mul_mat_vec_iq4_xs_m1",
     "k_argsort",
     "k_to_dense",
     "k_flash_attn",
@@ -124,19 +134,6 @@ pub fn dtype_code(d: DType) -> i32 {
     match kernels_for(d) {
         Some(code) => code,
         None => panic!("the CUDA kernels have no code for dtype {d}"),
-    }
-}
-
-/// Weight rows per warp of the quantized GEMV kernels (`GEMV_ROWS` in `kernels.cu`); the
-/// float one, `k_mul_mat_vec`, takes one.
-pub(crate) const GEMV_ROWS: usize = 4;
-
-/// Weight rows per warp of GEMV `kernel` (a name `gemv_kernel` gave).
-pub(crate) fn gemv_rows(kernel: &str) -> usize {
-    if kernel == "k_mul_mat_vec" {
-        1
-    } else {
-        GEMV_ROWS
     }
 }
 
@@ -354,18 +351,29 @@ pub(crate) fn gemm_input(dtype: DType) -> Option<(usize, i32, blas_sys::cudaData
 /// (`deq8_qx` in `kernels_qx.cu`); `None` for types that are not weights. Every `DType` is matched
 /// by name.
 pub(crate) fn gemv_kernel(dtype: DType) -> Option<&'static str> {
+    gemv_kernels(dtype).map(|k| k.0)
+}
+
+/// The GEMV kernel for weights of `dtype` and `m` activation rows: the quantized ones have a
+/// variant for one row (`_m1`: one accumulator in registers, not eight, so more warps fit).
+pub(crate) fn gemv_kernel_for(dtype: DType, m: usize) -> Option<&'static str> {
+    gemv_kernels(dtype).map(|(any, one)| if m == 1 { one } else { any })
+}
+
+/// (up to 8 rows, one row).
+fn gemv_kernels(dtype: DType) -> Option<(&'static str, &'static str)> {
     match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => Some("k_mul_mat_vec"),
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => Some("k_mul_mat_vec_q"),
-        DType::Q5_0 => Some("k_mul_mat_vec_q5_0"),
-        DType::Q5_1 => Some("k_mul_mat_vec_q5_1"),
-        DType::Q2_K => Some("k_mul_mat_vec_q2_k"),
-        DType::Q3_K => Some("k_mul_mat_vec_q3_k"),
-        DType::Q4_K => Some("k_mul_mat_vec_q4_k"),
-        DType::Q5_K => Some("k_mul_mat_vec_q5_k"),
-        DType::Q6_K => Some("k_mul_mat_vec_q6_k"),
-        DType::IQ4_NL => Some("k_mul_mat_vec_iq4_nl"),
-        DType::IQ4_XS => Some("k_mul_mat_vec_iq4_xs"),
+        DType::F32 | DType::F16 | DType::BF16 => Some(("k_mul_mat_vec", "k_mul_mat_vec")),
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => Some(("k_mul_mat_vec_q", "k_mul_mat_vec_q_m1")),
+        DType::Q5_0 => Some(("k_mul_mat_vec_q5_0", "k_mul_mat_vec_q5_0_m1")),
+        DType::Q5_1 => Some(("k_mul_mat_vec_q5_1", "k_mul_mat_vec_q5_1_m1")),
+        DType::Q2_K => Some(("k_mul_mat_vec_q2_k", "k_mul_mat_vec_q2_k_m1")),
+        DType::Q3_K => Some(("k_mul_mat_vec_q3_k", "k_mul_mat_vec_q3_k_m1")),
+        DType::Q4_K => Some(("k_mul_mat_vec_q4_k", "k_mul_mat_vec_q4_k_m1")),
+        DType::Q5_K => Some(("k_mul_mat_vec_q5_k", "k_mul_mat_vec_q5_k_m1")),
+        DType::Q6_K => Some(("k_mul_mat_vec_q6_k", "k_mul_mat_vec_q6_k_m1")),
+        DType::IQ4_NL => Some(("k_mul_mat_vec_iq4_nl", "k_mul_mat_vec_iq4_nl_m1")),
+        DType::IQ4_XS => Some(("k_mul_mat_vec_iq4_xs", "k_mul_mat_vec_iq4_xs_m1")),
         DType::I32 => None,
         #[cfg(test)]
         DType::FakeQ4x16 => None,
@@ -483,12 +491,18 @@ mod tests {
     }
 
     #[test]
-    fn gemv_rows_is_the_kernels_define() {
-        assert!(SOURCE.contains(&format!("#define GEMV_ROWS {GEMV_ROWS}\n")));
-        // Every quantized GEMV kernel takes GEMV_ROWS rows per warp, the float one one.
-        assert_eq!(gemv_rows(gemv_kernel(DType::F16).unwrap()), 1);
-        for d in [DType::Q4_0, DType::Q4_K, DType::IQ4_XS] {
-            assert_eq!(gemv_rows(gemv_kernel(d).unwrap()), GEMV_ROWS);
+    fn one_row_products_take_the_one_row_variants() {
+        for d in DType::ALL {
+            let (Some(any), Some(one)) = (gemv_kernel_for(d, 8), gemv_kernel_for(d, 1)) else {
+                continue;
+            };
+            assert!(KERNELS.contains(&any) && KERNELS.contains(&one), "{d}");
+            assert_eq!(gemv_kernel_for(d, 2), Some(any), "{d}");
+            if d.is_quantized() {
+                assert_eq!(one, format!("{any}_m1"), "{d}");
+            } else {
+                assert_eq!(one, any, "{d}");
+            }
         }
     }
 

@@ -616,79 +616,105 @@ __device__ __forceinline__ void quantize32_qx(const float *x, int type, char *bl
 // Q5_0, Q5_1, IQ4_NL, Q2_K .. Q6_K and IQ4_XS weights (M <= 8), dequantized in registers by
 // `deq8_qx`: 8 values per lane, so a warp reads 8 consecutive blocks of 32 or one super-block
 // of 256 per step, and the activations it needs are one contiguous run (coalesced 16-byte
-// loads); each warp takes GEMV_ROWS rows, so the activations it loads serve them all. One kernel
-// per type (`k_mul_mat_vec_<type>`): the type is a template constant, so its
+// loads). One kernel per type (`k_mul_mat_vec_<type>`): the type is a template constant, so its
 // layout's switches fold away at compile time (one kernel for all nine, switching on the
-// type per element, read a Q4_K GEMV at 103 GB/s on an H100). Their own kernels, so that the
-// older quantized kernel keeps its registers and occupancy.
-template <int TYPE>
+// type per element, read a Q4_K GEMV at 103 GB/s on an H100; this one 365 GB/s), and each in
+// a variant for one activation row (`_m1`, as `gemv_q`). Their own kernels, so that the older
+// quantized kernel keeps its registers and occupancy.
+template <int TYPE, int MMAX>
 __device__ __forceinline__ void gemv_qx(const Tensor &dst, const Tensor &w, const Tensor &x,
                                         const Tensor &ids, Fault *fault, int node) {
     int lane = threadIdx.x & 31;
     i64 row, b2, b3;
     const char *wr;
-    if (!gemv_row(w, x, ids, fault, node, GEMV_ROWS, &row, &b2, &b3, &wr)) return;
+    if (!gemv_row(w, x, ids, fault, node, &row, &b2, &b3, &wr)) return;
     i64 K = w.ne[0], M = x.ne[1];
-    int nr = w.ne[1] - row < GEMV_ROWS ? (int)(w.ne[1] - row) : GEMV_ROWS;
-    float acc[GEMV_ROWS][8];
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++)
-#pragma unroll
-        for (int m = 0; m < 8; m++) acc[r][m] = 0.0f;
+    float acc[MMAX];
+    for (int m = 0; m < MMAX; m++) acc[m] = 0.0f;
     int be = qx_block_elems(TYPE), bb = qx_block_bytes(TYPE), t, first, step;
     qx_lanes(TYPE, lane, &t, &first, &step);
     i64 nblk = K / be;
     const char *x0 = x.p + offset(x, 0, 0, b2, b3);
     for (i64 b = first; b < nblk; b += step) {
-        float q[GEMV_ROWS][8];
-        int e0 = 0, e1 = 0;
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++)
-            if (r < nr) deq8_qx(wr + r * w.nb[1] + b * bb, TYPE, t, q[r], &e0, &e1);
-        gemv_acc_rows(acc, q, nr, x0, x, b * be, e0, e1, M);
+        float q[8];
+        int e0, e1;
+        deq8_qx(wr + b * bb, TYPE, t, q, &e0, &e1);
+        gemv_acc_runs<MMAX>(acc, q, x0, x, b * be, e0, e1, M);
     }
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        if (r >= nr) break;
-        gemv_store(dst, acc[r], M, row + r, b2, b3);
-    }
+    gemv_store<MMAX>(dst, acc, M, row, b2, b3);
 }
 
 extern "C" __global__ void k_mul_mat_vec_q5_0(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                               Fault *f, int node) {
-    gemv_qx<T_Q5_0>(dst, w, x, ids, f, node);
+    gemv_qx<T_Q5_0, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q5_0_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q5_0, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_q5_1(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                               Fault *f, int node) {
-    gemv_qx<T_Q5_1>(dst, w, x, ids, f, node);
+    gemv_qx<T_Q5_1, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q5_1_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q5_1, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_q2_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                               Fault *f, int node) {
-    gemv_qx<T_Q2_K>(dst, w, x, ids, f, node);
+    gemv_qx<T_Q2_K, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q2_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q2_K, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_q3_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                               Fault *f, int node) {
-    gemv_qx<T_Q3_K>(dst, w, x, ids, f, node);
+    gemv_qx<T_Q3_K, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q3_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q3_K, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_q4_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                               Fault *f, int node) {
-    gemv_qx<T_Q4_K>(dst, w, x, ids, f, node);
+    gemv_qx<T_Q4_K, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q4_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q4_K, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_q5_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                               Fault *f, int node) {
-    gemv_qx<T_Q5_K>(dst, w, x, ids, f, node);
+    gemv_qx<T_Q5_K, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q5_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q5_K, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_q6_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                               Fault *f, int node) {
-    gemv_qx<T_Q6_K>(dst, w, x, ids, f, node);
+    gemv_qx<T_Q6_K, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q6_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q6_K, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_iq4_nl(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                                 Fault *f, int node) {
-    gemv_qx<T_IQ4_NL>(dst, w, x, ids, f, node);
+    gemv_qx<T_IQ4_NL, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_iq4_nl_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                   Fault *f, int node) {
+    gemv_qx<T_IQ4_NL, 1>(dst, w, x, ids, f, node);
 }
 extern "C" __global__ void k_mul_mat_vec_iq4_xs(Tensor dst, Tensor w, Tensor x, Tensor ids,
                                                 Fault *f, int node) {
-    gemv_qx<T_IQ4_XS>(dst, w, x, ids, f, node);
+    gemv_qx<T_IQ4_XS, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_iq4_xs_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+                                                   Fault *f, int node) {
+    gemv_qx<T_IQ4_XS, 1>(dst, w, x, ids, f, node);
 }
 
 // `cont` / `cpy` into a super-block type (Q2_K .. Q6_K, IQ4_XS) from a float source of any

@@ -354,6 +354,24 @@ fn a_corrupt_block_count_is_an_error_naming_the_key() {
 }
 
 #[test]
+fn bench_serve_refuses_more_clients_than_threads_it_should_start() {
+    // Each client is a thread: a million would fail midway (or abort) instead of here.
+    refused(
+        &[
+            "bench",
+            "serve",
+            "--concurrency",
+            "4,1000000",
+            "--requests",
+            "1000000",
+        ],
+        2,
+        30,
+        &["--concurrency", "1000000 clients", "at most 1024"],
+    );
+}
+
+#[test]
 fn bench_backend_times_every_case_on_a_cpu_device_and_refuses_device_groups() {
     let r = metashard(&["bench", "backend", "--small", "--seconds", "0", "--json"]);
     assert_eq!(r.code, Some(0), "{}", r.stderr);

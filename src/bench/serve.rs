@@ -16,7 +16,7 @@
 mod http;
 
 use crate::cli::serve::{EngineArgs, ServeArgs, start};
-use crate::cli::{JsonArgs, parse_positive};
+use crate::cli::{JsonArgs, parse_concurrency, parse_positive};
 use metashard::{Error, Result};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -31,7 +31,7 @@ pub struct BenchServeArgs {
     pub url: Option<String>,
     /// Clients sending requests at once, a list (e.g. `1,4,8,16`).
     #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 4, 8, 16],
-          value_parser = parse_positive)]
+          value_parser = parse_concurrency)]
     pub concurrency: Vec<usize>,
     /// Requests per concurrency.
     #[arg(long, default_value_t = 32, value_parser = parse_positive)]

@@ -467,6 +467,20 @@ pub fn parse_reps(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// The most clients `bench serve` runs at once: each is a thread of this process.
+pub const MAX_CONCURRENCY: usize = 1024;
+
+/// A `--concurrency` entry: 1..=[`MAX_CONCURRENCY`] (more would only exhaust the threads a
+/// process may start, failing midway instead of here).
+pub fn parse_concurrency(s: &str) -> std::result::Result<usize, String> {
+    match parse_positive(s)? {
+        n if n <= MAX_CONCURRENCY => Ok(n),
+        n => Err(format!(
+            "{n} clients: at most {MAX_CONCURRENCY} (each is a thread of this process)"
+        )),
+    }
+}
+
 /// A sampling setting checked by the library's [`SamplerConfig::validate`].
 fn sampling<T>(s: &str, set: impl FnOnce(&mut SamplerConfig, T)) -> std::result::Result<T, String>
 where

@@ -245,15 +245,19 @@ pub enum Error {
         reason: String,
     },
 
-    /// No assignment of the planner fits: `device` is over its budget by `over` bytes even
-    /// with everything split that can be.
+    /// A plan does not fit: `device` is over its budget by `over` bytes `how` (with
+    /// everything split that can be, when the search finds nothing; with the strategy a user
+    /// fixed).
     #[error(
-        "{model} does not fit on {cluster}: with everything split, device {device} needs \
-         {over} bytes more than its budget of {budget} bytes"
+        "{model} does not fit on {cluster} {how}: device {device} needs {} more than its \
+         budget of {}",
+        human_bytes(*.over),
+        human_bytes(*.budget)
     )]
     DoesNotFit {
         model: String,
         cluster: String,
+        how: String,
         device: String,
         over: u64,
         budget: u64,
@@ -417,4 +421,18 @@ macro_rules! bail {
     ($($arg:tt)*) => {
         return Err($crate::Error::Msg(format!($($arg)*)))
     };
+}
+
+/// `bytes` for people: GiB or MiB with two decimals (and the exact count), or bytes below
+/// 1 MiB.
+pub fn human_bytes(bytes: u64) -> String {
+    const MIB: f64 = 1048576.0;
+    let b = bytes as f64;
+    if b >= 1024.0 * MIB {
+        format!("{:.2} GiB ({bytes} B)", b / (1024.0 * MIB))
+    } else if b >= MIB {
+        format!("{:.2} MiB ({bytes} B)", b / MIB)
+    } else {
+        format!("{bytes} B")
+    }
 }

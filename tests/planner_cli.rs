@@ -168,6 +168,39 @@ fn bad_planner_input_names_the_flag() {
         err.contains("does not fit") && err.contains("rtx4090"),
         "{err}"
     );
+    // A fixed strategy (and the layer split) that does not fit: the plan is printed, with
+    // its over-budget devices marked, and the exit status is an error naming the device and
+    // the bytes over in GiB.
+    for strategy in ["megatron", "layer"] {
+        let (code, out, err) = metashard(&[
+            "plan",
+            "--model",
+            "llama3-70b",
+            "--cluster",
+            "rtx4090x4-pcie",
+            "--strategy",
+            strategy,
+        ]);
+        assert_eq!(code, 1, "{strategy}: {out}");
+        assert!(out.contains("OVER"), "{strategy}: {out}");
+        assert!(
+            err.contains(&format!("with strategy {strategy}"))
+                && err.contains("device rtx4090-")
+                && err.contains(" GiB ("),
+            "{strategy}: {err}"
+        );
+    }
+    // One that fits exits 0.
+    let (code, _, err) = metashard(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "rtx4090x4-pcie",
+        "--strategy",
+        "megatron",
+    ]);
+    assert_eq!(code, 0, "{err}");
 }
 
 #[test]

@@ -80,7 +80,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             ));
         }
         let cost = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
-        return a.out.print("layer split prediction", &cost, |cost| {
+        a.out.print("layer split prediction", &cost, |cost| {
             println!(
                 "plan: {} on {} ({} devices), workload {}, strategy layer",
                 shape.name,
@@ -89,7 +89,14 @@ pub fn run(a: &PlanArgs) -> Result<()> {
                 workload
             );
             print!("{}", cost.table());
-        });
+        })?;
+        // The prediction is printed; a split that does not fit is still an error.
+        return match cost.over_budget() {
+            Some((m, over)) => Err(does_not_fit(
+                &shape, &cluster, "layer", &m.device, over, m.budget,
+            )),
+            None => Ok(()),
+        };
     }
     let strategy = Strategy::parse(&a.strategy)?;
     let plan = match strategy.split(shape.n_layer(), shape.tied) {
@@ -129,13 +136,47 @@ pub fn run(a: &PlanArgs) -> Result<()> {
                 layer.total_s,
                 (layer.total_s / this.max(1e-12) - 1.0) * 100.0,
                 match layer.over_budget() {
-                    Some((m, over)) => format!(", {} over its budget by {over} B", m.device),
+                    Some((m, over)) => format!(
+                        ", {} over its budget by {}",
+                        m.device,
+                        metashard::error::human_bytes(over)
+                    ),
                     None => String::new(),
                 }
             );
         }
     }
-    Ok(())
+    // The plan is printed (and written, with -o); a fixed strategy that does not fit is still
+    // an error (the search only returns plans that fit).
+    match plan.evaluation.over_budget() {
+        Some((m, over)) => Err(does_not_fit(
+            &shape,
+            &cluster,
+            strategy.name(),
+            &m.device,
+            over,
+            m.budget,
+        )),
+        None => Ok(()),
+    }
+}
+
+fn does_not_fit(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    strategy: &str,
+    device: &str,
+    over: u64,
+    budget: u64,
+) -> metashard::Error {
+    metashard::Error::DoesNotFit {
+        model: shape.name.clone(),
+        cluster: cluster.name.clone(),
+        how: format!("with strategy {strategy}"),
+        device: device.to_string(),
+        over,
+        budget,
+    }
 }
 
 /// SVG through graphviz's `dot`, or the DOT next to the requested file when `dot` is missing.

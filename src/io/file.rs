@@ -108,6 +108,29 @@ pub fn read_json_text(path: &Path) -> Result<String> {
     read_text_limited(path, MAX_JSON_BYTES)
 }
 
+/// A `T` from the JSON `text` of `path`; an error names the file, what it is (`what`: "plan",
+/// "cluster profile") and the path of the field at fault inside it (`devices[1].mem_bw`), with
+/// serde's line and column.
+pub fn parse_json<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    what: &str,
+    text: &str,
+) -> Result<T> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let v: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let at = e.path().to_string();
+        let field = if at == "." || at.is_empty() {
+            what.to_string()
+        } else {
+            format!("{what}: {at}")
+        };
+        Error::format(path, field, e.into_inner().to_string())
+    })?;
+    de.end()
+        .map_err(|e| Error::format(path, what.to_string(), e.to_string()))?;
+    Ok(v)
+}
+
 /// The UTF-8 text of the regular file `path`, [`read_limited`] to `limit` bytes.
 pub fn read_text_limited(path: &Path, limit: u64) -> Result<String> {
     let bytes = read_limited(path, limit)?;
@@ -123,6 +146,41 @@ pub fn read_text_limited(path: &Path, limit: u64) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_errors_name_the_field_at_fault() {
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct Dev {
+            name: String,
+            mem_bw: f64,
+        }
+        #[derive(serde::Deserialize, Debug)]
+        #[allow(dead_code)]
+        struct C {
+            devices: Vec<Dev>,
+        }
+        let p = Path::new("c.json");
+        let text = r#"{"devices": [{"name": "a", "mem_bw": 1}, {"name": "b", "mem_bw": "fast"}]}"#;
+        let e = parse_json::<C>(p, "cluster profile", text)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("c.json") && e.contains("devices[1].mem_bw") && e.contains("line 1"),
+            "{e}"
+        );
+        let e = parse_json::<C>(p, "cluster profile", "{\"devices\": []} x")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("trailing"), "{e}");
+        assert_eq!(
+            parse_json::<C>(p, "x", r#"{"devices": []}"#)
+                .unwrap()
+                .devices
+                .len(),
+            0
+        );
+    }
 
     #[test]
     fn special_and_oversized_files_are_refused_naming_them() {

@@ -13,8 +13,8 @@ pub mod safetensors;
 
 pub use config::JsonConfig;
 pub use file::{
-    MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, read_json_text, read_limited, read_text_limited,
-    regular_file,
+    MAX_JSON_BYTES, MAX_TOKENIZER_JSON_BYTES, parse_json, read_json_text, read_limited,
+    read_text_limited, regular_file,
 };
 pub use gguf::{GgufFile, GgufTensorInfo};
 pub use gguf_types::{GgmlType, GgufArray, GgufType, GgufValue, ggml_type, ggml_type_label};

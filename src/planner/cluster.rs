@@ -107,10 +107,18 @@ impl DeviceProfile {
 }
 
 impl CollectiveFit {
-    /// Latencies in [`SECONDS`] by strictly increasing group sizes in 1..=[`MAX_DEVICES`], a
-    /// bus bandwidth in [`BANDWIDTH`].
+    /// At least one latency, each in [`SECONDS`], by strictly increasing group sizes in
+    /// 1..=[`MAX_DEVICES`], a bus bandwidth in [`BANDWIDTH`].
     fn check(&self) -> std::result::Result<(), (String, String, String)> {
         in_range("bus_bw", self.bus_bw, &BANDWIDTH, "bytes/s")?;
+        if self.alpha_s.is_empty() {
+            // No latency would price every collective at bandwidth alone (zero latency).
+            return Err((
+                "alpha_s".into(),
+                "[]".into(),
+                "needs at least one [group size, seconds] latency point".into(),
+            ));
+        }
         let mut prev = 0;
         for &(n, a) in &self.alpha_s {
             if n <= prev || n > MAX_DEVICES {
@@ -382,11 +390,7 @@ impl Cluster {
 
     /// A cluster from the JSON `text` of `path` (named in errors), validated.
     pub fn from_json(path: &Path, text: &str) -> Result<Cluster> {
-        let c: Cluster = serde_json::from_str(text).map_err(|e| Error::Format {
-            path: path.to_path_buf(),
-            field: "cluster profile".into(),
-            reason: e.to_string(),
-        })?;
+        let c: Cluster = crate::io::parse_json(path, "cluster profile", text)?;
         c.check().map_err(|(field, value, reason)| {
             Error::format(path, field, format!("{value}: {reason}"))
         })?;
@@ -493,6 +497,21 @@ mod tests {
             reduce_scatter: fit,
             broadcast: None,
         }
+    }
+
+    #[test]
+    fn a_collective_without_a_latency_point_is_refused_naming_it() {
+        let mut l = level(100e9, 10e-6);
+        l.all_gather.alpha_s.clear();
+        let e = l.validate("profile.json").unwrap_err().to_string();
+        assert!(
+            e.contains("all_gather") && e.contains("alpha_s") && e.contains("at least one"),
+            "{e}"
+        );
+        // The one-device level (which never communicates) still validates.
+        crate::planner::fit::single_device_level(100e9)
+            .validate("one device")
+            .unwrap();
     }
 
     #[test]

@@ -74,11 +74,7 @@ pub fn parse_plan(
     n_layer: usize,
     n_devices: usize,
 ) -> Result<DecoderSplit> {
-    let mut p: PlanFile = serde_json::from_str(text).map_err(|e| Error::Format {
-        path: path.to_path_buf(),
-        field: "plan".into(),
-        reason: e.to_string(),
-    })?;
+    let mut p: PlanFile = crate::io::parse_json(path, "plan", text)?;
     let bad = |field: &str, reason: String| Error::Format {
         path: path.to_path_buf(),
         field: field.into(),

@@ -590,6 +590,7 @@ pub fn auto(
         return Err(Error::DoesNotFit {
             model: shape.name.clone(),
             cluster: cluster.name.clone(),
+            how: "with everything split".into(),
             device: dev,
             over,
             budget: budget as u64,

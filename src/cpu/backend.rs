@@ -331,6 +331,8 @@ impl GraphPlan for CpuPlan {
         let errors: Vec<Mutex<Option<(usize, ops::KernelError)>>> =
             (0..nth).map(|_| Mutex::new(None)).collect();
         let failed_at = AtomicUsize::new(usize::MAX);
+        // Each node's work-item counter (see `ComputeParams::items`), from 0.
+        let items: Vec<AtomicUsize> = (0..nodes.len()).map(|_| AtomicUsize::new(0)).collect();
         let run = pool.run(&|ith, barrier| {
             let base = wdata.get();
             let p = ComputeParams {
@@ -343,11 +345,16 @@ impl GraphPlan for CpuPlan {
                 tsize: slot,
                 barrier,
                 precision,
+                items: None,
             };
             for (i, e) in nodes.iter().enumerate() {
                 if ith == 0 {
                     current.store(i, Ordering::Relaxed);
                 }
+                let p = ComputeParams {
+                    items: (nth > 1).then(|| &items[i]),
+                    ..p
+                };
                 if let Err(err) = ops::forward(&p, &e.op, &e.dst, &e.src) {
                     errors[ith].lock().get_or_insert((i, err));
                     failed_at.fetch_min(i, Ordering::AcqRel);

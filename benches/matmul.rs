@@ -109,6 +109,7 @@ fn run(pool: &ThreadPool, s: &Setup) {
             tsize: 0,
             barrier,
             precision: metashard::cpu::Precision::Exact,
+            items: None,
         };
         matmul::forward(&p, &w, &x, &d);
     })

@@ -196,6 +196,11 @@ impl GraphAllocator {
         self.buffer.as_ref().map_or(0, |b| b.size())
     }
 
+    /// The current compute buffer, if a graph was allocated.
+    pub fn buffer(&self) -> Option<&Arc<dyn Buffer>> {
+        self.buffer.as_ref()
+    }
+
     /// Make the buffer at least `size` bytes.
     pub fn reserve(&mut self, size: usize) -> Result<()> {
         if self.buffer_size() < size {

@@ -206,6 +206,7 @@ fn run(c: &Case, o: &Operands, pool: &ThreadPool, isa: Isa, precision: Precision
             tsize: 0,
             barrier,
             precision,
+            items: None,
         };
         matmul::forward_with(isa, &p, &w, &x, &d);
     })

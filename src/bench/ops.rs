@@ -484,6 +484,7 @@ impl CaseData {
                         tsize: 0,
                         barrier,
                         precision,
+                        items: None,
                     };
                     matmul::forward_with(isa, &p, &w, &x, &d);
                 });

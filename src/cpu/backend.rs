@@ -12,14 +12,14 @@ use super::pool::ThreadPool;
 use super::view::{ComputeParams, TensorView};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, Storage};
 use crate::graph::{Graph, TensorId};
 use crate::op::Op;
 use crate::{Error, Result};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 
 /// One node ready to run.
 struct ExecNode {
@@ -56,6 +56,72 @@ struct Inner {
 pub struct CpuBackend {
     inner: Arc<Inner>,
     alloc: Mutex<GraphAllocator>,
+    /// The last graph's allocation and plan (locked after `alloc`).
+    last: Mutex<Option<Reuse>>,
+    /// Graphs allocated and planned by `graph_compute` (not reused).
+    graphs_planned: AtomicUsize,
+}
+
+/// What `graph_compute` keeps of the last graph it ran: its structure, the offsets the
+/// allocator gave its roots, and its plan, holding its buffers only weakly (a kept plan does
+/// not keep a dropped model's weights alive; a buffer gone makes it unusable).
+struct Reuse {
+    key: u64,
+    offsets: Vec<(TensorId, usize)>,
+    compute: Weak<dyn Buffer>,
+    buffers: Vec<Weak<dyn Buffer>>,
+    plan: CpuPlan,
+}
+
+impl Reuse {
+    /// Keep `plan` (made for `g` after allocation at `offsets` in `compute`) for later graphs.
+    fn keep(
+        key: u64,
+        offsets: Vec<(TensorId, usize)>,
+        compute: &Arc<dyn Buffer>,
+        mut plan: CpuPlan,
+    ) -> Reuse {
+        let buffers = plan
+            ._buffers
+            .drain(..)
+            .map(|b| Arc::downgrade(&b))
+            .collect();
+        Reuse {
+            key,
+            offsets,
+            compute: Arc::downgrade(compute),
+            buffers,
+            plan,
+        }
+    }
+
+    /// The kept plan, if `g` has the kept structure, node names and live buffers, with `g`'s
+    /// roots bound where the kept graph's were (in `compute`, the allocator's buffer now).
+    /// A `Weak` keeps its allocation, so a live buffer at a kept address is the kept buffer.
+    fn revive(
+        mut self,
+        key: u64,
+        g: &mut Graph,
+        compute: Option<&Arc<dyn Buffer>>,
+    ) -> Option<(CpuPlan, Vec<(TensorId, usize)>)> {
+        let compute = compute?;
+        let same = self.key == key
+            && std::ptr::addr_eq(self.compute.as_ptr(), Arc::as_ptr(compute))
+            && self.plan.exec.iter().all(|e| e.name == g.node(e.id).name);
+        if !same {
+            return None;
+        }
+        let buffers = self
+            .buffers
+            .iter()
+            .map(Weak::upgrade)
+            .collect::<Option<Vec<_>>>()?;
+        for &(id, off) in &self.offsets {
+            g.node_mut(id).storage = Some(Storage::new(compute.clone(), off));
+        }
+        self.plan._buffers = buffers;
+        Some((self.plan, self.offsets))
+    }
 }
 
 impl CpuBackend {
@@ -69,7 +135,15 @@ impl CpuBackend {
                 spare_work: Mutex::new(Vec::new()),
             }),
             alloc: Mutex::new(GraphAllocator::new(Arc::new(super::buffer::CpuBufferType))),
+            last: Mutex::new(None),
+            graphs_planned: AtomicUsize::new(0),
         })
+    }
+
+    /// How many graphs `graph_compute` allocated and planned; a graph run with the last one's
+    /// plan does not count.
+    pub fn graphs_planned(&self) -> usize {
+        self.graphs_planned.load(Ordering::Relaxed)
     }
 
     pub fn threads(&self) -> usize {
@@ -257,6 +331,8 @@ impl GraphPlan for CpuPlan {
         let errors: Vec<Mutex<Option<(usize, ops::KernelError)>>> =
             (0..nth).map(|_| Mutex::new(None)).collect();
         let failed_at = AtomicUsize::new(usize::MAX);
+        // Each node's work-item counter (see `ComputeParams::items`), from 0.
+        let items: Vec<AtomicUsize> = (0..nodes.len()).map(|_| AtomicUsize::new(0)).collect();
         let run = pool.run(&|ith, barrier| {
             let base = wdata.get();
             let p = ComputeParams {
@@ -269,11 +345,16 @@ impl GraphPlan for CpuPlan {
                 tsize: slot,
                 barrier,
                 precision,
+                items: None,
             };
             for (i, e) in nodes.iter().enumerate() {
                 if ith == 0 {
                     current.store(i, Ordering::Relaxed);
                 }
+                let p = ComputeParams {
+                    items: (nth > 1).then(|| &items[i]),
+                    ..p
+                };
                 if let Err(err) = ops::forward(&p, &e.op, &e.dst, &e.src) {
                     errors[ith].lock().get_or_insert((i, err));
                     failed_at.fetch_min(i, Ordering::AcqRel);
@@ -336,16 +417,33 @@ impl Backend for CpuBackend {
     }
 
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
-        check_supported(g, &self.name(), false, supports_node)?;
+        let key = g.structure_hash();
         let mut alloc = self.alloc.lock();
-        alloc.alloc_graph(g)?;
+        let mut last = self.last.lock();
+        let kept = last.take().and_then(|r| r.revive(key, g, alloc.buffer()));
+        let (mut plan, offsets) = match kept {
+            Some(k) => k,
+            None => {
+                check_supported(g, &self.name(), false, supports_node)?;
+                let a = alloc.alloc_graph(g)?;
+                let offsets = g
+                    .ids()
+                    .filter_map(|id| Some((id, a.offsets[id.index()]?)))
+                    .collect();
+                self.graphs_planned.fetch_add(1, Ordering::Relaxed);
+                (make_plan(&self.inner, g)?, offsets)
+            }
+        };
         for n in g.nodes() {
             if let (Some(data), Some(st)) = (&n.data, &n.storage) {
                 st.set(&n.layout, data)?;
             }
         }
-        let mut plan = make_plan(&self.inner, g)?;
-        plan.compute(0..g.len())
+        plan.compute(0..g.len())?;
+        if let Some(buf) = alloc.buffer() {
+            *last = Some(Reuse::keep(key, offsets, buf, plan));
+        }
+        Ok(())
     }
 
     fn compute_buffer_bytes(&self) -> Vec<usize> {
@@ -377,6 +475,71 @@ mod tests {
             src: srcs.iter().map(|&a| v(a)).collect(),
             barrier_after: false,
         }
+    }
+
+    /// A step-like graph: weights and an input row (inline data, shifted by `step`), a
+    /// product, a residual add and a norm; `rows` of output, the norm named `norm`.
+    fn step_graph(step: usize, rows: usize, norm: &str) -> (Graph, TensorId) {
+        let v = |n: usize, k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0)
+                .collect()
+        };
+        let mut g = Graph::new();
+        let w = g.input_f32("w", [64, 48, 1, 1], &v(64 * 48, 1)).unwrap();
+        let x = g
+            .input_f32("x", [64, rows, 1, 1], &v(64 * rows, step))
+            .unwrap();
+        let r = g
+            .input_f32("r", [48, rows, 1, 1], &v(48 * rows, step + 5))
+            .unwrap();
+        let y = g.mul_mat(w, x).unwrap();
+        let y = g.add(y, r).unwrap();
+        let y = g.rms_norm(y, 1e-6).unwrap();
+        g.set_name(y, norm);
+        (g, y)
+    }
+
+    #[test]
+    fn a_graph_of_the_last_structure_reuses_its_plan_with_the_same_results() {
+        let b = CpuBackend::new(CpuDevice::new(
+            0,
+            1,
+            2,
+            super::super::device::CpuOptions::exact(),
+        ))
+        .unwrap();
+        let run = |b: &CpuBackend, step: usize, rows: usize, norm: &str| {
+            let (mut g, y) = step_graph(step, rows, norm);
+            b.graph_compute(&mut g).unwrap();
+            g.read_f32(y).unwrap()
+        };
+        for step in 0..4 {
+            let fresh = CpuBackend::new(CpuDevice::new(
+                0,
+                1,
+                2,
+                super::super::device::CpuOptions::exact(),
+            ))
+            .unwrap();
+            let want = run(&fresh, step, 1, "norm");
+            let got = run(&b, step, 1, "norm");
+            assert_eq!(
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "step {step}"
+            );
+            // Only the first step was planned; the others differ in their inputs only.
+            assert_eq!(b.graphs_planned(), 1);
+        }
+        // Another shape is planned, and so is the first one after it (one graph is kept);
+        // so is a graph that differs only in a node's name (errors name the node).
+        run(&b, 0, 3, "norm");
+        assert_eq!(b.graphs_planned(), 2);
+        run(&b, 0, 1, "norm");
+        assert_eq!(b.graphs_planned(), 3);
+        run(&b, 0, 1, "other");
+        assert_eq!(b.graphs_planned(), 4);
     }
 
     fn barriers(mut exec: Vec<ExecNode>, shared: &[bool]) -> Vec<bool> {

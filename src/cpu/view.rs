@@ -142,6 +142,12 @@ pub struct ComputeParams<'a> {
     pub barrier: &'a Barrier,
     /// How activations meet quantized weights in `mul_mat`.
     pub precision: Precision,
+    /// The node's work-item counter, 0 when the node starts, shared by its threads: `mul_mat`
+    /// hands its items out through it, smaller ones, so a thread that is slowed down
+    /// (preempted, or with slower rows) leaves the rest of its share to the others instead of
+    /// holding them at the next barrier (ggml's chunked `mul_mat`). `None`: each thread takes
+    /// its own `1/nth` of the items.
+    pub items: Option<&'a std::sync::atomic::AtomicUsize>,
 }
 
 /// The precision of activations in products with quantized weights (Q8_0, Q4_0, Q4_1).

@@ -331,20 +331,33 @@ impl Graph {
 
     /// The span of `id`'s bytes (nbytes from its first element).
     pub fn read_bytes(&self, id: TensorId) -> Result<Vec<u8>> {
+        let (layout, st) = self.stored(id)?;
+        let mut out = vec![0u8; layout.nbytes()];
+        st.get(&layout, &mut out)?;
+        Ok(out)
+    }
+
+    /// `id`'s layout and storage, or an error naming it if it has none.
+    fn stored(&self, id: TensorId) -> Result<(Layout, Storage)> {
         let n = self.get(id)?;
         let st = self.storage(id).ok_or_else(|| Error::NoStorage {
             tensor: n.name.clone(),
             reason: "it has not been computed or allocated".into(),
         })?;
-        let mut out = vec![0u8; n.layout.nbytes()];
-        st.get(&n.layout, &mut out)?;
-        Ok(out)
+        Ok((n.layout, st))
     }
 
     /// `id`'s elements in logical order (ne[0] fastest) as f32, whatever the dtype and strides.
     pub fn read_f32(&self, id: TensorId) -> Result<Vec<f32>> {
-        let layout = self.get(id)?.layout;
-        let bytes = self.read_bytes(id)?;
+        let (layout, st) = self.stored(id)?;
+        if layout.dtype == DType::F32 && layout.is_contiguous() && layout.nelements() > 0 {
+            // Packed f32 (a decoder's logits): its bytes are the result, read in one copy.
+            let mut out = vec![0f32; layout.nelements()];
+            st.get(&layout, crate::dtype::as_bytes_mut(&mut out))?;
+            return Ok(out);
+        }
+        let mut bytes = vec![0u8; layout.nbytes()];
+        st.get(&layout, &mut bytes)?;
         layout_to_f32(&layout, &bytes)
     }
 

@@ -137,7 +137,12 @@ impl<'m> Session<'m> {
             self.backend.graph_compute(&mut sg.graph)?;
             self.n_past += t;
             if all_logits || last_chunk {
-                out.extend(sg.graph.read_f32(sg.logits)?);
+                let logits = sg.graph.read_f32(sg.logits)?;
+                if out.is_empty() {
+                    out = logits;
+                } else {
+                    out.extend(logits);
+                }
             }
             debug_assert_eq!(out.len() % nv, 0);
         }

@@ -102,6 +102,7 @@ use crate::DType;
 use crate::cpu::view::{ComputeParams, TensorView, split_range};
 use plan::{Path, Plan, Src1};
 use run::{Item, gather_rows, quantize_rows, quantize_rows_k, run_item, zero_rows};
+use std::sync::atomic::Ordering;
 
 /// Whether `mul_mat(src0, src1)` at `precision` quantizes the activations to 8 bits (false for
 /// float weights, and for every product at [`Precision::Exact`]).
@@ -342,9 +343,17 @@ pub fn forward_with(
             p.barrier();
         }
     }
-    // Stage 2: this thread's items.
+    // Stage 2: the items, smaller ones taken from the node's counter, or this thread's share.
+    let (plan, mut share) = match p.items {
+        Some(_) => (plan.finer(), 0..0),
+        None => (plan, split_range(plan.items, p.ith, p.nth)),
+    };
     let per_item = plan.cn * plan.cm;
-    for it in split_range(plan.items, p.ith, p.nth) {
+    let mut next = || match p.items {
+        Some(c) => Some(c.fetch_add(1, Ordering::Relaxed)).filter(|&i| i < plan.items),
+        None => share.next(),
+    };
+    while let Some(it) = next() {
         let b = it / per_item;
         let ci = it % per_item / plan.cm;
         let mi = it % plan.cm;
@@ -360,7 +369,8 @@ pub fn forward_with(
         };
         // SAFETY: supports() validated shapes and strides; the executor guarantees the tensors'
         // bytes are in their buffers, that scratch holds `need` bytes, and items are disjoint
-        // output regions (split_range partitions the item list).
+        // output regions, each run by one thread (split_range partitions the item list, the
+        // counter hands each index out once).
         unsafe { run_item(isa, p, &plan, src0, src1, dst, &item) };
     }
 }

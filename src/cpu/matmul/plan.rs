@@ -205,6 +205,36 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// The plan with smaller items over the weight rows, for threads that take items from a
+    /// shared counter: about [`ITEMS_PER_THREAD`] per thread, at least [`MIN_ITEM_ROWS`] rows
+    /// each; unchanged where the grid does not split weight rows. Each output element is
+    /// computed the same way in any item (results are bit-identical across thread counts,
+    /// tests/targets.rs), and the scratch does not depend on the items.
+    pub(super) fn finer(mut self) -> Plan {
+        if self.bn >= self.n || self.items == 0 {
+            return self;
+        }
+        let bn = self
+            .n
+            .div_ceil(self.nth * ITEMS_PER_THREAD)
+            .next_multiple_of(TILE_N)
+            .max(MIN_ITEM_ROWS);
+        if bn < self.bn {
+            let batches = self.items / (self.cn * self.cm);
+            self.bn = bn;
+            self.cn = self.n.div_ceil(bn);
+            self.items = batches * self.cn * self.cm;
+        }
+        self
+    }
+}
+
+/// Items per thread of a product whose threads take items from a shared counter.
+pub(super) const ITEMS_PER_THREAD: usize = 4;
+/// Fewest weight rows per item taken from a shared counter (a few microseconds of work).
+pub(super) const MIN_ITEM_ROWS: usize = 4 * TILE_N;
+
 /// Chunk sizes `(bn, bm)` of the work items for `batches` outputs of `n x m` on `nth` threads.
 pub(super) fn grid(batches: usize, n: usize, m: usize, nth: usize) -> (usize, usize) {
     if nth <= 1 || batches.is_multiple_of(nth) {
@@ -224,6 +254,39 @@ pub(super) fn grid(batches: usize, n: usize, m: usize, nth: usize) -> (usize, us
 mod tests {
     use super::*;
     use crate::cpu::view::split_range;
+
+    fn view(ne: [usize; 4]) -> TensorView {
+        TensorView {
+            data: std::ptr::null_mut(),
+            dtype: crate::DType::F32,
+            ne,
+            nb: [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]],
+        }
+    }
+
+    #[test]
+    fn finer_items_cover_the_rows_a_few_per_thread() {
+        let w = Weights::Float(FloatW::F32);
+        // (n, m, nth) -> items of the finer plan (a decode step's products on 2 threads).
+        for (n, m, nth, want) in [
+            (262_144, 1, 2, 8),
+            (2048, 1, 2, 8),
+            (640, 1, 2, 8),
+            (256, 1, 2, 4),
+            (100, 1, 2, 2),
+            (4096, 1, 3, 12),
+            (10, 33, 2, 2),
+        ] {
+            let (a, b, d) = (view([64, n, 1, 1]), view([64, m, 1, 1]), view([n, m, 1, 1]));
+            let p = Plan::new(w, &a, &b, &d, nth, Precision::Exact);
+            let f = p.finer();
+            assert_eq!(f.items, want, "n {n} m {m} nth {nth}");
+            // The same rows and scratch, in whole tiles, never fewer items than before.
+            assert!(f.bn * f.cn >= n && f.bn * (f.cn - 1) < n && f.bm * f.cm >= m);
+            assert!(f.bn.is_multiple_of(TILE_N) || f.bn == p.bn);
+            assert!(f.items >= p.items && (f.shared, f.per_thread) == (p.shared, p.per_thread));
+        }
+    }
 
     #[test]
     fn grid_covers_the_output_and_balances_decode_shapes() {

@@ -207,9 +207,11 @@ pub fn mul_mat_id(
         gather(p, b, &d, order, xs);
         p.barrier();
     }
+    // One counter cannot serve several products: each expert's items are split by thread.
     let sub = ComputeParams {
         wdata: mm,
         wsize: p.wsize - parts.mm,
+        items: None,
         ..*p
     };
     for e in 0..d.n_expert {

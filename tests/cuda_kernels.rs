@@ -489,6 +489,39 @@ fn no_gpu() -> Option<String> {
     }
 }
 
+/// The prompt the GPU decoder tests run.
+const GPU_PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 81, 119, 101, 110, 51, 33];
+
+/// The decoder file at `path` on `cuda` and `cuda:0x2` against `cpu:1x2` (exact products): the
+/// prompt's logits within NMSE 1e-4 and 6 greedy tokens equal; what differs goes to
+/// `failures`, named by `label`.
+fn gpu_decodes_as_the_cpu(path: &std::path::Path, label: &str, failures: &mut Vec<String>) {
+    use metashard::models::layer_split::SplitMode;
+    use metashard::verify::{greedy, nmse};
+    let run = |devices: &str| {
+        let (set, m) = decoders::open(path, devices, SplitMode::Tensor)?;
+        greedy(&m, &set, GPU_PROMPT, 6)
+    };
+    let (want_logits, want) = match run("cpu:1x2") {
+        Ok(r) => r,
+        Err(e) => return failures.push(format!("{label} on the CPU: {e}")),
+    };
+    for devices in ["cuda", "cuda:0x2"] {
+        match run(devices) {
+            Ok((logits, toks)) => {
+                let e = nmse(&logits, &want_logits);
+                println!("{label} {devices}: prompt logits NMSE {e:.2e}, tokens {toks:?}");
+                if e >= 1e-4 || toks != want {
+                    failures.push(format!(
+                        "{label} on {devices}: NMSE {e:.2e}, tokens {toks:?} vs {want:?}"
+                    ));
+                }
+            }
+            Err(e) => failures.push(format!("{label} on {devices}: {e}")),
+        }
+    }
+}
+
 #[test]
 fn synthetic_decoders_in_every_new_weight_type_decode_on_the_gpu_as_on_the_cpu() {
     // A Llama-style decoder written by the project's GGUF writer (random weights, width 256 so
@@ -497,11 +530,8 @@ fn synthetic_decoders_in_every_new_weight_type_decode_on_the_gpu_as_on_the_cpu()
     // 6 greedy tokens (one position per step: the GEMV) equal to the CPU's, on `cuda` and on
     // `cuda:0x2` (split through the meta backend). The GPU's stand-in for the real Q4_K_M
     // files (253 MB, more than a GPU call carries).
-    use metashard::cpu::Precision;
     use metashard::models::hparams::DecoderConfig;
     use metashard::models::synthetic::gguf_bytes;
-    use metashard::runtime::{OpenOptions, open_decoder};
-    use metashard::verify::{greedy, nmse};
     if let Some(why) = no_gpu() {
         println!("skipped: {why}");
         return;
@@ -509,34 +539,11 @@ fn synthetic_decoders_in_every_new_weight_type_decode_on_the_gpu_as_on_the_cpu()
     let dir = std::env::temp_dir().join(format!("metashard-qx-models-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = DecoderConfig::llama(2, 256, 512, 4, 2, 300);
-    let prompt: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 81, 119, 101, 110, 51, 33];
-    let opts = OpenOptions {
-        precision: Precision::Exact,
-        ..OpenOptions::default()
-    };
     let mut failures = Vec::new();
     for (seed, &(dt, _)) in QX_TYPES.iter().enumerate() {
         let path = dir.join(format!("synthetic-{dt}.gguf"));
         std::fs::write(&path, gguf_bytes(&cfg, dt, false, 64, seed as u64).unwrap()).unwrap();
-        let run = |devices: &str| {
-            let (set, m) = open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {})?;
-            greedy(&m, &set, prompt, 6)
-        };
-        let (want_logits, want) = run("cpu:1x2").unwrap_or_else(|e| panic!("{dt} on the CPU: {e}"));
-        for devices in ["cuda", "cuda:0x2"] {
-            match run(devices) {
-                Ok((logits, toks)) => {
-                    let e = nmse(&logits, &want_logits);
-                    println!("{dt} {devices}: prompt logits NMSE {e:.2e}, tokens {toks:?}");
-                    if e >= 1e-4 || toks != want {
-                        failures.push(format!(
-                            "{dt} on {devices}: NMSE {e:.2e}, tokens {toks:?} vs {want:?}"
-                        ));
-                    }
-                }
-                Err(e) => failures.push(format!("{dt} on {devices}: {e}")),
-            }
-        }
+        gpu_decodes_as_the_cpu(&path, dt.name(), &mut failures);
     }
     std::fs::remove_dir_all(&dir).ok();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -551,14 +558,11 @@ fn every_decoder_family_decodes_on_the_gpu_as_on_the_cpu() {
     // shared expert and sigmoid gate) on `cuda` and `cuda:0x2` against the CPU: the prompt's
     // logits within NMSE 1e-4 and 6 greedy tokens equal.
     use metashard::models::arch::ARCHS;
-    use metashard::models::layer_split::SplitMode;
     use metashard::models::synthetic::gguf_bytes;
-    use metashard::verify::{greedy, nmse};
     if let Some(why) = no_gpu() {
         println!("skipped: {why}");
         return;
     }
-    let prompt: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 81, 119, 101, 110, 51, 33];
     let mut failures = Vec::new();
     for (seed, arch) in ARCHS.iter().enumerate() {
         if arch.decoder().is_err() {
@@ -574,31 +578,7 @@ fn every_decoder_family_decodes_on_the_gpu_as_on_the_cpu() {
         );
         let bytes = gguf_bytes(&cfg, DType::Q8_0, tied, 64, seed as u64).unwrap();
         let path = decoders::write("cuda-families", &format!("{name}.gguf"), &bytes);
-        let run = |devices: &str| {
-            let (set, m) = decoders::open(&path, devices, SplitMode::Tensor)?;
-            greedy(&m, &set, prompt, 6)
-        };
-        let (want_logits, want) = match run("cpu:1x2") {
-            Ok(r) => r,
-            Err(e) => {
-                failures.push(format!("{name} on the CPU: {e}"));
-                continue;
-            }
-        };
-        for devices in ["cuda", "cuda:0x2"] {
-            match run(devices) {
-                Ok((logits, toks)) => {
-                    let e = nmse(&logits, &want_logits);
-                    println!("{name} {devices}: prompt logits NMSE {e:.2e}, tokens {toks:?}");
-                    if e >= 1e-4 || toks != want {
-                        failures.push(format!(
-                            "{name} on {devices}: NMSE {e:.2e}, tokens {toks:?} vs {want:?}"
-                        ));
-                    }
-                }
-                Err(e) => failures.push(format!("{name} on {devices}: {e}")),
-            }
-        }
+        gpu_decodes_as_the_cpu(&path, &name, &mut failures);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -107,11 +107,12 @@ impl DeviceProfile {
 }
 
 impl CollectiveFit {
-    /// At least one latency, each in [`SECONDS`], by strictly increasing group sizes in
-    /// 1..=[`MAX_DEVICES`], a bus bandwidth in [`BANDWIDTH`].
-    fn check(&self) -> std::result::Result<(), (String, String, String)> {
+    /// Latencies in [`SECONDS`] (at least one where the level is used: `needs_latency`) by
+    /// strictly increasing group sizes in 1..=[`MAX_DEVICES`], a bus bandwidth in
+    /// [`BANDWIDTH`].
+    fn check(&self, needs_latency: bool) -> std::result::Result<(), (String, String, String)> {
         in_range("bus_bw", self.bus_bw, &BANDWIDTH, "bytes/s")?;
-        if self.alpha_s.is_empty() {
+        if needs_latency && self.alpha_s.is_empty() {
             // No latency would price every collective at bandwidth alone (zero latency).
             return Err((
                 "alpha_s".into(),
@@ -219,8 +220,9 @@ pub struct LinkLevel {
 
 impl LinkLevel {
     /// Every fit of the level (a broadcast's too, when given) in its range: (field, value,
-    /// reason) of the first that is not.
-    fn check(&self) -> std::result::Result<(), (String, String, String)> {
+    /// reason) of the first that is not. A level nothing communicates over (one device's) may
+    /// leave out latencies (`needs_latency` false).
+    fn check(&self, needs_latency: bool) -> std::result::Result<(), (String, String, String)> {
         let fits = [
             ("all_reduce", Some(&self.all_reduce)),
             ("all_gather", Some(&self.all_gather)),
@@ -229,7 +231,7 @@ impl LinkLevel {
         ];
         for (name, f) in fits {
             if let Some(f) = f {
-                f.check()
+                f.check(needs_latency)
                     .map_err(|(field, v, r)| (format!("{name}.{field}"), v, r))?;
             }
         }
@@ -239,7 +241,7 @@ impl LinkLevel {
     /// [`LinkLevel::check`] as an error naming `what` (the level's origin, e.g. a file of
     /// collectives timed between hosts).
     pub fn validate(&self, what: &str) -> Result<()> {
-        self.check().map_err(|(field, value, reason)| {
+        self.check(true).map_err(|(field, value, reason)| {
             Error::invalid_argument(
                 format!("{what}: links `{}` {field}", self.kind),
                 value,
@@ -373,7 +375,8 @@ impl Cluster {
         ];
         for (name, l) in levels {
             if let Some(l) = l {
-                l.check()
+                // One device never communicates: its level needs no latencies.
+                l.check(n > 1)
                     .map_err(|(f, v, r)| (format!("{name} (`{}`) {f}", l.kind), v, r))?;
             }
         }
@@ -508,10 +511,8 @@ mod tests {
             e.contains("all_gather") && e.contains("alpha_s") && e.contains("at least one"),
             "{e}"
         );
-        // The one-device level (which never communicates) still validates.
-        crate::planner::fit::single_device_level(100e9)
-            .validate("one device")
-            .unwrap();
+        // A one-device cluster's level (never used) may leave them out: see
+        // tests/planner_calibrate.rs, `calibrate_one_device_has_no_links_to_fit`.
     }
 
     #[test]

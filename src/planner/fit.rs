@@ -227,7 +227,7 @@ pub fn level_from_fits(kind: &str, fits: &[LinkFitReport]) -> LinkLevel {
 /// The level of a single device, which never communicates: it only keeps the profile valid.
 pub fn single_device_level(mem_bw: f64) -> LinkLevel {
     let fit = CollectiveFit {
-        alpha_s: vec![(1, 0.0)],
+        alpha_s: Vec::new(),
         bus_bw: mem_bw,
     };
     LinkLevel {

@@ -206,6 +206,9 @@ struct CpuPlan {
     work: Vec<[u64; 8]>,
     shared: usize,
     slot: usize,
+    /// Each node's work-item counter (see `ComputeParams::items`), set to 0 before its range
+    /// runs: made once with the plan, not per range.
+    items: Vec<AtomicUsize>,
     /// Keeps every buffer the views point into alive while the plan exists.
     _buffers: Vec<Arc<dyn Buffer>>,
 }
@@ -303,6 +306,7 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
     }
     Ok(CpuPlan {
         inner: inner.clone(),
+        items: exec.iter().map(|_| AtomicUsize::new(0)).collect(),
         exec,
         work,
         shared,
@@ -331,8 +335,12 @@ impl GraphPlan for CpuPlan {
         let errors: Vec<Mutex<Option<(usize, ops::KernelError)>>> =
             (0..nth).map(|_| Mutex::new(None)).collect();
         let failed_at = AtomicUsize::new(usize::MAX);
-        // Each node's work-item counter (see `ComputeParams::items`), from 0.
-        let items: Vec<AtomicUsize> = (0..nodes.len()).map(|_| AtomicUsize::new(0)).collect();
+        // The range's work-item counters, from 0.
+        let items = &mut self.items[lo..hi];
+        for c in items.iter_mut() {
+            *c.get_mut() = 0;
+        }
+        let items = &*items;
         let run = pool.run(&|ith, barrier| {
             let base = wdata.get();
             let p = ComputeParams {

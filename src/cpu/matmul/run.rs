@@ -25,6 +25,13 @@ pub(super) struct Item {
     pub(super) m1: usize,
 }
 
+/// `(first, count)` of the chunks of `size` rows (the last one shorter) that cover `m` rows.
+fn row_chunks(m: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..m)
+        .step_by(size.max(1))
+        .map(move |mc| (mc, size.min(m - mc)))
+}
+
 /// # Safety
 /// The operands passed `supports`, their bytes are valid, scratch holds the plan's bytes, and
 /// no other thread writes the item's outputs.
@@ -50,9 +57,7 @@ pub(super) unsafe fn run_item(
         if let (Path::Quant(wt), Src1::Quant(lay)) = (plan.path, plan.src1) {
             // Chunks of Q_CHUNK_M activation rows (~5 bytes per element: 320 KiB at K = 4096)
             // stay in L2 while the item's weight rows stream past them.
-            let mut mc = 0;
-            while mc < m {
-                let rows = Q_CHUNK_M.min(m - mc);
+            for (mc, rows) in row_chunks(m, Q_CHUNK_M) {
                 let a = p.wdata.add((row1 + mc) * lay.row_bytes).cast_const();
                 let b = QuantBlock {
                     w,
@@ -66,14 +71,11 @@ pub(super) unsafe fn run_item(
                     m: rows,
                 };
                 quant::block(isa, &b);
-                mc += rows;
             }
             return;
         }
         if let (Path::KQuant(wt), Src1::KQuant(lay)) = (plan.path, plan.src1) {
-            let mut mc = 0;
-            while mc < m {
-                let rows = Q_CHUNK_M.min(m - mc);
+            for (mc, rows) in row_chunks(m, Q_CHUNK_M) {
                 let b = KQuantBlock {
                     w,
                     ldw: src0.nb[1],
@@ -86,7 +88,6 @@ pub(super) unsafe fn run_item(
                     m: rows,
                 };
                 kquant::block(isa, &b);
-                mc += rows;
             }
             return;
         }
@@ -96,9 +97,7 @@ pub(super) unsafe fn run_item(
                 Src1::Quant(l) => (l.row_bytes, l.d_off(), l.s_off()),
                 Src1::Direct | Src1::Gather { .. } => return,
             };
-            let mut mc = 0;
-            while mc < m {
-                let rows = Q_CHUNK_M.min(m - mc);
+            for (mc, rows) in row_chunks(m, Q_CHUNK_M) {
                 let b = LowQ8Block {
                     w,
                     ldw: src0.nb[1],
@@ -114,7 +113,6 @@ pub(super) unsafe fn run_item(
                     nblk: plan.k / low::elems(low::code(wt)),
                 };
                 lowq8::block(isa, &b);
-                mc += rows;
             }
             return;
         }
@@ -127,10 +125,7 @@ pub(super) unsafe fn run_item(
         };
         if let Path::Fused(wt) = plan.path {
             // Chunks of activation rows stay in L2 while the item's weight rows stream past.
-            let chunk = fused_chunk_m(plan.k);
-            let mut mc = 0;
-            while mc < m {
-                let rows = chunk.min(m - mc);
+            for (mc, rows) in row_chunks(m, fused_chunk_m(plan.k)) {
                 let b = QF32Block {
                     w,
                     ldw: src0.nb[1],
@@ -145,7 +140,6 @@ pub(super) unsafe fn run_item(
                     gemv: plan.m == 1,
                 };
                 qf32::block(isa, &b);
-                mc += rows;
             }
             return;
         }
@@ -166,10 +160,7 @@ pub(super) unsafe fn run_item(
             return;
         }
         if let Path::KFused(wt) = plan.path {
-            let chunk = fused_chunk_m(plan.k);
-            let mut mc = 0;
-            while mc < m {
-                let rows = chunk.min(m - mc);
+            for (mc, rows) in row_chunks(m, fused_chunk_m(plan.k)) {
                 let b = KF32Block {
                     w,
                     ldw: src0.nb[1],
@@ -183,7 +174,6 @@ pub(super) unsafe fn run_item(
                     nblk: plan.k / crate::dtype::QK_K,
                 };
                 kf32::block(isa, &b);
-                mc += rows;
             }
             return;
         }

@@ -264,11 +264,12 @@ pub struct Evaluation {
 }
 
 impl Evaluation {
-    /// Prompt tokens per second (0 without a prompt).
+    /// Prompt tokens per second over all the batch's sequences (the step's tokens are every
+    /// sequence's chunk; 0 without a prompt).
     pub fn prefill_tps(&self) -> f64 {
-        self.prefill.as_ref().map_or(0.0, |p| {
-            p.tokens as f64 * self.workload.batch.max(1) as f64 / p.seconds.max(1e-12)
-        })
+        self.prefill
+            .as_ref()
+            .map_or(0.0, |p| p.tokens as f64 / p.seconds.max(1e-12))
     }
 
     /// Generated tokens per second per sequence (0 without generation).
@@ -276,6 +277,13 @@ impl Evaluation {
         self.decode
             .as_ref()
             .map_or(0.0, |d| 1.0 / d.seconds.max(1e-12))
+    }
+
+    /// Generated tokens per second over all the batch's sequences (one per sequence per step).
+    pub fn decode_tps_total(&self) -> f64 {
+        self.decode
+            .as_ref()
+            .map_or(0.0, |d| d.tokens as f64 / d.seconds.max(1e-12))
     }
 
     /// The first device over its budget, and by how much.

@@ -549,3 +549,34 @@ fn a_bigger_batch_never_decodes_faster_than_streaming_the_weights() {
     let tps = e.prefill_tps();
     assert!((tps * p.seconds - 512.0).abs() < 1e-6, "{tps} tokens/s");
 }
+
+/// Issue 21: the KV cache holds every sequence of the batch. Llama-3-70B at batch 64 and a
+/// context of 8192 needs 80 layers x 2 x 8 KV heads x 128 x 2 bytes x 8192 x 64 = 171.8 GB of
+/// cache: it does not fit on 2 x H100 (it "fit" when the cache was sized for one sequence).
+#[test]
+fn the_kv_cache_holds_every_sequence_of_the_batch() {
+    let s = ModelShape::preset("llama3-70b").unwrap();
+    let mut c = Cluster::preset("h100x8-nvswitch").unwrap();
+    c.devices.truncate(2);
+    let split = Strategy::Megatron.split(s.n_layer(), s.tied).unwrap();
+    let kv = |batch| {
+        let w = Workload {
+            prefill: 0,
+            decode: 8,
+            batch,
+            context: 8192,
+        };
+        let e = evaluate_split(&s, &split, &c, &w).unwrap();
+        let kv: usize = e.memory.iter().map(|m| m.kv_cache).sum();
+        (kv, e.over_budget().is_some())
+    };
+    let (one, one_over) = kv(1);
+    let (many, many_over) = kv(64);
+    assert_eq!(many, 64 * one);
+    let want = 80 * 2 * 8 * 128 * 2 * 8192 * 64;
+    assert!(
+        many.abs_diff(want) * 100 < want,
+        "{many} bytes, want {want}"
+    );
+    assert!(!one_over && many_over);
+}

@@ -113,6 +113,17 @@ impl Workload {
             ));
         }
         check_context(self.context)?;
+        if self.context.saturating_mul(self.batch) > Count::Context.max() {
+            return Err(Error::invalid_argument(
+                "workload batch",
+                self.batch,
+                format!(
+                    "times ctx {} is past the {} KV cache rows a layer can hold",
+                    self.context,
+                    Count::Context.max()
+                ),
+            ));
+        }
         let need = self.prefill.checked_add(self.decode);
         if need.is_none_or(|n| n > self.context) {
             return Err(Error::invalid_argument(
@@ -177,6 +188,12 @@ impl Workload {
         let tokens = chunk.saturating_mul(self.batch.max(1)).min(self.context);
         let start = ((self.prefill_chunks() / 2) * chunk).min(self.context - tokens);
         Some((tokens, start))
+    }
+
+    /// Rows of KV cache the workload holds per layer: `context` positions for each of the
+    /// batch's sequences (as `serve` gives each sequence a slot of its own).
+    pub fn cache_rows(&self) -> usize {
+        self.context.saturating_mul(self.batch.max(1))
     }
 
     /// The decode step the cost model builds, at the middle of the generation: (tokens,
@@ -325,7 +342,8 @@ fn check_context(context: usize) -> Result<usize> {
 }
 
 impl Placed {
-    /// Place `shape`'s weights and a cache of `context` rows per layer on virtual devices
+    /// Place `shape`'s weights and a cache of `context` rows per layer (a workload's
+    /// [`Workload::cache_rows`]: every sequence's) on virtual devices
     /// named and budgeted like `cluster`'s, splitting every tensor with `split` (a split
     /// callback, or a [`SplitPolicy`] whose state hints the sharding then follows).
     pub fn new(
@@ -460,7 +478,7 @@ pub fn evaluate(
     shape.check()?;
     workload.validate()?;
     cluster.validate()?;
-    let placed = Placed::new(shape, cluster, split, workload.context)?;
+    let placed = Placed::new(shape, cluster, split, workload.cache_rows())?;
     evaluate_placed(&placed, cluster, workload)
 }
 

@@ -167,7 +167,7 @@ pub fn evaluate_layer_split(
                     shape,
                     &one,
                     by_layer(shape.split_dims(), mirrored.clone()),
-                    w.context,
+                    w.cache_rows(),
                 )?;
                 let eval = evaluate_placed(&placed, &one, w)?;
                 let bytes = placed.bytes_by_segment().iter().map(|b| b[0]).collect();

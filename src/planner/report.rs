@@ -195,7 +195,12 @@ impl Plan {
         solve_ms: Option<f64>,
     ) -> Result<Plan> {
         let shape = &shape.for_split(cluster.devices.len(), &split);
-        let placed = Placed::new(shape, cluster, split_fn(shape, &split), workload.context)?;
+        let placed = Placed::new(
+            shape,
+            cluster,
+            split_fn(shape, &split),
+            workload.cache_rows(),
+        )?;
         let heads = HeadSplit::of(shape, cluster.devices.len(), &split)?;
         let groups = groups(
             &placed,

@@ -110,7 +110,7 @@ fn costed(
         shape,
         cluster,
         by_layer(shape.split_dims(), split.clone()),
-        w.context,
+        w.cache_rows(),
     )?;
     let e = evaluate_placed(&placed, cluster, w)?;
     Ok((e, placed.bytes_by_segment()))
@@ -517,7 +517,7 @@ pub fn auto(
                 shape,
                 cluster,
                 by_layer(shape.split_dims(), split),
-                w.context,
+                w.cache_rows(),
             )?;
             let e = evaluate_placed(&placed, cluster, w)?;
             let Some((_, over)) = e.over_budget() else {
@@ -579,7 +579,7 @@ pub fn auto(
             shape,
             cluster,
             by_layer(shape.split_dims(), least),
-            w.context,
+            w.cache_rows(),
         )?;
         let e = evaluate_placed(&placed, cluster, w)?;
         let (dev, over) = e

@@ -538,6 +538,31 @@ pub fn auto(
             }
         }
     }
+    // A mixture of experts: cost the chosen assignment with its experts split whole over the
+    // devices too (expert parallelism: each device streams only its experts' rows, and the
+    // same one all-reduce per block), and keep whichever is faster and fits.
+    if shape.cfg.moe.is_some()
+        && let Some((i, e)) = &mut chosen
+        && found[*i].2.layers.iter().any(|l| l.mlp)
+    {
+        let ep = DecoderSplit {
+            experts: ExpertSplit::Expert,
+            ..found[*i].2.clone()
+        };
+        let eshape = &shape.for_split(cluster.devices.len(), &ep);
+        let placed = Placed::new(
+            eshape,
+            cluster,
+            by_layer(eshape.split_dims(), ep.clone()),
+            w.cache_rows(),
+        )?;
+        let with = evaluate_placed(&placed, cluster, w)?;
+        if with.over_budget().is_none() && with.total_s < e.total_s {
+            found[*i].2 = ep;
+            *e = with;
+            chosen_placed = Some(placed);
+        }
+    }
     // Sequence parallelism moves no weight, only a prompt's residual stream between split
     // blocks (a reduce-scatter and an all-gather in place of each all-reduce: the same bytes,
     // twice the latencies, the norms on each device's tokens): cost the chosen assignment with

@@ -18,7 +18,7 @@ use metashard::models::arch::{
 use metashard::models::hparams::LongRope;
 use metashard::models::layer_split::SplitMode;
 use metashard::models::session::Session;
-use metashard::models::synthetic::{gguf_bytes_with, with_extra_tensors};
+use metashard::models::synthetic::{gguf_bytes_with, with_extra_tensors, with_per_expert_tensors};
 use metashard::verify::{greedy, max_abs, nmse};
 use std::path::{Path, PathBuf};
 
@@ -428,4 +428,76 @@ fn mixtral_matches_the_reference_and_splits() {
 fn olmoe_matches_the_reference_and_splits() {
     matches_the_reference(&OLMOE, &[]);
     splits_give_one_devices_tokens(&OLMOE, &[]);
+}
+
+/// Mixtral files written before the 3-D expert tensors (one 2-D tensor per expert,
+/// `blk.N.ffn_gate.E.weight`, as llama.cpp still loads them): each layer's experts stacked,
+/// they give the 3-D file's logits and greedy tokens bit for bit, on one device and on
+/// cpu:2x1. An expert of another type than the others, or a missing one, is an error naming
+/// it.
+#[test]
+fn mixtral_per_expert_files_equal_the_3d_layout() {
+    use metashard::io::{GgufFile, GgufWriter};
+    let cfg = config(&MIXTRAL);
+    let bytes = gguf_bytes_with(&cfg, DType::F32, false, 512, 11, &[]).unwrap();
+    let new = write("mixtral-3d.gguf", &bytes);
+    let old_bytes = with_per_expert_tensors(bytes).unwrap();
+    let g = GgufFile::from_bytes("old.gguf", old_bytes.clone()).unwrap();
+    assert!(g.tensor("blk.0.ffn_gate_exps.weight").is_none());
+    assert_eq!(
+        g.tensor("blk.2.ffn_down.5.weight").unwrap().ne,
+        [64, 128, 1, 1]
+    );
+    let old = write("mixtral-per-expert.gguf", &old_bytes);
+    for devices in ["cpu:1x1", "cpu:2x1"] {
+        let run = |p: &Path| {
+            let (set, m) = open(p, devices, SplitMode::Tensor).unwrap();
+            greedy(&m, &set, PROMPT, STEPS).unwrap()
+        };
+        let (want_logits, want) = run(&new);
+        let (logits, toks) = run(&old);
+        assert_eq!(toks, want, "{devices}: greedy tokens");
+        assert!(logits == want_logits, "{devices}: logits differ");
+    }
+    // The same file with one expert changed (`None`: left out).
+    let changed = |name: &str, f: &dyn Fn(&[f32]) -> Option<Vec<u8>>| {
+        let mut w = GgufWriter::new();
+        for (k, v) in g.metadata() {
+            w.add(k.clone(), v.clone());
+        }
+        for t in g.tensors() {
+            let data = g.tensor_data(t).unwrap();
+            let dt = t.dtype.unwrap();
+            if t.name == name {
+                let v = metashard::dtype::bytes_to_f32(dt, data, t.n_elements()).unwrap();
+                if let Some(b) = f(&v) {
+                    w.add_tensor(t.name.clone(), DType::F16, &t.ne[..2], b)
+                        .unwrap();
+                }
+                continue;
+            }
+            w.add_tensor(t.name.clone(), dt, &t.ne[..t.n_dims], data.to_vec())
+                .unwrap();
+        }
+        let p = write(&format!("mixtral-{name}.gguf"), &w.to_bytes());
+        match open(&p, "cpu:1x1", SplitMode::Tensor) {
+            Ok(_) => panic!("{name}: loaded"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let f16 = |v: &[f32]| Some(metashard::dtype::f32_to_bytes(DType::F16, v).unwrap());
+    let e = changed("blk.1.ffn_down.3.weight", &f16);
+    eprintln!("{e}");
+    assert!(
+        e.contains("blk.1.ffn_down.3.weight")
+            && e.contains("f16")
+            && e.contains("blk.1.ffn_down_exps.weight"),
+        "{e}"
+    );
+    let e = changed("blk.2.ffn_up.4.weight", &|_| None);
+    eprintln!("{e}");
+    assert!(
+        e.contains("blk.2.ffn_up.4.weight") && e.contains("missing"),
+        "{e}"
+    );
 }

@@ -501,3 +501,110 @@ fn mixtral_per_expert_files_equal_the_3d_layout() {
         "{e}"
     );
 }
+
+/// Issue 19 item 5, the router's choices: `run --dump router` on cpu:2x1 prints each layer's
+/// chosen experts for every prompt token, and they are the numpy reference's; `bench model
+/// --json` counts the tokens routed to each expert in each layer as the reference routes the
+/// benchmark's tokens (its prompt, then token 1, its first step's input), and the tokens each
+/// device computes from an even split of the (mirrored) experts.
+#[test]
+fn router_choices_are_dumped_and_counted_as_the_reference_routes() {
+    let path = model_file(&QWEN3MOE, &[]);
+    let metashard = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(args)
+            .arg("--model")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{args:?}: {err}");
+        (String::from_utf8_lossy(&out.stdout).to_string(), err)
+    };
+    let (_, err) = metashard(&[
+        "run",
+        "--devices",
+        "cpu:2x1",
+        "--raw",
+        "-p",
+        "Hello, Qwen3!",
+        "-n",
+        "1",
+        "--dump",
+        "router",
+    ]);
+    // `dump step 0 #45 `l0.moe.chosen_by_router` view [2, 13, 1, 1] ... ids (rows of 2): [3 0] ...`
+    let dumped: Vec<Vec<Vec<u32>>> = err
+        .lines()
+        .filter(|l| l.starts_with("dump step 0 ") && l.contains(".moe.chosen_by_router`"))
+        .map(|l| {
+            let ids = l.rsplit_once("): ").unwrap().1;
+            ids.split(']')
+                .map(|r| r.trim().trim_start_matches('['))
+                .filter(|r| !r.is_empty())
+                .map(|r| r.split(' ').map(|x| x.parse().unwrap()).collect())
+                .collect()
+        })
+        .collect();
+    assert_eq!(dumped.len(), 3, "{err}");
+    let Some(want) = router_reference(&path, PROMPT) else {
+        return;
+    };
+    assert_eq!(dumped, want, "chosen experts against the reference");
+
+    let (pp, n_vocab) = (13u32, config(&QWEN3MOE).n_vocab as u32);
+    let mut tokens: Vec<u32> = (0..pp).map(|i| (i * 131 + 17) % n_vocab).collect();
+    tokens.push(1);
+    let want = router_reference(&path, &tokens).unwrap();
+    let want: Vec<Vec<u64>> = want
+        .iter()
+        .map(|layer| {
+            let mut c = vec![0u64; 6];
+            layer.iter().flatten().for_each(|&e| c[e as usize] += 1);
+            c
+        })
+        .collect();
+    let (out, _) = metashard(&[
+        "bench",
+        "model",
+        "--devices",
+        "cpu:1x1",
+        "--devices",
+        "cpu:2x1",
+        "--pp",
+        "13",
+        "--tg",
+        "1",
+        "--reps",
+        "1",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let r = &v["routing"];
+    let per_layer: Vec<Vec<u64>> = serde_json::from_value(r["per_layer"].clone()).unwrap();
+    assert_eq!(per_layer, want, "{r}");
+    assert_eq!(r["tokens"], 14, "{r}");
+    let per_expert: Vec<u64> = serde_json::from_value(r["per_expert"].clone()).unwrap();
+    assert_eq!(per_expert.iter().sum::<u64>(), 14 * 3 * 2, "{r}");
+    let two = &r["devices"][1];
+    assert_eq!(two["devices"], "cpu:2x1", "{r}");
+    assert_eq!(two["experts_from"], "even split (experts mirrored)", "{r}");
+    let held = |d: usize| -> u64 {
+        per_layer
+            .iter()
+            .map(|l| l[3 * d..3 * d + 3].iter().sum::<u64>())
+            .sum()
+    };
+    let per_device: Vec<u64> = serde_json::from_value(two["per_device"].clone()).unwrap();
+    assert_eq!(per_device, [held(0), held(1)], "{r}");
+    assert_eq!(r["devices"][0]["per_device"][0], 14 * 3 * 2, "{r}");
+}
+
+/// The numpy reference's chosen experts for `tokens` as one prompt: per layer, per token.
+fn router_reference(path: &Path, tokens: &[u32]) -> Option<Vec<Vec<Vec<u32>>>> {
+    let json = path.with_extension(format!("router{}.json", tokens.len()));
+    let logits = path.with_extension(format!("router{}.f32", tokens.len()));
+    let args = ["--router-out", json.to_str().unwrap()];
+    decoders::reference(path, tokens, &args, "--prompt-logits-out", &logits)?;
+    Some(serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap())
+}

@@ -121,6 +121,7 @@ class HParams:
     n_expert: int = 0  # a mixture of experts when > 0
     n_expert_used: int = 0
     moe_norm: bool = True  # the selected experts' weights divided by their sum
+    router_log: list | None = None  # per experts_ffn call (layer), each token's chosen experts
 
 
 @dataclass
@@ -471,6 +472,10 @@ def experts_ffn(hp: HParams, e: dict, h: np.ndarray) -> np.ndarray:
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
         top = np.argsort(-probs[t], kind="stable")[: hp.n_expert_used]
+        if hp.router_log is not None:
+            if t == 0:
+                hp.router_log.append([])
+            hp.router_log[-1].append([int(x) for x in top])
         w = probs[t, top]
         if hp.moe_norm:
             w = w / w.sum()
@@ -662,6 +667,10 @@ def main(argv: list[str]) -> int:
         "generated token's input position",
     )
     ap.add_argument("--prompt-logits-out", help="write float32 LE logits of every prompt position")
+    ap.add_argument(
+        "--router-out",
+        help="write JSON: per layer, each prompt token's chosen experts (by falling probability)",
+    )
     ap.add_argument("--dtype", choices=("f32", "f64"), default="f32")
     ap.add_argument("--detok", action="store_true", help="add the decoded text to the JSON")
     ap.add_argument("--rope", choices=("norm", "neox"), default=None, help=argparse.SUPPRESS)
@@ -707,8 +716,14 @@ def main(argv: list[str]) -> int:
         m.hp.rope_factors = long_f if n_ctx > orig else short_f
 
     t1 = time.time()
+    if args.router_out:
+        m.hp.router_log = []
     logits = forward(m, cache, prompt, args.rope)
     t_prompt = time.time() - t1
+    if args.router_out:
+        with open(args.router_out, "w") as f:
+            json.dump(m.hp.router_log, f)
+        m.hp.router_log = None
     last = logits[-1]
     rows = [last]
     generated: list[int] = []

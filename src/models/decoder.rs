@@ -370,7 +370,7 @@ fn decoder_layer(
     g.set_name(x, attn_out_name(l));
     let cur = blocks::norm_of(g, NormKind::Rms, lw, Tensor::FfnNorm, None, x, cfg.rms_eps)?;
     let d = match &cfg.moe {
-        Some(m) => super::moe::moe_ffn(g, m, lw, cur)?,
+        Some(m) => super::moe::moe_ffn(g, m, l, lw, cur)?,
         None => blocks::ffn(g, spec.mlp, lw, cur)?,
     };
     let d = norm_where_present(g, cfg, lw, Tensor::FfnPostNorm, d)?;

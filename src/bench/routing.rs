@@ -377,4 +377,31 @@ mod tests {
         assert_eq!(ranges_text(&[0..3, 5..6]), "0-2,5");
         assert_eq!(ranges_text(&[]), "-");
     }
+
+    // A device's experts are a list of ranges; here each holds one.
+    #[allow(clippy::single_range_in_vec_init)]
+    #[test]
+    fn experts_spread_as_the_state_says_or_evenly() {
+        // Split on the expert axis: each device its extents (uneven, one with none).
+        let s = SplitState::axis(2, &[4, 0, 3]);
+        let (held, from) = spread(7, &(0..3), Some(&s), 3);
+        assert_eq!(from, From::SplitState);
+        assert_eq!(held, [vec![0..4], vec![], vec![4..7]]);
+        // Mirrored: even shares, the remainder on the first devices.
+        let m = SplitState::mirrored(3);
+        let (held, from) = spread(7, &(0..3), Some(&m), 3);
+        assert_eq!(from, From::Mirrored);
+        assert_eq!(held, [vec![0..3], vec![3..5], vec![5..7]]);
+        // Split inside the experts: every device computes every routed token.
+        let c = SplitState::axis(1, &[32, 32]);
+        let (held, from) = spread(4, &(0..2), Some(&c), 2);
+        assert_eq!(from, From::SplitInside);
+        assert_eq!(held, [vec![0..4], vec![0..4]]);
+        // A layer on the second group of a hybrid split, and on one device of a layer split.
+        let (held, _) = spread(5, &(2..4), None, 4);
+        assert_eq!(held, [vec![], vec![], vec![0..3], vec![3..5]]);
+        let (held, from) = spread(5, &(1..2), None, 2);
+        assert_eq!(from, From::WholeLayer);
+        assert_eq!(held, [vec![], vec![0..5]]);
+    }
 }

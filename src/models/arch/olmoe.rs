@@ -9,7 +9,7 @@
 //! them with `n_ff`.
 
 use super::groups::{ATTENTION, DECODER_ENDS, MOE_MLP, QK_NORM_FULL};
-use super::{Arch, AttnScale, DecoderSpec, Kind, Mlp, MoeSpec, Naming};
+use super::{Arch, Naming};
 use crate::op::RopeMode;
 
 pub const OLMOE: Arch = Arch {
@@ -17,15 +17,6 @@ pub const OLMOE: Arch = Arch {
     aliases: &[],
     naming: Naming::Gguf,
     tensors: &[DECODER_ENDS, ATTENTION, QK_NORM_FULL, MOE_MLP],
-    kind: Kind::Decoder(DecoderSpec {
-        rope_mode: RopeMode::NeoX,
-        mlp: Mlp::Moe(MoeSpec {
-            norm_weights: false,
-            shared_expert: false,
-        }),
-        scale_embeddings: false,
-        attn_scale: AttnScale::HeadDim,
-        swa: None,
-        softcap: false,
-    }),
+    // Softmax gating, the weights not renormalised, no shared expert.
+    kind: super::moe::spec(RopeMode::NeoX, false, false),
 };

@@ -459,6 +459,11 @@ fn mixtral_per_expert_files_equal_the_3d_layout() {
         assert_eq!(toks, want, "{devices}: greedy tokens");
         assert!(logits == want_logits, "{devices}: logits differ");
     }
+    // The numpy reference reads the old layout too (stacking the experts as llama.cpp does).
+    if let Some(want) = reference_prompt_logits(&new, None) {
+        let got = reference_prompt_logits(&old, None).unwrap();
+        assert!(got == want, "the reference on the per-expert file");
+    }
     // The same file with one expert changed (`None`: left out).
     let changed = |name: &str, f: &dyn Fn(&[f32]) -> Option<Vec<u8>>| {
         let mut w = GgufWriter::new();

@@ -47,7 +47,9 @@ Sources of the facts used here (formats and algorithms only, no code taken):
     weights, divided by their sum for qwen3moe and Mixtral (norm_topk_prob; the file's
     {arch}.expert_weights_norm when present), not for qwen2moe; each selected expert's SwiGLU
     output times its weight, summed; qwen2moe adds its shared expert's SwiGLU output times
-    sigmoid(w_shexp_gate . h). Mixtral is a llama file with llama.expert_count > 0.
+    sigmoid(w_shexp_gate . h). Mixtral is a llama file with llama.expert_count > 0; files
+    written before the 3-D expert tensors hold one 2-D tensor per expert,
+    blk.N.ffn_{gate,up,down}.E.weight (llama.cpp's LLM_TENSOR_FFN_*_EXP), stacked here.
   * olmoe (Hugging Face's OlmoeAttention and OlmoeSparseMoeBlock; llama.cpp's LLM_ARCH_OLMOE):
     no biases; q_norm / k_norm are RMS norms over the whole Q projection (n_head * head_dim)
     and the whole K projection (n_head_kv * head_dim), applied before the split into heads;
@@ -307,14 +309,21 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         w = get(p + "ffn_up.weight", [E, 2 * F])
         return w[:F], w[F:]
 
+    def experts(p: str, base: str, ne: list[int]) -> np.ndarray:
+        """A role's experts: the 3-D tensor, or (files written before it) one 2-D tensor per
+        expert, blk.N.<base>.E.weight (llama.cpp's LLM_TENSOR_FFN_*_EXP), stacked."""
+        if p + base + "_exps.weight" in tensors or p + base + ".0.weight" not in tensors:
+            return get(p + base + "_exps.weight", ne)
+        return np.stack([get(f"{p}{base}.{x}.weight", ne[:2]) for x in range(ne[2])])
+
     def load_experts(p: str) -> dict:
         X = hp.n_expert
         FX = int(u("expert_feed_forward_length", False) or F)
         e = {
             "router": get(p + "ffn_gate_inp.weight", [E, X]),  # (X, E)
-            "gate": get(p + "ffn_gate_exps.weight", [E, FX, X]),  # (X, FX, E)
-            "up": get(p + "ffn_up_exps.weight", [E, FX, X]),
-            "down": get(p + "ffn_down_exps.weight", [FX, E, X]),  # (X, E, FX)
+            "gate": experts(p, "ffn_gate", [E, FX, X]),  # (X, FX, E)
+            "up": experts(p, "ffn_up", [E, FX, X]),
+            "down": experts(p, "ffn_down", [FX, E, X]),  # (X, E, FX)
         }
         if arch == "qwen2moe":
             FS = int(u("expert_shared_feed_forward_length"))

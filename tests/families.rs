@@ -275,10 +275,11 @@ fn phi3_long_rope_matches_the_reference_and_splits() {
 }
 
 /// The families' keys are read as the config says: a head size from `key_length`, the
-/// window, the local RoPE base, the scales and the caps.
+/// window, the local RoPE base, the scales and the caps; OLMoE's experts as wide as
+/// `feed_forward_length` (no key of their own).
 #[test]
 fn family_keys_are_read_from_the_file() {
-    for arch in [&QWEN3, &GEMMA2, &GEMMA3, &PHI3] {
+    for arch in [&QWEN3, &GEMMA2, &GEMMA3, &PHI3, &OLMOE] {
         let path = model_file(arch, &[]);
         let g = metashard::io::GgufFile::open(&path).unwrap();
         let got = metashard::models::hparams::config_from_gguf(&g).unwrap();

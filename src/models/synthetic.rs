@@ -147,9 +147,16 @@ pub fn gguf_bytes_with(
         for (k, v) in [
             ("expert_count", m.n_expert),
             ("expert_used_count", m.n_expert_used),
-            ("expert_feed_forward_length", m.n_ff_exp),
         ] {
             w.add(format!("{arch}.{k}"), u32v(v));
+        }
+        // Converters of families whose experts are `feed_forward_length` wide (OLMoE,
+        // Mixtral) write no key of their own.
+        if m.n_ff_exp != cfg.n_ff {
+            w.add(
+                format!("{arch}.expert_feed_forward_length"),
+                u32v(m.n_ff_exp),
+            );
         }
         if m.n_ff_shexp > 0 {
             w.add(

@@ -8,8 +8,8 @@
 //! ([`derive_sharding`], with the same state hints a run's meta device follows) and rewritten
 //! into the per-device programs a run would execute (`meta::rewrite`). Each program node is then costed on its device's profile:
 //!
-//! - a product with a weight: weight bytes / GEMV bandwidth of its type when at most 8 rows of
-//!   activations meet it, else 2·M·N·K / GEMM flop rate of its type;
+//! - a product with a weight: the larger of weight bytes / GEMV bandwidth of its type (the
+//!   weights stream once: the memory floor) and 2·M·N·K / GEMM flop rate of its type;
 //! - a product of two activations (attention without the fused kernel) and fused attention:
 //!   the larger of bytes moved / memory bandwidth and flops / the F32 GEMM rate;
 //! - everything else: bytes read and written / memory bandwidth;
@@ -706,12 +706,12 @@ fn node_cost(g: &Graph, id: TensorId, prof: &super::cluster::DeviceProfile) -> (
             let m = (b.ne[1] * b.ne[2] * b.ne[3]) as f64;
             let flops = 2.0 * k * nn * m;
             if is_weight(g, node.src[0]) {
+                // The weights stream at least once (the GEMV rate, their memory floor) and the
+                // product takes at least its flops at the GEMM rate: whichever is longer, at
+                // any number of activation rows.
                 let wbytes = a.nbytes() as f64;
-                let t = if m <= 8.0 {
-                    wbytes / prof.gemv(a.dtype).max(1.0)
-                } else {
-                    flops / prof.gemm(a.dtype).max(1.0)
-                };
+                let t =
+                    (wbytes / prof.gemv(a.dtype).max(1.0)).max(flops / prof.gemm(a.dtype).max(1.0));
                 t + mem(src_bytes(1) + out)
             } else {
                 // Activations times activations (attention scores and values): every row of b

@@ -512,7 +512,8 @@ fn mixtral_per_expert_files_equal_the_3d_layout() {
 /// chosen experts for every prompt token, and they are the numpy reference's; `bench model
 /// --json` counts the tokens routed to each expert in each layer as the reference routes the
 /// benchmark's tokens (its prompt, then token 1, its first step's input), and the tokens each
-/// device computes from an even split of the (mirrored) experts.
+/// device set's devices compute: every device with the experts split inside (the default),
+/// the one holding the expert under expert parallelism (from the experts' split state).
 #[test]
 fn router_choices_are_dumped_and_counted_as_the_reference_routes() {
     let path = model_file(&QWEN3MOE, &[]);
@@ -594,16 +595,53 @@ fn router_choices_are_dumped_and_counted_as_the_reference_routes() {
     assert_eq!(per_expert.iter().sum::<u64>(), 14 * 3 * 2, "{r}");
     let two = &r["devices"][1];
     assert_eq!(two["devices"], "cpu:2x1", "{r}");
-    assert_eq!(two["experts_from"], "even split (experts mirrored)", "{r}");
-    let held = |d: usize| -> u64 {
-        per_layer
-            .iter()
-            .map(|l| l[3 * d..3 * d + 3].iter().sum::<u64>())
-            .sum()
-    };
-    let per_device: Vec<u64> = serde_json::from_value(two["per_device"].clone()).unwrap();
-    assert_eq!(per_device, [held(0), held(1)], "{r}");
+    assert_eq!(
+        two["experts_from"], "every device (experts split inside)",
+        "{r}"
+    );
+    assert_eq!(two["per_device"], serde_json::json!([84, 84]), "{r}");
     assert_eq!(r["devices"][0]["per_device"][0], 14 * 3 * 2, "{r}");
+    // The default split cuts inside every expert: each device computes every routed token.
+    // Expert parallelism (whole experts per device, cpu:3x1: 2 each): each routed token is
+    // computed by the one device holding its expert, as the experts' split state says.
+    let (out, _) = metashard(&[
+        "bench",
+        "model",
+        "--devices",
+        "cpu:3x1",
+        "--experts",
+        "expert",
+        "--pp",
+        "13",
+        "--tg",
+        "1",
+        "--reps",
+        "1",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let d = &v["routing"]["devices"][0];
+    assert_eq!(d["experts_from"], "split state", "{d}");
+    let per_device: Vec<u64> = serde_json::from_value(d["per_device"].clone()).unwrap();
+    assert_eq!(per_device.len(), 3, "{d}");
+    assert_eq!(per_device.iter().sum::<u64>(), 14 * 3 * 2, "{d}");
+    let layer0: Vec<Vec<(usize, usize)>> = d["experts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|rs| {
+            let rs = rs.as_array().unwrap();
+            rs.iter()
+                .map(|r| {
+                    (
+                        r["start"].as_u64().unwrap() as usize,
+                        r["end"].as_u64().unwrap() as usize,
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(layer0, [vec![(0, 2)], vec![(2, 4)], vec![(4, 6)]], "{d}");
 }
 
 /// The numpy reference's chosen experts for `tokens` as one prompt: per layer, per token.

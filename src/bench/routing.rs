@@ -2,9 +2,10 @@
 //! expert, counted from the router's choices (`l{i}.moe.chosen_by_router`, read through the
 //! scheduler's eval callback as `run --dump` reads them) over one prompt and its generation
 //! steps, and the tokens each device computes: the experts a device holds from the expert
-//! weights' split state (`FfnGateExps` split on axis 2: whole experts per device), or, while
+//! weights' split state (`FfnGateExps` split on axis 2: whole experts per device, per layer;
+//! split on another axis: every device computes a share of every routed token), or, where
 //! the experts are mirrored, from an even split of them over the devices (the remainder on
-//! the first devices, as the split callbacks cut); with a layer or hybrid split, a layer's
+//! the first devices) as expert parallelism would cut; with a layer or hybrid split, a layer's
 //! experts are on the devices of the group holding it. The report says which.
 
 use crate::cli::dump::Views;
@@ -354,7 +355,7 @@ pub fn print_table(r: &RoutingReport) {
         );
         println!(
             "{:>8} {:>10} {:>10} {:>8}",
-            "device", "experts", "tokens", "share"
+            "device", "experts l0", "tokens", "share"
         );
         for (i, &c) in d.per_device.iter().enumerate() {
             let held = d.experts.get(i).map_or(String::new(), |v| ranges_text(v));

@@ -571,23 +571,18 @@ fn router_choices_are_dumped_and_counted_as_the_reference_routes() {
             c
         })
         .collect();
-    let (out, _) = metashard(&[
-        "bench",
-        "model",
-        "--devices",
-        "cpu:1x1",
-        "--devices",
-        "cpu:2x1",
-        "--pp",
-        "13",
-        "--tg",
-        "1",
-        "--reps",
-        "1",
-        "--json",
-    ]);
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let r = &v["routing"];
+    // `bench model --pp 13 --tg 1 --reps 1 --json` with `flags`: its routing report.
+    let bench = |flags: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "bench", "model", "--pp", "13", "--tg", "1", "--reps", "1", "--json",
+        ];
+        args.extend_from_slice(flags);
+        let (out, _) = metashard(&args);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["routing"].clone()
+    };
+    let v = bench(&["--devices", "cpu:1x1", "--devices", "cpu:2x1"]);
+    let r = &v;
     let per_layer: Vec<Vec<u64>> = serde_json::from_value(r["per_layer"].clone()).unwrap();
     assert_eq!(per_layer, want, "{r}");
     assert_eq!(r["tokens"], 14, "{r}");
@@ -604,23 +599,8 @@ fn router_choices_are_dumped_and_counted_as_the_reference_routes() {
     // The default split cuts inside every expert: each device computes every routed token.
     // Expert parallelism (whole experts per device, cpu:3x1: 2 each): each routed token is
     // computed by the one device holding its expert, as the experts' split state says.
-    let (out, _) = metashard(&[
-        "bench",
-        "model",
-        "--devices",
-        "cpu:3x1",
-        "--experts",
-        "expert",
-        "--pp",
-        "13",
-        "--tg",
-        "1",
-        "--reps",
-        "1",
-        "--json",
-    ]);
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    let d = &v["routing"]["devices"][0];
+    let v = bench(&["--devices", "cpu:3x1", "--experts", "expert"]);
+    let d = &v["devices"][0];
     assert_eq!(d["experts_from"], "split state", "{d}");
     let per_device: Vec<u64> = serde_json::from_value(d["per_device"].clone()).unwrap();
     assert_eq!(per_device.len(), 3, "{d}");

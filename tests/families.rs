@@ -12,13 +12,13 @@ mod decoders;
 use decoders::{config, open};
 use metashard::DType;
 use metashard::models::arch::{
-    Arch, GEMMA2, GEMMA3, LLAMA, MIXTRAL, PHI3, PHI3_SEPARATE_QKV, QWEN2, QWEN2MOE, QWEN3,
+    Arch, GEMMA2, GEMMA3, LLAMA, MIXTRAL, OLMOE, PHI3, PHI3_SEPARATE_QKV, QWEN2, QWEN2MOE, QWEN3,
     QWEN3MOE, Tensor,
 };
 use metashard::models::hparams::LongRope;
 use metashard::models::layer_split::SplitMode;
 use metashard::models::session::Session;
-use metashard::models::synthetic::{gguf_bytes_with, with_extra_tensors};
+use metashard::models::synthetic::{gguf_bytes_with, with_extra_tensors, with_per_expert_tensors};
 use metashard::verify::{greedy, max_abs, nmse};
 use std::path::{Path, PathBuf};
 
@@ -275,10 +275,11 @@ fn phi3_long_rope_matches_the_reference_and_splits() {
 }
 
 /// The families' keys are read as the config says: a head size from `key_length`, the
-/// window, the local RoPE base, the scales and the caps.
+/// window, the local RoPE base, the scales and the caps; OLMoE's experts as wide as
+/// `feed_forward_length` (no key of their own).
 #[test]
 fn family_keys_are_read_from_the_file() {
-    for arch in [&QWEN3, &GEMMA2, &GEMMA3, &PHI3] {
+    for arch in [&QWEN3, &GEMMA2, &GEMMA3, &PHI3, &OLMOE] {
         let path = model_file(arch, &[]);
         let g = metashard::io::GgufFile::open(&path).unwrap();
         let got = metashard::models::hparams::config_from_gguf(&g).unwrap();
@@ -301,6 +302,7 @@ fn verify_reference_covers_every_family() {
         (&GEMMA2, &[]),
         (&GEMMA3, &[]),
         (&PHI3, LONG_ROPE),
+        (&OLMOE, &[]),
     ] {
         let path = model_file(arch, optional);
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
@@ -417,4 +419,216 @@ fn qwen2moe_matches_the_reference_and_splits() {
 fn mixtral_matches_the_reference_and_splits() {
     matches_the_reference(&MIXTRAL, &[]);
     splits_give_one_devices_tokens(&MIXTRAL, &[]);
+}
+
+/// OLMoE: Q and K normalized over the whole projection (not per head), the experts' weights
+/// not renormalised. Its logits equal the numpy reference's (its greedy tokens too, on cpu:2x1:
+/// `verify_reference_covers_every_family`) and its splits give one device's tokens (the norms,
+/// mirrored, read Q and K whole).
+#[test]
+fn olmoe_matches_the_reference_and_splits() {
+    matches_the_reference(&OLMOE, &[]);
+    splits_give_one_devices_tokens(&OLMOE, &[]);
+}
+
+/// Mixtral files written before the 3-D expert tensors (one 2-D tensor per expert,
+/// `blk.N.ffn_gate.E.weight`, as llama.cpp still loads them): each layer's experts stacked,
+/// they give the 3-D file's logits and greedy tokens bit for bit, on one device and on
+/// cpu:2x1. An expert of another type than the others, or a missing one, is an error naming
+/// it.
+#[test]
+fn mixtral_per_expert_files_equal_the_3d_layout() {
+    use metashard::io::{GgufFile, GgufWriter};
+    let cfg = config(&MIXTRAL);
+    let bytes = gguf_bytes_with(&cfg, DType::F32, false, 512, 11, &[]).unwrap();
+    let new = write("mixtral-3d.gguf", &bytes);
+    let old_bytes = with_per_expert_tensors(bytes).unwrap();
+    let g = GgufFile::from_bytes("old.gguf", old_bytes.clone()).unwrap();
+    assert!(g.tensor("blk.0.ffn_gate_exps.weight").is_none());
+    assert_eq!(
+        g.tensor("blk.2.ffn_down.5.weight").unwrap().ne,
+        [64, 128, 1, 1]
+    );
+    let old = write("mixtral-per-expert.gguf", &old_bytes);
+    for devices in ["cpu:1x1", "cpu:2x1"] {
+        let run = |p: &Path| {
+            let (set, m) = open(p, devices, SplitMode::Tensor).unwrap();
+            greedy(&m, &set, PROMPT, STEPS).unwrap()
+        };
+        let (want_logits, want) = run(&new);
+        let (logits, toks) = run(&old);
+        assert_eq!(toks, want, "{devices}: greedy tokens");
+        assert!(logits == want_logits, "{devices}: logits differ");
+    }
+    // The numpy reference reads the old layout too (stacking the experts as llama.cpp does).
+    if let Some(want) = reference_prompt_logits(&new, None) {
+        let got = reference_prompt_logits(&old, None).unwrap();
+        assert!(got == want, "the reference on the per-expert file");
+    }
+    // The same file with one expert changed (`None`: left out).
+    let changed = |name: &str, f: &dyn Fn(&[f32]) -> Option<Vec<u8>>| {
+        let mut w = GgufWriter::new();
+        for (k, v) in g.metadata() {
+            w.add(k.clone(), v.clone());
+        }
+        for t in g.tensors() {
+            let data = g.tensor_data(t).unwrap();
+            let dt = t.dtype.unwrap();
+            if t.name == name {
+                let v = metashard::dtype::bytes_to_f32(dt, data, t.n_elements()).unwrap();
+                if let Some(b) = f(&v) {
+                    w.add_tensor(t.name.clone(), DType::F16, &t.ne[..2], b)
+                        .unwrap();
+                }
+                continue;
+            }
+            w.add_tensor(t.name.clone(), dt, &t.ne[..t.n_dims], data.to_vec())
+                .unwrap();
+        }
+        let p = write(&format!("mixtral-{name}.gguf"), &w.to_bytes());
+        match open(&p, "cpu:1x1", SplitMode::Tensor) {
+            Ok(_) => panic!("{name}: loaded"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let f16 = |v: &[f32]| Some(metashard::dtype::f32_to_bytes(DType::F16, v).unwrap());
+    let e = changed("blk.1.ffn_down.3.weight", &f16);
+    eprintln!("{e}");
+    assert!(
+        e.contains("blk.1.ffn_down.3.weight")
+            && e.contains("f16")
+            && e.contains("blk.1.ffn_down_exps.weight"),
+        "{e}"
+    );
+    let e = changed("blk.2.ffn_up.4.weight", &|_| None);
+    eprintln!("{e}");
+    assert!(
+        e.contains("blk.2.ffn_up.4.weight") && e.contains("missing"),
+        "{e}"
+    );
+}
+
+/// Issue 19 item 5, the router's choices: `run --dump router` on cpu:2x1 prints each layer's
+/// chosen experts for every prompt token, and they are the numpy reference's; `bench model
+/// --json` counts the tokens routed to each expert in each layer as the reference routes the
+/// benchmark's tokens (its prompt, then token 1, its first step's input), and the tokens each
+/// device set's devices compute: every device with the experts split inside (the default),
+/// the one holding the expert under expert parallelism (from the experts' split state).
+#[test]
+fn router_choices_are_dumped_and_counted_as_the_reference_routes() {
+    let path = model_file(&QWEN3MOE, &[]);
+    let metashard = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(args)
+            .arg("--model")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{args:?}: {err}");
+        (String::from_utf8_lossy(&out.stdout).to_string(), err)
+    };
+    let (_, err) = metashard(&[
+        "run",
+        "--devices",
+        "cpu:2x1",
+        "--raw",
+        "-p",
+        "Hello, Qwen3!",
+        "-n",
+        "1",
+        "--dump",
+        "router",
+    ]);
+    // `dump step 0 #45 `l0.moe.chosen_by_router` view [2, 13, 1, 1] ... ids (rows of 2): [3 0] ...`
+    let dumped: Vec<Vec<Vec<u32>>> = err
+        .lines()
+        .filter(|l| l.starts_with("dump step 0 ") && l.contains(".moe.chosen_by_router`"))
+        .map(|l| {
+            let ids = l.rsplit_once("): ").unwrap().1;
+            ids.split(']')
+                .map(|r| r.trim().trim_start_matches('['))
+                .filter(|r| !r.is_empty())
+                .map(|r| r.split(' ').map(|x| x.parse().unwrap()).collect())
+                .collect()
+        })
+        .collect();
+    assert_eq!(dumped.len(), 3, "{err}");
+    let Some(want) = router_reference(&path, PROMPT) else {
+        return;
+    };
+    assert_eq!(dumped, want, "chosen experts against the reference");
+
+    let (pp, n_vocab) = (13u32, config(&QWEN3MOE).n_vocab as u32);
+    let mut tokens: Vec<u32> = (0..pp).map(|i| (i * 131 + 17) % n_vocab).collect();
+    tokens.push(1);
+    let want = router_reference(&path, &tokens).unwrap();
+    let want: Vec<Vec<u64>> = want
+        .iter()
+        .map(|layer| {
+            let mut c = vec![0u64; 6];
+            layer.iter().flatten().for_each(|&e| c[e as usize] += 1);
+            c
+        })
+        .collect();
+    // `bench model --pp 13 --tg 1 --reps 1 --json` with `flags`: its routing report.
+    let bench = |flags: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "bench", "model", "--pp", "13", "--tg", "1", "--reps", "1", "--json",
+        ];
+        args.extend_from_slice(flags);
+        let (out, _) = metashard(&args);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["routing"].clone()
+    };
+    let v = bench(&["--devices", "cpu:1x1", "--devices", "cpu:2x1"]);
+    let r = &v;
+    let per_layer: Vec<Vec<u64>> = serde_json::from_value(r["per_layer"].clone()).unwrap();
+    assert_eq!(per_layer, want, "{r}");
+    assert_eq!(r["tokens"], 14, "{r}");
+    let per_expert: Vec<u64> = serde_json::from_value(r["per_expert"].clone()).unwrap();
+    assert_eq!(per_expert.iter().sum::<u64>(), 14 * 3 * 2, "{r}");
+    let two = &r["devices"][1];
+    assert_eq!(two["devices"], "cpu:2x1", "{r}");
+    assert_eq!(
+        two["experts_from"], "every device (experts split inside)",
+        "{r}"
+    );
+    assert_eq!(two["per_device"], serde_json::json!([84, 84]), "{r}");
+    assert_eq!(r["devices"][0]["per_device"][0], 14 * 3 * 2, "{r}");
+    // The default split cuts inside every expert: each device computes every routed token.
+    // Expert parallelism (whole experts per device, cpu:3x1: 2 each): each routed token is
+    // computed by the one device holding its expert, as the experts' split state says.
+    let v = bench(&["--devices", "cpu:3x1", "--experts", "expert"]);
+    let d = &v["devices"][0];
+    assert_eq!(d["experts_from"], "split state", "{d}");
+    let per_device: Vec<u64> = serde_json::from_value(d["per_device"].clone()).unwrap();
+    assert_eq!(per_device.len(), 3, "{d}");
+    assert_eq!(per_device.iter().sum::<u64>(), 14 * 3 * 2, "{d}");
+    let layer0: Vec<Vec<(usize, usize)>> = d["experts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|rs| {
+            let rs = rs.as_array().unwrap();
+            rs.iter()
+                .map(|r| {
+                    (
+                        r["start"].as_u64().unwrap() as usize,
+                        r["end"].as_u64().unwrap() as usize,
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(layer0, [vec![(0, 2)], vec![(2, 4)], vec![(4, 6)]], "{d}");
+}
+
+/// The numpy reference's chosen experts for `tokens` as one prompt: per layer, per token.
+fn router_reference(path: &Path, tokens: &[u32]) -> Option<Vec<Vec<Vec<u32>>>> {
+    let json = path.with_extension(format!("router{}.json", tokens.len()));
+    let logits = path.with_extension(format!("router{}.f32", tokens.len()));
+    let args = ["--router-out", json.to_str().unwrap()];
+    decoders::reference(path, tokens, &args, "--prompt-logits-out", &logits)?;
+    Some(serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap())
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent numpy reference of the SmolLM2 (llama architecture) forward pass, and of the other
 decoder families metashard runs (qwen2, qwen3, gemma2, gemma3, phi3, and the mixtures of
-experts qwen3moe, qwen2moe and Mixtral).
+experts qwen3moe, qwen2moe, olmoe and Mixtral).
 
 metashard's Rust tests call this script as a subprocess and compare their logits and
 greedy tokens with what it prints. It shares no code with metashard: it reads the GGUF
@@ -47,7 +47,13 @@ Sources of the facts used here (formats and algorithms only, no code taken):
     weights, divided by their sum for qwen3moe and Mixtral (norm_topk_prob; the file's
     {arch}.expert_weights_norm when present), not for qwen2moe; each selected expert's SwiGLU
     output times its weight, summed; qwen2moe adds its shared expert's SwiGLU output times
-    sigmoid(w_shexp_gate . h). Mixtral is a llama file with llama.expert_count > 0.
+    sigmoid(w_shexp_gate . h). Mixtral is a llama file with llama.expert_count > 0; files
+    written before the 3-D expert tensors hold one 2-D tensor per expert,
+    blk.N.ffn_{gate,up,down}.E.weight (llama.cpp's LLM_TENSOR_FFN_*_EXP), stacked here.
+  * olmoe (Hugging Face's OlmoeAttention and OlmoeSparseMoeBlock; llama.cpp's LLM_ARCH_OLMOE):
+    no biases; q_norm / k_norm are RMS norms over the whole Q projection (n_head * head_dim)
+    and the whole K projection (n_head_kv * head_dim), applied before the split into heads;
+    NeoX RoPE; experts as above with norm_topk_prob False (weights not divided by their sum).
   * llama.cpp runs LLM_ARCH_LLAMA with LLAMA_ROPE_TYPE_NORM: the HF->GGUF converter
     permutes the rows of Q and K so that the rotation acts on ADJACENT pairs
     (x[2i], x[2i+1]) of each head, theta_i = pos * base^(-2i / n_rot).
@@ -117,6 +123,7 @@ class HParams:
     n_expert: int = 0  # a mixture of experts when > 0
     n_expert_used: int = 0
     moe_norm: bool = True  # the selected experts' weights divided by their sum
+    router_log: list | None = None  # per experts_ffn call (layer), each token's chosen experts
 
 
 @dataclass
@@ -136,6 +143,8 @@ class Layer:
     bo: np.ndarray | None = None  # (n_embd,)
     q_norm: np.ndarray | None = None  # (head_dim,)  per-head norms where the file has them
     k_norm: np.ndarray | None = None
+    q_norm_full: np.ndarray | None = None  # (n_head*head_dim,)  over the whole projection (olmoe)
+    k_norm_full: np.ndarray | None = None  # (n_head_kv*head_dim,)
     post_attn_norm: np.ndarray | None = None  # (n_embd,)  post-block norms (Gemma)
     post_ffw_norm: np.ndarray | None = None
     moe: dict | None = None  # the experts' arrays (see load_experts)
@@ -195,7 +204,7 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         raise RefError(f"cannot parse GGUF file {path}: {e}")
 
     arch = _field_str(reader, "general.architecture")
-    archs = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "qwen2moe")
+    archs = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe", "qwen2moe", "olmoe")
     if arch not in archs:
         raise RefError(f"{path}: general.architecture is '{arch}', this reference handles {', '.join(archs)}")
 
@@ -233,7 +242,7 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
     if hp.n_expert:
         hp.n_expert_used = int(u("expert_used_count"))
         norm = u("expert_weights_norm", False)
-        hp.moe_norm = bool(norm) if norm is not None else arch != "qwen2moe"
+        hp.moe_norm = bool(norm) if norm is not None else arch not in ("qwen2moe", "olmoe")
     gemma = arch in ("gemma2", "gemma3")
     if gemma:
         hp.gelu = True
@@ -300,14 +309,21 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
         w = get(p + "ffn_up.weight", [E, 2 * F])
         return w[:F], w[F:]
 
+    def experts(p: str, base: str, ne: list[int]) -> np.ndarray:
+        """A role's experts: the 3-D tensor, or (files written before it) one 2-D tensor per
+        expert, blk.N.<base>.E.weight (llama.cpp's LLM_TENSOR_FFN_*_EXP), stacked."""
+        if p + base + "_exps.weight" in tensors or p + base + ".0.weight" not in tensors:
+            return get(p + base + "_exps.weight", ne)
+        return np.stack([get(f"{p}{base}.{x}.weight", ne[:2]) for x in range(ne[2])])
+
     def load_experts(p: str) -> dict:
         X = hp.n_expert
         FX = int(u("expert_feed_forward_length", False) or F)
         e = {
             "router": get(p + "ffn_gate_inp.weight", [E, X]),  # (X, E)
-            "gate": get(p + "ffn_gate_exps.weight", [E, FX, X]),  # (X, FX, E)
-            "up": get(p + "ffn_up_exps.weight", [E, FX, X]),
-            "down": get(p + "ffn_down_exps.weight", [FX, E, X]),  # (X, E, FX)
+            "gate": experts(p, "ffn_gate", [E, FX, X]),  # (X, FX, E)
+            "up": experts(p, "ffn_up", [E, FX, X]),
+            "down": experts(p, "ffn_down", [FX, E, X]),  # (X, E, FX)
         }
         if arch == "qwen2moe":
             FS = int(u("expert_shared_feed_forward_length"))
@@ -341,8 +357,10 @@ def load_model(path: str, dtype, want_vocab: bool) -> Model:
                 bk=opt(p + "attn_k.bias", [hp.n_head_kv * HD]),
                 bv=opt(p + "attn_v.bias", [hp.n_head_kv * HD]),
                 bo=opt(p + "attn_output.bias", [E]),
-                q_norm=opt(p + "attn_q_norm.weight", [HD]),
-                k_norm=opt(p + "attn_k_norm.weight", [HD]),
+                q_norm=opt(p + "attn_q_norm.weight", [HD]) if arch != "olmoe" else None,
+                k_norm=opt(p + "attn_k_norm.weight", [HD]) if arch != "olmoe" else None,
+                q_norm_full=get(p + "attn_q_norm.weight", [hp.n_head * HD]) if arch == "olmoe" else None,
+                k_norm_full=get(p + "attn_k_norm.weight", [hp.n_head_kv * HD]) if arch == "olmoe" else None,
                 post_attn_norm=opt(p + "post_attention_norm.weight", [E]),
                 post_ffw_norm=opt(p + "post_ffw_norm.weight", [E]),
                 moe=load_experts(p) if hp.n_expert else None,
@@ -463,6 +481,10 @@ def experts_ffn(hp: HParams, e: dict, h: np.ndarray) -> np.ndarray:
     out = np.zeros_like(h)
     for t in range(h.shape[0]):
         top = np.argsort(-probs[t], kind="stable")[: hp.n_expert_used]
+        if hp.router_log is not None:
+            if t == 0:
+                hp.router_log.append([])
+            hp.router_log[-1].append([int(x) for x in top])
         w = probs[t, top]
         if hp.moe_norm:
             w = w / w.sum()
@@ -507,8 +529,14 @@ def forward(m: Model, cache: KVCache, tokens: list[int], rope_mode: str = "norm"
         masked = masked_local if local else masked_global
         c_, s_ = (cos_l, sin_l) if local else (cos, sin)
         h = rms_norm(x, L.attn_norm, hp.rms_eps)
-        q = linear(h, L.wq, L.bq).reshape(n, H, HD)  # head h = columns h*HD .. (h+1)*HD
-        k = linear(h, L.wk, L.bk).reshape(n, KV, HD)
+        q = linear(h, L.wq, L.bq)
+        k = linear(h, L.wk, L.bk)
+        if L.q_norm_full is not None:
+            q = rms_norm(q, L.q_norm_full, hp.rms_eps)
+        if L.k_norm_full is not None:
+            k = rms_norm(k, L.k_norm_full, hp.rms_eps)
+        q = q.reshape(n, H, HD)  # head h = columns h*HD .. (h+1)*HD
+        k = k.reshape(n, KV, HD)
         v = linear(h, L.wv, L.bv).reshape(n, KV, HD)
         if L.q_norm is not None:
             q = rms_norm(q, L.q_norm, hp.rms_eps)
@@ -648,6 +676,10 @@ def main(argv: list[str]) -> int:
         "generated token's input position",
     )
     ap.add_argument("--prompt-logits-out", help="write float32 LE logits of every prompt position")
+    ap.add_argument(
+        "--router-out",
+        help="write JSON: per layer, each prompt token's chosen experts (by falling probability)",
+    )
     ap.add_argument("--dtype", choices=("f32", "f64"), default="f32")
     ap.add_argument("--detok", action="store_true", help="add the decoded text to the JSON")
     ap.add_argument("--rope", choices=("norm", "neox"), default=None, help=argparse.SUPPRESS)
@@ -693,8 +725,14 @@ def main(argv: list[str]) -> int:
         m.hp.rope_factors = long_f if n_ctx > orig else short_f
 
     t1 = time.time()
+    if args.router_out:
+        m.hp.router_log = []
     logits = forward(m, cache, prompt, args.rope)
     t_prompt = time.time() - t1
+    if args.router_out:
+        with open(args.router_out, "w") as f:
+            json.dump(m.hp.router_log, f)
+        m.hp.router_log = None
     last = logits[-1]
     rows = [last]
     generated: list[int] = []

@@ -12,6 +12,7 @@ pub mod comm;
 pub mod meta;
 pub mod model;
 pub mod ops;
+pub mod routing;
 pub mod serve;
 pub mod strategies;
 

@@ -5,7 +5,9 @@
 //! the effective bandwidth of generation (weight bytes read per token x tokens/s), and
 //! the machine's streaming read bandwidth measured in the same run for comparison. With ranks
 //! as processes the ranks agree on the model, split and precisions first, and take rank 0's
-//! sizes and repetitions.
+//! sizes and repetitions. A mixture of experts' load balance is counted after the timings
+//! (`routing.rs`: tokens routed per expert and per device, a table and `routing` in
+//! `--json`; not with ranks as processes).
 
 use crate::cli::run::{decoder_settings, load_dist};
 use crate::cli::{
@@ -160,6 +162,10 @@ pub struct ModelBenchReport {
     pub rows: Vec<ModelBenchRow>,
     /// Streaming read bandwidth of this machine (2 threads, 512 MiB), GB/s.
     pub stream_gbps: f64,
+    /// A mixture of experts' tokens routed per expert and per device (absent for a dense
+    /// model, and with ranks as processes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing: Option<super::routing::RoutingReport>,
 }
 
 /// Read `bytes` once per thread share and sum, `reps` times (after one untimed read); the GB/s
@@ -268,9 +274,7 @@ pub fn measure(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<Mode
     let mut sessions = Vec::new();
     for c in &configs {
         let n_vocab = c.m.cfg.n_vocab as u32;
-        let prompt: Vec<u32> = (0..opts.pp as u32)
-            .map(|i| (i * 131 + 17) % n_vocab)
-            .collect();
+        let prompt = bench_prompt(opts.pp, n_vocab);
         let mut s = Session::new(
             &c.m,
             c.set.backend.clone(),
@@ -297,7 +301,7 @@ pub fn measure(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<Mode
             let mut tok = 1u32;
             for i in 0..opts.tg {
                 let l = s.eval(&[tok], false)?;
-                tok = (metashard::models::sampler::argmax(&l) + i as u32) % *n_vocab;
+                tok = next_token(&l, i, *n_vocab);
             }
             tgs[ci].push(opts.tg as f64 / t0.elapsed().as_secs_f64());
             progress(&format!(
@@ -312,6 +316,7 @@ pub fn measure(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<Mode
         }
     }
     drop(sessions);
+    let routing = count_routing(opts, &configs, progress)?;
     let mut rows: Vec<ModelBenchRow> = Vec::new();
     let paired = |v: &[f64], first: &[f64]| {
         median(v.iter().zip(first).map(|(x, f)| x / f).collect::<Vec<_>>())
@@ -350,7 +355,59 @@ pub fn measure(opts: &ModelBenchOptions, progress: &dyn Fn(&str)) -> Result<Mode
         model: name,
         rows,
         stream_gbps,
+        routing,
     })
+}
+
+/// The benchmark's prompt of `pp` tokens for a vocabulary of `n_vocab`.
+fn bench_prompt(pp: usize, n_vocab: u32) -> Vec<u32> {
+    (0..pp as u32).map(|i| (i * 131 + 17) % n_vocab).collect()
+}
+
+/// The generation step's next token: the argmax moved on by the step, so steps vary.
+fn next_token(logits: &[f32], step: usize, n_vocab: u32) -> u32 {
+    (metashard::models::sampler::argmax(logits) + step as u32) % n_vocab
+}
+
+/// A mixture of experts' routing over the benchmark's prompt and steps, counted on the first
+/// configuration, with the tokens each device set's devices compute (`None`: a dense model,
+/// or ranks as processes).
+fn count_routing(
+    opts: &ModelBenchOptions,
+    configs: &[Config],
+    progress: &dyn Fn(&str),
+) -> Result<Option<super::routing::RoutingReport>> {
+    let Some(first) = configs.first() else {
+        return Ok(None);
+    };
+    if opts.dist != Dist::Local || first.m.cfg.moe.is_none() {
+        return Ok(None);
+    }
+    progress(&format!("counting the experts' routing on {}", first.spec));
+    let n_vocab = first.m.cfg.n_vocab as u32;
+    let prompt = bench_prompt(opts.pp, n_vocab);
+    let next = |l: &[f32], i: usize| next_token(l, i, n_vocab);
+    let Some(counts) = super::routing::count(&first.set, &first.m, &prompt, opts.tg, &next)? else {
+        return Ok(None);
+    };
+    let mut devices: Vec<super::routing::DeviceRouting> = Vec::new();
+    for c in configs {
+        let d = super::routing::per_device(&c.set, &c.m, c.mode.name(), &counts);
+        if !devices
+            .iter()
+            .any(|x| x.devices == d.devices && x.split_mode == d.split_mode)
+        {
+            devices.push(d);
+        }
+    }
+    let tokens = opts.pp + opts.tg;
+    Ok(Some(super::routing::report(
+        &first.m,
+        &first.spec,
+        tokens,
+        counts,
+        devices,
+    )))
 }
 
 pub fn print_table(r: &ModelBenchReport) {
@@ -389,4 +446,7 @@ pub fn print_table(r: &ModelBenchReport) {
         "streaming read bandwidth (2 threads): {:.2} GB/s",
         r.stream_gbps
     );
+    if let Some(routing) = &r.routing {
+        super::routing::print_table(routing);
+    }
 }

@@ -10,6 +10,7 @@
 
 pub mod calibrate;
 pub mod devices;
+pub mod dump;
 pub mod embed;
 pub mod plan;
 pub mod quantize;

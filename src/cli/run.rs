@@ -2,7 +2,7 @@
 //! `--tensor-split` ratios), show a memory summary, generate text from a prompt (through the
 //! model's chat template unless `--raw`; the user's text stays text unless `--special`), and
 //! report prompt and generation tokens/s and why generation stopped; `--dump` prints
-//! statistics of matching nodes through the scheduler's eval callback. Bad sampling flags and
+//! statistics of matching nodes through the scheduler's eval callback (`dump.rs`). Bad sampling flags and
 //! `--ctx` values are errors naming the flag; `-n` is bounded by the context. With ranks as
 //! processes the ranks agree on the model, split, precision and context before loading
 //! (`cli::agree`), and every rank takes rank 0's prompt tokens and sampling (`RunRequest`).
@@ -74,7 +74,8 @@ pub struct RunArgs {
     pub out: JsonArgs,
     /// Print min, max, mean and NaN count of every node whose name matches NODE_PATTERN (a
     /// glob with `*`; without `*`, names containing it) as it is computed, to stderr (the
-    /// scheduler's eval callback).
+    /// scheduler's eval callback); an I32 node's ids too, such as a mixture of experts'
+    /// choices (`--dump router`: `l{i}.moe.chosen_by_router`, each token's experts).
     #[arg(long, value_name = "NODE_PATTERN")]
     pub dump: Option<String>,
 }
@@ -98,54 +99,6 @@ pub fn name_matches(pattern: &str, name: &str) -> bool {
         }
     }
     true
-}
-
-/// The `--dump` eval callback: statistics of the matching nodes, one line each, to stderr.
-struct Dump {
-    pattern: String,
-    step: usize,
-    last: Option<metashard::TensorId>,
-}
-
-impl metashard::sched::EvalCallback for Dump {
-    fn ask(&mut self, g: &metashard::Graph, id: metashard::TensorId) -> bool {
-        name_matches(&self.pattern, g.name(id))
-    }
-
-    fn eval(
-        &mut self,
-        g: &metashard::Graph,
-        id: metashard::TensorId,
-        backend: &str,
-        values: &[f32],
-    ) -> bool {
-        // Node ids rise within a graph: a lower one starts the next step's graph.
-        if self.last.is_some_and(|l| id <= l) {
-            self.step += 1;
-        }
-        self.last = Some(id);
-        let nan = values.iter().filter(|v| v.is_nan()).count();
-        let finite = values.iter().copied().filter(|v| !v.is_nan());
-        let (mut min, mut max, mut sum, mut n) = (f32::INFINITY, f32::NEG_INFINITY, 0f64, 0usize);
-        for v in finite {
-            min = min.min(v);
-            max = max.max(v);
-            sum += v as f64;
-            n += 1;
-        }
-        let mean = if n > 0 { sum / n as f64 } else { f64::NAN };
-        let node = g.node(id);
-        eprintln!(
-            "dump step {} #{} `{}` {} {} on {backend}: min {min:.6} max {max:.6} mean {mean:.6} \
-             nan {nan}",
-            self.step,
-            id.index(),
-            node.name,
-            node.op.name(),
-            node.layout.shape()
-        );
-        true
-    }
 }
 
 /// Open the devices and load the model with the split the flags ask for (the built-in one,
@@ -395,11 +348,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
                 Some((s, _)) => s.clone(),
                 None => metashard::sched::Sched::new(vec![set.backend.clone()])?,
             };
-            sched.set_eval_callback(Some(Box::new(Dump {
-                pattern: pattern.clone(),
-                step: 0,
-                last: None,
-            })));
+            sched.set_eval_callback(Some(Box::new(super::dump::Dump::new(pattern.clone()))));
             sched
         }
     };

@@ -78,6 +78,8 @@ pub struct GgufFile {
     key_index: HashMap<String, usize>,
     tensors: Vec<GgufTensorInfo>,
     tensor_index: HashMap<String, usize>,
+    /// Tensors stacked from others of the file (`gguf_stack.rs`), with their parts.
+    stacks: HashMap<String, Vec<GgufTensorInfo>>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -116,6 +118,7 @@ impl GgufFile {
             key_index: parsed.key_index,
             tensors: parsed.tensors,
             tensor_index: parsed.tensor_index,
+            stacks: HashMap::new(),
         })
     }
 
@@ -157,8 +160,36 @@ impl GgufFile {
         self.tensor_index.get(name).map(|&i| &self.tensors[i])
     }
 
-    /// The data bytes of `t`; an error when metashard does not compute with its type.
+    /// `stacked` listed in place of its `parts` (the first part's place; `gguf_stack.rs`).
+    pub(super) fn replace_tensors(&mut self, stacked: GgufTensorInfo, parts: Vec<GgufTensorInfo>) {
+        let first = self.tensor_index[&parts[0].name];
+        self.tensors[first] = stacked.clone();
+        let gone: std::collections::HashSet<&str> =
+            parts[1..].iter().map(|p| p.name.as_str()).collect();
+        self.tensors.retain(|t| !gone.contains(t.name.as_str()));
+        self.tensor_index = (self.tensors.iter().enumerate())
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        self.stacks.insert(stacked.name, parts);
+    }
+
+    pub(super) fn stacks(&self) -> &HashMap<String, Vec<GgufTensorInfo>> {
+        &self.stacks
+    }
+
+    /// The data bytes of `t`; an error when metashard does not compute with its type, or when
+    /// `t` is stacked from several tensors of the file (read it with `tensor_bytes`).
     pub fn tensor_data(&self, t: &GgufTensorInfo) -> Result<&[u8]> {
+        if let Some(parts) = self.stacks.get(&t.name) {
+            return Err(self.err(
+                t.label(),
+                format!(
+                    "stacked from {} tensors of the file ({} ..): read with tensor_bytes",
+                    parts.len(),
+                    parts[0].name
+                ),
+            ));
+        }
         if t.dtype.is_none() {
             return Err(self.err(
                 format!("{} type", t.label()),

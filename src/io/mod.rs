@@ -7,6 +7,7 @@ pub mod config;
 pub mod file;
 pub mod gguf;
 mod gguf_parse;
+mod gguf_stack;
 pub mod gguf_types;
 pub mod gguf_writer;
 pub mod safetensors;

@@ -370,7 +370,7 @@ fn decoder_layer(
     g.set_name(x, attn_out_name(l));
     let cur = blocks::norm_of(g, NormKind::Rms, lw, Tensor::FfnNorm, None, x, cfg.rms_eps)?;
     let d = match &cfg.moe {
-        Some(m) => super::moe::moe_ffn(g, m, lw, cur)?,
+        Some(m) => super::moe::moe_ffn(g, m, l, lw, cur)?,
         None => blocks::ffn(g, spec.mlp, lw, cur)?,
     };
     let d = norm_where_present(g, cfg, lw, Tensor::FfnPostNorm, d)?;
@@ -380,8 +380,8 @@ fn decoder_layer(
 }
 
 /// `norm(x)` (RMS over ne0) with the layer's norm weight `t` where it has one, else `x`: the
-/// post-block norms (Gemma 2 and 3) and the per-head Q and K norms on `[hd, heads, t]`
-/// (Qwen3, Gemma 3).
+/// post-block norms (Gemma 2 and 3), the per-head Q and K norms on `[hd, heads, t]`
+/// (Qwen3, Gemma 3) and the whole-projection ones on `[hd * heads, t]` (OLMoE).
 fn norm_where_present(
     g: &mut Graph,
     cfg: &DecoderConfig,
@@ -403,8 +403,8 @@ fn softcap(g: &mut Graph, x: TensorId, scale: f32, cap: f32) -> Result<TensorId>
 }
 
 /// The attention of layer `l` on the normed `cur`, before the output projection: `[hd * nh,
-/// t]`. Q, K, V with their biases where the layer has them, Q and K normalized per head where
-/// the layer has those norms, RoPE on Q and K (the layer's base), K and V written to the cache
+/// t]`. Q, K, V with their biases where the layer has them, Q and K normalized (over the whole
+/// projection, or per head) where the layer has those norms, RoPE on Q and K (the layer's base), K and V written to the cache
 /// rows `slots`, then attention over the cache rows `0..n_kv` (through the sliding window on
 /// local layers), soft-capped where the model says.
 fn self_attention(
@@ -431,11 +431,13 @@ fn self_attention(
     };
     let proj = blocks::Qkv::declare(g, lw, cur, cfg.n_embd_q(), cfg.n_embd_kv())?;
     let q = proj.q(g)?;
+    let q = norm_where_present(g, cfg, lw, Tensor::AttnQNormFull, q)?;
     let q = g.reshape(q, [hd, nh, t, 1])?;
     let q = norm_where_present(g, cfg, lw, Tensor::AttnQNorm, q)?;
     let q = g.rope_ext(q, step.pos, step.rope_factors, rope)?;
     let q = mul_opt(g, q, step.rope_mscale)?;
     let k = proj.k(g)?;
+    let k = norm_where_present(g, cfg, lw, Tensor::AttnKNormFull, k)?;
     let k = g.reshape(k, [hd, nkv, t, 1])?;
     let k = norm_where_present(g, cfg, lw, Tensor::AttnKNorm, k)?;
     let k = g.rope_ext(k, step.pos, step.rope_factors, rope)?;

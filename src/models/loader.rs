@@ -4,7 +4,9 @@
 //! a wrong shape or an element type metashard cannot run is an error naming it), the weights
 //! placed in any buffer type (a meta buffer scatters them to the devices as they are placed),
 //! the tokenizer the file names (byte-level BPE or SentencePiece-style) and its own chat
-//! template (a template that cannot be parsed or rendered is an error naming it).
+//! template (a template that cannot be parsed or rendered is an error naming it). A file
+//! with llama.cpp's older per-expert tensors reads as one with the 3-D expert tensors
+//! (`legacy_experts.rs`).
 //!
 //! With virtual KV heads ([`LoadOptions::kv_repeat`]) each KV head's rows of K, V and their
 //! biases are placed `r` times (`weights::repeat_kv_rows`, a byte copy).
@@ -254,7 +256,7 @@ impl DecoderModel {
         progress: &dyn Fn(usize, usize),
     ) -> Result<DecoderModel> {
         let kv_repeat = opts.kv_repeat.max(1);
-        let g = GgufFile::open(path)?;
+        let g = super::legacy_experts::open_gguf(path)?;
         let file_cfg = config_from_gguf(&g)?;
         check_known_tensors(&g, &file_cfg)?;
         let (file_decls, sources) = declare(&g, &file_cfg)?;
@@ -286,11 +288,11 @@ impl DecoderModel {
                 progress(done, total);
                 continue;
             }
-            let data = g.tensor_data(src)?;
+            let data = g.tensor_bytes(src)?;
             if r.layout == fd.layout {
-                r.storage.set(&r.layout, data)?;
+                r.storage.set(&r.layout, &data)?;
             } else {
-                let rows = repeat_kv_rows(&r.name, fd.tensor, &fd.layout, kv, data)?;
+                let rows = repeat_kv_rows(&r.name, fd.tensor, &fd.layout, kv, &data)?;
                 r.storage.set(&r.layout, &rows)?;
             }
             progress(done, total);

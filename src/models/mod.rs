@@ -2,7 +2,8 @@
 //! tensors and layer), hyper-parameters from GGUF (`hparams.rs`), weights by role
 //! (`weights.rs`), the shared graph blocks (`blocks.rs`; the mixture of experts `moe.rs`), the
 //! decoder step graph
-//! (`decoder.rs`), GGUF decoder loading (`loader.rs`), sessions and sampling (`session.rs`,
+//! (`decoder.rs`), GGUF decoder loading (`loader.rs`; older files' per-expert tensors stacked
+//! by `legacy_experts.rs`), sessions and sampling (`session.rs`,
 //! `sampler.rs`, `prompt.rs`), the built-in split callbacks of every architecture (`split.rs`),
 //! layer and hybrid placement as data (`layer_split.rs`), the BERT encoder (`bert.rs`), model
 //! paths and synthetic decoders. Nothing here opens devices: `crate::runtime` does. Every count
@@ -16,6 +17,7 @@ pub mod decoder;
 pub mod engine;
 pub mod hparams;
 pub mod layer_split;
+pub mod legacy_experts;
 pub mod limits;
 pub mod loader;
 pub mod moe;

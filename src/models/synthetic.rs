@@ -147,9 +147,16 @@ pub fn gguf_bytes_with(
         for (k, v) in [
             ("expert_count", m.n_expert),
             ("expert_used_count", m.n_expert_used),
-            ("expert_feed_forward_length", m.n_ff_exp),
         ] {
             w.add(format!("{arch}.{k}"), u32v(v));
+        }
+        // Converters of families whose experts are `feed_forward_length` wide (OLMoE,
+        // Mixtral) write no key of their own.
+        if m.n_ff_exp != cfg.n_ff {
+            w.add(
+                format!("{arch}.expert_feed_forward_length"),
+                u32v(m.n_ff_exp),
+            );
         }
         if m.n_ff_shexp > 0 {
             w.add(
@@ -240,6 +247,54 @@ pub fn gguf_bytes_with(
 /// and values): a file with tensors the table may not know (Phi-3's LongRoPE factors
 /// `rope_factors_long.weight`), for tests of their refusal.
 pub fn with_extra_tensors(bytes: Vec<u8>, extra: &[(&str, Vec<f32>)]) -> Result<Vec<u8>> {
+    rewrite(bytes, &mut |_, _, _| Ok(false), &mut |w| {
+        for (name, v) in extra {
+            let bytes = crate::dtype::f32_to_bytes(DType::F32, v)?;
+            w.add_tensor(name.to_string(), DType::F32, &[v.len()], bytes)?;
+        }
+        Ok(())
+    })
+}
+
+/// A GGUF image `bytes` in the layout llama.cpp wrote before the experts' 3-D tensors: each
+/// `blk.N.ffn_{gate,down,up}_exps.weight` replaced by one 2-D tensor per expert,
+/// `blk.N.ffn_gate.E.weight` (`legacy_experts.rs`), with expert E's bytes.
+pub fn with_per_expert_tensors(bytes: Vec<u8>) -> Result<Vec<u8>> {
+    use super::arch::Naming;
+    let experts = [Tensor::FfnGateExps, Tensor::FfnDownExps, Tensor::FfnUpExps];
+    rewrite(
+        bytes,
+        &mut |t, data, w| {
+            let Some((role, Some(layer))) = Naming::Gguf.parse(&t.name) else {
+                return Ok(false);
+            };
+            if !experts.contains(&role) {
+                return Ok(false);
+            }
+            let dtype = t.dtype.unwrap_or(DType::F32);
+            let per = data.len() / t.ne[2];
+            for (e, part) in data.chunks_exact(per).enumerate() {
+                let name = super::legacy_experts::legacy_name(role, layer, e);
+                w.add_tensor(name, dtype, &t.ne[..2], part.to_vec())?;
+            }
+            Ok(true)
+        },
+        &mut |_| Ok(()),
+    )
+}
+
+/// Writes one tensor of a file written again ([`rewrite`]): its info, its bytes, the writer;
+/// `false` when it leaves the tensor to be copied as it is.
+type EachTensor<'a> =
+    dyn FnMut(&crate::io::GgufTensorInfo, &[u8], &mut crate::io::GgufWriter) -> Result<bool> + 'a;
+
+/// A GGUF image `bytes` written again: its metadata, then each tensor as `each` writes it
+/// (`false`: copied as it is), then what `end` adds.
+fn rewrite(
+    bytes: Vec<u8>,
+    each: &mut EachTensor,
+    end: &mut dyn FnMut(&mut crate::io::GgufWriter) -> Result<()>,
+) -> Result<Vec<u8>> {
     use crate::io::GgufWriter;
     let g = crate::io::GgufFile::from_bytes("synthetic.gguf", bytes)?;
     let mut w = GgufWriter::new();
@@ -247,17 +302,13 @@ pub fn with_extra_tensors(bytes: Vec<u8>, extra: &[(&str, Vec<f32>)]) -> Result<
         w.add(k.clone(), v.clone());
     }
     for t in g.tensors() {
+        let data = g.tensor_data(t)?;
+        if each(t, data, &mut w)? {
+            continue;
+        }
         let dtype = t.dtype.unwrap_or(DType::F32);
-        w.add_tensor(
-            t.name.clone(),
-            dtype,
-            &t.ne[..t.n_dims],
-            g.tensor_data(t)?.to_vec(),
-        )?;
+        w.add_tensor(t.name.clone(), dtype, &t.ne[..t.n_dims], data.to_vec())?;
     }
-    for (name, v) in extra {
-        let bytes = crate::dtype::f32_to_bytes(DType::F32, v)?;
-        w.add_tensor(name.to_string(), DType::F32, &[v.len()], bytes)?;
-    }
+    end(&mut w)?;
     Ok(w.to_bytes())
 }

@@ -59,7 +59,7 @@ pub fn open_decoder(
             reason: "this command needs a GGUF decoder; use `embed` for encoder models".into(),
         });
     };
-    let g = crate::io::gguf::GgufFile::open(&path)?;
+    let g = crate::models::legacy_experts::open_gguf(&path)?;
     let cfg = config_from_gguf(&g)?;
     // The split keeps whole blocks of every tensor's own type (a file mixes types).
     let dims = SplitDims::from(&cfg).with_blocks(&file_tensors(&g, &cfg)?);

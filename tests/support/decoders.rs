@@ -65,6 +65,13 @@ pub fn config(arch: &'static Arch) -> DecoderConfig {
                 c.final_softcap = Some(2.5);
             }
         }
+        "olmoe" => {
+            // OLMoE's files have as many KV heads as query heads (llama.cpp loads its
+            // `attn_k_norm` as `[n_embd]`), and experts of `feed_forward_length` (its
+            // converter writes no `expert_feed_forward_length`).
+            c.n_head_kv = c.n_head;
+            c.n_ff = 64;
+        }
         "phi3" => {
             // Phi-4-mini's partial rotary (12 of 16 dimensions) and a window on every layer.
             c.rope_dims = 12;

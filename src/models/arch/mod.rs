@@ -12,6 +12,7 @@ mod gemma2;
 mod gemma3;
 mod llama;
 mod moe;
+mod olmoe;
 mod phi3;
 mod qwen2;
 mod qwen3;
@@ -22,6 +23,7 @@ pub use gemma2::GEMMA2;
 pub use gemma3::GEMMA3;
 pub use llama::LLAMA;
 pub use moe::{MIXTRAL, QWEN2MOE, QWEN3MOE};
+pub use olmoe::OLMOE;
 pub use phi3::{PHI3, PHI3_SEPARATE_QKV};
 pub use qwen2::QWEN2;
 pub use qwen3::QWEN3;
@@ -67,7 +69,8 @@ pub struct MoeSpec {
 
 /// What a decoder layer computes: pre-norm attention with a KV cache, then a pre-norm MLP,
 /// each added to the residual stream. Optional parts follow the tensors the model has: biases
-/// are added, Q and K are normalized per head (`attn_q_norm`, `attn_k_norm`) and a block's
+/// are added, Q and K are normalized per head (`attn_q_norm`, `attn_k_norm`; over the whole
+/// projection for OLMoE's `AttnQNormFull`, `AttnKNormFull`) and a block's
 /// output is normalized before the residual add (`post_attention_norm`, `post_ffw_norm`)
 /// wherever the model has those tensors.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -153,6 +156,8 @@ pub const ARCHS: &[&Arch] = &[
     &gemma3::GEMMA3,
     &phi3::PHI3,
     &bert::BERT,
+    // Last, so the families before it keep their place (tests seed files by it).
+    &olmoe::OLMOE,
 ];
 
 /// Other tensor layouts of a GGUF architecture name, told apart by the tensors a file has
@@ -298,6 +303,9 @@ pub mod groups {
     ];
     /// Per-head Q and K norms (Qwen3, Gemma 3).
     pub const QK_NORM: &[(Tensor, Need)] = &[(AttnQNorm, Required), (AttnKNorm, Required)];
+    /// Q and K norms over the whole projections (OLMoE).
+    pub const QK_NORM_FULL: &[(Tensor, Need)] =
+        &[(AttnQNormFull, Required), (AttnKNormFull, Required)];
     /// Norms of each block's output before its residual add (Gemma 2 and 3).
     pub const POST_NORMS: &[(Tensor, Need)] = &[(AttnPostNorm, Required), (FfnPostNorm, Required)];
     /// Llama 3's RoPE frequency factors, when the file has them (`rope_freqs.weight`).

@@ -17,7 +17,8 @@ use super::groups::{
 use super::{Arch, AttnScale, DecoderSpec, Kind, Mlp, MoeSpec, Naming};
 use crate::op::RopeMode;
 
-const fn spec(rope_mode: RopeMode, norm_weights: bool, shared_expert: bool) -> Kind {
+/// A decoder whose MLP is a mixture of experts (OLMoE's too).
+pub(super) const fn spec(rope_mode: RopeMode, norm_weights: bool, shared_expert: bool) -> Kind {
     Kind::Decoder(DecoderSpec {
         rope_mode,
         mlp: Mlp::Moe(MoeSpec {

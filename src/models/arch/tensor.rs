@@ -38,6 +38,8 @@ pub enum Tensor {
     AttnOutNormBias,
     AttnQNorm,
     AttnKNorm,
+    AttnQNormFull,
+    AttnKNormFull,
     AttnPostNorm,
     FfnNorm,
     FfnGate,
@@ -246,6 +248,12 @@ roles! {
     // Per-head RMS norms of Q and K (Qwen3, Gemma 3): every device normalizes its own heads.
     AttnQNorm, Layer, "attn_q_norm.weight", None, [HeadDim, One], Norms, None;
     AttnKNorm, Layer, "attn_k_norm.weight", None, [HeadDim, One], Norms, None;
+    // RMS norms over the whole Q and K projections, not per head (OLMoE; llama.cpp's
+    // LLM_ARCH_OLMOE applies `attn_q_norm` to Qcur before the reshape to heads; Hugging Face's
+    // `OlmoeAttention.k_norm` spans the KV heads' width): the same names as the per-head
+    // norms, told apart by the family (`Arch::parse`). The norm needs the whole row: mirrored.
+    AttnQNormFull, Layer, "attn_q_norm.weight", None, [Q, One], Norms, None;
+    AttnKNormFull, Layer, "attn_k_norm.weight", None, [Kv, One], Norms, None;
     // Norms of a block's output before the residual add (Gemma 2 and 3).
     AttnPostNorm, Layer, "post_attention_norm.weight", None, [Embd, One], Norms, None;
     FfnNorm, Layer, "ffn_norm.weight", None, [Embd, One], Norms, None;

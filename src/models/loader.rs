@@ -335,12 +335,17 @@ impl DecoderModel {
     }
 
     /// Bytes read from weights per generated token (every matrix once; the embedding lookup
-    /// reads one row).
+    /// reads one row; a mixture of experts' 3-D expert tensors only the `k` of `E` experts the
+    /// token is routed to).
     pub fn bytes_per_token(&self) -> usize {
+        let (used, experts) = self.cfg.moe.map_or((1, 1), |m| (m.n_expert_used, m.n_expert));
         self.weights
             .iter()
             .map(|(t, r)| match t {
                 Tensor::TokenEmbd => r.layout.row_size(),
+                _ if t.info().ne2 == super::arch::Dim::Expert => {
+                    r.layout.nbytes() / experts.max(1) * used
+                }
                 _ => r.layout.nbytes(),
             })
             .sum()

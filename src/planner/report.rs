@@ -6,6 +6,7 @@
 
 use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload};
+pub use super::experts::ExpertSplit;
 use super::search::{Candidate, RunAlternatives, SearchResult};
 pub use super::shape::HeadSplit;
 use super::shape::ModelShape;
@@ -44,6 +45,9 @@ pub struct Plan {
     pub groups: Vec<GroupRow>,
     /// How attention's heads lie over the devices.
     pub heads: HeadSplit,
+    /// A mixture of experts' counts and each device's experts (absent for a dense model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertSplit>,
     pub evaluation: Evaluation,
     /// The search's best assignment per choice of ends, best first.
     pub candidates: Vec<Candidate>,
@@ -197,6 +201,7 @@ impl Plan {
         let shape = &shape.for_split(cluster.devices.len(), &split);
         let placed = Placed::new(shape, cluster, split_fn(shape, &split), workload.context)?;
         let heads = HeadSplit::of(shape, cluster.devices.len(), &split)?;
+        let experts = ExpertSplit::of(&placed);
         let groups = groups(
             &placed,
             &split,
@@ -215,6 +220,7 @@ impl Plan {
             split,
             groups,
             heads,
+            experts,
             evaluation,
             candidates,
             alternatives,
@@ -241,6 +247,9 @@ impl Plan {
         );
         let _ = writeln!(s, "assignment: {}", self.summary);
         let _ = writeln!(s, "{}", self.heads.line());
+        if let Some(x) = &self.experts {
+            let _ = writeln!(s, "{}", x.line());
+        }
         if let Some(ms) = self.solve_ms {
             let _ = writeln!(s, "search: {ms:.1} ms");
         }
@@ -645,7 +654,12 @@ fn label(roles: &[Tensor]) -> String {
         .filter(|t| !t.is_vector())
         .map(|t| t.base_name())
         .collect();
-    let prefix = bases[0].rfind('_').map_or("", |k| &bases[0][..=k]);
+    // The longest prefix ending in `_` every base shares (`attn_`, `ffn_`).
+    let prefix = (0..=bases[0].len())
+        .rev()
+        .map(|k| &bases[0][..k])
+        .find(|p| (p.is_empty() || p.ends_with('_')) && bases.iter().all(|b| b.starts_with(p)))
+        .unwrap_or("");
     let rest: Vec<&str> = bases
         .iter()
         .map(|b| b.strip_prefix(prefix).unwrap_or(b))

@@ -142,52 +142,75 @@ fn a_decode_token_streams_the_published_active_parameters() -> Result<()> {
     Ok(())
 }
 
-/// A small Qwen3-MoE `config.json` with `extra` keys.
-fn small_config_json(extra: &str) -> String {
+/// A small `config.json` of a mixture-of-experts family (`model_type`) with `extra` keys: 6
+/// experts of 64 features, 2 per token (Qwen2-MoE: a shared expert of 96).
+fn small_config_json(model_type: &str, extra: &str) -> String {
+    let family = match model_type {
+        "mixtral" => r#""intermediate_size": 64, "num_local_experts": 6"#,
+        "qwen2_moe" => {
+            r#""intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 6,
+            "shared_expert_intermediate_size": 96, "norm_topk_prob": false"#
+        }
+        _ => {
+            r#""intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 6,
+            "head_dim": 32"#
+        }
+    };
     format!(
-        r#"{{"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 256,
-        "moe_intermediate_size": 64, "num_experts": 6, "num_experts_per_tok": 2,
-        "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "head_dim": 32, "vocab_size": 300, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-        "torch_dtype": "float32", "tie_word_embeddings": false{extra}}}"#
+        r#"{{"model_type": "{model_type}", "hidden_size": 128, {family},
+        "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "vocab_size": 300, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "torch_dtype": "float32", "tie_word_embeddings": false{extra}}}"#
     )
 }
 
 #[test]
 fn a_gguf_header_and_its_config_json_give_the_same_experts() -> Result<()> {
-    let from_json = ModelShape::from_config(&JsonConfig::parse(
-        "small/config.json",
-        &small_config_json(""),
-    )?)?;
-    let moe = from_json.cfg.moe.unwrap();
-    assert_eq!(
-        moe,
-        Moe {
+    for (model_type, gguf_arch, shared, norm) in [
+        ("qwen3_moe", "qwen3moe", 0, true),
+        ("qwen2_moe", "qwen2moe", 96, false),
+        ("mixtral", "llama", 0, true),
+    ] {
+        let text = small_config_json(model_type, "");
+        let from_json = ModelShape::from_config(&JsonConfig::parse("small/config.json", &text)?)?;
+        assert_eq!(from_json.cfg.arch.name, gguf_arch);
+        let moe = from_json.cfg.moe.unwrap();
+        let want = Moe {
             n_expert: 6,
             n_expert_used: 2,
             n_ff_exp: 64,
-            n_ff_shexp: 0,
-            norm_weights: true,
-        }
-    );
-    // The same model as a GGUF file, as llama.cpp's converter writes one (F32 matrices).
-    let bytes = synthetic::gguf_bytes(&from_json.cfg, DType::F32, false, 4096, 7)?;
-    let path = std::env::temp_dir().join(format!("metashard-plan-moe-{}.gguf", std::process::id()));
-    std::fs::write(&path, bytes).unwrap();
-    let from_gguf = ModelShape::from_gguf(&path);
-    std::fs::remove_file(&path).ok();
-    let from_gguf = from_gguf?;
-    assert_eq!(from_gguf.cfg.moe, Some(moe));
-    assert_eq!(from_gguf.types.ffn_gate_up, DType::F32);
-    // The synthetic file's embedding is F32 as well: every tensor weighs the same.
-    assert_eq!(from_gguf.weight_bytes(), from_json.weight_bytes());
+            n_ff_shexp: shared,
+            norm_weights: norm,
+        };
+        assert_eq!(moe, want, "{model_type}");
+        // The same model as a GGUF file, as llama.cpp's converter writes one (F32 matrices).
+        let bytes = synthetic::gguf_bytes(&from_json.cfg, DType::F32, false, 4096, 7)?;
+        let path = std::env::temp_dir().join(format!(
+            "metashard-plan-{model_type}-{}.gguf",
+            std::process::id()
+        ));
+        std::fs::write(&path, bytes).unwrap();
+        let from_gguf = ModelShape::from_gguf(&path);
+        std::fs::remove_file(&path).ok();
+        let from_gguf = from_gguf?;
+        assert_eq!(from_gguf.cfg.arch, from_json.cfg.arch, "{model_type}");
+        assert_eq!(from_gguf.cfg.moe, Some(moe), "{model_type}");
+        assert_eq!(from_gguf.types.ffn_gate_up, DType::F32);
+        // The synthetic file's embedding is F32 as well: every tensor weighs the same.
+        assert_eq!(
+            from_gguf.weight_bytes(),
+            from_json.weight_bytes(),
+            "{model_type}"
+        );
+    }
     Ok(())
 }
 
 #[test]
 fn a_layout_the_table_cannot_describe_names_its_key() {
     let err = |extra: &str| {
-        let c = JsonConfig::parse("bad/config.json", &small_config_json(extra)).unwrap();
+        let text = small_config_json("qwen3_moe", extra);
+        let c = JsonConfig::parse("bad/config.json", &text).unwrap();
         ModelShape::from_config(&c).unwrap_err().to_string()
     };
     for (extra, key) in [
@@ -195,6 +218,7 @@ fn a_layout_the_table_cannot_describe_names_its_key() {
         (r#", "mlp_only_layers": [0]"#, "mlp_only_layers"),
         (r#", "num_experts_per_tok": 7"#, "num_experts_per_tok"),
         (r#", "num_experts": 0"#, "num_experts"),
+        (r#", "moe_intermediate_size": 0"#, "moe_intermediate_size"),
     ] {
         let e = err(extra);
         assert!(

@@ -26,6 +26,7 @@ use crate::meta::{MetaBuffer, MetaTensor};
 use crate::models::arch::{Arch, Mlp, MoeSpec, Tensor};
 use crate::models::hparams::{MAX_EXPERTS, Moe};
 use crate::models::limits::Count;
+use crate::split_state::SplitState;
 use crate::{Error, Result};
 use serde::Serialize;
 
@@ -242,8 +243,19 @@ impl ExpertSplit {
     }
 }
 
+/// How a placed expert weight's `state` lies, for the plan's table (None: mirrored).
+pub(super) fn experts_how(state: &SplitState) -> Option<&'static str> {
+    match state.split_dim() {
+        _ if state.is_mirrored() => None,
+        Some(2) => Some("whole experts per device"),
+        Some(1) => Some("columns inside every expert"),
+        Some(0) => Some("rows inside every expert"),
+        _ => Some("experts split"),
+    }
+}
+
 /// The meta tensor a placed storage holds (None for a storage outside a meta buffer).
-fn meta_tensor(st: &crate::buffer::Storage) -> Option<std::sync::Arc<MetaTensor>> {
+pub(super) fn meta_tensor(st: &crate::buffer::Storage) -> Option<std::sync::Arc<MetaTensor>> {
     st.buffer
         .as_any()
         .downcast_ref::<MetaBuffer>()?

@@ -7,6 +7,7 @@
 use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload};
 pub use super::experts::ExpertSplit;
+use super::experts::{experts_how, meta_tensor};
 use super::search::{Candidate, RunAlternatives, SearchResult};
 pub use super::shape::HeadSplit;
 use super::shape::ModelShape;
@@ -587,7 +588,17 @@ impl GroupCtx<'_> {
                     .filter(|t| t.group() == *g)
                     .collect(),
             };
-            let Some(&rep) = roles.first() else { continue };
+            let Some(&first) = roles.first() else {
+                continue;
+            };
+            // A mixture of experts' MLP groups are shown by their experts' state.
+            let exps = match group {
+                Group::FfnIn => Some(Tensor::FfnUpExps),
+                Group::FfnOut => Some(Tensor::FfnDownExps),
+                _ => None,
+            };
+            let exps = exps.filter(|t| arch.has(*t));
+            let rep = exps.unwrap_or(first);
             let names: Vec<String> = (i..=j)
                 .flat_map(|b| roles.iter().map(move |&t| arch.name(t, b)))
                 .collect();
@@ -631,6 +642,16 @@ impl GroupCtx<'_> {
                         "mirrored: row-wise over the whole width".into()
                     },
                 ),
+            };
+            let how = exps.and_then(|t| self.tensors.get(&arch.name(t, i)).and_then(meta_tensor));
+            let why = match (how.map(|t| experts_how(&t.state)), group) {
+                (None, _) => why,
+                (Some(None), Group::FfnOut) => "mirrored with its inputs".into(),
+                (Some(Some(h)), Group::FfnOut) => reduced(true, sp, &format!("{h}: ")),
+                (Some(h), _) => {
+                    let alt = if l.mlp { "mirrored" } else { "split" };
+                    self.layer_why(i, h.unwrap_or("experts mirrored"), alt, Part::Mlp)
+                }
             };
             self.push(format!("{range}{label}"), &arch.name(rep, i), &names, why);
         }

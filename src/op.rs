@@ -37,6 +37,16 @@ pub enum UnaryOp {
 }
 
 impl UnaryOp {
+    /// Whether f(0) = 0 (a value that is zero on all but one device stays so).
+    pub fn keeps_zero(self) -> bool {
+        match self {
+            UnaryOp::Silu | UnaryOp::Gelu | UnaryOp::GeluErf | UnaryOp::Relu | UnaryOp::Tanh => {
+                true
+            }
+            UnaryOp::Sigmoid => false,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             UnaryOp::Silu => "silu",
@@ -205,8 +215,12 @@ pub enum Op {
     /// `[as, b, ids]`: ggml `mul_mat_id` (ggml.c `ggml_mul_mat_id`): expert weights
     /// `as [K, N, n_expert]`, activations `b [K, n_b, n_tokens]`, I32 expert ids
     /// `[n_used, n_tokens]` with `n_used % n_b == 0`; output f32 `[N, n_used, n_tokens]` with
-    /// `out[:, e, t] = as[:, :, ids[e, t]] · b[:, e % n_b, t]`.
-    MulMatId,
+    /// `out[:, e, t] = as[:, :, ids[e, t]] · b[:, e % n_b, t]`. With a window (this crate's
+    /// own: one device's share of experts split whole), `as` holds only the window's experts
+    /// (ids `lo..hi` at local experts `at..`) and the rows of other ids are zeros.
+    MulMatId {
+        window: Option<RowWindow>,
+    },
     Binary(BinaryOp),
     /// `x * scale + bias`.
     Scale {
@@ -270,7 +284,7 @@ impl Op {
             Op::GetRows { .. } => "get_rows",
             Op::SetRows { .. } => "set_rows",
             Op::MulMat => "mul_mat",
-            Op::MulMatId => "mul_mat_id",
+            Op::MulMatId { .. } => "mul_mat_id",
             Op::Binary(b) => b.name(),
             Op::Scale { .. } => "scale",
             Op::Clamp { .. } => "clamp",
@@ -334,7 +348,6 @@ impl Hash for Op {
             | Op::Cont
             | Op::Cpy
             | Op::MulMat
-            | Op::MulMatId
             | Op::Swiglu
             | Op::SumRows
             | Op::Mean
@@ -343,7 +356,9 @@ impl Hash for Op {
             Op::Permute { axes } => axes.hash(h),
             Op::Concat { dim } => dim.hash(h),
             Op::Argsort { descending } => descending.hash(h),
-            Op::GetRows { window } | Op::SetRows { window } => window.hash(h),
+            Op::GetRows { window } | Op::SetRows { window } | Op::MulMatId { window } => {
+                window.hash(h)
+            }
             Op::Binary(op) => op.hash(h),
             Op::Scale { scale, bias } => {
                 hash_f32(scale, h);
@@ -602,9 +617,10 @@ mod tests {
     }
 
     every_op! {
-        units: Leaf, Reshape, Cont, Cpy, MulMat, MulMatId, Swiglu, SumRows, Mean, Argmax;
+        units: Leaf, Reshape, Cont, Cpy, MulMat, Swiglu, SumRows, Mean, Argmax;
         structs:
             GetRows { window: Some(RowWindow { rows: 10, lo: 2, hi: 5, at: 1 }) },
+            MulMatId { window: Some(RowWindow { rows: 8, lo: 2, hi: 6, at: 0 }) },
             SetRows { window: Some(RowWindow { rows: 8, lo: 4, hi: 8, at: 0 }) },
             View { offset: 64 },
             Permute { axes: [1, 0, 2, 3] },

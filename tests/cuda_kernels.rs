@@ -9,7 +9,9 @@
 
 use metashard::DType;
 use metashard::cuda::comm::{Deposit, Rendezvous};
-use metashard::cuda::kernels::{Fault, KERNELS, SOURCE, Tensor, compile, dtype_code, kernels_for};
+use metashard::cuda::kernels::{
+    Fault, Ids, KERNELS, SOURCE, Tensor, compile, dtype_code, kernels_for,
+};
 use metashard::cuda::libs::{Lib, candidates_in, present};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -78,9 +80,12 @@ fn every_listed_kernel_is_defined_once_and_every_defined_one_listed() {
 
 #[test]
 fn argument_structs_have_the_kernels_layout() {
-    // struct Tensor: a pointer, ne[4], nb[4], two ints; struct Fault: two ints, five i64.
+    // struct Tensor: a pointer, ne[4], nb[4], two ints; struct Fault: two ints, five i64;
+    // struct Ids: a Tensor and four i64 (the expert window).
     assert_eq!(std::mem::size_of::<Tensor>(), 80);
     assert_eq!(std::mem::size_of::<Fault>(), 48);
+    assert_eq!(std::mem::size_of::<Ids>(), 112);
+    assert!(SOURCE.contains("struct Ids {\n    Tensor t;\n    i64 rows, lo, hi, at;\n};"));
     // Every type of the table has kernels, codes 0..=15 in the table's order.
     let codes: Vec<i32> = DType::ALL.iter().filter_map(|&d| kernels_for(d)).collect();
     assert_eq!(codes, (0..=15).collect::<Vec<i32>>());

@@ -233,7 +233,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         };
         check_profile(&cluster, spec)?;
         let mut cands = Vec::new();
-        for st in Strategy::ALL {
+        for st in Strategy::for_model(shape.cfg.moe.is_some()) {
             let split = match st.split(shape.n_layer(), shape.tied) {
                 Some(s) => s,
                 None => auto(&shape, &cluster, &workload, None)?.split,

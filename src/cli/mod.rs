@@ -235,6 +235,11 @@ pub struct SplitArgs {
     /// Run exactly the assignment of a plan file written by `metashard plan -o FILE`.
     #[arg(long, conflicts_with = "mirror_attention")]
     pub plan: Option<std::path::PathBuf>,
+    /// How a mixture of experts splits its experts: tensor (column then row inside every
+    /// expert, the default) or expert (whole experts per device: expert parallelism). Overrides
+    /// the strategy's or the plan's choice.
+    #[arg(long, value_parser = parse_experts)]
+    pub experts: Option<metashard::models::split::ExpertSplit>,
     /// tensor (every layer on every device, the default), layer (whole layers per device in
     /// proportion to --tensor-split, on the scheduler) or hybrid (groups of devices, each a
     /// meta device, with whole layers per group). `bench model` takes a list, e.g.
@@ -244,6 +249,10 @@ pub struct SplitArgs {
     /// Device groups of --split-mode hybrid (each a meta device); default 2.
     #[arg(long, value_parser = parse_positive)]
     pub groups: Option<usize>,
+}
+
+fn parse_experts(s: &str) -> std::result::Result<metashard::models::split::ExpertSplit, String> {
+    metashard::models::split::ExpertSplit::parse(s, "--experts").map_err(|e| e.to_string())
 }
 
 fn parse_split_mode(
@@ -357,6 +366,7 @@ impl SplitArgs {
         vec![
             setting("--tensor-split", format!("{:?}", self.tensor_split)),
             setting("--mirror-attention", self.mirror_attention),
+            setting("--experts", format!("{:?}", self.experts)),
             setting("--strategy", format!("{:?}", self.strategy)),
             setting("--plan", plan),
             setting("--split-mode", list(&self.split_mode)),

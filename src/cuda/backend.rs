@@ -23,7 +23,7 @@
 
 use super::device::{CudaBuffer, CudaDevice, driver_err};
 pub use super::kernels::supports_node;
-use super::kernels::{ATTN_BLOCK, Fault, Tensor, gemm_input, gemv_kernel_for, no_kernels};
+use super::kernels::{ATTN_BLOCK, Fault, Ids, Tensor, gemm_input, gemv_kernel_for, no_kernels};
 use super::libs::{Lib, missing, present};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
@@ -314,7 +314,7 @@ impl CudaPlan {
             Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } | Op::Collective(_) => {
                 Ok(())
             }
-            Op::MulMatId => self.mul_mat_id(at, e),
+            Op::MulMatId { window } => self.mul_mat_id(at, e, window),
             Op::Argsort { descending } => {
                 let desc = descending as i32;
                 inner.launch(
@@ -581,7 +581,7 @@ impl CudaPlan {
     }
 
     /// A GEMV kernel of node `at`: one warp per weight row (`n` rows), `batches` batches
-    /// spread over grid.y and grid.z (each at most 65535); `ids` is `Tensor::none()` except for
+    /// spread over grid.y and grid.z (each at most 65535); `ids` is `Ids::none()` except for
     /// `mul_mat_id`.
     fn gemv(
         &self,
@@ -589,7 +589,7 @@ impl CudaPlan {
         kernel: &str,
         n: usize,
         batches: usize,
-        (d, w, x, ids): (&Tensor, &Tensor, &Tensor, &Tensor),
+        (d, w, x, ids): (&Tensor, &Tensor, &Tensor, &Ids),
     ) -> Result<()> {
         let warps = (BLOCK / 32) as usize;
         let y = batches.clamp(1, 65535);
@@ -616,8 +616,10 @@ impl CudaPlan {
     /// output are viewed as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens] (column
     /// e % n_b by a zero stride when n_b is 1; supports_node admits n_b of 1 or n_used). Each
     /// (e, t) streams its expert's weights: a decoding step reads each selected expert once; a
-    /// prompt reads an expert once per token that chose it (no grouping by expert yet).
-    fn mul_mat_id(&self, at: usize, e: &ExecNode) -> Result<()> {
+    /// prompt reads an expert once per token that chose it (no grouping by expert yet). With a
+    /// window (a device's share of experts split whole), the output is zeroed first and only
+    /// the rows of ids in the window are computed.
+    fn mul_mat_id(&self, at: usize, e: &ExecNode, window: Option<RowWindow>) -> Result<()> {
         let (w, b, ids) = (&e.src[0], &e.src[1], &e.src[2]);
         let wt = e.src_layouts[0].dtype;
         let kernel = gemv_kernel_for(wt, 1).ok_or_else(|| Error::UnsupportedOp {
@@ -639,7 +641,20 @@ impl CudaPlan {
         d.ne = [d.ne[0], 1, n_used, n_tokens];
         d.nb = [d.nb[0], d.nb[1], d.nb[1], d.nb[2]];
         let batches = (n_used * n_tokens) as usize;
-        self.gemv(at, kernel, w.ne[1] as usize, batches, (&d, w, &x, ids))
+        let mut with = Ids {
+            t: *ids,
+            ..Ids::default()
+        };
+        if let Some(win) = window {
+            let bytes = e.dst_layout.nelements() * 4;
+            // SAFETY: the output node is packed (supports_node), `bytes` long on this GPU;
+            // ordered on this backend's stream before the GEMV.
+            unsafe { cu::memset_d8_async(e.dst.ptr, 0, bytes, self.inner.stream.0) }
+                .map_err(|err| self.inner.err("cuMemsetD8Async", err))?;
+            [with.rows, with.lo, with.hi, with.at] =
+                [win.rows, win.lo, win.hi, win.at].map(|v| v as i64);
+        }
+        self.gemv(at, kernel, w.ne[1] as usize, batches, (&d, w, &x, &with))
     }
 
     /// `dst [N, M, b2, b3] = w [K, N, w2, w3] x [K, M, b2, b3]` (each output a dot product of
@@ -659,7 +674,7 @@ impl CudaPlan {
                     detail: format!("weights of dtype {wt} are not supported"),
                 });
             };
-            return self.gemv(at, kernel, n, b2 * b3, (d, w, x, &Tensor::none()));
+            return self.gemv(at, kernel, n, b2 * b3, (d, w, x, &Ids::none()));
         }
         if k == 0 {
             // An empty contraction (a device's share of K split at whole blocks can be none):

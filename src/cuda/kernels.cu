@@ -47,6 +47,15 @@ struct Tensor {
     int pad;
 };
 
+// The expert ids of a GEMV (mul_mat_id; `t.p` null for a plain product) and the experts the
+// weights hold (`rows` 0: all of them; else ids lo..hi are the local experts at + id - lo and
+// the other ids in 0..rows are computed elsewhere: one device's share of experts split whole).
+// Matches `cuda::kernels::Ids`.
+struct Ids {
+    Tensor t;
+    i64 rows, lo, hi, at;
+};
+
 // Where a kernel reports a bad operand (an I32 row id outside its table): the first report
 // wins; the host reads it after the graph and names the node. Matches `cuda::kernels::Fault`.
 struct Fault {
@@ -684,8 +693,10 @@ extern "C" __global__ void k_set_rows(Tensor dst, Tensor rows_, Tensor ids, i64 
 // extents are limited to 65535 each). With `ids` (mul_mat_id: ggml.c `ggml_mul_mat_id`), x and
 // dst are viewed by the host as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens], and
 // batch (e, t) multiplies expert ids[e, t] of the weights [K, N, n_expert, 1]; an id outside the
-// experts is reported through the fault record (the warp computes nothing).
-__device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, const Tensor &ids,
+// experts is reported through the fault record (the warp computes nothing). With a window, an
+// id outside it computes nothing either (the host zeroed dst) and the others address the local
+// experts.
+__device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, const Ids &ids,
                                          Fault *fault, int node, i64 *row, i64 *b2, i64 *b3,
                                          const char **wr) {
     *row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -695,11 +706,16 @@ __device__ __forceinline__ bool gemv_row(const Tensor &w, const Tensor &x, const
     *b3 = yz / x.ne[2];
     if (*b3 >= x.ne[3]) return false;
     i64 w2, w3;
-    if (ids.p) {
-        i64 id = *(const int *)(ids.p + offset(ids, *b2, *b3, 0, 0));
-        if (id < 0 || id >= w.ne[2]) {
-            if ((threadIdx.x & 31) == 0) fault_row(fault, node, id, *b2, *b3, 0, w.ne[2]);
+    if (ids.t.p) {
+        i64 id = *(const int *)(ids.t.p + offset(ids.t, *b2, *b3, 0, 0));
+        i64 rows = ids.rows ? ids.rows : w.ne[2];
+        if (id < 0 || id >= rows) {
+            if ((threadIdx.x & 31) == 0) fault_row(fault, node, id, *b2, *b3, 0, rows);
             return false;
+        }
+        if (ids.rows) {
+            if (id < ids.lo || id >= ids.hi) return false;
+            id = ids.at + id - ids.lo;
         }
         w2 = id;
         w3 = 0;
@@ -758,7 +774,7 @@ __device__ __forceinline__ float dot_x(const float *q, int n, const char *xp, i6
 
 // F32, F16 and BF16 weights: lane l takes chunks of 8 elements l, l + 32, ... (16 or 32 bytes,
 // one or two vector loads) where the row is packed and 16-byte aligned, else single elements.
-extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x, Tensor ids, Fault *fault,
+extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x, Ids ids, Fault *fault,
                                          int node) {
     int lane = threadIdx.x & 31;
     i64 row, b2, b3;
@@ -841,7 +857,7 @@ __device__ __forceinline__ void gemv_acc_runs(float *acc, const float *q, const 
 // weights' latency).
 template <int MMAX>
 __device__ __forceinline__ void gemv_q(const Tensor &dst, const Tensor &w, const Tensor &x,
-                                       const Tensor &ids, Fault *fault, int node) {
+                                       const Ids &ids, Fault *fault, int node) {
     int lane = threadIdx.x & 31, t = lane & 3;
     i64 row, b2, b3;
     const char *wr;
@@ -861,11 +877,11 @@ __device__ __forceinline__ void gemv_q(const Tensor &dst, const Tensor &w, const
     gemv_store<MMAX>(dst, acc, M, row, b2, b3);
 }
 
-extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q(Tensor dst, Tensor w, Tensor x, Ids ids,
                                            Fault *fault, int node) {
     gemv_q<8>(dst, w, x, ids, fault, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *fault, int node) {
     gemv_q<1>(dst, w, x, ids, fault, node);
 }

@@ -100,6 +100,32 @@ impl Tensor {
     }
 }
 
+/// The expert ids of a GEMV kernel and the experts its weights hold (`struct Ids` in
+/// `kernels.cu`): `t.ptr` 0 for a plain product; `rows` 0 for all experts, else the window of
+/// a device's share of experts split whole (`op::RowWindow`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ids {
+    pub t: Tensor,
+    pub rows: i64,
+    pub lo: i64,
+    pub hi: i64,
+    pub at: i64,
+}
+
+// SAFETY: repr(C), plain integers, the layout of `struct Ids` in kernels.cu.
+unsafe impl cudarc::driver::DeviceRepr for Ids {}
+
+impl Ids {
+    /// No ids: a plain product.
+    pub fn none() -> Ids {
+        Ids {
+            t: Tensor::none(),
+            ..Ids::default()
+        }
+    }
+}
+
 /// The code `kernels.cu` dispatches on for `d` (`T_F32` ...: every kernel reads and writes its
 /// operands by this code), or `None` when the kernels do not know the dtype; then
 /// `supports_node` refuses every node that would launch a kernel on it, naming the dtype.
@@ -208,7 +234,7 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
             }
             float(dst, "the output")
         }
-        Op::MulMatId => {
+        Op::MulMatId { .. } => {
             let (w, b, ids) = (src[0], src[1], src[2]);
             if gemv_kernel(w.dtype).is_none() {
                 return Err(format!(

@@ -623,7 +623,7 @@ __device__ __forceinline__ void quantize32_qx(const float *x, int type, char *bl
 // quantized kernel keeps its registers and occupancy.
 template <int TYPE, int MMAX>
 __device__ __forceinline__ void gemv_qx(const Tensor &dst, const Tensor &w, const Tensor &x,
-                                        const Tensor &ids, Fault *fault, int node) {
+                                        const Ids &ids, Fault *fault, int node) {
     int lane = threadIdx.x & 31;
     i64 row, b2, b3;
     const char *wr;
@@ -644,75 +644,75 @@ __device__ __forceinline__ void gemv_qx(const Tensor &dst, const Tensor &w, cons
     gemv_store<MMAX>(dst, acc, M, row, b2, b3);
 }
 
-extern "C" __global__ void k_mul_mat_vec_q5_0(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q5_0(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q5_0, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q5_0_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q5_0_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                  Fault *f, int node) {
     gemv_qx<T_Q5_0, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q5_1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q5_1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q5_1, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q5_1_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q5_1_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                  Fault *f, int node) {
     gemv_qx<T_Q5_1, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q2_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q2_k(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q2_K, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q2_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q2_k_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                  Fault *f, int node) {
     gemv_qx<T_Q2_K, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q3_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q3_k(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q3_K, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q3_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q3_k_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                  Fault *f, int node) {
     gemv_qx<T_Q3_K, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q4_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q4_k(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q4_K, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q4_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q4_k_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                  Fault *f, int node) {
     gemv_qx<T_Q4_K, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q5_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q5_k(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q5_K, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q5_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q5_k_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                  Fault *f, int node) {
     gemv_qx<T_Q5_K, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q6_k(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q6_k(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q6_K, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_q6_k_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_q6_k_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                  Fault *f, int node) {
     gemv_qx<T_Q6_K, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_iq4_nl(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_iq4_nl(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                 Fault *f, int node) {
     gemv_qx<T_IQ4_NL, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_iq4_nl_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_iq4_nl_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                    Fault *f, int node) {
     gemv_qx<T_IQ4_NL, 1>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_iq4_xs(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_iq4_xs(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                 Fault *f, int node) {
     gemv_qx<T_IQ4_XS, 8>(dst, w, x, ids, f, node);
 }
-extern "C" __global__ void k_mul_mat_vec_iq4_xs_m1(Tensor dst, Tensor w, Tensor x, Tensor ids,
+extern "C" __global__ void k_mul_mat_vec_iq4_xs_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
                                                    Fault *f, int node) {
     gemv_qx<T_IQ4_XS, 1>(dst, w, x, ids, f, node);
 }

@@ -18,8 +18,14 @@ fn dtype_err(op: &'static str, operand: &str, expected: &str, got: DType) -> Err
     }
 }
 
-/// A row window must lie within the rows of the operand it addresses (`ne[1]`).
-fn check_window(op: &'static str, window: Option<RowWindow>, ne: [usize; 4]) -> Result<()> {
+/// A row window must lie within the rows of the operand it addresses (`ne[1]`; the experts,
+/// `ne[2]`, for `mul_mat_id`).
+fn check_window(
+    op: &'static str,
+    window: Option<RowWindow>,
+    ne: [usize; 4],
+    axis: usize,
+) -> Result<()> {
     let Some(w) = window else {
         return Ok(());
     };
@@ -27,7 +33,7 @@ fn check_window(op: &'static str, window: Option<RowWindow>, ne: [usize; 4]) -> 
         && w.hi <= w.rows
         && w.at
             .checked_add(w.hi - w.lo)
-            .is_some_and(|end| end <= ne[1]);
+            .is_some_and(|end| end <= ne[axis]);
     if fits {
         return Ok(());
     }
@@ -36,7 +42,7 @@ fn check_window(op: &'static str, window: Option<RowWindow>, ne: [usize; 4]) -> 
         format!(
             "window {w:?} must hold ids lo..hi within 0..rows at local rows at..at + (hi - lo) \
              within the {} rows of {}",
-            ne[1],
+            ne[axis],
             crate::Shape(ne)
         ),
     ))
@@ -577,7 +583,7 @@ impl Graph {
                 "ids must be [n, ne2, ne3] of the table",
             ));
         }
-        check_window("get_rows", window, lt.ne)?;
+        check_window("get_rows", window, lt.ne, 1)?;
         let out = if lt.dtype == DType::I32 {
             DType::I32
         } else {
@@ -651,7 +657,7 @@ impl Graph {
                 "ids must be [n rows, e2 | d2, e3 | d3]",
             ));
         }
-        check_window("set_rows", window, ld.ne)?;
+        check_window("set_rows", window, ld.ne, 1)?;
         Ok(self.view_node(Op::SetRows { window }, ld, &[dst, rows, ids], dst, 0))
     }
 

@@ -199,7 +199,7 @@ impl MetaBuffer {
     ) -> Result<()> {
         let n = t.local.len();
         match t.state.axis {
-            SplitAxis::Mirrored | SplitAxis::Partial => {
+            SplitAxis::Mirrored | SplitAxis::Partial | SplitAxis::Routed { .. } => {
                 for d in 0..n {
                     f(d, pos, 0..len)?;
                 }
@@ -311,14 +311,14 @@ impl Buffer for MetaBuffer {
     ) -> Result<()> {
         let _ = layout;
         let (t, pos) = self.find(buf_offset + offset, data.len(), "set_tensor")?;
-        let zeros = if t.state.is_partial() {
+        let zeros = if t.state.is_sum() {
             vec![0u8; data.len()]
         } else {
             Vec::new()
         };
         Self::pieces(&t, pos, data.len(), |d, local_off, r| {
             let (st, ll) = &t.local[d];
-            let src = if t.state.is_partial() && d > 0 {
+            let src = if t.state.is_sum() && d > 0 {
                 &zeros[r]
             } else {
                 &data[r]
@@ -346,7 +346,7 @@ impl Buffer for MetaBuffer {
                 let (st, ll) = &t.local[d];
                 st.buffer.get_tensor(ll, st.offset, out, pos)
             }
-            SplitAxis::Partial => {
+            SplitAxis::Partial | SplitAxis::Routed { .. } => {
                 let mut parts = Vec::with_capacity(t.local.len());
                 for (st, ll) in &t.local {
                     let mut p = vec![0u8; out.len()];
@@ -374,11 +374,7 @@ impl Buffer for MetaBuffer {
         let (t, pos) = self.find(buf_offset + offset, size, "memset_tensor")?;
         Self::pieces(&t, pos, size, |d, local_off, r| {
             let (st, ll) = &t.local[d];
-            let v = if t.state.is_partial() && d > 0 {
-                0
-            } else {
-                value
-            };
+            let v = if t.state.is_sum() && d > 0 { 0 } else { value };
             st.buffer
                 .memset_tensor(ll, st.offset, v, local_off, r.len())
         })
@@ -387,11 +383,7 @@ impl Buffer for MetaBuffer {
     fn clear(&self, value: u8) {
         for t in self.tensors.read().values() {
             for (d, (st, ll)) in t.local.iter().enumerate() {
-                let v = if t.state.is_partial() && d > 0 {
-                    0
-                } else {
-                    value
-                };
+                let v = if t.state.is_sum() && d > 0 { 0 } else { value };
                 let _ = st.buffer.memset_tensor(ll, st.offset, v, 0, ll.nbytes());
             }
         }

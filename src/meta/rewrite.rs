@@ -2,7 +2,9 @@
 //! node becomes a node of each device's local graph with the device's shapes (the builders
 //! re-check them); a `get_rows` from a table split by rows, or a `set_rows` into a destination
 //! split by rows, becomes one windowed op per segment piece the device holds (`RowWindow`:
-//! the piece's ids at their local rows; the lookups summed). Each conversion becomes local
+//! the piece's ids at their local rows; the lookups summed); a `mul_mat_id` whose experts are
+//! split whole becomes windowed the same way (each device's rows routed to its experts). Each
+//! conversion becomes local
 //! nodes (slices: view + cont, concatenated per segment; to-partial: zeros on devices other
 //! than 0; pad-to-partial: each slice padded with zeros to the full shape) or a collective
 //! node; views become local views with the layouts `split_state::view` derived. Stages cut
@@ -116,6 +118,11 @@ impl Rewriter<'_> {
         }
         let full = self.packed(u);
         let ids = match kind {
+            // The same local tensors, now read as a partial sum.
+            ConversionKind::AsPartial => {
+                self.made.insert((u, want.clone()), base.clone());
+                return Ok(base);
+            }
             ConversionKind::Slice => self.slice(&base, want)?,
             ConversionKind::ToPartial => {
                 let mut v = vec![base[0]];
@@ -407,6 +414,23 @@ fn row_windows(
     v
 }
 
+/// The sum of one windowed op per window (`row_windows` gives at least one).
+fn summed(
+    lg: &mut Graph,
+    windows: Vec<RowWindow>,
+    mut one: impl FnMut(&mut Graph, RowWindow) -> Result<TensorId>,
+) -> Result<TensorId> {
+    let mut acc: Option<TensorId> = None;
+    for w in windows {
+        let r = one(lg, w)?;
+        acc = Some(match acc {
+            None => r,
+            Some(a) => lg.add(a, r)?,
+        });
+    }
+    acc.ok_or_else(|| internal("a windowed op with no window".into()))
+}
+
 /// Rebuild one op on device `d`'s local graph from local sources, the sources consumed in the
 /// states `req` (the user graph `g` gives their full shapes): a table split by rows is looked
 /// up per window and the pieces summed (a partial sum), a destination split by rows is written
@@ -423,15 +447,16 @@ fn rebuild_on(
     match node.op {
         Op::GetRows { window } if by_rows => {
             let rows = g.layout(node.src[0]).ne[1];
-            let mut acc: Option<TensorId> = None;
-            for w in row_windows(&req[0], d, window, rows) {
-                let r = lg.get_rows_windowed(s[0], s[1], w)?;
-                acc = Some(match acc {
-                    None => r,
-                    Some(a) => lg.add(a, r)?,
-                });
-            }
-            acc.ok_or_else(|| internal("a lookup with no window".into()))
+            summed(lg, row_windows(&req[0], d, window, rows), |lg, w| {
+                lg.get_rows_windowed(s[0], s[1], w)
+            })
+        }
+        // Experts split whole: each device multiplies the rows routed to its experts.
+        Op::MulMatId { window } if req[0].split_dim() == Some(2) => {
+            let experts = g.layout(node.src[0]).ne[2];
+            summed(lg, row_windows(&req[0], d, window, experts), |lg, w| {
+                lg.mul_mat_id_windowed(s[0], s[1], s[2], w)
+            })
         }
         Op::SetRows { window } if by_rows => {
             let rows = g.layout(node.src[0]).ne[1];
@@ -449,7 +474,8 @@ fn rebuild_on(
 fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
     match node.op {
         Op::MulMat => lg.mul_mat(s[0], s[1]),
-        Op::MulMatId => lg.mul_mat_id(s[0], s[1], s[2]),
+        Op::MulMatId { window: None } => lg.mul_mat_id(s[0], s[1], s[2]),
+        Op::MulMatId { window: Some(w) } => lg.mul_mat_id_windowed(s[0], s[1], s[2], w),
         Op::Binary(b) => lg.binary(b, s[0], s[1]),
         Op::Scale { scale, bias } => lg.scale_bias(s[0], scale, bias),
         Op::Clamp { min, max } => lg.clamp(s[0], min, max),

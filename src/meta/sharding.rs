@@ -51,6 +51,8 @@ pub enum ConversionKind {
     AllGather,
     /// Axis -> another Axis split: all-gather, then slice.
     AllToAll,
+    /// Routed -> Partial: the same local tensors (a routed value is a partial sum); no work.
+    AsPartial,
 }
 
 impl ConversionKind {
@@ -63,6 +65,7 @@ impl ConversionKind {
             ConversionKind::ReduceScatter => "reduce-scatter",
             ConversionKind::AllGather => "all-gather",
             ConversionKind::AllToAll => "all-to-all",
+            ConversionKind::AsPartial => "as-partial",
         }
     }
 
@@ -70,7 +73,10 @@ impl ConversionKind {
     pub fn communicates(self) -> bool {
         !matches!(
             self,
-            ConversionKind::Slice | ConversionKind::ToPartial | ConversionKind::PadToPartial
+            ConversionKind::Slice
+                | ConversionKind::ToPartial
+                | ConversionKind::PadToPartial
+                | ConversionKind::AsPartial
         )
     }
 
@@ -95,6 +101,10 @@ pub fn conversion_kind(from: &SplitState, to: &SplitState) -> Option<ConversionK
         (Axis(_), Mirrored) => ConversionKind::AllGather,
         (Axis(_), Axis(_)) => ConversionKind::AllToAll,
         (Axis(_), Partial) => ConversionKind::PadToPartial,
+        // A routed value is reduced like any partial sum.
+        (Routed { .. }, Partial) => ConversionKind::AsPartial,
+        (Routed { .. }, Mirrored) => ConversionKind::AllReduce,
+        (Routed { .. }, Axis(_)) => ConversionKind::ReduceScatter,
         _ => return None,
     })
 }
@@ -112,6 +122,7 @@ fn cost(from: &SplitState, to: &SplitState, bytes: usize, n: usize, explicit: bo
     match conversion_kind(from, to) {
         None => f64::INFINITY,
         Some(k) if explicit && !k.planned() => f64::INFINITY,
+        Some(ConversionKind::AsPartial) => 0.0,
         Some(ConversionKind::Slice) => 0.05 * b / n.max(1) as f64,
         Some(ConversionKind::ToPartial) | Some(ConversionKind::PadToPartial) => 0.05 * b,
         Some(ConversionKind::AllReduce) => 2.0 * frac * b + COLLECTIVE_LATENCY,

@@ -169,6 +169,7 @@ impl From<&BertConfig> for SplitDims {
             n_embd: c.n_embd,
             n_ff: c.n_ff,
             n_vocab: c.n_vocab,
+            moe: None,
             blocks: None,
         }
     }

@@ -15,6 +15,14 @@
 //! run repeats each KV head (virtual KV heads, `DecoderConfig::with_kv_repeat`) so that every
 //! device gets whole groups; the callbacks then split the repeated heads like any others.
 //!
+//! A mixture of experts is split with the MLP: its shared expert as a dense MLP, its experts
+//! either column then row inside every expert (`ExpertSplit::Tensor`, the default: every
+//! device holds a slice of every expert) or whole experts per device
+//! (`ExpertSplit::Expert`, expert parallelism: the experts' tensors cut on `ne[2]`, even shares
+//! with the remainder rotating by layer, or by `--tensor-split`; each device multiplies the
+//! rows routed to its experts and one all-reduce joins them, see `split_state`'s `Routed`).
+//! The router is mirrored.
+//!
 //! [`by_layer`] is the general form the planner uses: per layer, attention and MLP split or
 //! mirrored ([`LayerSplit`]); the output projection and the token embedding split by
 //! vocabulary or mirrored ([`DecoderSplit`]); [`megatron`] is its every-layer case.
@@ -27,9 +35,9 @@
 //! pattern), and the normed activation is hinted Mirrored, all-gathered before the next
 //! column-parallel products. [`policy`] gives the callback and the hints together.
 
-use super::arch::{Arch, Dim, Naming, Part, Tensor, Unit};
+use super::arch::{Arch, Cut, Dim, Naming, Part, Tensor, Unit};
 use super::decoder::{INP_EMBD, parse_residual_name};
-use super::hparams::DecoderConfig;
+use super::hparams::{DecoderConfig, Moe};
 use super::weights::TensorDecl;
 use crate::meta::{HintFn, NodeInfo, SplitFn, SplitPolicy, TensorInfo};
 use crate::op::{BinaryOp, Op};
@@ -48,6 +56,40 @@ pub struct SplitOptions {
     pub ratios: Option<Vec<f64>>,
     /// Keep attention (Q, K, V, output, KV cache) mirrored instead of head-split.
     pub mirror_attention: bool,
+    /// How the experts of a mixture of experts are split.
+    pub experts: ExpertSplit,
+}
+
+/// How a split MLP of experts divides them over the devices.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExpertSplit {
+    /// Column then row inside every expert, as the dense MLP (every device a slice of each).
+    #[default]
+    Tensor,
+    /// Whole experts per device (expert parallelism).
+    Expert,
+}
+
+impl ExpertSplit {
+    pub const ALL: [ExpertSplit; 2] = [ExpertSplit::Tensor, ExpertSplit::Expert];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertSplit::Tensor => "tensor",
+            ExpertSplit::Expert => "expert",
+        }
+    }
+
+    /// `tensor` or `expert`, else an error naming `flag`.
+    pub fn parse(s: &str, flag: &str) -> Result<ExpertSplit> {
+        ExpertSplit::ALL
+            .into_iter()
+            .find(|e| e.name() == s)
+            .ok_or_else(|| Error::invalid_argument(flag, s, "tensor or expert"))
+    }
 }
 
 /// What a split needs to know of a model: its architecture (names), the counts that size the
@@ -62,6 +104,8 @@ pub struct SplitDims {
     pub n_embd: usize,
     pub n_ff: usize,
     pub n_vocab: usize,
+    /// The experts' counts of a mixture of experts.
+    pub moe: Option<Moe>,
     /// Per layer, the blocks each part's cuts must keep whole ([`SplitDims::with_blocks`]);
     /// `None`: each tensor's own type decides (right when a layer's tensors share one block
     /// size, as in files of one quantized type).
@@ -129,14 +173,11 @@ impl SplitDims {
             Dim::Qkv => (self.n_head + 2 * self.n_head_kv).saturating_mul(self.head_dim),
             Dim::Ff2 => self.n_ff.saturating_mul(2),
             Dim::HeadDim => self.head_dim,
-            // No cut is in these units (the experts are mirrored).
-            Dim::Pos
-            | Dim::Types
-            | Dim::Ctx
-            | Dim::RopeHalf
-            | Dim::Expert
-            | Dim::FfExp
-            | Dim::FfShexp => return None,
+            Dim::Expert => self.moe?.n_expert,
+            Dim::FfExp => self.moe?.n_ff_exp,
+            Dim::FfShexp => self.moe?.n_ff_shexp,
+            // No cut is in these units.
+            Dim::Pos | Dim::Types | Dim::Ctx | Dim::RopeHalf => return None,
         })
     }
 }
@@ -152,6 +193,7 @@ impl From<&DecoderConfig> for SplitDims {
             n_embd: c.n_embd,
             n_ff: c.n_ff,
             n_vocab: c.n_vocab,
+            moe: c.moe,
             blocks: None,
         }
     }
@@ -207,6 +249,9 @@ pub struct DecoderSplit {
     /// [`sequence_parallel_hints`]). Absent in older plan files: off.
     #[serde(default)]
     pub sequence_parallel: bool,
+    /// How a split MLP of experts divides them (absent in older plan files: tensor).
+    #[serde(default)]
+    pub experts: ExpertSplit,
 }
 
 impl DecoderSplit {
@@ -218,6 +263,7 @@ impl DecoderSplit {
             embedding,
             ratios: None,
             sequence_parallel: false,
+            experts: ExpertSplit::Tensor,
         }
     }
 
@@ -368,6 +414,7 @@ pub fn megatron_plan(n_layer: usize, opts: SplitOptions) -> DecoderSplit {
     };
     let mut plan = DecoderSplit::uniform(n_layer, layer, true, false);
     plan.ratios = opts.ratios;
+    plan.experts = opts.experts;
     plan
 }
 
@@ -385,9 +432,16 @@ pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
             return Ok(SplitState::mirrored(n));
         };
         let layer = layer.unwrap_or(0);
-        let Some(cut) = role.cut().filter(|c| plan.splits(c.part, layer)) else {
+        let Some(mut cut) = role.cut().filter(|c| plan.splits(c.part, layer)) else {
             return Ok(SplitState::mirrored(n));
         };
+        if plan.experts == ExpertSplit::Expert && role.info().ne2 == Dim::Expert {
+            cut = Cut {
+                part: cut.part,
+                axis: 2,
+                unit: Unit::Expert,
+            };
+        }
         let named = |reason: String| Error::InvalidSplit {
             tensor: t.name.to_string(),
             reason: format!("{} split: {reason}", dims.arch.name),
@@ -399,7 +453,10 @@ pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
             )));
         }
         let ne = t.layout.ne;
-        let dim = role.info().shape[cut.axis];
+        let dim = match cut.axis {
+            2 => role.info().ne2,
+            a => role.info().shape[a],
+        };
         if let Some(want) = dims.dim(dim)
             && ne[cut.axis] != want
         {
@@ -585,6 +642,7 @@ fn unit_extents(
             extents(total / unit, unit, n, ratios, layer)
         }
         Unit::Vocab => extents(total, 1, n, ratios, 0),
+        Unit::Expert => extents(total, 1, n, ratios, layer),
         Unit::Segments(_) => Err(Error::invalid_input(
             "tensor split",
             "fused tensor",
@@ -654,7 +712,7 @@ mod tests {
     fn ratios_are_honoured_in_whole_groups() {
         let opts = SplitOptions {
             ratios: Some(vec![3.0, 1.0]),
-            mirror_attention: false,
+            ..SplitOptions::default()
         };
         let f = megatron(&smol(), opts);
         assert_eq!(

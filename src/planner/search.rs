@@ -20,7 +20,9 @@ use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed};
 use super::shape::ModelShape;
 use super::strategy::describe;
 use crate::models::limits::Count;
-use crate::models::split::{DecoderSplit, LayerSplit, by_layer, sequence_parallel_hints};
+use crate::models::split::{
+    DecoderSplit, ExpertSplit, LayerSplit, by_layer, sequence_parallel_hints,
+};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -151,6 +153,7 @@ pub fn layer_tables(
                 embedding: false,
                 ratios: ratios.clone(),
                 sequence_parallel: false,
+                experts: ExpertSplit::Tensor,
             };
             costed(&two, &split, cluster, w).map(|(e, b)| (p, q, e, b))
         })
@@ -200,6 +203,7 @@ pub fn tables(
                 embedding,
                 ratios: ratios.clone(),
                 sequence_parallel: false,
+                experts: ExpertSplit::Tensor,
             };
             costed(&one, &split, cluster, w)
         })
@@ -493,6 +497,7 @@ pub fn auto(
                 embedding,
                 ratios: ratios.clone(),
                 sequence_parallel: false,
+                experts: ExpertSplit::Tensor,
             };
             found.push((time, mem, split, t, pats));
         }

@@ -8,7 +8,7 @@
 use super::cluster::Cluster;
 use super::shape::ModelShape;
 use crate::DType;
-use crate::models::split::{DecoderSplit, LayerSplit};
+use crate::models::split::{DecoderSplit, ExpertSplit, LayerSplit};
 use crate::{Error, Result};
 
 /// The built-in strategies.
@@ -36,6 +36,11 @@ pub enum Strategy {
     SequenceParallel,
     /// The search's choice for the workload (see `search.rs`).
     Auto,
+    /// Megatron's assignment with the experts of a mixture of experts split whole over the
+    /// devices (expert parallelism: one all-reduce joins the rows each device's experts
+    /// computed) instead of column then row inside every expert. Only for models with experts
+    /// ([`Strategy::for_model`]); on a dense model it is Megatron.
+    ExpertParallel,
 }
 
 impl Strategy {
@@ -50,9 +55,20 @@ impl Strategy {
         Strategy::Auto,
     ];
 
+    /// The strategies that apply to a model (`experts`: it has a mixture of experts): every
+    /// one of [`Strategy::ALL`], and `expert-parallel` for a model with experts.
+    pub fn for_model(experts: bool) -> Vec<Strategy> {
+        let mut v = Strategy::ALL.to_vec();
+        if experts {
+            v.insert(1, Strategy::ExpertParallel);
+        }
+        v
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Megatron => "megatron",
+            Strategy::ExpertParallel => "expert-parallel",
             Strategy::MlpOnly => "mlp-only",
             Strategy::AttnOnly => "attn-only",
             Strategy::Mirrored => "mirrored",
@@ -64,13 +80,11 @@ impl Strategy {
     }
 
     pub fn parse(s: &str) -> Result<Strategy> {
-        Strategy::ALL
-            .into_iter()
-            .find(|x| x.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Strategy::ALL.iter().map(|x| x.name()).collect();
-                Error::invalid_argument("--strategy", s, format!("one of {}", names.join(", ")))
-            })
+        let all = Strategy::for_model(true);
+        all.iter().copied().find(|x| x.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = all.iter().map(|x| x.name()).collect();
+            Error::invalid_argument("--strategy", s, format!("one of {}", names.join(", ")))
+        })
     }
 
     /// The assignment of a fixed strategy for `n_layer` layers (`None` for `auto`); for a
@@ -79,7 +93,9 @@ impl Strategy {
     pub fn split(self, n_layer: usize, tied: bool) -> Option<DecoderSplit> {
         let l = |attention, mlp| LayerSplit { attention, mlp };
         let (layer, output, embedding) = match self {
-            Strategy::Megatron | Strategy::SequenceParallel => (l(true, true), true, false),
+            Strategy::Megatron | Strategy::SequenceParallel | Strategy::ExpertParallel => {
+                (l(true, true), true, false)
+            }
             Strategy::MlpOnly => (l(false, true), true, false),
             Strategy::AttnOnly => (l(true, false), true, false),
             Strategy::Mirrored => (l(false, false), false, false),
@@ -89,6 +105,9 @@ impl Strategy {
         };
         let mut split = DecoderSplit::uniform(n_layer, layer, output, embedding).tied(tied);
         split.sequence_parallel = self == Strategy::SequenceParallel;
+        if self == Strategy::ExpertParallel {
+            split.experts = ExpertSplit::Expert;
+        }
         Some(split)
     }
 }
@@ -220,6 +239,9 @@ pub fn describe(split: &DecoderSplit) -> String {
     ));
     if split.sequence_parallel {
         parts.push("residual stream: split by tokens".into());
+    }
+    if split.experts == ExpertSplit::Expert {
+        parts.push("experts: whole experts per device".into());
     }
     parts.join("; ")
 }

@@ -79,6 +79,7 @@ pub fn open(
             SplitOptions {
                 ratios: Some(shares[g.clone()].to_vec()),
                 mirror_attention: false,
+                ..SplitOptions::default()
             },
         )
     };

@@ -16,7 +16,7 @@ use crate::models::layer_split::SplitMode;
 use crate::models::loader::{DecoderModel, LoadOptions, file_tensors, output_tied};
 use crate::models::paths::{ModelPath, resolve};
 use crate::models::split::{
-    DecoderSplit, SplitDims, SplitOptions, kv_repeat, megatron_plan, policy,
+    DecoderSplit, ExpertSplit, SplitDims, SplitOptions, kv_repeat, megatron_plan, policy,
 };
 use crate::{Error, Result};
 
@@ -32,6 +32,9 @@ pub struct OpenOptions {
     /// layer count must be the model's. Its sequence parallelism becomes the meta device's
     /// state hints.
     pub split: Option<DecoderSplit>,
+    /// How the experts of a mixture of experts are split (overrides the plan's; the built-in
+    /// split's default, tensor, when absent).
+    pub experts: Option<ExpertSplit>,
     pub meta: MetaOptions,
     /// Tensor parallelism (the meta device), or layer / hybrid split on the scheduler.
     pub split_mode: SplitMode,
@@ -110,6 +113,9 @@ pub fn open_decoder(
             if plan.ratios.is_none() {
                 plan.ratios = opts.ratios.clone();
             }
+            if let Some(e) = opts.experts {
+                plan.experts = e;
+            }
             plan
         }
         // A tied embedding split by vocabulary as the output is (one table).
@@ -118,6 +124,7 @@ pub fn open_decoder(
             SplitOptions {
                 ratios: opts.ratios.clone(),
                 mirror_attention: opts.mirror_attention,
+                experts: opts.experts.unwrap_or_default(),
             },
         )
         .tied(tied),

@@ -5,7 +5,13 @@
 //! k and each segment is split on its own, so every device gets its share of each; extents are
 //! listed segment-major and a device's local tensor is the concatenation of its pieces.
 //! `Mirrored`: every device holds the whole tensor. `Partial`: every device holds a tensor of
-//! the full shape and the value is their sum.
+//! the full shape and the value is their sum. `Routed`: a Partial whose rows are each held by
+//! one device: the output of an expert product (`mul_mat_id`) whose experts are split whole
+//! over the devices (expert parallelism). Device d holds the rows `(slot, token)` (dimensions
+//! 1 and 2) whose expert id, in the ids tensor the state names, lies in d's share of the
+//! experts (the state's extents, one per device), and zeros in every other row. Element-wise
+//! maps that keep zero at zero keep it, so the experts' activation runs per device between
+//! their products without a reduction; anything else takes it as the Partial it also is.
 //!
 //! This module owns the type, its validation and constructors (`build.rs`), the per-op rules
 //! (`rules/`, one function per op family) and the derivation of view states (`view.rs`). It knows nothing of devices.
@@ -27,6 +33,11 @@ pub enum SplitAxis {
     Axis(u8),
     Mirrored,
     Partial,
+    /// Partial with each row on one device, chosen by the expert ids of node `ids` (an index
+    /// into the graph being sharded); the extents are the experts per device.
+    Routed {
+        ids: u32,
+    },
 }
 
 /// A tensor's split over `n` devices.
@@ -53,6 +64,18 @@ impl SplitState {
             axis: SplitAxis::Partial,
             n,
             extents: SmallVec::new(),
+        }
+    }
+
+    /// The output of an expert product routed by the ids of node `ids` (its index in the
+    /// graph), with `experts[d]` consecutive experts on device d.
+    pub fn routed(ids: usize, experts: &[usize]) -> Self {
+        SplitState {
+            axis: SplitAxis::Routed {
+                ids: u32::try_from(ids).unwrap_or(u32::MAX),
+            },
+            n: experts.len(),
+            extents: experts.iter().copied().collect(),
         }
     }
 
@@ -119,6 +142,16 @@ impl SplitState {
 
     pub fn is_partial(&self) -> bool {
         self.axis == SplitAxis::Partial
+    }
+
+    /// Whether the value is the sum of the devices' tensors (Partial or Routed).
+    pub fn is_sum(&self) -> bool {
+        matches!(self.axis, SplitAxis::Partial | SplitAxis::Routed { .. })
+    }
+
+    /// Whether the value is routed (`SplitAxis::Routed`).
+    pub fn is_routed(&self) -> bool {
+        matches!(self.axis, SplitAxis::Routed { .. })
     }
 
     /// The split dimension, if any.
@@ -225,10 +258,16 @@ impl SplitState {
                 self.n
             )));
         }
-        if self.axis == SplitAxis::Partial && !layout.dtype.is_float() {
+        if self.is_sum() && !layout.dtype.is_float() {
             return Err(err(format!(
-                "a {} tensor cannot be Partial: partial sums are of float types",
+                "a {} tensor cannot be {self}: partial sums are of float types",
                 layout.dtype
+            )));
+        }
+        if self.is_routed() {
+            return Err(err(format!(
+                "{self} is the output of an expert product split by experts: it is derived, \
+                 never placed or hinted"
             )));
         }
         let SplitAxis::Axis(k) = self.axis else {
@@ -297,6 +336,7 @@ impl std::fmt::Display for SplitState {
         match self.axis {
             SplitAxis::Mirrored => f.write_str("Mirrored"),
             SplitAxis::Partial => f.write_str("Partial"),
+            SplitAxis::Routed { ids } => write!(f, "Routed(#{ids}){:?}", self.extents),
             SplitAxis::Axis(k) => {
                 write!(f, "Axis{k}")?;
                 let segs = self.segments();

@@ -43,14 +43,20 @@ pub fn derive_view(
 ) -> Option<ViewSplit> {
     let n = rs.n_devices();
     let Some(k) = rs.split_dim() else {
-        // Mirrored and Partial views are the same view on every device.
+        // Mirrored and Partial views are the same view on every device. A view of a Routed
+        // value is Partial: its rows are no longer the rows the ids route.
         let lv = LocalView {
             ne: view.ne,
             nb: view.nb,
             offset: offs,
         };
+        let state = if rs.is_routed() {
+            SplitState::partial(n)
+        } else {
+            rs.clone()
+        };
         return Some(ViewSplit {
-            state: rs.clone(),
+            state,
             local: vec![lv; n],
         });
     };

@@ -224,7 +224,7 @@ fn sources(g: &Graph, mem: &Memory, n: &Node) -> R<Vec<T>> {
 fn compute(op: &Op, s: &[T]) -> R<T> {
     Ok(match *op {
         Op::MulMat => mul_mat(&s[0], &s[1]),
-        Op::MulMatId => mul_mat_id(&s[0], &s[1], &s[2])?,
+        Op::MulMatId { window } => mul_mat_id(&s[0], &s[1], &s[2], window)?,
         Op::Binary(b) => binary(b, &s[0], &s[1]),
         Op::Scale { scale, bias } => map(&s[0], |x| x * scale as f64 + bias as f64),
         Op::Clamp { min, max } => map(&s[0], |x| x.clamp(min as f64, max as f64)),
@@ -285,12 +285,15 @@ pub fn mul_mat(a: &T, b: &T) -> T {
 }
 
 /// ggml `mul_mat_id`: `out[n, e, t] = sum_k as[k, n, ids[e, t]] * b[k, e % n_b, t]`.
-pub fn mul_mat_id(a: &T, b: &T, ids: &T) -> R<T> {
+pub fn mul_mat_id(a: &T, b: &T, ids: &T, window: Option<RowWindow>) -> R<T> {
     let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
     let mut out = T::zeros([a.ne[1], n_used, n_tokens, 1]);
     for t in 0..n_tokens {
         for e in 0..n_used {
-            let x = id_of(ids, e, t, 0, a.ne[2], "mul_mat_id")?;
+            // Ids outside the window leave zeros.
+            let Some(x) = row_of(ids, (e, t, 0), a.ne[2], window, "mul_mat_id")? else {
+                continue;
+            };
             let br = b.row(e % b.ne[1], t, 0);
             for n in 0..a.ne[1] {
                 let dot = a.row(n, x, 0).iter().zip(br).map(|(p, q)| p * q).sum();

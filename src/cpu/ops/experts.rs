@@ -13,8 +13,12 @@
 //! (Q4_K, 2 of 8 experts of [4096, 2048], one token, cpu:1x1, a loaded machine): 1.66 ms
 //! against 1.63 ms for `mul_mat` over the same bytes.
 //!
+//! With a window (one device's share of experts split whole: `op::RowWindow`), the weights
+//! hold only the window's experts; the rows of ids outside it are grouped last, as if under one
+//! more expert, and written as zeros.
+//!
 //! Shared scratch, in order (each part 64-byte aligned): the per-expert row offsets (u32,
-//! `n_expert + 1`), the rows in expert order (u32 `e + n_used * t`), the gathered activations
+//! `n_expert + 2`: the last group is the rows of ids outside the window), the rows in expert order (u32 `e + n_used * t`), the gathered activations
 //! (f32 `[K, rows]`), the products (f32 `[N, rows]`), and the dense kernels' own scratch (the
 //! most any expert's share can need).
 
@@ -22,6 +26,7 @@ use super::KernelError;
 use crate::DType;
 use crate::cpu::matmul;
 use crate::cpu::view::{ComputeParams, Precision, TensorView, split_range};
+use crate::op::RowWindow;
 
 const ALIGN: usize = 64;
 
@@ -66,7 +71,7 @@ impl Dims {
     }
 
     fn parts(&self, mm: usize) -> Parts {
-        let order = align((self.n_expert + 1) * 4);
+        let order = align((self.n_expert + 2) * 4);
         let xs = order + align(self.rows() * 4);
         let ys = xs + align(self.rows() * self.k * 4);
         let mm_at = ys + align(self.rows() * self.n * 4);
@@ -137,32 +142,42 @@ fn mm_size(experts: &TensorView, d: &Dims, nth: usize, precision: Precision) -> 
         .unwrap_or(0)
 }
 
-/// The id at `ids[e, t]`, checked against the experts.
-fn id_at(ids: &TensorView, e: usize, t: usize, n_expert: usize) -> Result<usize, KernelError> {
+/// The local expert of the id at `ids[e, t]` (the window's `n_local` for an id outside it),
+/// the id checked against every expert (`w.rows`).
+fn id_at(ids: &TensorView, e: usize, t: usize, w: &RowWindow) -> Result<usize, KernelError> {
     // SAFETY: e < ids.ne0 and t < ids.ne1 (callers loop within them); I32 elements.
     let id = unsafe { ids.ptr(e, t, 0, 0).cast::<i32>().read_unaligned() } as i64;
-    if id < 0 || id as u64 >= n_expert as u64 {
+    if id < 0 || id as u64 >= w.rows as u64 {
         return Err(KernelError::RowId {
             id,
             at: [e, t, 0],
-            rows: n_expert,
+            rows: w.rows,
         });
     }
-    Ok(id as usize)
+    let id = id as usize;
+    Ok(if (w.lo..w.hi).contains(&id) {
+        w.at + id - w.lo
+    } else {
+        // The group after the last local expert.
+        usize::MAX
+    })
 }
 
-/// Run the node on thread `p.ith` of `p.nth`. Every thread checks every id first, so an id
-/// outside the experts returns the same error from all threads before any barrier.
+/// Run the node on thread `p.ith` of `p.nth`, with the experts `window` holds (`None`: all).
+/// Every thread checks every id first, so an id outside the experts returns the same error
+/// from all threads before any barrier.
 pub fn mul_mat_id(
     p: &ComputeParams,
     dst: &TensorView,
     src: &[TensorView],
+    window: Option<RowWindow>,
 ) -> Result<(), KernelError> {
     let (experts, b, ids) = (&src[0], &src[1], &src[2]);
     let d = Dims::of(experts, b, ids);
+    let w = window.unwrap_or(RowWindow::whole(d.n_expert));
     for t in 0..d.n_tokens {
         for e in 0..d.n_used {
-            id_at(ids, e, t, d.n_expert)?;
+            id_at(ids, e, t, &w)?;
         }
     }
     if d.rows() == 0 || d.n == 0 {
@@ -181,12 +196,12 @@ pub fn mul_mat_id(
     // offsets and order lists are written by thread 0 only, read after the barrier.
     let (offsets, order) = unsafe {
         (
-            std::slice::from_raw_parts_mut(p.wdata.cast::<u32>(), d.n_expert + 1),
+            std::slice::from_raw_parts_mut(p.wdata.cast::<u32>(), d.n_expert + 2),
             std::slice::from_raw_parts_mut(p.wdata.add(parts.order).cast::<u32>(), d.rows()),
         )
     };
     if p.ith == 0 {
-        group_by_expert(ids, &d, offsets, order)?;
+        group_by_expert(ids, &d, &w, offsets, order)?;
     }
     p.barrier();
     // SAFETY: in the scratch; parts are disjoint.
@@ -202,9 +217,10 @@ pub fn mul_mat_id(
     let direct = d.n_tokens == 1
         && d.n_b == 1
         && b.nb[0] == 4
-        && offsets.windows(2).all(|o| o[1] - o[0] <= 1);
+        && offsets[..=d.n_expert].windows(2).all(|o| o[1] - o[0] <= 1);
     if !direct {
-        gather(p, b, &d, order, xs);
+        // The rows of ids outside the window are not multiplied.
+        gather(p, b, &d, &order[..offsets[d.n_expert] as usize], xs);
         p.barrier();
     }
     // One counter cannot serve several products: each expert's items are split by thread.
@@ -236,21 +252,24 @@ pub fn mul_mat_id(
     }
     // Every thread wrote part of every expert's products.
     p.barrier();
-    scatter(p, dst, &d, order, ys);
+    scatter(p, dst, &d, order, ys, offsets[d.n_expert] as usize);
     Ok(())
 }
 
-/// Rows `e + n_used * t` in expert order, and each expert's first row in that order.
+/// Rows `e + n_used * t` in local expert order (the rows of ids outside the window last), and
+/// each group's first row in that order.
 fn group_by_expert(
     ids: &TensorView,
     d: &Dims,
+    w: &RowWindow,
     offsets: &mut [u32],
     order: &mut [u32],
 ) -> Result<(), KernelError> {
+    let group = |e: usize, t: usize| id_at(ids, e, t, w).map(|x| x.min(d.n_expert));
     offsets.fill(0);
     for t in 0..d.n_tokens {
         for e in 0..d.n_used {
-            offsets[id_at(ids, e, t, d.n_expert)? + 1] += 1;
+            offsets[group(e, t)? + 1] += 1;
         }
     }
     for x in 1..offsets.len() {
@@ -259,7 +278,7 @@ fn group_by_expert(
     // Fill each expert's rows, moving its offset; then shift the offsets back.
     for t in 0..d.n_tokens {
         for e in 0..d.n_used {
-            let x = id_at(ids, e, t, d.n_expert)?;
+            let x = group(e, t)?;
             order[offsets[x] as usize] = (e + d.n_used * t) as u32;
             offsets[x] += 1;
         }
@@ -274,7 +293,7 @@ fn group_by_expert(
 /// This thread's rows of the packed activations in expert order: row `j` is
 /// `b[:, e % n_b, t]` for `order[j] = e + n_used * t`.
 fn gather(p: &ComputeParams, b: &TensorView, d: &Dims, order: &[u32], xs: *mut u8) {
-    for j in split_range(d.rows(), p.ith, p.nth) {
+    for j in split_range(order.len(), p.ith, p.nth) {
         let r = order[j] as usize;
         let (e, t) = (r % d.n_used, r / d.n_used);
         // SAFETY: row j of xs is this thread's (split_range partitions 0..rows); b's row
@@ -286,19 +305,28 @@ fn gather(p: &ComputeParams, b: &TensorView, d: &Dims, order: &[u32], xs: *mut u
     }
 }
 
-/// This thread's rows of the output: product row `j` to `dst[:, e, t]`.
-fn scatter(p: &ComputeParams, dst: &TensorView, d: &Dims, order: &[u32], ys: *mut u8) {
+/// This thread's rows of the output: product row `j` to `dst[:, e, t]`, zeros for the rows
+/// from `outside` on (ids outside the window).
+fn scatter(
+    p: &ComputeParams,
+    dst: &TensorView,
+    d: &Dims,
+    order: &[u32],
+    ys: *mut u8,
+    outside: usize,
+) {
     for j in split_range(d.rows(), p.ith, p.nth) {
         let r = order[j] as usize;
         let (e, t) = (r % d.n_used, r / d.n_used);
         // SAFETY: dst is packed f32 [N, n_used, n_tokens]; row (e, t) is written by the one
-        // thread that owns j; product row j is in the scratch.
+        // thread that owns j; product row j (before `outside`) is in the scratch.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                ys.cast::<f32>().add(j * d.n),
-                dst.row_ptr(e, t, 0).cast::<f32>(),
-                d.n,
-            );
+            let to = dst.row_ptr(e, t, 0).cast::<f32>();
+            if j < outside {
+                std::ptr::copy_nonoverlapping(ys.cast::<f32>().add(j * d.n), to, d.n);
+            } else {
+                std::ptr::write_bytes(to, 0, d.n);
+            }
         }
     }
 }

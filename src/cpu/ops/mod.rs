@@ -38,7 +38,7 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
     match op {
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => Ok(()),
         Op::MulMat => matmul::supports(&src[0], &src[1], dst),
-        Op::MulMatId => experts::supports(src, dst),
+        Op::MulMatId { .. } => experts::supports(src, dst),
         Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Swiglu => {
             for (i, s) in src.iter().enumerate() {
                 float(s, &format!("source {i}"))?;
@@ -102,7 +102,7 @@ pub fn scratch(
             shared: matmul::work_size(&src[0], &src[1], dst, nth, precision),
             per_thread: 0,
         },
-        Op::MulMatId => Scratch {
+        Op::MulMatId { .. } => Scratch {
             shared: experts::work_size(src, nth, precision),
             per_thread: 0,
         },
@@ -153,7 +153,7 @@ pub fn forward(
         // (operands were checked by `supports` and the builder).
         Op::GetRows { window } => return rows::get_rows(p, dst, &src[0], &src[1], window),
         Op::SetRows { window } => return rows::set_rows(p, dst, &src[1], &src[2], window),
-        Op::MulMatId => return experts::mul_mat_id(p, dst, src),
+        Op::MulMatId { window } => return experts::mul_mat_id(p, dst, src, window),
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => {}
         Op::MulMat => matmul::forward(p, &src[0], &src[1], dst),
         Op::Binary(b) => elementwise::binary(p, b, dst, &src[0], &src[1]),

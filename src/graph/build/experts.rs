@@ -2,9 +2,9 @@
 //! `ggml_mul_mat_id`, `ggml_argsort`, `ggml_top_k`, `ggml_sigmoid`): the expert product, the
 //! sort that picks each token's experts, and the sigmoid of gates.
 
-use super::dtype_err;
+use super::{check_window, dtype_err};
 use crate::graph::{Graph, TensorId};
-use crate::op::{Op, UnaryOp};
+use crate::op::{Op, RowWindow, UnaryOp};
 use crate::{DType, Error, Result};
 
 impl Graph {
@@ -18,6 +18,30 @@ impl Graph {
         experts: TensorId,
         b: TensorId,
         ids: TensorId,
+    ) -> Result<TensorId> {
+        self.mul_mat_id_op(experts, b, ids, None)
+    }
+
+    /// [`Graph::mul_mat_id`] of the ids `window` holds, with weights holding only its experts
+    /// (at `window.at..` along `ne[2]`): the rows of other ids are zeros, ids outside
+    /// `0..window.rows` are errors. How one device multiplies its share of experts split whole
+    /// over the devices of a meta device (expert parallelism).
+    pub fn mul_mat_id_windowed(
+        &mut self,
+        experts: TensorId,
+        b: TensorId,
+        ids: TensorId,
+        window: RowWindow,
+    ) -> Result<TensorId> {
+        self.mul_mat_id_op(experts, b, ids, Some(window))
+    }
+
+    fn mul_mat_id_op(
+        &mut self,
+        experts: TensorId,
+        b: TensorId,
+        ids: TensorId,
+        window: Option<RowWindow>,
     ) -> Result<TensorId> {
         const OP: &str = "mul_mat_id";
         let (la, lb, li) = (self.lay(experts)?, self.lay(b)?, self.lay(ids)?);
@@ -53,8 +77,9 @@ impl Graph {
                  multiple of their dimension 1",
             ));
         }
+        check_window(OP, window, la.ne, 2)?;
         let ne = [la.ne[1], li.ne[0], li.ne[1], 1];
-        self.computed(Op::MulMatId, DType::F32, ne, &[experts, b, ids])
+        self.computed(Op::MulMatId { window }, DType::F32, ne, &[experts, b, ids])
     }
 
     /// ggml `argsort`: each row's indices in the order that sorts it (I32, `a`'s shape), largest

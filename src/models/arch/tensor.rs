@@ -149,6 +149,8 @@ pub enum Unit {
     Ffn,
     /// Vocabulary rows.
     Vocab,
+    /// Whole experts (`ne[2]` of the experts' tensors).
+    Expert,
     /// A fused tensor: consecutive segments along the cut axis, each of the given extent and
     /// cut in its own unit, so every device gets its share of each (the split state's
     /// segments; Phi-3's `attn_qkv` is Q | K | V, its `ffn_up` gate | up).
@@ -261,15 +263,17 @@ roles! {
     // A mixture of experts (llama.cpp's LLM_TENSOR_FFN_*_EXPS, *_SHEXP): the router
     // `[n_embd, n_expert]`, the experts `[n_embd, n_ff_exp, n_expert]` (down:
     // `[n_ff_exp, n_embd, n_expert]`), the shared expert and its gate `[n_embd]` (Qwen2-MoE).
-    // No split rule cuts whole experts yet: mirrored.
+    // The experts and the shared expert are cut as the dense MLP is (columns, then rows, in
+    // every expert); a split of whole experts (`ExpertSplit::Expert`) cuts the experts on
+    // ne[2] instead. The router and the shared expert's gate are mirrored.
     FfnGateInp, Layer, "ffn_gate_inp.weight", None, [Embd, Expert], FfnIn, None;
-    FfnGateExps, Layer, "ffn_gate_exps.weight", None, [Embd, FfExp, Expert], FfnIn, None;
-    FfnUpExps, Layer, "ffn_up_exps.weight", None, [Embd, FfExp, Expert], FfnIn, None;
-    FfnDownExps, Layer, "ffn_down_exps.weight", None, [FfExp, Embd, Expert], FfnOut, None;
+    FfnGateExps, Layer, "ffn_gate_exps.weight", None, [Embd, FfExp, Expert], FfnIn, cut(Mlp, 1, Ffn);
+    FfnUpExps, Layer, "ffn_up_exps.weight", None, [Embd, FfExp, Expert], FfnIn, cut(Mlp, 1, Ffn);
+    FfnDownExps, Layer, "ffn_down_exps.weight", None, [FfExp, Embd, Expert], FfnOut, cut(Mlp, 0, Ffn);
     FfnGateInpShexp, Layer, "ffn_gate_inp_shexp.weight", None, [Embd, One], FfnIn, None;
-    FfnGateShexp, Layer, "ffn_gate_shexp.weight", None, [Embd, FfShexp], FfnIn, None;
-    FfnUpShexp, Layer, "ffn_up_shexp.weight", None, [Embd, FfShexp], FfnIn, None;
-    FfnDownShexp, Layer, "ffn_down_shexp.weight", None, [FfShexp, Embd], FfnOut, None;
+    FfnGateShexp, Layer, "ffn_gate_shexp.weight", None, [Embd, FfShexp], FfnIn, cut(Mlp, 1, Ffn);
+    FfnUpShexp, Layer, "ffn_up_shexp.weight", None, [Embd, FfShexp], FfnIn, cut(Mlp, 1, Ffn);
+    FfnDownShexp, Layer, "ffn_down_shexp.weight", None, [FfShexp, Embd], FfnOut, cut(Mlp, 0, Ffn);
     CacheK, Cache, "cache_k_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
     CacheV, Cache, "cache_v_l", None, [Kv, Ctx], Cache, cut(Attention, 0, KvHead);
 }

@@ -24,7 +24,10 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: ViewCopy) -> Vec<Pattern>
     match kind {
         ViewCopy::View => Vec::new(),
         // Partial sums stay partial sums only in a float type.
-        ViewCopy::Cont => keep_state(cx, src, cx.dtype().is_float()),
+        ViewCopy::Cont => {
+            let float = cx.dtype().is_float();
+            keep_state(cx, src, float, float)
+        }
         ViewCopy::Cpy => cpy(cx, src),
         ViewCopy::Concat { dim } => concat(cx, src, dim),
     }

@@ -1,6 +1,9 @@
 //! The rules of element-wise ops: binary ops (`src1` broadcasting over `src0`), one-source maps
 //! (`scale`, `clamp`, unary functions) and `swiglu`. Any split is kept; Partial only where the
-//! op is linear in it.
+//! op is linear in it; Routed (an expert product's rows, each on one device, zeros elsewhere)
+//! where the op keeps zero at zero: maps with f(0) = 0, `swiglu` of two values routed alike,
+//! products with a Mirrored factor or of two values routed alike, sums and differences of two
+//! values routed alike. Any other use of a Routed value takes it as Partial.
 
 use super::{Ctx, Pattern, keep_state, pat};
 use crate::op::BinaryOp;
@@ -10,9 +13,11 @@ use crate::split_state::SplitState;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Elementwise {
     Binary(BinaryOp),
-    /// One source, element by element; `linear` maps (`scale` without bias) keep Partial.
+    /// One source, element by element; `linear` maps (`scale` without bias) keep Partial,
+    /// maps that `keeps_zero` (f(0) = 0) keep Routed.
     Map {
         linear: bool,
+        keeps_zero: bool,
     },
     /// `[gate, up]`, or `[fused]` with gate and up as the two halves of dimension 0.
     Swiglu,
@@ -21,7 +26,7 @@ pub enum Elementwise {
 pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Elementwise) -> Vec<Pattern> {
     match kind {
         Elementwise::Binary(op) => binary(cx, src, op),
-        Elementwise::Map { linear } => keep_state(cx, src, linear),
+        Elementwise::Map { linear, keeps_zero } => keep_state(cx, src, linear, keeps_zero),
         Elementwise::Swiglu => swiglu(cx, src),
     }
 }
@@ -42,6 +47,7 @@ fn binary(cx: &Ctx, src: &[SplitState], op: BinaryOp) -> Vec<Pattern> {
     if src[1].split_dim().is_some_and(|k| nb[k] == na[k]) {
         out.push(pat(vec![src[1].clone(), src[1].clone()], src[1].clone()));
     }
+    routed_binary(cx, src, op, &mut out);
     // Partial: sums and differences of partial sums; products and quotients with one
     // partial factor (the numerator of a quotient).
     let (pa, pb) = (src[0].is_partial(), src[1].is_partial());
@@ -60,10 +66,35 @@ fn binary(cx: &Ctx, src: &[SplitState], op: BinaryOp) -> Vec<Pattern> {
     out
 }
 
+/// Routed operands: a product with a Mirrored factor, or two values routed alike multiplied,
+/// added or subtracted, stay Routed (zero rows stay zero), when the routed operand has the
+/// output's shape (its rows are the output's rows).
+fn routed_binary(cx: &Ctx, src: &[SplitState], op: BinaryOp, out: &mut Vec<Pattern>) {
+    let (a, b) = (&src[0], &src[1]);
+    let full = |i: usize| cx.ne(i) == cx.ne(0);
+    if a.is_routed() && a == b && full(1) {
+        if matches!(op, BinaryOp::Mul | BinaryOp::Add | BinaryOp::Sub) {
+            out.push(pat(vec![a.clone(), a.clone()], a.clone()));
+        }
+        return;
+    }
+    if op == BinaryOp::Mul {
+        if a.is_routed() {
+            out.push(pat(vec![a.clone(), cx.mirrored()], a.clone()));
+        } else if b.is_routed() && full(1) {
+            out.push(pat(vec![cx.mirrored(), b.clone()], b.clone()));
+        }
+    }
+}
+
 fn swiglu(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
     let n = cx.n;
     let s = &src[0];
     let mut out = Vec::new();
+    // silu(0) * 0 = 0: gate and up routed alike stay routed.
+    if cx.n_src() == 2 && s.is_routed() && src[1] == *s {
+        out.push(pat(vec![s.clone(), s.clone()], s.clone()));
+    }
     if cx.n_src() == 2 {
         if s.split_dim().is_some() {
             out.push(pat(vec![s.clone(), s.clone()], s.clone()));
@@ -178,5 +209,36 @@ mod tests {
             &[SplitState::segmented(0, &[vec![6, 2], vec![4, 4]])],
         );
         refuses(&g, two, &[p(), p()]);
+    }
+
+    #[test]
+    fn routed_rows_stay_routed_where_zero_stays_zero() {
+        let mut g = Graph::new();
+        let gate = f32_in(&mut g, "gate", [8, 2, 3, 1]);
+        let up = f32_in(&mut g, "up", [8, 2, 3, 1]);
+        let w = f32_in(&mut g, "weights", [1, 2, 3, 1]);
+        let h = g.swiglu(gate, up).unwrap();
+        let scaled = g.mul(gate, w).unwrap();
+        let sum = g.add(gate, up).unwrap();
+        let bias = g.add(gate, w).unwrap();
+        let silu = g.silu(gate).unwrap();
+        let sig = g.sigmoid(gate).unwrap();
+        let r = SplitState::routed(7, &[3, 2]);
+        let other = SplitState::routed(8, &[3, 2]);
+        keeps(&g, h, &[r.clone(), r.clone()], r.clone());
+        keeps(&g, scaled, &[r.clone(), m()], r.clone());
+        keeps(&g, sum, &[r.clone(), r.clone()], r.clone());
+        keeps(&g, silu, std::slice::from_ref(&r), r.clone());
+        // Routed by other ids, a bias added, or f(0) != 0: reduced first (or taken as the
+        // Partial sum it also is, where the op allows one).
+        refuses(&g, h, &[r.clone(), other.clone()]);
+        refuses(&g, bias, &[r.clone(), m()]);
+        refuses(&g, sig, std::slice::from_ref(&r));
+        admits(
+            &g,
+            sum,
+            &[r.clone(), other],
+            &[pt(&[m(), m()], m()), pt(&[p(), p()], p())],
+        );
     }
 }

@@ -1,9 +1,20 @@
 //! The rule of `mul_mat_id` (`[as, b, ids]`, ggml's expert product): the dense product's
 //! column and row patterns applied inside every expert (the expert weights split on axis 1 give
 //! the output split on axis 0; split on axis 0 with the activations alike, partial sums), and
-//! tokens split alike on `b`'s axis 2, `ids`' axis 1 and the output's axis 2. Whole experts per
-//! device (a split of axis 2 of `as`) is not a pattern yet: such a weight is converted to one
-//! these take, or Mirrored.
+//! tokens split alike on `b`'s axis 2, `ids`' axis 1 and the output's axis 2; and whole
+//! experts per device (expert parallelism: `as` split on axis 2, one segment): each device
+//! multiplies the rows routed to its experts and leaves zeros in the others, a `Routed` output
+//! keyed by the ids node. The activations are Mirrored (the gate and up products) or Routed by
+//! the same ids over the same experts (the down product, after the activation kept them).
+//!
+//! | as | b | ids | output |
+//! |---|---|---|---|
+//! | Axis(1) | Mirrored | Mirrored | Axis(0), as's extents |
+//! | Axis(0) | Axis(0) alike | Mirrored | Partial |
+//! | Mirrored | Axis(0) in whole blocks | Mirrored | Partial (b alike on `as`) |
+//! | Mirrored | Axis(2) (tokens) | Axis(1) alike | Axis(2) |
+//! | Axis(2) (experts) | Mirrored, or Routed by these ids alike | Mirrored | Routed |
+//! | every source Mirrored | | | Mirrored |
 
 use super::{Ctx, Pattern, moved, pat, whole_blocks};
 use crate::split_state::{SplitAxis, SplitState};
@@ -17,6 +28,14 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
         SplitAxis::Axis(1) => out.push(pat(vec![sa.clone(), m.clone(), m.clone()], moved(sa, 0))),
         // Row-parallel inside every expert: K split alike on both gives partial sums.
         SplitAxis::Axis(0) => out.push(pat(vec![sa.clone(), sa.clone(), m.clone()], cx.partial())),
+        // Whole experts per device: the rows routed to them, zeros elsewhere.
+        SplitAxis::Axis(2) if sa.n_segments() == 1 => {
+            let routed = SplitState::routed(cx.node.src[2].index(), sa.extents());
+            if sb == &routed {
+                out.push(pat(vec![sa.clone(), sb.clone(), m.clone()], routed.clone()));
+            }
+            out.push(pat(vec![sa.clone(), m.clone(), m.clone()], routed));
+        }
         _ => {}
     }
     if sb.split_dim() == Some(0) && whole_blocks(sb, cx.src_dtype(0)) {
@@ -42,6 +61,7 @@ mod tests {
     use super::super::testing::*;
     use crate::DType;
     use crate::graph::Graph;
+    use crate::split_state::SplitState;
 
     #[test]
     fn columns_rows_and_tokens() {
@@ -60,8 +80,42 @@ mod tests {
             ax(2, &[1, 2]),
         );
         keeps(&g, y, &[m(), m(), m()], m());
-        // Whole experts per device, and partial activations, are not patterns yet.
-        refuses(&g, y, &[ax(2, &[2, 2]), m(), m()]);
+        // Partial activations are not a pattern.
         refuses(&g, y, &[m(), p(), m()]);
+    }
+
+    #[test]
+    fn whole_experts_give_rows_routed_by_the_ids() {
+        let mut g = Graph::new();
+        let w = f32_in(&mut g, "experts", [8, 6, 5, 1]);
+        let x = f32_in(&mut g, "x", [8, 1, 3, 1]);
+        let ids = g.input("ids", DType::I32, [2, 3, 1, 1]).unwrap();
+        let other = g.input("other", DType::I32, [2, 3, 1, 1]).unwrap();
+        let y = g.mul_mat_id(w, x, ids).unwrap();
+        let down = f32_in(&mut g, "down", [6, 8, 5, 1]);
+        let z = g.mul_mat_id(down, y, ids).unwrap();
+        let z2 = g.mul_mat_id(down, y, other).unwrap();
+        let routed = SplitState::routed(ids.index(), &[3, 2]);
+        // Uneven experts (3 + 2); the output names the ids it is routed by.
+        keeps(&g, y, &[ax(2, &[3, 2]), m(), m()], routed.clone());
+        // The down product takes activations routed alike, and no others.
+        keeps(
+            &g,
+            z,
+            &[ax(2, &[3, 2]), routed.clone(), m()],
+            routed.clone(),
+        );
+        refuses(&g, z, &[ax(2, &[2, 3]), routed.clone(), m()]);
+        refuses(&g, z2, &[ax(2, &[3, 2]), routed.clone(), m()]);
+        // A segmented expert split is not a pattern.
+        refuses(
+            &g,
+            y,
+            &[
+                SplitState::segmented(2, &[vec![1, 1], vec![2, 1]]),
+                m(),
+                m(),
+            ],
+        );
     }
 }

@@ -75,13 +75,22 @@ pub fn family(op: &Op) -> Family {
         Op::Cpy => Family::ViewCopy(ViewCopy::Cpy),
         Op::Concat { dim } => Family::ViewCopy(ViewCopy::Concat { dim }),
         Op::MulMat => Family::MatMul,
-        Op::MulMatId => Family::MatMulId,
+        // The rule sees whole ops, as for the row ops' windows.
+        Op::MulMatId { .. } => Family::MatMulId,
         Op::Binary(op) => Family::Elementwise(Elementwise::Binary(op)),
         // Linear (so Partial in gives Partial out) only without a bias.
         Op::Scale { scale: _, bias } => Family::Elementwise(Elementwise::Map {
             linear: bias == 0.0,
+            keeps_zero: bias == 0.0,
         }),
-        Op::Clamp { .. } | Op::Unary(_) => Family::Elementwise(Elementwise::Map { linear: false }),
+        Op::Clamp { min, max } => Family::Elementwise(Elementwise::Map {
+            linear: false,
+            keeps_zero: min <= 0.0 && 0.0 <= max,
+        }),
+        Op::Unary(u) => Family::Elementwise(Elementwise::Map {
+            linear: false,
+            keeps_zero: u.keeps_zero(),
+        }),
         Op::Swiglu => Family::Elementwise(Elementwise::Swiglu),
         Op::RmsNorm { .. } | Op::Norm { .. } => Family::Norm(Norm::Row),
         Op::SoftMax { .. } => Family::Norm(Norm::SoftMax),
@@ -97,7 +106,9 @@ pub fn family(op: &Op) -> Family {
     }
 }
 
-/// Patterns for node `id` given its sources' current states (views and leaves have none).
+/// Patterns for node `id` given its sources' current states (views and leaves have none). A
+/// Routed source is also a Partial one: the patterns that take it as Partial follow the
+/// rule's own (the sharding converts it for free).
 pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
     let cx = Ctx {
         g,
@@ -105,15 +116,38 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
         node: g.node(id),
         n: src.first().map_or(1, |s| s.n_devices()),
     };
+    let mut pats = family_patterns(&cx, src);
+    if src.iter().any(|s| s.is_routed()) {
+        let partial: Vec<SplitState> = src
+            .iter()
+            .map(|s| {
+                if s.is_routed() {
+                    cx.partial()
+                } else {
+                    s.clone()
+                }
+            })
+            .collect();
+        for p in family_patterns(&cx, &partial) {
+            if !pats.contains(&p) {
+                pats.push(p);
+            }
+        }
+    }
+    pats
+}
+
+/// The patterns of the node's family rule.
+fn family_patterns(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
     match family(&cx.node.op) {
-        Family::MatMul => matmul::rule(&cx, src),
-        Family::MatMulId => experts::rule(&cx, src),
-        Family::Elementwise(k) => elementwise::rule(&cx, src, k),
-        Family::Norm(k) => norm::rule(&cx, src, k),
-        Family::Attention(k) => attention::rule(&cx, src, k),
-        Family::Rows(k) => rows::rule(&cx, src, k),
-        Family::ViewCopy(k) => copy::rule(&cx, src, k),
-        Family::Reduction(k) => reduce::rule(&cx, src, k),
+        Family::MatMul => matmul::rule(cx, src),
+        Family::MatMulId => experts::rule(cx, src),
+        Family::Elementwise(k) => elementwise::rule(cx, src, k),
+        Family::Norm(k) => norm::rule(cx, src, k),
+        Family::Attention(k) => attention::rule(cx, src, k),
+        Family::Rows(k) => rows::rule(cx, src, k),
+        Family::ViewCopy(k) => copy::rule(cx, src, k),
+        Family::Reduction(k) => reduce::rule(cx, src, k),
         Family::Placed => Vec::new(),
     }
 }
@@ -227,12 +261,20 @@ fn whole_blocks(s: &SplitState, dtype: DType) -> bool {
 }
 
 /// The rule of a one-source op that maps elements to elements of the node's dtype (a map, a
-/// copy, a cast): any state is kept, Partial only when the op is `linear`, and an axis-0 split
-/// only in whole blocks of the output's dtype.
-fn keep_state(cx: &Ctx, src: &[SplitState], linear: bool) -> Vec<Pattern> {
+/// copy, a cast): any state is kept, Partial only when the op is `linear`, Routed when it
+/// `keeps_zero` (the rows a device does not hold stay zero), and an axis-0 split only in whole
+/// blocks of the output's dtype.
+fn keep_state(cx: &Ctx, src: &[SplitState], linear: bool, keeps_zero: bool) -> Vec<Pattern> {
     let s = &src[0];
     let mut out = Vec::new();
-    if (!s.is_partial() || linear) && whole_blocks(s, cx.dtype()) {
+    let kept = if s.is_partial() {
+        linear
+    } else if s.is_routed() {
+        keeps_zero
+    } else {
+        true
+    };
+    if kept && whole_blocks(s, cx.dtype()) {
         out.push(pat(vec![s.clone()], s.clone()));
     }
     out.push(cx.all_mirrored());
@@ -337,18 +379,34 @@ mod tests {
                     scale: 2.0,
                     bias: 0.0,
                 },
-                Family::Elementwise(Elementwise::Map { linear: true }),
+                Family::Elementwise(Elementwise::Map {
+                    linear: true,
+                    keeps_zero: true,
+                }),
             ),
             (
                 Op::Scale {
                     scale: 2.0,
                     bias: 1.0,
                 },
-                Family::Elementwise(Elementwise::Map { linear: false }),
+                Family::Elementwise(Elementwise::Map {
+                    linear: false,
+                    keeps_zero: false,
+                }),
             ),
             (
                 Op::Unary(UnaryOp::Silu),
-                Family::Elementwise(Elementwise::Map { linear: false }),
+                Family::Elementwise(Elementwise::Map {
+                    linear: false,
+                    keeps_zero: true,
+                }),
+            ),
+            (
+                Op::Unary(UnaryOp::Sigmoid),
+                Family::Elementwise(Elementwise::Map {
+                    linear: false,
+                    keeps_zero: false,
+                }),
             ),
             (Op::SoftMax { scale: 1.0 }, Family::Norm(Norm::SoftMax)),
             (Op::Rope(rope), Family::Attention(Attention::Rope)),

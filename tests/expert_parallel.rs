@@ -1,0 +1,160 @@
+//! The experts of a mixture of experts split over devices, both ways (`ExpertSplit`): column
+//! then row inside every expert, and whole experts per device (expert parallelism). Every MoE
+//! family of the architecture table (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) on a
+//! synthetic file of 8 experts gives one device's greedy tokens and logits on cpu:2x1, cpu:3x1
+//! (8 experts: 3 + 3 + 2) and cpu:4x1 under each; the sharding of an expert-parallel step
+//! moves no expert weight and no expert product between devices (the rows each device's
+//! experts computed stay Routed until the one all-reduce per MoE block).
+
+#[path = "support/decoders.rs"]
+mod decoders;
+
+use decoders::config;
+use metashard::DType;
+use metashard::cpu::Precision;
+use metashard::meta::{ConversionKind, MetaDevice};
+use metashard::models::arch::{Arch, MIXTRAL, QWEN2MOE, QWEN3MOE};
+use metashard::models::decoder::{SequenceStep, build_step};
+use metashard::models::hparams::DecoderConfig;
+use metashard::models::split::{ExpertSplit, SplitOptions, megatron};
+use metashard::models::synthetic::{alloc_kv_cache, gguf_bytes_with, random_decoder};
+use metashard::runtime::{OpenOptions, open_decoder};
+use metashard::split_state::SplitState;
+use metashard::verify::{greedy, nmse};
+use metashard::{Device, parse_devices};
+use std::path::{Path, PathBuf};
+
+const PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 81, 119, 101, 110, 51, 33];
+const STEPS: usize = 6;
+const FAMILIES: [&Arch; 3] = [&QWEN3MOE, &QWEN2MOE, &MIXTRAL];
+
+/// The family's test configuration with 8 experts (2 per token).
+fn moe_config(arch: &'static Arch) -> DecoderConfig {
+    let mut c = config(arch);
+    let moe = c.moe.as_mut().expect("a family with experts");
+    moe.n_expert = 8;
+    c
+}
+
+fn model_file(arch: &'static Arch) -> PathBuf {
+    let bytes = gguf_bytes_with(&moe_config(arch), DType::F32, false, 512, 17, &[]).unwrap();
+    decoders::write("experts", &format!("{}-8x.gguf", arch.name), &bytes)
+}
+
+/// Prompt logits and greedy tokens on `devices`, and the most weight bytes a device holds.
+fn run(path: &Path, devices: &str, experts: ExpertSplit) -> (Vec<f32>, Vec<u32>, usize) {
+    let opts = OpenOptions {
+        precision: Precision::Exact,
+        experts: Some(experts),
+        ..OpenOptions::default()
+    };
+    let (set, m) = open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {}).unwrap();
+    let held = set.bytes_per_device(&[&m.weight_buffer]);
+    let (logits, tokens) = greedy(&m, &set, PROMPT, STEPS).unwrap();
+    (logits, tokens, held.into_iter().max().unwrap())
+}
+
+#[test]
+fn every_expert_split_gives_one_devices_tokens() {
+    for arch in FAMILIES {
+        let path = model_file(arch);
+        let (want_logits, want, whole) = run(&path, "cpu:1x1", ExpertSplit::Tensor);
+        for (devices, n) in [("cpu:2x1", 2), ("cpu:3x1", 3), ("cpu:4x1", 4)] {
+            for experts in ExpertSplit::ALL {
+                let (logits, toks, held) = run(&path, devices, experts);
+                let what = format!("{} {devices} experts {}", arch.name, experts.name());
+                // The experts (most of the weights) are split, not mirrored: a device holds
+                // well under one device's whole model.
+                assert!(held * n < whole * 2, "{what}: {held} of {whole} bytes");
+                assert_eq!(toks, want, "{what}: greedy tokens");
+                let e = nmse(&logits, &want_logits);
+                // Partial sums added in another order: f32 rounding only.
+                assert!(e < 1e-7, "{what}: logits NMSE {e:.3e}");
+            }
+        }
+    }
+}
+
+/// Expert parallelism in the sharding of a decode step and of a prompt: the experts' tensors
+/// are split whole (uneven: 8 over 3 devices), no conversion reads an expert weight or the
+/// rows of an expert product, every expert product is Routed by its layer's ids, and each
+/// layer has two all-reduces (attention, the MoE block with its shared expert).
+#[test]
+fn expert_parallel_moves_no_expert_weight() {
+    for arch in FAMILIES {
+        let c = moe_config(arch);
+        for n in [2, 3] {
+            let opts = SplitOptions {
+                experts: ExpertSplit::Expert,
+                ..SplitOptions::default()
+            };
+            let m = MetaDevice::new(
+                parse_devices(&format!("cpu:{n}x1")).unwrap(),
+                megatron(&c, opts),
+            )
+            .unwrap();
+            let mb = m.meta_backend().unwrap();
+            let bt = m.buffer_type();
+            let (_wb, w) = random_decoder(&c, DType::F32, bt.as_ref(), 5).unwrap();
+            let (_cb, cache) = alloc_kv_cache(&c, 32, bt.as_ref()).unwrap();
+            let prompt: Vec<i32> = PROMPT.iter().map(|&t| t as i32).collect();
+            let p = prompt.len();
+            // A prompt (logits of its last row), then a decode step after it.
+            let steps = [
+                SequenceStep::new(&prompt, 0, 32),
+                SequenceStep::new(&[7], p, 32),
+            ];
+            for step in &steps {
+                let t = step.tokens.len();
+                let sg = build_step(&c, &w, &cache, &step.input(t - 1..t)).unwrap();
+                let g = &sg.graph;
+                let plan = mb.sharding(g).unwrap();
+                let text = plan.describe(g);
+                let what = format!("{} on {n} devices, {t} tokens", arch.name);
+                for l in 0..c.n_layer {
+                    for t in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
+                        let wt = g.find(&format!("blk.{l}.{t}.weight")).unwrap();
+                        let st = &plan.states[wt.index()];
+                        assert_eq!(st.split_dim(), Some(2), "{what}: {t} is {st}");
+                        let mut e: Vec<usize> = st.extents().to_vec();
+                        e.sort();
+                        let want = if n == 2 { vec![4, 4] } else { vec![2, 3, 3] };
+                        assert_eq!(e, want, "{what}: {t}");
+                        let product = g
+                            .ids()
+                            .find(|&id| g.node(id).src.first() == Some(&wt))
+                            .unwrap();
+                        let ids = g.node(product).src[2];
+                        assert_eq!(
+                            plan.states[product.index()],
+                            SplitState::routed(ids.index(), st.extents()),
+                            "{what}: {t}'s product\n{text}"
+                        );
+                        assert!(
+                            plan.conversions
+                                .iter()
+                                .all(|cv| cv.source != wt && cv.source != product),
+                            "{what}: {t} or its product converted\n{text}"
+                        );
+                    }
+                }
+                let reduces = plan
+                    .conversions
+                    .iter()
+                    .filter(|cv| cv.kind == ConversionKind::AllReduce)
+                    .count();
+                // Two per layer (attention, the MoE block); none of them is more than a row
+                // of activations per token.
+                assert_eq!(reduces, 2 * c.n_layer, "{what}:\n{text}");
+                let most = t * c.n_embd.max(c.n_vocab) * 4;
+                assert!(
+                    plan.conversions
+                        .iter()
+                        .filter(|cv| cv.kind.communicates())
+                        .all(|cv| cv.bytes <= most),
+                    "{what}:\n{text}"
+                );
+            }
+        }
+    }
+}

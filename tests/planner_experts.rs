@@ -6,10 +6,12 @@
 //! cannot describe is an error naming its key.
 
 use metashard::io::config::JsonConfig;
+use metashard::meta::MetaBuffer;
 use metashard::models::hparams::Moe;
 use metashard::models::synthetic;
+use metashard::planner::evaluate::Placed;
 use metashard::planner::model_presets::{CONFIG_PRESETS, MIXTRAL_8X7B, QWEN3_30B_A3B};
-use metashard::planner::report::{Plan, evaluate_split};
+use metashard::planner::report::{Plan, evaluate_split, split_fn};
 use metashard::planner::{
     Cluster, CollectiveFit, DeviceProfile, LinkLevel, Links, ModelShape, Strategy, Workload,
 };
@@ -226,4 +228,44 @@ fn a_layout_the_table_cannot_describe_names_its_key() {
             "{extra}: {e}"
         );
     }
+}
+
+#[test]
+fn expert_parallel_spreads_the_checkpoint_over_the_h100s() -> Result<()> {
+    // Whole experts per device: Mixtral's 8 one per H100, Qwen3-30B-A3B's 128 sixteen per H100.
+    // The devices hold the checkpoint once between them (each mirrored tensor counted once:
+    // the embedding, norms and routers), within 1% of its `total_size`, and fit.
+    let w = Workload::parse("pp=64,tg=16,ctx=512")?;
+    for (p, per_device) in [(&MIXTRAL_8X7B, 1), (&QWEN3_30B_A3B, 16)] {
+        let shape = ModelShape::preset(p.name).unwrap();
+        let plan = plan_on_h100s(&shape, Strategy::ExpertParallel, &w)?;
+        assert!(plan.evaluation.over_budget().is_none(), "{}", p.name);
+        let x = plan.experts.as_ref().unwrap();
+        assert_eq!(x.experts, vec![per_device; 8], "{}", p.name);
+        let moe = shape.cfg.moe.unwrap();
+        let all = shape.n_layer() * 3 * moe.n_expert * shape.cfg.n_embd * moe.n_ff_exp * 2;
+        assert_eq!(x.expert_bytes, vec![all / 8; 8], "{}", p.name);
+        // Placed as the plan places it: every weight's slices, a mirrored one counted once.
+        let c = Cluster::preset("h100x8-nvswitch").unwrap();
+        let placed_shape = shape.for_split(8, &plan.split);
+        let placed = Placed::new(&placed_shape, &c, split_fn(&placed_shape, &plan.split), 512)?;
+        let tensors = placed.tensors();
+        let mut once = 0usize;
+        for (name, _) in shape.weight_layouts() {
+            let st = &tensors[&name];
+            let mb = st.buffer.as_any().downcast_ref::<MetaBuffer>().unwrap();
+            let t = mb.tensor_at(st.offset).unwrap();
+            once += match t.state.is_mirrored() {
+                true => t.local_bytes(0),
+                false => (0..8).map(|d| t.local_bytes(d)).sum(),
+            };
+        }
+        let real = p.checkpoint_bytes as f64;
+        assert!(
+            near(once as f64, real, 0.01),
+            "{}: {once} against {real}",
+            p.name
+        );
+    }
+    Ok(())
 }

@@ -752,7 +752,7 @@ fn node_cost(
                 .max(flops / prof.gemm(DType::F32).max(1.0))
         }
         // Only the experts the step's tokens are routed to (`planner::experts`).
-        Op::MulMatId => mul_mat_id_seconds(g, node, prof, routing),
+        Op::MulMatId { window } => mul_mat_id_seconds(g, node, *window, prof, routing),
         // Rows read and written (set_rows' node is a view of the whole destination).
         Op::GetRows { .. } => mem(2.0 * out),
         Op::SetRows { .. } => mem(2.0 * src_bytes(1)),

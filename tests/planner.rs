@@ -500,3 +500,52 @@ fn a_tied_table_is_split_once_and_predicted_as_loaded() -> Result<()> {
     }
     Ok(())
 }
+
+/// Issue 21's memory floor: a weight product costs the larger of streaming its weights and
+/// its flops, so a decode step of Llama-3-8B on one H100 never gets cheaper with more
+/// sequences (an outside check found 8.10 ms at batch 8 and 3.10 ms at batch 9 before), and a
+/// step of 9 rows costs at least the weights' bytes at the GEMV rate. Tokens/s are labelled:
+/// decode per sequence and in all; a batched prompt's tokens counted once (they were counted
+/// twice, 8x too high at batch 8).
+#[test]
+fn a_bigger_batch_never_decodes_faster_than_streaming_the_weights() {
+    let s = ModelShape::preset("llama3-8b").unwrap();
+    let mut c = Cluster::preset("h100x8-nvswitch").unwrap();
+    c.devices.truncate(1);
+    let split = Strategy::Megatron.split(s.n_layer(), s.tied).unwrap();
+    let mut last = 0.0;
+    for batch in [1, 4, 8, 9, 16, 64] {
+        let w = Workload {
+            prefill: 0,
+            decode: 16,
+            batch,
+            context: 1024,
+        };
+        let e = evaluate_split(&s, &split, &c, &w).unwrap();
+        let step = e.decode.as_ref().unwrap().seconds;
+        assert!(
+            step >= last * 0.999,
+            "batch {batch}: {step} s after {last} s"
+        );
+        last = step;
+        // Per sequence and in all: one token per sequence per step.
+        let per = e.decode_tps();
+        let all = e.decode_tps_total();
+        assert!(
+            (all - per * batch as f64).abs() <= 1e-9 * all,
+            "{per} {all}"
+        );
+    }
+    // A prompt's tokens/s counts each token once: the step holds every sequence's chunk.
+    let w = Workload {
+        prefill: 64,
+        decode: 0,
+        batch: 8,
+        context: 1024,
+    };
+    let e = evaluate_split(&s, &split, &c, &w).unwrap();
+    let p = e.prefill.as_ref().unwrap();
+    assert_eq!(p.tokens, 8 * 64);
+    let tps = e.prefill_tps();
+    assert!((tps * p.seconds - 512.0).abs() < 1e-6, "{tps} tokens/s");
+}

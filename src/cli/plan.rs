@@ -27,8 +27,9 @@ pub struct PlanArgs {
     /// The workload: `pp=512,tg=128,batch=1,ctx=4096` (any subset).
     #[arg(long, default_value = "pp=512,tg=128,batch=1,ctx=4096")]
     pub workload: String,
-    /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel, auto
-    /// (the search), or layer (whole layers per device, as `--split-mode layer` runs them).
+    /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel,
+    /// expert-parallel (a mixture of experts: whole experts per device), auto (the search), or
+    /// layer (whole layers per device, as `--split-mode layer` runs them).
     #[arg(long, default_value = "auto")]
     pub strategy: String,
     /// A mixture of experts' load imbalance: the hottest device gets this many times its

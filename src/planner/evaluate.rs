@@ -8,8 +8,8 @@
 //! ([`derive_sharding`], with the same state hints a run's meta device follows) and rewritten
 //! into the per-device programs a run would execute (`meta::rewrite`). Each program node is then costed on its device's profile:
 //!
-//! - a product with a weight: weight bytes / GEMV bandwidth of its type when at most 8 rows of
-//!   activations meet it, else 2·M·N·K / GEMM flop rate of its type;
+//! - a product with a weight: the larger of weight bytes / GEMV bandwidth of its type (the
+//!   weights stream once: the memory floor) and 2·M·N·K / GEMM flop rate of its type;
 //! - an expert product (`mul_mat_id`): the larger of the bytes of the experts the step's
 //!   tokens are expected to be routed to / GEMV bandwidth and the routed pairs' flops / GEMM
 //!   rate, under a routing skew (`planner::experts`);
@@ -268,11 +268,12 @@ pub struct Evaluation {
 }
 
 impl Evaluation {
-    /// Prompt tokens per second (0 without a prompt).
+    /// Prompt tokens per second over all the batch's sequences (the step's tokens are every
+    /// sequence's chunk; 0 without a prompt).
     pub fn prefill_tps(&self) -> f64 {
-        self.prefill.as_ref().map_or(0.0, |p| {
-            p.tokens as f64 * self.workload.batch.max(1) as f64 / p.seconds.max(1e-12)
-        })
+        self.prefill
+            .as_ref()
+            .map_or(0.0, |p| p.tokens as f64 / p.seconds.max(1e-12))
     }
 
     /// Generated tokens per second per sequence (0 without generation).
@@ -280,6 +281,13 @@ impl Evaluation {
         self.decode
             .as_ref()
             .map_or(0.0, |d| 1.0 / d.seconds.max(1e-12))
+    }
+
+    /// Generated tokens per second over all the batch's sequences (one per sequence per step).
+    pub fn decode_tps_total(&self) -> f64 {
+        self.decode
+            .as_ref()
+            .map_or(0.0, |d| d.tokens as f64 / d.seconds.max(1e-12))
     }
 
     /// The first device over its budget, and by how much.
@@ -729,12 +737,12 @@ fn node_cost(
             let m = (b.ne[1] * b.ne[2] * b.ne[3]) as f64;
             let flops = 2.0 * k * nn * m;
             if is_weight(g, node.src[0]) {
+                // The weights stream at least once (the GEMV rate, their memory floor) and the
+                // product takes at least its flops at the GEMM rate: whichever is longer, at
+                // any number of activation rows.
                 let wbytes = a.nbytes() as f64;
-                let t = if m <= 8.0 {
-                    wbytes / prof.gemv(a.dtype).max(1.0)
-                } else {
-                    flops / prof.gemm(a.dtype).max(1.0)
-                };
+                let t =
+                    (wbytes / prof.gemv(a.dtype).max(1.0)).max(flops / prof.gemm(a.dtype).max(1.0));
                 t + mem(src_bytes(1) + out)
             } else {
                 // Activations times activations (attention scores and values): every row of b

@@ -301,12 +301,20 @@ impl Plan {
             );
         }
         if let Some(d) = &e.decode {
+            let per = if d.tokens > 1 {
+                format!(
+                    "step of {} sequences, {:.1} tokens/s per sequence, {:.1} in all",
+                    d.tokens,
+                    e.decode_tps(),
+                    e.decode_tps_total()
+                )
+            } else {
+                format!("token, {:.1} tokens/s", e.decode_tps())
+            };
             let _ = writeln!(
                 s,
-                "decode:  {:.3} ms per token, {:.1} tokens/s; compute {:.3} ms, communication \
-                 {:.3} ms{}",
+                "decode:  {:.3} ms per {per}; compute {:.3} ms, communication {:.3} ms{}",
                 d.seconds * 1e3,
-                e.decode_tps(),
                 d.compute_s * 1e3,
                 d.comm_s * 1e3,
                 collectives(d)

@@ -19,8 +19,9 @@ pub struct ConfigPreset {
 /// Mixtral-8x7B-v0.1/blob/main/config.json): 32 layers of width 4096, 32 query and 8 KV
 /// heads, 8 experts of width 14336 (`num_local_experts`, `intermediate_size`), 2 per token
 /// (`num_experts_per_tok`), vocabulary 32000, untied, bf16. Checkpoint: `total_size`
-/// 93,405,585,408 bytes (46,702,792,704 bf16 parameters; the same figure in the index of
-/// mistralai/Mixtral-8x7B-Instruct-v0.1, whose tensors have the same shapes).
+/// 93,405,585,408 bytes, as public code copies it from the index (of Mixtral-8x7B-Instruct-v0.1,
+/// whose tensors have this model's shapes), and 46,702,792,704 parameters counted from this
+/// configuration, times 2 bytes.
 pub const MIXTRAL_8X7B: ConfigPreset = ConfigPreset {
     name: "mixtral-8x7b",
     source: "huggingface.co/mistralai/Mixtral-8x7B-v0.1 config.json",
@@ -58,7 +59,8 @@ pub const MIXTRAL_8X7B: ConfigPreset = ConfigPreset {
 /// (`head_dim`), 128 experts of width 768 (`num_experts`, `moe_intermediate_size`), 8 per
 /// token, normalized (`norm_topk_prob`), every layer with experts (`decoder_sparse_step` 1,
 /// `mlp_only_layers` empty), vocabulary 151936, untied, bf16. Checkpoint: `total_size`
-/// 61,064,245,248 bytes in 16 shards (30,532,122,624 bf16 parameters).
+/// 61,064,245,248 bytes in 16 shards, as public notes on loading it quote the index, and
+/// 30,532,122,624 parameters counted from this configuration, times 2 bytes.
 pub const QWEN3_30B_A3B: ConfigPreset = ConfigPreset {
     name: "qwen3-30b-a3b",
     source: "huggingface.co/Qwen/Qwen3-30B-A3B config.json",

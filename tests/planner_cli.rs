@@ -342,3 +342,54 @@ fn plan_counts_the_layer_split() {
         "{err}"
     );
 }
+
+#[test]
+fn plan_shows_each_devices_experts() {
+    // Qwen3-30B-A3B mirrored on 8 x H100: every device holds all 128 experts of each of the 48
+    // layers (3 matrices of 2048 x 768 bf16 each: 57,982,058,496 bytes).
+    let args = [
+        "plan",
+        "--model",
+        "qwen3-30b-a3b",
+        "--cluster",
+        "h100x8-nvswitch",
+        "--strategy",
+        "mirrored",
+        "--routing-skew",
+        "1.5",
+    ];
+    let (code, out, err) = metashard(&args);
+    assert_eq!(code, 0, "{err}");
+    for needle in [
+        "experts: 128 per layer of width 768, 8 per token, routing skew 1.5",
+        "per device 128/128/128/128/128/128/128/128 experts, expert weights 55296.0 MiB each",
+        "ffn_gate_inp/gate_exps/up_exps",
+    ] {
+        assert!(out.contains(needle), "lacks {needle:?}:\n{out}");
+    }
+    let (code, json, err) = metashard(&[&args[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let x = &v["experts"];
+    assert_eq!(x["n_expert"], 128);
+    assert_eq!(x["n_expert_used"], 8);
+    assert_eq!(x["routing_skew"], 1.5);
+    for d in 0..8 {
+        assert_eq!(x["experts"][d], 128, "{x}");
+        assert_eq!(x["expert_bytes"][d], 57_982_058_496u64, "{x}");
+    }
+    // A dense model has no experts; a skew below uniform names the flag.
+    let (code, json, err) = metashard(&["plan", "--cluster", "h100x8-nvswitch", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(v.get("experts").is_none());
+    let (code, _, err) = metashard(&[
+        "plan",
+        "--cluster",
+        "h100x8-nvswitch",
+        "--routing-skew",
+        "0.5",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--routing-skew"), "{err}");
+}

@@ -13,8 +13,9 @@ use std::path::PathBuf;
     "Print the plan as JSON (a plan file: `run --plan FILE` executes it)"
 )))]
 pub struct PlanArgs {
-    /// A model: a preset (smollm2-135m, llama3-8b, llama3-70b), `smollm2`, a `.gguf` file (only
-    /// its header is read) or a Hugging Face `config.json` (or its folder).
+    /// A model: a preset (smollm2-135m, llama3-8b, llama3-70b, mixtral-8x7b, qwen3-30b-a3b),
+    /// `smollm2`, a `.gguf` file (only its header is read) or a Hugging Face `config.json` (or
+    /// its folder).
     #[arg(long, default_value = "smollm2")]
     pub model: String,
     /// The cluster: a preset name or a profile JSON (`metashard calibrate -o FILE`).
@@ -31,6 +32,10 @@ pub struct PlanArgs {
     /// layer (whole layers per device, as `--split-mode layer` runs them).
     #[arg(long, default_value = "auto")]
     pub strategy: String,
+    /// A mixture of experts' load imbalance: the hottest device gets this many times its
+    /// uniform share of the routed tokens (1: uniform routing, an assumption; at least 1).
+    #[arg(long, default_value_t = metashard::planner::experts::DEFAULT_ROUTING_SKEW)]
+    pub routing_skew: f64,
     /// Device shares of split tensors: even, throughput (by each device's measured speed), or
     /// ratios like 3,1.
     #[arg(long, default_value = "even")]
@@ -55,7 +60,8 @@ pub fn cluster_of(cluster: Option<&str>, devices: Option<&str>) -> Result<Cluste
 }
 
 pub fn run(a: &PlanArgs) -> Result<()> {
-    let shape = ModelShape::resolve(&a.model)?;
+    let mut shape = ModelShape::resolve(&a.model)?;
+    shape.routing_skew = metashard::planner::experts::check_skew("--routing-skew", a.routing_skew)?;
     let cluster = cluster_of(a.cluster.as_deref(), a.devices.as_deref())?;
     let workload = Workload::parse(&a.workload)?;
     if workload.context > shape.context_length {

@@ -10,6 +10,9 @@
 //!
 //! - a product with a weight: the larger of weight bytes / GEMV bandwidth of its type (the
 //!   weights stream once: the memory floor) and 2·M·N·K / GEMM flop rate of its type;
+//! - an expert product (`mul_mat_id`): the larger of the bytes of the experts the step's
+//!   tokens are expected to be routed to / GEMV bandwidth and the routed pairs' flops / GEMM
+//!   rate, under a routing skew (`planner::experts`);
 //! - a product of two activations (attention without the fused kernel) and fused attention:
 //!   the larger of bytes moved / memory bandwidth and flops / the F32 GEMM rate;
 //! - everything else: bytes read and written / memory bandwidth;
@@ -21,6 +24,7 @@
 //! (exact) and the peak of its compute buffer (the graph allocator's measure pass).
 
 use super::cluster::{Cluster, Collective};
+use super::experts::{Routing, mul_mat_id_seconds};
 use super::shape::ModelShape;
 use super::virtual_device::{VirtualBufferType, VirtualDevice};
 use crate::backend::Device;
@@ -427,6 +431,14 @@ impl Placed {
             .collect()
     }
 
+    /// How the model's experts are routed (None for a dense model).
+    pub fn routing(&self) -> Option<Routing> {
+        self.shape.cfg.moe.map(|m| Routing {
+            n_expert: m.n_expert,
+            skew: self.shape.routing_skew,
+        })
+    }
+
     /// Resident bytes (weights and cache) per segment (0: embedding, 1..=L: layers, L+1:
     /// output norm and projection) and device.
     pub fn bytes_by_segment(&self) -> Vec<Vec<usize>> {
@@ -497,7 +509,7 @@ pub fn evaluate_placed(
             let plan = crate::alloc::measure(&p.graph, &VirtualBufferType)?;
             activations[d] = activations[d].max(plan.peak);
         }
-        Ok(step_cost(&g, &rw, cluster, tokens))
+        Ok(step_cost(&g, &rw, cluster, tokens, placed.routing()))
     };
     let (prefill, chunks) = match workload.prefill_step() {
         Some((tokens, start)) => (Some(run_step(tokens, start)?), workload.prefill_chunks()),
@@ -591,7 +603,13 @@ fn segments_of(g: &Graph) -> (Vec<usize>, Vec<String>) {
 }
 
 /// Cost of the per-device programs `rw` of the user graph `g` on `cluster`.
-fn step_cost(g: &Graph, rw: &Rewritten, cluster: &Cluster, tokens: usize) -> StepCost {
+fn step_cost(
+    g: &Graph,
+    rw: &Rewritten,
+    cluster: &Cluster,
+    tokens: usize,
+    routing: Option<Routing>,
+) -> StepCost {
     let n = rw.programs.len();
     let (user_seg, names) = segments_of(g);
     // The segment of each local node: that of the first user node at or after it.
@@ -633,7 +651,7 @@ fn step_cost(g: &Graph, rw: &Rewritten, cluster: &Cluster, tokens: usize) -> Ste
                     let (mut t, mut o) = (0.0, 0.0);
                     for idx in r.clone() {
                         let id = TensorId(idx as u32);
-                        let (c, ov) = node_cost(&p.graph, id, prof);
+                        let (c, ov) = node_cost(&p.graph, id, prof, routing);
                         t += c + ov;
                         o += ov;
                         seg_compute[d][local_seg[d][idx]] += c + ov;
@@ -709,7 +727,12 @@ fn step_cost(g: &Graph, rw: &Rewritten, cluster: &Cluster, tokens: usize) -> Ste
 }
 
 /// Seconds of one local node on `prof`: (work, fixed overhead).
-fn node_cost(g: &Graph, id: TensorId, prof: &super::cluster::DeviceProfile) -> (f64, f64) {
+fn node_cost(
+    g: &Graph,
+    id: TensorId,
+    prof: &super::cluster::DeviceProfile,
+    routing: Option<Routing>,
+) -> (f64, f64) {
     let node = g.node(id);
     if node.op.is_noop() || matches!(node.op, Op::Collective(_)) {
         return (0.0, 0.0);
@@ -754,6 +777,8 @@ fn node_cost(g: &Graph, id: TensorId, prof: &super::cluster::DeviceProfile) -> (
             mem(src_bytes(0) + src_bytes(1) + src_bytes(2) + src_bytes(3) + out)
                 .max(flops / prof.gemm(DType::F32).max(1.0))
         }
+        // Only the experts the step's tokens are routed to (`planner::experts`).
+        Op::MulMatId { window } => mul_mat_id_seconds(g, node, *window, prof, routing),
         // Rows read and written (set_rows' node is a view of the whole destination).
         Op::GetRows { .. } => mem(2.0 * out),
         Op::SetRows { .. } => mem(2.0 * src_bytes(1)),

@@ -6,7 +6,10 @@
 //! - `fit.rs`: the pure half of calibration: measured collective times fitted to alpha-beta
 //!   links, a cluster assembled from measured rates (the measuring half is `crate::calibrate`).
 //! - `shape.rs`: [`ModelShape`], a decoder without its weights (GGUF header, config.json,
-//!   presets).
+//!   presets); `model_presets.rs`: presets kept as their published `config.json` (the
+//!   mixtures of experts, with their checkpoints' sizes).
+//! - `experts.rs`: mixtures of experts: their `config.json` keys, what an expert product
+//!   streams and computes under a routing skew, the experts each device holds.
 //! - `evaluate.rs`: the cost model: predicted prefill and decode time, collectives and memory
 //!   per device of any split callback for a [`Workload`], from the real per-device programs.
 //! - `strategy.rs`: the named strategies (assignments of split states), device shares.
@@ -19,8 +22,10 @@
 
 pub mod cluster;
 pub mod evaluate;
+pub mod experts;
 pub mod fit;
 pub mod layer;
+pub mod model_presets;
 pub mod presets;
 pub mod report;
 pub mod search;

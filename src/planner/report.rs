@@ -6,6 +6,8 @@
 
 use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload};
+pub use super::experts::ExpertSplit;
+use super::experts::{experts_how, meta_tensor};
 use super::search::{Candidate, RunAlternatives, SearchResult};
 pub use super::shape::HeadSplit;
 use super::shape::ModelShape;
@@ -44,6 +46,9 @@ pub struct Plan {
     pub groups: Vec<GroupRow>,
     /// How attention's heads lie over the devices.
     pub heads: HeadSplit,
+    /// A mixture of experts' counts and each device's experts (absent for a dense model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub experts: Option<ExpertSplit>,
     pub evaluation: Evaluation,
     /// The search's best assignment per choice of ends, best first.
     pub candidates: Vec<Candidate>,
@@ -202,6 +207,7 @@ impl Plan {
             workload.cache_rows(),
         )?;
         let heads = HeadSplit::of(shape, cluster.devices.len(), &split)?;
+        let experts = ExpertSplit::of(&placed);
         let groups = groups(
             &placed,
             &split,
@@ -220,6 +226,7 @@ impl Plan {
             split,
             groups,
             heads,
+            experts,
             evaluation,
             candidates,
             alternatives,
@@ -246,6 +253,9 @@ impl Plan {
         );
         let _ = writeln!(s, "assignment: {}", self.summary);
         let _ = writeln!(s, "{}", self.heads.line());
+        if let Some(x) = &self.experts {
+            let _ = writeln!(s, "{}", x.line());
+        }
         if let Some(ms) = self.solve_ms {
             let _ = writeln!(s, "search: {ms:.1} ms");
         }
@@ -591,7 +601,17 @@ impl GroupCtx<'_> {
                     .filter(|t| t.group() == *g)
                     .collect(),
             };
-            let Some(&rep) = roles.first() else { continue };
+            let Some(&first) = roles.first() else {
+                continue;
+            };
+            // A mixture of experts' MLP groups are shown by their experts' state.
+            let exps = match group {
+                Group::FfnIn => Some(Tensor::FfnUpExps),
+                Group::FfnOut => Some(Tensor::FfnDownExps),
+                _ => None,
+            };
+            let exps = exps.filter(|t| arch.has(*t));
+            let rep = exps.unwrap_or(first);
             let names: Vec<String> = (i..=j)
                 .flat_map(|b| roles.iter().map(move |&t| arch.name(t, b)))
                 .collect();
@@ -636,6 +656,16 @@ impl GroupCtx<'_> {
                     },
                 ),
             };
+            let how = exps.and_then(|t| self.tensors.get(&arch.name(t, i)).and_then(meta_tensor));
+            let why = match (how.map(|t| experts_how(&t.state)), group) {
+                (None, _) => why,
+                (Some(None), Group::FfnOut) => "mirrored with its inputs".into(),
+                (Some(Some(h)), Group::FfnOut) => reduced(true, sp, &format!("{h}: ")),
+                (Some(h), _) => {
+                    let alt = if l.mlp { "mirrored" } else { "split" };
+                    self.layer_why(i, h.unwrap_or("experts mirrored"), alt, Part::Mlp)
+                }
+            };
             self.push(format!("{range}{label}"), &arch.name(rep, i), &names, why);
         }
     }
@@ -658,7 +688,12 @@ fn label(roles: &[Tensor]) -> String {
         .filter(|t| !t.is_vector())
         .map(|t| t.base_name())
         .collect();
-    let prefix = bases[0].rfind('_').map_or("", |k| &bases[0][..=k]);
+    // The longest prefix ending in `_` every base shares (`attn_`, `ffn_`).
+    let prefix = (0..=bases[0].len())
+        .rev()
+        .map(|k| &bases[0][..k])
+        .find(|p| (p.is_empty() || p.ends_with('_')) && bases.iter().all(|b| b.starts_with(p)))
+        .unwrap_or("");
     let rest: Vec<&str> = bases
         .iter()
         .map(|b| b.strip_prefix(prefix).unwrap_or(b))

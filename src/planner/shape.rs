@@ -5,9 +5,10 @@
 //! planner places such a model on virtual devices and runs the real graph builder and sharding
 //! passes over it.
 
+use super::experts::{DEFAULT_ROUTING_SKEW, moe_from_config};
 use crate::io::config::JsonConfig;
 use crate::io::gguf::GgufFile;
-use crate::models::arch::{Arch, LLAMA, Part, Tensor};
+use crate::models::arch::{Arch, LLAMA, MIXTRAL, Part, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use crate::models::limits::{self, Count, Source};
 use crate::models::split::{DecoderSplit, SplitDims, kv_repeat, query_heads};
@@ -23,9 +24,11 @@ pub struct WeightTypes {
     /// Token embedding (and the output projection when tied).
     pub embedding: DType,
     pub output: DType,
-    /// Q, K, V and attention output.
+    /// Q, K, V and attention output (and a mixture of experts' routers).
     pub attention: DType,
+    /// Gate and up of the MLP, of every expert and of a shared expert.
     pub ffn_gate_up: DType,
+    /// Down of the MLP, of every expert and of a shared expert.
     pub ffn_down: DType,
     /// Norm weights.
     pub norm: DType,
@@ -38,8 +41,14 @@ impl WeightTypes {
             Tensor::TokenEmbd => self.embedding,
             Tensor::Output if tied => self.embedding,
             Tensor::Output => self.output,
-            Tensor::FfnGate | Tensor::FfnUp | Tensor::FfnGateUp => self.ffn_gate_up,
-            Tensor::FfnDown => self.ffn_down,
+            Tensor::FfnGate
+            | Tensor::FfnUp
+            | Tensor::FfnGateUp
+            | Tensor::FfnGateExps
+            | Tensor::FfnUpExps
+            | Tensor::FfnGateShexp
+            | Tensor::FfnUpShexp => self.ffn_gate_up,
+            Tensor::FfnDown | Tensor::FfnDownExps | Tensor::FfnDownShexp => self.ffn_down,
             t if t.is_vector() => self.norm,
             _ => self.attention,
         }
@@ -64,6 +73,16 @@ fn first_of(arch: &Arch, roles: &[Tensor]) -> Tensor {
     roles.iter().copied().find(|t| arch.has(*t)).unwrap_or(last)
 }
 
+/// The family a Hugging Face `model_type` names: as GGUF's `general.architecture` names it
+/// (`llama`, `qwen3`), without its underscores (`qwen3_moe`, `qwen2_moe`), or Mixtral (GGUF
+/// files call it `llama`; transformers' `MixtralConfig` has `model_type` "mixtral").
+fn arch_of_model_type(t: &str) -> Option<&'static Arch> {
+    if t == "mixtral" {
+        return Some(&MIXTRAL);
+    }
+    Arch::from_gguf_name(t).or_else(|| Arch::from_gguf_name(&t.replace('_', "")))
+}
+
 /// A decoder's shape: what planning needs, no weights.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelShape {
@@ -85,6 +104,10 @@ pub struct ModelShape {
     /// [`ModelShape::for_split`] where both lie alike, as a run places them).
     #[serde(skip)]
     pub share_tied: bool,
+    /// A mixture of experts' load imbalance: the hottest device's share of the routed tokens
+    /// over its uniform share (1: uniform, [`DEFAULT_ROUTING_SKEW`]; `plan --routing-skew`).
+    /// Unused by dense models. See `planner::experts`.
+    pub routing_skew: f64,
 }
 
 impl ModelShape {
@@ -175,7 +198,7 @@ impl ModelShape {
 
     /// A shape from a GGUF file's header: configuration and tensor types, no data read.
     pub fn from_gguf(path: &Path) -> Result<ModelShape> {
-        let g = GgufFile::open(path)?;
+        let g = crate::models::legacy_experts::open_gguf(path)?;
         let cfg = config_from_gguf(&g)?;
         let context_length = context_length_from_gguf(&g)?;
         let file_tensors = crate::models::loader::file_tensors(&g, &cfg)?;
@@ -200,8 +223,13 @@ impl ModelShape {
             output: if tied { embedding } else { ty(Tensor::Output)? },
             // Q, or Q | K | V in one matrix (Phi-3); up, or gate | up.
             attention: ty(first_of(cfg.arch, &[Tensor::AttnQ, Tensor::AttnQkv]))?,
-            ffn_gate_up: ty(first_of(cfg.arch, &[Tensor::FfnUp, Tensor::FfnGateUp]))?,
-            ffn_down: ty(Tensor::FfnDown)?,
+            // Experts: their up and down (the file's dense and expert types may differ; the
+            // planner prices each tensor by its own type, `file_tensors`).
+            ffn_gate_up: ty(first_of(
+                cfg.arch,
+                &[Tensor::FfnUp, Tensor::FfnGateUp, Tensor::FfnUpExps],
+            ))?,
+            ffn_down: ty(first_of(cfg.arch, &[Tensor::FfnDown, Tensor::FfnDownExps]))?,
             norm: DType::F32,
         };
         let name = g
@@ -221,13 +249,15 @@ impl ModelShape {
             context_length,
             file_tensors: Some(file_tensors),
             share_tied: false,
+            routing_skew: DEFAULT_ROUTING_SKEW,
         })
     }
 
     /// A shape from a Hugging Face Llama-family `config.json` (`hidden_size`,
     /// `intermediate_size`, `num_attention_heads`, `num_key_value_heads`,
     /// `num_hidden_layers`, `vocab_size`, `head_dim`, `max_position_embeddings`, `rms_norm_eps`,
-    /// `rope_theta`, `torch_dtype`, `tie_word_embeddings`): a regular file of at most
+    /// `rope_theta`, `torch_dtype`, `tie_word_embeddings`; a mixture of experts' keys as
+    /// [`super::experts::moe_from_config`] reads them): a regular file of at most
     /// [`crate::io::MAX_JSON_BYTES`], every count within the bounds of
     /// [`crate::models::limits`] (errors name the file and the key).
     pub fn from_config_json(path: &Path) -> Result<ModelShape> {
@@ -238,10 +268,9 @@ impl ModelShape {
     pub fn from_config(c: &JsonConfig) -> Result<ModelShape> {
         let path = c.path();
         let src = Source::ConfigJson(path);
-        // Hugging Face's `model_type` names the families as GGUF's `general.architecture`.
         let arch = match c.opt_str("model_type")? {
             None => &LLAMA,
-            Some(t) => Arch::from_gguf_name(t)
+            Some(t) => arch_of_model_type(t)
                 .ok_or_else(|| Error::format(path, "key 'model_type'", Arch::unsupported(t)))?,
         };
         let count =
@@ -297,6 +326,7 @@ impl ModelShape {
             rope_dims: head_dim,
             fused_attn: true,
             attn_scale: 1.0 / (head_dim.max(1) as f32).sqrt(),
+            moe: moe_from_config(c, arch)?,
             ..base
         };
         limits::check_decoder(&cfg, src)?;
@@ -322,6 +352,7 @@ impl ModelShape {
             context_length,
             file_tensors: None,
             share_tied: false,
+            routing_skew: DEFAULT_ROUTING_SKEW,
         })
     }
 
@@ -334,8 +365,17 @@ impl ModelShape {
         Ok(())
     }
 
-    /// A built-in shape: `smollm2-135m`, `llama3-8b`, `llama3-70b`.
+    /// A built-in shape: `smollm2-135m`, `llama3-8b`, `llama3-70b`, and the mixtures of
+    /// experts kept as their `config.json` (`mixtral-8x7b`, `qwen3-30b-a3b`:
+    /// [`super::model_presets`]).
     pub fn preset(name: &str) -> Option<ModelShape> {
+        if let Some(p) = super::model_presets::config_preset(name) {
+            let c = JsonConfig::parse(p.source, p.config_json).ok()?;
+            return ModelShape::from_config(&c).ok().map(|s| ModelShape {
+                name: p.name.to_string(),
+                ..s
+            });
+        }
         let dec = |n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab, rope_base| DecoderConfig {
             rope_base,
             fused_attn: true,
@@ -381,11 +421,18 @@ impl ModelShape {
             context_length: ctx,
             file_tensors: None,
             share_tied: false,
+            routing_skew: DEFAULT_ROUTING_SKEW,
         })
     }
 
     /// Names of the presets.
-    pub const PRESETS: &'static [&'static str] = &["smollm2-135m", "llama3-8b", "llama3-70b"];
+    pub const PRESETS: &'static [&'static str] = &[
+        "smollm2-135m",
+        "llama3-8b",
+        "llama3-70b",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
+    ];
 
     /// A preset name, a `.gguf` file, a `config.json` (or a folder holding one), or a model name
     /// the model cache resolves (`smollm2`).

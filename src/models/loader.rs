@@ -338,7 +338,10 @@ impl DecoderModel {
     /// reads one row; a mixture of experts' 3-D expert tensors only the `k` of `E` experts the
     /// token is routed to).
     pub fn bytes_per_token(&self) -> usize {
-        let (used, experts) = self.cfg.moe.map_or((1, 1), |m| (m.n_expert_used, m.n_expert));
+        let (used, experts) = self
+            .cfg
+            .moe
+            .map_or((1, 1), |m| (m.n_expert_used, m.n_expert));
         self.weights
             .iter()
             .map(|(t, r)| match t {

@@ -7,7 +7,6 @@
 
 use super::experts::{DEFAULT_ROUTING_SKEW, moe_from_config};
 use crate::io::config::JsonConfig;
-use crate::io::gguf::GgufFile;
 use crate::models::arch::{Arch, LLAMA, MIXTRAL, Part, Tensor};
 use crate::models::hparams::{DecoderConfig, config_from_gguf, context_length_from_gguf};
 use crate::models::limits::{self, Count, Source};

@@ -1,6 +1,7 @@
 //! The experts of a mixture of experts split over devices, both ways (`ExpertSplit`): column
 //! then row inside every expert, and whole experts per device (expert parallelism). Every MoE
-//! family of the architecture table (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) on a
+//! family of the architecture table (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
+//! OLMoE) on a
 //! synthetic file of 8 experts gives one device's greedy tokens and logits on cpu:2x1, cpu:3x1
 //! (8 experts: 3 + 3 + 2) and cpu:4x1 under each; the sharding of an expert-parallel step
 //! moves no expert weight and no expert product between devices (the rows each device's
@@ -13,7 +14,7 @@ use decoders::config;
 use metashard::DType;
 use metashard::cpu::Precision;
 use metashard::meta::{ConversionKind, MetaDevice};
-use metashard::models::arch::{Arch, MIXTRAL, QWEN2MOE, QWEN3MOE};
+use metashard::models::arch::{Arch, MIXTRAL, OLMOE, QWEN2MOE, QWEN3MOE};
 use metashard::models::decoder::{SequenceStep, build_step};
 use metashard::models::hparams::DecoderConfig;
 use metashard::models::split::{ExpertSplit, SplitOptions, megatron};
@@ -26,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 const PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 81, 119, 101, 110, 51, 33];
 const STEPS: usize = 6;
-const FAMILIES: [&Arch; 3] = [&QWEN3MOE, &QWEN2MOE, &MIXTRAL];
+const FAMILIES: [&Arch; 4] = [&QWEN3MOE, &QWEN2MOE, &MIXTRAL, &OLMOE];
 
 /// The family's test configuration with 8 experts (2 per token).
 fn moe_config(arch: &'static Arch) -> DecoderConfig {

@@ -287,7 +287,9 @@ fn workloads_that_overflow_or_cannot_be_costed_are_refused_naming_the_key() {
             "ctx",
         ),
         ("pp=1,ctx=4294967296", "ctx"),
-        ("pp=4096,tg=1024,batch=4096,ctx=2000000000", "mask"),
+        ("pp=4096,tg=1024,batch=64,ctx=20000000", "mask"),
+        // A KV cache of ctx positions for each of the batch's sequences.
+        ("pp=4096,tg=1024,batch=4096,ctx=2000000000", "batch"),
     ] {
         let e = Workload::parse(bad).unwrap_err().to_string();
         assert!(e.contains("workload") && e.contains(key), "{bad}: {e}");

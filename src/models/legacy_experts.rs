@@ -10,8 +10,9 @@
 //! different types or shapes naming the tensor), so everything after it sees one layout.
 
 use super::arch::{Naming, Tensor};
-use crate::Result;
+use super::hparams::MAX_EXPERTS;
 use crate::io::GgufFile;
+use crate::{Error, Result};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -37,6 +38,14 @@ pub fn stack_legacy_experts(g: &mut GgufFile) -> Result<()> {
     }
     for ((layer, role), experts) in groups {
         let n = experts.last().map_or(0, |e| e + 1);
+        // The expert number in a name sizes the list of parts: bounded before it is built.
+        if n > MAX_EXPERTS {
+            return Err(Error::format(
+                g.path(),
+                format!("tensor '{}'", legacy_name(role, layer, n - 1)),
+                format!("expert {}: at most {MAX_EXPERTS} experts are taken", n - 1),
+            ));
+        }
         let parts: Vec<String> = (0..n).map(|e| legacy_name(role, layer, e)).collect();
         let name = Naming::Gguf
             .name(role, layer)
@@ -98,5 +107,18 @@ mod tests {
             legacy_name(Tensor::FfnDownExps, 2, 5),
             "blk.2.ffn_down.5.weight"
         );
+    }
+
+    #[test]
+    fn an_expert_number_past_the_bound_is_refused_before_anything_is_sized_by_it() {
+        use crate::DType;
+        use crate::io::GgufWriter;
+        let mut w = GgufWriter::new();
+        let name = "blk.0.ffn_gate.4000000000.weight";
+        w.add_tensor(name, DType::F32, &[2, 2], vec![0; 16])
+            .unwrap();
+        let mut g = GgufFile::from_bytes("old.gguf", w.to_bytes()).unwrap();
+        let e = stack_legacy_experts(&mut g).unwrap_err().to_string();
+        assert!(e.contains(name) && e.contains("4096"), "{e}");
     }
 }

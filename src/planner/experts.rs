@@ -263,7 +263,7 @@ pub fn mul_mat_id_seconds(
 /// it holds and their bytes, read from the placed expert weights' slices (so any split of the
 /// experts, mirrored, by whole experts or inside every expert, reports what it placed).
 #[derive(Clone, Debug, Serialize)]
-pub struct ExpertSplit {
+pub struct PlacedExperts {
     /// Experts of a layer.
     pub n_expert: usize,
     /// Experts each token is routed to.
@@ -283,9 +283,9 @@ pub struct ExpertSplit {
     pub expert_bytes: Vec<usize>,
 }
 
-impl ExpertSplit {
+impl PlacedExperts {
     /// The experts of `placed` (None for a dense model).
-    pub fn of(placed: &Placed) -> Option<ExpertSplit> {
+    pub fn of(placed: &Placed) -> Option<PlacedExperts> {
         let cfg = &placed.shape.cfg;
         let m = cfg.moe?;
         let n = placed.devices.len();
@@ -311,7 +311,7 @@ impl ExpertSplit {
                 hi[d] = hi[d].max(held[d]);
             }
         }
-        Some(ExpertSplit {
+        Some(PlacedExperts {
             n_expert: m.n_expert,
             n_expert_used: m.n_expert_used,
             n_ff_exp: m.n_ff_exp,

@@ -6,7 +6,7 @@
 
 use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload};
-pub use super::experts::ExpertSplit;
+pub use super::experts::PlacedExperts;
 use super::experts::{experts_how, meta_tensor};
 use super::search::{Candidate, RunAlternatives, SearchResult};
 pub use super::shape::HeadSplit;
@@ -48,7 +48,7 @@ pub struct Plan {
     pub heads: HeadSplit,
     /// A mixture of experts' counts and each device's experts (absent for a dense model).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub experts: Option<ExpertSplit>,
+    pub experts: Option<PlacedExperts>,
     pub evaluation: Evaluation,
     /// The search's best assignment per choice of ends, best first.
     pub candidates: Vec<Candidate>,
@@ -207,7 +207,7 @@ impl Plan {
             workload.cache_rows(),
         )?;
         let heads = HeadSplit::of(shape, cluster.devices.len(), &split)?;
-        let experts = ExpertSplit::of(&placed);
+        let experts = PlacedExperts::of(&placed);
         let groups = groups(
             &placed,
             &split,

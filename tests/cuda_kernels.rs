@@ -268,11 +268,19 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline int __float2int_rz(float x) { return (int)x; }
 static inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
+static inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; }
+static inline u32 __byte_perm(u32 x, u32 y, u32 s) {
+    unsigned long long b = ((unsigned long long)y << 32) | x;
+    u32 r = 0;
+    for (int i = 0; i < 4; i++) r |= (u32)((b >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return r;
+}
 "#;
 
-/// The driver: `prog d TYPE NBLK IN OUT` writes every element by `load_qx`, then every element
-/// as the GEMV's warp produces it (`qx_lanes`, `deq8_qx`; a failure where no lane or two
-/// lanes wrote an element); `prog q TYPE NBLK IN OUT` quantizes NBLK blocks of floats by
+/// The driver: `prog d TYPE NBLK IN OUT` writes every element by `load_qx` (NaN for Q8_0, Q4_0
+/// and Q4_1, which are kernels.cu's), then every element as the GEMV's warp produces it
+/// (`qx_lanes`, `lane8`: integer quants, exact in floats, with their scale and offset; a failure
+/// where no lane or two lanes wrote an element); `prog q TYPE NBLK IN OUT` quantizes NBLK blocks of floats by
 /// `quantize32_qx` or `quantize256_qx` (into a buffer of 0x5a bytes: every byte is written).
 const HOST_MAIN: &str = r#"
 int main(int argc, char **argv) {
@@ -285,22 +293,37 @@ int main(int argc, char **argv) {
         std::vector<char> row((size_t)nblk * bb);
         if (fread(row.data(), 1, row.size(), in) != row.size()) return 4;
         i64 n = (i64)nblk * be;
-        std::vector<float> elem(n), lanes(n, NAN);
+        std::vector<float> elem(n, NAN), lanes(n, NAN);
         std::vector<int> hits(n, 0);
-        for (i64 i = 0; i < n; i++) elem[i] = load_qx(row.data(), type, i);
+        if (is_qx(type)) for (i64 i = 0; i < n; i++) elem[i] = load_qx(row.data(), type, i);
         for (int lane = 0; lane < 32; lane++) {
             int t, first, step;
             qx_lanes(type, lane, &t, &first, &step);
             for (i64 b = first; b < nblk; b += step) {
-                float q[8];
+                float q[8], dl, ml;
                 int e0, e1;
-                deq8_qx(row.data() + b * bb, type, t, q, &e0, &e1);
-                for (int i = 0; i < 4; i++) {
-                    i64 a = b * be + e0 + i, c = b * be + e1 + i;
-                    lanes[a] = q[i];
-                    lanes[c] = q[4 + i];
+                const char *blk = row.data() + b * bb;
+                switch (type) {
+                case T_Q8_0: lane8<T_Q8_0>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q4_0: lane8<T_Q4_0>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q4_1: lane8<T_Q4_1>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q5_0: lane8<T_Q5_0>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q5_1: lane8<T_Q5_1>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q2_K: lane8<T_Q2_K>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q3_K: lane8<T_Q3_K>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q4_K: lane8<T_Q4_K>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q5_K: lane8<T_Q5_K>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_Q6_K: lane8<T_Q6_K>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                case T_IQ4_NL: lane8<T_IQ4_NL>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                default: lane8<T_IQ4_XS>(blk, t, q, &dl, &ml, &e0, &e1); break;
+                }
+                for (int i = 0; i < 8; i++) {
+                    // The quants are integers; each element is dl q (- ml) as the table forms it.
+                    if (q[i] != (float)(int)q[i]) { fprintf(stderr, "quant %g not an integer\n", q[i]); return 6; }
+                    i64 a = b * be + (i < 4 ? e0 + i : e1 + i - 4);
+                    bool min = type == T_Q4_1 || type == T_Q5_1 || type == T_Q2_K || type == T_Q4_K || type == T_Q5_K;
+                    lanes[a] = min ? dl * q[i] - ml : dl * q[i];
                     hits[a]++;
-                    hits[c]++;
                 }
             }
         }
@@ -418,9 +441,14 @@ fn host_new_weight_types_dequantize_as_the_dtype_table_element_by_element_and_la
     // (exponent below 31). Values must equal the table's (ggml's reference dequantizers,
     // checked against gguf-py in tests/quant_formats.rs) bit for bit, both as `load_qx` reads
     // single elements (get_rows, copies, the cuBLAS path's expansion) and as the GEMV's 32
-    // lanes read a row, each element by exactly one lane.
+    // lanes read a row (`lane8`, every quantized type), each element by exactly one lane.
     let Some(exe) = host_program() else { return };
-    for (seed, &(dt, halves)) in QX_TYPES.iter().enumerate() {
+    let older: &[(DType, &[usize])] = &[
+        (DType::Q8_0, &[0]),
+        (DType::Q4_0, &[0]),
+        (DType::Q4_1, &[0, 2]),
+    ];
+    for (seed, &(dt, halves)) in QX_TYPES.iter().chain(older).enumerate() {
         let nblk = if dt.block_size() == 32 { 21 } else { 5 };
         let mut row = random_bytes(nblk * dt.type_size(), seed as u64 + 1);
         for b in 0..nblk {
@@ -432,7 +460,11 @@ fn host_new_weight_types_dequantize_as_the_dtype_table_element_by_element_and_la
         let want = metashard::dtype::bytes_to_f32(dt, &row, n).unwrap();
         let got = f32s(&run_host(&exe, "d", dt, nblk, &row));
         let (elem, lanes) = got.split_at(n);
-        for (what, v) in [("load_qx", elem), ("deq8_qx lanes", lanes)] {
+        let qx = QX_TYPES.iter().any(|&(t, _)| t == dt);
+        for (what, v) in [("load_qx", elem), ("lane8 lanes", lanes)] {
+            if what == "load_qx" && !qx {
+                continue;
+            }
             for (i, (a, b)) in v.iter().zip(&want).enumerate() {
                 assert_eq!(
                     a.to_bits(),

@@ -7,10 +7,10 @@
 //! communicator and to synchronous copies.
 //!
 //! Matrix products: with at most 8 activation columns (decoding), `k_mul_mat_vec` (float
-//! weights), `k_mul_mat_vec_q` (Q8_0, Q4_0, Q4_1) or `k_mul_mat_vec_<type>` (Q5_0, Q5_1, the
-//! K-quants, IQ4_NL, IQ4_XS) reads the weights once in their own dtype (`gemv_kernel_for`;
-//! the quantized ones have a variant for one activation row), quantized blocks dequantized in
-//! registers, f32 activations (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
+//! weights) or `k_mul_mat_vec_<type>` (one per quantized type) reads the weights once in their
+//! own dtype (`gemv_kernel_for`; the quantized ones have a variant for one activation row),
+//! quantized blocks unpacked in registers (each lane sums quants times activations and scales
+//! once per 8 values), f32 activations (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
 //! (dim 2, dim 3) pair: F16 and BF16 weights in place on tensor cores with the activations
 //! rounded to the weight's type and f32 accumulation (ggml's CUDA backend does the same);
 //! quantized and F32 weights expanded to f32 in scratch memory and multiplied in f32
@@ -41,7 +41,7 @@ use std::sync::{Arc, OnceLock};
 
 /// Threads per block of the element-wise and row kernels.
 const BLOCK: u32 = 256;
-/// Activation columns up to which products go through `k_mul_mat_vec` / `k_mul_mat_vec_q`.
+/// Activation columns up to which products go through `k_mul_mat_vec` / `k_mul_mat_vec_<type>`.
 const GEMV_MAX_M: usize = 8;
 
 /// A CUDA stream handle.

@@ -34,7 +34,9 @@ pub const KERNELS: &[&str] = &[
     "k_get_rows",
     "k_set_rows",
     "k_mul_mat_vec",
-    "k_mul_mat_vec_q",
+    "k_mul_mat_vec_q8_0",
+    "k_mul_mat_vec_q4_0",
+    "k_mul_mat_vec_q4_1",
     "k_mul_mat_vec_q5_0",
     "k_mul_mat_vec_q5_1",
     "k_mul_mat_vec_q2_k",
@@ -44,7 +46,9 @@ pub const KERNELS: &[&str] = &[
     "k_mul_mat_vec_q6_k",
     "k_mul_mat_vec_iq4_nl",
     "k_mul_mat_vec_iq4_xs",
-    "k_mul_mat_vec_q_m1",
+    "k_mul_mat_vec_q8_0_m1",
+    "k_mul_mat_vec_q4_0_m1",
+    "k_mul_mat_vec_q4_1_m1",
     "k_mul_mat_vec_q5_0_m1",
     "k_mul_mat_vec_q5_1_m1",
     "k_mul_mat_vec_q2_k_m1",
@@ -373,8 +377,8 @@ pub(crate) fn gemm_input(dtype: DType) -> Option<(usize, i32, blas_sys::cudaData
 }
 
 /// The GEMV kernel (M <= 8) for weights of `dtype`: `k_mul_mat_vec` for float weights,
-/// `k_mul_mat_vec_q` for Q8_0 / Q4_0 / Q4_1, `k_mul_mat_vec_<type>` for each other quantized type
-/// (`deq8_qx` in `kernels_qx.cu`); `None` for types that are not weights. Every `DType` is matched
+/// `k_mul_mat_vec_<type>` for each quantized type (`gemv_qx` / `lane8` in `kernels_qx.cu`);
+/// `None` for types that are not weights. Every `DType` is matched
 /// by name.
 pub(crate) fn gemv_kernel(dtype: DType) -> Option<&'static str> {
     gemv_kernels(dtype).map(|k| k.0)
@@ -390,7 +394,9 @@ pub(crate) fn gemv_kernel_for(dtype: DType, m: usize) -> Option<&'static str> {
 fn gemv_kernels(dtype: DType) -> Option<(&'static str, &'static str)> {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => Some(("k_mul_mat_vec", "k_mul_mat_vec")),
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => Some(("k_mul_mat_vec_q", "k_mul_mat_vec_q_m1")),
+        DType::Q8_0 => Some(("k_mul_mat_vec_q8_0", "k_mul_mat_vec_q8_0_m1")),
+        DType::Q4_0 => Some(("k_mul_mat_vec_q4_0", "k_mul_mat_vec_q4_0_m1")),
+        DType::Q4_1 => Some(("k_mul_mat_vec_q4_1", "k_mul_mat_vec_q4_1_m1")),
         DType::Q5_0 => Some(("k_mul_mat_vec_q5_0", "k_mul_mat_vec_q5_0_m1")),
         DType::Q5_1 => Some(("k_mul_mat_vec_q5_1", "k_mul_mat_vec_q5_1_m1")),
         DType::Q2_K => Some(("k_mul_mat_vec_q2_k", "k_mul_mat_vec_q2_k_m1")),

@@ -1,8 +1,9 @@
 // metashard's CUDA kernels for the weight types after Q4_1: Q5_0, Q5_1 and IQ4_NL (blocks of
-// 32), Q2_K .. Q6_K and IQ4_XS (super-blocks of 256). kernels.rs appends this file to
-// kernels.cu (one NVRTC source: the types' codes T_Q5_0 .. T_IQ4_XS, `Tensor`, h2f / f2h and the
-// GEMV helpers are kernels.cu's; `load_q` and `k_quantize` there call `load_qx` and
-// `quantize32_qx` here).
+// 32), Q2_K .. Q6_K and IQ4_XS (super-blocks of 256), and the GEMV of every quantized type
+// (Q8_0, Q4_0 and Q4_1 included: `lane8`, `gemv_qx`). kernels.rs appends this file to
+// kernels.cu (one NVRTC source: the types' codes, `Tensor`, h2f / f2h and the GEMV helpers
+// `gemv_row` / `gemv_store` are kernels.cu's; `load_q` and `k_quantize` there call `load_qx`
+// and `quantize32_qx` here).
 //
 // Block layouts from ggml-org/ggml `src/ggml-common.h` (`block_q5_0`, `block_q5_1`, `block_q2_K` ..
 // `block_q6_K`, `block_iq4_nl`, `block_iq4_xs`, `kvalues_iq4nl`), byte offsets below; the values
@@ -11,8 +12,9 @@
 // formed first), so a host compiler reproduces the CPU backend's values bit for bit.
 //
 // Host-testable: everything between HOST-TESTABLE BEGIN and END uses only the T_ codes,
-// __device__ / __forceinline__ / __noinline__, u16 / u32 / i64, h2f / f2h, fabsf / sqrtf and the intrinsics __fmul_rn / __fadd_rn /
-// __fsub_rn / __float2int_rz / __float_as_int, so tests/cuda_kernels.rs compiles this text
+// __device__ / __forceinline__ / __noinline__, u16 / u32 / i64, h2f / f2h, fabsf / sqrtf and the
+// intrinsics __fmul_rn / __fadd_rn / __fsub_rn / __float2int_rz / __float_as_int /
+// __int_as_float / __byte_perm, so tests/cuda_kernels.rs compiles this text
 // with the host C++ compiler (those names defined in plain C++) and checks every value, every
 // GEMV lane's elements and every quantized block against the dtype table, with no GPU.
 // HOST-TESTABLE BEGIN
@@ -24,25 +26,20 @@ __device__ const signed char KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22
 // Whether `type` is one of this file's.
 __device__ __forceinline__ bool is_qx(int type) { return type >= T_Q5_0 && type <= T_IQ4_XS; }
 
-// Elements per block: 32 or 256 (QK_K).
-__device__ __forceinline__ int qx_block_elems(int type) {
-    return type == T_Q5_0 || type == T_Q5_1 || type == T_IQ4_NL ? 32 : 256;
+// Elements and bytes per block of every quantized type (ggml-common.h's static asserts on the
+// structs' sizes), usable as compile-time constants.
+__device__ constexpr int blk_elems(int type) {
+    return type <= T_Q5_1 || type == T_IQ4_NL ? 32 : 256;
+}
+__device__ constexpr int blk_bytes(int type) {
+    return type == T_Q8_0 ? 34 : type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22
+         : type == T_Q5_1 ? 24 : type == T_Q2_K ? 84 : type == T_Q3_K ? 110 : type == T_Q4_K ? 144
+         : type == T_Q5_K ? 176 : type == T_Q6_K ? 210 : type == T_IQ4_NL ? 18 : 136;
 }
 
-// Bytes per block (ggml-common.h's static asserts on the structs' sizes).
-__device__ __forceinline__ int qx_block_bytes(int type) {
-    switch (type) {
-    case T_Q5_0: return 22;
-    case T_Q5_1: return 24;
-    case T_Q2_K: return 84;
-    case T_Q3_K: return 110;
-    case T_Q4_K: return 144;
-    case T_Q5_K: return 176;
-    case T_Q6_K: return 210;
-    case T_IQ4_NL: return 18;
-    default: return 136; // T_IQ4_XS
-    }
-}
+// The same for this file's types, as kernels.cu declares them.
+__device__ __forceinline__ int qx_block_elems(int type) { return blk_elems(type); }
+__device__ __forceinline__ int qx_block_bytes(int type) { return blk_bytes(type); }
 
 __device__ __forceinline__ int ub(const char *p, int at) { return (unsigned char)p[at]; }
 
@@ -156,29 +153,113 @@ __device__ __noinline__ float load_qx(const char *row, int type, i64 i0) {
     return dl * (float)kq_quant(blk, type, j) - ml;
 }
 
-// Lane t of the lanes that share one block in the GEMV (4 lanes per block of 32, 32 per
-// super-block): 8 of its values in q, two runs of 4 that start at elements *e0 and *e1. A block
-// of 32 gives lane t elements 4t .. 4t + 3 and 16 + 4t .. (the low and high nibbles of the same
-// 4 bytes); a super-block gives lane t elements 8t .. 8t + 7, which share one scale (groups of
-// 16 or 32 start at multiples of 8).
-__device__ __forceinline__ void deq8_qx(const char *blk, int type, int t, float *q, int *e0,
-                                        int *e1) {
-    if (qx_block_elems(type) == 32) {
-        *e0 = 4 * t;
-        *e1 = 16 + 4 * t;
+// The 4 bytes at byte `at` of `p`: 4-byte aligned (`ld32`), or only 2-byte aligned (`ld32h`, two
+// 16-bit loads: blocks of 18, 22, 34, 110 and 210 bytes).
+__device__ __forceinline__ u32 ld32(const char *p, int at) { return *(const u32 *)(p + at); }
+__device__ __forceinline__ u32 ld32h(const char *p, int at) {
+    const u16 *h = (const u16 *)(p + at);
+    return (u32)h[0] | ((u32)h[1] << 16);
+}
+
+// Bit i of the 4-bit `h` to bit 0 of byte i (the four shifted copies do not overlap).
+__device__ __forceinline__ u32 spread4(u32 h) { return (h * 0x00204081u) & 0x01010101u; }
+
+// The 4 bytes of `v`, each less `bias`, as floats: byte k placed under the exponent of 2^23
+// (0x4B000000 | byte: 2^23 + byte, exactly) less 2^23 + bias, one byte permute and one add per
+// value instead of an integer-to-float conversion (a quarter-rate instruction on sm_80/sm_90).
+__device__ __forceinline__ void bytes4(u32 v, float bias, float *q) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            q[i] = deq32(blk, type, 4 * t + i);
-            q[4 + i] = deq32(blk, type, 16 + 4 * t + i);
+    for (int k = 0; k < 4; k++) {
+        q[k] = __int_as_float((int)__byte_perm(v, 0x4B000000u, 0x7650u + k)) - (8388608.0f + bias);
+    }
+}
+
+// Lane t of the lanes that share one block in the GEMV (4 lanes per block of 32, 32 per
+// super-block of 256), for every quantized type: 8 of its elements as x = dl q[i] - ml, the
+// integers q (exact in floats) with the one scale and offset they share, two runs of 4 that
+// start at elements *e0 and *e1. The GEMV sums q x over the runs and scales once (dl, ml per
+// 8 elements, not per element). A block of 32 gives lane t elements 4t .. 4t + 3 and 16 + 4t ..
+// (the low and high nibbles of the same 4 bytes; Q8_0: 8t .. 8t + 7); a super-block gives lane
+// t elements 8t .. 8t + 7 (one group of 16 or 32, one scale). The quants of 4 elements come in
+// one 32-bit word, unpacked 4 at a time (the bit positions are those of `deq32`/`kq_quant`).
+template <int TYPE>
+__device__ __forceinline__ void lane8(const char *blk, int t, float *q, float *dl, float *ml,
+                                      int *e0, int *e1) {
+    u32 lo, hi;
+    float bias = 0.0f;
+    *ml = 0.0f;
+    if (blk_elems(TYPE) == 32) {
+        *dl = hf(blk, 0);
+        *e0 = TYPE == T_Q8_0 ? 8 * t : 4 * t;
+        *e1 = TYPE == T_Q8_0 ? 8 * t + 4 : 16 + 4 * t;
+        if (TYPE == T_Q8_0) {
+            // int8 quants at byte 2: flipping the sign bit gives q + 128.
+            lo = ld32h(blk, 2 + 8 * t) ^ 0x80808080u;
+            hi = ld32h(blk, 6 + 8 * t) ^ 0x80808080u;
+            bias = 128.0f;
+        } else {
+            const int qs = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
+            u32 v = TYPE == T_Q4_1 || TYPE == T_Q5_1 ? ld32(blk, qs + 4 * t) : ld32h(blk, qs + 4 * t);
+            lo = v & 0x0F0F0F0Fu;
+            hi = (v >> 4) & 0x0F0F0F0Fu;
+            if (TYPE == T_Q5_0 || TYPE == T_Q5_1) {
+                u32 qh = TYPE == T_Q5_0 ? ld32h(blk, 2) : ld32(blk, 4);
+                lo |= spread4((qh >> (4 * t)) & 15) << 4;
+                hi |= spread4((qh >> (16 + 4 * t)) & 15) << 4;
+            }
+            if (TYPE == T_Q4_1 || TYPE == T_Q5_1) *ml = -hf(blk, 2);
+            bias = TYPE == T_Q4_0 ? 8.0f : TYPE == T_Q5_0 ? 16.0f : 0.0f;
+        }
+    } else {
+        *e0 = 8 * t;
+        *e1 = 8 * t + 4;
+        kq_scale(blk, TYPE, 8 * t, dl, ml);
+        const int c = t & 3; // the lane's 8 bytes within a run of 32
+        if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+            int at = (TYPE == T_Q4_K ? 16 : 48) + 32 * (t >> 3) + 8 * c, sh = 4 * ((t >> 2) & 1);
+            lo = (ld32(blk, at) >> sh) & 0x0F0F0F0Fu;
+            hi = (ld32(blk, at + 4) >> sh) & 0x0F0F0F0Fu;
+            if (TYPE == T_Q5_K) {
+                int hb = t >> 2;
+                lo |= ((ld32(blk, 16 + 8 * c) >> hb) & 0x01010101u) << 4;
+                hi |= ((ld32(blk, 20 + 8 * c) >> hb) & 0x01010101u) << 4;
+            }
+        } else if (TYPE == T_Q6_K) {
+            int h = t >> 4;
+            int at = 64 * h + 8 * c + 32 * ((t >> 2) & 1), sh = 4 * ((t >> 3) & 1);
+            int ah = 128 + 32 * h + 8 * c, sh2 = 2 * ((t >> 2) & 3);
+            lo = ((ld32h(blk, at) >> sh) & 0x0F0F0F0Fu) | (((ld32h(blk, ah) >> sh2) & 0x03030303u) << 4);
+            hi = ((ld32h(blk, at + 4) >> sh) & 0x0F0F0F0Fu) |
+                 (((ld32h(blk, ah + 4) >> sh2) & 0x03030303u) << 4);
+            bias = 32.0f;
+        } else if (TYPE == T_Q2_K) {
+            int at = 16 + 32 * (t >> 4) + 8 * c, sh = 2 * ((t >> 2) & 3);
+            lo = (ld32(blk, at) >> sh) & 0x03030303u;
+            hi = (ld32(blk, at + 4) >> sh) & 0x03030303u;
+        } else if (TYPE == T_Q3_K) {
+            // q = the 2 low bits + 4 (hmask bit) - 4.
+            int at = 32 + 32 * (t >> 4) + 8 * c, sh = 2 * ((t >> 2) & 3), hb = t >> 2;
+            lo = ((ld32h(blk, at) >> sh) & 0x03030303u) | (((ld32h(blk, 8 * c) >> hb) & 0x01010101u) << 2);
+            hi = ((ld32h(blk, at + 4) >> sh) & 0x03030303u) |
+                 (((ld32h(blk, 8 * c + 4) >> hb) & 0x01010101u) << 2);
+            bias = 4.0f;
+        } else { // T_IQ4_XS
+            int at = 8 + 16 * (t >> 2) + 8 * (c & 1), sh = 4 * (c >> 1);
+            lo = (ld32(blk, at) >> sh) & 0x0F0F0F0Fu;
+            hi = (ld32(blk, at + 4) >> sh) & 0x0F0F0F0Fu;
+        }
+    }
+    if (TYPE == T_IQ4_NL || TYPE == T_IQ4_XS) {
+        // Non-linear: the index selects a value of kvalues_iq4nl.
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            q[k] = (float)KV_IQ4NL[(lo >> (8 * k)) & 15];
+            q[4 + k] = (float)KV_IQ4NL[(hi >> (8 * k)) & 15];
         }
         return;
     }
-    *e0 = 8 * t;
-    *e1 = 8 * t + 4;
-    float dl, ml;
-    kq_scale(blk, type, 8 * t, &dl, &ml);
-#pragma unroll
-    for (int i = 0; i < 8; i++) q[i] = dl * (float)kq_quant(blk, type, 8 * t + i) - ml;
+    bytes4(lo, bias, q);
+    bytes4(hi, bias, q + 4);
 }
 
 // The GEMV's split of a warp over a row's blocks: lane `lane` is lane *t (0 .. lanes per
@@ -613,37 +694,98 @@ __device__ __forceinline__ void quantize32_qx(const float *x, int type, char *bl
 
 // ---- kernels --------------------------------------------------------------------------------
 
-// Q5_0, Q5_1, IQ4_NL, Q2_K .. Q6_K and IQ4_XS weights (M <= 8), dequantized in registers by
-// `deq8_qx`: 8 values per lane, so a warp reads 8 consecutive blocks of 32 or one super-block
-// of 256 per step, and the activations it needs are one contiguous run (coalesced 16-byte
-// loads). One kernel per type (`k_mul_mat_vec_<type>`): the type is a template constant, so its
-// layout's switches fold away at compile time (one kernel for all nine, switching on the
-// type per element, read a Q4_K GEMV at 103 GB/s on an H100; this one 365 GB/s), and each in
-// a variant for one activation row (`_m1`, as `gemv_q`). Their own kernels, so that the older
-// quantized kernel keeps its registers and occupancy.
+// sum q[i] x[i] over the 8 values of `lane8` (runs at e0 and e1 of the activation row at `xp`)
+// into *s, and with MIN (types with an offset) sum x[i] into *sx; `vec`: the row is packed
+// f32, 16-byte aligned (two 16-byte loads).
+template <bool MIN>
+__device__ __forceinline__ void dot8(const float *q, const char *xp, int e0, int e1, i64 nb0,
+                                     bool vec, float *s, float *sx) {
+    float a[8];
+    if (vec) {
+        float4 u = *(const float4 *)(xp + 4 * e0), v = *(const float4 *)(xp + 4 * e1);
+        a[0] = u.x; a[1] = u.y; a[2] = u.z; a[3] = u.w;
+        a[4] = v.x; a[5] = v.y; a[6] = v.z; a[7] = v.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            a[i] = *(const float *)(xp + (e0 + i) * nb0);
+            a[4 + i] = *(const float *)(xp + (e1 + i) * nb0);
+        }
+    }
+    float r = 0.0f, rx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        r += q[i] * a[i];
+        if (MIN) rx += a[i];
+    }
+    *s = r;
+    *sx = rx;
+}
+
+// Quantized weights (M <= 8), one kernel per type (`k_mul_mat_vec_<type>`): the type is a
+// template constant, so its layout's switches fold away at compile time (one kernel switching
+// on the type per element read a Q4_K GEMV at 103 GB/s on an H100, one per type 365 GB/s; the
+// Q8_0/Q4_0/Q4_1 kernel that switched per block ran at half the speed of its own per type,
+// measured side by side by scripts/gemv_lab.py). `lane8` unpacks 8 quants per lane (a warp
+// reads 8 consecutive blocks of 32 or one super-block of 256 per step, and the activations it
+// needs are one contiguous run: coalesced 16-byte loads, as ggml's mmvq kernels split a block
+// among lanes); each lane sums q x over its 8 values and applies the scale and offset once.
+// Each in a variant for one activation row (`_m1`: decoding, `mul_mat_id`), which keeps one
+// accumulator instead of eight in registers (ptxas: 48-64 registers against 119-152, so more
+// warps per multiprocessor hide the weights' latency).
 template <int TYPE, int MMAX>
 __device__ __forceinline__ void gemv_qx(const Tensor &dst, const Tensor &w, const Tensor &x,
                                         const Ids &ids, Fault *fault, int node) {
-    int lane = threadIdx.x & 31;
+    constexpr bool MIN = TYPE == T_Q4_1 || TYPE == T_Q5_1 || TYPE == T_Q2_K || TYPE == T_Q4_K ||
+                         TYPE == T_Q5_K;
+    constexpr int BE = blk_elems(TYPE), BB = blk_bytes(TYPE), PER = BE / 8, STEP = 32 / PER;
+    int lane = threadIdx.x & 31, t = lane % PER;
     i64 row, b2, b3;
     const char *wr;
     if (!gemv_row(w, x, ids, fault, node, &row, &b2, &b3, &wr)) return;
-    i64 K = w.ne[0], M = x.ne[1];
+    i64 K = w.ne[0], M = x.ne[1], nb0 = x.nb[0], nb1 = x.nb[1];
     float acc[MMAX];
     for (int m = 0; m < MMAX; m++) acc[m] = 0.0f;
-    int be = qx_block_elems(TYPE), bb = qx_block_bytes(TYPE), t, first, step;
-    qx_lanes(TYPE, lane, &t, &first, &step);
-    i64 nblk = K / be;
+    i64 nblk = K / BE;
     const char *x0 = x.p + offset(x, 0, 0, b2, b3);
-    for (i64 b = first; b < nblk; b += step) {
-        float q[8];
+    bool vec = nb0 == 4 && (((u64)x0 | (u64)(M > 1 ? nb1 : 0)) & 15) == 0;
+    for (i64 b = lane / PER; b < nblk; b += STEP) {
+        float q[8], dl, ml;
         int e0, e1;
-        deq8_qx(wr + b * bb, TYPE, t, q, &e0, &e1);
-        gemv_acc_runs<MMAX>(acc, q, x0, x, b * be, e0, e1, M);
+        lane8<TYPE>(wr + b * BB, t, q, &dl, &ml, &e0, &e1);
+        for (int m = 0; m < MMAX && m < M; m++) {
+            float s, sx;
+            dot8<MIN>(q, x0 + m * nb1 + b * BE * nb0, e0, e1, nb0, vec, &s, &sx);
+            acc[m] += MIN ? dl * s - ml * sx : dl * s;
+        }
     }
     gemv_store<MMAX>(dst, acc, M, row, b2, b3);
 }
 
+extern "C" __global__ void k_mul_mat_vec_q8_0(Tensor dst, Tensor w, Tensor x, Ids ids,
+                                              Fault *f, int node) {
+    gemv_qx<T_Q8_0, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q8_0_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q8_0, 1>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q4_0(Tensor dst, Tensor w, Tensor x, Ids ids,
+                                              Fault *f, int node) {
+    gemv_qx<T_Q4_0, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q4_0_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q4_0, 1>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q4_1(Tensor dst, Tensor w, Tensor x, Ids ids,
+                                              Fault *f, int node) {
+    gemv_qx<T_Q4_1, 8>(dst, w, x, ids, f, node);
+}
+extern "C" __global__ void k_mul_mat_vec_q4_1_m1(Tensor dst, Tensor w, Tensor x, Ids ids,
+                                                 Fault *f, int node) {
+    gemv_qx<T_Q4_1, 1>(dst, w, x, ids, f, node);
+}
 extern "C" __global__ void k_mul_mat_vec_q5_0(Tensor dst, Tensor w, Tensor x, Ids ids,
                                               Fault *f, int node) {
     gemv_qx<T_Q5_0, 8>(dst, w, x, ids, f, node);

@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""GEMV lab: the quantized GEMV kernels of src/cuda/kernels*.cu against an older version of the
+same source (`--old FILE`: kernels.cu and kernels_qx.cu of a commit, concatenated), timed side
+by side in one process on the GPU machine (CuPy compiles the project's NVRTC source there; no
+Rust needed):
+
+    git show REV:src/cuda/kernels.cu REV:src/cuda/kernels_qx.cu > gpu-bundle/lab-old.cu   (here)
+    python3 scripts/gemv_lab.py --old gpu-bundle/lab-old.cu      (on the GPU machine)
+
+For every quantized type, shape and M in (1, 4): random blocks (random quants, scales set to
+small f16 values) in four copies, rotated so that the 50 MB L2 does not hold them; the old
+kernel (`gemv_q` for Q8_0/Q4_0/Q4_1 where the old source has it, else `gemv_qx<TYPE, M>`) against
+the new `gemv_qx<TYPE, M>`. The two outputs must agree within 1e-5 of the largest (f32 sums in
+another order). Times are medians of 40 batches of 4 launches between CUDA events; GB/s counts
+the weight bytes once. The copy's bandwidth (bytes read plus written) is the CUDA issue's
+reference: the quantized GEMV's target is half of it.
+"""
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+# name: (code in kernels.cu, bytes per block, elements per block, f16 fields' byte offsets)
+TYPES = {
+    "q4_0": ("T_Q4_0", 18, 32, [0]),
+    "q8_0": ("T_Q8_0", 34, 32, [0]),
+    "q4_1": ("T_Q4_1", 20, 32, [0, 2]),
+    "q5_0": ("T_Q5_0", 22, 32, [0]),
+    "q5_1": ("T_Q5_1", 24, 32, [0, 2]),
+    "q2_k": ("T_Q2_K", 84, 256, [80, 82]),
+    "q3_k": ("T_Q3_K", 110, 256, [108]),
+    "q4_k": ("T_Q4_K", 144, 256, [0, 2]),
+    "q5_k": ("T_Q5_K", 176, 256, [0, 2]),
+    "q6_k": ("T_Q6_K", 210, 256, [208]),
+    "iq4_nl": ("T_IQ4_NL", 18, 32, [0]),
+    "iq4_xs": ("T_IQ4_XS", 136, 256, [0]),
+}
+SHAPES = [(4096, 14336), (14336, 4096), (576, 1536), (1536, 576)]
+
+
+def source(base, old):
+    src = base + r"""
+__device__ Tensor lab_t(const void *p, int type, i64 ne0, i64 ne1, i64 nb0, i64 nb1) {
+    Tensor t;
+    t.p = (char *)p;
+    t.ne[0] = ne0; t.ne[1] = ne1; t.ne[2] = 1; t.ne[3] = 1;
+    t.nb[0] = nb0; t.nb[1] = nb1; t.nb[2] = nb1 * ne1; t.nb[3] = t.nb[2];
+    t.type = type;
+    t.pad = 0;
+    return t;
+}
+#define LAB_ARGS float *d, const char *w, const float *x, i64 K, i64 N, i64 M, Fault *f
+#define LAB_TENSORS(TY, BB, BE) \
+    Tensor D = lab_t(d, T_F32, N, M, 4, N * 4), W = lab_t(w, TY, K, N, BB, K / BE * BB), \
+           X = lab_t(x, T_F32, K, M, 4, K * 4); \
+    Ids ids; ids.t = lab_t(0, T_I32, 0, 0, 0, 0); ids.rows = ids.lo = ids.hi = ids.at = 0;
+"""
+    has_q = "gemv_q(" in base or "void gemv_q(" in base or "gemv_q<" in base
+    for name, (code, bb, be, _) in TYPES.items():
+        for mm in (1, 8):
+            if old and has_q and name in ("q4_0", "q8_0", "q4_1"):
+                call = f"gemv_q<{mm}>"
+            else:
+                call = f"gemv_qx<{code}, {mm}>"
+            src += (f'extern "C" __global__ void lab_{name}_m{mm}(LAB_ARGS) {{ LAB_TENSORS({code}, {bb}, {be}) '
+                    f"{call}(D, W, X, ids, f, 0); }}\n")
+    return src
+
+
+def read_new():
+    return "".join(open(os.path.join(ROOT, "src", "cuda", f)).read() for f in ("kernels.cu", "kernels_qx.cu"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True)
+    ap.add_argument("--emit", help="write the two CUDA sources to EMIT.old.cu and EMIT.new.cu and stop")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    srcs = {"old": source(open(a.old).read(), True), "new": source(read_new(), False)}
+    if a.emit:
+        for k, v in srcs.items():
+            open(f"{a.emit}.{k}.cu", "w").write(v)
+        return
+    import cupy as cp
+    import numpy as np
+
+    opts = ("--ftz=false", "--prec-div=true", "--prec-sqrt=true")
+    mods = {k: cp.RawModule(code=v, options=opts) for k, v in srcs.items()}
+    rng = np.random.default_rng(1)
+    ev0, ev1 = cp.cuda.Event(), cp.cuda.Event()
+
+    def timed(fn, reps=50, warm=10):
+        ts = []
+        for i in range(reps):
+            ev0.record()
+            fn()
+            ev1.record()
+            ev1.synchronize()
+            if i >= warm:
+                ts.append(cp.cuda.get_elapsed_time(ev0, ev1))
+        return float(np.median(ts))
+
+    n = 256 << 20
+    a_ = cp.ones(n // 4, dtype=cp.float32)
+    b_ = cp.empty_like(a_)
+    copy_ms = timed(lambda: cp.copyto(b_, a_), reps=30, warm=5)
+    copy_gbs = 2 * n / (copy_ms * 1e6)
+    del a_, b_
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    print(f"GPU {name}; copy 256 MiB: {copy_gbs:.0f} GB/s (read + written)")
+    fault = cp.zeros(64, dtype=cp.uint8)
+    rows = []
+    ok = True
+    print(f"{'type':7} {'K':>6} {'N':>6} M | {'old us':>7} {'new us':>7} | {'old GB/s':>8} {'new GB/s':>8} | x copy old new | speedup")
+    shapes = SHAPES[:1] if a.quick else SHAPES
+    for K, N in shapes:
+        for M in (1, 4):
+            x = cp.asarray(rng.standard_normal(K * M, dtype=np.float32))
+            for tname, (code, bb, be, halves) in TYPES.items():
+                if K % be:
+                    continue
+                nblk = K // be * N
+                raw = rng.integers(0, 256, size=(nblk, bb), dtype=np.uint8)
+                for at in halves:
+                    sc = (rng.random(nblk, dtype=np.float32) * 0.02 + 0.001).astype(np.float16)
+                    raw[:, at:at + 2] = sc.view(np.uint8).reshape(nblk, 2)
+                w0 = cp.asarray(raw.reshape(-1))
+                # Four copies, each the blocks rotated (still valid blocks, different rows).
+                copies = [w0] + [cp.roll(w0, bb * 997 * c) for c in range(1, 4)]
+                wbytes = nblk * bb
+                grid = ((N + 7) // 8,)
+                res, outs = {}, {}
+                for v, mod in mods.items():
+                    k = mod.get_function(f"lab_{tname}_m{1 if M == 1 else 8}")
+                    out = cp.full(N * M, cp.nan, dtype=cp.float32)
+
+                    def run():
+                        for w in copies:
+                            k(grid, (256,), (out, w, x, np.int64(K), np.int64(N), np.int64(M), fault))
+
+                    res[v] = timed(run) / 4 * 1000.0  # us per product
+                    outs[v] = out.get()
+                verdict = ""
+                ref, got = outs["old"], outs["new"]
+                if np.isnan(ref).any() or np.isnan(got).any():
+                    verdict = " NaN"
+                    ok = False
+                else:
+                    err = float(np.max(np.abs(ref - got)) / max(np.max(np.abs(ref)), 1e-30))
+                    if err > 1e-5:
+                        verdict = f" DIFFER {err:.1e}"
+                        ok = False
+                g = {v: wbytes / (res[v] * 1e3) for v in res}
+                print(f"{tname:7} {K:6} {N:6} {M} | {res['old']:7.2f} {res['new']:7.2f} | {g['old']:8.0f} {g['new']:8.0f} |"
+                      f"     {g['old'] / copy_gbs:4.2f} {g['new'] / copy_gbs:4.2f} | {res['old'] / res['new']:5.2f}x{verdict}")
+                sys.stdout.flush()
+                rows.append({"type": tname, "K": K, "N": N, "M": M, "us": res, "weight_bytes": wbytes})
+                del copies, outs
+    if a.json:
+        json.dump({"gpu": name, "copy_gbs": copy_gbs, "rows": rows}, open(a.json, "w"), indent=1)
+    print("new equals old within 1e-5" if ok else "SOME OUTPUTS DIFFER")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

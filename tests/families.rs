@@ -632,3 +632,59 @@ fn router_reference(path: &Path, tokens: &[u32]) -> Option<Vec<Vec<Vec<u32>>>> {
     decoders::reference(path, tokens, &args, "--prompt-logits-out", &logits)?;
     Some(serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap())
 }
+
+#[test]
+fn routing_keys_no_family_here_computes_are_refused_by_name() {
+    // DeepSeek-style routing keys in a Qwen3-MoE file (a scale on the selected experts'
+    // weights, sigmoid gating, dense leading layers, grouped routing) change what the MoE
+    // block computes; metashard computes none of them, so a value other than the neutral one
+    // is refused naming the key, and the neutral one loads.
+    use metashard::io::{GgufFile, GgufValue, GgufWriter};
+    use metashard::models::loader::DecoderModel;
+    let src = GgufFile::open(model_file(&QWEN3MOE, &[])).unwrap();
+    let with = |key: &str, value: GgufValue, n: usize| {
+        let mut w = GgufWriter::new();
+        for (k, v) in src.metadata() {
+            w.add(k.clone(), v.clone());
+        }
+        w.add(key.to_string(), value);
+        for t in src.tensors() {
+            let data = src.tensor_data(t).unwrap().to_vec();
+            w.add_tensor(t.name.clone(), t.dtype.unwrap(), &t.ne[..t.n_dims], data)
+                .unwrap();
+        }
+        write(&format!("routing-key-{n}.gguf"), &w.to_bytes())
+    };
+    let bt = metashard::cpu::CpuBufferType;
+    let cases = [
+        (
+            "qwen3moe.expert_weights_scale",
+            GgufValue::F32(2.5),
+            GgufValue::F32(1.0),
+        ),
+        (
+            "qwen3moe.expert_gating_func",
+            GgufValue::U32(2),
+            GgufValue::U32(1),
+        ),
+        (
+            "qwen3moe.leading_dense_block_count",
+            GgufValue::U32(1),
+            GgufValue::U32(0),
+        ),
+        (
+            "qwen3moe.expert_group_count",
+            GgufValue::U32(8),
+            GgufValue::U32(1),
+        ),
+    ];
+    for (i, (key, bad, neutral)) in cases.into_iter().enumerate() {
+        let e = match DecoderModel::load(&with(key, bad, 2 * i), &bt, &|_, _| {}) {
+            Ok(_) => panic!("{key}: loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(key) && e.contains("does not compute"), "{e}");
+        DecoderModel::load(&with(key, neutral, 2 * i + 1), &bt, &|_, _| {})
+            .unwrap_or_else(|e| panic!("{key} at its neutral value: {e}"));
+    }
+}

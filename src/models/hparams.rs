@@ -269,6 +269,16 @@ const MATH_KEYS: &[(&str, Neutral)] = &[
     ("attn_logit_softcapping", Neutral::Absent),
     ("final_logit_softcapping", Neutral::Absent),
     ("expert_count", Neutral::Number(0.0)),
+    // The routing of DeepSeek-style mixtures, which no family here has (llama.cpp reads these
+    // for deepseek2 and its kin, never for qwen2moe, qwen3moe, olmoe or Mixtral): the selected
+    // experts' weights scaled (`LLM_KV_EXPERT_WEIGHTS_SCALE`), a gating function other than
+    // softmax (`LLM_KV_EXPERT_GATING_FUNC`: 1 is softmax), dense layers before the first MoE
+    // layer (`LLM_KV_LEADING_DENSE_BLOCK_COUNT`), experts routed within groups
+    // (`LLM_KV_EXPERT_GROUP_COUNT`).
+    ("expert_weights_scale", Neutral::Number(1.0)),
+    ("expert_gating_func", Neutral::Number(1.0)),
+    ("leading_dense_block_count", Neutral::Number(0.0)),
+    ("expert_group_count", Neutral::Number(1.0)),
 ];
 
 /// The keys of one file, prefixed with its architecture name, with errors naming the file and

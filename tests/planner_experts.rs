@@ -149,6 +149,8 @@ fn a_decode_token_streams_the_published_active_parameters() -> Result<()> {
 fn small_config_json(model_type: &str, extra: &str) -> String {
     let family = match model_type {
         "mixtral" => r#""intermediate_size": 64, "num_local_experts": 6"#,
+        // OLMoE's experts are `intermediate_size` wide (it has no dense MLP), not normalised.
+        "olmoe" => r#""intermediate_size": 64, "num_experts": 6, "norm_topk_prob": false"#,
         "qwen2_moe" => {
             r#""intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 6,
             "shared_expert_intermediate_size": 96, "norm_topk_prob": false"#
@@ -172,6 +174,7 @@ fn a_gguf_header_and_its_config_json_give_the_same_experts() -> Result<()> {
         ("qwen3_moe", "qwen3moe", 0, true),
         ("qwen2_moe", "qwen2moe", 96, false),
         ("mixtral", "llama", 0, true),
+        ("olmoe", "olmoe", 0, false),
     ] {
         let text = small_config_json(model_type, "");
         let from_json = ModelShape::from_config(&JsonConfig::parse("small/config.json", &text)?)?;

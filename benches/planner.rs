@@ -1,12 +1,14 @@
 //! Criterion benchmark of the planner's search: `auto` for Llama-3-70B shapes on the 8 x H100
 //! preset (80 layers, 8 devices, workload pp=512 tg=128 ctx=4096), and for SmolLM2 on a
-//! 2-device CPU-like profile. The timed region is the whole search (cost tables of tied layers,
-//! the dynamic program, the whole-model evaluation of the answer). The target for the
-//! first: under 100 ms.
+//! 2-device CPU-like profile; `auto_devices` (the search over 16, 8, 4, 2 and 1 of the devices,
+//! what `plan` runs) for Llama-3-70B on the 16-device preset, at batch 1 and 64. The timed
+//! region is the whole search (cost tables of tied layers, the dynamic program, the whole-model
+//! evaluation of the answer). The targets: under 100 ms for the first, under 1 s for the
+//! 16-device preset with subsets.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use metashard::planner::evaluate::Workload;
-use metashard::planner::{Cluster, ModelShape, auto};
+use metashard::planner::{Cluster, ModelShape, auto, auto_devices};
 
 fn search(c: &mut Criterion) {
     let mut g = c.benchmark_group("planner");
@@ -23,6 +25,15 @@ fn search(c: &mut Criterion) {
         g.bench_function(format!("auto {model} on {cluster}"), |b| {
             b.iter(|| auto(&shape, &cl, &w, None).unwrap())
         });
+    }
+    let shape = ModelShape::preset("llama3-70b").unwrap();
+    let cl = Cluster::preset("h100x16-ib").unwrap();
+    for workload in ["pp=512,tg=128,ctx=4096", "pp=512,tg=128,batch=64,ctx=4096"] {
+        let w = Workload::parse(workload).unwrap();
+        g.bench_function(
+            format!("auto_devices llama3-70b on h100x16-ib {workload}"),
+            |b| b.iter(|| auto_devices(&shape, &cl, &w, None).unwrap()),
+        );
     }
     g.finish();
 }

@@ -5,7 +5,9 @@
 use metashard::Result;
 use metashard::planner::evaluate::Workload;
 use metashard::planner::report::{Plan, dot, evaluate_split};
-use metashard::planner::{Cluster, ModelShape, Shares, Strategy, auto, evaluate_layer_split};
+use metashard::planner::{
+    Cluster, ModelShape, Shares, Strategy, auto_devices, evaluate_layer_split,
+};
 use std::path::PathBuf;
 
 #[derive(Clone, Debug, clap::Args)]
@@ -113,15 +115,17 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             Plan::fixed(&shape, &cluster, &workload, strategy.name(), split, e)?
         }
         None => {
-            let r = auto(&shape, &cluster, &workload, ratios.clone())?;
-            Plan::searched(&shape, &cluster, &workload, r)?
+            // The search also tries fewer of the devices (the first k) and keeps the fastest.
+            let (r, subset, counts) = auto_devices(&shape, &cluster, &workload, ratios.clone())?;
+            Plan::searched_devices(&shape, &subset, &workload, r, counts)?
         }
     };
     if let Some(p) = &a.output {
         std::fs::write(p, plan.to_json()).map_err(|e| metashard::Error::io(p, e))?;
     }
     if a.dot.is_some() || a.svg.is_some() {
-        let text = dot(&shape, &cluster, &plan.split)?;
+        // The devices the plan uses (the search may have chosen the first k).
+        let text = dot(&shape, &cluster.take(plan.devices.len()), &plan.split)?;
         if let Some(p) = &a.dot {
             std::fs::write(p, &text).map_err(|e| metashard::Error::io(p, e))?;
         }

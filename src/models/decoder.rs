@@ -236,6 +236,30 @@ pub fn build_step_seqs(
     inp: &StepInput,
     seqs: Option<&StepSeqs>,
 ) -> Result<StepGraph> {
+    build(cfg, w, cache, inp, seqs, true)
+}
+
+/// [`build_step`] with zeros for the masks' values, for a graph that is sharded, measured and
+/// costed but never run (the planner): a prompt chunk's mask is tokens times cache rows of f32
+/// (64 MiB for 4096 tokens), which was built and copied each time a cost was asked (Llama-3-70B
+/// at batch 64 took 2.7 s to plan on 8 H100s, most of it page faults).
+pub fn build_step_shapes(
+    cfg: &DecoderConfig,
+    w: &ModelWeights,
+    cache: &KvCache,
+    inp: &StepInput,
+) -> Result<StepGraph> {
+    build(cfg, w, cache, inp, None, false)
+}
+
+fn build(
+    cfg: &DecoderConfig,
+    w: &ModelWeights,
+    cache: &KvCache,
+    inp: &StepInput,
+    seqs: Option<&StepSeqs>,
+    mask_values: bool,
+) -> Result<StepGraph> {
     cfg.validate()?;
     check_step(cfg, w, cache, inp, seqs)?;
     let t = inp.tokens.len();
@@ -243,16 +267,17 @@ pub fn build_step_seqs(
     let tokens = g.input_i32("tokens", [t, 1, 1, 1], inp.tokens)?;
     let pos = g.input_i32("positions", [t, 1, 1, 1], inp.positions)?;
     let slots = g.input_i32("slots", [t, 1, 1, 1], inp.slots)?;
-    let mask = g.input_f32(
-        "kq_mask",
-        [inp.n_kv, t, 1, 1],
-        &causal_mask(inp, seqs, None),
-    )?;
-    let mask_swa = match cfg.swa {
-        Some(w) => {
-            let m = causal_mask(inp, seqs, Some(w.window));
-            Some(g.input_f32("kq_mask_swa", [inp.n_kv, t, 1, 1], &m)?)
+    let mut mask_input = |name: &str, window: Option<usize>| match mask_values {
+        true => g.input_f32(name, [inp.n_kv, t, 1, 1], &causal_mask(inp, seqs, window)),
+        false => {
+            // Zeros shared by every leaf of that size in the process (`Graph::set_zeros`).
+            let id = g.input(name, DType::F32, [inp.n_kv, t, 1, 1])?;
+            g.set_zeros(id).map(|_| id)
         }
+    };
+    let mask = mask_input("kq_mask", None)?;
+    let mask_swa = match cfg.swa {
+        Some(w) => Some(mask_input("kq_mask_swa", Some(w.window))?),
         None => None,
     };
     let (rope_factors, rope_mscale) = rope_scaling(&mut g, cfg, w, cache.size)?;

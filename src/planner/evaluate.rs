@@ -34,7 +34,7 @@ use crate::meta::rewrite::{Rewritten, Stage, rewrite};
 use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
 use crate::models::arch::{Naming, Tensor};
-use crate::models::decoder::{SequenceStep, build_step};
+use crate::models::decoder::{SequenceStep, build_step_shapes};
 use crate::models::limits::Count;
 use crate::models::weights::{
     KvCache, ModelWeights, WeightRef, place_decoder_shared, place_kv_cache, tied_output_pair,
@@ -402,7 +402,7 @@ impl Placed {
         let ids: Vec<i32> = (0..tokens).map(|i| (i % 7) as i32).collect();
         let step = SequenceStep::new(&ids, start, start + tokens);
         let inp = step.input(tokens - 1..tokens);
-        Ok(build_step(&self.shape.cfg, &self.weights, &self.cache, &inp)?.graph)
+        Ok(build_step_shapes(&self.shape.cfg, &self.weights, &self.cache, &inp)?.graph)
     }
 
     /// Follow other state hints from now on (the placement of weights does not depend on

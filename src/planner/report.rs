@@ -8,7 +8,7 @@ use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload};
 pub use super::experts::PlacedExperts;
 use super::experts::{experts_how, meta_tensor};
-use super::search::{Candidate, RunAlternatives, SearchResult};
+use super::search::{Candidate, DeviceCount, RunAlternatives, SearchResult};
 pub use super::shape::HeadSplit;
 use super::shape::ModelShape;
 use super::strategy::describe;
@@ -55,6 +55,10 @@ pub struct Plan {
     /// Per run of equal layers, what the other patterns would cost (search only).
     pub alternatives: Vec<RunAlternatives>,
     pub solve_ms: Option<f64>,
+    /// Each count of the cluster's devices the search tried (`auto_devices`), most first; empty
+    /// when only the devices of the plan were considered.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub device_counts: Vec<DeviceCount>,
 }
 
 /// The part of a plan file `--plan` reads.
@@ -231,7 +235,45 @@ impl Plan {
             candidates,
             alternatives,
             solve_ms,
+            device_counts: Vec::new(),
         })
+    }
+
+    /// The plan of `auto_devices`: the search's result on the first `subset` devices of a
+    /// cluster, with the predicted time of every count of its devices tried.
+    pub fn searched_devices(
+        shape: &ModelShape,
+        subset: &Cluster,
+        workload: &Workload,
+        r: SearchResult,
+        counts: Vec<DeviceCount>,
+    ) -> Result<Plan> {
+        let mut p = Plan::searched(shape, subset, workload, r)?;
+        p.device_counts = counts;
+        Ok(p)
+    }
+
+    /// The line saying how many devices the plan uses and what the other counts would take.
+    pub fn devices_line(&self) -> Option<String> {
+        if self.device_counts.len() < 2 {
+            return None;
+        }
+        let all = self.device_counts.iter().map(|c| c.devices).max()?;
+        let this = self.evaluation.total_s.max(1e-12);
+        let others: Vec<String> = self
+            .device_counts
+            .iter()
+            .filter(|c| c.devices != self.devices.len())
+            .map(|c| match c.time_s {
+                Some(t) => format!("{}: {:+.1}%", c.devices, (t / this - 1.0) * 100.0),
+                None => format!("{}: does not fit", c.devices),
+            })
+            .collect();
+        Some(format!(
+            "devices: {} of {all} (the fewest within 2% of the fastest that fit); the workload on {}",
+            self.devices.len(),
+            others.join(", ")
+        ))
     }
 
     pub fn to_json(&self) -> String {
@@ -244,10 +286,11 @@ impl Plan {
         let mib = |b: usize| b as f64 / 1048576.0;
         let _ = writeln!(
             s,
-            "plan: {} on {} ({} devices), workload {}, strategy {}",
+            "plan: {} on {} ({} device{}), workload {}, strategy {}",
             self.model,
             self.cluster,
             self.devices.len(),
+            if self.devices.len() == 1 { "" } else { "s" },
             self.workload,
             self.strategy
         );
@@ -258,6 +301,9 @@ impl Plan {
         }
         if let Some(ms) = self.solve_ms {
             let _ = writeln!(s, "search: {ms:.1} ms");
+        }
+        if let Some(line) = self.devices_line() {
+            let _ = writeln!(s, "{line}");
         }
         let _ = writeln!(s);
         let _ = writeln!(

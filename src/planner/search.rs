@@ -479,7 +479,13 @@ pub fn auto(
     let mut found: Vec<(f64, usize, DecoderSplit, Tables, Vec<usize>)> = Vec::new();
     let mut smallest: Option<usize> = None;
     let layers = layer_tables(shape, cluster, w, &ratios)?;
+    // One device splits nothing: every assignment is the same program, so the plan says
+    // mirrored rather than whichever split the tables' ties happen to pick.
+    let one = cluster.devices.len() == 1;
     for (output, embedding) in [(true, false), (false, false), (true, true), (false, true)] {
+        if one && (output || embedding) {
+            continue;
+        }
         // A choice the meta backend cannot run (a missing rule) is skipped.
         let t = match tables(shape, cluster, w, &ratios, &layers, output, embedding) {
             Ok(t) => t,
@@ -490,7 +496,19 @@ pub fn auto(
             + t.mem.iter().min().copied().unwrap_or(0) * shape.n_layer()
             + t.act.iter().min().copied().unwrap_or(0);
         smallest = Some(smallest.map_or(least, |s: usize| s.min(least)));
-        if let Some((time, mem, pats)) = solve(&t, shape.n_layer(), budget) {
+        let solved = solve(&t, shape.n_layer(), budget).map(|found| match one {
+            false => found,
+            true => {
+                let mirrored = PATTERNS
+                    .iter()
+                    .position(|p| !p.attention && !p.mlp)
+                    .unwrap();
+                let pats = vec![mirrored; shape.n_layer()];
+                let (time, mem) = t.path(&pats);
+                (time, mem, pats)
+            }
+        });
+        if let Some((time, mem, pats)) = solved {
             let split = DecoderSplit {
                 layers: pats.iter().map(|&p| PATTERNS[p]).collect(),
                 output,
@@ -645,6 +663,92 @@ pub fn auto(
         patterns,
     })
 }
+
+/// One count of devices the search tried ([`auto_devices`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct DeviceCount {
+    /// The first `devices` of the cluster.
+    pub devices: usize,
+    /// Predicted seconds of the whole workload with the best assignment on them; `None` when
+    /// the model does not fit.
+    pub time_s: Option<f64>,
+}
+
+/// The counts of devices [`auto_devices`] tries on `cluster`, most first: all of them, whole
+/// nodes, powers of two, and one.
+pub fn device_counts(cluster: &Cluster) -> Vec<usize> {
+    let n = cluster.devices.len();
+    let per_node = cluster.links.devices_per_node.clamp(1, n.max(1));
+    let mut counts: Vec<usize> = (1..=n)
+        .filter(|&k| k == n || k == 1 || k.is_power_of_two() || k % per_node == 0)
+        .collect();
+    counts.reverse();
+    counts
+}
+
+/// [`auto`] over subsets of `cluster`: its first k devices for each of [`device_counts`]
+/// (all of them, whole nodes, powers of two, one), keeping the fewest devices that fit and are
+/// within [`SAME_TIME`] of the fastest. More devices are not always faster: each split layer's collectives cost
+/// a latency that grows with the devices, and across nodes the slower links carry them (Llama-3-70B
+/// decodes faster on 8 of the 16 H100s of `h100x16-ib` than on all 16). The subset chosen, and
+/// the search's result on it, with every count's predicted time. Device shares are per device,
+/// so with `ratios` only the whole cluster is searched.
+pub fn auto_devices(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    ratios: Option<Vec<f64>>,
+) -> Result<(SearchResult, Cluster, Vec<DeviceCount>)> {
+    let counts = match ratios {
+        Some(_) => vec![cluster.devices.len()],
+        None => device_counts(cluster),
+    };
+    let start = Instant::now();
+    let mut tried = Vec::new();
+    let mut fits: Vec<(SearchResult, Cluster)> = Vec::new();
+    let mut first_err = None;
+    for k in counts {
+        let sub = cluster.take(k);
+        match auto(shape, &sub, w, ratios.clone()) {
+            Ok(r) => {
+                tried.push(DeviceCount {
+                    devices: k,
+                    time_s: Some(r.evaluation.total_s),
+                });
+                fits.push((r, sub));
+            }
+            Err(e @ Error::DoesNotFit { .. }) => {
+                tried.push(DeviceCount {
+                    devices: k,
+                    time_s: None,
+                });
+                // The whole cluster's refusal names the device and the bytes.
+                first_err.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let Some(fastest) = fits
+        .iter()
+        .map(|(r, _)| r.evaluation.total_s)
+        .reduce(f64::min)
+    else {
+        return Err(first_err.expect("a count was tried"));
+    };
+    // Fewest devices within SAME_TIME of the fastest (the counts are most first).
+    let (mut r, sub) = fits
+        .into_iter()
+        .rfind(|(r, _)| r.evaluation.total_s <= fastest * (1.0 + SAME_TIME))
+        .expect("the fastest is within its own margin");
+    // The search's time is that of every count tried.
+    r.solve_time = start.elapsed();
+    Ok((r, sub, tried))
+}
+
+/// How much slower than the fastest count of devices a smaller count may be and still be
+/// chosen: 2%, well inside the cost model's error, so a small model is not spread over eight
+/// GPUs for half a percent (SmolLM2 on `h100x8-nvswitch`).
+pub const SAME_TIME: f64 = 0.02;
 
 #[cfg(test)]
 mod tests {

@@ -13,7 +13,8 @@
 //! - `evaluate.rs`: the cost model: predicted prefill and decode time, collectives and memory
 //!   per device of any split callback for a [`Workload`], from the real per-device programs.
 //! - `strategy.rs`: the named strategies (assignments of split states), device shares.
-//! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets.
+//! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets;
+//!   `auto_devices`, `auto` on subsets of the devices (the fewest within 2% of the fastest).
 //! - `layer.rs`: the layer split (whole layers per device, run one after another) in the same
 //!   cost model, for `plan --strategy layer` and the comparison in a searched plan.
 //! - `report.rs`: the readable [`Plan`] (tables, JSON plan files, DOT of one layer).

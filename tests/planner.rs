@@ -633,3 +633,63 @@ fn the_search_takes_fewer_devices_where_they_are_faster() -> Result<()> {
     assert_eq!((subset.devices.len(), counts.len()), (16, 1));
     Ok(())
 }
+
+#[test]
+fn a_hybrid_split_is_groups_under_megatron_one_after_another() -> Result<()> {
+    use metashard::planner::{evaluate_hybrid_split, evaluate_layer_split};
+    let s = smol();
+    let c = cluster(4, 8 << 30);
+    // Groups of one device are the layer split, figure for figure.
+    let layer = evaluate_layer_split(&s, &c, &w(), None)?;
+    let ones = evaluate_hybrid_split(&s, &c, &w(), 4, None)?;
+    assert_eq!((ones.group, layer.group), (1, 1));
+    assert_eq!(ones.total_s, layer.total_s);
+    assert_eq!(ones.copies, layer.copies);
+    let bytes = |l: &metashard::planner::LayerSplitCost| -> Vec<usize> {
+        l.memory.iter().map(|m| m.total).collect()
+    };
+    assert_eq!(bytes(&ones), bytes(&layer));
+    // One group of all four is the Megatron split of the whole model (plus nothing: no copy).
+    let megatron = Strategy::Megatron.split(s.n_layer(), s.tied).unwrap();
+    let whole = evaluate_split(&s, &megatron, &c, &w())?;
+    let one = evaluate_hybrid_split(&s, &c, &w(), 1, None)?;
+    assert_eq!(one.copies, 0);
+    let d = whole.decode.as_ref().unwrap().seconds;
+    assert!(
+        (one.decode_s - d).abs() < 0.02 * d,
+        "{} vs {d}",
+        one.decode_s
+    );
+    // Two groups of two: each device holds half the layers of a two-way Megatron split, and
+    // a step is the two groups' halves plus one copy.
+    let two = evaluate_hybrid_split(&s, &c, &w(), 2, None)?;
+    assert_eq!(two.group, 2);
+    assert_eq!(two.copies, 1);
+    let layers: Vec<(usize, usize)> = two.memory.iter().map(|m| m.layers).collect();
+    assert_eq!(layers, [(0, 15), (0, 15), (15, 30), (15, 30)]);
+    let pair = evaluate_split(&s, &megatron, &c.take(2), &w())?;
+    let held: usize = two.memory.iter().map(|m| m.resident).sum();
+    let pair_held: usize = pair.memory.iter().map(|m| m.weights + m.kv_cache).sum();
+    // ... and the tied table twice, once per group that reads it (the embedding in the first,
+    // the output in the last), as the layer split holds it.
+    let table: usize = s
+        .weight_decls()?
+        .iter()
+        .filter(|d| d.tensor == metashard::models::arch::Tensor::Output)
+        .map(|d| d.layout.nbytes())
+        .sum();
+    assert_eq!(held, pair_held + table);
+    let pd = pair.decode.as_ref().unwrap().seconds;
+    assert!(
+        two.decode_s > pd && two.decode_s < pd * 1.2,
+        "{} vs {pd}",
+        two.decode_s
+    );
+    assert!(two.table().contains("hybrid split: groups of 2 devices"));
+    // Groups must divide the devices.
+    let e = evaluate_hybrid_split(&s, &c, &w(), 3, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--groups"), "{e}");
+    Ok(())
+}

@@ -341,6 +341,33 @@ fn plan_counts_the_layer_split() {
         err.contains("--strategy") && err.contains("--split-mode layer"),
         "{err}"
     );
+    // The hybrid split: 4 groups of 2, every device of a group on the group's layers.
+    let (code, out, err) = metashard(&args(&["--strategy", "hybrid", "--groups", "4"]));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("hybrid split: groups of 2 devices"), "{out}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("h100-")).collect();
+    assert_eq!(rows.len(), 8, "{out}");
+    for pair in rows.chunks(2) {
+        let layers = |r: &str| r.split_whitespace().nth(1).unwrap().to_string();
+        assert_eq!(layers(pair[0]), layers(pair[1]), "{out}");
+    }
+    // Groups that do not divide the devices, or groups without the hybrid split, are refused.
+    for extra in [
+        &["--strategy", "hybrid", "--groups", "3"][..],
+        &["--groups", "2"][..],
+    ] {
+        let (code, _, err) = metashard(&args(extra));
+        assert_eq!(code, 1, "{extra:?}: {err}");
+        assert!(err.contains("--groups"), "{err}");
+    }
+    // On two nodes the search's plan also says what the hybrid split over the nodes costs.
+    let (code, out, err) = metashard(&["plan", "--model", "llama3-70b", "--cluster", "h100x16-ib"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("hybrid split (--split-mode hybrid --groups 2):")
+            && out.contains("devices: 8 of 16"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -6,7 +6,8 @@ use metashard::Result;
 use metashard::planner::evaluate::Workload;
 use metashard::planner::report::{Plan, dot, evaluate_split};
 use metashard::planner::{
-    Cluster, ModelShape, Shares, Strategy, auto_devices, evaluate_layer_split,
+    Cluster, ModelShape, Shares, Strategy, auto_devices, evaluate_hybrid_split,
+    evaluate_layer_split,
 };
 use std::path::PathBuf;
 
@@ -30,10 +31,15 @@ pub struct PlanArgs {
     #[arg(long, default_value = "pp=512,tg=128,batch=1,ctx=4096")]
     pub workload: String,
     /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel,
-    /// expert-parallel (a mixture of experts: whole experts per device), auto (the search), or
-    /// layer (whole layers per device, as `--split-mode layer` runs them).
+    /// expert-parallel (a mixture of experts: whole experts per device), auto (the search),
+    /// layer (whole layers per device, as `--split-mode layer` runs them), or hybrid (groups
+    /// of devices under the Megatron split, layers across the groups, as `--split-mode hybrid`
+    /// runs them).
     #[arg(long, default_value = "auto")]
     pub strategy: String,
+    /// Groups of the hybrid split (default: the cluster's nodes, or 2 on one node).
+    #[arg(long)]
+    pub groups: Option<usize>,
     /// A mixture of experts' load imbalance: the hottest device gets this many times its
     /// uniform share of the routed tokens (1: uniform routing, an assumption; at least 1).
     #[arg(long, default_value_t = metashard::planner::experts::DEFAULT_ROUTING_SKEW)]
@@ -77,21 +83,42 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         ));
     }
     let ratios = Shares::parse(&a.shares)?.ratios(&shape, &cluster)?;
-    if a.strategy.trim().eq_ignore_ascii_case("layer") {
-        // Whole layers per device (`run --split-mode layer`): not a tensor split, so no plan
-        // file or DOT of per-device programs.
+    let staged = ["layer", "hybrid"]
+        .into_iter()
+        .find(|s| a.strategy.trim().eq_ignore_ascii_case(s));
+    if a.groups.is_some() && staged != Some("hybrid") {
+        return Err(metashard::Error::invalid_argument(
+            "--groups",
+            a.groups.unwrap_or(0),
+            "groups are for `--strategy hybrid`",
+        ));
+    }
+    if let Some(mode) = staged {
+        // Whole layers per device or group (`run --split-mode layer|hybrid`): not a tensor
+        // split, so no plan file or DOT of per-device programs.
         if a.output.is_some() || a.dot.is_some() || a.svg.is_some() {
             return Err(metashard::Error::invalid_argument(
                 "--strategy",
-                "layer",
-                "a layer split is run with `--split-mode layer [--tensor-split ...]`, not from a \
-                 plan file; -o, --dot and --svg describe tensor splits",
+                mode,
+                format!(
+                    "a {mode} split is run with `--split-mode {mode} [--tensor-split ...]`, not \
+                     from a plan file; -o, --dot and --svg describe tensor splits"
+                ),
             ));
         }
-        let cost = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
+        let cost = match mode {
+            "layer" => evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?,
+            _ => evaluate_hybrid_split(
+                &shape,
+                &cluster,
+                &workload,
+                a.groups.unwrap_or_else(|| default_groups(&cluster)),
+                ratios.as_deref(),
+            )?,
+        };
         a.out.print("layer split prediction", &cost, |cost| {
             println!(
-                "plan: {} on {} ({} devices), workload {}, strategy layer",
+                "plan: {} on {} ({} devices), workload {}, strategy {mode}",
                 shape.name,
                 cluster.name,
                 cluster.devices.len(),
@@ -102,7 +129,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         // The prediction is printed; a split that does not fit is still an error.
         return match cost.over_budget() {
             Some((m, over)) => Err(does_not_fit(
-                &shape, &cluster, "layer", &m.device, over, m.budget,
+                &shape, &cluster, mode, &m.device, over, m.budget,
             )),
             None => Ok(()),
         };
@@ -155,6 +182,29 @@ pub fn run(a: &PlanArgs) -> Result<()> {
                     None => String::new(),
                 }
             );
+            // Over several nodes: tensor split inside each node, layers across the nodes.
+            let nodes = cluster
+                .devices
+                .len()
+                .div_ceil(cluster.links.devices_per_node.max(1));
+            if nodes > 1 && cluster.links.inter.is_some() {
+                let hybrid =
+                    evaluate_hybrid_split(&shape, &cluster, &workload, nodes, ratios.as_deref())?;
+                println!(
+                    "hybrid split (--split-mode hybrid --groups {nodes}): {:.3} s for the workload \
+                     ({:+.1}% against this plan){}",
+                    hybrid.total_s,
+                    (hybrid.total_s / this.max(1e-12) - 1.0) * 100.0,
+                    match hybrid.over_budget() {
+                        Some((m, over)) => format!(
+                            ", {} over its budget by {}",
+                            m.device,
+                            metashard::error::human_bytes(over)
+                        ),
+                        None => String::new(),
+                    }
+                );
+            }
         }
     }
     // The plan is printed (and written, with -o); a fixed strategy that does not fit is still
@@ -170,6 +220,15 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         )),
         None => Ok(()),
     }
+}
+
+/// The hybrid split's groups when not given: the cluster's nodes, or 2 on one node.
+fn default_groups(cluster: &Cluster) -> usize {
+    let nodes = cluster
+        .devices
+        .len()
+        .div_ceil(cluster.links.devices_per_node.max(1));
+    if nodes > 1 { nodes } else { 2 }
 }
 
 fn does_not_fit(

@@ -35,6 +35,8 @@ pub struct LayerDeviceMemory {
 #[derive(Clone, Debug, Serialize)]
 pub struct LayerSplitCost {
     pub workload: Workload,
+    /// Devices per stage: 1 for the layer split, the group's devices for the hybrid split.
+    pub group: usize,
     /// Seconds of one prefill chunk, and the chunks.
     pub prefill_s: f64,
     pub prefill_chunks: usize,
@@ -58,12 +60,20 @@ impl LayerSplitCost {
     pub fn table(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "layer split: layers run one device after another, {} copies of the residual \
-             stream per step",
-            self.copies
-        );
+        let _ = match self.group {
+            1 => writeln!(
+                s,
+                "layer split: layers run one device after another, {} copies of the residual \
+                 stream per step",
+                self.copies
+            ),
+            g => writeln!(
+                s,
+                "hybrid split: groups of {g} devices (Megatron inside a group), layers run one \
+                 group after another, {} copies of the residual stream per step",
+                self.copies
+            ),
+        };
         let _ = writeln!(
             s,
             "prefill: {:.3} ms per chunk ({} chunk{}); decode: {:.3} ms per token, {:.1} \
@@ -110,11 +120,14 @@ impl LayerSplitCost {
     }
 }
 
-/// One device's whole-model evaluation alone, and its resident bytes per segment.
-struct Alone {
-    profile: DeviceProfile,
+/// One stage's whole-model evaluation (a device alone, or a group of devices under the
+/// Megatron split) and each of its devices' resident bytes per segment.
+struct Stage {
+    /// The stage's device profiles, names aside (stages of equal profiles share this).
+    profiles: Vec<DeviceProfile>,
     eval: Evaluation,
-    bytes: Vec<usize>,
+    /// Bytes per segment, per device of the stage.
+    bytes: Vec<Vec<usize>>,
 }
 
 /// The layer split of `shape` over `cluster`'s devices with `shares` (even when absent) for
@@ -125,14 +138,60 @@ pub fn evaluate_layer_split(
     w: &Workload,
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
+    evaluate_stages(shape, cluster, w, shares, 1)
+}
+
+/// The hybrid split (`run --split-mode hybrid --groups G`): G contiguous groups of the
+/// devices, each a meta device under the Megatron split, the layers split across the groups by
+/// the groups' total `shares` (per device; even when absent) and run one group after another.
+/// An error naming `--groups` unless G divides the devices.
+pub fn evaluate_hybrid_split(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    groups: usize,
+    shares: Option<&[f64]>,
+) -> Result<LayerSplitCost> {
+    let n = cluster.devices.len();
+    if groups == 0 || n % groups != 0 {
+        return Err(Error::invalid_argument(
+            "--groups",
+            groups,
+            format!("the planner takes groups of equal size: a divisor of the {n} devices"),
+        ));
+    }
+    let per = n / groups;
+    let group_shares = shares.map(|s| s.chunks(per).map(|c| c.iter().sum()).collect::<Vec<f64>>());
+    if let Some(s) = shares
+        && s.len() != n
+    {
+        return Err(Error::invalid_argument(
+            "--shares",
+            format!("{s:?}"),
+            format!("one share per device ({n})"),
+        ));
+    }
+    evaluate_stages(shape, cluster, w, group_shares.as_deref(), per)
+}
+
+/// Stages of `per` devices each (1: the layer split; more: the hybrid split), the layers split
+/// across the stages by `shares` (one per stage) and run one stage after another.
+fn evaluate_stages(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    shares: Option<&[f64]>,
+    per: usize,
+) -> Result<LayerSplitCost> {
     shape.check()?;
     w.validate()?;
     cluster.validate()?;
     let n = cluster.devices.len();
+    let stages = n / per.max(1);
     let n_layer = shape.n_layer();
-    let even = vec![1.0; n];
+    let even = vec![1.0; stages];
     let shares = shares.unwrap_or(&even);
-    if shares.len() != n {
+    if shares.len() != stages {
         return Err(Error::invalid_argument(
             "--shares",
             format!("{shares:?}"),
@@ -140,51 +199,59 @@ pub fn evaluate_layer_split(
         ));
     }
     let ranges = layer_ranges(n_layer, shares)?;
-    let mirrored = Strategy::Mirrored
-        .split(n_layer, shape.tied)
-        .expect("a fixed strategy has an assignment");
-    // Devices of one profile (names aside) share an evaluation.
-    let mut alone: Vec<Alone> = Vec::new();
-    let mut which = Vec::with_capacity(n);
-    for d in &cluster.devices {
-        let same = |p: &DeviceProfile| {
-            DeviceProfile {
-                name: String::new(),
-                ..p.clone()
-            } == DeviceProfile {
-                name: String::new(),
-                ..d.clone()
-            }
-        };
-        let i = match alone.iter().position(|a| same(&a.profile)) {
+    let split = match per {
+        1 => Strategy::Mirrored,
+        _ => Strategy::Megatron,
+    }
+    .split(n_layer, shape.tied)
+    .expect("a fixed strategy has an assignment");
+    let last = ranges
+        .iter()
+        .rposition(|r| !r.is_empty())
+        .unwrap_or(stages - 1);
+    let first = ranges.iter().position(|r| !r.is_empty()).unwrap_or(0);
+    // A tied output on another stage than the embedding is held twice (each stage its copy).
+    let mut stage_shape = shape.for_split(per, &split);
+    stage_shape.share_tied &= first == last;
+    let stage_shape = &stage_shape;
+    let unnamed = |p: &DeviceProfile| DeviceProfile {
+        name: String::new(),
+        ..p.clone()
+    };
+    // Stages of the same profiles (names aside) share an evaluation.
+    let mut evals: Vec<Stage> = Vec::new();
+    let mut which = Vec::with_capacity(stages);
+    for st in 0..stages {
+        let devices = &cluster.devices[st * per..(st + 1) * per];
+        let profiles: Vec<DeviceProfile> = devices.iter().map(unnamed).collect();
+        let i = match evals.iter().position(|e| e.profiles == profiles) {
             Some(i) => i,
             None => {
-                let one = Cluster {
-                    devices: vec![d.clone()],
+                // The stage's devices with the cluster's links: a group inside a node
+                // communicates over the links inside it (`Links::time` of `per` devices).
+                let group = Cluster {
+                    devices: devices.to_vec(),
                     ..cluster.clone()
                 };
                 let placed = Placed::new(
-                    shape,
-                    &one,
-                    by_layer(shape.split_dims(), mirrored.clone()),
+                    stage_shape,
+                    &group,
+                    by_layer(stage_shape.split_dims(), split.clone()),
                     w.cache_rows(),
                 )?;
-                let eval = evaluate_placed(&placed, &one, w)?;
-                let bytes = placed.bytes_by_segment().iter().map(|b| b[0]).collect();
-                alone.push(Alone {
-                    profile: d.clone(),
+                let eval = evaluate_placed(&placed, &group, w)?;
+                evals.push(Stage {
+                    profiles,
                     eval,
-                    bytes,
+                    bytes: placed.bytes_by_segment(),
                 });
-                alone.len() - 1
+                evals.len() - 1
             }
         };
         which.push(i);
     }
-    // The device of segment s: 0 embedding, 1..=L layers, L + 1 output.
-    let last = ranges.iter().rposition(|r| !r.is_empty()).unwrap_or(n - 1);
-    let first = ranges.iter().position(|r| !r.is_empty()).unwrap_or(0);
-    let device_of = |s: usize| -> usize {
+    // The stage of segment s: 0 embedding, 1..=L layers, L + 1 output.
+    let stage_of = |s: usize| -> usize {
         if s == 0 {
             first
         } else if s > n_layer {
@@ -196,21 +263,22 @@ pub fn evaluate_layer_split(
                 .unwrap_or(last)
         }
     };
-    let owners: Vec<usize> = (0..n_layer + 2).map(device_of).collect();
+    let owners: Vec<usize> = (0..n_layer + 2).map(stage_of).collect();
     let copies = owners.windows(2).filter(|p| p[0] != p[1]).count();
     let used = ranges.iter().filter(|r| !r.is_empty()).count().max(1);
+    // The residual stream goes from the last device of one stage to the first of the next.
     let link = |a: usize, b: usize| {
-        let per = cluster.links.devices_per_node.max(1);
+        let node = cluster.links.devices_per_node.max(1);
         match &cluster.links.inter {
-            Some(inter) if a / per != b / per => &inter.all_gather,
+            Some(inter) if (a * per + per - 1) / node != (b * per) / node => &inter.all_gather,
             _ => &cluster.links.intra.all_gather,
         }
     };
     let step = |get: &dyn Fn(&Evaluation) -> Option<&StepCost>, tokens: usize| -> f64 {
         let mut t = 0.0;
-        for (s, &d) in owners.iter().enumerate() {
-            if let Some(sc) = get(&alone[which[d]].eval) {
-                t += sc.segments.get(s).map_or(0.0, |x| x.compute_s);
+        for (s, &st) in owners.iter().enumerate() {
+            if let Some(sc) = get(&evals[which[st]].eval) {
+                t += sc.segments.get(s).map_or(0.0, |x| x.compute_s + x.comm_s);
             }
         }
         let bytes = (shape.cfg.n_embd * tokens * 4) as f64;
@@ -218,7 +286,7 @@ pub fn evaluate_layer_split(
             let fit = link(p[0], p[1]);
             t += fit.alpha(2) + bytes / fit.bus_bw.max(1.0);
         }
-        // Each device that runs a part pays its per-step overhead (the segments leave it out).
+        // Each stage that runs a part pays its per-step overhead (the segments leave it out).
         let overhead = cluster
             .devices
             .iter()
@@ -226,7 +294,7 @@ pub fn evaluate_layer_split(
             .fold(0.0, f64::max);
         t + used as f64 * overhead
     };
-    let e0 = &alone[which[first]].eval;
+    let e0 = &evals[which[first]].eval;
     let prefill_s = e0
         .prefill
         .as_ref()
@@ -238,21 +306,28 @@ pub fn evaluate_layer_split(
     let total_s = prefill_s * e0.prefill_chunks as f64 + decode_s * w.decode as f64;
     let memory = (0..n)
         .map(|d| {
-            let a = &alone[which[d]];
+            let (st, local) = (d / per, d % per);
+            let e = &evals[which[st]];
             let resident: usize = owners
                 .iter()
                 .enumerate()
-                .filter(|&(_, &o)| o == d)
-                .map(|(s, _)| a.bytes.get(s).copied().unwrap_or(0))
+                .filter(|&(_, &o)| o == st)
+                .map(|(s, _)| {
+                    e.bytes
+                        .get(s)
+                        .and_then(|b| b.get(local))
+                        .copied()
+                        .unwrap_or(0)
+                })
                 .sum();
-            let activations = if ranges[d].is_empty() && d != first && d != last {
+            let activations = if ranges[st].is_empty() && st != first && st != last {
                 0
             } else {
-                a.eval.memory.first().map_or(0, |m| m.activations)
+                e.eval.memory.get(local).map_or(0, |m| m.activations)
             };
             LayerDeviceMemory {
                 device: cluster.devices[d].name.clone(),
-                layers: (ranges[d].start, ranges[d].end),
+                layers: (ranges[st].start, ranges[st].end),
                 resident,
                 activations,
                 total: resident + activations,
@@ -262,6 +337,7 @@ pub fn evaluate_layer_split(
         .collect();
     Ok(LayerSplitCost {
         workload: *w,
+        group: per,
         prefill_s,
         prefill_chunks: e0.prefill_chunks,
         decode_s,

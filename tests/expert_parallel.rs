@@ -159,3 +159,46 @@ fn expert_parallel_moves_no_expert_weight() {
         }
     }
 }
+
+/// `--split-mode hybrid` splits the experts inside each group as `--experts` says (two groups of
+/// two devices, each a meta device: whole experts per device under `expert`), giving one
+/// device's tokens; `--split-mode layer` gives each device whole layers, so `--experts` is
+/// refused there by name.
+#[test]
+fn hybrid_groups_split_their_experts_as_asked_and_the_layer_split_refuses_the_flag() {
+    use metashard::models::layer_split::SplitMode;
+    let arch = &QWEN3MOE;
+    let path = model_file(arch);
+    let (want_logits, want, _) = run(&path, "cpu:1x1", ExpertSplit::Tensor);
+    let open = |mode: SplitMode, experts: Option<ExpertSplit>| {
+        let opts = OpenOptions {
+            precision: Precision::Exact,
+            split_mode: mode,
+            groups: Some(2),
+            experts,
+            ..OpenOptions::default()
+        };
+        open_decoder(path.to_str().unwrap(), "cpu:4x1", &opts, &|_, _| {})
+    };
+    let mut held = Vec::new();
+    for experts in ExpertSplit::ALL {
+        let (set, m) = open(SplitMode::Hybrid, Some(experts)).unwrap();
+        let (logits, toks) = greedy(&m, &set, PROMPT, STEPS).unwrap();
+        assert_eq!(toks, want, "hybrid, experts {}", experts.name());
+        let e = nmse(&logits, &want_logits);
+        assert!(e < 1e-7, "hybrid, experts {}: NMSE {e:.3e}", experts.name());
+        held.push(set.bytes_per_device(&[&m.weight_buffer]));
+    }
+    // Both ways split the experts inside a group: the same bytes per group in all (8 experts
+    // of equal size, halved either way).
+    let total = |h: &Vec<usize>| h.iter().sum::<usize>();
+    assert_eq!(total(&held[0]), total(&held[1]), "{held:?}");
+    let e = match open(SplitMode::Layer, Some(ExpertSplit::Expert)) {
+        Ok(_) => panic!("the layer split took --experts"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("--experts") && e.contains("--split-mode layer"),
+        "{e}"
+    );
+}

@@ -11,7 +11,7 @@ use crate::devices::{DeviceSet, parse_devices_with};
 use crate::meta::{MetaDevice, MetaOptions};
 use crate::models::layer_split::{SplitMode, device_groups, layer_ranges, placement};
 use crate::models::split::{
-    DecoderSplit, SplitDims, SplitOptions, by_layer, kv_repeat_groups, megatron_plan,
+    DecoderSplit, ExpertSplit, SplitDims, SplitOptions, by_layer, kv_repeat_groups, megatron_plan,
 };
 use crate::sched::Sched;
 use crate::{Error, Result};
@@ -33,13 +33,15 @@ pub struct Layered {
 
 /// The scheduler for `mode` (layer or hybrid) over `devices` for a decoder of `dims`: one
 /// backend per device (layer), or one per group of `groups` (hybrid; a group of one device is
-/// that device, a larger one a meta device with the Megatron split and the group's shares).
+/// that device, a larger one a meta device with the Megatron split, the group's shares and
+/// its experts split as `experts`).
 pub fn open(
     dims: &SplitDims,
     devices: &[Arc<dyn Device>],
     mode: SplitMode,
     shares: Option<&[f64]>,
     groups: usize,
+    experts: ExpertSplit,
     meta: MetaOptions,
 ) -> Result<Layered> {
     let n = devices.len();
@@ -79,7 +81,7 @@ pub fn open(
             SplitOptions {
                 ratios: Some(shares[g.clone()].to_vec()),
                 mirror_attention: false,
-                ..SplitOptions::default()
+                experts,
             },
         )
     };
@@ -128,9 +130,10 @@ pub fn open_layered(
     mode: SplitMode,
     shares: Option<&[f64]>,
     groups: usize,
+    experts: ExpertSplit,
 ) -> Result<(DeviceSet, usize)> {
     let devices = parse_devices_with(spec, CpuOptions { precision })?;
-    let l = open(dims, &devices, mode, shares, groups, options)?;
+    let l = open(dims, &devices, mode, shares, groups, experts, options)?;
     let set = DeviceSet {
         spec: spec.to_string(),
         backend: l.sched.clone(),

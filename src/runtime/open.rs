@@ -74,6 +74,15 @@ pub fn open_decoder(
                  --dist mpi",
             ));
         }
+        if opts.split_mode == SplitMode::Layer && opts.experts.is_some() {
+            return Err(Error::invalid_argument(
+                "--experts",
+                opts.experts.unwrap_or_default().name(),
+                "--split-mode layer gives each device whole layers, experts included; --experts \
+                 splits them over the devices of a group (--split-mode hybrid) or of the tensor \
+                 split",
+            ));
+        }
         if opts.split.is_some() || opts.mirror_attention {
             return Err(Error::invalid_argument(
                 "--split-mode",
@@ -90,6 +99,7 @@ pub fn open_decoder(
             opts.split_mode,
             opts.ratios.as_deref(),
             opts.groups.unwrap_or(2),
+            opts.experts.unwrap_or_default(),
         )?;
         // The scheduler places the embedding and the output by name on different backends:
         // a tied output is a copy of its own.

@@ -6,7 +6,7 @@ use metashard::Result;
 use metashard::planner::evaluate::Workload;
 use metashard::planner::report::{Plan, dot, evaluate_split};
 use metashard::planner::{
-    Cluster, ModelShape, Shares, Strategy, auto_devices, evaluate_hybrid_split,
+    Cluster, LayerSplitCost, ModelShape, Shares, Strategy, auto_devices, evaluate_hybrid_split,
     evaluate_layer_split,
 };
 use std::path::PathBuf;
@@ -165,45 +165,20 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     } else {
         print!("{}", plan.table());
         if strategy == Strategy::Auto {
-            // The other way to spread a model: whole layers per device.
-            let layer = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
+            // The other ways to spread a model: whole layers per device, and over several
+            // nodes, tensor split inside each node with layers across the nodes.
             let this = plan.evaluation.total_s;
+            let layer = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
             println!(
-                "\nlayer split (--split-mode layer): {:.3} s for the workload ({:+.1}% against \
-                 this plan){}",
-                layer.total_s,
-                (layer.total_s / this.max(1e-12) - 1.0) * 100.0,
-                match layer.over_budget() {
-                    Some((m, over)) => format!(
-                        ", {} over its budget by {}",
-                        m.device,
-                        metashard::error::human_bytes(over)
-                    ),
-                    None => String::new(),
-                }
+                "\n{}",
+                against("layer split (--split-mode layer)", &layer, this)
             );
-            // Over several nodes: tensor split inside each node, layers across the nodes.
-            let nodes = cluster
-                .devices
-                .len()
-                .div_ceil(cluster.links.devices_per_node.max(1));
-            if nodes > 1 && cluster.links.inter.is_some() {
+            let nodes = default_groups(&cluster);
+            if cluster.links.inter.is_some() && nodes > 1 && cluster.devices.len() > nodes {
                 let hybrid =
                     evaluate_hybrid_split(&shape, &cluster, &workload, nodes, ratios.as_deref())?;
-                println!(
-                    "hybrid split (--split-mode hybrid --groups {nodes}): {:.3} s for the workload \
-                     ({:+.1}% against this plan){}",
-                    hybrid.total_s,
-                    (hybrid.total_s / this.max(1e-12) - 1.0) * 100.0,
-                    match hybrid.over_budget() {
-                        Some((m, over)) => format!(
-                            ", {} over its budget by {}",
-                            m.device,
-                            metashard::error::human_bytes(over)
-                        ),
-                        None => String::new(),
-                    }
-                );
+                let label = format!("hybrid split (--split-mode hybrid --groups {nodes})");
+                println!("{}", against(&label, &hybrid, this));
             }
         }
     }
@@ -220,6 +195,24 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         )),
         None => Ok(()),
     }
+}
+
+/// `label`'s cost for the workload against the plan's `this` seconds, and the first device
+/// over its budget.
+fn against(label: &str, cost: &LayerSplitCost, this: f64) -> String {
+    format!(
+        "{label}: {:.3} s for the workload ({:+.1}% against this plan){}",
+        cost.total_s,
+        (cost.total_s / this.max(1e-12) - 1.0) * 100.0,
+        match cost.over_budget() {
+            Some((m, over)) => format!(
+                ", {} over its budget by {}",
+                m.device,
+                metashard::error::human_bytes(over)
+            ),
+            None => String::new(),
+        }
+    )
 }
 
 /// The hybrid split's groups when not given: the cluster's nodes, or 2 on one node.

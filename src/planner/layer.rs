@@ -153,7 +153,7 @@ pub fn evaluate_hybrid_split(
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
     let n = cluster.devices.len();
-    if groups == 0 || n % groups != 0 {
+    if groups == 0 || !n.is_multiple_of(groups) {
         return Err(Error::invalid_argument(
             "--groups",
             groups,

@@ -31,6 +31,16 @@ pub struct Layered {
     pub kv_repeat: usize,
 }
 
+/// How a layer or hybrid split cuts the devices: `--split-mode`, `--tensor-split` (one share
+/// per device), `--groups` (hybrid) and `--experts` (inside a hybrid group).
+#[derive(Clone, Copy, Debug)]
+pub struct Staging<'a> {
+    pub mode: SplitMode,
+    pub shares: Option<&'a [f64]>,
+    pub groups: usize,
+    pub experts: ExpertSplit,
+}
+
 /// The scheduler for `mode` (layer or hybrid) over `devices` for a decoder of `dims`: one
 /// backend per device (layer), or one per group of `groups` (hybrid; a group of one device is
 /// that device, a larger one a meta device with the Megatron split, the group's shares and
@@ -38,12 +48,15 @@ pub struct Layered {
 pub fn open(
     dims: &SplitDims,
     devices: &[Arc<dyn Device>],
-    mode: SplitMode,
-    shares: Option<&[f64]>,
-    groups: usize,
-    experts: ExpertSplit,
+    how: &Staging,
     meta: MetaOptions,
 ) -> Result<Layered> {
+    let Staging {
+        mode,
+        shares,
+        groups,
+        experts,
+    } = *how;
     let n = devices.len();
     let shares: Vec<f64> = match shares {
         Some(s) if s.len() == n => s.to_vec(),
@@ -127,13 +140,10 @@ pub fn open_layered(
     precision: Precision,
     options: MetaOptions,
     dims: &SplitDims,
-    mode: SplitMode,
-    shares: Option<&[f64]>,
-    groups: usize,
-    experts: ExpertSplit,
+    how: &Staging,
 ) -> Result<(DeviceSet, usize)> {
     let devices = parse_devices_with(spec, CpuOptions { precision })?;
-    let l = open(dims, &devices, mode, shares, groups, experts, options)?;
+    let l = open(dims, &devices, how, options)?;
     let set = DeviceSet {
         spec: spec.to_string(),
         backend: l.sched.clone(),

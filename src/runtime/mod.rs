@@ -10,5 +10,5 @@ pub mod open;
 
 pub use encoder::open_encoder;
 pub use identity::model_identity;
-pub use layered::{Layered, open_layered};
+pub use layered::{Layered, Staging, open_layered};
 pub use open::{OpenOptions, open_decoder};

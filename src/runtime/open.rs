@@ -7,7 +7,7 @@
 //! built-in split and every strategy that splits the output have them for a tied model,
 //! `DecoderSplit::tied`; both mirrored).
 
-use super::layered::open_layered;
+use super::layered::{Staging, open_layered};
 use crate::cpu::Precision;
 use crate::devices::DeviceSet;
 use crate::meta::MetaOptions;
@@ -96,10 +96,12 @@ pub fn open_decoder(
             opts.precision,
             opts.meta,
             &dims,
-            opts.split_mode,
-            opts.ratios.as_deref(),
-            opts.groups.unwrap_or(2),
-            opts.experts.unwrap_or_default(),
+            &Staging {
+                mode: opts.split_mode,
+                shares: opts.ratios.as_deref(),
+                groups: opts.groups.unwrap_or(2),
+                experts: opts.experts.unwrap_or_default(),
+            },
         )?;
         // The scheduler places the embedding and the output by name on different backends:
         // a tied output is a copy of its own.

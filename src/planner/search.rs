@@ -688,11 +688,11 @@ pub fn device_counts(cluster: &Cluster) -> Vec<usize> {
 
 /// [`auto`] over subsets of `cluster`: its first k devices for each of [`device_counts`]
 /// (all of them, whole nodes, powers of two, one), keeping the fewest devices that fit and are
-/// within [`SAME_TIME`] of the fastest. More devices are not always faster: each split layer's collectives cost
-/// a latency that grows with the devices, and across nodes the slower links carry them (Llama-3-70B
-/// decodes faster on 8 of the 16 H100s of `h100x16-ib` than on all 16). The subset chosen, and
-/// the search's result on it, with every count's predicted time. Device shares are per device,
-/// so with `ratios` only the whole cluster is searched.
+/// within [`SAME_TIME`] of the fastest. More devices are not always faster: each split layer's
+/// collectives cost a latency that grows with the devices, and across nodes the slower links
+/// carry them (Llama-3-70B decodes faster on 8 of the 16 H100s of `h100x16-ib` than on all 16).
+/// The subset chosen, and the search's result on it, with every count's predicted time.
+/// Device shares are per device, so with `ratios` only the whole cluster is searched.
 pub fn auto_devices(
     shape: &ModelShape,
     cluster: &Cluster,

@@ -693,3 +693,47 @@ fn a_hybrid_split_is_groups_under_megatron_one_after_another() -> Result<()> {
     assert!(e.contains("--groups"), "{e}");
     Ok(())
 }
+
+#[test]
+fn prompts_past_the_context_take_more_steps_and_copies_can_share_a_batch() -> Result<()> {
+    use metashard::planner::replicas;
+    // 8 prompts of 512 tokens fill one step of 4096 (the context); 64 of them take 8 such
+    // steps (the cost model had costed one, 8x too little prompt work).
+    let shape = ModelShape::preset("llama3-70b").unwrap();
+    let nv = Cluster::preset("h100x8-nvswitch").unwrap();
+    let megatron = Strategy::Megatron
+        .split(shape.n_layer(), shape.tied)
+        .unwrap();
+    let prompts = |b: usize| Workload::parse(&format!("pp=512,tg=0,batch={b},ctx=4096"));
+    let e8 = evaluate_split(&shape, &megatron, &nv, &prompts(8)?)?;
+    let e64 = evaluate_split(&shape, &megatron, &nv, &prompts(64)?)?;
+    assert_eq!((e8.prefill_chunks, e64.prefill_chunks), (1, 8));
+    assert!((e64.total_s - 8.0 * e8.total_s).abs() < 1e-9 * e64.total_s);
+    // Copies of the model share a batch: on 16 H100s, 2 copies of 8 with 32 sequences each,
+    // 4 of 4 with 16, ...; every device used, every sequence served; none for a batch of one.
+    let ib = Cluster::preset("h100x16-ib").unwrap();
+    let w = Workload::parse("pp=512,tg=128,batch=64,ctx=4096")?;
+    let reps = replicas(&shape, &ib, &w)?;
+    assert!(
+        reps.iter()
+            .any(|r| (r.copies, r.devices, r.batch) == (2, 8, 32)),
+        "{reps:?}"
+    );
+    for r in &reps {
+        assert_eq!(r.copies * r.devices, 16, "{r:?}");
+        assert!(r.copies * r.batch >= 64, "{r:?}");
+    }
+    // Two copies of 8 serve 64 sequences faster than one copy on the best count of devices
+    // (each copy's prompts take half the steps).
+    let (one, _, _) = metashard::planner::auto_devices(&shape, &ib, &w, None)?;
+    let two = reps.iter().find(|r| r.copies == 2).unwrap();
+    assert!(
+        two.time_s < one.evaluation.total_s,
+        "{} vs {}",
+        two.time_s,
+        one.evaluation.total_s
+    );
+    let single = Workload::parse("pp=512,tg=128,batch=1,ctx=4096")?;
+    assert!(replicas(&shape, &ib, &single)?.is_empty());
+    Ok(())
+}

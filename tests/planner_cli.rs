@@ -368,6 +368,21 @@ fn plan_counts_the_layer_split() {
             && out.contains("devices: 8 of 16"),
         "{out}"
     );
+    // A batch can be served by copies of the model; the plan says what that would take.
+    let (code, out, err) = metashard(&[
+        "plan",
+        "--model",
+        "llama3-70b",
+        "--cluster",
+        "h100x16-ib",
+        "--workload",
+        "pp=512,tg=128,batch=64,ctx=4096",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("replicas: ") && out.contains("one server per copy"),
+        "{out}"
+    );
 }
 
 #[test]

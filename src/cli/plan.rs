@@ -7,7 +7,7 @@ use metashard::planner::evaluate::Workload;
 use metashard::planner::report::{Plan, dot, evaluate_split};
 use metashard::planner::{
     Cluster, LayerSplitCost, ModelShape, Shares, Strategy, auto_devices, evaluate_hybrid_split,
-    evaluate_layer_split,
+    evaluate_layer_split, replicas,
 };
 use std::path::PathBuf;
 
@@ -179,6 +179,23 @@ pub fn run(a: &PlanArgs) -> Result<()> {
                     evaluate_hybrid_split(&shape, &cluster, &workload, nodes, ratios.as_deref())?;
                 let label = format!("hybrid split (--split-mode hybrid --groups {nodes})");
                 println!("{}", against(&label, &hybrid, this));
+            }
+            // A batch can also be served by copies of the model, each on its own devices.
+            if let Some(best) = replicas(&shape, &cluster, &workload)?
+                .into_iter()
+                .min_by(|a, b| a.time_s.total_cmp(&b.time_s))
+            {
+                println!(
+                    "replicas: {} copies of {} device{} ({} of the {} sequences each; one server \
+                     per copy): {:.3} s for the workload ({:+.1}% against this plan)",
+                    best.copies,
+                    best.devices,
+                    if best.devices == 1 { "" } else { "s" },
+                    best.batch,
+                    workload.batch,
+                    best.time_s,
+                    (best.time_s / this.max(1e-12) - 1.0) * 100.0
+                );
             }
         }
     }

@@ -181,6 +181,21 @@ impl Workload {
         self.prefill.div_ceil(self.prefill.clamp(1, Self::CHUNK))
     }
 
+    /// Prefill steps making up the workload's prompts: each chunk of every sequence, in steps
+    /// of [`Workload::prefill_step`]'s tokens. A batch's chunks fill one step up to the
+    /// context, and take more steps past it (64 prompts of 512 tokens at a context of 4096
+    /// are 8 steps of 4096 tokens, not one).
+    fn prefill_steps(&self) -> usize {
+        let Some((tokens, _)) = self.prefill_step() else {
+            return 0;
+        };
+        let chunk = self.prefill.min(Self::CHUNK);
+        self.prefill_chunks()
+            * chunk
+                .saturating_mul(self.batch.max(1))
+                .div_ceil(tokens.max(1))
+    }
+
     /// The prefill step the cost model builds: (tokens, start). The middle chunk's context
     /// stands for all of them; a batch is costed as one longer sequence (the same rows for
     /// every product, more attention). None without a prompt.
@@ -512,7 +527,7 @@ pub fn evaluate_placed(
         Ok(step_cost(&g, &rw, cluster, tokens, placed.routing()))
     };
     let (prefill, chunks) = match workload.prefill_step() {
-        Some((tokens, start)) => (Some(run_step(tokens, start)?), workload.prefill_chunks()),
+        Some((tokens, start)) => (Some(run_step(tokens, start)?), workload.prefill_steps()),
         None => (None, 0),
     };
     let decode = match workload.decode_step() {

@@ -43,7 +43,7 @@ pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
 pub use layer::{LayerSplitCost, evaluate_hybrid_split, evaluate_layer_split};
 pub use presets::PRESET_NAMES;
 pub use report::{Plan, load_plan, parse_plan};
-pub use search::{DeviceCount, SearchResult, auto, auto_devices};
+pub use search::{DeviceCount, Replicas, SearchResult, auto, auto_devices, replicas};
 pub use shape::{ModelShape, WeightTypes};
 pub use strategy::{Shares, Strategy};
 pub use virtual_device::VirtualDevice;

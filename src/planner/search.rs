@@ -745,6 +745,50 @@ pub fn auto_devices(
     Ok((r, sub, tried))
 }
 
+/// Copies of a model serving a batch's sequences apart (data parallelism): `copies` copies on
+/// `devices` devices each, each with `batch` of the sequences.
+#[derive(Clone, Debug, Serialize)]
+pub struct Replicas {
+    pub copies: usize,
+    pub devices: usize,
+    pub batch: usize,
+    /// Predicted seconds of the whole workload (the copies run at once: one copy's time).
+    pub time_s: f64,
+}
+
+/// For a batch of several sequences: the best way to serve it with copies of the model, each
+/// on its own `cluster.devices.len() / copies` devices (the first such group of the cluster
+/// stands for all: contiguous groups of one profile) with its share of the sequences, for
+/// every number of copies from 2 that gives each copy a sequence and a device; the search on
+/// one copy's devices for its share of the batch. Counts that do not fit are left out; empty
+/// for a batch of one.
+pub fn replicas(shape: &ModelShape, cluster: &Cluster, w: &Workload) -> Result<Vec<Replicas>> {
+    let n = cluster.devices.len();
+    let mut out = Vec::new();
+    for copies in 2..=n.min(w.batch) {
+        let devices = n / copies;
+        // Only counts that leave no device idle (and are not the same split as a smaller one).
+        if devices * copies != n {
+            continue;
+        }
+        let share = Workload {
+            batch: w.batch.div_ceil(copies),
+            ..*w
+        };
+        match auto(shape, &cluster.take(devices), &share, None) {
+            Ok(r) => out.push(Replicas {
+                copies,
+                devices,
+                batch: share.batch,
+                time_s: r.evaluation.total_s,
+            }),
+            Err(Error::DoesNotFit { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
 /// How much slower than the fastest count of devices a smaller count may be and still be
 /// chosen: 2%, well inside the cost model's error, so a small model is not spread over eight
 /// GPUs for half a percent (SmolLM2 on `h100x8-nvswitch`).

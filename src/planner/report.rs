@@ -103,9 +103,14 @@ pub fn parse_plan(
         return Err(bad(
             "devices",
             format!(
-                "the plan is for {} devices ({}), the run has {n_devices}",
+                "the plan is for {} device{} ({}), the run has {n_devices}: run it on {} \
+                 device{} (`plan` keeps the fewest devices within 2% of the fastest; a fixed \
+                 `--strategy` plans for all of them)",
                 p.devices.len(),
-                p.devices.join(",")
+                if p.devices.len() == 1 { "" } else { "s" },
+                p.devices.join(","),
+                p.devices.len(),
+                if p.devices.len() == 1 { "" } else { "s" },
             ),
         ));
     }

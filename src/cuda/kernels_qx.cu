@@ -738,8 +738,10 @@ __device__ __forceinline__ void gemv_qx(const Tensor &dst, const Tensor &w, cons
                                         const Ids &ids, Fault *fault, int node) {
     constexpr bool MIN = TYPE == T_Q4_1 || TYPE == T_Q5_1 || TYPE == T_Q2_K || TYPE == T_Q4_K ||
                          TYPE == T_Q5_K;
-    constexpr int BE = blk_elems(TYPE), BB = blk_bytes(TYPE), PER = BE / 8, STEP = 32 / PER;
-    int lane = threadIdx.x & 31, t = lane % PER;
+    constexpr int BE = blk_elems(TYPE), BB = blk_bytes(TYPE);
+    // The lanes' split of the row is `qx_lanes`, which the host test checks element by element.
+    int t, first, step;
+    qx_lanes(TYPE, threadIdx.x & 31, &t, &first, &step);
     i64 row, b2, b3;
     const char *wr;
     if (!gemv_row(w, x, ids, fault, node, &row, &b2, &b3, &wr)) return;
@@ -749,7 +751,7 @@ __device__ __forceinline__ void gemv_qx(const Tensor &dst, const Tensor &w, cons
     i64 nblk = K / BE;
     const char *x0 = x.p + offset(x, 0, 0, b2, b3);
     bool vec = nb0 == 4 && (((u64)x0 | (u64)(M > 1 ? nb1 : 0)) & 15) == 0;
-    for (i64 b = lane / PER; b < nblk; b += STEP) {
+    for (i64 b = first; b < nblk; b += step) {
         float q[8], dl, ml;
         int e0, e1;
         lane8<TYPE>(wr + b * BB, t, q, &dl, &ml, &e0, &e1);

@@ -4,11 +4,11 @@
 //! split by rows, becomes one windowed op per segment piece the device holds (`RowWindow`:
 //! the piece's ids at their local rows; the lookups summed); a `mul_mat_id` whose experts are
 //! split whole becomes windowed the same way (each device's rows routed to its experts). Each
-//! conversion becomes local
-//! nodes (slices: view + cont, concatenated per segment; to-partial: zeros on devices other
-//! than 0; pad-to-partial: each slice padded with zeros to the full shape) or a collective
-//! node; views become local views with the layouts `split_state::view` derived. Stages cut
-//! each program at its collectives.
+//! conversion becomes local nodes (slices: view + cont, concatenated per segment; to-partial:
+//! zeros on devices other than 0; pad-to-partial: each slice padded with zeros to the full
+//! shape; as-partial: the same tensors, read as a partial sum) or a collective node; views
+//! become local views with the layouts `split_state::view` derived. Stages cut each program at
+//! its collectives.
 
 use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
 use super::sharding::{ConversionKind, Sharding, conversion_kind};

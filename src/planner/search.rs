@@ -699,6 +699,8 @@ pub fn auto_devices(
     w: &Workload,
     ratios: Option<Vec<f64>>,
 ) -> Result<(SearchResult, Cluster, Vec<DeviceCount>)> {
+    // At least one device (its error names the field), so some count is tried.
+    cluster.validate()?;
     let counts = match ratios {
         Some(_) => vec![cluster.devices.len()],
         None => device_counts(cluster),

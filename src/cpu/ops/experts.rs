@@ -18,9 +18,9 @@
 //! more expert, and written as zeros.
 //!
 //! Shared scratch, in order (each part 64-byte aligned): the per-expert row offsets (u32,
-//! `n_expert + 2`: the last group is the rows of ids outside the window), the rows in expert order (u32 `e + n_used * t`), the gathered activations
-//! (f32 `[K, rows]`), the products (f32 `[N, rows]`), and the dense kernels' own scratch (the
-//! most any expert's share can need).
+//! `n_expert + 2`: the last group is the rows of ids outside the window), the rows in expert
+//! order (u32 `e + n_used * t`), the gathered activations (f32 `[K, rows]`), the products (f32
+//! `[N, rows]`), and the dense kernels' own scratch (the most any expert's share can need).
 
 use super::KernelError;
 use crate::DType;

@@ -1,9 +1,10 @@
 //! Layer and hybrid splits of a decoder on the scheduler (`crate::sched`): one backend per
 //! device (layer split) or per group of devices (hybrid: each group a meta device with the
-//! built-in Megatron split inside), whole layers per backend in proportion to the shares, the
-//! tensors placed by `models::layer_split::placement`. A group with more devices than the
-//! KV-head groups of its layers repeats each KV head as the tensor split does (one repetition
-//! for the model, `models::split::kv_repeat_groups`).
+//! built-in Megatron split inside, its experts split as `--experts` says), whole layers per
+//! backend in proportion to the shares, the tensors placed by
+//! `models::layer_split::placement`. A group with more devices than the KV-head groups of its
+//! layers repeats each KV head as the tensor split does (one repetition for the model,
+//! `models::split::kv_repeat_groups`).
 
 use crate::backend::{Backend, Device};
 use crate::cpu::{CpuOptions, Precision};

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `metashard serve` against llama.cpp's `llama-server` on the same GGUF, threads and slots,
-# measured by the same client (`metashard bench serve --url`), in interleaved rounds: each
-# round measures one request at a time and SLOTS clients at once on each server. Prints each
+# measured by the same client (`metashard bench serve --url`), in interleaved rounds (one server
+# alive at a time, started and stopped in each round): each round measures one request at a
+# time and SLOTS clients at once on each server. Prints each
 # measurement's tokens/s and the medians and ratios. Run it alone on the machine:
 #   flock /tmp/bench.lock scripts/serve_vs_llama.sh [ROUNDS]
 # Environment: LLAMA_SERVER (default /tmp/llama.cpp/build/bin/llama-server), MODEL (default
@@ -23,27 +24,43 @@ for f in "$llama" "$model" "$bin"; do
     [ -e "$f" ] || { echo "missing: $f" >&2; exit 1; }
 done
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-ms_port="$(port)" ll_port="$(port)"
 out="$(mktemp -d)"
-pids=()
-trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
-"$bin" serve --model "$model" --devices "cpu:1x$threads" --parallel "$slots" --ctx 512 \
-    --port "$ms_port" ${METASHARD_FLAGS:-} >"$out/metashard.log" 2>&1 &
-pids+=($!)
-"$llama" -m "$model" -t "$threads" -tb "$threads" -np "$slots" -c $((slots * 512)) \
-    --host 127.0.0.1 --port "$ll_port" >"$out/llama.log" 2>&1 &
-pids+=($!)
+pid=""
+trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null || true' EXIT
+# One server alive at a time: an idle llama-server with OMP_WAIT_POLICY=active keeps its
+# threads spinning (75% of a core each, measured), which halved metashard's share of the CPU
+# when both servers stayed up through the rounds.
+start() {
+    local p
+    p="$(port)"
+    if [ "$1" = metashard ]; then
+        "$bin" serve --model "$model" --devices "cpu:1x$threads" --parallel "$slots" --ctx 512 \
+            --port "$p" ${METASHARD_FLAGS:-} >>"$out/metashard.log" 2>&1 &
+    else
+        "$llama" -m "$model" -t "$threads" -tb "$threads" -np "$slots" -c $((slots * 512)) \
+            --host 127.0.0.1 --port "$p" >>"$out/llama.log" 2>&1 &
+    fi
+    pid=$!
+    url="http://127.0.0.1:$p"
+    for _ in $(seq 300); do
+        curl -sf "$url/health" >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    echo "$1 did not become ready; its log: $out/$1.log" >&2
+    exit 1
+}
+stop() { kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=""; }
 echo "machine: $(uptime)"
 for r in $(seq "$rounds"); do
     for server in metashard llama; do
-        url="http://127.0.0.1:$ms_port"
-        [ "$server" = llama ] && url="http://127.0.0.1:$ll_port"
+        start "$server"
         for c in 1 "$slots"; do
             n="$requests"
             [ "$c" = 1 ] && n=$(( (requests + 3) / 4 ))
             "$bin" bench serve --url "$url" --concurrency "$c" --requests "$n" \
                 --max-tokens "$max_tokens" --json >"$out/$server-$c-$r.json"
         done
+        stop
     done
 done
 python3 - "$out" "$rounds" "$slots" <<'PY'

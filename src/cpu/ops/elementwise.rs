@@ -112,10 +112,14 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + super::attn::exp_fast(-x))
 }
 
+/// GELU's tanh approximation `0.5 x (1 + tanh(u))`, `u = sqrt(2 / pi) (x + 0.044715 x^3)`,
+/// computed as `x * sigmoid(2u)` (the same function: `(1 + tanh(u)) / 2 = 1 / (1 + e^(-2u))`)
+/// with the branch-free `exp_fast`, so loops over rows vectorize (libm's `tanhf` is a call
+/// per element: 1.7% of a Gemma 3 decode step).
 #[inline(always)]
-fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)).tanh())
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const TWO_SQRT_2_OVER_PI: f32 = 2.0 * 0.797_884_6;
+    x / (1.0 + super::attn::exp_fast(-TWO_SQRT_2_OVER_PI * x * (1.0 + 0.044715 * x * x)))
 }
 
 #[inline(always)]
@@ -165,5 +169,30 @@ pub fn swiglu(p: &ComputeParams, dst: &TensorView, src: &[TensorView]) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gelu_tanh;
+
+    #[test]
+    fn gelu_through_the_sigmoid_equals_the_tanh_form() {
+        // The tanh form in f64 (the definition) against the f32 kernel, over the range
+        // activations take and past where exp_fast clamps. Within a few ulp relative: for
+        // negative x the sigmoid form avoids `1 + tanh(u)`'s cancellation, which cost the
+        // f32 tanh form up to 1e-5 relative at x = -2.8.
+        for i in -4000..=4000 {
+            let x = i as f32 * 0.01;
+            let xd = x as f64;
+            let u = (2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd * xd * xd);
+            let want = 0.5 * xd * (1.0 + u.tanh());
+            let got = gelu_tanh(x) as f64;
+            let tol = 1.5e-6 * want.abs() + 1e-12;
+            assert!((got - want).abs() <= tol, "x {x}: {got} against {want}");
+        }
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        assert_eq!(gelu_tanh(1e4), 1e4);
+        assert!(gelu_tanh(-1e4).abs() < 1e-30);
     }
 }

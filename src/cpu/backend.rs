@@ -18,8 +18,9 @@ use crate::op::Op;
 use crate::{Error, Result};
 use parking_lot::Mutex;
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Instant;
 
 /// One node ready to run.
 struct ExecNode {
@@ -213,6 +214,19 @@ struct CpuPlan {
     _buffers: Vec<Arc<dyn Buffer>>,
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if super::profile::enabled()
+            && let Some(r) = super::profile::take_report()
+        {
+            eprintln!(
+                "CPU profile (METASHARD_CPU_PROFILE), up to device {}:\n{r}",
+                self.device.name()
+            );
+        }
+    }
+}
+
 impl Drop for CpuPlan {
     fn drop(&mut self) {
         let mut spare = self.inner.spare_work.lock();
@@ -341,6 +355,12 @@ impl GraphPlan for CpuPlan {
             *c.get_mut() = 0;
         }
         let items = &*items;
+        // Per node: compute and barrier-wait nanoseconds summed over threads (profile only).
+        let prof = super::profile::enabled();
+        let times: Vec<[AtomicU64; 2]> = match prof {
+            true => nodes.iter().map(|_| Default::default()).collect(),
+            false => Vec::new(),
+        };
         let run = pool.run(&|ith, barrier| {
             let base = wdata.get();
             let p = ComputeParams {
@@ -363,18 +383,29 @@ impl GraphPlan for CpuPlan {
                     items: (nth > 1).then(|| &items[i]),
                     ..p
                 };
+                let t0 = prof.then(Instant::now);
                 if let Err(err) = ops::forward(&p, &e.op, &e.dst, &e.src) {
                     errors[ith].lock().get_or_insert((i, err));
                     failed_at.fetch_min(i, Ordering::AcqRel);
                 }
+                let t1 = prof.then(Instant::now);
                 if e.barrier_after {
                     barrier.wait();
-                    if failed_at.load(Ordering::Acquire) <= i {
-                        break;
-                    }
+                }
+                if let (Some(t0), Some(t1)) = (t0, t1) {
+                    let ns = |d: std::time::Duration| d.as_nanos() as u64;
+                    times[i][0].fetch_add(ns(t1 - t0), Ordering::Relaxed);
+                    times[i][1].fetch_add(ns(t1.elapsed()), Ordering::Relaxed);
+                }
+                if e.barrier_after && failed_at.load(Ordering::Acquire) <= i {
+                    break;
                 }
             }
         });
+        for (e, t) in nodes.iter().zip(&times) {
+            let [c, w] = t.each_ref().map(|a| a.load(Ordering::Relaxed));
+            super::profile::record(&e.name, e.op.name(), c, w);
+        }
         run.map_err(|msg| {
             let node = nodes
                 .get(current.load(Ordering::Relaxed))

@@ -8,6 +8,7 @@ pub mod device;
 pub mod matmul;
 mod ops;
 pub mod pool;
+mod profile;
 pub mod simd;
 pub mod view;
 

@@ -284,6 +284,39 @@ unsafe fn block_axpys(
     }
 }
 
+/// The block-aligned start and the end of the cache rows query row `iq` may see: from the
+/// block holding the first row whose mask value is not `-inf` to just past the last such row
+/// (`(0, 0)` when the mask hides every row). A step over many sequences in one cache (each
+/// query row sees its own sequence's rows) would otherwise test every block of every other
+/// sequence, for every head block: for 8 sequences of SmolLM2 in a 4096-row cache, that scan
+/// was most of the attention's time. Memoized per row in `seen`.
+fn visible_blocks(
+    mk: &TensorView,
+    iq: usize,
+    n_kv: usize,
+    seen: &mut [Option<(usize, usize)>],
+) -> (usize, usize) {
+    if let Some(span) = seen[iq] {
+        return span;
+    }
+    let shown = |j: usize| {
+        // SAFETY: the builder checked the mask is [n_kv, >= n_q]; j < n_kv.
+        unsafe { mk.get_f32(j, iq, 0, 0) != f32::NEG_INFINITY }
+    };
+    let span = if mk.dtype == crate::DType::F32 && mk.nb[0] == 4 {
+        // SAFETY: as above; row iq holds n_kv packed f32.
+        let row = unsafe { std::slice::from_raw_parts(mk.row_ptr(iq, 0, 0).cast::<f32>(), n_kv) };
+        let first = row.iter().position(|&x| x != f32::NEG_INFINITY);
+        let last = row.iter().rposition(|&x| x != f32::NEG_INFINITY);
+        first.zip(last)
+    } else {
+        (0..n_kv).position(shown).zip((0..n_kv).rposition(shown))
+    };
+    let span = span.map_or((0, 0), |(a, b)| (a / BLOCK * BLOCK, b + 1));
+    seen[iq] = Some(span);
+    span
+}
+
 pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale: f32) {
     let isa = Isa::detect();
     let (q, k, v) = (&src[0], &src[1], &src[2]);
@@ -306,6 +339,8 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
     // Units: (batch, head block, query row); a head block is `g` consecutive query heads.
     let blocks = n_head / g;
     let units = batch * blocks * n_q;
+    // Each query row's span of rows the mask shows, found once per row and thread.
+    let mut visible: Vec<Option<(usize, usize)>> = vec![None; if mask.is_some() { n_q } else { 0 }];
     for u in p.range(units) {
         let (iq, hb, b) = (u % n_q, (u / n_q) % blocks, u / (n_q * blocks));
         let h0 = hb * g;
@@ -317,8 +352,12 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
         acc.fill(0.0);
         m.fill(f32::NEG_INFINITY);
         l.fill(0.0);
-        let mut j0 = 0;
-        while j0 < n_kv {
+        // Only the blocks from the first to the last row the mask shows can add anything.
+        let (mut j0, end) = match mask {
+            Some(mk) => visible_blocks(mk, iq, n_kv, &mut visible),
+            None => (0, n_kv),
+        };
+        while j0 < end {
             let jn = BLOCK.min(n_kv - j0);
             // A block the mask hides entirely adds nothing (its weights are all 0): skipped, so
             // a step over many sequences in one cache (each token seeing its own sequence's

@@ -18,16 +18,21 @@
 #[cfg(not(feature = "mpi"))]
 #[test]
 fn dist_mpi_without_the_feature_says_how_to_build_it() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
-        .args(["selftest", "comm", "--dist", "mpi"])
-        .output()
-        .expect("metashard runs");
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        e.contains("MPI support is not compiled in") && e.contains("--features mpi"),
-        "{e}"
-    );
+    for args in [
+        &["selftest", "comm", "--dist", "mpi"][..],
+        &["serve", "--dist", "mpi", "--devices", "cpu:1x1"],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(args)
+            .output()
+            .expect("metashard runs");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            e.contains("MPI support is not compiled in") && e.contains("--features mpi"),
+            "{args:?}: {e}"
+        );
+    }
 }
 
 #[cfg(feature = "mpi")]

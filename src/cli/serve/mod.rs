@@ -7,7 +7,8 @@
 //! (its channel closed) cancels its request and frees its slot. At most `--max-queue` requests
 //! wait for a slot; more are answered 429 with `Retry-After`. Errors are OpenAI-style JSON
 //! with a 4xx status; `--api-key` is checked in constant time. [`start`] runs a server on its
-//! own threads (what `bench serve` measures); [`run`] serves until SIGTERM or Ctrl-C.
+//! own threads (what `bench serve` measures); [`run`] serves until SIGTERM or Ctrl-C. With
+//! `--dist mpi` rank 0 serves and the other ranks take its batch steps (`ranks.rs`).
 
 mod api;
 mod metrics;

@@ -7,7 +7,8 @@
 //!   (`cpu:Nx1`) and one device; also with the two ranks on two simulated hosts (network
 //!   namespaces joined by a veth pair, `scripts/two_hosts.sh`), where the test runs as root;
 //! - ranks that agree or fail, rank 0's request, a bounded start-up, a rank that finishes
-//!   early, a closed stdout: `tests/mpi/ranks.rs`.
+//!   early, a closed stdout: `tests/mpi/ranks.rs`;
+//! - `serve --dist mpi`: rank 0 serves, the other rank steps with it: `tests/mpi/serve.rs`.
 //!
 //! Without `mpirun` on the PATH each test prints one line and returns (`scripts/test.sh`
 //! installs OpenMPI, so CI runs them). OpenMPI refuses root without its two allow variables,
@@ -17,21 +18,30 @@
 #[cfg(not(feature = "mpi"))]
 #[test]
 fn dist_mpi_without_the_feature_says_how_to_build_it() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
-        .args(["selftest", "comm", "--dist", "mpi"])
-        .output()
-        .expect("metashard runs");
-    let e = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        e.contains("MPI support is not compiled in") && e.contains("--features mpi"),
-        "{e}"
-    );
+    for args in [
+        &["selftest", "comm", "--dist", "mpi"][..],
+        &["serve", "--dist", "mpi", "--devices", "cpu:1x1"],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(args)
+            .output()
+            .expect("metashard runs");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            e.contains("MPI support is not compiled in") && e.contains("--features mpi"),
+            "{args:?}: {e}"
+        );
+    }
 }
 
 #[cfg(feature = "mpi")]
 #[path = "mpi/ranks.rs"]
 mod ranks;
+
+#[cfg(feature = "mpi")]
+#[path = "mpi/serve.rs"]
+mod serve;
 
 #[cfg(feature = "mpi")]
 #[path = "support/closed_stdout.rs"]
@@ -495,7 +505,7 @@ mod with_mpi {
 
     /// The pid of rank `rank` among the children of process `parent` (OpenMPI starts local
     /// ranks as children of mpirun and tells each its rank in its environment).
-    fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
+    pub(crate) fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
         let children =
             std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).ok()?;
         let want = format!("OMPI_COMM_WORLD_RANK={rank}");

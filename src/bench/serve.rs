@@ -186,6 +186,7 @@ fn serve_args(a: &BenchServeArgs) -> ServeArgs {
         host: "127.0.0.1".into(),
         port: 0,
         api_key: a.api_key.clone(),
+        dist: Default::default(),
     }
 }
 

@@ -5,7 +5,10 @@
 //! that lets each token see only its own slot's rows at or before its position (and within
 //! the sliding window): llama.cpp's unified KV cache and vLLM's continuous batching do the
 //! same. The graph is the one-sequence graph with more rows, so it runs on one device, a meta
-//! device (any split state) and the scheduler's layer split alike.
+//! device (any split state) and the scheduler's layer split alike. A step hook
+//! ([`BatchSession::set_step_hook`]) sees each step's inputs before it computes, and
+//! [`BatchSession::set_lens`] takes another session's slot lengths: with both, the ranks of a
+//! job step alike (`runtime::lockstep`).
 
 use super::decoder::{StepInput, StepSeqs, build_step_seqs};
 use super::loader::DecoderModel;
@@ -28,6 +31,12 @@ pub struct SeqInput<'a> {
     pub logits: bool,
 }
 
+/// Called by [`BatchSession::step`] with a step's checked inputs before it computes: every
+/// slot's length before the step, and the sequences. With ranks as processes rank 0 sends
+/// them to the other ranks, which take the same step (`runtime::lockstep`); an error ends the
+/// step before anything changed.
+pub type StepHook<'m> = Box<dyn FnMut(&[Option<usize>], &[SeqInput]) -> Result<()> + Send + 'm>;
+
 /// A KV cache of several slots, a model and a backend.
 pub struct BatchSession<'m> {
     pub model: &'m DecoderModel,
@@ -38,6 +47,7 @@ pub struct BatchSession<'m> {
     ctx: usize,
     /// Each slot's length, `None` when free.
     lens: Vec<Option<usize>>,
+    hook: Option<StepHook<'m>>,
 }
 
 impl<'m> BatchSession<'m> {
@@ -67,6 +77,7 @@ impl<'m> BatchSession<'m> {
             buffer,
             ctx,
             lens: vec![None; slots],
+            hook: None,
         })
     }
 
@@ -91,6 +102,40 @@ impl<'m> BatchSession<'m> {
     /// Slot `slot`'s length, `None` when it is free (or out of range).
     pub fn len(&self, slot: usize) -> Option<usize> {
         self.lens.get(slot).copied().flatten()
+    }
+
+    /// Every slot's length (`None`: free).
+    pub fn lens(&self) -> &[Option<usize>] {
+        &self.lens
+    }
+
+    /// Make every slot's length `lens` (another session's, whose step this one takes next);
+    /// an error naming the value when there are not [`BatchSession::n_slots`] of them or one
+    /// is past the context.
+    pub fn set_lens(&mut self, lens: &[Option<usize>]) -> Result<()> {
+        if lens.len() != self.lens.len() {
+            return Err(Error::invalid_input(
+                "batch step",
+                "slots",
+                self.lens.len().to_string(),
+                lens.len().to_string(),
+            ));
+        }
+        if let Some(l) = lens.iter().flatten().find(|&&l| l > self.ctx) {
+            return Err(Error::invalid_input(
+                "batch step",
+                "slot length",
+                format!("at most the context of {}", self.ctx),
+                l.to_string(),
+            ));
+        }
+        self.lens.copy_from_slice(lens);
+        Ok(())
+    }
+
+    /// Call `hook` with the inputs of every later step, before it computes (see [`StepHook`]).
+    pub fn set_step_hook(&mut self, hook: Option<StepHook<'m>>) {
+        self.hook = hook;
     }
 
     /// Take the lowest free slot (an empty sequence), if any. The lowest keeps the cache rows
@@ -165,6 +210,9 @@ impl<'m> BatchSession<'m> {
     /// A failed step leaves every slot's length as it was.
     pub fn step(&mut self, seqs: &[SeqInput]) -> Result<Vec<Option<Vec<f32>>>> {
         self.check(seqs)?;
+        if let Some(hook) = &mut self.hook {
+            hook(&self.lens, seqs)?;
+        }
         // (token, position, cache row, slot) per row: rows without logits first.
         let mut front = Vec::new();
         let mut back = Vec::new();

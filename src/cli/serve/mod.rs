@@ -7,10 +7,12 @@
 //! (its channel closed) cancels its request and frees its slot. At most `--max-queue` requests
 //! wait for a slot; more are answered 429 with `Retry-After`. Errors are OpenAI-style JSON
 //! with a 4xx status; `--api-key` is checked in constant time. [`start`] runs a server on its
-//! own threads (what `bench serve` measures); [`run`] serves until SIGTERM or Ctrl-C.
+//! own threads (what `bench serve` measures); [`run`] serves until SIGTERM or Ctrl-C. With
+//! `--dist mpi` rank 0 serves and the other ranks take its batch steps (`ranks.rs`).
 
 mod api;
 mod metrics;
+mod ranks;
 
 use super::run::load;
 use super::{ModelArgs, SplitArgs, parse_positive};
@@ -20,9 +22,12 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use metashard::cpu::Precision;
+use metashard::devices::DeviceSet;
+use metashard::dist::Dist;
 use metashard::models::batch::BatchSession;
 use metashard::models::engine::{Engine, Event, GenRequest, RequestId};
 use metashard::models::loader::DecoderModel;
+use metashard::runtime::lockstep::{HEARTBEAT, Leader};
 use metashard::{Error, Result};
 use metrics::{Gauges, Memory};
 use serde_json::json;
@@ -73,6 +78,10 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY`.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// With `--dist mpi` (under `mpirun`), rank 0 serves and every other rank takes each of
+    /// its batch steps with it.
+    #[command(flatten)]
+    pub dist: super::DistArgs,
 }
 
 /// Most requests `--max-queue` lets wait.
@@ -160,18 +169,45 @@ impl Drop for Server {
 }
 
 pub fn run(a: &ServeArgs) -> Result<()> {
+    if a.dist.dist == Dist::Mpi {
+        return ranks::run(a);
+    }
     let (listener, state, engine) = open(a, false)?;
+    serve_until_signal(listener, state, engine, false)
+}
+
+/// Serve until SIGTERM or Ctrl-C. With `join` (rank 0 of a job) also until the engine thread
+/// ends (a failed step: the other ranks failed too), then wait for it: the error that ended it,
+/// or its stop message sent to the other ranks.
+fn serve_until_signal(
+    listener: std::net::TcpListener,
+    state: AppState,
+    engine: EngineThread,
+    join: bool,
+) -> Result<()> {
     super::eprint_line(format!("listening on http://{}", local_addr(&listener)?));
-    std::thread::spawn(move || engine.run());
-    let stop = async {
+    let (ended, mut ended_rx) = tokio::sync::oneshot::channel::<()>();
+    let handle = std::thread::spawn(move || {
+        let r = engine.run();
+        let _ = ended.send(());
+        r
+    });
+    let stop = async move {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .expect("a SIGTERM handler");
         tokio::select! {
             _ = term.recv() => {}
             _ = tokio::signal::ctrl_c() => {}
+            _ = &mut ended_rx, if join => {}
         }
     };
-    runtime()?.block_on(serve(listener, state, stop))
+    runtime()?.block_on(serve(listener, state, stop))?;
+    if !join {
+        return Ok(());
+    }
+    handle
+        .join()
+        .map_err(|_| Error::invalid_argument("serve", "engine thread", "panicked"))?
 }
 
 /// Load the model, open the engine and listen, as `a` says, on threads of its own; `quiet`
@@ -212,6 +248,9 @@ struct EngineThread {
     cmds: std_mpsc::Receiver<Cmd>,
     gauges: Arc<parking_lot::Mutex<Gauges>>,
     max_queue: usize,
+    /// Rank 0 of a job: each step goes to the other ranks first (the batch's step hook); idle,
+    /// a heartbeat every [`HEARTBEAT`]; at the end, the stop.
+    leader: Option<Leader>,
 }
 
 /// The model loaded, the engine made and the address bound (the port taken, so a caller
@@ -226,16 +265,43 @@ fn open(s: &ServeArgs, quiet: bool) -> Result<(std::net::TcpListener, AppState, 
         &a.split,
         quiet,
     )?;
-    // The model lives as long as the server process: the handlers and the engine thread
-    // share it.
-    let m: &'static DecoderModel = Box::leak(Box::new(m));
-    let batch = BatchSession::new(
+    listen(s, &set, leak(m), None)
+}
+
+/// The model, living as long as the server process: the handlers and the engine thread share
+/// it.
+fn leak(m: DecoderModel) -> &'static DecoderModel {
+    Box::leak(Box::new(m))
+}
+
+/// The batch session `a` asks for, of `m` on `set`.
+fn batch_session(
+    a: &EngineArgs,
+    set: &DeviceSet,
+    m: &'static DecoderModel,
+) -> Result<BatchSession<'static>> {
+    BatchSession::new(
         m,
         set.backend.clone(),
         set.buffer_type.as_ref(),
         a.parallel,
         a.ctx,
-    )?;
+    )
+}
+
+/// The engine made over `m` on `set` and the address bound; `leader`: this is rank 0 of a job
+/// whose other ranks take its steps.
+fn listen(
+    s: &ServeArgs,
+    set: &DeviceSet,
+    m: &'static DecoderModel,
+    leader: Option<Leader>,
+) -> Result<(std::net::TcpListener, AppState, EngineThread)> {
+    let a = &s.engine;
+    let mut batch = batch_session(a, set, m)?;
+    if let Some(l) = &leader {
+        batch.set_step_hook(Some(l.hook()));
+    }
     let memory = Memory {
         devices: set.names(),
         weights: set.bytes_per_device(&[&m.weight_buffer]),
@@ -264,6 +330,7 @@ fn open(s: &ServeArgs, quiet: bool) -> Result<(std::net::TcpListener, AppState, 
         cmds: rx,
         gauges,
         max_queue: a.max_queue,
+        leader,
     };
     Ok((listener, state, engine))
 }
@@ -296,15 +363,39 @@ async fn serve(
 impl EngineThread {
     /// Waits for a request when idle, else takes every command then steps; each event goes
     /// to its request's channel, and a request whose channel is closed (the client went away)
-    /// is cancelled. Ends when the server drops its sender.
-    fn run(mut self) {
+    /// is cancelled. Ends when the server drops its sender (a leader then tells the other
+    /// ranks to stop), or with the error of a failed step (or heartbeat).
+    fn run(mut self) -> Result<()> {
+        let r = self.serve_commands();
+        match (&r, &self.leader) {
+            (Ok(()), Some(l)) => l.stop(),
+            _ => r,
+        }
+    }
+
+    /// The next command when idle (`Ok(None)`: the server dropped its sender); a leader
+    /// sends a heartbeat every [`HEARTBEAT`] while it waits.
+    fn wait(&self) -> Result<Option<Cmd>> {
+        let Some(leader) = &self.leader else {
+            return Ok(self.cmds.recv().ok());
+        };
+        loop {
+            match self.cmds.recv_timeout(HEARTBEAT) {
+                Ok(c) => return Ok(Some(c)),
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return Ok(None),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => leader.heartbeat()?,
+            }
+        }
+    }
+
+    fn serve_commands(&mut self) -> Result<()> {
         let mut senders: std::collections::HashMap<RequestId, mpsc::UnboundedSender<Msg>> =
             std::collections::HashMap::new();
         loop {
             let first = if self.engine.is_idle() {
-                match self.cmds.recv() {
-                    Ok(c) => Some(c),
-                    Err(_) => return,
+                match self.wait()? {
+                    Some(c) => Some(c),
+                    None => return Ok(()),
                 }
             } else {
                 None
@@ -347,7 +438,7 @@ impl EngineThread {
                     for (_, s) in senders.drain() {
                         let _ = s.send(Msg::Failed(err.to_string()));
                     }
-                    return;
+                    return Err(err);
                 }
             }
         }

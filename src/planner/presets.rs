@@ -20,10 +20,14 @@
 //!   90% of the measured copy bandwidth for f32/f16/bf16 weights, 75% for the block-quantized
 //!   types (their kernels also load per-block scales and unpack nibbles). Both fractions are
 //!   assumptions, stated here and in each preset's `sources`.
-//! - Collective latencies: where only the all-reduce latency is known, all-gather and
-//!   reduce-scatter get half of it, the ratio of ring steps in NCCL's own cost model
-//!   (NVIDIA/nccl `src/graph/tuning.cc`, `ncclTopoTuneModel`: a ring all-reduce takes
-//!   2(N-1) steps, a ring all-gather or reduce-scatter N-1).
+//! - Collective latencies of the GPU links inside a node: NCCL's own cost model (NVIDIA/nccl
+//!   `src/graph/tuning.cc`, `ncclTopoTuneModel`: a ring LL base latency plus a hardware latency
+//!   per step, 2(N-1) steps for an all-reduce, N-1 for an all-gather or reduce-scatter) plus one
+//!   kernel launch, as measured here (collectives pay no node overhead in the planner). Where
+//!   only an all-reduce latency is known (InfiniBand between nodes), all-gather and
+//!   reduce-scatter get half of it, the same ratio of ring steps.
+//! - GPU runtime overheads model a runtime without CUDA graphs (a launch per node); the
+//!   with-graphs figures are in `SRC_LAUNCH` and docs/planner.md, not in the presets.
 //! - Bus bandwidths follow nccl-tests' convention (NVIDIA/nccl-tests `doc/PERFORMANCE.md`),
 //!   the same one [`crate::planner::cluster`] uses, so a `busbw` column of `all_reduce_perf`
 //!   can be copied in as is.
@@ -64,16 +68,28 @@ const SRC_NVLINK_RING: &str = "NVIDIA/nccl-tests#212 (https://github.com/NVIDIA/
     issues/212), NCCL maintainer: 'NCCL can get an effective NVLink bandwidth of 370GB/s, \
     which you can observe as BusBw when running non-allreduce operations, or when running with \
     NCCL_ALGO=RING' (H100 SXM, NVLink 4 / NVSwitch); the preset uses 365 GB/s";
-const SRC_NVLINK_ALPHA: &str = "all-reduce latency 10 / 15 / 31 us at 2 / 4 / 8 H100s on \
-    NVSwitch: the issue's figures (fitted alpha), not confirmed by a public measurement; \
-    all-gather and reduce-scatter take half (ring steps N-1 vs 2(N-1), NVIDIA/nccl \
-    src/graph/tuning.cc)";
+const SRC_NVLINK_ALPHA: &str = "all-reduce latency 11.8 / 14.2 / 19.0 us at 2 / 4 / 8 H100s on \
+    NVSwitch, all-gather and reduce-scatter 11.2 / 12.4 / 14.8 us: derived, NCCL's own cost \
+    model plus one kernel launch. NVIDIA/nccl src/graph/tuning.cc (NCCL 2.30.7, \
+    ncclTunerConstantsDefaults): ring LL base latency 6.6 us, NVLink ring LL hardware latency \
+    0.6 us per step, 2(N-1) steps for an all-reduce and N-1 for an all-gather or \
+    reduce-scatter (7.8 / 10.2 / 15.0 us all-reduce at N = 2 / 4 / 8; ring LL128 and simple, \
+    tree and NVLS cost more for small messages in that model), plus the 4 us launch of \
+    SRC_LAUNCH, as the planner charges collectives no node overhead. Measured with CUDA graphs \
+    (no launch per collective): NVIDIA/nccl#1259, 2 H100 80GB HBM3 in an HGX node, \
+    all_reduce_perf -G 10, NCCL_ALGO=NVLS: 5.56 us at 128 B, about 6 us with NVLSTree; the \
+    earlier 10 / 15 / 31 us were the issue's figures, without a public measurement";
 const SRC_IB: &str = "NVIDIA/nccl-tests#290 (https://github.com/NVIDIA/nccl-tests/issues/290), \
     NCCL maintainer: 'For NDR @ 400Gbps you should see 46-48GB/s per NIC' (two H100 nodes, \
     NCCL_ALGO=RING); the preset uses 47 GB/s per GPU's NIC";
-const SRC_IB_ALPHA: &str = "inter-node all-reduce latency ~47 us over InfiniBand NDR: the \
-    issue's figure, not confirmed by a public measurement; all-gather and reduce-scatter \
-    take half (ring steps, NVIDIA/nccl src/graph/tuning.cc)";
+const SRC_IB_ALPHA: &str = "inter-node all-reduce latency 17.4 us (all-gather and \
+    reduce-scatter 8.7 us, half: ring steps): derived so that a small all-reduce over the 16 \
+    GPUs costs the measured 47 us in the two-level form (reduce-scatter 14.8 us inside the \
+    node + 17.4 us between nodes + all-gather 14.8 us inside the node, SRC_NVLINK_ALPHA at \
+    N = 8). Measurement: NVIDIA/nccl#1244, 2 nodes of 8 H20 (Hopper, NVSwitch) with 16 \
+    ConnectX-7 NICs on InfiniBand NDR, NCCL 2.21.5, all_reduce_perf with \
+    NCCL_ALGO=NVLSTree: 46.25-47.76 us from 4 B to 512 B (the issue's ~47 us, which the \
+    preset used to charge between the nodes alone, 78 us in all)";
 const SRC_4090_DATASHEET: &str = "NVIDIA Ada GPU architecture whitepaper, appendix A \
     (https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf) \
     and the RTX 4090 product page (https://www.nvidia.com/en-us/geforce/graphics-cards/\
@@ -88,21 +104,29 @@ const SRC_4090_COPY: &str = "RTX 4090 copy bandwidth assumed 0.9 x 1008 GB/s (th
     tinygrad/open-gpu-kernel-modules/issues/6)";
 const SRC_PCIE: &str = "tinygrad/open-gpu-kernel-modules#26 (https://github.com/tinygrad/\
     open-gpu-kernel-modules/issues/26): two RTX 4090s on PCIe 4.0/5.0 AMD hosts reach ~25 GB/s \
-    in all_reduce_perf and nvbandwidth; the issue's figure is ~26 GB/s; the preset uses 25 GB/s";
-const SRC_PCIE_ALPHA: &str = "all-reduce latency ~40 us over PCIe for 4 RTX 4090s: the \
-    issue's figure, not confirmed by a public measurement (constant in N); all-gather and \
-    reduce-scatter take half (ring steps, NVIDIA/nccl src/graph/tuning.cc)";
-const SRC_LAUNCH: &str = "GPU overheads: ~4-6 us per kernel launch measured in 'pegainfer \
-    (3): From Launch Overhead to CUDA Graph' (https://susun-blog.com/blog/\
-    pegainfer-3-cuda-graph, RTX 5070 Ti) -> node_overhead_s 4 us; ~20 us for a launch round \
-    trip (NVIDIA Nsight Systems guide, as quoted by https://groundy.com/articles/\
-    every-cuda-kernel-pays-a-launch-tax-the-host-to-device-walkthrough/) -> step_overhead_s \
-    20 us; both are estimates for a runtime without CUDA graphs. Measured by this project \
-    on an H100 (docs/cuda.md, 2026-11-26): SmolLM2 decodes at 162 tokens/s on `cuda`, 6.2 ms \
-    for a step of 724 nodes whose weights (97 MB) stream in under 0.1 ms, so about 8 us per \
-    node with the CUDA backend's launches and per-range synchronizations (no CUDA graphs); a \
-    runtime with CUDA graphs pays about one launch per step, which these presets do not \
-    model yet";
+    in all_reduce_perf and nvbandwidth; the issue's figure is ~26 GB/s; the preset uses 25 GB/s. \
+    These are measured with tinygrad's patched open kernel modules, which enable peer-to-peer \
+    transfers between GeForce cards; the stock driver does not, and NCCL then stages through \
+    host memory (slower, not modelled)";
+const SRC_PCIE_ALPHA: &str = "all-reduce latency 16.6 us over PCIe for 4 RTX 4090s \
+    (all-gather and reduce-scatter 13.6 us): derived, NCCL's own cost model plus one kernel \
+    launch, as SRC_NVLINK_ALPHA: NVIDIA/nccl src/graph/tuning.cc (NCCL 2.30.7): ring LL base \
+    6.6 us, PCI ring LL hardware latency 1.0 us per step, 2(N-1) = 6 steps, plus the 4 us \
+    launch of SRC_LAUNCH; assumes peer-to-peer (SRC_PCIE's patched driver). No public \
+    small-message measurement found; the earlier ~40 us was the issue's figure";
+const SRC_LAUNCH: &str = "GPU overheads, measured by this project on an H100 80GB HBM3 \
+    (driver 580.159.04, CUDA 13.0; scripts/launch_overhead.cu, 2026-11-26, medians of 7 \
+    repetitions, 3 runs): 3.8-4.0 us per kernel launched back to back on a stream -> \
+    node_overhead_s 4 us; 9.8-10.1 us for a launch followed by a stream synchronization -> \
+    step_overhead_s 10 us (the runtime waits for each step's result). With CUDA graphs the \
+    same kernels cost 0.92 us each when replayed and a one-kernel graph launch with its \
+    synchronization 6.4-7.4 us: a runtime with graphs would have node_overhead_s ~1 us and \
+    step_overhead_s ~7 us, and its collectives would lose the 4 us launch in SRC_NVLINK_ALPHA \
+    (the presets model a runtime without graphs). Consistent with 'pegainfer (3): From Launch \
+    Overhead to CUDA Graph' (https://susun-blog.com/blog/pegainfer-3-cuda-graph): about 4-6 us \
+    per launch on an RTX 5070 Ti. This project's CUDA backend: SmolLM2 decodes at 162 \
+    tokens/s, 6.2 ms for a step of 724 nodes (docs/cuda.md), about 8 us per node with its \
+    per-range synchronizations";
 const SRC_RING: &str = "alpha-beta ring model and bus-bandwidth convention: NVIDIA/nccl-tests \
     doc/PERFORMANCE.md (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)";
 const SRC_DERIVED: &str = "derived (assumptions of this preset): memory budget 95% of \
@@ -145,8 +169,17 @@ const RTX4090_BF16_FLOPS: f64 = 158.6e12;
 const RTX4090_F32_FLOPS: f64 = 0.8 * 82.6e12;
 
 /// Launch costs of a GPU runtime (SRC_LAUNCH).
-const GPU_NODE_OVERHEAD_S: f64 = 4e-6;
-const GPU_STEP_OVERHEAD_S: f64 = 20e-6;
+const GPU_NODE_OVERHEAD_S: f64 = GPU_LAUNCH_NS / 1e9;
+const GPU_LAUNCH_NS: f64 = 4000.0;
+const GPU_STEP_OVERHEAD_S: f64 = 10e-6;
+
+/// NCCL's cost model (NVIDIA/nccl `src/graph/tuning.cc`, NCCL 2.30.7): ring LL base latency
+/// and the per-step hardware latency of a ring LL step over NVLink and over PCI, in whole
+/// nanoseconds (so that a sum divided by 1e9 is the nearest f64 to its decimal and JSON files
+/// round-trip it).
+const NCCL_RING_LL_BASE_NS: f64 = 6600.0;
+const NCCL_RING_LL_NVLINK_NS: f64 = 600.0;
+const NCCL_RING_LL_PCI_NS: f64 = 1000.0;
 
 /// One logical CPU device of `cpu:2x1` on the test machine (SRC_NETNS): GEMV bandwidth and GEMM
 /// FLOP/s by weight type, as measured (a type measured later is added here).
@@ -243,12 +276,36 @@ fn level(kind: &str, ar_alpha: &[(usize, f64)], bus_bw: f64) -> LinkLevel {
     }
 }
 
-/// NVSwitch inside an HGX H100 node: 365 GB/s ring bus bandwidth (SRC_NVLINK_RING),
-/// all-reduce latency 10 / 15 / 31 us at 2 / 4 / 8 GPUs (the issue's figures).
+/// One level of links whose latencies follow NCCL's ring LL model (SRC_NVLINK_ALPHA): at each
+/// N in `ns`, the base latency plus `step_s` per ring step (2(N-1) for an all-reduce, N-1 for
+/// an all-gather or reduce-scatter), plus one kernel launch (collectives pay no node overhead).
+fn nccl_ring_level(kind: &str, ns: &[usize], step_ns: f64, bus_bw: f64) -> LinkLevel {
+    let alpha = |steps: fn(usize) -> usize| -> Vec<(usize, f64)> {
+        ns.iter()
+            .map(|&n| {
+                let t_ns = NCCL_RING_LL_BASE_NS + steps(n) as f64 * step_ns + GPU_LAUNCH_NS;
+                (n, t_ns / 1e9)
+            })
+            .collect()
+    };
+    let fit = |alpha_s: Vec<(usize, f64)>| CollectiveFit { alpha_s, bus_bw };
+    LinkLevel {
+        kind: kind.to_string(),
+        all_reduce: fit(alpha(|n| 2 * (n - 1))),
+        all_gather: fit(alpha(|n| n - 1)),
+        reduce_scatter: fit(alpha(|n| n - 1)),
+        broadcast: None,
+    }
+}
+
+/// NVSwitch inside an HGX H100 node: 365 GB/s ring bus bandwidth (SRC_NVLINK_RING), all-reduce
+/// latency 11.8 / 14.2 / 19.0 us at 2 / 4 / 8 GPUs (NCCL's model plus a launch,
+/// SRC_NVLINK_ALPHA).
 fn nvswitch() -> LinkLevel {
-    level(
+    nccl_ring_level(
         "NVSwitch (NVLink 4, 18 links x 25 GB/s per direction)",
-        &[(2, 10e-6), (4, 15e-6), (8, 31e-6)],
+        &[2, 4, 8],
+        NCCL_RING_LL_NVLINK_NS,
         365e9,
     )
 }
@@ -305,10 +362,11 @@ impl Cluster {
                 links: Links {
                     devices_per_node: 8,
                     intra: nvswitch(),
-                    // 47 GB/s per NIC (SRC_IB), ~47 us all-reduce latency (the issue's).
+                    // 47 GB/s per NIC (SRC_IB); 17.4 us all-reduce latency between the nodes,
+                    // so that a small 16-GPU all-reduce costs the measured 47 us (SRC_IB_ALPHA).
                     inter: Some(level(
                         "InfiniBand NDR 400 Gb/s (ConnectX-7), one NIC per GPU",
-                        &[(2, 47e-6)],
+                        &[(2, 17.4e-6)],
                         47e9,
                     )),
                 },
@@ -341,8 +399,9 @@ impl Cluster {
                     .collect(),
                 links: Links {
                     devices_per_node: 4,
-                    // 25 GB/s (SRC_PCIE), ~40 us all-reduce latency (the issue's).
-                    intra: level("PCIe 4.0 x16", &[(4, 40e-6)], 25e9),
+                    // 25 GB/s (SRC_PCIE), 16.6 us all-reduce latency (NCCL's model plus a
+                    // launch, SRC_PCIE_ALPHA).
+                    intra: nccl_ring_level("PCIe 4.0 x16", &[4], NCCL_RING_LL_PCI_NS, 25e9),
                     inter: None,
                 },
                 sources: strings(&[
@@ -474,11 +533,21 @@ mod tests {
         let d = &c.devices[0];
         assert!((d.gemv(DType::Q4_0) - GEMV_QUANT_SHARE * d.mem_bw).abs() < 1.0);
         assert!((d.gemv(DType::BF16) - GEMV_FLOAT_SHARE * d.mem_bw).abs() < 1.0);
-        // All-gather latency is half the all-reduce's on every level.
+        // Inside a node, NCCL's ring model: all-reduce 2(N-1) steps, all-gather N-1, the same
+        // base and launch; between nodes, where only the all-reduce's is known, half of it.
         let l = &c.links.intra;
+        let (ar, ag) = (
+            l.fit(Collective::AllReduce).alpha(4),
+            l.fit(Collective::AllGather).alpha(4),
+        );
+        assert!(
+            (ar - ag - 3.0 * NCCL_RING_LL_PCI_NS / 1e9).abs() < 1e-12,
+            "{ar} {ag}"
+        );
+        let ib = Cluster::preset("h100x16-ib").unwrap().links.inter.unwrap();
         assert_eq!(
-            l.fit(Collective::AllGather).alpha(4) * 2.0,
-            l.fit(Collective::AllReduce).alpha(4)
+            ib.fit(Collective::AllGather).alpha(2) * 2.0,
+            ib.fit(Collective::AllReduce).alpha(2)
         );
     }
 }

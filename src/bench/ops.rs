@@ -39,8 +39,9 @@ pub struct BenchOpsArgs {
     pub filter: Option<String>,
     #[command(flatten)]
     pub precision: PrecisionsArgs,
-    /// M values of the K = N = 4096 cases (default 1,32) and of the 4096 x 14336 cases
-    /// (default 1,2).
+    /// M values of the K = N = 4096 cases (default 1,32), of the 4096 x 14336 cases
+    /// (default 1,2) and of SmolLM2's K = 576 cases (default 1; above 1 with its down and K/V
+    /// shapes).
     #[arg(long, value_delimiter = ',')]
     pub m: Option<Vec<usize>>,
     /// Also time numpy (scripts/bench_numpy.py) in this run and print the ratios.
@@ -112,8 +113,8 @@ pub struct OpsBenchOptions {
     /// Precisions of products with quantized weights; quantized cases run at each (float
     /// weights once). Empty: [`Precision::Exact`].
     pub precisions: Vec<Precision>,
-    /// M values of the K = N = 4096 cases (default 1 and 32) and of the N = 4096, K = 14336
-    /// cases (default 1 and 2).
+    /// M values of the K = N = 4096 cases (default 1 and 32), of the N = 4096, K = 14336
+    /// cases (default 1 and 2) and of SmolLM2's shapes (default 1).
     pub ms: Option<Vec<usize>>,
     /// Only cases whose label contains this substring (e.g. "q4_0", "m=1 ").
     pub filter: Option<String>,
@@ -204,9 +205,9 @@ impl OpCase {
     }
 }
 
-/// The case list with the K = N = 4096 cases at `ms` and the N = 4096, K = 14336 cases at
-/// `wide_ms`.
-pub fn cases_with(ms: &[usize], wide_ms: &[usize]) -> Vec<OpCase> {
+/// The case list with the K = N = 4096 cases at `ms`, the N = 4096, K = 14336 cases at
+/// `wide_ms` and SmolLM2's shapes at `small_ms`.
+pub fn cases_with(ms: &[usize], wide_ms: &[usize], small_ms: &[usize]) -> Vec<OpCase> {
     let mm = |dtype, m, n, k, rotate| OpCase {
         op: "mul_mat",
         dtype,
@@ -255,9 +256,16 @@ pub fn cases_with(ms: &[usize], wide_ms: &[usize]) -> Vec<OpCase> {
         }
     }
     // SmolLM2-135M's decode shapes (short rows: K = 576): the tied Q8_0 output projection and
-    // the Q4_1 FFN up/gate projection.
-    v.push(mm(DType::Q8_0, 1, 49152, 576, true));
-    v.push(mm(DType::Q4_1, 1, 1536, 576, true));
+    // the Q4_1 FFN up/gate projection (at M = 8 also its down projection, K = 1536, and its
+    // K/V projection, N = 192: a batched step of `serve`).
+    for &m in small_ms {
+        v.push(mm(DType::Q8_0, m, 49152, 576, true));
+        v.push(mm(DType::Q4_1, m, 1536, 576, true));
+        if m > 1 {
+            v.push(mm(DType::Q4_1, m, 576, 1536, true));
+            v.push(mm(DType::Q4_1, m, 192, 576, true));
+        }
+    }
     // The F32 MLP stack of `bench meta --graph mlp` and ggml's meta-backend comparison
     // (D = 1024, F = 4096), one token: its up and down projections.
     v.push(mm(DType::F32, 1, 4096, 1024, true));
@@ -284,7 +292,9 @@ pub fn measure(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     } else {
         opts.precisions.clone()
     };
-    let selected: Vec<OpCase> = cases_with(&ms, &wide_ms)
+    // SmolLM2's shapes: M = 1 unless M values are given.
+    let small_ms = opts.ms.clone().unwrap_or_else(|| vec![1]);
+    let selected: Vec<OpCase> = cases_with(&ms, &wide_ms, &small_ms)
         .into_iter()
         .filter(|c| opts.filter.as_deref().is_none_or(|f| c.label().contains(f)))
         .collect();

@@ -85,6 +85,8 @@ mod kf32;
 mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod kquant512;
+#[cfg(target_arch = "x86_64")]
+mod lanes512;
 mod low;
 mod lowf32;
 mod lowq8;
@@ -423,10 +425,11 @@ mod tests {
         let x = view(DType::F32, [4096, 32, 1, 1]);
         let d = view(DType::F32, [64, 32, 1, 1]);
         let q = view(DType::Q4_0, [4096, 64, 1, 1]);
-        // 32 rows of 4096 quants + 2 * 128 f32 each.
+        // 32 rows of 4096 quants + 2 * 128 f32 each, then two 64-byte vectors per pair of
+        // blocks (the AVX-512 kernel's scales).
         assert_eq!(
             work_size(&q, &x, &d, 2, Precision::Q8),
-            32 * (4096 + 8 * 128)
+            32 * (4096 + 8 * 128 + 64 * 128)
         );
         // Exact mode: no quantized activations, a dequantized chunk per thread instead.
         assert_eq!(

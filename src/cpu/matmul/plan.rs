@@ -139,8 +139,8 @@ impl Plan {
         let rows1 = m * batches;
         let src1_direct = src1.nb[0] == 4 && src1.nb[1..].iter().all(|b| b % 4 == 0);
         let (src1_mode, shared) = match path {
-            Path::Quant(_) => {
-                let lay = ActLayout::new(k);
+            Path::Quant(q) => {
+                let lay = ActLayout::with_vectors(k, q);
                 (Src1::Quant(lay), rows1 * lay.row_bytes)
             }
             Path::KQuant(_) => {
@@ -245,9 +245,22 @@ pub(super) fn grid(batches: usize, n: usize, m: usize, nth: usize) -> (usize, us
         return (n.div_ceil(nth).next_multiple_of(TILE_N), m);
     }
     if m >= nth {
-        return (n, m.div_ceil(nth));
+        // Whole groups of 8 rows when 16 weight rows allow the AVX-512 lane tiles
+        // (`lanes512`), so that which kernel computes an output does not depend on `nth`.
+        let bm = m.div_ceil(nth);
+        return (
+            n,
+            if n >= TILE_N && m >= 8 {
+                bm.next_multiple_of(8)
+            } else {
+                bm
+            },
+        );
     }
-    (TILE_N.min(n).max(1), 1)
+    (
+        TILE_N.min(n).max(1),
+        if n >= TILE_N && m >= 8 { 8 } else { 1 },
+    )
 }
 
 #[cfg(test)]

@@ -14,8 +14,7 @@
 //! flipping the sign bit; Q4_0: the raw nibble, off = 8; Q4_1: the raw nibble, off = 0), so
 //! `dot(w, y) = dot(u, y) - off * sum(y)`. With AVX-512 VNNI, `vpdpbusd` multiplies u8 by i8
 //! and accumulates into i32 lanes that start at `-off * sum(y)`, so the offset costs nothing per
-//! weight row (Q8_0, Q4_0, Q5_0: two blocks per 512-bit vector, [`super::quant512`]; Q4_1 here
-//! on 256-bit vectors). With AVX2, `vpmaddubsw` + `vpmaddwd` (Q4: unsigned nibbles times signed
+//! weight row (two blocks per 512-bit vector, [`super::quant512`]). With AVX2, `vpmaddubsw` + `vpmaddwd` (Q4: unsigned nibbles times signed
 //! activations cannot saturate 16 bits; Q8_0 uses ggml's sign trick, |w| times sign-adjusted y).
 
 use super::QuantW as WType;
@@ -23,8 +22,6 @@ use super::Weights;
 #[cfg(target_arch = "x86_64")]
 use super::dequant::{f16_bits_to_f32, nibbles_avx2, q5_0_avx2};
 use super::dequant::{nibble, q5_0, read_f16};
-#[cfg(target_arch = "x86_64")]
-use super::kquant::f16_at;
 use crate::cpu::simd::Isa;
 use crate::dtype::{QK4_0, QK4_1, QK5_0, QK8_0, QK8_1};
 use half::f16;
@@ -46,14 +43,37 @@ pub(crate) struct ActLayout {
     pub nblk: usize,
     /// Bytes per row, a multiple of 64.
     pub row_bytes: usize,
+    /// Whether each row ends with the 512-bit kernel's scale vectors ([`Self::v_off`]).
+    pub vectors: bool,
+    /// The weight type's offset `off` (see the module doc), which the vectors' `-off * sum(y)`
+    /// lanes use.
+    pub off: i32,
 }
 
 impl ActLayout {
+    /// Quants, scales and sums.
     pub fn new(k: usize) -> Self {
         let nblk = k / BLK;
         ActLayout {
             nblk,
             row_bytes: (nblk * (BLK + 8)).next_multiple_of(64),
+            vectors: false,
+            off: 0,
+        }
+    }
+    /// [`Self::new`] followed by the vectors of the AVX-512 kernel for weights of type `wt`.
+    pub fn with_vectors(k: usize, wt: WType) -> Self {
+        let lay = ActLayout::new(k);
+        ActLayout {
+            row_bytes: lay.row_bytes + lay.nblk.div_ceil(2) * PAIR_VEC_BYTES,
+            vectors: true,
+            off: match wt {
+                WType::Q8_0 => 128,
+                WType::Q4_0 => 8,
+                WType::Q5_0 => 16,
+                WType::Q4_1 => 0,
+            },
+            ..lay
         }
     }
     /// Offset of the `d` array within a row.
@@ -63,6 +83,54 @@ impl ActLayout {
     /// Offset of the `s / 8` array within a row.
     pub fn s_off(&self) -> usize {
         self.nblk * (BLK + 4)
+    }
+    /// Offset of the vectors (64-byte aligned): for each pair of blocks `(2p, 2p + 1)`, 16 f32
+    /// holding `d` of block `2p` in lanes 0-7 and of block `2p + 1` in lanes 8-15, then for
+    /// Q4_1 (`off` = 0) 16 f32 of `s / 8` in the same lanes, for the other types 16 i32 with
+    /// `-off * sum(y)` of each block in its first lane (lanes 0 and 8) and zero elsewhere (an
+    /// odd last block's upper lanes all zero): what [`super::quant512`]'s two-block vectors
+    /// need from an activation row, formed once per row instead of once per weight tile.
+    pub fn v_off(&self) -> usize {
+        (self.nblk * (BLK + 8)).next_multiple_of(64)
+    }
+}
+
+/// Bytes of one pair's vectors in [`ActLayout::v_off`]'s section.
+pub(crate) const PAIR_VEC_BYTES: usize = 128;
+
+/// Write blocks `blk..blk + count`'s lanes of row `row`'s scale vectors from its `d` and
+/// `s / 8` arrays (and zero the upper lanes of an odd last block's pair).
+///
+/// # Safety
+/// `row` is a row of `lay` (with vectors) whose blocks `blk..blk + count` are quantized; lanes
+/// of other blocks are not touched, so threads may fill disjoint block ranges of one row.
+pub(crate) unsafe fn fill_vectors(row: *mut u8, lay: ActLayout, blk: usize, count: usize) {
+    // SAFETY: the caller's row; every write is inside this row's vector section.
+    unsafe {
+        let d = row.add(lay.d_off()).cast::<f32>();
+        let s8 = row.add(lay.s_off()).cast::<f32>();
+        let v = row.add(lay.v_off()).cast::<f32>();
+        for b in blk..blk + count {
+            let lanes = v.add((b / 2) * (PAIR_VEC_BYTES / 4) + (b % 2) * 8);
+            let (dv, sv) = (*d.add(b), *s8.add(b));
+            let q = std::slice::from_raw_parts(row.add(b * BLK).cast::<i8>(), BLK);
+            let sum = q.iter().map(|&x| x as i32).sum::<i32>();
+            let init = lanes.add(16).cast::<i32>();
+            for l in 0..8 {
+                *lanes.add(l) = dv;
+                if lay.off == 0 {
+                    *lanes.add(16 + l) = sv;
+                } else {
+                    *init.add(l) = if l == 0 { -lay.off * sum } else { 0 };
+                }
+            }
+            if b + 1 == lay.nblk && b % 2 == 0 {
+                for l in 8..16 {
+                    *lanes.add(l) = 0.0;
+                    *lanes.add(16 + l) = 0.0;
+                }
+            }
+        }
     }
 }
 
@@ -277,7 +345,7 @@ pub(crate) unsafe fn block(isa: Isa, b: &QuantBlock) {
             match (isa, b.wt) {
                 (Isa::Avx512, WType::Q8_0) => return super::quant512::block::<Q8_0>(b),
                 (Isa::Avx512, WType::Q4_0) => return super::quant512::block::<Q4_0>(b),
-                (Isa::Avx512, WType::Q4_1) => return vnni::block::<Q4_1>(b),
+                (Isa::Avx512, WType::Q4_1) => return super::quant512::block::<Q4_1>(b),
                 (Isa::Avx512, WType::Q5_0) => return super::quant512::block::<Q5_0>(b),
                 (Isa::Avx2, WType::Q8_0) => return avx2::block::<Q8_0>(b),
                 (Isa::Avx2, WType::Q4_0) => return avx2::block::<Q4_0>(b),
@@ -475,107 +543,6 @@ mod avx2 {
             drive_qblock!(b, tile, 4, [1]);
         } else {
             drive_qblock!(b, tile, 2, [2, 1]);
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod vnni {
-    use super::*;
-    use crate::cpu::simd::hsum256;
-
-    /// `RN x RM` outputs over all blocks with `vpdpbusd` on 256-bit vectors (AVX-512 VL +
-    /// VNNI: 32 vector registers, so larger tiles than AVX2).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile<const WQ: u8, const RN: usize, const RM: usize>(
-        w: *const u8,
-        ldw: usize,
-        a: *const u8,
-        lay: ActLayout,
-        d: *mut f32,
-        ldd: usize,
-    ) {
-        let bs = const { block_bytes(WQ) };
-        let mask = _mm256_set1_epi8(0x0f);
-        let flip = _mm256_set1_epi8(-128);
-        let off = _mm256_set1_epi8(match WQ {
-            Q8_0 => -128,
-            Q5_0 => 16,
-            _ => 8,
-        });
-        let zero = _mm256_setzero_si256();
-        // Scales through the table of every f16 (a load and a broadcast from memory, where
-        // F16C takes a move, a conversion and a broadcast).
-        let tab = crate::cpu::simd::f16_table().as_ptr();
-        let mut acc = [[_mm256_setzero_ps(); RM]; RN];
-        let (ah, lps) = l2_stream::<RN>(ldw, lay.nblk);
-        for blk in 0..lay.nblk {
-            for i in 0..lps {
-                prefetch_l2(w.wrapping_add(ah + (blk * lps + i) * 64));
-            }
-            let mut y = [zero; RM];
-            let mut init = [zero; RM];
-            for m in 0..RM {
-                // SAFETY: block blk of activation row m.
-                y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * BLK).cast()) };
-                if WQ != Q4_1 {
-                    // -off * sum(y), spread over the 8 lanes.
-                    init[m] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, off, y[m]));
-                }
-            }
-            for (r, accr) in acc.iter_mut().enumerate() {
-                // SAFETY: block blk of weight row r.
-                let wb = unsafe { w.add(r * ldw + blk * bs) };
-                prefetch(wb.wrapping_add(PF_ROWS * ldw));
-                // SAFETY: the block's scale (and min) are its first bytes.
-                let dw = _mm256_set1_ps(unsafe { f16_at(tab, wb) });
-                let mw = if WQ == Q4_1 {
-                    // SAFETY: as above.
-                    _mm256_set1_ps(unsafe { f16_at(tab, wb.add(2)) })
-                } else {
-                    _mm256_setzero_ps()
-                };
-                // SAFETY: the block's quants follow its header.
-                let u = unsafe {
-                    match WQ {
-                        Q8_0 => _mm256_xor_si256(_mm256_loadu_si256(wb.add(2).cast()), flip),
-                        Q5_0 => q5_0_avx2(wb),
-                        Q4_0 => nibbles_avx2(wb.add(2), mask),
-                        _ => nibbles_avx2(wb.add(4), mask),
-                    }
-                };
-                for (m, acc_rm) in accr.iter_mut().enumerate() {
-                    let p32 = _mm256_dpbusd_epi32(init[m], u, y[m]);
-                    // SAFETY: the scale and sum arrays of activation row m hold nblk entries.
-                    let (dy, s8) = unsafe {
-                        let ar = a.add(m * lay.row_bytes);
-                        (
-                            *ar.add(lay.d_off()).cast::<f32>().add(blk),
-                            *ar.add(lay.s_off()).cast::<f32>().add(blk),
-                        )
-                    };
-                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dy));
-                    *acc_rm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc_rm);
-                    if WQ == Q4_1 {
-                        *acc_rm = _mm256_fmadd_ps(mw, _mm256_set1_ps(s8), *acc_rm);
-                    }
-                }
-            }
-        }
-        for (r, accr) in acc.iter().enumerate() {
-            for (m, v) in accr.iter().enumerate() {
-                // SAFETY: the output element is in the caller's block.
-                unsafe { *d.add(m * ldd + r) = hsum256(*v) };
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn block<const WQ: u8>(b: &QuantBlock) {
-        if b.m == 1 {
-            drive_qblock!(b, tile, 4, [1]);
-        } else {
-            drive_qblock!(b, tile, 4, [4, 2, 1]);
         }
     }
 }

@@ -55,7 +55,8 @@ pub(super) unsafe fn run_item(
         let d = dst.row_ptr(it.m0, it.i2, it.i3).cast::<f32>().add(it.n0);
         let ldd = dst.nb[1] / 4;
         if let (Path::Quant(wt), Src1::Quant(lay)) = (plan.path, plan.src1) {
-            // Chunks of Q_CHUNK_M activation rows (~5 bytes per element: 320 KiB at K = 4096)
+            // Chunks of Q_CHUNK_M activation rows (~7 bytes per element with the AVX-512
+            // kernel's vectors: 448 KiB at K = 4096)
             // stay in L2 while the item's weight rows stream past them.
             for (mc, rows) in row_chunks(m, Q_CHUNK_M) {
                 let a = p.wdata.add((row1 + mc) * lay.row_bytes).cast_const();
@@ -350,6 +351,9 @@ pub(super) fn quantize_rows(
                 row.add(lay.s_off()).cast::<f32>().add(blk),
                 count,
             );
+            if lay.vectors {
+                quant::fill_vectors(row, lay, blk, count);
+            }
         }
         f += count;
     }

@@ -1,14 +1,16 @@
 //! Criterion benchmark of the planner's search: `auto` for Llama-3-70B shapes on the 8 x H100
-//! preset (80 layers, 8 devices, workload pp=512 tg=128 ctx=4096), and for SmolLM2 on a
-//! 2-device CPU-like profile; `auto_devices` (the search over 16, 8, 4, 2 and 1 of the devices,
-//! what `plan` runs) for Llama-3-70B on the 16-device preset, at batch 1 and 64. The timed
-//! region is the whole search (cost tables of tied layers, the dynamic program, the whole-model
-//! evaluation of the answer). The targets: under 100 ms for the first, under 1 s for the
-//! 16-device preset with subsets.
+//! preset (80 layers, 8 devices, workload pp=512 tg=128 ctx=4096), Llama-3-8B on 4 x RTX 4090
+//! and SmolLM2-135M on the 8 x H100 preset; `auto_devices` (the search over 16, 8, 4, 2 and 1 of the devices,
+//! the tensor split alone) and `search_layouts` (what `plan` runs: those subsets, the hybrid
+//! and layer splits of groups inside a node, replicas for a batch) for Llama-3-70B on the
+//! 16-device preset, at batch 1 and 64. The timed region is the whole search (cost tables of
+//! tied layers, the dynamic program, the whole-model evaluation of the answer, each hybrid's
+//! stage evaluation). The targets: under 100 ms for the first, under 1 s for the
+//! 16-device preset with subsets and hybrids.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use metashard::planner::evaluate::Workload;
-use metashard::planner::{Cluster, ModelShape, auto, auto_devices};
+use metashard::planner::{Cluster, ModelShape, auto, auto_devices, search_layouts};
 
 fn search(c: &mut Criterion) {
     let mut g = c.benchmark_group("planner");
@@ -33,6 +35,10 @@ fn search(c: &mut Criterion) {
         g.bench_function(
             format!("auto_devices llama3-70b on h100x16-ib {workload}"),
             |b| b.iter(|| auto_devices(&shape, &cl, &w, None).unwrap()),
+        );
+        g.bench_function(
+            format!("search_layouts llama3-70b on h100x16-ib {workload}"),
+            |b| b.iter(|| search_layouts(&shape, &cl, &w, None).unwrap()),
         );
     }
     g.finish();

@@ -737,3 +737,130 @@ fn prompts_past_the_context_take_more_steps_and_copies_can_share_a_batch() -> Re
     assert!(replicas(&shape, &ib, &single)?.is_empty());
     Ok(())
 }
+
+#[test]
+fn the_search_weighs_device_counts_hybrid_splits_and_replicas() -> Result<()> {
+    use metashard::planner::{LayoutKind, search_layouts};
+    // Llama-3-70B at batch 1 on 16 H100s in two nodes over InfiniBand: the tensor split on
+    // one node's 8 and the hybrid split of 2 groups of 8 (tensor inside a node, layers across
+    // the nodes) are the two fastest; the search keeps whichever the model predicts faster
+    // (the fewest devices within 2%), and lists every other layout with its cost and verdict.
+    let shape = ModelShape::preset("llama3-70b").unwrap();
+    let ib = Cluster::preset("h100x16-ib").unwrap();
+    let w = Workload::parse("pp=512,tg=128,batch=1,ctx=4096")?;
+    let ls = search_layouts(&shape, &ib, &w, None)?;
+    let find = |kind: LayoutKind, devices: usize, group: usize| {
+        ls.layouts
+            .iter()
+            .find(|c| (c.kind, c.devices, c.group) == (kind, devices, group))
+            .unwrap_or_else(|| panic!("{kind:?} {devices}/{group}: {:#?}", ls.layouts))
+    };
+    let tensor8 = find(LayoutKind::Tensor, 8, 8);
+    let hybrid = find(LayoutKind::Hybrid, 16, 8);
+    let chosen = &ls.layouts[0];
+    assert!(chosen.chosen && ls.layouts.iter().filter(|c| c.chosen).count() == 1);
+    let (t8, th) = (tensor8.time_s.unwrap(), hybrid.time_s.unwrap());
+    let want = if th < t8 * (1.0 - metashard::planner::search::SAME_TIME) {
+        hybrid
+    } else {
+        tensor8
+    };
+    assert_eq!((chosen.kind, chosen.devices), (want.kind, want.devices));
+    // Every layout the nodes suggest was costed: tensor on 16, 8, 4, 2, 1; groups of 8, 4, 2
+    // and layers on all 16 and on one node's 8.
+    for (kind, devices, group) in [
+        (LayoutKind::Tensor, 16, 16),
+        (LayoutKind::Tensor, 4, 4),
+        (LayoutKind::Tensor, 2, 2),
+        (LayoutKind::Tensor, 1, 1),
+        (LayoutKind::Hybrid, 16, 4),
+        (LayoutKind::Hybrid, 16, 2),
+        (LayoutKind::Hybrid, 8, 4),
+        (LayoutKind::Hybrid, 8, 2),
+        (LayoutKind::Layer, 16, 1),
+        (LayoutKind::Layer, 8, 1),
+    ] {
+        let c = find(kind, devices, group);
+        assert!(!c.chosen && !c.verdict.is_empty(), "{c:?}");
+    }
+    assert_eq!(ls.layouts.len(), 12, "{:#?}", ls.layouts);
+    // The others say why: slower by how much, or which device is over by how many bytes.
+    let one = find(LayoutKind::Tensor, 1, 1);
+    assert!(one.time_s.is_none() && one.over.is_some());
+    assert!(
+        one.verdict
+            .starts_with("does not fit: h100-0 over its budget by ")
+    );
+    let all = find(LayoutKind::Tensor, 16, 16);
+    assert!(all.verdict.contains("% time"), "{all:?}");
+    // The chosen is the fastest that fits, or within 2% of it.
+    let fastest = ls
+        .layouts
+        .iter()
+        .filter(|c| c.over.is_none())
+        .filter_map(|c| c.time_s)
+        .reduce(f64::min)
+        .unwrap();
+    assert!(chosen.time_s.unwrap() <= fastest * 1.02);
+    // At batch 1 a layer split runs its stages one after another: far slower than the tensor
+    // split.
+    let layer = find(LayoutKind::Layer, 16, 1).time_s.unwrap();
+    assert!(layer > 2.0 * t8, "{layer} vs {t8}");
+    // The plan prints them all and names the chosen layout; the JSON has them.
+    let plan = Plan::searched_layouts(&shape, ls)?;
+    let table = plan.table();
+    assert!(table.contains("layouts considered"), "{table}");
+    assert!(
+        table.contains("hybrid split: 2 groups of 8, one per node"),
+        "{table}"
+    );
+    assert!(table.contains("layout: "), "{table}");
+    let json: serde_json::Value = serde_json::from_str(&plan.to_json()).unwrap();
+    let layouts = json["layouts"].as_array().unwrap();
+    assert_eq!(layouts.len(), 12);
+    assert_eq!(layouts[0]["chosen"], true);
+    assert!(
+        layouts
+            .iter()
+            .any(|l| l["kind"] == "hybrid" && l["group"] == 8)
+    );
+    Ok(())
+}
+
+#[test]
+fn a_small_model_serving_a_batch_on_many_devices_is_replicated() -> Result<()> {
+    use metashard::planner::{LayoutKind, search_layouts};
+    // SmolLM2-135M, 64 sequences on 8 H100s: one device holds it, and each copy's prompts take
+    // 1 step of the context where one device would take 8. The chosen layout is copies of the
+    // model, and the plan is one copy's, for its share of the sequences.
+    let shape = ModelShape::preset("smollm2-135m").unwrap();
+    let nv = Cluster::preset("h100x8-nvswitch").unwrap();
+    let w = Workload::parse("pp=512,tg=128,batch=64,ctx=4096")?;
+    let ls = search_layouts(&shape, &nv, &w, None)?;
+    let chosen = &ls.layouts[0];
+    assert_eq!(chosen.kind, LayoutKind::Replicas, "{:#?}", ls.layouts);
+    assert_eq!(chosen.copies * chosen.group, 8);
+    assert!(chosen.copies * chosen.batch >= 64);
+    assert_eq!(ls.subset.devices.len(), chosen.group);
+    assert_eq!(ls.workload.batch, chosen.batch);
+    // Faster than every tensor split of the whole batch, which the list has with its cost.
+    let tensor = ls
+        .layouts
+        .iter()
+        .filter(|c| c.kind == LayoutKind::Tensor)
+        .filter_map(|c| c.time_s)
+        .reduce(f64::min)
+        .unwrap();
+    assert!(chosen.time_s.unwrap() < tensor, "{:#?}", ls.layouts);
+    let plan = Plan::searched_layouts(&shape, ls)?;
+    assert_eq!(plan.devices.len(), plan.layouts[0].group);
+    let table = plan.table();
+    assert!(table.contains("this plan is one copy's"), "{table}");
+    assert!(table.contains("workload pp=512,tg=128,batch=64"), "{table}");
+    // A single sequence has no replicas to weigh.
+    let one = Workload::parse("pp=512,tg=128,batch=1,ctx=4096")?;
+    let ls = search_layouts(&shape, &nv, &one, None)?;
+    assert!(ls.layouts.iter().all(|c| c.kind != LayoutKind::Replicas));
+    assert_eq!(ls.layouts[0].kind, LayoutKind::Tensor);
+    Ok(())
+}

@@ -330,10 +330,18 @@ fn plan_counts_the_layer_split() {
         .map(|m| m["layers"][1].as_u64().unwrap() - m["layers"][0].as_u64().unwrap())
         .sum();
     assert_eq!(layers, 30);
-    // The search's plan says what a layer split would cost against it.
+    // The search's plan lists the layer split among the layouts it weighed, with its cost and
+    // how it is run.
     let (code, out, err) = metashard(&args(&[]));
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("layer split (--split-mode layer):"), "{out}");
+    let row = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("layer split on 8 devices"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        row.contains("run --split-mode layer") && row.contains("% time"),
+        "{row}"
+    );
     // A layer split has no plan file.
     let (code, _, err) = metashard(&args(&["--strategy", "layer", "-o", "/tmp/x.json"]));
     assert_eq!(code, 1, "{err}");
@@ -360,15 +368,22 @@ fn plan_counts_the_layer_split() {
         assert_eq!(code, 1, "{extra:?}: {err}");
         assert!(err.contains("--groups"), "{err}");
     }
-    // On two nodes the search's plan also says what the hybrid split over the nodes costs.
+    // On two nodes the search also weighs the hybrid split over the nodes (tensor inside a
+    // node, layers across the nodes), and says what it costs.
     let (code, out, err) = metashard(&["plan", "--model", "llama3-70b", "--cluster", "h100x16-ib"]);
     assert_eq!(code, 0, "{err}");
+    let row = out
+        .lines()
+        .find(|l| l.contains("hybrid split: 2 groups of 8, one per node"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(row.contains("run --split-mode hybrid --groups 2"), "{row}");
+    assert!(out.contains("devices: 8 of 16"), "{out}");
     assert!(
-        out.contains("hybrid split (--split-mode hybrid --groups 2):")
-            && out.contains("devices: 8 of 16"),
+        out.contains("layout: tensor split on 8 devices (chosen: the fastest that fits)"),
         "{out}"
     );
-    // A batch can be served by copies of the model; the plan says what that would take.
+    // A batch can be served by copies of the model: two copies of 8 serve 64 sequences
+    // fastest, and the plan is one copy's (32 sequences on its 8 devices).
     let (code, out, err) = metashard(&[
         "plan",
         "--model",
@@ -380,7 +395,10 @@ fn plan_counts_the_layer_split() {
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("replicas: ") && out.contains("one server per copy"),
+        out.contains("layout: replicas: 2 x 8 devices, 32 sequences each (chosen")
+            && out.contains("serve --plan FILE per copy")
+            && out.contains("this plan is one copy's, on its 8 devices")
+            && out.contains("(8 devices), workload pp=512,tg=128,batch=32"),
         "{out}"
     );
 }

@@ -6,8 +6,8 @@ use metashard::Result;
 use metashard::planner::evaluate::Workload;
 use metashard::planner::report::{Plan, dot, evaluate_split};
 use metashard::planner::{
-    Cluster, LayerSplitCost, ModelShape, Shares, Strategy, auto_devices, evaluate_hybrid_split,
-    evaluate_layer_split, replicas,
+    Cluster, ModelShape, Shares, Strategy, evaluate_hybrid_split, evaluate_layer_split,
+    search_layouts,
 };
 use std::path::PathBuf;
 
@@ -142,9 +142,12 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             Plan::fixed(&shape, &cluster, &workload, strategy.name(), split, e)?
         }
         None => {
-            // The search also tries fewer of the devices (the first k) and keeps the fastest.
-            let (r, subset, counts) = auto_devices(&shape, &cluster, &workload, ratios.clone())?;
-            Plan::searched_devices(&shape, &subset, &workload, r, counts)?
+            // The search weighs layouts: the tensor split on fewer of the devices (the first
+            // k), hybrid and layer splits, replicas for a batch; the plan lists them all.
+            Plan::searched_layouts(
+                &shape,
+                search_layouts(&shape, &cluster, &workload, ratios.clone())?,
+            )?
         }
     };
     if let Some(p) = &a.output {
@@ -164,40 +167,6 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         println!("{}", plan.to_json());
     } else {
         print!("{}", plan.table());
-        if strategy == Strategy::Auto {
-            // The other ways to spread a model: whole layers per device, and over several
-            // nodes, tensor split inside each node with layers across the nodes.
-            let this = plan.evaluation.total_s;
-            let layer = evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?;
-            println!(
-                "\n{}",
-                against("layer split (--split-mode layer)", &layer, this)
-            );
-            let nodes = default_groups(&cluster);
-            if cluster.links.inter.is_some() && nodes > 1 && cluster.devices.len() > nodes {
-                let hybrid =
-                    evaluate_hybrid_split(&shape, &cluster, &workload, nodes, ratios.as_deref())?;
-                let label = format!("hybrid split (--split-mode hybrid --groups {nodes})");
-                println!("{}", against(&label, &hybrid, this));
-            }
-            // A batch can also be served by copies of the model, each on its own devices.
-            if let Some(best) = replicas(&shape, &cluster, &workload)?
-                .into_iter()
-                .min_by(|a, b| a.time_s.total_cmp(&b.time_s))
-            {
-                println!(
-                    "replicas: {} copies of {} device{} ({} of the {} sequences each; one server \
-                     per copy): {:.3} s for the workload ({:+.1}% against this plan)",
-                    best.copies,
-                    best.devices,
-                    if best.devices == 1 { "" } else { "s" },
-                    best.batch,
-                    workload.batch,
-                    best.time_s,
-                    (best.time_s / this.max(1e-12) - 1.0) * 100.0
-                );
-            }
-        }
     }
     // The plan is printed (and written, with -o); a fixed strategy that does not fit is still
     // an error (the search only returns plans that fit).
@@ -212,24 +181,6 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         )),
         None => Ok(()),
     }
-}
-
-/// `label`'s cost for the workload against the plan's `this` seconds, and the first device
-/// over its budget.
-fn against(label: &str, cost: &LayerSplitCost, this: f64) -> String {
-    format!(
-        "{label}: {:.3} s for the workload ({:+.1}% against this plan){}",
-        cost.total_s,
-        (cost.total_s / this.max(1e-12) - 1.0) * 100.0,
-        match cost.over_budget() {
-            Some((m, over)) => format!(
-                ", {} over its budget by {}",
-                m.device,
-                metashard::error::human_bytes(over)
-            ),
-            None => String::new(),
-        }
-    )
 }
 
 /// The hybrid split's groups when not given: the cluster's nodes, or 2 on one node.

@@ -13,8 +13,10 @@
 //! - `evaluate.rs`: the cost model: predicted prefill and decode time, collectives and memory
 //!   per device of any split callback for a [`Workload`], from the real per-device programs.
 //! - `strategy.rs`: the named strategies (assignments of split states), device shares.
-//! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets;
-//!   `auto_devices`, `auto` on subsets of the devices (the fewest within 2% of the fastest).
+//! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets.
+//! - `layouts.rs`: how many devices and how to group them: `auto` on subsets of the devices
+//!   (`auto_devices`), hybrid and layer splits of groups the nodes suggest, replicas for a
+//!   batch; the fastest chosen (the fewest devices within 2%), the others with their costs.
 //! - `layer.rs`: the layer split (whole layers per device, run one after another) and the
 //!   hybrid split (groups of devices under Megatron, layers across the groups) in the same
 //!   cost model, for `plan --strategy layer|hybrid` and the comparisons in a searched plan.
@@ -27,6 +29,7 @@ pub mod evaluate;
 pub mod experts;
 pub mod fit;
 pub mod layer;
+pub mod layouts;
 pub mod model_presets;
 pub mod presets;
 pub mod report;
@@ -41,6 +44,7 @@ pub use cluster::{
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
 pub use layer::{LayerSplitCost, evaluate_hybrid_split, evaluate_layer_split};
+pub use layouts::{Considered, LayoutKind, LayoutSearch, search_layouts};
 pub use presets::PRESET_NAMES;
 pub use report::{Plan, load_plan, parse_plan};
 pub use search::{DeviceCount, Replicas, SearchResult, auto, auto_devices, replicas};

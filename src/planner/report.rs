@@ -8,6 +8,7 @@ use super::cluster::Cluster;
 use super::evaluate::{Evaluation, Placed, StepCost, Workload};
 pub use super::experts::PlacedExperts;
 use super::experts::{experts_how, meta_tensor};
+use super::layouts::{Considered, LayoutKind, LayoutSearch, layouts_table};
 use super::search::{Candidate, DeviceCount, RunAlternatives, SearchResult};
 pub use super::shape::HeadSplit;
 use super::shape::ModelShape;
@@ -59,6 +60,11 @@ pub struct Plan {
     /// when only the devices of the plan were considered.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub device_counts: Vec<DeviceCount>,
+    /// Every layout the search weighed (`search_layouts`: tensor splits on device counts,
+    /// hybrid and layer splits, replicas), the chosen first, each with its predicted cost and
+    /// verdict; empty for a fixed strategy.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub layouts: Vec<Considered>,
 }
 
 /// The part of a plan file `--plan` reads.
@@ -241,7 +247,44 @@ impl Plan {
             alternatives,
             solve_ms,
             device_counts: Vec::new(),
+            layouts: Vec::new(),
         })
+    }
+
+    /// The plan of `search_layouts`: the chosen layout's tensor plan (one copy's for replicas,
+    /// the fastest tensor split's for a hybrid or layer split), with every layout weighed.
+    pub fn searched_layouts(shape: &ModelShape, ls: LayoutSearch) -> Result<Plan> {
+        let mut p = Plan::searched_devices(shape, &ls.subset, &ls.workload, ls.result, ls.counts)?;
+        p.layouts = ls.layouts;
+        Ok(p)
+    }
+
+    /// The line naming the chosen layout, when the search weighed layouts.
+    pub fn layout_line(&self) -> Option<String> {
+        let c = self.layouts.first().filter(|c| c.chosen)?;
+        let plan = match c.kind {
+            LayoutKind::Tensor => "with this plan".to_string(),
+            LayoutKind::Replicas => format!(
+                "this plan is one copy's, on its {} device{}",
+                c.group,
+                if c.group == 1 { "" } else { "s" }
+            ),
+            LayoutKind::Hybrid | LayoutKind::Layer => {
+                let best = self
+                    .layouts
+                    .iter()
+                    .find(|x| x.kind == LayoutKind::Tensor && x.devices == self.devices.len());
+                let by = match best.and_then(|b| b.time_s.zip(c.time_s)) {
+                    Some((b, t)) => format!(" ({:+.1}%)", (b / t.max(1e-12) - 1.0) * 100.0),
+                    None => String::new(),
+                };
+                format!("not a plan file: the plan below is the fastest tensor split{by}")
+            }
+        };
+        Some(format!(
+            "layout: {} ({}); {}; {plan}",
+            c.description, c.verdict, c.run
+        ))
     }
 
     /// The plan of `auto_devices`: the search's result on the first `subset` devices of a
@@ -306,6 +349,9 @@ impl Plan {
         }
         if let Some(ms) = self.solve_ms {
             let _ = writeln!(s, "search: {ms:.1} ms");
+        }
+        if let Some(line) = self.layout_line() {
+            let _ = writeln!(s, "{line}");
         }
         if let Some(line) = self.devices_line() {
             let _ = writeln!(s, "{line}");
@@ -414,6 +460,21 @@ impl Plan {
                     c.description
                 );
             }
+        }
+        if !self.layouts.is_empty() {
+            // The whole workload (a copy's plan has its share; the other layouts the whole
+            // batch).
+            let batch = self
+                .layouts
+                .iter()
+                .find(|c| c.copies == 1)
+                .map_or(self.workload.batch, |c| c.batch);
+            let whole = Workload {
+                batch,
+                ..self.workload
+            };
+            let _ = writeln!(s);
+            s.push_str(&layouts_table(&self.layouts, &whole));
         }
         s
     }

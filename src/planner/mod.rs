@@ -15,7 +15,7 @@
 //! - `strategy.rs`: the named strategies (assignments of split states), device shares.
 //! - `search.rs`: `auto`, a dynamic program over tied layers under memory budgets;
 //!   `auto_devices`, `auto` on subsets of the devices (the fewest within 2% of the fastest).
-//! - `layer.rs`: the layer split (whole layers per device, run one after another) and the
+//! - `layer.rs`: the layer split (whole layers per device, micro-batches pipelined through them) and the
 //!   hybrid split (groups of devices under Megatron, layers across the groups) in the same
 //!   cost model, for `plan --strategy layer|hybrid` and the comparisons in a searched plan.
 //! - `report.rs`: the readable [`Plan`] (tables, JSON plan files, DOT of one layer).
@@ -40,7 +40,10 @@ pub use cluster::{
 };
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
-pub use layer::{LayerSplitCost, evaluate_hybrid_split, evaluate_layer_split};
+pub use layer::{
+    LayerSplitCost, MicroBatches, evaluate_hybrid_split, evaluate_layer_split,
+    evaluate_layer_split_with,
+};
 pub use presets::PRESET_NAMES;
 pub use report::{Plan, load_plan, parse_plan};
 pub use search::{DeviceCount, Replicas, SearchResult, auto, auto_devices, replicas};

@@ -238,31 +238,28 @@ fn a_pipelined_batched_step_equals_the_whole_step() {
         for _ in 0..4 {
             b.acquire().unwrap();
         }
-        let seqs: Vec<SeqInput> = prompts
-            .iter()
-            .enumerate()
-            .map(|(slot, t)| SeqInput {
-                slot,
-                tokens: t,
-                logits: true,
-            })
+        // One sequence per slot, each asking for its logits.
+        fn seqs<T: AsRef<[u32]>>(tokens: &[T]) -> Vec<SeqInput<'_>> {
+            (0..tokens.len())
+                .map(|slot| SeqInput {
+                    slot,
+                    tokens: tokens[slot].as_ref(),
+                    logits: true,
+                })
+                .collect()
+        }
+        let mut out: Vec<Vec<f32>> = b
+            .step(&seqs(&prompts))
+            .unwrap()
+            .into_iter()
+            .flatten()
             .collect();
-        let mut out: Vec<Vec<f32>> = b.step(&seqs).unwrap().into_iter().flatten().collect();
         for _ in 0..4 {
             let next: Vec<[u32; 1]> = out[out.len() - 4..]
                 .iter()
                 .map(|l| [metashard::models::sampler::argmax(l)])
                 .collect();
-            let seqs: Vec<SeqInput> = next
-                .iter()
-                .enumerate()
-                .map(|(slot, t)| SeqInput {
-                    slot,
-                    tokens: t,
-                    logits: true,
-                })
-                .collect();
-            out.extend(b.step(&seqs).unwrap().into_iter().flatten());
+            out.extend(b.step(&seqs(&next)).unwrap().into_iter().flatten());
         }
         out
     };

@@ -336,10 +336,12 @@ fn llama_70b_plans_on_eight_devices_without_weights() -> Result<()> {
 
 #[test]
 fn a_layer_split_costs_one_device_at_a_time_plus_the_copies_between_them() -> Result<()> {
-    use metashard::planner::evaluate_layer_split;
+    use metashard::planner::{MicroBatches, evaluate_layer_split, evaluate_layer_split_with};
     let s = smol();
     let c = cluster(2, 8 << 30);
-    let l = evaluate_layer_split(&s, &c, &w(), None)?;
+    // One micro-batch: the stages strictly one after another.
+    let l = evaluate_layer_split_with(&s, &c, &w(), None, MicroBatches::Fixed(1))?;
+    assert_eq!((l.prefill_micro_batches, l.decode_micro_batches), (1, 1));
     // Even shares: 15 layers each, one copy of the stream per step.
     let layers: Vec<(usize, usize)> = l.memory.iter().map(|m| m.layers).collect();
     assert_eq!(layers, [(0, 15), (15, 30)]);
@@ -372,12 +374,96 @@ fn a_layer_split_costs_one_device_at_a_time_plus_the_copies_between_them() -> Re
     assert!((l.decode_s - (d.seconds + extra(1))).abs() < 1e-9 * d.seconds.max(1.0) + 1e-12);
     let p = alone.prefill.as_ref().unwrap();
     assert!((l.prefill_s - (p.seconds + extra(p.tokens))).abs() < 1e-9 + 1e-9 * p.seconds);
+    // The fastest count is never slower than one micro-batch (a decode step of one sequence
+    // cannot be cut).
+    let best = evaluate_layer_split(&s, &c, &w(), None)?;
+    assert!(best.prefill_s <= l.prefill_s && best.decode_s == l.decode_s);
+    assert_eq!(best.decode_micro_batches, 1);
     // Uneven shares move layers; a share of zero leaves a device out (no copy to it).
     let l = evaluate_layer_split(&s, &c, &w(), Some(&[1.0, 0.0]))?;
     assert_eq!(l.memory[1].layers, (30, 30));
     assert_eq!(l.memory[1].resident, 0);
     assert_eq!(l.copies, 0);
     assert!(evaluate_layer_split(&s, &c, &w(), Some(&[1.0])).is_err());
+    Ok(())
+}
+
+/// Seconds to stream the weights of the slowest stage of `cost` once at its device's GEMV
+/// bandwidth: no step of a layer split is faster, whatever its micro-batches.
+fn stage_weight_floor(
+    s: &ModelShape,
+    c: &Cluster,
+    cost: &metashard::planner::LayerSplitCost,
+) -> f64 {
+    let decls = s.weight_decls().unwrap();
+    cost.memory
+        .iter()
+        .zip(&c.devices)
+        .map(|(m, d)| {
+            decls
+                .iter()
+                .filter(|x| {
+                    x.layer
+                        .is_some_and(|l| (m.layers.0..m.layers.1).contains(&l))
+                })
+                .map(|x| x.layout.nbytes() as f64 / d.gemv(x.layout.dtype))
+                .sum::<f64>()
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn a_pipelined_layer_split_approaches_its_slowest_stage_and_never_beats_streaming() -> Result<()> {
+    use metashard::planner::{MicroBatches, evaluate_layer_split_with};
+    let s = smol();
+    let c = cluster(2, 8 << 30);
+    // A compute-bound prompt (512 tokens) on two equal stages: one micro-batch runs them one
+    // after another; 16 micro-batches of 32 tokens keep both busy, close to one stage's time
+    // (fill and drain: (m + 1) / 2m of the sequential time, 53% at m = 16).
+    let w = Workload::parse("pp=512,tg=4,ctx=1024")?;
+    let one = evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Fixed(1))?;
+    let many = evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Fixed(16))?;
+    assert_eq!(many.prefill_micro_batches, 16);
+    let ratio = many.prefill_s / one.prefill_s;
+    assert!((0.5..0.65).contains(&ratio), "{ratio}");
+    // Decoding 32 sequences, compute-bound at these rates, pipelines too.
+    let w = Workload::parse("pp=16,tg=8,batch=32,ctx=64")?;
+    let one = evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Fixed(1))?;
+    let best = evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Best)?;
+    assert!(
+        best.decode_micro_batches > 1,
+        "{}",
+        best.decode_micro_batches
+    );
+    assert!(best.decode_s < 0.8 * one.decode_s);
+    // Property: whatever the workload, shares and micro-batches, no step is faster than
+    // streaming the slowest stage's weights once.
+    for spec in [
+        "pp=1,tg=1,ctx=8",
+        "pp=64,tg=4,ctx=128",
+        "pp=512,tg=2,batch=4,ctx=1024",
+        "pp=8,tg=8,batch=2,ctx=32",
+        "pp=8,tg=8,batch=64,ctx=32",
+    ] {
+        let w = Workload::parse(spec)?;
+        for shares in [None, Some(&[3.0, 1.0][..])] {
+            for micro in [1, 2, 4, 16, 64]
+                .map(MicroBatches::Fixed)
+                .into_iter()
+                .chain([MicroBatches::Best])
+            {
+                let l = evaluate_layer_split_with(&s, &c, &w, shares, micro)?;
+                let floor = stage_weight_floor(&s, &c, &l);
+                assert!(floor > 0.0);
+                for (what, t) in [("prefill", l.prefill_s), ("decode", l.decode_s)] {
+                    assert!(
+                        t >= floor,
+                        "{spec} {shares:?} {micro:?} {what}: {t} < {floor}"
+                    );
+                }
+            }
+        }
+    }
     Ok(())
 }
 

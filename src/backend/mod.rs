@@ -137,6 +137,22 @@ pub trait Backend: Send + Sync {
     /// backend's compute buffer (and stay valid until the next compute); leaves with inline data
     /// are uploaded first. Unsupported ops are an error naming the node, before anything runs.
     fn graph_compute(&self, graph: &mut Graph) -> Result<()>;
+    /// (optional) Compute `graphs` as if one after another (a later graph may read what an
+    /// earlier one wrote into bound buffers, such as a KV cache), calling `done(j, graph)`
+    /// once graph `j`'s outputs are ready (they may not outlive the call). Defaults to one
+    /// [`Backend::graph_compute`] each; the scheduler overlaps them as a pipeline through its
+    /// backends (`sched`).
+    fn graph_compute_many(
+        &self,
+        graphs: &mut [Graph],
+        done: &mut dyn FnMut(usize, &Graph) -> Result<()>,
+    ) -> Result<()> {
+        for (j, g) in graphs.iter_mut().enumerate() {
+            self.graph_compute(g)?;
+            done(j, g)?;
+        }
+        Ok(())
+    }
     /// (optional) Prepare `graph`, whose roots must all have storage, so node ranges can be
     /// computed repeatedly (ggml's `graph_plan_create`); the meta backend runs a device's
     /// program this way, between collectives. Inline data is not uploaded by plans.

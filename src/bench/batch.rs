@@ -33,6 +33,10 @@ pub struct BenchBatchArgs {
     /// Quantized weights times 8-bit activations.
     #[arg(long)]
     pub q8: bool,
+    /// Micro-batches each step's sequences are cut into (`BatchSession::micro_batches`): a
+    /// layer split pipelines them through its devices.
+    #[arg(long, default_value_t = 1, value_parser = parse_positive)]
+    pub micro_batches: usize,
     #[command(flatten)]
     pub split: SplitArgs,
     #[command(flatten)]
@@ -72,7 +76,9 @@ pub fn run(a: &BenchBatchArgs) -> Result<()> {
     let ctx = a.pp + a.tg + 1;
     let mut rows: Vec<BatchRow> = Vec::new();
     for &s in &a.parallel {
-        let batch = BatchSession::new(&m, set.backend.clone(), set.buffer_type.as_ref(), s, ctx)?;
+        let mut batch =
+            BatchSession::new(&m, set.backend.clone(), set.buffer_type.as_ref(), s, ctx)?;
+        batch.micro_batches = a.micro_batches;
         let mut e = Engine::new(batch, s * a.pp);
         for i in 0..s {
             let prompt = (0..a.pp)

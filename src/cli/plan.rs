@@ -40,6 +40,10 @@ pub struct PlanArgs {
     /// Groups of the hybrid split (default: the cluster's nodes, or 2 on one node).
     #[arg(long)]
     pub groups: Option<usize>,
+    /// Micro-batches of the layer split's steps (1: its devices one after another; default:
+    /// the fastest the cost model finds).
+    #[arg(long, value_parser = super::parse_positive)]
+    pub micro_batches: Option<usize>,
     /// A mixture of experts' load imbalance: the hottest device gets this many times its
     /// uniform share of the routed tokens (1: uniform routing, an assumption; at least 1).
     #[arg(long, default_value_t = metashard::planner::experts::DEFAULT_ROUTING_SKEW)]
@@ -107,7 +111,16 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             ));
         }
         let cost = match mode {
-            "layer" => evaluate_layer_split(&shape, &cluster, &workload, ratios.as_deref())?,
+            "layer" => metashard::planner::evaluate_layer_split_with(
+                &shape,
+                &cluster,
+                &workload,
+                ratios.as_deref(),
+                a.micro_batches
+                    .map_or(metashard::planner::MicroBatches::Best, |m| {
+                        metashard::planner::MicroBatches::Fixed(m)
+                    }),
+            )?,
             _ => evaluate_hybrid_split(
                 &shape,
                 &cluster,

@@ -8,7 +8,9 @@
 //! device (any split state) and the scheduler's layer split alike. A step hook
 //! ([`BatchSession::set_step_hook`]) sees each step's inputs before it computes, and
 //! [`BatchSession::set_lens`] takes another session's slot lengths: with both, the ranks of a
-//! job step alike (`runtime::lockstep`).
+//! job step alike (`runtime::lockstep`). With [`BatchSession::micro_batches`] above 1 a step's
+//! sequences are cut into that many graphs, given to the backend together
+//! (`Backend::graph_compute_many`): a layer split pipelines them through its devices.
 
 use super::decoder::{StepInput, StepSeqs, build_step_seqs};
 use super::loader::DecoderModel;
@@ -48,6 +50,10 @@ pub struct BatchSession<'m> {
     /// Each slot's length, `None` when free.
     lens: Vec<Option<usize>>,
     hook: Option<StepHook<'m>>,
+    /// Micro-batches each step's sequences are cut into (1, the default: one graph). With
+    /// several, their graphs go to the backend together (`Backend::graph_compute_many`),
+    /// which the scheduler of a layer split pipelines through its stages.
+    pub micro_batches: usize,
 }
 
 impl<'m> BatchSession<'m> {
@@ -78,6 +84,7 @@ impl<'m> BatchSession<'m> {
             ctx,
             lens: vec![None; slots],
             hook: None,
+            micro_batches: 1,
         })
     }
 
@@ -213,12 +220,72 @@ impl<'m> BatchSession<'m> {
         if let Some(hook) = &mut self.hook {
             hook(&self.lens, seqs)?;
         }
+        let before = self.lens.clone();
+        for s in seqs {
+            let len = self.lens[s.slot].unwrap_or(0);
+            self.lens[s.slot] = Some(len + s.tokens.len());
+        }
+        let per = seqs
+            .len()
+            .div_ceil(self.micro_batches.clamp(1, seqs.len().max(1)));
+        let result = self.compute_groups(seqs.chunks(per.max(1)), &before);
+        if result.is_err() {
+            // A failed step leaves every slot as it was (its rows are written again).
+            self.lens = before;
+        }
+        let logits = result?;
+        let nv = self.model.cfg.n_vocab;
+        let mut next = 0;
+        Ok(seqs
+            .iter()
+            .map(|s| {
+                s.logits.then(|| {
+                    let l = logits[next * nv..(next + 1) * nv].to_vec();
+                    next += 1;
+                    l
+                })
+            })
+            .collect())
+    }
+
+    /// The graphs of `groups` of sequences (slot lengths `before` the step, `self.lens`
+    /// after), computed together; the logits of every sequence that asked, in order.
+    fn compute_groups<'s>(
+        &self,
+        groups: impl Iterator<Item = &'s [SeqInput<'s>]>,
+        before: &[Option<usize>],
+    ) -> Result<Vec<f32>> {
+        let mut graphs = Vec::new();
+        let mut outs = Vec::new();
+        for g in groups {
+            let (graph, logits, n_logits) = self.build(g, before)?;
+            graphs.push(graph);
+            outs.push((logits, n_logits));
+        }
+        let mut all = Vec::new();
+        self.backend.graph_compute_many(&mut graphs, &mut |j, g| {
+            let (logits, n_logits) = outs[j];
+            if n_logits > 0 {
+                all.extend(g.read_f32(logits)?);
+            }
+            Ok(())
+        })?;
+        Ok(all)
+    }
+
+    /// The step graph of `seqs` (each slot's length `before` the step), its logits node and
+    /// how many sequences asked for logits.
+    fn build(
+        &self,
+        seqs: &[SeqInput],
+        before: &[Option<usize>],
+    ) -> Result<(crate::graph::Graph, crate::graph::TensorId, usize)> {
         // (token, position, cache row, slot) per row: rows without logits first.
         let mut front = Vec::new();
         let mut back = Vec::new();
         let mut n_kv = 0;
         for s in seqs {
-            let start = self.lens[s.slot].unwrap_or(0);
+            let start = before[s.slot].unwrap_or(0);
             let base = s.slot * self.ctx;
             for (i, &t) in s.tokens.iter().enumerate() {
                 let p = start + i;
@@ -235,11 +302,6 @@ impl<'m> BatchSession<'m> {
         let n_front = front.len();
         front.extend(back);
         let rows = front;
-        let before = self.lens.clone();
-        for s in seqs {
-            let len = self.lens[s.slot].unwrap_or(0);
-            self.lens[s.slot] = Some(len + s.tokens.len());
-        }
         let n_kv = n_kv.next_multiple_of(KV_PAD).min(self.cache.size);
         let kv_rows: Vec<i32> = (0..n_kv).map(|j| (j / self.ctx) as i32).collect();
         let kv_positions: Vec<i32> = (0..n_kv)
@@ -272,30 +334,8 @@ impl<'m> BatchSession<'m> {
             tokens: &seq,
             kv_rows: &kv_rows,
         };
-        let result = self.compute(&inp, &ids);
-        if result.is_err() {
-            // A failed step leaves every slot as it was (its rows are written again).
-            self.lens = before;
-        }
-        let logits = result?;
-        let nv = self.model.cfg.n_vocab;
-        let mut next = 0;
-        Ok(seqs
-            .iter()
-            .map(|s| {
-                s.logits.then(|| {
-                    let l = logits[next * nv..(next + 1) * nv].to_vec();
-                    next += 1;
-                    l
-                })
-            })
-            .collect())
-    }
-
-    fn compute(&self, inp: &StepInput, seqs: &StepSeqs) -> Result<Vec<f32>> {
         let m = self.model;
-        let mut sg = build_step_seqs(&m.cfg, &m.weights, &self.cache, inp, Some(seqs))?;
-        self.backend.graph_compute(&mut sg.graph)?;
-        sg.graph.read_f32(sg.logits)
+        let sg = build_step_seqs(&m.cfg, &m.weights, &self.cache, &inp, Some(&ids))?;
+        Ok((sg.graph, sg.logits, n_logits))
     }
 }

@@ -1,6 +1,7 @@
 //! A running sequence ([`Session`]): a decoder, a backend and a KV cache; tokens are
 //! evaluated in batches of `ubatch` into the cache, and the logits of the last (or every) token
-//! come back.
+//! come back. The chunks' graphs go to the backend together (`Backend::graph_compute_many`),
+//! so a layer split pipelines them through its devices.
 
 use super::decoder::{SequenceStep, build_step};
 use super::loader::DecoderModel;
@@ -121,31 +122,36 @@ impl<'m> Session<'m> {
                 bad,
             ));
         }
-        let mut out = Vec::new();
-        let n_chunks = tokens.len().div_ceil(self.ubatch.max(1));
-        for (ci, chunk) in tokens.chunks(self.ubatch.max(1)).enumerate() {
+        // Every chunk's graph first, then all of them at once: a backend that pipelines its
+        // stages (the scheduler of a layer split) overlaps the chunks.
+        let ubatch = self.ubatch.max(1);
+        let n_chunks = tokens.len().div_ceil(ubatch);
+        let mut graphs = Vec::with_capacity(n_chunks);
+        let mut logits_of = Vec::with_capacity(n_chunks);
+        let mut n_past = self.n_past;
+        for chunk in tokens.chunks(ubatch) {
             let t = chunk.len();
             let ids: Vec<i32> = chunk.iter().map(|&x| x as i32).collect();
-            let n_kv = (self.n_past + t)
-                .next_multiple_of(KV_PAD)
-                .min(self.cache.size);
-            let step = SequenceStep::new(&ids, self.n_past, n_kv);
-            let last_chunk = ci + 1 == n_chunks;
+            let n_kv = (n_past + t).next_multiple_of(KV_PAD).min(self.cache.size);
+            let step = SequenceStep::new(&ids, n_past, n_kv);
             let rows = if all_logits { 0..t } else { t - 1..t };
             let inp = step.input(rows);
-            let mut sg = build_step(&self.model.cfg, &self.model.weights, &self.cache, &inp)?;
-            self.backend.graph_compute(&mut sg.graph)?;
-            self.n_past += t;
-            if all_logits || last_chunk {
-                let logits = sg.graph.read_f32(sg.logits)?;
-                if out.is_empty() {
-                    out = logits;
-                } else {
-                    out.extend(logits);
-                }
-            }
-            debug_assert_eq!(out.len() % nv, 0);
+            let sg = build_step(&self.model.cfg, &self.model.weights, &self.cache, &inp)?;
+            graphs.push(sg.graph);
+            logits_of.push((sg.logits, t));
+            n_past += t;
         }
+        let mut out = Vec::new();
+        let this = &mut self.n_past;
+        self.backend.graph_compute_many(&mut graphs, &mut |j, g| {
+            let (logits, t) = logits_of[j];
+            *this += t;
+            if all_logits || j + 1 == n_chunks {
+                out.extend(g.read_f32(logits)?);
+            }
+            Ok(())
+        })?;
+        debug_assert_eq!(out.len() % nv, 0);
         Ok(out)
     }
 }

@@ -199,7 +199,7 @@ impl Workload {
     /// The prefill step the cost model builds: (tokens, start). The middle chunk's context
     /// stands for all of them; a batch is costed as one longer sequence (the same rows for
     /// every product, more attention). None without a prompt.
-    fn prefill_step(&self) -> Option<(usize, usize)> {
+    pub(super) fn prefill_step(&self) -> Option<(usize, usize)> {
         if self.prefill == 0 {
             return None;
         }
@@ -217,7 +217,7 @@ impl Workload {
 
     /// The decode step the cost model builds, at the middle of the generation: (tokens,
     /// start). None without generation.
-    fn decode_step(&self) -> Option<(usize, usize)> {
+    pub(super) fn decode_step(&self) -> Option<(usize, usize)> {
         if self.decode == 0 {
             return None;
         }
@@ -509,6 +509,24 @@ pub fn evaluate(
     evaluate_placed(&placed, cluster, workload)
 }
 
+/// The cost of one step of `tokens` tokens at positions `start..` of `placed` on `cluster`,
+/// raising `activations` (per device) to the step's compute-buffer peaks.
+pub(super) fn step_at(
+    placed: &Placed,
+    cluster: &Cluster,
+    tokens: usize,
+    start: usize,
+    activations: &mut [usize],
+) -> Result<StepCost> {
+    let g = placed.step_graph(tokens, start)?;
+    let (_, rw) = placed.shard(&g)?;
+    for (d, p) in rw.programs.iter().enumerate() {
+        let plan = crate::alloc::measure(&p.graph, &VirtualBufferType)?;
+        activations[d] = activations[d].max(plan.peak);
+    }
+    Ok(step_cost(&g, &rw, cluster, tokens, placed.routing()))
+}
+
 /// As [`evaluate`], for a model already placed.
 pub fn evaluate_placed(
     placed: &Placed,
@@ -517,21 +535,15 @@ pub fn evaluate_placed(
 ) -> Result<Evaluation> {
     let (weights, kv) = placed.resident_bytes();
     let mut activations = vec![0usize; placed.devices.len()];
-    let mut run_step = |tokens: usize, start: usize| -> Result<StepCost> {
-        let g = placed.step_graph(tokens, start)?;
-        let (_, rw) = placed.shard(&g)?;
-        for (d, p) in rw.programs.iter().enumerate() {
-            let plan = crate::alloc::measure(&p.graph, &VirtualBufferType)?;
-            activations[d] = activations[d].max(plan.peak);
-        }
-        Ok(step_cost(&g, &rw, cluster, tokens, placed.routing()))
-    };
     let (prefill, chunks) = match workload.prefill_step() {
-        Some((tokens, start)) => (Some(run_step(tokens, start)?), workload.prefill_steps()),
+        Some((tokens, start)) => (
+            Some(step_at(placed, cluster, tokens, start, &mut activations)?),
+            workload.prefill_steps(),
+        ),
         None => (None, 0),
     };
     let decode = match workload.decode_step() {
-        Some((tokens, at)) => Some(run_step(tokens, at)?),
+        Some((tokens, at)) => Some(step_at(placed, cluster, tokens, at, &mut activations)?),
         None => None,
     };
     let memory = placed

@@ -1,16 +1,27 @@
 //! Layer split in the cost model (llama.cpp's `-sm layer`; `--split-mode layer` on the
 //! scheduler): whole layers on each device, in proportion to the shares (`layer_ranges`, the
-//! same assignment a run uses), run one device after another. A step costs the sum of its
-//! segments, each on the device holding it (the embedding on the first device, the output on
-//! the last), plus one copy of the residual stream (`n_embd` x tokens, f32) wherever the next
-//! layer lives on another device, costed by the link's alpha and bus bandwidth at two devices,
-//! plus the per-step overhead of each device that runs a part. The segment times come from a whole-model
-//! evaluation on each distinct device profile alone (the same per-node cost model as every
-//! other strategy); memory is the resident bytes of the device's segments plus that
-//! evaluation's activation peak.
+//! same assignment a run uses). A stage's time for one micro-batch is the sum of its segments,
+//! each on the device holding it (the embedding on the first device, the output on the last),
+//! plus the copy of the residual stream (`n_embd` x tokens, f32) to the next stage, costed by
+//! the link's alpha and bus bandwidth at two devices, plus the stage's per-step overhead.
+//!
+//! A step's rows (a prompt chunk's tokens, or a batched decode step's sequences) may be cut
+//! into `m` micro-batches that flow through the stages as a pipeline (GPipe's schedule,
+//! Huang et al. 2019, arXiv:1811.06965: stage k runs micro-batch j while stage k + 1 runs
+//! micro-batch j - 1): the step costs the fill and drain, the sum of the stages' times for one
+//! micro-batch, plus `m - 1` times the slowest stage (with its copy), the steady state. With
+//! one micro-batch this is the stages strictly one after another. Each micro-batch is costed
+//! by the same per-node model at its own size, so it streams its stage's weights again: the
+//! memory floor holds at any `m`, and a memory-bound step is best left whole.
+//! [`MicroBatches::Best`] takes the fastest count of 1, 2, 4, ... up to
+//! [`MAX_MICRO_BATCHES`] and the step's rows, and the report says which it took.
+//!
+//! The segment times come from a whole-model evaluation on each distinct device profile alone
+//! (the same per-node cost model as every other strategy); memory is the resident bytes of the
+//! device's segments plus that evaluation's activation peak.
 
 use super::cluster::{Cluster, DeviceProfile};
-use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed};
+use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed, step_at};
 use super::shape::ModelShape;
 use super::strategy::Strategy;
 use crate::models::layer_split::layer_ranges;
@@ -43,8 +54,12 @@ pub struct LayerSplitCost {
     /// Seconds of one decode step.
     pub decode_s: f64,
     pub total_s: f64,
-    /// Copies of the residual stream per step.
+    /// Copies of the residual stream per micro-batch.
     pub copies: usize,
+    /// Micro-batches each prompt step and each decode step was cut into (1: the stages one
+    /// after another, as without a pipeline).
+    pub prefill_micro_batches: usize,
+    pub decode_micro_batches: usize,
     pub memory: Vec<LayerDeviceMemory>,
 }
 
@@ -60,17 +75,22 @@ impl LayerSplitCost {
     pub fn table(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
+        let pipeline = format!(
+            "micro-batches through the stages: {} per prompt step, {} per decode step (1: one \
+             stage after another)",
+            self.prefill_micro_batches, self.decode_micro_batches
+        );
         let _ = match self.group {
             1 => writeln!(
                 s,
-                "layer split: layers run one device after another, {} copies of the residual \
-                 stream per step",
+                "layer split: whole layers per device, {} copies of the residual stream per \
+                 micro-batch; {pipeline}",
                 self.copies
             ),
             g => writeln!(
                 s,
-                "hybrid split: groups of {g} devices (Megatron inside a group), layers run one \
-                 group after another, {} copies of the residual stream per step",
+                "hybrid split: groups of {g} devices (Megatron inside a group), whole layers \
+                 per group, {} copies of the residual stream per micro-batch; {pipeline}",
                 self.copies
             ),
         };
@@ -120,6 +140,33 @@ impl LayerSplitCost {
     }
 }
 
+/// How a layer or hybrid split's steps are cut into micro-batches through its stages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum MicroBatches {
+    /// The fastest of 1, 2, 4, ... up to [`MAX_MICRO_BATCHES`] and the step's rows.
+    #[default]
+    Best,
+    /// This many, at most the step's rows (1: the stages strictly one after another).
+    Fixed(usize),
+}
+
+/// The most micro-batches [`MicroBatches::Best`] tries.
+pub const MAX_MICRO_BATCHES: usize = 16;
+
+impl MicroBatches {
+    /// The counts to cost for a step of `rows` rows (tokens of a prompt step, sequences of a
+    /// decode step).
+    fn candidates(self, rows: usize) -> Vec<usize> {
+        let rows = rows.max(1);
+        match self {
+            MicroBatches::Fixed(m) => vec![m.clamp(1, rows)],
+            MicroBatches::Best => std::iter::successors(Some(1usize), |m| Some(m * 2))
+                .take_while(|&m| m <= rows.min(MAX_MICRO_BATCHES))
+                .collect(),
+        }
+    }
+}
+
 /// One stage's whole-model evaluation (a device alone, or a group of devices under the
 /// Megatron split) and each of its devices' resident bytes per segment.
 struct Stage {
@@ -128,23 +175,38 @@ struct Stage {
     eval: Evaluation,
     /// Bytes per segment, per device of the stage.
     bytes: Vec<Vec<usize>>,
+    /// The model placed on the stage's devices, and those devices as a cluster: for the
+    /// micro-batches' steps.
+    placed: Placed,
+    group: Cluster,
 }
 
 /// The layer split of `shape` over `cluster`'s devices with `shares` (even when absent) for
-/// workload `w`.
+/// workload `w`, pipelined with the fastest number of micro-batches.
 pub fn evaluate_layer_split(
     shape: &ModelShape,
     cluster: &Cluster,
     w: &Workload,
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
-    evaluate_stages(shape, cluster, w, shares, 1)
+    evaluate_stages(shape, cluster, w, shares, 1, MicroBatches::Best)
+}
+
+/// As [`evaluate_layer_split`] with the micro-batches given.
+pub fn evaluate_layer_split_with(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    shares: Option<&[f64]>,
+    micro: MicroBatches,
+) -> Result<LayerSplitCost> {
+    evaluate_stages(shape, cluster, w, shares, 1, micro)
 }
 
 /// The hybrid split (`run --split-mode hybrid --groups G`): G contiguous groups of the
 /// devices, each a meta device under the Megatron split, the layers split across the groups by
-/// the groups' total `shares` (per device; even when absent) and run one group after another.
-/// An error naming `--groups` unless G divides the devices.
+/// the groups' total `shares` (per device; even when absent), pipelined through the groups as
+/// the layer split is. An error naming `--groups` unless G divides the devices.
 pub fn evaluate_hybrid_split(
     shape: &ModelShape,
     cluster: &Cluster,
@@ -171,17 +233,26 @@ pub fn evaluate_hybrid_split(
             format!("one share per device ({n})"),
         ));
     }
-    evaluate_stages(shape, cluster, w, group_shares.as_deref(), per)
+    evaluate_stages(
+        shape,
+        cluster,
+        w,
+        group_shares.as_deref(),
+        per,
+        MicroBatches::Best,
+    )
 }
 
 /// Stages of `per` devices each (1: the layer split; more: the hybrid split), the layers split
-/// across the stages by `shares` (one per stage) and run one stage after another.
+/// across the stages by `shares` (one per stage), each step pipelined through the stages in
+/// `micro` micro-batches.
 fn evaluate_stages(
     shape: &ModelShape,
     cluster: &Cluster,
     w: &Workload,
     shares: Option<&[f64]>,
     per: usize,
+    micro: MicroBatches,
 ) -> Result<LayerSplitCost> {
     shape.check()?;
     w.validate()?;
@@ -244,6 +315,8 @@ fn evaluate_stages(
                     profiles,
                     eval,
                     bytes: placed.bytes_by_segment(),
+                    placed,
+                    group,
                 });
                 evals.len() - 1
             }
@@ -265,7 +338,6 @@ fn evaluate_stages(
     };
     let owners: Vec<usize> = (0..n_layer + 2).map(stage_of).collect();
     let copies = owners.windows(2).filter(|p| p[0] != p[1]).count();
-    let used = ranges.iter().filter(|r| !r.is_empty()).count().max(1);
     // The residual stream goes from the last device of one stage to the first of the next.
     let link = |a: usize, b: usize| {
         let node = cluster.links.devices_per_node.max(1);
@@ -274,35 +346,74 @@ fn evaluate_stages(
             _ => &cluster.links.intra.all_gather,
         }
     };
-    let step = |get: &dyn Fn(&Evaluation) -> Option<&StepCost>, tokens: usize| -> f64 {
-        let mut t = 0.0;
+    // Each stage that runs a part pays its per-step overhead (the segments leave it out).
+    let overhead = cluster
+        .devices
+        .iter()
+        .map(|d| d.step_overhead_s)
+        .fold(0.0, f64::max);
+    // Each stage's seconds for one micro-batch of `tokens` rows (`costs`: the step's cost on
+    // each distinct stage evaluation): its segments, its overhead, the copy out of it.
+    let stage_times = |costs: &[StepCost], tokens: usize| -> Vec<f64> {
+        let mut t = vec![0.0; stages];
         for (s, &st) in owners.iter().enumerate() {
-            if let Some(sc) = get(&evals[which[st]].eval) {
-                t += sc.segments.get(s).map_or(0.0, |x| x.compute_s + x.comm_s);
-            }
+            t[st] += costs[which[st]]
+                .segments
+                .get(s)
+                .map_or(0.0, |x| x.compute_s + x.comm_s);
         }
         let bytes = (shape.cfg.n_embd * tokens * 4) as f64;
         for p in owners.windows(2).filter(|p| p[0] != p[1]) {
             let fit = link(p[0], p[1]);
-            t += fit.alpha(2) + bytes / fit.bus_bw.max(1.0);
+            t[p[0]] += fit.alpha(2) + bytes / fit.bus_bw.max(1.0);
         }
-        // Each stage that runs a part pays its per-step overhead (the segments leave it out).
-        let overhead = cluster
-            .devices
-            .iter()
-            .map(|d| d.step_overhead_s)
-            .fold(0.0, f64::max);
-        t + used as f64 * overhead
+        for (st, x) in t.iter_mut().enumerate() {
+            if owners.contains(&st) {
+                *x += overhead;
+            }
+        }
+        t
+    };
+    // A step of `rows` rows at `start` in the fastest (or the given) number of micro-batches:
+    // fill and drain (every stage once) plus m - 1 times the slowest stage.
+    let pipelined = |step: Option<(usize, usize)>,
+                     whole: &dyn Fn(&Evaluation) -> Option<&StepCost>|
+     -> Result<(f64, usize)> {
+        let Some((rows, start)) = step else {
+            return Ok((0.0, 1));
+        };
+        let mut best: Option<(f64, usize)> = None;
+        for m in micro.candidates(rows) {
+            let part = rows.div_ceil(m);
+            let costs: Vec<StepCost> = if m == 1 {
+                evals
+                    .iter()
+                    .map(|e| whole(&e.eval).cloned().unwrap_or_default())
+                    .collect()
+            } else {
+                // The middle micro-batch's context stands for all of them (a prompt's later
+                // chunks attend to the earlier ones).
+                let at = start + (rows - part) / 2;
+                let mut scratch = vec![0usize; per];
+                evals
+                    .iter()
+                    .map(|e| step_at(&e.placed, &e.group, part, at, &mut scratch))
+                    .collect::<Result<_>>()?
+            };
+            let t = stage_times(&costs, part);
+            let slowest = t.iter().copied().fold(0.0, f64::max);
+            let total = t.iter().sum::<f64>() + (m - 1) as f64 * slowest;
+            if best.is_none_or(|(b, _)| total < b) {
+                best = Some((total, m));
+            }
+        }
+        Ok(best.unwrap_or((0.0, 1)))
     };
     let e0 = &evals[which[first]].eval;
-    let prefill_s = e0
-        .prefill
-        .as_ref()
-        .map_or(0.0, |p| step(&|e| e.prefill.as_ref(), p.tokens));
-    let decode_s = e0
-        .decode
-        .as_ref()
-        .map_or(0.0, |d| step(&|e| e.decode.as_ref(), d.tokens));
+    let (prefill_s, prefill_micro_batches) =
+        pipelined(w.prefill_step(), &|e: &Evaluation| e.prefill.as_ref())?;
+    let (decode_s, decode_micro_batches) =
+        pipelined(w.decode_step(), &|e: &Evaluation| e.decode.as_ref())?;
     let total_s = prefill_s * e0.prefill_chunks as f64 + decode_s * w.decode as f64;
     let memory = (0..n)
         .map(|d| {
@@ -343,6 +454,8 @@ fn evaluate_stages(
         decode_s,
         total_s,
         copies,
+        prefill_micro_batches,
+        decode_micro_batches,
         memory,
     })
 }

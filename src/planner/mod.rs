@@ -17,7 +17,8 @@
 //! - `layouts.rs`: how many devices and how to group them: `auto` on subsets of the devices
 //!   (`auto_devices`), hybrid and layer splits of groups the nodes suggest, replicas for a
 //!   batch; the fastest chosen (the fewest devices within 2%), the others with their costs.
-//! - `layer.rs`: the layer split (whole layers per device, run one after another) and the
+//! - `layer.rs`: the layer split (whole layers per device, micro-batches pipelined through
+//!   them) and the
 //!   hybrid split (groups of devices under Megatron, layers across the groups) in the same
 //!   cost model, for `plan --strategy layer|hybrid` and the comparisons in a searched plan.
 //! - `report.rs`: the readable [`Plan`] (tables, JSON plan files, DOT of one layer).
@@ -43,7 +44,10 @@ pub use cluster::{
 };
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
-pub use layer::{LayerSplitCost, evaluate_hybrid_split, evaluate_layer_split};
+pub use layer::{
+    LayerSplitCost, MicroBatches, evaluate_hybrid_split, evaluate_layer_split,
+    evaluate_layer_split_with,
+};
 pub use layouts::{Considered, LayoutKind, LayoutSearch, search_layouts};
 pub use presets::PRESET_NAMES;
 pub use report::{Plan, load_plan, parse_plan};

@@ -62,6 +62,15 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
+/// One task of a pipeline tick: split `k` of a graph under its plan, with the graph and the
+/// values its earlier splits captured.
+type Task<'a> = (
+    usize,
+    &'a SchedPlan,
+    &'a mut Graph,
+    &'a mut Vec<Option<Arc<[u8]>>>,
+);
+
 /// Plans kept per scheduler (a decode loop alternates few shapes).
 const CACHE_SIZE: usize = 8;
 
@@ -278,56 +287,10 @@ impl Sched {
         let mut values: Vec<Option<Arc<[u8]>>> = vec![None; g.len()];
         for (si, sp) in splits.iter().enumerate() {
             let slot = &self.slots[sp.backend];
-            let mut lg = sp.graph.clone();
-            for &(u, l) in &sp.inputs {
-                lg.node_mut(l).data =
-                    Some(g.node(u).data.clone().ok_or_else(|| Error::NoStorage {
-                        tensor: g.name(u).to_string(),
-                        reason: "inline data expected (the graph structure changed?)".into(),
-                    })?);
-            }
-            for c in &sp.copies {
-                let bytes: Arc<[u8]> = match c.from {
-                    CopyFrom::Split(_) => {
-                        values[c.src.index()]
-                            .clone()
-                            .ok_or_else(|| Error::Internal {
-                                component: "sched",
-                                reason: format!("copy of `{}` before it was read", g.name(c.src)),
-                            })?
-                    }
-                    CopyFrom::Leaf => g.read_bytes(c.src)?.into(),
-                };
-                lg.node_mut(c.local).data = Some(bytes);
-            }
-            slot.backend.graph_compute(&mut lg)?;
-            for &(u, l) in &sp.captures {
-                values[u.index()] = Some(lg.read_bytes(l)?.into());
-            }
             // Outputs stay where they were computed unless this backend runs again in this
             // compute (it may reuse its compute buffer): then they are copied out first.
             let runs_again = splits[si + 1..].iter().any(|s| s.backend == sp.backend);
-            for &(u, l) in &sp.outputs {
-                let local = lg.storage(l).ok_or_else(|| Error::NoStorage {
-                    tensor: g.name(u).to_string(),
-                    reason: format!("{} returned the split without it", slot.name),
-                })?;
-                let storage = if runs_again {
-                    let layout = *lg.layout(l);
-                    let mut bytes = vec![0u8; layout.nbytes()];
-                    local.get(&layout, &mut bytes)?;
-                    // Host memory holds any backend's output (a meta device's buffers hold
-                    // only tensors placed through its split callback).
-                    let buf = HostBufferType.alloc_buffer(bytes.len())?;
-                    let dst = Storage::new(buf, 0);
-                    dst.set(&layout, &bytes)?;
-                    dst
-                } else {
-                    local
-                };
-                st.results.push(Arc::downgrade(&storage.buffer));
-                g.node_mut(u).storage = Some(storage);
-            }
+            let lg = self.run_split(g, plan, si, &mut values, runs_again, &mut st.results)?;
             if let Some(cb) = st.eval.as_mut() {
                 for &(u, l) in &sp.asked {
                     let v = lg.read_f32(l)?;
@@ -338,6 +301,151 @@ impl Sched {
                         });
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Run split `si` of `plan` for `g`: its inputs and copies in (`values`: what earlier
+    /// splits captured), its compute, its captures out, its outputs bound into `g` (copied to
+    /// host memory with `copy_out`, their buffers noted in `results`). Returns the split's
+    /// computed graph.
+    fn run_split(
+        &self,
+        g: &mut Graph,
+        plan: &SchedPlan,
+        si: usize,
+        values: &mut [Option<Arc<[u8]>>],
+        copy_out: bool,
+        results: &mut Vec<Weak<dyn Buffer>>,
+    ) -> Result<Graph> {
+        let sp = &plan.splits.splits[si];
+        let slot = &self.slots[sp.backend];
+        let mut lg = sp.graph.clone();
+        for &(u, l) in &sp.inputs {
+            lg.node_mut(l).data = Some(g.node(u).data.clone().ok_or_else(|| Error::NoStorage {
+                tensor: g.name(u).to_string(),
+                reason: "inline data expected (the graph structure changed?)".into(),
+            })?);
+        }
+        for c in &sp.copies {
+            let bytes: Arc<[u8]> = match c.from {
+                CopyFrom::Split(_) => {
+                    values[c.src.index()]
+                        .clone()
+                        .ok_or_else(|| Error::Internal {
+                            component: "sched",
+                            reason: format!("copy of `{}` before it was read", g.name(c.src)),
+                        })?
+                }
+                CopyFrom::Leaf => g.read_bytes(c.src)?.into(),
+            };
+            lg.node_mut(c.local).data = Some(bytes);
+        }
+        slot.backend.graph_compute(&mut lg)?;
+        for &(u, l) in &sp.captures {
+            values[u.index()] = Some(lg.read_bytes(l)?.into());
+        }
+        for &(u, l) in &sp.outputs {
+            let local = lg.storage(l).ok_or_else(|| Error::NoStorage {
+                tensor: g.name(u).to_string(),
+                reason: format!("{} returned the split without it", slot.name),
+            })?;
+            let storage = if copy_out {
+                let layout = *lg.layout(l);
+                let mut bytes = vec![0u8; layout.nbytes()];
+                local.get(&layout, &mut bytes)?;
+                // Host memory holds any backend's output (a meta device's buffers hold
+                // only tensors placed through its split callback).
+                let buf = HostBufferType.alloc_buffer(bytes.len())?;
+                let dst = Storage::new(buf, 0);
+                dst.set(&layout, &bytes)?;
+                dst
+            } else {
+                local
+            };
+            results.push(Arc::downgrade(&storage.buffer));
+            g.node_mut(u).storage = Some(storage);
+        }
+        Ok(lg)
+    }
+
+    /// Forget the storage this scheduler bound `g`'s nodes to in the last compute (so they
+    /// are computed again).
+    fn unbind_results(old: &[Weak<dyn Buffer>], g: &mut Graph) {
+        for id in g.ids() {
+            // A live weak pointer to the same allocation (a dead one's address may have been
+            // reused by a buffer the user bound).
+            let ours = g.node(id).storage.as_ref().is_some_and(|s| {
+                old.iter().any(|w| {
+                    w.strong_count() > 0 && std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&s.buffer))
+                })
+            });
+            if ours {
+                g.node_mut(id).storage = None;
+            }
+        }
+    }
+
+    /// The pipeline over the splits (`graph_compute_many`): at tick `t`, split `k` of graph
+    /// `t - k` for every `k` at once, one thread per backend (a backend's tasks of one tick
+    /// one after another), so each backend works on the next graph while the later backends
+    /// work on the earlier ones (GPipe's schedule, Huang et al. 2019, arXiv:1811.06965).
+    /// Split `k` of graph `j` runs after splits `0..k` of graph `j` (its inputs) and after
+    /// split `k` of graph `j - 1` (what that wrote in the bound buffers of its backend, a KV
+    /// cache's rows); every output is copied to host memory, since each backend runs again.
+    fn run_pipelined(
+        &self,
+        st: &mut State,
+        graphs: &mut [Graph],
+        plans: &[Arc<SchedPlan>],
+        done: &mut dyn FnMut(usize, &Graph) -> Result<()>,
+    ) -> Result<()> {
+        let n_splits = plans[0].splits.splits.len();
+        let backend_of = |k: usize| plans[0].splits.splits[k].backend;
+        let mut values: Vec<Vec<Option<Arc<[u8]>>>> =
+            graphs.iter().map(|g| vec![None; g.len()]).collect();
+        let m = graphs.len();
+        for t in 0..m + n_splits - 1 {
+            // The tick's tasks (split, graph, its values), grouped by backend.
+            let mut by_backend: Vec<Vec<Task>> =
+                (0..self.slots.len()).map(|_| Vec::new()).collect();
+            for (j, (g, v)) in graphs.iter_mut().zip(values.iter_mut()).enumerate() {
+                if let Some(k) = t.checked_sub(j).filter(|&k| k < n_splits) {
+                    by_backend[backend_of(k)].push((k, &plans[j], g, v));
+                }
+            }
+            let outcomes: Vec<Result<Vec<Weak<dyn Buffer>>>> = std::thread::scope(|sc| {
+                let handles: Vec<_> = by_backend
+                    .into_iter()
+                    .filter(|tasks| !tasks.is_empty())
+                    .map(|tasks| {
+                        sc.spawn(move || -> Result<Vec<Weak<dyn Buffer>>> {
+                            let mut results = Vec::new();
+                            for (k, plan, g, v) in tasks {
+                                self.run_split(g, plan, k, v, true, &mut results)?;
+                            }
+                            Ok(results)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(Error::Internal {
+                                component: "sched",
+                                reason: "a pipeline stage's thread panicked".into(),
+                            })
+                        })
+                    })
+                    .collect()
+            });
+            for o in outcomes {
+                st.results.extend(o?);
+            }
+            if let Some(j) = (t + 1).checked_sub(n_splits).filter(|&j| j < m) {
+                done(j, &graphs[j])?;
             }
         }
         Ok(())
@@ -369,18 +477,7 @@ impl Backend for Sched {
         let mut st = self.state.lock();
         // Results of the last compute bound into this graph are computed again.
         let old = std::mem::take(&mut st.results);
-        for id in g.ids() {
-            // A live weak pointer to the same allocation (a dead one's address may have been
-            // reused by a buffer the user bound).
-            let ours = g.node(id).storage.as_ref().is_some_and(|s| {
-                old.iter().any(|w| {
-                    w.strong_count() > 0 && std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&s.buffer))
-                })
-            });
-            if ours {
-                g.node_mut(id).storage = None;
-            }
-        }
+        Self::unbind_results(&old, g);
         let asked: Vec<bool> = match st.eval.as_mut() {
             Some(cb) => g
                 .ids()
@@ -394,5 +491,42 @@ impl Backend for Sched {
         let plan = self.cached_plan(&mut st, g, &asked)?;
         st.last = Some(plan.clone());
         self.run(&mut st, g, &plan)
+    }
+
+    /// The graphs pipelined through the splits (`run_pipelined`) when there are several,
+    /// no eval callback is set and every graph's splits run on the same backends in the same
+    /// order (a model's micro-batches); else one after another.
+    fn graph_compute_many(
+        &self,
+        graphs: &mut [Graph],
+        done: &mut dyn FnMut(usize, &Graph) -> Result<()>,
+    ) -> Result<()> {
+        let one_by_one =
+            |graphs: &mut [Graph], done: &mut dyn FnMut(usize, &Graph) -> Result<()>| {
+                graphs.iter_mut().enumerate().try_for_each(|(j, g)| {
+                    self.graph_compute(g)?;
+                    done(j, g)
+                })
+            };
+        let mut st = self.state.lock();
+        if graphs.len() < 2 || st.eval.is_some() {
+            drop(st);
+            return one_by_one(graphs, done);
+        }
+        let old = std::mem::take(&mut st.results);
+        let mut plans = Vec::with_capacity(graphs.len());
+        for g in graphs.iter_mut() {
+            Self::unbind_results(&old, g);
+            let plan = self.cached_plan(&mut st, g, &[])?;
+            plans.push(plan);
+        }
+        let backends =
+            |p: &SchedPlan| -> Vec<usize> { p.splits.splits.iter().map(|s| s.backend).collect() };
+        if plans.iter().any(|p| backends(p) != backends(&plans[0])) {
+            drop(st);
+            return one_by_one(graphs, done);
+        }
+        st.last = plans.last().cloned();
+        self.run_pipelined(&mut st, graphs, &plans, done)
     }
 }

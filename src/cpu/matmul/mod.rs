@@ -377,6 +377,11 @@ fn forward_impl(
         }
         _ => {}
     }
+    let alone = ComputeParams {
+        ith: 0,
+        nth: 1,
+        ..*p
+    };
     // Stage 1: bring src1 into the form the kernels read, shared by all threads.
     match plan.src1 {
         Src1::Direct => {}
@@ -385,38 +390,17 @@ fn forward_impl(
             p.barrier();
         }
         // Private: this thread quantizes every block (as thread 0 of 1), nobody waits.
-        Src1::Quant(lay) if private => {
-            quantize_rows(
-                isa,
-                &ComputeParams {
-                    ith: 0,
-                    nth: 1,
-                    ..*p
-                },
-                &plan,
-                src1,
-                lay,
-            );
-        }
-        Src1::KQuant(lay) if private => {
-            quantize_rows_k(
-                &ComputeParams {
-                    ith: 0,
-                    nth: 1,
-                    ..*p
-                },
-                &plan,
-                src1,
-                lay,
-            );
-        }
         Src1::Quant(lay) => {
-            quantize_rows(isa, p, &plan, src1, lay);
-            p.barrier();
+            quantize_rows(isa, if private { &alone } else { p }, &plan, src1, lay);
+            if !private {
+                p.barrier();
+            }
         }
         Src1::KQuant(lay) => {
-            quantize_rows_k(p, &plan, src1, lay);
-            p.barrier();
+            quantize_rows_k(if private { &alone } else { p }, &plan, src1, lay);
+            if !private {
+                p.barrier();
+            }
         }
     }
     // Stage 2: the items, smaller ones taken from the node's counter, or this thread's share.

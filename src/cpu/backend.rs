@@ -236,31 +236,57 @@ impl Drop for CpuPlan {
     }
 }
 
-/// The byte range a view spans.
-fn span(t: &TensorView) -> (usize, usize) {
-    let start = t.data as usize;
-    (start, start + t.layout().nbytes())
+/// One access to a tensor since the last barrier: its bytes, the view's identity (address,
+/// type, shape, strides), and the node's [`ops::Split`] when each thread touches only its own
+/// share of the view.
+struct Access {
+    span: (usize, usize),
+    view: (usize, crate::DType, [usize; 4], [usize; 4]),
+    split: Option<ops::Split>,
 }
 
-fn overlaps(a: (usize, usize), set: &[(usize, usize)]) -> bool {
-    a.0 < a.1 && set.iter().any(|b| a.0 < b.1 && b.0 < a.1)
+impl Access {
+    fn of(t: &TensorView, split: Option<ops::Split>) -> Access {
+        let start = t.data as usize;
+        Access {
+            span: (start, start + t.layout().nbytes()),
+            view: (start, t.dtype, t.ne, t.nb),
+            split,
+        }
+    }
+
+    /// Whether this access and `b` need no barrier between them: disjoint bytes, or the same
+    /// view split the same way by both nodes (each thread touches only what it touched).
+    fn compatible(&self, b: &Access) -> bool {
+        let (x, y) = (self.span, b.span);
+        let disjoint = x.0 >= x.1 || !(x.0 < y.1 && y.0 < x.1);
+        disjoint || (self.split.is_some() && self.split == b.split && self.view == b.view)
+    }
 }
 
-/// Decide where threads must meet. Since the last barrier, keep the byte ranges read and
-/// written and whether shared scratch was used; a node that reads a written range, writes a
-/// read or written range, or uses shared scratch after another user of it needs a barrier
-/// before it. Without one, a thread that finished its share of a node goes straight on to the
-/// next (the Q, K and V projections of a layer, for example).
-fn plan_barriers(exec: &mut [ExecNode], shared: &[bool]) {
-    let (mut reads, mut writes) = (Vec::new(), Vec::new());
+/// Decide where threads must meet. Since the last barrier, keep the accesses read and written
+/// and whether shared scratch was used; a node that reads a written range, writes a read or
+/// written range, or uses shared scratch after another user of it needs a barrier before it,
+/// unless both accesses are to the same view with the same split (a chain of element-wise
+/// and row-wise nodes: norm, weight, residual add). Without one, a thread that finished its
+/// share of a node goes straight on to the next (the Q, K and V projections of a layer).
+fn plan_barriers(exec: &mut [ExecNode], shared: &[bool], nth: usize) {
+    let (mut reads, mut writes) = (Vec::<Access>::new(), Vec::<Access>::new());
     let mut used_shared = false;
     for i in 0..exec.len() {
         let e = &exec[i];
-        let w = span(&e.dst);
-        let rs: SmallVec<[(usize, usize); 4]> = e.src.iter().map(span).collect();
-        let conflict = rs.iter().any(|r| overlaps(*r, &writes))
-            || overlaps(w, &reads)
-            || overlaps(w, &writes)
+        let split = ops::split(&e.op, &e.dst, &e.src, nth);
+        let w = Access::of(&e.dst, split);
+        let rs: SmallVec<[Access; 4]> = (e.src.iter().enumerate())
+            .map(|(k, s)| {
+                let aligned = ops::reads_aligned(&e.op, &e.dst, &e.src, k);
+                Access::of(s, split.filter(|_| aligned))
+            })
+            .collect();
+        let clash = |a: &Access, set: &[Access]| set.iter().any(|b| !a.compatible(b));
+        let conflict = rs.iter().any(|r| clash(r, &writes))
+            || clash(&w, &reads)
+            || clash(&w, &writes)
             || (shared[i] && used_shared);
         if conflict && i > 0 {
             exec[i - 1].barrier_after = true;
@@ -311,7 +337,7 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
             barrier_after: false,
         });
     }
-    plan_barriers(&mut exec, &uses_shared);
+    plan_barriers(&mut exec, &uses_shared, nth);
     let (shared, slot) = (shared.next_multiple_of(64), slot.next_multiple_of(64));
     let words = (shared + nth * slot).div_ceil(64);
     let mut work = std::mem::take(&mut *inner.spare_work.lock());
@@ -582,7 +608,7 @@ mod tests {
     }
 
     fn barriers(mut exec: Vec<ExecNode>, shared: &[bool]) -> Vec<bool> {
-        plan_barriers(&mut exec, shared);
+        plan_barriers(&mut exec, shared, 2);
         exec.iter().map(|e| e.barrier_after).collect()
     }
 
@@ -604,6 +630,79 @@ mod tests {
         assert_eq!(barriers(exec, &[true, true]), [true, false]);
         // Write after write.
         let exec = vec![node(64, &[0]), node(64, &[128])];
+        assert_eq!(barriers(exec, &[false; 2]), [true, false]);
+    }
+
+    /// A node `op` writing a packed f32 `[n0, rows]` at `dst` from sources `(address, n0,
+    /// rows)`.
+    fn shaped(
+        op: Op,
+        dst: usize,
+        n0: usize,
+        rows: usize,
+        srcs: &[(usize, usize, usize)],
+    ) -> ExecNode {
+        let v = |addr: usize, n0: usize, rows: usize| TensorView {
+            data: addr as *mut u8,
+            dtype: DType::F32,
+            ne: [n0, rows, 1, 1],
+            nb: [4, 4 * n0, 4 * n0 * rows, 4 * n0 * rows],
+        };
+        ExecNode {
+            op,
+            dst: v(dst, n0, rows),
+            src: srcs.iter().map(|&(a, n, r)| v(a, n, r)).collect(),
+            ..node(0, &[])
+        }
+    }
+
+    #[test]
+    fn nodes_split_alike_over_the_same_view_need_no_barrier() {
+        use crate::op::{BinaryOp, UnaryOp};
+        let (norm, mul, add) = (
+            Op::RmsNorm { eps: 1e-6 },
+            Op::Binary(BinaryOp::Mul),
+            Op::Binary(BinaryOp::Add),
+        );
+        // One decoding row of 640: norm, times a weight (broadcast, never written), plus the
+        // residual, norm again, all on whole rows: no barrier until the product.
+        let k = 1 << 20;
+        let exec = vec![
+            shaped(norm, k, 640, 1, &[(0, 640, 1)]),
+            shaped(mul, 2 * k, 640, 1, &[(k, 640, 1), (9 * k, 640, 1)]),
+            shaped(add, 3 * k, 640, 1, &[(2 * k, 640, 1), (0, 640, 1)]),
+            shaped(norm, 4 * k, 640, 1, &[(3 * k, 640, 1)]),
+            shaped(
+                Op::MulMat,
+                5 * k,
+                64,
+                1,
+                &[(8 * k, 640, 64), (4 * k, 640, 1)],
+            ),
+        ];
+        assert_eq!(
+            barriers(exec, &[false; 5]),
+            [false, false, false, true, false]
+        );
+        // A long row is split by columns: GELU then the product with `up` share the split,
+        // but a norm of the result takes whole rows and must wait.
+        let exec = vec![
+            shaped(Op::Unary(UnaryOp::Gelu), k, 4096, 1, &[(0, 4096, 1)]),
+            shaped(mul, 2 * k, 4096, 1, &[(k, 4096, 1), (3 * k, 4096, 1)]),
+            shaped(norm, 4 * k, 4096, 1, &[(2 * k, 4096, 1)]),
+        ];
+        assert_eq!(barriers(exec, &[false; 3]), [false, true, false]);
+        // The same bytes through another view (a reshape to 4 rows) are not the same split.
+        let exec = vec![
+            shaped(norm, k, 640, 1, &[(0, 640, 1)]),
+            shaped(norm, 2 * k, 160, 4, &[(k, 160, 4)]),
+        ];
+        assert_eq!(barriers(exec, &[false; 2]), [true, false]);
+        // A broadcast read of a written tensor is not aligned.
+        let exec = vec![
+            shaped(norm, k, 640, 1, &[(0, 640, 1)]),
+            shaped(mul, 2 * k, 640, 2, &[(3 * k, 640, 2), (k, 640, 1)]),
+        ];
         assert_eq!(barriers(exec, &[false; 2]), [true, false]);
     }
 }

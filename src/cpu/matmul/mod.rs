@@ -294,9 +294,35 @@ pub fn work_size(
     p.shared + p.nth * p.per_thread
 }
 
-/// Compute `dst` on all `p.nth` threads (call from every thread of the pool).
+/// Scratch of a graph node's product run by [`forward_node`]: `(shared, per_thread)` bytes.
+/// Small quantized activations are private to each thread ([`Plan::private_src1`]).
+pub fn node_scratch(
+    src0: &TensorView,
+    src1: &TensorView,
+    dst: &TensorView,
+    nth: usize,
+    precision: Precision,
+) -> (usize, usize) {
+    let Some(w) = kernels_for(src0.dtype) else {
+        return (0, 0); // refused by `supports`: never run
+    };
+    let p = Plan::new(w, src0, src1, dst, nth.max(1), precision);
+    match p.private_src1() {
+        true => (0, p.shared),
+        false => (p.shared + p.nth * p.per_thread, 0),
+    }
+}
+
+/// Compute `dst` on all `p.nth` threads (call from every thread of the pool), all scratch in
+/// `p.wdata` ([`work_size`]).
 pub fn forward(p: &ComputeParams, src0: &TensorView, src1: &TensorView, dst: &TensorView) {
-    forward_with(Isa::detect(), p, src0, src1, dst)
+    forward_impl(Isa::detect(), p, src0, src1, dst, false)
+}
+
+/// [`forward`] for a graph node whose scratch is [`node_scratch`]: small quantized
+/// activations are made by every thread in its own `p.tdata`.
+pub fn forward_node(p: &ComputeParams, src0: &TensorView, src1: &TensorView, dst: &TensorView) {
+    forward_impl(Isa::detect(), p, src0, src1, dst, true)
 }
 
 /// [`forward`] at a chosen SIMD level (lowered to what the CPU supports). For tests and
@@ -308,13 +334,37 @@ pub fn forward_with(
     src1: &TensorView,
     dst: &TensorView,
 ) {
+    forward_impl(isa, p, src0, src1, dst, false)
+}
+
+/// The driver; with `private_ok`, src1 is quantized into each thread's `p.tdata` where the
+/// plan says so ([`node_scratch`]).
+fn forward_impl(
+    isa: Isa,
+    p: &ComputeParams,
+    src0: &TensorView,
+    src1: &TensorView,
+    dst: &TensorView,
+    private_ok: bool,
+) {
     let w = match (supports(src0, src1, dst), kernels_for(src0.dtype)) {
         (Ok(()), Some(w)) => w,
         (Err(e), _) => panic!("mul_mat: forward called on unsupported operands: {e}"),
         (Ok(()), None) => unreachable!("supports refuses weights without kernels"),
     };
     let plan = Plan::new(w, src0, src1, dst, p.nth, p.precision);
-    let need = plan.shared + plan.nth * plan.per_thread;
+    let private = private_ok && plan.private_src1();
+    // Private activations: the kernels find them at `wdata` as they would the shared ones.
+    let own = ComputeParams {
+        wdata: p.tdata,
+        wsize: p.tsize,
+        ..*p
+    };
+    let p = if private { &own } else { p };
+    let need = match private {
+        true => plan.shared,
+        false => plan.shared + plan.nth * plan.per_thread,
+    };
     assert!(
         p.wsize >= need && (need == 0 || !p.wdata.is_null()),
         "mul_mat: scratch of {} bytes is too small, {need} needed",
@@ -329,6 +379,11 @@ pub fn forward_with(
         }
         _ => {}
     }
+    let alone = ComputeParams {
+        ith: 0,
+        nth: 1,
+        ..*p
+    };
     // Stage 1: bring src1 into the form the kernels read, shared by all threads.
     match plan.src1 {
         Src1::Direct => {}
@@ -336,13 +391,18 @@ pub fn forward_with(
             gather_rows(p, &plan, src1, ld);
             p.barrier();
         }
+        // Private: this thread quantizes every block (as thread 0 of 1), nobody waits.
         Src1::Quant(lay) => {
-            quantize_rows(isa, p, &plan, src1, lay);
-            p.barrier();
+            quantize_rows(isa, if private { &alone } else { p }, &plan, src1, lay);
+            if !private {
+                p.barrier();
+            }
         }
         Src1::KQuant(lay) => {
-            quantize_rows_k(p, &plan, src1, lay);
-            p.barrier();
+            quantize_rows_k(if private { &alone } else { p }, &plan, src1, lay);
+            if !private {
+                p.barrier();
+            }
         }
     }
     // Stage 2: the items, smaller ones taken from the node's counter, or this thread's share.

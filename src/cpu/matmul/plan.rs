@@ -205,7 +205,22 @@ impl Plan {
     }
 }
 
+/// Quantized activations of at most this many bytes (one decoding step's row: about 1.1
+/// bytes per element) are made by every thread for itself in its private scratch, instead of
+/// split between the threads into shared scratch: no barrier after the quantization, and
+/// consecutive products (a layer's Q, K and V) need none between them for the scratch. Each
+/// block is quantized the same way whoever makes it, so the bytes are the same.
+pub(super) const PRIVATE_SRC1_BYTES: usize = 16 << 10;
+
 impl Plan {
+    /// Whether a graph node's threads quantize src1 each for itself (see
+    /// [`PRIVATE_SRC1_BYTES`]); never with per-thread conversion scratch.
+    pub(super) fn private_src1(&self) -> bool {
+        matches!(self.src1, Src1::Quant(_) | Src1::KQuant(_))
+            && self.per_thread == 0
+            && self.shared <= PRIVATE_SRC1_BYTES
+    }
+
     /// The plan with smaller items over the weight rows, for threads that take items from a
     /// shared counter: about [`ITEMS_PER_THREAD`] per thread, at least [`MIN_ITEM_ROWS`] rows
     /// each; unchanged where the grid does not split weight rows. Each output element is

@@ -3,7 +3,7 @@
 //! token), by columns within each row; f32 rows with packed elements take a slice fast path
 //! that the compiler vectorizes, everything else goes element by element.
 
-use super::unravel_row;
+use super::{Split, unravel_row};
 use crate::DType;
 use crate::cpu::view::{ComputeParams, TensorView};
 use crate::op::{BinaryOp, UnaryOp};
@@ -13,22 +13,36 @@ fn packed_f32(t: &TensorView) -> bool {
     t.dtype == DType::F32 && t.nb[0] == 4
 }
 
+/// Fewest columns per thread worth splitting a row for: a shorter row is done by one thread
+/// in less time than the barrier that a column split puts before a row-wise node that follows
+/// (a norm), and with whole rows the chain norm, weight, residual add runs barrier-free.
+const COLS_MIN: usize = 1024;
+
+/// How `nth` threads split `dst` (see [`my_spans`]).
+pub(super) fn split(dst: &TensorView, nth: usize) -> Split {
+    let (rows, n0) = (dst.nrows(), dst.ne[0]);
+    if rows < nth && n0 >= COLS_MIN * nth {
+        Split::Cols(n0.div_ceil(nth).next_multiple_of(16))
+    } else {
+        Split::Rows(rows)
+    }
+}
+
 /// The parts of the output this thread computes: `(i1, i2, i3, c0..c1)`, whole rows split
-/// between threads, or with fewer rows than threads every row split into column ranges (whole
-/// multiples of 16 elements, so vector loops stay aligned to the row start).
+/// between threads, or with fewer rows than threads long rows split into column ranges
+/// (whole multiples of 16 elements, so vector loops stay aligned to the row start).
 fn my_spans(
     p: &ComputeParams,
     dst: &TensorView,
 ) -> impl Iterator<Item = (usize, usize, usize, std::ops::Range<usize>)> {
     let ne = dst.ne;
     let (rows, n0) = (dst.nrows(), ne[0]);
-    let by_cols = rows < p.nth && n0 >= 64 * p.nth;
-    let (rows_mine, cols) = if by_cols {
-        let chunk = n0.div_ceil(p.nth).next_multiple_of(16);
-        let c0 = (p.ith * chunk).min(n0);
-        (0..rows, c0..(c0 + chunk).min(n0))
-    } else {
-        (p.range(rows), 0..n0)
+    let (rows_mine, cols) = match split(dst, p.nth) {
+        Split::Cols(chunk) => {
+            let c0 = (p.ith * chunk).min(n0);
+            (0..rows, c0..(c0 + chunk).min(n0))
+        }
+        Split::Rows(_) => (p.range(rows), 0..n0),
     };
     rows_mine.map(move |r| {
         let (i1, i2, i3) = unravel_row(r, &ne);

@@ -98,10 +98,10 @@ pub fn scratch(
 ) -> Scratch {
     let rows = || copy::row_scratch(src, dst);
     match op {
-        Op::MulMat => Scratch {
-            shared: matmul::work_size(&src[0], &src[1], dst, nth, precision),
-            per_thread: 0,
-        },
+        Op::MulMat => {
+            let (shared, per_thread) = matmul::node_scratch(&src[0], &src[1], dst, nth, precision);
+            Scratch { shared, per_thread }
+        }
         Op::MulMatId { .. } => Scratch {
             shared: experts::work_size(src, nth, precision),
             per_thread: 0,
@@ -126,6 +126,49 @@ pub fn scratch(
             per_thread: rows(),
         },
         _ => Scratch::default(),
+    }
+}
+
+/// How a node's threads split its output by a rule of its shape alone: thread `ith` writes
+/// rows `split_range(n, ith, nth)` (whole rows, `Rows(n)`), or columns `ith * c..(ith + 1) * c`
+/// of every row (`Cols(c)`). Two nodes with the same split over the same view touch the same
+/// elements on each thread, so no barrier is needed between them (`backend::plan_barriers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    Rows(usize),
+    Cols(usize),
+}
+
+/// The split of `op`'s output on `nth` threads, for the kernels whose split is fixed by the
+/// shape (element-wise and row-wise ones); `None` for the others (products take work items
+/// from a counter).
+pub fn split(op: &Op, dst: &TensorView, src: &[TensorView], nth: usize) -> Option<Split> {
+    match op {
+        Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) | Op::Swiglu => {
+            Some(elementwise::split(dst, nth))
+        }
+        // `norm::for_rows` and `rope` take rows `p.range(src0.nrows())`.
+        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SoftMax { .. } | Op::Rope(_) => {
+            Some(Split::Rows(src[0].nrows()))
+        }
+        _ => None,
+    }
+}
+
+/// Whether source `k` is read only where the output is written: element `i` (or row `i`, for
+/// the row-wise kernels) of the output reads element (row) `i` of a source of the output's
+/// shape. With the producer's [`Split`] equal to the node's, a thread then reads only what it
+/// wrote itself.
+pub fn reads_aligned(op: &Op, dst: &TensorView, src: &[TensorView], k: usize) -> bool {
+    let same_shape = src.get(k).is_some_and(|s| s.ne == dst.ne);
+    match op {
+        Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) => same_shape,
+        // The fused form reads two halves of one wider row.
+        Op::Swiglu => src.len() == 2 && same_shape,
+        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SoftMax { .. } | Op::Rope(_) => {
+            k == 0 && same_shape
+        }
+        _ => false,
     }
 }
 
@@ -155,7 +198,7 @@ pub fn forward(
         Op::SetRows { window } => return rows::set_rows(p, dst, &src[1], &src[2], window),
         Op::MulMatId { window } => return experts::mul_mat_id(p, dst, src, window),
         Op::Leaf | Op::Reshape | Op::View { .. } | Op::Permute { .. } => {}
-        Op::MulMat => matmul::forward(p, &src[0], &src[1], dst),
+        Op::MulMat => matmul::forward_node(p, &src[0], &src[1], dst),
         Op::Binary(b) => elementwise::binary(p, b, dst, &src[0], &src[1]),
         Op::Scale { scale, bias } => elementwise::map(p, dst, &src[0], |x| x * scale + bias),
         Op::Clamp { min, max } => elementwise::map(p, dst, &src[0], |x| x.clamp(min, max)),

@@ -6,8 +6,7 @@ use metashard::Result;
 use metashard::planner::evaluate::Workload;
 use metashard::planner::report::{Plan, dot, evaluate_split};
 use metashard::planner::{
-    Cluster, ModelShape, Shares, Strategy, evaluate_hybrid_split, evaluate_layer_split,
-    search_layouts,
+    Cluster, ModelShape, Shares, Strategy, evaluate_hybrid_split, search_layouts,
 };
 use std::path::PathBuf;
 

@@ -18,8 +18,11 @@
 //!
 //! Numbers as [`super::quant512`] (and ggml-cpu's `ggml_vec_dot_q4_{0,1}_q8_{0,1}`): an exact
 //! integer dot per block, `d_w * d_y` times it, plus `m_w * s_y` (Q4_1) or with
-//! `-off * sum(y)` added to the integer dot (Q4_0: off = 8, Q8_0: off = 128); only the order of the float additions across blocks
-//! differs (none: each output still adds its blocks in order), so results match them.
+//! `-off * sum(y)` added to the integer dot (Q4_0: off = 8, Q8_0: off = 128). Each output adds
+//! its blocks' terms one after another in one lane, where [`super::quant512`] spreads them over
+//! 16 lanes and sums those at the end, so the two agree to f32 rounding, not bit for bit; which
+//! of them computes an output depends only on its position (whole groups of 16 weight rows and
+//! 8 activation rows, which the work items never cut: `plan::grid`), not on the thread count.
 
 use super::quant::{ActLayout, BLK, PAIR_VEC_BYTES, Q4_0, Q4_1, Q8_0, QuantBlock, block_bytes};
 use std::arch::x86_64::*;

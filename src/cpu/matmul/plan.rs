@@ -206,8 +206,8 @@ impl Plan {
 }
 
 /// Quantized activations of at most this many bytes (one decoding step's row: about 1.1
-/// bytes per element, 3.1 with the AVX-512 kernel's vectors) are made by every thread for itself in its private scratch, instead of
-/// split between the threads into shared scratch: no barrier after the quantization, and
+/// bytes per element, 3.1 with the AVX-512 kernel's vectors) are made by every thread for
+/// itself in its private scratch, instead of split between the threads into shared scratch: no barrier after the quantization, and
 /// consecutive products (a layer's Q, K and V) need none between them for the scratch. Each
 /// block is quantized the same way whoever makes it, so the bytes are the same.
 pub(super) const PRIVATE_SRC1_BYTES: usize = 16 << 10;

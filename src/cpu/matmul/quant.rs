@@ -14,8 +14,10 @@
 //! flipping the sign bit; Q4_0: the raw nibble, off = 8; Q4_1: the raw nibble, off = 0), so
 //! `dot(w, y) = dot(u, y) - off * sum(y)`. With AVX-512 VNNI, `vpdpbusd` multiplies u8 by i8
 //! and accumulates into i32 lanes that start at `-off * sum(y)`, so the offset costs nothing per
-//! weight row (two blocks per 512-bit vector, [`super::quant512`]). With AVX2, `vpmaddubsw` + `vpmaddwd` (Q4: unsigned nibbles times signed
-//! activations cannot saturate 16 bits; Q8_0 uses ggml's sign trick, |w| times sign-adjusted y).
+//! weight row (two blocks per 512-bit vector, [`super::quant512`]; with 8 or more activation
+//! rows 16 weight rows across the lanes, [`super::lanes512`]). With AVX2, `vpmaddubsw` +
+//! `vpmaddwd` (Q4: unsigned nibbles times signed activations cannot saturate 16 bits; Q8_0 uses
+//! ggml's sign trick, |w| times sign-adjusted y).
 
 use super::QuantW as WType;
 use super::Weights;
@@ -112,15 +114,20 @@ pub(crate) unsafe fn fill_vectors(row: *mut u8, lay: ActLayout, blk: usize, coun
         let v = row.add(lay.v_off()).cast::<f32>();
         for b in blk..blk + count {
             let lanes = v.add((b / 2) * (PAIR_VEC_BYTES / 4) + (b % 2) * 8);
-            let (dv, sv) = (*d.add(b), *s8.add(b));
-            let q = std::slice::from_raw_parts(row.add(b * BLK).cast::<i8>(), BLK);
-            let sum = q.iter().map(|&x| x as i32).sum::<i32>();
-            let init = lanes.add(16).cast::<i32>();
             for l in 0..8 {
-                *lanes.add(l) = dv;
-                if lay.off == 0 {
-                    *lanes.add(16 + l) = sv;
-                } else {
+                *lanes.add(l) = *d.add(b);
+            }
+            if lay.off == 0 {
+                // Q4_1: `s / 8` in every lane of the block's half.
+                for l in 0..8 {
+                    *lanes.add(16 + l) = *s8.add(b);
+                }
+            } else {
+                // The others: `-off * sum(y)` in the first lane of the block's half.
+                let q = std::slice::from_raw_parts(row.add(b * BLK).cast::<i8>(), BLK);
+                let sum = q.iter().map(|&x| x as i32).sum::<i32>();
+                let init = lanes.add(16).cast::<i32>();
+                for l in 0..8 {
                     *init.add(l) = if l == 0 { -lay.off * sum } else { 0 };
                 }
             }

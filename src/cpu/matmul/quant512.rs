@@ -11,8 +11,9 @@
 //!
 //! A row with an odd number of blocks ends with a half-filled vector (the upper lanes zero).
 //! The activation scales of each pair come as vectors the quantization stage formed
-//! ([`ActLayout::with_vectors`]). Tiles 2 x 8 for each 8 activation rows, then 4 x {4, 2, 1}; an output's operations do not depend on
-//! its tile, so results do not depend on the thread count.
+//! ([`ActLayout::with_vectors`]). Tiles 2 x 8 for each 8 activation rows, then 4 x {4, 2, 1};
+//! an output's operations do not depend on its tile, so results do not depend on the thread
+//! count.
 
 use super::dequant::{nibbles_avx2, q5_0_avx2};
 use super::kquant::f16_at;

@@ -11,7 +11,9 @@
 //! (`vpermps` / `vpermt2ps`; each entry computed by the same FMA, so bit-identical to the
 //! per-weight path), with each row's scales decoded by vector byte shuffles (`scales_k45`);
 //! Q6_K unpacks each half super-block's 128 quants with two 512-bit byte operations
-//! (`k6_bytes`). An output's operations do not depend on the tile it lands in, so results
+//! (`k6_bytes`). On AVX2, matrix-vector products (M = 1) do not dequantize: each group's
+//! integer quants are dotted with the activations and scaled once (`gemv_tile`), the
+//! scales decoded with `vcvtph2ps` instead of the f16 table. An output's operations do not depend on the tile it lands in, so results
 //! do not depend on the thread count.
 
 use super::KQuantW as KW;
@@ -446,10 +448,129 @@ mod avx2 {
         }
     }
 
+    /// `RN x 1` outputs over all super-blocks (matrix-vector products): the weights are not
+    /// dequantized. Per group of 32 (Q4_K, Q5_K) or 16 (Q6_K) weights, the dot product of the
+    /// integer quants (as f32) with the activations is scaled once by `d * sc`, and the
+    /// minimums' part `dm * mn * sum(x)` goes to a second accumulator, its lane sums of `x`
+    /// formed once per tile; Q6_K reads `q - 32` as signed bytes and has no minimum term.
+    /// About 4 vector operations per 8 weights where dequantizing first takes about 7 (the
+    /// per-weight `fmsub` and the scalar scale products per 16); f32 rounding differs from
+    /// the dequantizing tiles only by where the scale is applied.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemv_tile<const T: u8, const RN: usize, const RM: usize>(
+        w: *const u8,
+        ldw: usize,
+        x: *const f32,
+        _ldx: usize,
+        d: *mut f32,
+        _ldd: usize,
+        nblk: usize,
+        _tab: *const f32,
+    ) {
+        // drive_tiles calls this tile with RM = 1 only (M = 1 blocks).
+        let bs = const { kblock_bytes(T) };
+        let g32 = T != K6;
+        let mut acc = [_mm256_setzero_ps(); RN];
+        let mut accm = [_mm256_setzero_ps(); RN];
+        let mut dl = [[0f32; 16]; RN];
+        let mut ml = [[0f32; 8]; RN];
+        for blk in 0..nblk {
+            let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
+            for r in 0..RN {
+                for l in 0..bs.div_ceil(64) {
+                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
+                }
+                // The products `d * sc` and `dm * mn` of [`head`] (the same roundings), with
+                // the f16 scales converted by `vcvtph2ps` rather than the 256 KiB table,
+                // whose lookups per row and super-block missed L1 and L2.
+                // SAFETY: super-block blk of weight row r; the arrays hold 16 and 8 f32.
+                unsafe { scales_gemv::<T>(wb(r), &mut dl[r], &mut ml[r]) };
+            }
+            // SAFETY: super-block blk of the activation row.
+            let xb = unsafe { x.add(blk * QK_K) };
+            for c in 0..8 {
+                // SAFETY: 32 activations inside super-block blk.
+                let xv = [0, 1, 2, 3].map(|e| unsafe { _mm256_loadu_ps(xb.add(32 * c + 8 * e)) });
+                let s = if g32 {
+                    _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for r in 0..RN {
+                    // SAFETY: super-block blk of weight row r.
+                    let mut q = unsafe { chunk32::<T>(wb(r), c) };
+                    if !g32 {
+                        q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                    }
+                    let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
+                    let f = |v: __m128i| {
+                        _mm256_cvtepi32_ps(if g32 {
+                            _mm256_cvtepu8_epi32(v)
+                        } else {
+                            _mm256_cvtepi8_epi32(v)
+                        })
+                    };
+                    let t0 = _mm256_fmadd_ps(
+                        f(_mm_srli_si128::<8>(lo)),
+                        xv[1],
+                        _mm256_mul_ps(f(lo), xv[0]),
+                    );
+                    let t1 = _mm256_fmadd_ps(
+                        f(_mm_srli_si128::<8>(hi)),
+                        xv[3],
+                        _mm256_mul_ps(f(hi), xv[2]),
+                    );
+                    if g32 {
+                        let t = _mm256_add_ps(t0, t1);
+                        acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dl[r][c]), acc[r]);
+                        accm[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(ml[r][c]), accm[r]);
+                    } else {
+                        acc[r] = _mm256_fmadd_ps(t0, _mm256_set1_ps(dl[r][2 * c]), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(t1, _mm256_set1_ps(dl[r][2 * c + 1]), acc[r]);
+                    }
+                }
+            }
+        }
+        for r in 0..RN {
+            // SAFETY: the output element is in the caller's block.
+            unsafe { *d.add(r) = hsum256(_mm256_sub_ps(acc[r], accm[r])) };
+        }
+    }
+
+    /// `d * sc[j]` (per 32 for Q4_K / Q5_K in `dl[0..8]`, per 16 for Q6_K) and `dm * mn[j]`
+    /// (Q4_K / Q5_K, in `ml`) of the super-block at `b`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn scales_gemv<const T: u8>(b: *const u8, dl: &mut [f32; 16], ml: &mut [f32; 8]) {
+        use super::super::kquant::{K6_D, K6_SCALES, scales_k4};
+        // SAFETY: offsets inside the super-block; the arrays hold 16 and 8 f32.
+        unsafe {
+            let half = |p: *const u8| {
+                let h = p.cast::<u16>().read_unaligned() as i32;
+                _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))))
+            };
+            if T == K6 {
+                let d = half(b.add(K6_D));
+                let sc = _mm_loadu_si128(b.add(K6_SCALES).cast());
+                let f = |v: __m128i| _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+                _mm256_storeu_ps(dl.as_mut_ptr(), f(sc));
+                _mm256_storeu_ps(dl.as_mut_ptr().add(8), f(_mm_srli_si128::<8>(sc)));
+            } else {
+                let w = scales_k4(b.add(4));
+                let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
+                let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                _mm256_storeu_ps(dl.as_mut_ptr(), _mm256_mul_ps(half(b), f(v)));
+                let mn = f(_mm_srli_si128::<8>(v));
+                _mm256_storeu_ps(ml.as_mut_ptr(), _mm256_mul_ps(half(b.add(2)), mn));
+            }
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const T: u8>(b: &KF32Block, tab: *const f32) {
         if b.m == 1 {
-            drive_tiles!(b, tile, T, 4, [1], (b.nblk, tab));
+            drive_tiles!(b, gemv_tile, T, 4, [1], (b.nblk, tab));
         } else {
             drive_tiles!(b, tile, T, 2, [2, 1], (b.nblk, tab));
         }

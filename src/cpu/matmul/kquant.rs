@@ -57,8 +57,8 @@ pub(super) const fn kblock_bytes(t: u8) -> usize {
 const K45_SCALES: usize = 4;
 pub(super) const K5_QH: usize = 16;
 pub(super) const K6_QH: usize = 128;
-const K6_SCALES: usize = 192;
-const K6_D: usize = 208;
+pub(super) const K6_SCALES: usize = 192;
+pub(super) const K6_D: usize = 208;
 pub(super) const fn qs_off(t: u8) -> usize {
     match t {
         K4 => 16,

@@ -1,7 +1,7 @@
 //! Write a synthetic Qwen3-MoE GGUF (random weights, the project's writer and quantizer) of a
 //! chosen size, for timing the expert splits (`bench strategies`) where no real MoE file is
 //! at hand: `cargo run --release --example synthetic_moe -- OUT [n_embd n_layer n_expert
-//! n_used n_ff_exp dtype]` (default 1024 4 32 8 512 q8_0).
+//! n_used n_ff_exp dtype n_vocab]` (default 1024 4 32 8 512 q8_0 32000).
 
 use metashard::DType;
 use metashard::models::arch::QWEN3MOE;
@@ -20,11 +20,12 @@ fn main() -> metashard::Result<()> {
         })?,
         None => DType::Q8_0,
     };
+    let n_vocab = num(7, 32000);
     let head_dim = 64;
     let n_head = n_embd / head_dim;
     let mut cfg = DecoderConfig {
         arch: &QWEN3MOE,
-        ..DecoderConfig::llama(n_layer, n_embd, n_ff_exp, n_head, n_head / 4, 32000)
+        ..DecoderConfig::llama(n_layer, n_embd, n_ff_exp, n_head, n_head / 4, n_vocab)
     };
     cfg.head_dim = head_dim;
     cfg.rope_dims = head_dim;

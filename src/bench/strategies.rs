@@ -4,7 +4,11 @@
 //! is loaded and run (prompt of `pp` tokens, `tg` decode steps, repetitions interleaved over
 //! the strategies, medians). The report puts predicted and measured side by side, with the
 //! Spearman rank correlation of the strategies' speeds, the median relative error for prefill
-//! and decode, and how auto's measured speed compares with the best measured.
+//! and decode, and how auto's measured speed compares with the best measured. `--strategies`
+//! keeps only the named strategies (two strategies timed side by side in a short quiet run);
+//! each row also has the spread of its decode repetitions and the bytes a decode step moves
+//! between devices, counted from the meta backend's sharding of that step (weights among them:
+//! expert parallelism moves none).
 
 use crate::cli::run::load;
 use crate::cli::{JsonArgs, SplitArgs, parse_positive, parse_reps};
@@ -38,6 +42,10 @@ pub struct BenchStrategiesArgs {
     /// Repetitions (interleaved over the strategies; medians reported).
     #[arg(long, default_value_t = 3, value_parser = parse_reps)]
     pub reps: usize,
+    /// Only these strategies (comma-separated names, e.g. `megatron,expert-parallel`); all
+    /// that apply to the model by default.
+    #[arg(long, value_delimiter = ',')]
+    pub strategies: Vec<String>,
     /// A full calibration of each device set instead of a quick one.
     #[arg(long)]
     pub full_calibration: bool,
@@ -61,6 +69,7 @@ pub fn run(a: &BenchStrategiesArgs) -> Result<()> {
         pp: a.pp,
         tg: a.tg,
         reps: a.reps,
+        strategies: a.strategies.clone(),
         full_calibration: a.full_calibration,
     };
     let report = measure(&opts, &|line| eprintln!("{line}"))?;
@@ -79,6 +88,8 @@ pub struct StrategiesBenchOptions {
     pub pp: usize,
     pub tg: usize,
     pub reps: usize,
+    /// Only these strategies (by name); empty: every one that applies to the model.
+    pub strategies: Vec<String>,
     /// A full calibration instead of a quick one.
     pub full_calibration: bool,
 }
@@ -92,6 +103,12 @@ pub struct StrategyRow {
     pub measured_pp_tps: f64,
     pub predicted_tg_tps: f64,
     pub measured_tg_tps: f64,
+    /// The slowest and fastest decode repetition (tokens/s): the median's noise.
+    pub measured_tg_range: (f64, f64),
+    /// Bytes one decode step moves between devices (every communicating conversion of the
+    /// meta backend's sharding of that step), and those of them that are weights.
+    pub step_comm_bytes: usize,
+    pub step_weight_bytes_moved: usize,
     /// Largest device's weights, predicted and measured (bytes).
     pub predicted_weight_bytes: usize,
     pub measured_weight_bytes: usize,
@@ -233,7 +250,21 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         };
         check_profile(&cluster, spec)?;
         let mut cands = Vec::new();
-        for st in Strategy::for_model(shape.cfg.moe.is_some()) {
+        let all = Strategy::for_model(shape.cfg.moe.is_some());
+        let mut chosen = Vec::new();
+        for name in &opts.strategies {
+            let st = Strategy::parse(name)?;
+            if !all.contains(&st) {
+                return Err(metashard::Error::invalid_argument(
+                    "--strategies",
+                    name,
+                    "a strategy of this model (expert-parallel needs a mixture of experts)",
+                ));
+            }
+            chosen.push(st);
+        }
+        let keep = if chosen.is_empty() { all } else { chosen };
+        for st in keep {
             let split = match st.split(shape.n_layer(), shape.tied) {
                 Some(s) => s,
                 None => auto(&shape, &cluster, &workload, None)?.split,
@@ -261,6 +292,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             loaded.push((set, m, weights));
         }
         let mut runs = Vec::new();
+        let mut traffic = Vec::new();
         for (set, m, _) in &loaded {
             let n_vocab = m.cfg.n_vocab as u32;
             let prompt: Vec<u32> = (0..opts.pp as u32)
@@ -275,6 +307,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             // Warm up: plans for both shapes.
             s.eval(&prompt, false)?;
             s.eval(&[1], false)?;
+            traffic.push(decode_traffic(m, set, &s)?);
             runs.push((s, prompt, n_vocab, Vec::new(), Vec::new()));
         }
         for r in 0..opts.reps.max(1) {
@@ -302,8 +335,12 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         let measured: Vec<(Vec<f64>, Vec<f64>)> =
             runs.into_iter().map(|(_, _, _, p, t)| (p, t)).collect();
         let mut set_rows = Vec::new();
-        for ((c, (pps, tgs)), (_, _, weights)) in cands.iter().zip(measured).zip(&loaded) {
+        for (((c, (pps, tgs)), (_, _, weights)), (comm, moved)) in
+            cands.iter().zip(measured).zip(&loaded).zip(&traffic)
+        {
             let weights = *weights;
+            let lo = tgs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = tgs.iter().copied().fold(0.0, f64::max);
             set_rows.push(StrategyRow {
                 devices: spec.clone(),
                 strategy: c.strategy.clone(),
@@ -312,6 +349,9 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                 measured_pp_tps: median(pps),
                 predicted_tg_tps: c.predicted.decode_tps(),
                 measured_tg_tps: median(tgs),
+                measured_tg_range: (lo, hi),
+                step_comm_bytes: *comm,
+                step_weight_bytes_moved: *moved,
                 predicted_weight_bytes: c
                     .predicted
                     .memory
@@ -331,6 +371,39 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         rows,
         summaries,
     })
+}
+
+/// Bytes one decode step (a token after the warm-up's) moves between devices on a meta device,
+/// from the meta backend's sharding of that step's graph: every communicating conversion, and
+/// those whose tensor is a weight (a leaf named `*.weight`, or a view of one). (0, 0) on one
+/// device.
+fn decode_traffic(
+    m: &metashard::models::loader::DecoderModel,
+    set: &metashard::DeviceSet,
+    s: &Session,
+) -> Result<(usize, usize)> {
+    use metashard::models::decoder::{SequenceStep, build_step};
+    let Some(meta) = &set.meta else {
+        return Ok((0, 0));
+    };
+    let step = SequenceStep::new(&[1], 1, s.capacity());
+    let sg = build_step(&m.cfg, &m.weights, &s.cache(), &step.input(0..1))?;
+    let g = &sg.graph;
+    let sharding = meta.meta_backend()?.sharding(g)?;
+    let moved = |c: &metashard::meta::sharding::Conversion| {
+        let root = g.node(c.source).view_src.unwrap_or(c.source);
+        let n = g.node(root);
+        n.is_leaf() && n.name.ends_with(".weight")
+    };
+    let comm: Vec<_> = sharding
+        .conversions
+        .iter()
+        .filter(|c| c.kind.communicates())
+        .collect();
+    Ok((
+        comm.iter().map(|c| c.bytes).sum(),
+        comm.iter().filter(|c| moved(c)).map(|c| c.bytes).sum(),
+    ))
 }
 
 /// A profile of as many devices as `spec` has, else an error naming `--profile`.
@@ -396,7 +469,7 @@ pub fn print_table(r: &StrategiesReport) {
         r.model, r.workload
     );
     println!(
-        "{:<9} {:<17} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>10} {:>10}",
+        "{:<9} {:<17} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>15} {:>10} {:>10} {:>10} {:>10}",
         "devices",
         "strategy",
         "pp pred",
@@ -405,13 +478,16 @@ pub fn print_table(r: &StrategiesReport) {
         "tg pred",
         "tg meas",
         "err",
+        "tg reps range",
         "MiB pred",
-        "MiB meas"
+        "MiB meas",
+        "step comm",
+        "w moved"
     );
     for x in &r.rows {
         let e = |p: f64, m: f64| (p - m) / m.max(1e-12) * 100.0;
         println!(
-            "{:<9} {:<17} {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1}",
+            "{:<9} {:<17} {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1} {:>6.1}% {:>15} {:>10.1} {:>10.1} {:>10} {:>10}",
             x.devices,
             x.strategy,
             x.predicted_pp_tps,
@@ -420,11 +496,26 @@ pub fn print_table(r: &StrategiesReport) {
             x.predicted_tg_tps,
             x.measured_tg_tps,
             e(x.predicted_tg_tps, x.measured_tg_tps),
+            format!("{:.1}-{:.1}", x.measured_tg_range.0, x.measured_tg_range.1),
             x.predicted_weight_bytes as f64 / 1048576.0,
-            x.measured_weight_bytes as f64 / 1048576.0
+            x.measured_weight_bytes as f64 / 1048576.0,
+            x.step_comm_bytes,
+            x.step_weight_bytes_moved
         );
     }
+    let has_auto = r.rows.iter().any(|x| x.strategy == "auto");
     for s in &r.summaries {
+        if !has_auto {
+            println!(
+                "{}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}% (auto not run)",
+                s.devices,
+                s.spearman_tg,
+                s.spearman_pp,
+                s.median_error_tg * 100.0,
+                s.median_error_pp * 100.0
+            );
+            continue;
+        }
         println!(
             "{}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}%; auto vs best \
              measured: tg {:.3}x, pp {:.3}x",

@@ -47,6 +47,12 @@ pub struct PlanArgs {
     /// uniform share of the routed tokens (1: uniform routing, an assumption; at least 1).
     #[arg(long, default_value_t = metashard::planner::experts::DEFAULT_ROUTING_SKEW)]
     pub routing_skew: f64,
+    /// A measured routing instead of --routing-skew: the JSON of `bench model --json` (its
+    /// `routing.per_layer`, tokens routed per layer and expert); the skew is the busiest
+    /// device's share over the mean under whole experts split evenly over the cluster's
+    /// devices, averaged over the layers.
+    #[arg(long, conflicts_with = "routing_skew")]
+    pub routing: Option<PathBuf>,
     /// Device shares of split tensors: even, throughput (by each device's measured speed), or
     /// ratios like 3,1.
     #[arg(long, default_value = "even")]
@@ -65,6 +71,46 @@ pub struct PlanArgs {
     pub svg: Option<PathBuf>,
 }
 
+/// The routing skew of a `bench model --json` report (`--routing`) on `n` devices: its
+/// `routing.per_layer` counts, checked against the model's layers and experts.
+fn measured_skew(p: &std::path::Path, shape: &ModelShape, n: usize) -> Result<f64> {
+    let bad = |why: String| metashard::Error::invalid_argument("--routing", p.display(), why);
+    let text = metashard::io::file::read_json_text(p)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let rows = v
+        .get("routing")
+        .unwrap_or(&v)
+        .get("per_layer")
+        .and_then(|r| r.as_array())
+        .ok_or_else(|| {
+            bad(
+                "no `routing.per_layer` (the JSON of `bench model --json` on a mixture of experts)"
+                    .into(),
+            )
+        })?;
+    let per_layer: Vec<Vec<u64>> = rows
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .and_then(|a| a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>())
+                .ok_or_else(|| bad("`per_layer` must be arrays of token counts".into()))
+        })
+        .collect::<Result<_>>()?;
+    let Some(moe) = shape.cfg.moe.as_ref() else {
+        return Err(bad(format!("{} has no experts", shape.name)));
+    };
+    if per_layer.len() != shape.n_layer() || per_layer.iter().any(|r| r.len() != moe.n_expert) {
+        return Err(bad(format!(
+            "counts for {} layers of {} experts (the model's)",
+            shape.n_layer(),
+            moe.n_expert
+        )));
+    }
+    let skew = metashard::planner::experts::skew_from_counts(&per_layer, n);
+    metashard::planner::experts::check_skew("--routing", skew)
+}
+
 /// The cluster of `--cluster` (preset or file) or `--devices` (measured now).
 pub fn cluster_of(cluster: Option<&str>, devices: Option<&str>) -> Result<Cluster> {
     super::calibrate::resolve_cluster(cluster, devices)
@@ -74,6 +120,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let mut shape = ModelShape::resolve(&a.model)?;
     shape.routing_skew = metashard::planner::experts::check_skew("--routing-skew", a.routing_skew)?;
     let cluster = cluster_of(a.cluster.as_deref(), a.devices.as_deref())?;
+    if let Some(p) = &a.routing {
+        shape.routing_skew = measured_skew(p, &shape, cluster.n_devices())?;
+    }
     let workload = Workload::parse(&a.workload)?;
     if workload.context > shape.context_length {
         return Err(metashard::Error::invalid_argument(

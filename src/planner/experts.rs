@@ -65,6 +65,44 @@ pub fn check_skew(what: &str, skew: f64) -> Result<f64> {
     ))
 }
 
+/// The routing skew that counted routing gives on `n` devices holding whole experts:
+/// `per_layer[l][e]` is the (token, expert) pairs routed to expert `e` of layer `l` (`bench
+/// model --json`'s `routing.per_layer`). The experts are cut into `n` contiguous even shares
+/// (the remainder on the first devices, as `bench model` assumes for mirrored experts); per
+/// layer, the busiest device's pairs over the mean device's; averaged over the layers (a step
+/// pays each layer's hottest device, and the cost model prices every layer with one skew).
+/// Layers with no pair count as 1; the result is at least 1. Over many counted tokens the
+/// chance spread in it is small, so little of the binomial spread [`expert_load`] adds is
+/// counted twice.
+pub fn skew_from_counts(per_layer: &[Vec<u64>], n: usize) -> f64 {
+    let n = n.max(1);
+    let ratios: Vec<f64> = per_layer
+        .iter()
+        .map(|row| {
+            let e = row.len();
+            let total: u64 = row.iter().sum();
+            if total == 0 || e == 0 {
+                return 1.0;
+            }
+            let (base, extra) = (e / n, e % n);
+            let mut start = 0;
+            let mut hottest = 0u64;
+            for d in 0..n {
+                let len = base + usize::from(d < extra);
+                hottest = hottest.max(row[start..start + len].iter().sum());
+                start += len;
+            }
+            // The mean over the devices that hold experts (all n when e >= n).
+            let holders = n.min(e) as f64;
+            hottest as f64 / (total as f64 / holders)
+        })
+        .collect();
+    if ratios.is_empty() {
+        return 1.0;
+    }
+    (ratios.iter().sum::<f64>() / ratios.len() as f64).max(1.0)
+}
+
 /// The routing of a model's experts as the cost model needs it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Routing {
@@ -473,6 +511,26 @@ pub fn moe_from_config(c: &JsonConfig, arch: &Arch) -> Result<Option<Moe>> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn skew_from_counted_routing() {
+        // Even routing: 1 on any device count.
+        assert_eq!(skew_from_counts(&[vec![5; 8], vec![3; 8]], 2), 1.0);
+        // Layer 0: experts 0..4 get 30 pairs, 4..8 get 10: the first device 120 of 160 (mean
+        // 80): 1.5; layer 1 even: 1; mean 1.25.
+        let l0 = vec![30, 30, 30, 30, 10, 10, 10, 10];
+        let s = skew_from_counts(&[l0.clone(), vec![1; 8]], 2);
+        assert!((s - 1.25).abs() < 1e-12, "{s}");
+        // On one device nothing is uneven; 8 experts over 3 devices: 3 + 3 + 2 experts, the
+        // first device 90 of 160 pairs over a mean of 53.3.
+        assert_eq!(skew_from_counts(std::slice::from_ref(&l0), 1), 1.0);
+        let s = skew_from_counts(&[l0], 3);
+        assert!((s - 90.0 / (160.0 / 3.0)).abs() < 1e-12, "{s}");
+        // No counted pair, no layer: uniform.
+        assert_eq!(skew_from_counts(&[vec![0; 4]], 2), 1.0);
+        assert_eq!(skew_from_counts(&[], 2), 1.0);
+    }
+
     use super::*;
 
     fn uniform(e: usize) -> Routing {

@@ -230,11 +230,13 @@ fn bench_strategies_holds_predictions_against_measurements() {
         assert!(names.contains(&s), "{s} missing: {names:?}");
     }
     for r in rows {
-        // Weights per device: the prediction is exact.
-        assert_eq!(
-            r["predicted_weight_bytes"], r["measured_weight_bytes"],
-            "{r}"
-        );
+        // Weights per device: the prediction is exact (the layer split's row has none).
+        if r["strategy"] != "layer" {
+            assert_eq!(
+                r["predicted_weight_bytes"], r["measured_weight_bytes"],
+                "{r}"
+            );
+        }
         assert!(r["measured_tg_tps"].as_f64().unwrap() > 0.0);
         assert!(r["predicted_tg_tps"].as_f64().unwrap() > 0.0);
     }
@@ -245,6 +247,130 @@ fn bench_strategies_holds_predictions_against_measurements() {
         plot.starts_with("<svg") && plot.contains("megatron"),
         "{plot}"
     );
+}
+
+/// `run --micro-batches N` reaches the session: a layer split's prompt chunk is cut into N
+/// (the JSON's `ubatch` is the prompt over N, 128 without the flag);
+/// 0, more than 16, or N > 1 on a tensor split are errors naming the flag.
+#[test]
+fn run_micro_batches_reach_the_session() {
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--devices",
+            "cpu:2x1",
+            "--split-mode",
+            "layer",
+            "-n",
+            "3",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = metashard(&args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let (whole, cut) = (run(&[]), run(&["--micro-batches", "4"]));
+    let prompt = cut["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(cut["ubatch"].as_u64().unwrap(), prompt.div_ceil(4), "{cut}");
+    assert_eq!(whole["ubatch"].as_u64().unwrap(), 128, "{whole}");
+    for (args, needle) in [
+        (&["run", "--micro-batches", "0"][..], "--micro-batches"),
+        (
+            &[
+                "run",
+                "--devices",
+                "cpu:2x1",
+                "--split-mode",
+                "layer",
+                "--micro-batches",
+                "17",
+            ],
+            "1..=16",
+        ),
+        (
+            &["run", "--devices", "cpu:2x1", "--micro-batches", "2"],
+            "--split-mode layer",
+        ),
+    ] {
+        let (code, _, err) = metashard(args);
+        assert_ne!(code, 0, "{args:?}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// `bench strategies --batch 1,2` on cpu:2x1: every strategy at each batch size, with a
+/// measured layer-split row (its micro-batch counts the planner's), finite positive predicted
+/// and measured figures (aggregate decode = per sequence x batch, measured), and a summary per
+/// batch size. Structure only, not speed.
+#[test]
+fn bench_strategies_measures_batches_and_the_layer_split() {
+    let (code, out, err) = metashard(&[
+        "bench",
+        "strategies",
+        "--devices",
+        "cpu:2x1",
+        "--batch",
+        "1,2",
+        "--pp",
+        "8",
+        "--tg",
+        "2",
+        "--reps",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    for batch in [1u64, 2] {
+        let of: Vec<&serde_json::Value> = rows.iter().filter(|r| r["batch"] == batch).collect();
+        assert!(of.len() >= 8, "batch {batch}: {v}");
+        let layer = of
+            .iter()
+            .find(|r| r["strategy"] == "layer")
+            .unwrap_or_else(|| panic!("no layer row at batch {batch}: {v}"));
+        assert!(layer["tg_micro_batches"].as_u64().unwrap() >= 1, "{layer}");
+        assert!(
+            layer["tg_micro_batches"].as_u64().unwrap() <= batch,
+            "{layer}"
+        );
+        for r in &of {
+            for k in [
+                "predicted_pp_tps",
+                "measured_pp_tps",
+                "predicted_tg_tps",
+                "measured_tg_tps",
+                "predicted_tg_total_tps",
+                "measured_tg_total_tps",
+            ] {
+                let x = r[k].as_f64().unwrap_or(f64::NAN);
+                assert!(x.is_finite() && x > 0.0, "{k} of {r}");
+            }
+            let (one, all) = (
+                r["measured_tg_tps"].as_f64().unwrap(),
+                r["measured_tg_total_tps"].as_f64().unwrap(),
+            );
+            assert!((all - one * batch as f64).abs() <= 1e-9 * all, "{r}");
+        }
+        let s = v["summaries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["batch"] == batch)
+            .unwrap_or_else(|| panic!("no summary for batch {batch}: {v}"));
+        for k in [
+            "spearman_tg",
+            "spearman_pp",
+            "median_error_tg",
+            "median_error_pp",
+        ] {
+            assert!(s[k].as_f64().unwrap().is_finite(), "{k} of {s}");
+        }
+        assert!(s["auto_within_5pct"].is_boolean(), "{s}");
+    }
+    assert_eq!(v["workloads"].as_array().unwrap().len(), 2, "{v}");
 }
 
 /// `bench strategies` on the real Gemma 3 270M Q4_K_M file (K-quants, 4 query heads over 1
@@ -284,8 +410,12 @@ fn bench_strategies_runs_the_gemma3_file() {
             .unwrap_or_else(|| panic!("{name} missing: {v}"));
         r["measured_weight_bytes"].as_u64().unwrap()
     };
-    assert_eq!(rows.len(), 8, "{v}");
+    // Seven tensor strategies, auto and the layer split.
+    assert_eq!(rows.len(), 9, "{v}");
     for r in rows {
+        if r["strategy"] == "layer" {
+            continue;
+        }
         assert_eq!(
             r["predicted_weight_bytes"], r["measured_weight_bytes"],
             "{r}"

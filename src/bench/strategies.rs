@@ -4,22 +4,37 @@
 //! is loaded and run (prompt of `pp` tokens, `tg` decode steps, repetitions interleaved over
 //! the strategies, medians). The report puts predicted and measured side by side, with the
 //! Spearman rank correlation of the strategies' speeds, the median relative error for prefill
-//! and decode, and how auto's measured speed compares with the best measured. `--strategies`
-//! keeps only the named strategies (two strategies timed side by side in a short quiet run);
-//! each row also has the spread of its decode repetitions and the bytes a decode step moves
-//! between devices, counted from the meta backend's sharding of that step (weights among them:
-//! expert parallelism moves none).
+//! and decode, and how auto's measured speed compares with the best measured.
+//!
+//! With `--batch 1,8` each batch size S is a workload of its own: S sequences' prompts, then
+//! decode steps of one token of each of the S sequences together (`BatchSession`, the engine's
+//! batched step), priced by the planner at `batch = S` (auto searched per batch). Beside the
+//! tensor strategies a `layer` row runs whole layers per device as `run --split-mode layer`
+//! does, pipelined in the micro-batches the planner takes for it (`planner/layer.rs`): a
+//! prompt's chunk cut by `Session::ubatch`, a batched step's sequences by
+//! `BatchSession::micro_batches`. The summaries are per device set and batch size.
+//!
+//! `--strategies` keeps only the named strategies (`layer` names the layer split), for two
+//! strategies timed side by side in a short quiet run; each row also has the spread of its
+//! decode repetitions and the bytes a one-sequence decode step moves between devices, counted
+//! from the meta backend's sharding of that step (weights among them: expert parallelism moves
+//! none).
 
 use crate::cli::run::load;
 use crate::cli::{JsonArgs, SplitArgs, parse_positive, parse_reps};
 use metashard::Result;
 use metashard::calibrate::{CalibrateOptions, calibrate};
 use metashard::cpu::Precision;
+use metashard::models::batch::{BatchSession, MAX_SLOTS, SeqInput};
+use metashard::models::layer_split::SplitMode;
 use metashard::models::session::Session;
 use metashard::models::split::DecoderSplit;
 use metashard::planner::evaluate::{Evaluation, Workload};
 use metashard::planner::report::evaluate_split;
-use metashard::planner::{Cluster, ModelShape, Strategy, auto};
+use metashard::planner::{
+    Cluster, MicroBatches, ModelShape, Strategy, auto, evaluate_layer_split,
+    evaluate_layer_split_with,
+};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -42,8 +57,13 @@ pub struct BenchStrategiesArgs {
     /// Repetitions (interleaved over the strategies; medians reported).
     #[arg(long, default_value_t = 3, value_parser = parse_reps)]
     pub reps: usize,
-    /// Only these strategies (comma-separated names, e.g. `megatron,expert-parallel`); all
-    /// that apply to the model by default.
+    /// Sequences decoded together, a list (e.g. `1,8`): each is measured and predicted as a
+    /// workload of its own.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize],
+          value_parser = parse_positive)]
+    pub batch: Vec<usize>,
+    /// Only these strategies (comma-separated names, e.g. `megatron,expert-parallel`; `layer`
+    /// for the layer split); all that apply to the model by default.
     #[arg(long, value_delimiter = ',')]
     pub strategies: Vec<String>,
     /// A full calibration of each device set instead of a quick one.
@@ -69,6 +89,7 @@ pub fn run(a: &BenchStrategiesArgs) -> Result<()> {
         pp: a.pp,
         tg: a.tg,
         reps: a.reps,
+        batch: a.batch.clone(),
         strategies: a.strategies.clone(),
         full_calibration: a.full_calibration,
     };
@@ -88,7 +109,10 @@ pub struct StrategiesBenchOptions {
     pub pp: usize,
     pub tg: usize,
     pub reps: usize,
-    /// Only these strategies (by name); empty: every one that applies to the model.
+    /// Batch sizes (sequences decoded together), each a workload.
+    pub batch: Vec<usize>,
+    /// Only these strategies (by name, `layer` for the layer split); empty: every one that
+    /// applies to the model.
     pub strategies: Vec<String>,
     /// A full calibration instead of a quick one.
     pub full_calibration: bool,
@@ -99,24 +123,38 @@ pub struct StrategyRow {
     pub devices: String,
     pub strategy: String,
     pub assignment: String,
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Micro-batches a prompt step and a decode step are cut into (the layer split's
+    /// pipeline; 1 for the tensor strategies).
+    pub pp_micro_batches: usize,
+    pub tg_micro_batches: usize,
+    /// Prompt tokens/s of all the batch's sequences.
     pub predicted_pp_tps: f64,
     pub measured_pp_tps: f64,
+    /// Generated tokens/s per sequence (the planner's `decode_tps`).
     pub predicted_tg_tps: f64,
     pub measured_tg_tps: f64,
-    /// The slowest and fastest decode repetition (tokens/s): the median's noise.
+    /// Generated tokens/s of all the batch's sequences (`decode_tps_total`).
+    pub predicted_tg_total_tps: f64,
+    pub measured_tg_total_tps: f64,
+    /// The slowest and fastest decode repetition (tokens/s per sequence): the median's noise.
     pub measured_tg_range: (f64, f64),
-    /// Bytes one decode step moves between devices (every communicating conversion of the
-    /// meta backend's sharding of that step), and those of them that are weights.
+    /// Bytes one one-sequence decode step moves between devices (every communicating
+    /// conversion of the meta backend's sharding of that step), and those of them that are
+    /// weights; 0 for the layer split (its copies are the residual stream between stages).
     pub step_comm_bytes: usize,
     pub step_weight_bytes_moved: usize,
-    /// Largest device's weights, predicted and measured (bytes).
-    pub predicted_weight_bytes: usize,
+    /// Largest device's weights, predicted and measured (bytes); the planner's layer split
+    /// reports resident bytes with the KV cache, so its row has no weights prediction.
+    pub predicted_weight_bytes: Option<usize>,
     pub measured_weight_bytes: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct DeviceSetSummary {
     pub devices: String,
+    pub batch: usize,
     /// Spearman rank correlation of predicted and measured tokens/s over the strategies.
     pub spearman_tg: f64,
     pub spearman_pp: f64,
@@ -126,12 +164,15 @@ pub struct DeviceSetSummary {
     /// auto's measured decode speed over the best measured strategy's.
     pub auto_vs_best_tg: f64,
     pub auto_vs_best_pp: f64,
+    /// auto's measured decode and prompt speeds are each within 5% of the best measured.
+    pub auto_within_5pct: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
 pub struct StrategiesReport {
     pub model: String,
-    pub workload: Workload,
+    /// One workload per batch size.
+    pub workloads: Vec<Workload>,
     pub rows: Vec<StrategyRow>,
     pub summaries: Vec<DeviceSetSummary>,
 }
@@ -186,10 +227,159 @@ pub fn spearman(a: &[f64], b: &[f64]) -> f64 {
     cov / (va * vb).sqrt()
 }
 
+/// A model loaded on a device set: a tensor split's assignment, or the layer split.
+struct Loaded {
+    key: String,
+    set: metashard::DeviceSet,
+    m: metashard::models::loader::DecoderModel,
+    weights: usize,
+    /// `decode_traffic`'s (bytes moved, weight bytes moved) of a decode step.
+    traffic: (usize, usize),
+}
+
+/// The planner's figures for one strategy at one batch size.
+#[derive(Clone, Copy, Debug)]
+struct Predicted {
+    pp_tps: f64,
+    tg_tps: f64,
+    tg_total_tps: f64,
+    pp_micro: usize,
+    tg_micro: usize,
+    weights: Option<usize>,
+}
+
+/// One row to measure: a strategy at a batch size on a loaded model.
 struct Candidate {
     strategy: String,
-    split: DecoderSplit,
-    predicted: Evaluation,
+    assignment: String,
+    batch: usize,
+    loaded: usize,
+    predicted: Predicted,
+}
+
+/// The prompt step the planner prices (`Workload::prefill_step`): a chunk of at most 512
+/// tokens of each of the batch's sequences.
+const PLANNER_CHUNK: usize = 512;
+
+/// The tensor split `split`'s prediction for `w`.
+fn predict_tensor(
+    shape: &ModelShape,
+    split: &DecoderSplit,
+    cluster: &Cluster,
+    w: &Workload,
+) -> Result<Predicted> {
+    let e: Evaluation = evaluate_split(shape, split, cluster, w)?;
+    Ok(Predicted {
+        pp_tps: e.prefill_tps(),
+        tg_tps: e.decode_tps(),
+        tg_total_tps: e.decode_tps_total(),
+        pp_micro: 1,
+        tg_micro: 1,
+        weights: e.memory.iter().map(|m| m.weights).max(),
+    })
+}
+
+/// The layer split's prediction for `w` (`planner/layer.rs`), with the micro-batch counts the
+/// planner takes; a batched prompt step is cut into at most its sequences (as
+/// `BatchSession::micro_batches` cuts it), so where the planner's best count is more, the
+/// prompt is priced at one micro-batch per sequence.
+fn predict_layer(shape: &ModelShape, cluster: &Cluster, w: &Workload) -> Result<Predicted> {
+    let best = evaluate_layer_split(shape, cluster, w, None)?;
+    let pp_cost = if w.batch > 1 && best.prefill_micro_batches > w.batch {
+        evaluate_layer_split_with(shape, cluster, w, None, MicroBatches::Fixed(w.batch))?
+    } else {
+        best.clone()
+    };
+    let rows = (w.prefill.min(PLANNER_CHUNK) * w.batch).min(w.context);
+    Ok(Predicted {
+        pp_tps: rows as f64 / pp_cost.prefill_s.max(1e-12),
+        tg_tps: 1.0 / best.decode_s.max(1e-12),
+        tg_total_tps: w.batch as f64 / best.decode_s.max(1e-12),
+        pp_micro: pp_cost.prefill_micro_batches,
+        tg_micro: best.decode_micro_batches,
+        weights: None,
+    })
+}
+
+/// One measurement of `c` on `l`: prompt tokens/s (all sequences' prompt tokens over the
+/// prompt's seconds) and decode tokens/s per sequence. One sequence's prompt goes through a
+/// `Session` whose `ubatch` cuts a chunk into the planner's micro-batches (as `run` does);
+/// a batch's prompts go through a `BatchSession` in steps of a chunk of each sequence, its
+/// sequences cut into the micro-batches. Decoding is `tg` batched steps of one token of each
+/// sequence (`BatchSession::step`, as the engine steps), cut into the decode micro-batches.
+fn measure_one(l: &Loaded, c: &Candidate, pp: usize, tg: usize) -> Result<(f64, f64)> {
+    let (m, set) = (&l.m, &l.set);
+    let n_vocab = m.cfg.n_vocab as u32;
+    let s_n = c.batch;
+    let ctx = pp + tg + 2;
+    let prompts: Vec<Vec<u32>> = (0..s_n as u32)
+        .map(|s| {
+            (0..pp as u32)
+                .map(|i| (i * 131 + s * 7919 + 17) % n_vocab)
+                .collect()
+        })
+        .collect();
+    let mut pp_secs = None;
+    if s_n == 1 {
+        let mut s = Session::new(m, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
+        if c.predicted.pp_micro > 1 {
+            s.ubatch = pp.min(PLANNER_CHUNK).div_ceil(c.predicted.pp_micro);
+        }
+        let t0 = Instant::now();
+        s.eval(&prompts[0], false)?;
+        pp_secs = Some(t0.elapsed().as_secs_f64());
+    }
+    let mut b = BatchSession::new(m, set.backend.clone(), set.buffer_type.as_ref(), s_n, ctx)?;
+    let slots: Vec<usize> = (0..s_n)
+        .map(|_| {
+            b.acquire()
+                .expect("a fresh session has a free slot per sequence")
+        })
+        .collect();
+    b.micro_batches = c.predicted.pp_micro.min(s_n);
+    let t0 = Instant::now();
+    let mut logits = Vec::new();
+    for start in (0..pp).step_by(PLANNER_CHUNK) {
+        let end = (start + PLANNER_CHUNK).min(pp);
+        let seqs: Vec<SeqInput> = slots
+            .iter()
+            .zip(&prompts)
+            .map(|(&slot, p)| SeqInput {
+                slot,
+                tokens: &p[start..end],
+                logits: end == pp,
+            })
+            .collect();
+        logits = b.step(&seqs)?;
+    }
+    let pp_secs = pp_secs.unwrap_or_else(|| t0.elapsed().as_secs_f64());
+    b.micro_batches = c.predicted.tg_micro.min(s_n);
+    let mut next: Vec<[u32; 1]> = logits
+        .iter()
+        .map(|l| [l.as_deref().map_or(1, metashard::models::sampler::argmax)])
+        .collect();
+    let t0 = Instant::now();
+    for i in 0..tg {
+        let seqs: Vec<SeqInput> = slots
+            .iter()
+            .zip(&next)
+            .map(|(&slot, t)| SeqInput {
+                slot,
+                tokens: t,
+                logits: true,
+            })
+            .collect();
+        let out = b.step(&seqs)?;
+        for (t, l) in next.iter_mut().zip(&out) {
+            let a = l.as_deref().map_or(1, metashard::models::sampler::argmax);
+            t[0] = (a + i as u32) % n_vocab;
+        }
+    }
+    let tg_secs = t0.elapsed().as_secs_f64();
+    Ok((
+        (pp * s_n) as f64 / pp_secs.max(1e-12),
+        tg as f64 / tg_secs.max(1e-12),
+    ))
 }
 
 pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result<StrategiesReport> {
@@ -212,13 +402,26 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                 ),
             )
         })?;
-    let workload = Workload {
-        prefill: opts.pp,
-        decode: opts.tg,
-        batch: 1,
-        context,
-    };
-    workload.validate()?;
+    if opts.batch.is_empty() || opts.batch.iter().any(|&b| b == 0 || b > MAX_SLOTS) {
+        return Err(metashard::Error::invalid_argument(
+            "--batch",
+            format!("{:?}", opts.batch),
+            format!("sequences decoded together, each in 1..={MAX_SLOTS}"),
+        ));
+    }
+    let workloads: Vec<Workload> = opts
+        .batch
+        .iter()
+        .map(|&batch| Workload {
+            prefill: opts.pp,
+            decode: opts.tg,
+            batch,
+            context,
+        })
+        .collect();
+    for w in &workloads {
+        w.validate()?;
+    }
     // Every profile is read and checked against its device set before anything is measured.
     if opts.profiles.len() > opts.devices.len() {
         return Err(metashard::Error::invalid_argument(
@@ -249,125 +452,129 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             }
         };
         check_profile(&cluster, spec)?;
+        let n_devices = metashard::parse_devices(spec)?.len();
+        let (keep, keep_layer) = chosen_strategies(&shape, &opts.strategies)?;
+        // Every strategy at every batch size: auto is searched per batch; the layer split
+        // where there are devices to split over. Models are loaded once per assignment.
+        let mut loaded: Vec<Loaded> = Vec::new();
         let mut cands = Vec::new();
-        let all = Strategy::for_model(shape.cfg.moe.is_some());
-        let mut chosen = Vec::new();
-        for name in &opts.strategies {
-            let st = Strategy::parse(name)?;
-            if !all.contains(&st) {
-                return Err(metashard::Error::invalid_argument(
-                    "--strategies",
-                    name,
-                    "a strategy of this model (expert-parallel needs a mixture of experts)",
-                ));
+        for w in &workloads {
+            let mut named: Vec<(String, Option<DecoderSplit>)> = Vec::new();
+            for &st in &keep {
+                let split = match st.split(shape.n_layer(), shape.tied) {
+                    Some(s) => s,
+                    None => auto(&shape, &cluster, w, None)?.split,
+                };
+                named.push((st.name().to_string(), Some(split)));
             }
-            chosen.push(st);
+            if n_devices > 1 && keep_layer {
+                named.push(("layer".to_string(), None));
+            }
+            for (strategy, split) in named {
+                let (key, assignment, predicted) = match &split {
+                    Some(s) => {
+                        let d = metashard::planner::strategy::describe(s);
+                        (d.clone(), d, predict_tensor(&shape, s, &cluster, w)?)
+                    }
+                    None => (
+                        "layer".to_string(),
+                        "whole layers per device (--split-mode layer)".to_string(),
+                        predict_layer(&shape, &cluster, w)?,
+                    ),
+                };
+                let li = match loaded.iter().position(|l| l.key == key) {
+                    Some(i) => i,
+                    None => {
+                        progress(&format!("loading {} on {spec} ({strategy})", opts.model));
+                        let tensor = split.is_some();
+                        let (set, m) = load_with(&opts.model, spec, split)?;
+                        let weights = set
+                            .bytes_per_device(&[&m.weight_buffer])
+                            .into_iter()
+                            .max()
+                            .unwrap_or(0);
+                        let traffic = if tensor {
+                            decode_traffic(&m, &set, context)?
+                        } else {
+                            (0, 0)
+                        };
+                        loaded.push(Loaded {
+                            key,
+                            set,
+                            m,
+                            weights,
+                            traffic,
+                        });
+                        loaded.len() - 1
+                    }
+                };
+                cands.push(Candidate {
+                    strategy,
+                    assignment,
+                    batch: w.batch,
+                    loaded: li,
+                    predicted,
+                });
+            }
         }
-        let keep = if chosen.is_empty() { all } else { chosen };
-        for st in keep {
-            let split = match st.split(shape.n_layer(), shape.tied) {
-                Some(s) => s,
-                None => auto(&shape, &cluster, &workload, None)?.split,
-            };
-            let predicted = evaluate_split(&shape, &split, &cluster, &workload)?;
-            cands.push(Candidate {
-                strategy: st.name().to_string(),
-                split,
-                predicted,
-            });
-        }
-        // Load every strategy, then interleave the repetitions.
-        let mut loaded = Vec::new();
+        // Warm up (plans for every shape), then interleave the repetitions.
         for c in &cands {
-            progress(&format!(
-                "loading {} on {spec} ({})",
-                opts.model, c.strategy
-            ));
-            let (set, m) = load_with(&opts.model, spec, c.split.clone())?;
-            let weights = set
-                .bytes_per_device(&[&m.weight_buffer])
-                .into_iter()
-                .max()
-                .unwrap_or(0);
-            loaded.push((set, m, weights));
+            measure_one(&loaded[c.loaded], c, opts.pp, 2)?;
         }
-        let mut runs = Vec::new();
-        let mut traffic = Vec::new();
-        for (set, m, _) in &loaded {
-            let n_vocab = m.cfg.n_vocab as u32;
-            let prompt: Vec<u32> = (0..opts.pp as u32)
-                .map(|i| (i * 131 + 17) % n_vocab)
-                .collect();
-            let mut s = Session::new(
-                m,
-                set.backend.clone(),
-                set.buffer_type.as_ref(),
-                workload.context,
-            )?;
-            // Warm up: plans for both shapes.
-            s.eval(&prompt, false)?;
-            s.eval(&[1], false)?;
-            traffic.push(decode_traffic(m, set, &s)?);
-            runs.push((s, prompt, n_vocab, Vec::new(), Vec::new()));
-        }
+        let mut measured = vec![(Vec::new(), Vec::new()); cands.len()];
         for r in 0..opts.reps.max(1) {
-            for (ci, (s, prompt, n_vocab, pps, tgs)) in runs.iter_mut().enumerate() {
-                s.reset();
-                let t0 = Instant::now();
-                s.eval(prompt, false)?;
-                pps.push(opts.pp as f64 / t0.elapsed().as_secs_f64());
-                let t0 = Instant::now();
-                let mut tok = 1u32;
-                for i in 0..opts.tg {
-                    let l = s.eval(&[tok], false)?;
-                    tok = (metashard::models::sampler::argmax(&l) + i as u32) % *n_vocab;
-                }
-                tgs.push(opts.tg as f64 / t0.elapsed().as_secs_f64());
+            for (c, (pps, tgs)) in cands.iter().zip(measured.iter_mut()) {
+                let (pp, tg) = measure_one(&loaded[c.loaded], c, opts.pp, opts.tg)?;
+                pps.push(pp);
+                tgs.push(tg);
                 progress(&format!(
-                    "{spec} {}: rep {} pp {:.1} t/s, tg {:.1} t/s",
-                    cands[ci].strategy,
+                    "{spec} batch {} {}: rep {} pp {pp:.1} t/s, tg {tg:.1} t/s per sequence \
+                     ({:.1} in all)",
+                    c.batch,
+                    c.strategy,
                     r + 1,
-                    pps[r],
-                    tgs[r]
+                    tg * c.batch as f64
                 ));
             }
         }
-        let measured: Vec<(Vec<f64>, Vec<f64>)> =
-            runs.into_iter().map(|(_, _, _, p, t)| (p, t)).collect();
-        let mut set_rows = Vec::new();
-        for (((c, (pps, tgs)), (_, _, weights)), (comm, moved)) in
-            cands.iter().zip(measured).zip(&loaded).zip(&traffic)
-        {
-            let weights = *weights;
-            let lo = tgs.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = tgs.iter().copied().fold(0.0, f64::max);
-            set_rows.push(StrategyRow {
-                devices: spec.clone(),
-                strategy: c.strategy.clone(),
-                assignment: metashard::planner::strategy::describe(&c.split),
-                predicted_pp_tps: c.predicted.prefill_tps(),
-                measured_pp_tps: median(pps),
-                predicted_tg_tps: c.predicted.decode_tps(),
-                measured_tg_tps: median(tgs),
-                measured_tg_range: (lo, hi),
-                step_comm_bytes: *comm,
-                step_weight_bytes_moved: *moved,
-                predicted_weight_bytes: c
-                    .predicted
-                    .memory
-                    .iter()
-                    .map(|m| m.weights)
-                    .max()
-                    .unwrap_or(0),
-                measured_weight_bytes: weights,
-            });
+        for w in &workloads {
+            let mut set_rows = Vec::new();
+            for (c, (pps, tgs)) in cands.iter().zip(&measured) {
+                if c.batch != w.batch {
+                    continue;
+                }
+                let p = c.predicted;
+                let tg = median(tgs.clone());
+                let lo = tgs.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = tgs.iter().copied().fold(0.0, f64::max);
+                let (comm, moved) = loaded[c.loaded].traffic;
+                set_rows.push(StrategyRow {
+                    devices: spec.clone(),
+                    strategy: c.strategy.clone(),
+                    assignment: c.assignment.clone(),
+                    batch: c.batch,
+                    pp_micro_batches: p.pp_micro,
+                    tg_micro_batches: p.tg_micro,
+                    predicted_pp_tps: p.pp_tps,
+                    measured_pp_tps: median(pps.clone()),
+                    predicted_tg_tps: p.tg_tps,
+                    measured_tg_tps: tg,
+                    predicted_tg_total_tps: p.tg_total_tps,
+                    measured_tg_total_tps: tg * c.batch as f64,
+                    measured_tg_range: (lo, hi),
+                    step_comm_bytes: comm,
+                    step_weight_bytes_moved: moved,
+                    predicted_weight_bytes: p.weights,
+                    measured_weight_bytes: loaded[c.loaded].weights,
+                });
+            }
+            summaries.push(summarize(spec, w.batch, &set_rows));
+            rows.extend(set_rows);
         }
-        summaries.push(summarize(spec, &set_rows));
-        rows.extend(set_rows);
     }
     Ok(StrategiesReport {
         model: shape.name.clone(),
-        workload,
+        workloads,
         rows,
         summaries,
     })
@@ -380,12 +587,13 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
 fn decode_traffic(
     m: &metashard::models::loader::DecoderModel,
     set: &metashard::DeviceSet,
-    s: &Session,
+    context: usize,
 ) -> Result<(usize, usize)> {
     use metashard::models::decoder::{SequenceStep, build_step};
     let Some(meta) = &set.meta else {
         return Ok((0, 0));
     };
+    let s = Session::new(m, set.backend.clone(), set.buffer_type.as_ref(), context)?;
     let step = SequenceStep::new(&[1], 1, s.capacity());
     let sg = build_step(&m.cfg, &m.weights, &s.cache(), &step.input(0..1))?;
     let g = &sg.graph;
@@ -406,6 +614,33 @@ fn decode_traffic(
     ))
 }
 
+/// The tensor strategies `names` keeps (all that apply to the model when empty), and whether
+/// it keeps the layer split (`layer`); a name that is neither is an error naming
+/// `--strategies`.
+fn chosen_strategies(shape: &ModelShape, names: &[String]) -> Result<(Vec<Strategy>, bool)> {
+    let all = Strategy::for_model(shape.cfg.moe.is_some());
+    if names.is_empty() {
+        return Ok((all, true));
+    }
+    let (mut keep, mut layer) = (Vec::new(), false);
+    for name in names {
+        if name == "layer" {
+            layer = true;
+            continue;
+        }
+        let st = Strategy::parse(name)?;
+        if !all.contains(&st) {
+            return Err(metashard::Error::invalid_argument(
+                "--strategies",
+                name,
+                "a strategy of this model (expert-parallel needs a mixture of experts)",
+            ));
+        }
+        keep.push(st);
+    }
+    Ok((keep, layer))
+}
+
 /// A profile of as many devices as `spec` has, else an error naming `--profile`.
 fn check_profile(cluster: &Cluster, spec: &str) -> Result<()> {
     if cluster.n_devices() != metashard::parse_devices(spec)?.len() {
@@ -418,11 +653,12 @@ fn check_profile(cluster: &Cluster, spec: &str) -> Result<()> {
     Ok(())
 }
 
-/// Open the model on `spec` with an explicit per-layer assignment.
+/// Open the model on `spec` with an explicit per-layer assignment, or (None) as a layer split
+/// with even shares (`run --split-mode layer`).
 fn load_with(
     model: &str,
     spec: &str,
-    split: DecoderSplit,
+    split: Option<DecoderSplit>,
 ) -> Result<(
     metashard::DeviceSet,
     metashard::models::loader::DecoderModel,
@@ -430,14 +666,19 @@ fn load_with(
     if metashard::parse_devices(spec)?.len() == 1 {
         return load(model, spec, Precision::Exact, &SplitArgs::default(), true);
     }
+    let split_mode = match split {
+        Some(_) => SplitMode::Tensor,
+        None => SplitMode::Layer,
+    };
     let opts = metashard::runtime::OpenOptions {
-        split: Some(split),
+        split,
+        split_mode,
         ..Default::default()
     };
     metashard::runtime::open_decoder(model, spec, &opts, &|_, _| {})
 }
 
-fn summarize(spec: &str, rows: &[StrategyRow]) -> DeviceSetSummary {
+fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary {
     let col = |f: &dyn Fn(&StrategyRow) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
     let (ptg, mtg) = (col(&|r| r.predicted_tg_tps), col(&|r| r.measured_tg_tps));
     let (ppp, mpp) = (col(&|r| r.predicted_pp_tps), col(&|r| r.measured_pp_tps));
@@ -452,26 +693,36 @@ fn summarize(spec: &str, rows: &[StrategyRow]) -> DeviceSetSummary {
     let auto = rows.iter().find(|r| r.strategy == "auto");
     let best_tg = mtg.iter().copied().fold(0.0, f64::max);
     let best_pp = mpp.iter().copied().fold(0.0, f64::max);
+    let auto_vs_best_tg = auto.map_or(0.0, |a| a.measured_tg_tps / best_tg.max(1e-12));
+    let auto_vs_best_pp = auto.map_or(0.0, |a| a.measured_pp_tps / best_pp.max(1e-12));
     DeviceSetSummary {
         devices: spec.to_string(),
+        batch,
         spearman_tg: spearman(&ptg, &mtg),
         spearman_pp: spearman(&ppp, &mpp),
         median_error_tg: err(&ptg, &mtg),
         median_error_pp: err(&ppp, &mpp),
-        auto_vs_best_tg: auto.map_or(0.0, |a| a.measured_tg_tps / best_tg.max(1e-12)),
-        auto_vs_best_pp: auto.map_or(0.0, |a| a.measured_pp_tps / best_pp.max(1e-12)),
+        auto_vs_best_tg,
+        auto_vs_best_pp,
+        auto_within_5pct: auto_vs_best_tg >= 0.95 && auto_vs_best_pp >= 0.95,
     }
 }
 
 pub fn print_table(r: &StrategiesReport) {
+    let loads: Vec<String> = r.workloads.iter().map(|w| w.to_string()).collect();
     println!(
-        "{} — workload {} (predicted by the planner, measured here; medians)",
-        r.model, r.workload
+        "{} — workloads {} (predicted by the planner, measured here; medians; tg per sequence, \
+         tg all: every sequence's tokens; m: micro-batches of a prompt step / a decode step)",
+        r.model,
+        loads.join("; ")
     );
     println!(
-        "{:<9} {:<17} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7} {:>15} {:>10} {:>10} {:>10} {:>10}",
+        "{:<9} {:>3} {:<17} {:>5} {:>9} {:>9} {:>7} {:>8} {:>8} {:>7} {:>13} {:>8} {:>8} {:>8} \
+         {:>8} {:>10} {:>8}",
         "devices",
+        "S",
         "strategy",
+        "m",
         "pp pred",
         "pp meas",
         "err",
@@ -479,6 +730,8 @@ pub fn print_table(r: &StrategiesReport) {
         "tg meas",
         "err",
         "tg reps range",
+        "all pred",
+        "all meas",
         "MiB pred",
         "MiB meas",
         "step comm",
@@ -486,10 +739,14 @@ pub fn print_table(r: &StrategiesReport) {
     );
     for x in &r.rows {
         let e = |p: f64, m: f64| (p - m) / m.max(1e-12) * 100.0;
+        let mib = |b: usize| format!("{:.1}", b as f64 / 1048576.0);
         println!(
-            "{:<9} {:<17} {:>10.1} {:>10.1} {:>6.1}% {:>10.1} {:>10.1} {:>6.1}% {:>15} {:>10.1} {:>10.1} {:>10} {:>10}",
+            "{:<9} {:>3} {:<17} {:>5} {:>9.1} {:>9.1} {:>6.1}% {:>8.1} {:>8.1} {:>6.1}% {:>13} \
+             {:>8.1} {:>8.1} {:>8} {:>8} {:>10} {:>8}",
             x.devices,
+            x.batch,
             x.strategy,
+            format!("{}/{}", x.pp_micro_batches, x.tg_micro_batches),
             x.predicted_pp_tps,
             x.measured_pp_tps,
             e(x.predicted_pp_tps, x.measured_pp_tps),
@@ -497,8 +754,10 @@ pub fn print_table(r: &StrategiesReport) {
             x.measured_tg_tps,
             e(x.predicted_tg_tps, x.measured_tg_tps),
             format!("{:.1}-{:.1}", x.measured_tg_range.0, x.measured_tg_range.1),
-            x.predicted_weight_bytes as f64 / 1048576.0,
-            x.measured_weight_bytes as f64 / 1048576.0,
+            x.predicted_tg_total_tps,
+            x.measured_tg_total_tps,
+            x.predicted_weight_bytes.map_or("-".to_string(), mib),
+            mib(x.measured_weight_bytes),
             x.step_comm_bytes,
             x.step_weight_bytes_moved
         );
@@ -507,8 +766,10 @@ pub fn print_table(r: &StrategiesReport) {
     for s in &r.summaries {
         if !has_auto {
             println!(
-                "{}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}% (auto not run)",
+                "{} batch {}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}% \
+                 (auto not run)",
                 s.devices,
+                s.batch,
                 s.spearman_tg,
                 s.spearman_pp,
                 s.median_error_tg * 100.0,
@@ -517,15 +778,21 @@ pub fn print_table(r: &StrategiesReport) {
             continue;
         }
         println!(
-            "{}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}%; auto vs best \
-             measured: tg {:.3}x, pp {:.3}x",
+            "{} batch {}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}%; \
+             auto vs best measured: tg {:.3}x, pp {:.3}x ({})",
             s.devices,
+            s.batch,
             s.spearman_tg,
             s.spearman_pp,
             s.median_error_tg * 100.0,
             s.median_error_pp * 100.0,
             s.auto_vs_best_tg,
-            s.auto_vs_best_pp
+            s.auto_vs_best_pp,
+            if s.auto_within_5pct {
+                "within 5%"
+            } else {
+                "not within 5%"
+            }
         );
     }
 }
@@ -533,7 +800,7 @@ pub fn print_table(r: &StrategiesReport) {
 /// An SVG scatter of predicted against measured tokens/s (decode and prefill, log scales), with
 /// the diagonal.
 pub fn svg(r: &StrategiesReport) -> String {
-    let pts: Vec<(f64, f64, &str, &str, &str)> = r
+    let pts: Vec<(f64, f64, &str, &str, usize, &str)> = r
         .rows
         .iter()
         .flat_map(|x| {
@@ -543,6 +810,7 @@ pub fn svg(r: &StrategiesReport) -> String {
                     x.predicted_tg_tps,
                     "tg",
                     x.strategy.as_str(),
+                    x.batch,
                     x.devices.as_str(),
                 ),
                 (
@@ -550,6 +818,7 @@ pub fn svg(r: &StrategiesReport) -> String {
                     x.predicted_pp_tps,
                     "pp",
                     x.strategy.as_str(),
+                    x.batch,
                     x.devices.as_str(),
                 ),
             ]
@@ -582,13 +851,17 @@ pub fn svg(r: &StrategiesReport) -> String {
         h / 2.0,
         w / 2.0,
         r.model,
-        r.workload
+        r.workloads
+            .iter()
+            .map(|w| w.to_string())
+            .collect::<Vec<_>>()
+            .join("; ")
     );
-    for (meas, pred, kind, strat, dev) in pts {
+    for (meas, pred, kind, strat, batch, dev) in pts {
         let color = if kind == "tg" { "#1f77b4" } else { "#d62728" };
         s += &format!(
-            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"{color}\"><title>{dev} {strat} {kind}: measured {meas:.1}, predicted {pred:.1}</title></circle>\n\
-             <text x=\"{:.1}\" y=\"{:.1}\" fill=\"{color}\">{strat} ({dev})</text>\n",
+            "<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"4\" fill=\"{color}\"><title>{dev} batch {batch} {strat} {kind}: measured {meas:.1}, predicted {pred:.1}</title></circle>\n\
+             <text x=\"{:.1}\" y=\"{:.1}\" fill=\"{color}\">{strat} ({dev}, S={batch})</text>\n",
             sx(meas),
             sy(pred),
             sx(meas) + 6.0,

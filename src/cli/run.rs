@@ -70,6 +70,12 @@ pub struct RunArgs {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Micro-batches a prompt step is cut into for a layer or hybrid split (`--split-mode
+    /// layer|hybrid`), pipelined through its stages: the session's `ubatch` becomes the
+    /// prompt's chunk (at most 512 tokens, the planner's) over N, as `plan --micro-batches N`
+    /// prices it. Default: the session's chunks of 128 tokens.
+    #[arg(long, value_parser = super::parse_positive)]
+    pub micro_batches: Option<usize>,
     #[command(flatten)]
     pub out: JsonArgs,
     /// Print min, max, mean and NaN count of every node whose name matches NODE_PATTERN (a
@@ -239,6 +245,36 @@ pub fn decoder_settings(
 
 /// The context size for `run`: `--ctx` checked against the model and the prompt, or the
 /// prompt plus `-n` (and the token after), within the model's context.
+/// `--micro-batches N`: in 1..=`MAX_MICRO_BATCHES`, and above 1 only for a split that
+/// pipelines (layer or hybrid); else an error naming the flag.
+pub fn check_micro_batches(
+    n: Option<usize>,
+    mode: metashard::models::layer_split::SplitMode,
+) -> Result<()> {
+    use metashard::models::layer_split::SplitMode;
+    use metashard::planner::layer::MAX_MICRO_BATCHES;
+    match n {
+        Some(n) if n == 0 || n > MAX_MICRO_BATCHES => Err(metashard::Error::invalid_argument(
+            "--micro-batches",
+            n,
+            format!("must be in 1..={MAX_MICRO_BATCHES}"),
+        )),
+        Some(n) if n > 1 && mode == SplitMode::Tensor => Err(metashard::Error::invalid_argument(
+            "--micro-batches",
+            n,
+            "micro-batches are pipelined through the stages of `--split-mode layer` or \
+             `hybrid`; a tensor split runs each step whole",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The session's `ubatch` for a prompt of `prompt` tokens cut into `n` micro-batches: the
+/// planner's prompt step (at most 512 tokens, `Workload::prefill_step`) over `n`.
+pub fn prompt_ubatch(prompt: usize, n: usize) -> usize {
+    prompt.clamp(1, 512).div_ceil(n.max(1))
+}
+
 fn context_size(ctx: Option<usize>, r: &RunRequest, m: &DecoderModel) -> Result<usize> {
     let (max, prompt_len) = (m.context_length, r.tokens.len());
     if prompt_len == 0 {
@@ -309,10 +345,12 @@ pub fn run(a: &RunArgs) -> Result<()> {
     if dist == Dist::Local {
         a.split.check(&a.devices)?;
     }
+    check_micro_batches(a.micro_batches, a.split.mode()?)?;
     let precision = Precision::from_q8_flag(a.q8);
     let more = [
         setting("--no-flash", a.no_flash),
         setting("--ctx", format!("{:?}", a.ctx)),
+        setting("--micro-batches", format!("{:?}", a.micro_batches)),
     ];
     super::agree(
         dist,
@@ -353,6 +391,9 @@ pub fn run(a: &RunArgs) -> Result<()> {
         }
     };
     let mut session = Session::new(&m, backend, set.buffer_type.as_ref(), ctx)?;
+    if let Some(n) = a.micro_batches {
+        session.ubatch = prompt_ubatch(r.tokens.len(), n);
+    }
     let eos = m.tokenizer.eos();
     let mut stdout = std::io::stdout();
     let mut pending = Vec::new();
@@ -409,6 +450,7 @@ fn report(
             "gen_tokens_per_s": stats.gen_tps(),
             "stop_reason": stats.stop.name(),
             "context_size": session.capacity(),
+            "ubatch": session.ubatch,
             "memory": { "weights": weights, "kv_cache": cache, "compute": compute },
         });
         println!("{v}");

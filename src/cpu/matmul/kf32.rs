@@ -12,9 +12,10 @@
 //! per-weight path), with each row's scales decoded by vector byte shuffles (`scales_k45`);
 //! Q6_K unpacks each half super-block's 128 quants with two 512-bit byte operations
 //! (`k6_bytes`). On AVX2, matrix-vector products (M = 1) do not dequantize: each group's
-//! integer quants are dotted with the activations and scaled once (`gemv_tile`), the
-//! scales decoded with `vcvtph2ps` instead of the f16 table. An output's operations do not depend on the tile it lands in, so results
-//! do not depend on the thread count.
+//! integer quants are dotted with the activations and scaled once (`gemv_tile`), the scales
+//! decoded with `vcvtph2ps` instead of the f16 table (so an M = 1 output may differ from the
+//! same row's output at M > 1 by f32 rounding). Which tile computes an output depends only on
+//! M, never on the thread count, so results do not depend on the thread count.
 
 use super::KQuantW as KW;
 use super::kquant::{K4, K5, K6, kblock_bytes};

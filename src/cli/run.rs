@@ -243,8 +243,6 @@ pub fn decoder_settings(
     s
 }
 
-/// The context size for `run`: `--ctx` checked against the model and the prompt, or the
-/// prompt plus `-n` (and the token after), within the model's context.
 /// `--micro-batches N`: in 1..=`MAX_MICRO_BATCHES`, and above 1 only for a split that
 /// pipelines (layer or hybrid); else an error naming the flag.
 pub fn check_micro_batches(
@@ -275,6 +273,8 @@ pub fn prompt_ubatch(prompt: usize, n: usize) -> usize {
     prompt.clamp(1, 512).div_ceil(n.max(1))
 }
 
+/// The context size for `run`: `--ctx` checked against the model and the prompt, or the
+/// prompt plus `-n` (and the token after), within the model's context.
 fn context_size(ctx: Option<usize>, r: &RunRequest, m: &DecoderModel) -> Result<usize> {
     let (max, prompt_len) = (m.context_length, r.tokens.len());
     if prompt_len == 0 {

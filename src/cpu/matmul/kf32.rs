@@ -13,9 +13,10 @@
 //! Q6_K unpacks each half super-block's 128 quants with two 512-bit byte operations
 //! (`k6_bytes`). On AVX2, matrix-vector products (M = 1) do not dequantize: each group's
 //! integer quants are dotted with the activations and scaled once (`gemv_tile`), the scales
-//! decoded with `vcvtph2ps` instead of the f16 table (so an M = 1 output may differ from the
-//! same row's output at M > 1 by f32 rounding). Which tile computes an output depends only on
-//! M, never on the thread count, so results do not depend on the thread count.
+//! decoded with `vcvtph2ps` instead of the f16 table (so an M = 1 product's output may differ
+//! from the same row's output at M > 1 by f32 rounding). Which tile computes an output depends
+//! only on the whole product's M (`KF32Block::gemv`), never on how threads cut its rows, so
+//! results do not depend on the thread count.
 
 use super::KQuantW as KW;
 use super::kquant::{K4, K5, K6, kblock_bytes};
@@ -46,6 +47,10 @@ pub(crate) struct KF32Block {
     pub m: usize,
     /// Super-blocks per row (K / 256).
     pub nblk: usize,
+    /// The whole product has one activation row (`plan.m == 1`, not this block's `m`: a
+    /// block of one row cut from a longer product must take the same tiles as at one thread,
+    /// so that results do not depend on the thread count).
+    pub gemv: bool,
 }
 
 /// Compute one block at the given level.
@@ -570,8 +575,10 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const T: u8>(b: &KF32Block, tab: *const f32) {
-        if b.m == 1 {
+        if b.gemv {
             drive_tiles!(b, gemv_tile, T, 4, [1], (b.nblk, tab));
+        } else if b.m == 1 {
+            drive_tiles!(b, tile, T, 4, [1], (b.nblk, tab));
         } else {
             drive_tiles!(b, tile, T, 2, [2, 1], (b.nblk, tab));
         }

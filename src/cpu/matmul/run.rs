@@ -173,6 +173,7 @@ pub(super) unsafe fn run_item(
                     n,
                     m: rows,
                     nblk: plan.k / crate::dtype::QK_K,
+                    gemv: plan.m == 1,
                 };
                 kf32::block(isa, &b);
             }

@@ -53,6 +53,7 @@ pub fn rope(
     let buf = unsafe { thread_scratch(p, 2 * n) };
     let (row, rest) = buf.split_at_mut(n);
     let (cos, sin) = rest.split_at_mut(half);
+    let sin = &mut sin[..half];
     let factor_values: Vec<f32> = match factors {
         // SAFETY: the builder checked the factors are a contiguous F32 [n_dims / 2].
         Some(ff) => (0..half)

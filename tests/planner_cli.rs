@@ -583,3 +583,38 @@ fn plan_shows_each_devices_experts() {
     assert_ne!(code, 0);
     assert!(err.contains("--routing-skew"), "{err}");
 }
+
+/// `bench strategies --strategies` with a name that is no strategy of the model fails before
+/// anything is calibrated, naming the name; so does `plan --routing` with a file that is not
+/// `bench model`'s routing, naming the flag.
+#[test]
+fn bad_strategy_names_and_routing_files_are_errors() {
+    let (code, _, err) = metashard(&[
+        "bench",
+        "strategies",
+        "--devices",
+        "cpu:2x1",
+        "--strategies",
+        "megatron,expert-parallel",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--strategies"), "{err}");
+    assert!(!err.contains("calibrating"), "{err}");
+    let dir = std::env::temp_dir().join(format!("routing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("r.json");
+    std::fs::write(&f, "{\"rows\": []}").unwrap();
+    let (code, _, err) = metashard(&[
+        "plan",
+        "--model",
+        "smollm2",
+        "--cluster",
+        "h100x8-nvswitch",
+        "--routing",
+        f.to_str().unwrap(),
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--routing"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -257,9 +257,9 @@ struct Candidate {
     predicted: Predicted,
 }
 
-/// The prompt step the planner prices (`Workload::prefill_step`): a chunk of at most 512
-/// tokens of each of the batch's sequences.
-const PLANNER_CHUNK: usize = 512;
+/// The prompt step the planner prices (`Workload::prefill_step`): a chunk of at most this
+/// many tokens of each of the batch's sequences.
+const PLANNER_CHUNK: usize = Workload::CHUNK;
 
 /// The tensor split `split`'s prediction for `w`.
 fn predict_tensor(
@@ -436,6 +436,8 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         check_profile(&cluster, spec)?;
         profiles.push(cluster);
     }
+    // Checked before any device set is calibrated: a bad name fails at once.
+    let (keep, keep_layer) = chosen_strategies(&shape, &opts.strategies)?;
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
     for (si, spec) in opts.devices.iter().enumerate() {
@@ -453,7 +455,6 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         };
         check_profile(&cluster, spec)?;
         let n_devices = metashard::parse_devices(spec)?.len();
-        let (keep, keep_layer) = chosen_strategies(&shape, &opts.strategies)?;
         // Every strategy at every batch size: auto is searched per batch; the layer split
         // where there are devices to split over. Models are loaded once per assignment.
         let mut loaded: Vec<Loaded> = Vec::new();

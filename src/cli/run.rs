@@ -268,9 +268,10 @@ pub fn check_micro_batches(
 }
 
 /// The session's `ubatch` for a prompt of `prompt` tokens cut into `n` micro-batches: the
-/// planner's prompt step (at most 512 tokens, `Workload::prefill_step`) over `n`.
+/// planner's prompt step (at most `Workload::CHUNK` tokens) over `n`.
 pub fn prompt_ubatch(prompt: usize, n: usize) -> usize {
-    prompt.clamp(1, 512).div_ceil(n.max(1))
+    use metashard::planner::evaluate::Workload;
+    prompt.clamp(1, Workload::CHUNK).div_ceil(n.max(1))
 }
 
 /// The context size for `run`: `--ctx` checked against the model and the prompt, or the

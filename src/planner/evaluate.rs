@@ -169,7 +169,7 @@ impl Workload {
 
     /// Tokens of the prefill step the cost model builds (longer prompts are costed in chunks of
     /// this size, at the middle chunk's context).
-    const CHUNK: usize = 512;
+    pub const CHUNK: usize = 512;
 
     /// The most cells (tokens times cache rows) of a step's attention mask, which the cost
     /// model builds in memory as a run would: 2^28 (1 GiB of f32), a prompt chunk of 512

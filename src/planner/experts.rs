@@ -79,22 +79,24 @@ pub fn skew_from_counts(per_layer: &[Vec<u64>], n: usize) -> f64 {
     let ratios: Vec<f64> = per_layer
         .iter()
         .map(|row| {
+            // Summed as f64: counts come from a file and may be as large as u64 allows.
+            let sum = |r: &[u64]| r.iter().map(|&c| c as f64).sum::<f64>();
             let e = row.len();
-            let total: u64 = row.iter().sum();
-            if total == 0 || e == 0 {
+            let total = sum(row);
+            if total == 0.0 || e == 0 {
                 return 1.0;
             }
             let (base, extra) = (e / n, e % n);
             let mut start = 0;
-            let mut hottest = 0u64;
+            let mut hottest = 0f64;
             for d in 0..n {
                 let len = base + usize::from(d < extra);
-                hottest = hottest.max(row[start..start + len].iter().sum());
+                hottest = hottest.max(sum(&row[start..start + len]));
                 start += len;
             }
             // The mean over the devices that hold experts (all n when e >= n).
             let holders = n.min(e) as f64;
-            hottest as f64 / (total as f64 / holders)
+            hottest / (total / holders)
         })
         .collect();
     if ratios.is_empty() {
@@ -511,6 +513,7 @@ pub fn moe_from_config(c: &JsonConfig, arch: &Arch) -> Result<Option<Moe>> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
 
     #[test]
     fn skew_from_counted_routing() {
@@ -530,8 +533,6 @@ mod tests {
         assert_eq!(skew_from_counts(&[vec![0; 4]], 2), 1.0);
         assert_eq!(skew_from_counts(&[], 2), 1.0);
     }
-
-    use super::*;
 
     fn uniform(e: usize) -> Routing {
         Routing {

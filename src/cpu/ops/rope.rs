@@ -20,6 +20,7 @@ use std::cell::RefCell;
 const ANGLE_CACHE: usize = 4;
 
 /// The cos and sin of one position under one parameter set.
+#[derive(Default)]
 struct Angles {
     pos: i32,
     freq_base: u32,
@@ -128,18 +129,11 @@ fn angles(
             cos[i] = theta.cos() as f32;
             sin[i] = theta.sin() as f32;
         }
+        // The least recently used entry's vectors are reused once the cache is full.
         let mut a = if cache.len() >= ANGLE_CACHE {
-            cache.pop().expect("a full cache has entries")
+            cache.pop().unwrap_or_default()
         } else {
-            Angles {
-                pos: 0,
-                freq_base: 0,
-                freq_scale: 0,
-                n_dims: 0,
-                factors: Vec::new(),
-                cos: Vec::new(),
-                sin: Vec::new(),
-            }
+            Angles::default()
         };
         a.pos = t;
         a.freq_base = base;

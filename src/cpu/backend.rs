@@ -430,7 +430,15 @@ impl GraphPlan for CpuPlan {
         });
         for (e, t) in nodes.iter().zip(&times) {
             let [c, w] = t.each_ref().map(|a| a.load(Ordering::Relaxed));
-            super::profile::record(&e.name, e.op.name(), c, w);
+            // A product's row names its weight's type and shape, so that a model's products of
+            // different types (a Q4_K_M file mixes four) are told apart.
+            let weight = match (e.op.name(), e.src.first()) {
+                ("mul_mat" | "mul_mat_id", Some(w)) => {
+                    format!(" [{:?} {}x{}]", w.dtype, w.ne[0], w.ne[1])
+                }
+                _ => String::new(),
+            };
+            super::profile::record(&e.name, &weight, e.op.name(), c, w);
         }
         run.map_err(|msg| {
             let node = nodes

@@ -47,12 +47,13 @@ fn fold(name: &str) -> String {
     out
 }
 
-/// Add one run of a node: its name and op, and each thread's compute and wait nanoseconds.
-pub(crate) fn record(name: &str, op: &'static str, compute_ns: u64, wait_ns: u64) {
+/// Add one run of a node: its name (folded), a detail appended as it is (a product's weight
+/// type and shape), its op, and each thread's compute and wait nanoseconds.
+pub(crate) fn record(name: &str, detail: &str, op: &'static str, compute_ns: u64, wait_ns: u64) {
     let mut t = TALLY.lock();
     let row = t
         .get_or_insert_with(HashMap::new)
-        .entry((fold(name), op))
+        .entry((fold(name) + detail, op))
         .or_default();
     row.calls += 1;
     row.compute_ns += compute_ns;
@@ -66,12 +67,12 @@ pub(crate) fn take_report() -> Option<String> {
     rows.sort_by_key(|(_, r)| std::cmp::Reverse(r.compute_ns + r.wait_ns));
     let total: u64 = rows.iter().map(|(_, r)| r.compute_ns + r.wait_ns).sum();
     let mut s = format!(
-        "{:<40} {:<14} {:>8} {:>12} {:>12} {:>7}\n",
+        "{:<48} {:<14} {:>8} {:>12} {:>12} {:>7}\n",
         "node (layers folded)", "op", "calls", "compute ms", "wait ms", "share"
     );
     for ((name, op), r) in rows {
         s += &format!(
-            "{:<40} {:<14} {:>8} {:>12.2} {:>12.2} {:>6.1}%\n",
+            "{:<48} {:<14} {:>8} {:>12.2} {:>12.2} {:>6.1}%\n",
             name,
             op,
             r.calls,
@@ -91,14 +92,19 @@ mod tests {
     fn layer_numbers_fold_and_rows_add_up() {
         assert_eq!(fold("l12.attn_norm"), "l#.attn_norm");
         assert_eq!(fold("blk.3.ffn_up.7"), "blk.#.ffn_up.#");
-        record("l1.x", "add", 10, 1);
-        record("l2.x", "add", 20, 2);
+        record("l1.x", "", "add", 10, 1);
+        record("l2.x", "", "add", 20, 2);
+        record("l3.y", " [Q5_0 640x2048]", "mul_mat", 5, 0);
         let r = take_report().expect("rows were recorded");
         let line = r
             .lines()
             .find(|l| l.starts_with("l#.x"))
             .expect("the folded row");
         assert!(line.contains(" 2 "), "two calls: {line}");
+        assert!(
+            r.lines().any(|l| l.starts_with("l#.y [Q5_0 640x2048]")),
+            "the detail is not folded: {r}"
+        );
         assert!(take_report().is_none(), "taking the report clears it");
     }
 }

@@ -1,7 +1,7 @@
 //! Quantized matrix products: activations quantized to 8 bits per 32-element block (the
 //! numbers of ggml's `block_q8_0` / `block_q8_1`), then integer dot products with Q8_0, Q4_0,
-//! Q4_1 and Q5_0 weight blocks (Q5_0: signed `q - 16` through Q8_0's AVX2 code, unsigned `q`
-//! with `off = 16` under VNNI), scaled per block (ggml-cpu `ggml_vec_dot_q4_0_q8_0` and friends:
+//! Q4_1 and Q5_0 weight blocks (Q5_0: the unsigned `q` with `off = 16`, as Q4_0's nibbles with
+//! `off = 8`), scaled per block (ggml-cpu `ggml_vec_dot_q4_0_q8_0` and friends:
 //! integer products summed pairwise, one float multiply-add per block).
 //!
 //! Activation rows live in the node's scratch as structure-of-arrays ([`ActLayout`]): the 32
@@ -17,7 +17,8 @@
 //! weight row (two blocks per 512-bit vector, [`super::quant512`]; with 8 or more activation
 //! rows 16 weight rows across the lanes, [`super::lanes512`]). With AVX2, `vpmaddubsw` +
 //! `vpmaddwd` (Q4: unsigned nibbles times signed activations cannot saturate 16 bits; Q8_0 uses
-//! ggml's sign trick, |w| times sign-adjusted y).
+//! ggml's sign trick, |w| times sign-adjusted y; Q4_0 and Q5_0 subtract `off * sum(y)`, computed
+//! once per activation block for all the tile's rows).
 
 use super::QuantW as WType;
 use super::Weights;
@@ -274,6 +275,10 @@ pub(super) fn prefetch(p: *const u8) {
 #[cfg(target_arch = "x86_64")]
 pub(super) const L2_AHEAD_TILES: usize = 2;
 
+/// Rows this long or longer (bytes) are left to the hardware prefetchers (see [`l2_stream`]).
+#[cfg(target_arch = "x86_64")]
+pub(super) const L2_STREAM_ROW_BYTES: usize = 2048;
+
 /// The L2 stream prefetch of an `RN`-row tile: `(distance in bytes, lines per block step)`.
 /// A tile's `RN` weight rows are one contiguous region of `RN * ldw` bytes, and consecutive
 /// tiles are consecutive regions, so the tiles sweep the weights linearly; but with short rows
@@ -281,11 +286,14 @@ pub(super) const L2_AHEAD_TILES: usize = 2;
 /// prefetchers, and a cold Q8_0 GEMV ran at 8 GB/s per core against 17 at K = 4096. Fetching
 /// the region `L2_AHEAD_TILES` tiles ahead into L2, a few lines per block step so it is done
 /// when the tile is, brings K = 576 to 17-20 GB/s per core and 26-31 GB/s on two
-/// (docs/kernels.md). Single-row tiles (the remainder) do without.
+/// (docs/kernels.md). Single-row tiles (the remainder) do without, and so do rows of
+/// [`L2_STREAM_ROW_BYTES`] or more: there the hardware prefetchers keep up, and the extra
+/// prefetches cost a third of the speed on Zen 2 (Q8_0 4096 x 14336 at M = 1, `--q8`, two
+/// threads: 20 GB/s with them, 30 GB/s without; docs/kernels.md, 2026-11-27).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) fn l2_stream<const RN: usize>(ldw: usize, nblk: usize) -> (usize, usize) {
-    if RN == 1 {
+    if RN == 1 || ldw >= L2_STREAM_ROW_BYTES {
         return (0, 0);
     }
     let region = RN * ldw;
@@ -466,9 +474,12 @@ mod avx2 {
         ldd: usize,
     ) {
         let bs = const { block_bytes(WQ) };
+        let tab = crate::cpu::simd::f16_table().as_ptr();
         let ones = _mm256_set1_epi16(1);
         let mask = _mm256_set1_epi8(0x0f);
-        let eights = _mm256_set1_epi8(8);
+        // The unsigned weights' offset (Q4_0: 8, Q5_0: 16), taken off the block's dot product
+        // as `off * sum(y)`, computed once per activation block for all the tile's rows.
+        let off = _mm256_set1_epi8(if WQ == Q5_0 { 16 } else { 8 });
         let mut acc = [[_mm256_setzero_ps(); RM]; RN];
         let (ah, lps) = l2_stream::<RN>(ldw, lay.nblk);
         for blk in 0..lay.nblk {
@@ -476,20 +487,31 @@ mod avx2 {
                 prefetch_l2(w.wrapping_add(ah + (blk * lps + i) * 64));
             }
             let mut y = [_mm256_setzero_si256(); RM];
+            let mut dyv = [_mm256_setzero_ps(); RM];
             let mut corr = [_mm256_setzero_si256(); RM];
             for m in 0..RM {
                 // SAFETY: block blk of activation row m.
                 y[m] = unsafe { _mm256_loadu_si256(a.add(m * lay.row_bytes + blk * BLK).cast()) };
-                if WQ == Q4_0 {
-                    corr[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(eights, y[m]), ones);
+                // SAFETY: the scale array of activation row m holds nblk entries.
+                dyv[m] = _mm256_set1_ps(unsafe {
+                    *a.add(m * lay.row_bytes + lay.d_off())
+                        .cast::<f32>()
+                        .add(blk)
+                });
+                if WQ == Q4_0 || WQ == Q5_0 {
+                    corr[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(off, y[m]), ones);
                 }
             }
             for (r, accr) in acc.iter_mut().enumerate() {
                 // SAFETY: block blk of weight row r.
                 let wb = unsafe { w.add(r * ldw + blk * bs) };
                 prefetch(wb.wrapping_add(PF_ROWS * ldw));
-                // SAFETY: the block's scale (and min) are its first bytes.
-                let dw = _mm256_set1_ps(unsafe { f16_bits_to_f32(wb) });
+                // SAFETY: the block's scale (and min) are its first bytes. The scale comes
+                // from the f16 table and is broadcast from memory: no vector-pipe conversion,
+                // which measured 2-4% faster on Zen 2, where these tiles are bound by the pipes.
+                let dw = unsafe {
+                    _mm256_broadcast_ss(&*tab.add(wb.cast::<u16>().read_unaligned() as usize))
+                };
                 let mw = if WQ == Q4_1 {
                     // SAFETY: as above.
                     _mm256_set1_ps(unsafe { f16_bits_to_f32(wb.add(2)) })
@@ -500,35 +522,33 @@ mod avx2 {
                 let wq = unsafe {
                     match WQ {
                         Q8_0 => _mm256_loadu_si256(wb.add(2).cast()),
-                        Q5_0 => _mm256_sub_epi8(q5_0_avx2(wb), _mm256_set1_epi8(16)),
+                        Q5_0 => q5_0_avx2(wb),
                         Q4_0 => nibbles_avx2(wb.add(2), mask),
                         _ => nibbles_avx2(wb.add(4), mask),
                     }
                 };
-                let wabs = if WQ == Q8_0 || WQ == Q5_0 {
+                let wabs = if WQ == Q8_0 {
                     _mm256_sign_epi8(wq, wq)
                 } else {
                     wq
                 };
                 for (m, acc_rm) in accr.iter_mut().enumerate() {
-                    let p16 = if WQ == Q8_0 || WQ == Q5_0 {
+                    let p16 = if WQ == Q8_0 {
                         _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(y[m], wq))
                     } else {
                         _mm256_maddubs_epi16(wq, y[m])
                     };
                     let mut p32 = _mm256_madd_epi16(p16, ones);
-                    if WQ == Q4_0 {
+                    if WQ == Q4_0 || WQ == Q5_0 {
                         p32 = _mm256_sub_epi32(p32, corr[m]);
                     }
                     // SAFETY: the scale and sum arrays of activation row m hold nblk entries.
-                    let (dy, s8) = unsafe {
-                        let ar = a.add(m * lay.row_bytes);
-                        (
-                            *ar.add(lay.d_off()).cast::<f32>().add(blk),
-                            *ar.add(lay.s_off()).cast::<f32>().add(blk),
-                        )
+                    let s8 = unsafe {
+                        *a.add(m * lay.row_bytes + lay.s_off())
+                            .cast::<f32>()
+                            .add(blk)
                     };
-                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(dy));
+                    let scale = _mm256_mul_ps(dw, dyv[m]);
                     *acc_rm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), scale, *acc_rm);
                     if WQ == Q4_1 {
                         *acc_rm = _mm256_fmadd_ps(mw, _mm256_set1_ps(s8), *acc_rm);

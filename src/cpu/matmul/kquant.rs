@@ -32,7 +32,7 @@ use crate::cpu::simd::Isa;
 use crate::dtype::QK_K;
 
 #[cfg(target_arch = "x86_64")]
-use super::quant::{PF_ROWS, l2_stream, prefetch, prefetch_l2};
+use super::quant::{PF_ROWS, prefetch};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -493,13 +493,7 @@ macro_rules! k_q8_kernels {
         ) {
             let bs = const { kblock_bytes(T) };
             let mut acc = [[_mm256_setzero_ps(); RM]; RN];
-            // Short rows (a decode step's K = 640..2048) are streamed into L2 ahead of the
-            // tile, as in `quant` (`l2_stream`).
-            let (ah, lps) = l2_stream::<RN>(ldw, lay.nblk);
             for blk in 0..lay.nblk {
-                for i in 0..lps {
-                    prefetch_l2(w.wrapping_add(ah + (blk * lps + i) * 64));
-                }
                 // SAFETY: super-block blk of the tile's activation rows.
                 let (y, dy, sums) = unsafe { act_rows::<RM>(a, lay, blk) };
                 for (r, accr) in acc.iter_mut().enumerate() {

@@ -231,7 +231,7 @@ pub struct SplitArgs {
     pub mirror_attention: bool,
     /// A named split strategy instead of the built-in one: megatron (the default), mlp-only,
     /// attn-only, mirrored, vocab-split, memory, sequence-parallel, auto, and for a mixture
-    /// of experts expert-parallel (see `metashard plan`).
+    /// of experts expert-parallel and expert-groups (see `metashard plan`).
     #[arg(long, conflicts_with_all = ["plan", "mirror_attention"])]
     pub strategy: Option<String>,
     /// Run exactly the assignment of a plan file written by `metashard plan -o FILE`.

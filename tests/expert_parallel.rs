@@ -351,3 +351,29 @@ fn bad_expert_groups_are_refused_by_name() {
         Some(ExpertSplit::Both { groups: 3 })
     );
 }
+
+/// `run --experts both`: without `--expert-groups`, with too many, or with the flag beside
+/// another `--experts`, the command fails naming `--expert-groups`; two groups of cpu:3x1 run.
+#[test]
+fn run_names_expert_groups() {
+    let path = model_file(&QWEN3MOE);
+    let run = |extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_metashard"))
+            .args(["run", "--model", path.to_str().unwrap(), "--devices"])
+            .args(extra)
+            .args(["--prompt", "hi", "-n", "2"])
+            .output()
+            .unwrap();
+        (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    for bad in [
+        &["cpu:4x1", "--experts", "both"][..],
+        &["cpu:4x1", "--experts", "both", "--expert-groups", "5"],
+        &["cpu:4x1", "--experts", "expert", "--expert-groups", "2"],
+    ] {
+        let (ok, err) = run(bad);
+        assert!(!ok && err.contains("--expert-groups"), "{bad:?}: {err}");
+    }
+    let (ok, err) = run(&["cpu:3x1", "--experts", "both", "--expert-groups", "2"]);
+    assert!(ok, "{err}");
+}

@@ -1,5 +1,7 @@
-//! The experts of a mixture of experts split over devices, both ways (`ExpertSplit`): column
-//! then row inside every expert, and whole experts per device (expert parallelism). Every MoE
+//! The experts of a mixture of experts split over devices, every way (`ExpertSplit`): column
+//! then row inside every expert, whole experts per device (expert parallelism), and both
+//! (whole experts per group of devices, column then row inside a group; its own tests at the
+//! end: cpu:4x1 and cpu:3x1 in two groups, bad `--expert-groups`). Every MoE
 //! family of the architecture table (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
 //! OLMoE) on a
 //! synthetic file of 8 experts gives one device's greedy tokens and logits on cpu:2x1, cpu:3x1
@@ -181,7 +183,9 @@ fn hybrid_groups_split_their_experts_as_asked_and_the_layer_split_refuses_the_fl
         open_decoder(path.to_str().unwrap(), "cpu:4x1", &opts, &|_, _| {})
     };
     let mut held = Vec::new();
-    for experts in ExpertSplit::ALL {
+    // Both, two expert groups inside each hybrid group of two devices.
+    let both = ExpertSplit::Both { groups: 2 };
+    for experts in ExpertSplit::ALL.into_iter().chain([both]) {
         let (set, m) = open(SplitMode::Hybrid, Some(experts)).unwrap();
         let (logits, toks) = greedy(&m, &set, PROMPT, STEPS).unwrap();
         assert_eq!(toks, want, "hybrid, experts {}", experts.name());
@@ -189,10 +193,17 @@ fn hybrid_groups_split_their_experts_as_asked_and_the_layer_split_refuses_the_fl
         assert!(e < 1e-7, "hybrid, experts {}: NMSE {e:.3e}", experts.name());
         held.push(set.bytes_per_device(&[&m.weight_buffer]));
     }
-    // Both ways split the experts inside a group: the same bytes per group in all (8 experts
-    // of equal size, halved either way).
+    // Every way splits the experts inside a group: the same bytes per group in all (8 experts
+    // of equal size, halved each way).
     let total = |h: &Vec<usize>| h.iter().sum::<usize>();
     assert_eq!(total(&held[0]), total(&held[1]), "{held:?}");
+    assert_eq!(total(&held[0]), total(&held[2]), "{held:?}");
+    // More expert groups than a hybrid group's devices is refused by name.
+    let e = match open(SplitMode::Hybrid, Some(ExpertSplit::Both { groups: 3 })) {
+        Ok(_) => panic!("3 expert groups in hybrid groups of 2 devices were taken"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("--expert-groups"), "{e}");
     let e = match open(SplitMode::Layer, Some(ExpertSplit::Expert)) {
         Ok(_) => panic!("the layer split took --experts"),
         Err(e) => e.to_string(),
@@ -364,7 +375,10 @@ fn run_names_expert_groups() {
             .args(["--prompt", "hi", "-n", "2"])
             .output()
             .unwrap();
-        (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
     };
     for bad in [
         &["cpu:4x1", "--experts", "both"][..],

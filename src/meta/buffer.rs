@@ -3,7 +3,9 @@
 //! device, only that device's slice (the whole tensor where mirrored or partial). Reads and
 //! writes take byte ranges of the full tensor: `set_tensor` scatters them to the slices that
 //! hold them (partial tensors: device 0 takes the data, the others zeros), `get_tensor`
-//! gathers them (partial tensors: the sum over devices).
+//! gathers them (partial tensors: the sum over devices; group-routed ones: each device's
+//! columns in zeros, summed). Expert-group states are cut on two axes, so their bytes are
+//! found per device (`group_slice_layout`).
 //!
 //! The meta backend also registers its outputs here (`register`), so results are read the same
 //! way as weights.

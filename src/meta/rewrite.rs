@@ -3,12 +3,14 @@
 //! re-check them); a `get_rows` from a table split by rows, or a `set_rows` into a destination
 //! split by rows, becomes one windowed op per segment piece the device holds (`RowWindow`:
 //! the piece's ids at their local rows; the lookups summed); a `mul_mat_id` whose experts are
-//! split whole becomes windowed the same way (each device's rows routed to its experts). Each
+//! split whole becomes windowed the same way (each device's rows routed to its experts), and
+//! one whose experts lie over groups of devices takes one window, its group's experts (over
+//! Mirrored activations, the row product first slices the device's columns of them). Each
 //! conversion becomes local nodes (slices: view + cont, concatenated per segment; to-partial:
 //! zeros on devices other than 0; pad-to-partial: each slice padded with zeros to the full
-//! shape; as-partial: the same tensors, read as a partial sum) or a collective node; views
-//! become local views with the layouts `split_state::view` derived. Stages cut each program at
-//! its collectives.
+//! shape, a group-routed value's columns too, before any reduction of it; as-partial: the
+//! same tensors, read as a partial sum) or a collective node; views become local views with
+//! the layouts `split_state::view` derived. Stages cut each program at its collectives.
 
 use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
 use super::sharding::{ConversionKind, Sharding, conversion_kind};

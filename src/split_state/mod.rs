@@ -525,7 +525,15 @@ impl std::fmt::Display for SplitState {
                 let groups: Vec<String> = self
                     .groups()
                     .iter()
-                    .map(|g| format!("{}x{:?}", g.experts.len(), &self.extents[g.devices.clone()]))
+                    .map(|g| {
+                        let inner = &self.extents[g.devices.clone()];
+                        match inner {
+                            [a, b, ..] if inner.iter().all(|x| x == a) && a == b => {
+                                format!("{}x[{a} x{}]", g.experts.len(), inner.len())
+                            }
+                            _ => format!("{}x{inner:?}", g.experts.len()),
+                        }
+                    })
                     .collect();
                 write!(f, "[{}]", groups.join(", "))
             }
@@ -594,6 +602,8 @@ mod tests {
         assert_eq!(s.inner_slice(1), 16..24);
         assert_eq!(s.group_of(2).unwrap().experts, 3..5);
         assert_eq!(s.to_string(), "ExpertGroups1[3x[16, 8], 2x[24]]");
+        let even = SplitState::expert_groups(0, &[(3, vec![8, 8, 8]), (2, vec![24])]);
+        assert_eq!(even.to_string(), "ExpertGroups0[3x[8 x3], 2x[24]]");
         let r = SplitState::group_routed(7, &s);
         assert_eq!(r.local_ne([24, 2, 4, 1], 1), [8, 2, 4, 1]);
         assert!(

@@ -272,3 +272,41 @@ fn expert_parallel_spreads_the_checkpoint_over_the_h100s() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn expert_groups_hold_the_groups_experts_in_slices() -> Result<()> {
+    // `expert-groups` on 8 H100s: two groups of four, each with half the experts (Mixtral 4,
+    // Qwen3-30B-A3B 64), every device a quarter of each of its group's experts: the experts
+    // a device holds any part of are its group's, their bytes an eighth of all, as the other
+    // splits. Its decode step is priced from those slices: each device reads its quarter of
+    // the experts routed to its group (the hotter group), so between megatron (an eighth of
+    // every routed expert) and whole experts per device (the hottest of eight devices).
+    let w = Workload::parse("pp=64,tg=16,ctx=512")?;
+    for (p, per_device) in [(&MIXTRAL_8X7B, 4), (&QWEN3_30B_A3B, 64)] {
+        let shape = ModelShape::preset(p.name).unwrap();
+        let plan = plan_on_h100s(&shape, Strategy::ExpertGroups, &w)?;
+        assert!(plan.evaluation.over_budget().is_none(), "{}", p.name);
+        let x = plan.experts.as_ref().unwrap();
+        assert_eq!(x.experts, vec![per_device; 8], "{}", p.name);
+        let moe = shape.cfg.moe.unwrap();
+        let all = shape.n_layer() * 3 * moe.n_expert * shape.cfg.n_embd * moe.n_ff_exp * 2;
+        assert_eq!(x.expert_bytes, vec![all / 8; 8], "{}", p.name);
+        let table = plan.table();
+        assert!(
+            table.contains(&format!("per device {per_device}/{per_device}/"))
+                && table.contains("whole experts over 2 groups of devices"),
+            "{table}"
+        );
+        // Decode tokens per second: higher is faster.
+        let decode = |s: Strategy| -> Result<f64> {
+            Ok(plan_on_h100s(&shape, s, &w)?.evaluation.decode_tps())
+        };
+        let (tp, ep, both) = (
+            decode(Strategy::Megatron)?,
+            decode(Strategy::ExpertParallel)?,
+            plan.evaluation.decode_tps(),
+        );
+        assert!(tp >= both && both >= ep, "{}: {tp} {both} {ep}", p.name);
+    }
+    Ok(())
+}

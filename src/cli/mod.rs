@@ -231,17 +231,21 @@ pub struct SplitArgs {
     pub mirror_attention: bool,
     /// A named split strategy instead of the built-in one: megatron (the default), mlp-only,
     /// attn-only, mirrored, vocab-split, memory, sequence-parallel, auto, and for a mixture
-    /// of experts expert-parallel (see `metashard plan`).
+    /// of experts expert-parallel and expert-groups (see `metashard plan`).
     #[arg(long, conflicts_with_all = ["plan", "mirror_attention"])]
     pub strategy: Option<String>,
     /// Run exactly the assignment of a plan file written by `metashard plan -o FILE`.
     #[arg(long, conflicts_with = "mirror_attention")]
     pub plan: Option<std::path::PathBuf>,
     /// How a mixture of experts splits its experts: tensor (column then row inside every
-    /// expert, the default) or expert (whole experts per device: expert parallelism). Overrides
-    /// the strategy's or the plan's choice.
+    /// expert, the default), expert (whole experts per device: expert parallelism) or both
+    /// (whole experts per group of devices, column then row inside a group; with
+    /// --expert-groups). Overrides the strategy's or the plan's choice.
     #[arg(long, value_parser = parse_experts)]
     pub experts: Option<metashard::models::split::ExpertSplit>,
+    /// Groups of devices of --experts both (1 to the device count; uneven groups allowed).
+    #[arg(long)]
+    pub expert_groups: Option<usize>,
     /// tensor (every layer on every device, the default), layer (whole layers per device in
     /// proportion to --tensor-split, on the scheduler) or hybrid (groups of devices, each a
     /// meta device, with whole layers per group). `bench model` takes a list, e.g.
@@ -369,11 +373,17 @@ impl SplitArgs {
             setting("--tensor-split", format!("{:?}", self.tensor_split)),
             setting("--mirror-attention", self.mirror_attention),
             setting("--experts", format!("{:?}", self.experts)),
+            setting("--expert-groups", format!("{:?}", self.expert_groups)),
             setting("--strategy", format!("{:?}", self.strategy)),
             setting("--plan", plan),
             setting("--split-mode", list(&self.split_mode)),
             setting("--groups", format!("{:?}", self.groups)),
         ]
+    }
+
+    /// `--experts` with its `--expert-groups` (errors name `--expert-groups`).
+    pub fn expert_split(&self) -> Result<Option<metashard::models::split::ExpertSplit>> {
+        metashard::models::split::ExpertSplit::with_groups(self.experts, self.expert_groups)
     }
 
     /// `--tensor-split` against the device list `devices`: one share per device, not all 0.

@@ -30,7 +30,9 @@ pub struct PlanArgs {
     #[arg(long, default_value = "pp=512,tg=128,batch=1,ctx=4096")]
     pub workload: String,
     /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel,
-    /// expert-parallel (a mixture of experts: whole experts per device), auto (the search),
+    /// expert-parallel (a mixture of experts: whole experts per device), expert-groups (whole
+    /// experts per group of devices, two groups, columns and rows inside a group), auto (the
+    /// search),
     /// layer (whole layers per device, as `--split-mode layer` runs them), or hybrid (groups
     /// of devices under the Megatron split, layers across the groups, as `--split-mode hybrid`
     /// runs them).

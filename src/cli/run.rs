@@ -153,7 +153,7 @@ pub fn load_dist(
         precision,
         ratios: split.tensor_split.clone(),
         mirror_attention: split.mirror_attention,
-        experts: split.experts,
+        experts: split.expert_split()?,
         split: split.decoder_split(model, devices, ranks)?,
         split_mode: split.mode()?,
         groups: split.groups,

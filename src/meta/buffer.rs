@@ -3,7 +3,9 @@
 //! device, only that device's slice (the whole tensor where mirrored or partial). Reads and
 //! writes take byte ranges of the full tensor: `set_tensor` scatters them to the slices that
 //! hold them (partial tensors: device 0 takes the data, the others zeros), `get_tensor`
-//! gathers them (partial tensors: the sum over devices).
+//! gathers them (partial tensors: the sum over devices; group-routed ones: each device's
+//! columns in zeros, summed). Expert-group states are cut on two axes, so their bytes are
+//! found per device (`group_slice_layout`).
 //!
 //! The meta backend also registers its outputs here (`register`), so results are read the same
 //! way as weights.
@@ -88,6 +90,57 @@ pub fn slice_layout(layout: &Layout, state: &SplitState) -> Result<SliceLayout> 
         .map(|s| s.into_iter().map(|e| e / div).collect())
         .collect();
     SliceLayout::new(outer, unit, &segments)
+}
+
+/// Device `d`'s bytes of a packed tensor in an expert-group state, as rank 1 of a 3-rank
+/// [`SliceLayout`] (rank 0: what lies before the device's slice along the inner axis, rank 2:
+/// after it). `ExpertGroups(1)`: per expert, rows `[start, inner, rest]` of axis 1 where the
+/// expert is the group's, the whole expert (rank 0) elsewhere; `ExpertGroups(0)`: the same per
+/// row of axis 0 (in blocks); `GroupRouted`: per row, its columns of axis 0.
+pub fn group_slice_layout(layout: &Layout, state: &SplitState, d: usize) -> Result<SliceLayout> {
+    let [ne0, ne1, ne2, ne3] = layout.ne;
+    let bs = layout.dtype.block_size().max(1);
+    let inner = state.inner_slice(d);
+    let (lo, len) = (inner.start, inner.len());
+    let mine = |total: usize| vec![lo, len, total - (lo + len).min(total)];
+    let experts = state.group_of(d).map_or(0..0, |g| g.experts);
+    match state.axis {
+        SplitAxis::GroupRouted { .. } => SliceLayout::new(
+            ne1 * ne2 * ne3,
+            layout.dtype.type_size(),
+            &[vec![lo / bs, len / bs, (ne0 - lo - len) / bs]],
+        ),
+        SplitAxis::ExpertGroups(k) => {
+            // (unit bytes, units per row of the inner axis, rows per expert)
+            let (unit, row, rows) = if k == 0 {
+                (layout.dtype.type_size(), ne0 / bs, ne1)
+            } else {
+                (layout.nb[1], ne1, 1)
+            };
+            let div = if k == 0 { bs } else { 1 };
+            let mut segs: Vec<Vec<usize>> = Vec::new();
+            for e in 0..ne2 {
+                if experts.contains(&e) {
+                    for _ in 0..rows {
+                        let m = mine(row * div);
+                        segs.push(m.into_iter().map(|x| x / div).collect());
+                    }
+                } else if let Some(last) = segs.last_mut().filter(|s| s[1] == 0) {
+                    last[0] += row * rows;
+                } else {
+                    segs.push(vec![row * rows, 0, 0]);
+                }
+            }
+            if segs.is_empty() {
+                segs.push(vec![0, 0, 0]);
+            }
+            SliceLayout::new(ne3, unit, &segs)
+        }
+        _ => Err(Error::Internal {
+            component: "meta buffer",
+            reason: format!("group_slice_layout of {state}"),
+        }),
+    }
 }
 
 /// A virtual buffer whose tensors are spread over the meta device's devices.
@@ -202,6 +255,17 @@ impl MetaBuffer {
             SplitAxis::Mirrored | SplitAxis::Partial | SplitAxis::Routed { .. } => {
                 for d in 0..n {
                     f(d, pos, 0..len)?;
+                }
+            }
+            SplitAxis::ExpertGroups(_) | SplitAxis::GroupRouted { .. } => {
+                for d in 0..n {
+                    let sl = group_slice_layout(&t.layout, &t.state, d)?;
+                    for run in sl.runs(1) {
+                        let (a, b) = (run.full.max(pos), (run.full + run.len).min(pos + len));
+                        if a < b {
+                            f(d, run.local + (a - run.full), (a - pos)..(b - pos))?;
+                        }
+                    }
                 }
             }
             SplitAxis::Axis(_) => {
@@ -355,10 +419,23 @@ impl Buffer for MetaBuffer {
                 }
                 sum_into(t.layout.dtype, &parts, out)
             }
-            SplitAxis::Axis(_) => Self::pieces(&t, pos, out.len(), |d, local_off, r| {
-                let (st, ll) = &t.local[d];
-                st.buffer.get_tensor(ll, st.offset, &mut out[r], local_off)
-            }),
+            // Each device's columns in zeros, summed: a group's devices tile the columns of
+            // its rows, the other rows are zeros on its devices.
+            SplitAxis::GroupRouted { .. } => {
+                let mut parts = vec![vec![0u8; out.len()]; t.local.len()];
+                Self::pieces(&t, pos, out.len(), |d, local_off, r| {
+                    let (st, ll) = &t.local[d];
+                    st.buffer
+                        .get_tensor(ll, st.offset, &mut parts[d][r], local_off)
+                })?;
+                sum_into(t.layout.dtype, &parts, out)
+            }
+            SplitAxis::ExpertGroups(_) | SplitAxis::Axis(_) => {
+                Self::pieces(&t, pos, out.len(), |d, local_off, r| {
+                    let (st, ll) = &t.local[d];
+                    st.buffer.get_tensor(ll, st.offset, &mut out[r], local_off)
+                })
+            }
         }
     }
 

@@ -3,12 +3,14 @@
 //! re-check them); a `get_rows` from a table split by rows, or a `set_rows` into a destination
 //! split by rows, becomes one windowed op per segment piece the device holds (`RowWindow`:
 //! the piece's ids at their local rows; the lookups summed); a `mul_mat_id` whose experts are
-//! split whole becomes windowed the same way (each device's rows routed to its experts). Each
+//! split whole becomes windowed the same way (each device's rows routed to its experts), and
+//! one whose experts lie over groups of devices takes one window, its group's experts (over
+//! Mirrored activations, the row product first slices the device's columns of them). Each
 //! conversion becomes local nodes (slices: view + cont, concatenated per segment; to-partial:
 //! zeros on devices other than 0; pad-to-partial: each slice padded with zeros to the full
-//! shape; as-partial: the same tensors, read as a partial sum) or a collective node; views
-//! become local views with the layouts `split_state::view` derived. Stages cut each program at
-//! its collectives.
+//! shape, a group-routed value's columns too, before any reduction of it; as-partial: the
+//! same tensors, read as a partial sum) or a collective node; views become local views with
+//! the layouts `split_state::view` derived. Stages cut each program at its collectives.
 
 use super::buffer::{MetaBuffer, MetaTensor, slice_layout};
 use super::sharding::{ConversionKind, Sharding, conversion_kind};
@@ -16,7 +18,7 @@ use crate::backend::Device;
 use crate::collectives::SliceLayout;
 use crate::graph::{Flags, Graph, Node, TensorId};
 use crate::op::{CollectiveKind, Op, RowWindow};
-use crate::split_state::SplitState;
+use crate::split_state::{SplitAxis, SplitState};
 use crate::tensor::Layout;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -117,6 +119,37 @@ impl Rewriter<'_> {
             return Ok(base);
         }
         let full = self.packed(u);
+        // A group-routed value is padded into a Partial, which is then reduced.
+        if have.is_group_routed() && kind != ConversionKind::PadToPartial {
+            let partial = SplitState::partial(self.n);
+            let base = self.get(u, &partial)?;
+            let ids = self.reduce(u, &base, &full, kind, want)?;
+            self.made.insert((u, want.clone()), ids.clone());
+            return Ok(ids);
+        }
+        let ids = self.reduce(u, &base, &full, kind, want)?;
+        self.made.insert((u, want.clone()), ids.clone());
+        Ok(ids)
+    }
+
+    /// The local ids of `u` (whose local ids in its state are `base`) converted by `kind`,
+    /// named after the conversion.
+    fn reduce(
+        &mut self,
+        u: TensorId,
+        base: &[TensorId],
+        full: &Layout,
+        kind: ConversionKind,
+        want: &SplitState,
+    ) -> Result<Vec<TensorId>> {
+        let have = self.sharding.states[u.index()].clone();
+        let have = if have.is_group_routed() && kind != ConversionKind::PadToPartial {
+            SplitState::partial(self.n)
+        } else {
+            have
+        };
+        let base = base.to_vec();
+        let full = *full;
         let ids = match kind {
             // The same local tensors, now read as a partial sum.
             ConversionKind::AsPartial => {
@@ -179,7 +212,6 @@ impl Rewriter<'_> {
             let name = format!("{}.{}", self.g.name(u), kind.name());
             self.graphs[d].set_name(id, name);
         }
-        self.made.insert((u, want.clone()), ids.clone());
         Ok(ids)
     }
 
@@ -212,9 +244,11 @@ impl Rewriter<'_> {
         full: &Layout,
         have: &SplitState,
     ) -> Result<Vec<TensorId>> {
-        let k = have
-            .split_dim()
-            .ok_or_else(|| internal("pad from a non-axis state".into()))?;
+        let k = match have.split_dim() {
+            Some(k) => k,
+            None if have.is_group_routed() => 0,
+            None => return Err(internal("pad from a non-axis state".into())),
+        };
         let mut v = Vec::new();
         for (d, lg) in self.graphs.iter_mut().enumerate() {
             let src = base[d];
@@ -222,6 +256,16 @@ impl Rewriter<'_> {
             // Runs along k in full order: Some(local start) for this device's pieces, None
             // for zeros; adjacent zero runs merged.
             let mut runs: Vec<(Option<usize>, usize)> = Vec::new();
+            if have.is_group_routed() {
+                // Its columns of its group's rows (the other rows are zeros already).
+                let cols = have.inner_slice(d);
+                let rest = full.ne[0] - cols.end;
+                runs.extend(
+                    [(None, cols.start), (Some(0), cols.len()), (None, rest)]
+                        .into_iter()
+                        .filter(|r| r.1 > 0),
+                );
+            }
             for s in 0..have.n_segments() {
                 for e in 0..self.n {
                     let len = have.extent(s, e);
@@ -457,6 +501,27 @@ fn rebuild_on(
             summed(lg, row_windows(&req[0], d, window, experts), |lg, w| {
                 lg.mul_mat_id_windowed(s[0], s[1], s[2], w)
             })
+        }
+        // Experts over groups: each device multiplies its slice of its group's experts for
+        // the rows routed to them (one window; an empty one on a group without experts).
+        Op::MulMatId { window } if req[0].is_grouped() => {
+            let experts = g.layout(node.src[0]).ne[2];
+            let mine = req[0].group_of(d).map_or(0..0, |grp| grp.experts);
+            let w = window
+                .unwrap_or(RowWindow::whole(experts))
+                .restrict(mine, 0);
+            let mut b = s[1];
+            // Rows inside a group over Mirrored activations: this device's slice of them.
+            if req[1].is_mirrored() && req[0].axis == SplitAxis::ExpertGroups(0) {
+                let cols = req[0].inner_slice(d);
+                let l = *lg.layout(b);
+                let mut ne = l.ne;
+                ne[0] = cols.len();
+                let at = if ne[0] == 0 { 0 } else { cols.start * l.nb[0] };
+                let v = lg.view(b, ne, l.nb, at)?;
+                b = lg.cont(v)?;
+            }
+            lg.mul_mat_id_windowed(s[0], b, s[2], w)
         }
         Op::SetRows { window } if by_rows => {
             let rows = g.layout(node.src[0]).ne[1];

@@ -40,12 +40,12 @@ pub enum ConversionKind {
     Slice,
     /// Mirrored -> Partial: device 0 keeps the value, the others zeros; no communication.
     ToPartial,
-    /// Axis -> Partial: each device pads its slice with zeros to the full shape; no
-    /// communication.
+    /// Axis (or GroupRouted) -> Partial: each device pads its slice with zeros to the full
+    /// shape; no communication.
     PadToPartial,
-    /// Partial -> Mirrored.
+    /// Partial (Routed; GroupRouted, padded first) -> Mirrored.
     AllReduce,
-    /// Partial -> Axis.
+    /// Partial (Routed; GroupRouted, padded first) -> Axis.
     ReduceScatter,
     /// Axis -> Mirrored.
     AllGather,
@@ -105,6 +105,10 @@ pub fn conversion_kind(from: &SplitState, to: &SplitState) -> Option<ConversionK
         (Routed { .. }, Partial) => ConversionKind::AsPartial,
         (Routed { .. }, Mirrored) => ConversionKind::AllReduce,
         (Routed { .. }, Axis(_)) => ConversionKind::ReduceScatter,
+        // A group-routed value is padded into a Partial first (the rewrite does both).
+        (GroupRouted { .. }, Partial) => ConversionKind::PadToPartial,
+        (GroupRouted { .. }, Mirrored) => ConversionKind::AllReduce,
+        (GroupRouted { .. }, Axis(_)) => ConversionKind::ReduceScatter,
         _ => return None,
     })
 }
@@ -119,7 +123,13 @@ fn cost(from: &SplitState, to: &SplitState, bytes: usize, n: usize, explicit: bo
     }
     let b = bytes as f64;
     let frac = (n.saturating_sub(1)) as f64 / n.max(1) as f64;
-    match conversion_kind(from, to) {
+    // A group-routed value is padded before it is reduced.
+    let pad = if from.is_group_routed() && !to.is_partial() {
+        0.05 * b
+    } else {
+        0.0
+    };
+    pad + match conversion_kind(from, to) {
         None => f64::INFINITY,
         Some(k) if explicit && !k.planned() => f64::INFINITY,
         Some(ConversionKind::AsPartial) => 0.0,
@@ -260,6 +270,16 @@ pub fn derive_sharding(
             let root = g.root(id);
             let rl = g.layout(root);
             let rs = p.states[root.index()].clone();
+            if matches!(rs.axis, SplitAxis::ExpertGroups(_)) {
+                return Err(Error::NoSplitRule {
+                    op: node.op.name().to_string(),
+                    node: node.name.clone(),
+                    states: format!("[{rs}]"),
+                    reason: "a view of experts split over groups of devices (only `mul_mat_id` \
+                             takes them)"
+                        .into(),
+                });
+            }
             let (req, vs) = match derive_view(rl, &rs, &node.layout, node.view_offs) {
                 Some(vs) => (rs, vs),
                 None => {

@@ -20,8 +20,12 @@
 //! device holds a slice of every expert) or whole experts per device
 //! (`ExpertSplit::Expert`, expert parallelism: the experts' tensors cut on `ne[2]`, even shares
 //! with the remainder rotating by layer, or by `--tensor-split`; each device multiplies the
-//! rows routed to its experts and one all-reduce joins them, see `split_state`'s `Routed`).
-//! The router is mirrored.
+//! rows routed to its experts and one all-reduce joins them, see `split_state`'s `Routed`),
+//! or both (`ExpertSplit::Both`, `--experts both --expert-groups G`: the devices in G groups
+//! of consecutive devices, as even as they go, the experts cut whole over the groups as
+//! expert parallelism cuts them over devices, and inside a group each expert's gate and up
+//! columns and down rows as the dense MLP's; `split_state`'s `ExpertGroups`). The router is
+//! mirrored.
 //!
 //! [`by_layer`] is the general form the planner uses: per layer, attention and MLP split or
 //! mirrored ([`LayerSplit`]); the output projection and the token embedding split by
@@ -71,24 +75,77 @@ pub enum ExpertSplit {
     Tensor,
     /// Whole experts per device (expert parallelism).
     Expert,
+    /// Whole experts per group of devices (`groups` groups of consecutive devices, as even as
+    /// they go), column then row inside every expert within its group. On fewer devices than
+    /// `groups`, one group per device (`--expert-groups` is checked against the devices
+    /// before: [`ExpertSplit::check_groups`]).
+    Both { groups: usize },
 }
 
 impl ExpertSplit {
+    /// The splits without a parameter (each test and strategy list adds `Both` with its
+    /// groups).
     pub const ALL: [ExpertSplit; 2] = [ExpertSplit::Tensor, ExpertSplit::Expert];
 
     pub fn name(self) -> &'static str {
         match self {
             ExpertSplit::Tensor => "tensor",
             ExpertSplit::Expert => "expert",
+            ExpertSplit::Both { .. } => "both",
         }
     }
 
-    /// `tensor` or `expert`, else an error naming `flag`.
+    /// `tensor`, `expert` or `both` (its groups then 0, set by [`ExpertSplit::with_groups`]),
+    /// else an error naming `flag`.
     pub fn parse(s: &str, flag: &str) -> Result<ExpertSplit> {
-        ExpertSplit::ALL
-            .into_iter()
-            .find(|e| e.name() == s)
-            .ok_or_else(|| Error::invalid_argument(flag, s, "tensor or expert"))
+        match s {
+            "both" => Ok(ExpertSplit::Both { groups: 0 }),
+            _ => ExpertSplit::ALL
+                .into_iter()
+                .find(|e| e.name() == s)
+                .ok_or_else(|| Error::invalid_argument(flag, s, "tensor, expert or both")),
+        }
+    }
+
+    /// `--experts` (`experts`) with `--expert-groups` (`groups`): `both` takes the groups and
+    /// needs them; the others take none. Errors name `--expert-groups`.
+    pub fn with_groups(
+        experts: Option<ExpertSplit>,
+        groups: Option<usize>,
+    ) -> Result<Option<Self>> {
+        match (experts, groups) {
+            (Some(ExpertSplit::Both { .. }), Some(g)) => Ok(Some(ExpertSplit::Both { groups: g })),
+            (Some(ExpertSplit::Both { groups: 0 }), None) => Err(Error::invalid_argument(
+                "--expert-groups",
+                "(none)",
+                "--experts both splits the experts over groups of devices: give their number, \
+                 e.g. --expert-groups 2",
+            )),
+            (e, None) => Ok(e),
+            (e, Some(g)) => Err(Error::invalid_argument(
+                "--expert-groups",
+                g,
+                format!(
+                    "only --experts both splits over groups (--experts is {})",
+                    e.map_or("not given", |e| e.name())
+                ),
+            )),
+        }
+    }
+
+    /// `Both`'s groups against `n` devices: 1..=n groups, else an error naming
+    /// `--expert-groups`.
+    pub fn check_groups(self, n: usize) -> Result<()> {
+        match self {
+            ExpertSplit::Both { groups } if groups == 0 || groups > n => {
+                Err(Error::invalid_argument(
+                    "--expert-groups",
+                    groups,
+                    format!("between 1 and the {n} devices (each group has at least one)"),
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -435,6 +492,17 @@ pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
         let Some(mut cut) = role.cut().filter(|c| plan.splits(c.part, layer)) else {
             return Ok(SplitState::mirrored(n));
         };
+        if let ExpertSplit::Both { groups } = plan.experts
+            && role.info().ne2 == Dim::Expert
+            && cut.axis < 2
+        {
+            return expert_groups(&dims, groups, cut, t, n, &plan, layer).map_err(|e| {
+                Error::InvalidSplit {
+                    tensor: t.name.to_string(),
+                    reason: format!("{} split: {e}", dims.arch.name),
+                }
+            });
+        }
         if plan.experts == ExpertSplit::Expert && role.info().ne2 == Dim::Expert {
             cut = Cut {
                 part: cut.part,
@@ -474,6 +542,39 @@ pub fn by_layer(dims: impl Into<SplitDims>, plan: DecoderSplit) -> SplitFn {
             .map_err(|e| named(e.to_string()))?;
         Ok(SplitState::axis(cut.axis, &extents))
     })
+}
+
+/// An expert tensor's state under `ExpertSplit::Both`: `groups` groups (at most one per
+/// device) of consecutive devices, as even as they go (the first groups one device more); the
+/// experts over the groups as expert parallelism cuts them over devices (even, the remainder
+/// rotating by layer; `ratios` do not apply to groups); inside a group the cut axis in the MLP's
+/// units, by the group's devices' `ratios` where given.
+fn expert_groups(
+    dims: &SplitDims,
+    groups: usize,
+    cut: Cut,
+    t: &TensorInfo,
+    n: usize,
+    plan: &DecoderSplit,
+    layer: usize,
+) -> Result<SplitState> {
+    let g = groups.clamp(1, n.max(1));
+    let sizes = extents(n, 1, g, None, 0)?;
+    let experts = extents(t.layout.ne[2], 1, g, None, layer)?;
+    let mut parts = Vec::with_capacity(g);
+    let mut first = 0;
+    for (&size, &e) in sizes.iter().zip(&experts) {
+        let mut inner = plan.clone();
+        inner.ratios = plan
+            .ratios
+            .as_ref()
+            .map(|r| r[first.min(r.len())..(first + size).min(r.len())].to_vec());
+        let total = t.layout.ne[cut.axis];
+        let v = unit_extents(dims, cut.unit, total, t, size, &inner, layer)?;
+        parts.push((e, v));
+        first += size;
+    }
+    Ok(SplitState::expert_groups(cut.axis, &parts))
 }
 
 /// A fused tensor's state (Phi-3's Q | K | V, gate | up): each segment cut on its own in its

@@ -407,6 +407,7 @@ impl PlacedExperts {
 pub(super) fn experts_how(state: &SplitState) -> Option<&'static str> {
     match state.split_dim() {
         _ if state.is_mirrored() => None,
+        None if state.is_grouped() => Some("whole experts per group, columns or rows inside it"),
         Some(2) => Some("whole experts per device"),
         Some(1) => Some("columns inside every expert"),
         Some(0) => Some("rows inside every expert"),

@@ -41,7 +41,15 @@ pub enum Strategy {
     /// computed) instead of column then row inside every expert. Only for models with experts
     /// ([`Strategy::for_model`]); on a dense model it is Megatron.
     ExpertParallel,
+    /// Megatron's assignment with the experts split whole over [`EXPERT_GROUPS`] groups of
+    /// devices and column then row inside each group (`--experts both`: expert parallelism
+    /// between the groups, tensor parallelism inside them; the same one all-reduce). Only for
+    /// models with experts, as `expert-parallel`.
+    ExpertGroups,
 }
+
+/// The groups of the `expert-groups` strategy (one per device on fewer devices).
+pub const EXPERT_GROUPS: usize = 2;
 
 impl Strategy {
     pub const ALL: [Strategy; 8] = [
@@ -56,11 +64,13 @@ impl Strategy {
     ];
 
     /// The strategies that apply to a model (`experts`: it has a mixture of experts): every
-    /// one of [`Strategy::ALL`], and `expert-parallel` for a model with experts.
+    /// one of [`Strategy::ALL`], and `expert-parallel` and `expert-groups` for a model with
+    /// experts.
     pub fn for_model(experts: bool) -> Vec<Strategy> {
         let mut v = Strategy::ALL.to_vec();
         if experts {
             v.insert(1, Strategy::ExpertParallel);
+            v.insert(2, Strategy::ExpertGroups);
         }
         v
     }
@@ -69,6 +79,7 @@ impl Strategy {
         match self {
             Strategy::Megatron => "megatron",
             Strategy::ExpertParallel => "expert-parallel",
+            Strategy::ExpertGroups => "expert-groups",
             Strategy::MlpOnly => "mlp-only",
             Strategy::AttnOnly => "attn-only",
             Strategy::Mirrored => "mirrored",
@@ -93,9 +104,10 @@ impl Strategy {
     pub fn split(self, n_layer: usize, tied: bool) -> Option<DecoderSplit> {
         let l = |attention, mlp| LayerSplit { attention, mlp };
         let (layer, output, embedding) = match self {
-            Strategy::Megatron | Strategy::SequenceParallel | Strategy::ExpertParallel => {
-                (l(true, true), true, false)
-            }
+            Strategy::Megatron
+            | Strategy::SequenceParallel
+            | Strategy::ExpertParallel
+            | Strategy::ExpertGroups => (l(true, true), true, false),
             Strategy::MlpOnly => (l(false, true), true, false),
             Strategy::AttnOnly => (l(true, false), true, false),
             Strategy::Mirrored => (l(false, false), false, false),
@@ -107,6 +119,11 @@ impl Strategy {
         split.sequence_parallel = self == Strategy::SequenceParallel;
         if self == Strategy::ExpertParallel {
             split.experts = ExpertSplit::Expert;
+        }
+        if self == Strategy::ExpertGroups {
+            split.experts = ExpertSplit::Both {
+                groups: EXPERT_GROUPS,
+            };
         }
         Some(split)
     }
@@ -242,6 +259,12 @@ pub fn describe(split: &DecoderSplit) -> String {
     }
     if split.experts == ExpertSplit::Expert {
         parts.push("experts: whole experts per device".into());
+    }
+    if let ExpertSplit::Both { groups } = split.experts {
+        parts.push(format!(
+            "experts: whole experts over {groups} groups of devices, columns and rows inside a \
+             group"
+        ));
     }
     parts.join("; ")
 }

@@ -65,6 +65,19 @@ pub fn open_decoder(
     let dims = SplitDims::from(&cfg).with_blocks(&file_tensors(&g, &cfg)?);
     let tied = output_tied(&g, &cfg);
     drop(g);
+    // `--expert-groups` against the devices that split the experts (in a hybrid split, the
+    // smallest group's; under MPI each process sees one device, and the callback keeps at
+    // most one group per device).
+    if let Some(e) = opts.experts
+        && opts.dist == crate::dist::Dist::Local
+    {
+        let n = crate::parse_devices(devices)?.len();
+        let n = match opts.split_mode {
+            SplitMode::Hybrid => n / opts.groups.unwrap_or(2).max(1),
+            _ => n,
+        };
+        e.check_groups(n.max(1))?;
+    }
     if opts.split_mode != SplitMode::Tensor {
         if opts.dist != crate::dist::Dist::Local {
             return Err(Error::invalid_argument(

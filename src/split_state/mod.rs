@@ -13,6 +13,16 @@
 //! maps that keep zero at zero keep it, so the experts' activation runs per device between
 //! their products without a reduction; anything else takes it as the Partial it also is.
 //!
+//! Experts over groups of devices, tensor parallel inside each group (`--experts both`):
+//! `ExpertGroups(k)` places an expert tensor `[K, N, n_expert]`: the devices form consecutive
+//! groups, group g holds consecutive experts (axis 2, `experts[g]` of them, uneven or zero) and
+//! inside the group each device holds a slice of axis k (0 or 1) of each of them (its `inner`
+//! extent; a group's inner extents add up to the axis). `GroupRouted` is the output of the
+//! column product of such experts: device d holds its group's slice of axis 0 (columns) of the
+//! rows routed to its group's experts, and zeros in every other row; element-wise maps that
+//! keep zero keep it, and it becomes a Partial by padding each slice with zeros (the row
+//! product of `ExpertGroups(0)` experts over it gives Partial sums directly).
+//!
 //! This module owns the type, its validation and constructors (`build.rs`), the per-op rules
 //! (`rules/`, one function per op family) and the derivation of view states (`view.rs`). It knows nothing of devices.
 
@@ -38,6 +48,22 @@ pub enum SplitAxis {
     Routed {
         ids: u32,
     },
+    /// Expert weights: experts (axis 2) over groups of devices, axis `k` (0 or 1) split inside
+    /// each group (see the module doc).
+    ExpertGroups(u8),
+    /// The columns product of `ExpertGroups(1)` experts: axis 0 split inside each group, the
+    /// rows routed by the ids of node `ids` to a group's experts held by its devices, zeros
+    /// elsewhere.
+    GroupRouted {
+        ids: u32,
+    },
+}
+
+/// One group of an expert-group split: its devices and its experts (both consecutive).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertGroup {
+    pub devices: std::ops::Range<usize>,
+    pub experts: std::ops::Range<usize>,
 }
 
 /// A tensor's split over `n` devices.
@@ -46,7 +72,10 @@ pub struct SplitState {
     pub axis: SplitAxis,
     /// Devices in the group.
     n: usize,
-    /// For `Axis`: extents along the axis, segment-major: `extents[s * n + d]`. Empty otherwise.
+    /// For `Axis`: extents along the axis, segment-major: `extents[s * n + d]`. For `Routed`:
+    /// experts per device. For `ExpertGroups` and `GroupRouted`: the inner extent of each
+    /// device (n), then the experts of each group (G), then the devices of each group (G).
+    /// Empty otherwise.
     extents: SmallVec<[usize; 16]>,
 }
 
@@ -77,6 +106,83 @@ impl SplitState {
             n: experts.len(),
             extents: experts.iter().copied().collect(),
         }
+    }
+
+    /// Experts over groups of devices with axis `axis` (0 or 1) split inside each group:
+    /// `groups[g] = (experts, inner extents of the group's devices)`, groups of consecutive
+    /// devices and experts in order. [`SplitState::validate`] checks it against the tensor.
+    pub fn expert_groups(axis: usize, groups: &[(usize, Vec<usize>)]) -> Self {
+        let mut extents: SmallVec<[usize; 16]> =
+            groups.iter().flat_map(|(_, v)| v.iter().copied()).collect();
+        extents.extend(groups.iter().map(|(e, _)| *e));
+        extents.extend(groups.iter().map(|(_, v)| v.len()));
+        SplitState {
+            axis: SplitAxis::ExpertGroups(stored_axis(axis)),
+            n: groups.iter().map(|(_, v)| v.len()).sum(),
+            extents,
+        }
+    }
+
+    /// The output of a columns product of experts in `experts` (an `ExpertGroups(1)` state),
+    /// routed by the ids of node `ids`: axis 0 split as the experts' axis 1, inside each group.
+    pub fn group_routed(ids: usize, experts: &SplitState) -> Self {
+        SplitState {
+            axis: SplitAxis::GroupRouted {
+                ids: u32::try_from(ids).unwrap_or(u32::MAX),
+            },
+            n: experts.n,
+            extents: experts.extents.clone(),
+        }
+    }
+
+    /// Whether the state is an expert-group split (`ExpertGroups` or `GroupRouted`).
+    pub fn is_grouped(&self) -> bool {
+        matches!(
+            self.axis,
+            SplitAxis::ExpertGroups(_) | SplitAxis::GroupRouted { .. }
+        )
+    }
+
+    /// Whether the value is an expert-group product's rows (`GroupRouted`).
+    pub fn is_group_routed(&self) -> bool {
+        matches!(self.axis, SplitAxis::GroupRouted { .. })
+    }
+
+    /// The groups of an expert-group state (empty for any other state).
+    pub fn groups(&self) -> Vec<ExpertGroup> {
+        if !self.is_grouped() || self.extents.len() < self.n {
+            return Vec::new();
+        }
+        let g = (self.extents.len() - self.n) / 2;
+        let (experts, sizes) = self.extents[self.n..].split_at(g);
+        let (mut d, mut e) = (0, 0);
+        experts
+            .iter()
+            .zip(sizes)
+            .map(|(&x, &s)| {
+                let grp = ExpertGroup {
+                    devices: d..d + s,
+                    experts: e..e + x,
+                };
+                (d, e) = (d + s, e + x);
+                grp
+            })
+            .collect()
+    }
+
+    /// Device `d`'s group in an expert-group state.
+    pub fn group_of(&self, d: usize) -> Option<ExpertGroup> {
+        self.groups().into_iter().find(|g| g.devices.contains(&d))
+    }
+
+    /// Device `d`'s slice of the inner axis of an expert-group state: where it starts within
+    /// the axis, and its extent (the devices of a group tile the axis in order).
+    pub fn inner_slice(&self, d: usize) -> std::ops::Range<usize> {
+        let Some(g) = self.group_of(d) else {
+            return 0..0;
+        };
+        let start: usize = self.extents[g.devices.start..d].iter().sum();
+        start..start + self.extents[d]
     }
 
     /// Split along `axis` with one extent per device. An axis above 3 gives a state that
@@ -162,7 +268,11 @@ impl SplitState {
         }
     }
 
+    /// Segments of an axis split (1 for `Routed`, 0 for states without extents per segment).
     pub fn n_segments(&self) -> usize {
+        if self.is_grouped() {
+            return 0;
+        }
         self.extents.len().checked_div(self.n).unwrap_or(0)
     }
 
@@ -212,8 +322,14 @@ impl SplitState {
     /// Device `d`'s shape for a tensor of full shape `ne`.
     pub fn local_ne(&self, ne: [usize; 4], d: usize) -> [usize; 4] {
         let mut l = ne;
-        if let Some(k) = self.split_dim() {
-            l[k] = self.local_extent(d);
+        match self.axis {
+            SplitAxis::Axis(k) => l[k as usize] = self.local_extent(d),
+            SplitAxis::ExpertGroups(k) => {
+                l[(k as usize).min(3)] = self.inner_slice(d).len();
+                l[2] = self.group_of(d).map_or(0, |g| g.experts.len());
+            }
+            SplitAxis::GroupRouted { .. } => l[0] = self.inner_slice(d).len(),
+            _ => {}
         }
         l
     }
@@ -264,11 +380,14 @@ impl SplitState {
                 layout.dtype
             )));
         }
-        if self.is_routed() {
+        if self.is_routed() || self.is_group_routed() {
             return Err(err(format!(
                 "{self} is the output of an expert product split by experts: it is derived, \
                  never placed or hinted"
             )));
+        }
+        if let SplitAxis::ExpertGroups(k) = self.axis {
+            return self.validate_groups(k as usize, layout).map_err(err);
         }
         let SplitAxis::Axis(k) = self.axis else {
             return Ok(());
@@ -320,6 +439,66 @@ impl SplitState {
     }
 }
 
+impl SplitState {
+    /// [`SplitState::validate`] of an `ExpertGroups(k)` state: groups that cover the devices,
+    /// experts that add up to axis 2, each group's inner extents adding up to axis k (in whole
+    /// blocks on axis 0).
+    fn validate_groups(&self, k: usize, layout: &Layout) -> std::result::Result<(), String> {
+        if k > 1 {
+            return Err(format!(
+                "experts over groups split axis 0 or 1 inside a group, not axis {k}"
+            ));
+        }
+        if layout.ne[3] != 1 {
+            return Err(format!(
+                "{} is not expert weights [K, N, n_expert, 1]",
+                layout.shape()
+            ));
+        }
+        let g = self.extents.len().saturating_sub(self.n) / 2;
+        let groups = self.groups();
+        let sizes: usize = groups.iter().map(|x| x.devices.len()).sum();
+        if g == 0 || self.extents.len() != self.n + 2 * g || sizes != self.n {
+            return Err(format!(
+                "{self}: groups must cover the {} devices, each with at least one",
+                self.n
+            ));
+        }
+        if let Some(x) = groups.iter().position(|x| x.devices.is_empty()) {
+            return Err(format!("{self}: group {x} has no device"));
+        }
+        let experts = groups.last().map_or(0, |x| x.experts.end);
+        if experts != layout.ne[2] {
+            return Err(format!(
+                "{self}: the groups hold {experts} experts but {} has {}",
+                layout.shape(),
+                layout.ne[2]
+            ));
+        }
+        for (x, grp) in groups.iter().enumerate() {
+            let inner = checked_sum(self.extents[grp.devices.clone()].iter().copied());
+            if inner != Some(layout.ne[k]) {
+                return Err(format!(
+                    "{self}: group {x}'s extents {:?} do not add up to dimension {k} of {} ({})",
+                    &self.extents[grp.devices.clone()],
+                    layout.shape(),
+                    layout.ne[k]
+                ));
+            }
+        }
+        let bs = Granularity::of_axis(layout.dtype, k).0;
+        if bs > 1
+            && let Some(e) = self.extents[..self.n].iter().find(|&&e| e % bs != 0)
+        {
+            return Err(format!(
+                "{} rows are split in whole blocks of {bs}, but an extent is {e}",
+                layout.dtype
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The axis as stored: values above `u8::MAX` become `u8::MAX`, which `validate` rejects like
 /// any axis above 3 (a plain `as u8` would wrap 256 into axis 0).
 fn stored_axis(axis: usize) -> u8 {
@@ -337,6 +516,27 @@ impl std::fmt::Display for SplitState {
             SplitAxis::Mirrored => f.write_str("Mirrored"),
             SplitAxis::Partial => f.write_str("Partial"),
             SplitAxis::Routed { ids } => write!(f, "Routed(#{ids}){:?}", self.extents),
+            SplitAxis::ExpertGroups(_) | SplitAxis::GroupRouted { .. } => {
+                match self.axis {
+                    SplitAxis::ExpertGroups(k) => write!(f, "ExpertGroups{k}")?,
+                    SplitAxis::GroupRouted { ids } => write!(f, "GroupRouted(#{ids})")?,
+                    _ => {}
+                }
+                let groups: Vec<String> = self
+                    .groups()
+                    .iter()
+                    .map(|g| {
+                        let inner = &self.extents[g.devices.clone()];
+                        match inner {
+                            [a, b, ..] if inner.iter().all(|x| x == a) && a == b => {
+                                format!("{}x[{a} x{}]", g.experts.len(), inner.len())
+                            }
+                            _ => format!("{}x{inner:?}", g.experts.len()),
+                        }
+                    })
+                    .collect();
+                write!(f, "[{}]", groups.join(", "))
+            }
             SplitAxis::Axis(k) => {
                 write!(f, "Axis{k}")?;
                 let segs = self.segments();
@@ -388,6 +588,47 @@ mod tests {
         assert!(e.contains("for 1 devices"), "{e}");
         // Zero extents are fine.
         SplitState::axis(1, &[0, 8]).validate("w", &l, 2).unwrap();
+    }
+
+    #[test]
+    fn expert_groups_shapes_and_checks() {
+        // 5 experts over groups of 2 and 1 devices (3 + 2 experts), columns 24 = 16 + 8 | 24.
+        let s = SplitState::expert_groups(1, &[(3, vec![16, 8]), (2, vec![24])]);
+        let l = Layout::contiguous(DType::F32, [64, 24, 5, 1]);
+        s.validate("blk.0.ffn_gate_exps.weight", &l, 3).unwrap();
+        assert_eq!(s.local_ne(l.ne, 0), [64, 16, 3, 1]);
+        assert_eq!(s.local_ne(l.ne, 1), [64, 8, 3, 1]);
+        assert_eq!(s.local_ne(l.ne, 2), [64, 24, 2, 1]);
+        assert_eq!(s.inner_slice(1), 16..24);
+        assert_eq!(s.group_of(2).unwrap().experts, 3..5);
+        assert_eq!(s.to_string(), "ExpertGroups1[3x[16, 8], 2x[24]]");
+        let even = SplitState::expert_groups(0, &[(3, vec![8, 8, 8]), (2, vec![24])]);
+        assert_eq!(even.to_string(), "ExpertGroups0[3x[8 x3], 2x[24]]");
+        let r = SplitState::group_routed(7, &s);
+        assert_eq!(r.local_ne([24, 2, 4, 1], 1), [8, 2, 4, 1]);
+        assert!(
+            r.validate("y", &Layout::contiguous(DType::F32, [24, 2, 4, 1]), 3)
+                .is_err()
+        );
+        // A group whose extents miss the axis, experts that miss axis 2, a device count off.
+        let bad = SplitState::expert_groups(1, &[(3, vec![16, 4]), (2, vec![24])]);
+        let e = bad.validate("w", &l, 3).unwrap_err().to_string();
+        assert!(e.contains("`w`") && e.contains("group 0"), "{e}");
+        let bad = SplitState::expert_groups(1, &[(3, vec![16, 8]), (3, vec![24])]);
+        let e = bad.validate("w", &l, 3).unwrap_err().to_string();
+        assert!(e.contains("6 experts"), "{e}");
+        assert!(s.validate("w", &l, 4).is_err());
+        // Axis 0 inside a group keeps whole blocks.
+        let q = Layout::contiguous(DType::Q4_0, [64, 24, 5, 1]);
+        let e = SplitState::expert_groups(0, &[(5, vec![16, 48])])
+            .validate("w", &q, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("whole blocks of 32"), "{e}");
+        // Zero experts in a group and zero extents are fine.
+        SplitState::expert_groups(1, &[(0, vec![24]), (5, vec![0, 24])])
+            .validate("w", &l, 3)
+            .unwrap();
     }
 
     #[test]

@@ -42,6 +42,11 @@ pub fn derive_view(
     offs: usize,
 ) -> Option<ViewSplit> {
     let n = rs.n_devices();
+    // An expert-group split is cut on two axes, differently per group: no view of it is one
+    // per device.
+    if rs.is_grouped() {
+        return None;
+    }
     let Some(k) = rs.split_dim() else {
         // Mirrored and Partial views are the same view on every device. A view of a Routed
         // value is Partial: its rows are no longer the rows the ids route.

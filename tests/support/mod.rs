@@ -241,6 +241,12 @@ macro_rules! harness_tests {
                 }
 
                 #[test]
+                fn expert_groups(n in 1usize..=8, seed: u64, p in [1usize..=12, 1usize..=9, 1usize..=6, 1usize..=3, 1usize..=4]) {
+                    if TARGET.absent() { return Ok(()); }
+                    suite::expert_groups(&TARGET, n, seed, p)?;
+                }
+
+                #[test]
                 fn segment_views(n in 1usize..=8, seed: u64, p in [1usize..=6, 1usize..=4, 1usize..=4, 1usize..=3, 0usize..=1]) {
                     if TARGET.absent() { return Ok(()); }
                     suite::segment_views(&TARGET, n, seed, p)?;

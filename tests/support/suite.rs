@@ -239,6 +239,10 @@ pub fn kv_cache_views(t: &Target, n: usize, seed: u64, p: [usize; 7]) -> Prop {
     check(t, random_kv_cache(&mut rng(seed), n, p), n, seed)
 }
 
+pub fn expert_groups(t: &Target, n: usize, seed: u64, p: [usize; 5]) -> Prop {
+    check(t, random_expert_groups(&mut rng(seed), n, p), n, seed)
+}
+
 pub fn segment_views(t: &Target, n: usize, seed: u64, p: [usize; 5]) -> Prop {
     check(t, random_segment_views(&mut rng(seed), n, p), n, seed)
 }

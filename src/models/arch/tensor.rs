@@ -273,7 +273,8 @@ roles! {
     // `[n_ff_exp, n_embd, n_expert]`), the shared expert and its gate `[n_embd]` (Qwen2-MoE).
     // The experts and the shared expert are cut as the dense MLP is (columns, then rows, in
     // every expert); a split of whole experts (`ExpertSplit::Expert`) cuts the experts on
-    // ne[2] instead. The router and the shared expert's gate are mirrored.
+    // ne[2] instead, and `ExpertSplit::Both` both (ne[2] over groups of devices, this cut
+    // inside a group). The router and the shared expert's gate are mirrored.
     FfnGateInp, Layer, "ffn_gate_inp.weight", None, [Embd, Expert], FfnIn, None;
     FfnGateExps, Layer, "ffn_gate_exps.weight", None, [Embd, FfExp, Expert], FfnIn, cut(Mlp, 1, Ffn);
     FfnUpExps, Layer, "ffn_up_exps.weight", None, [Embd, FfExp, Expert], FfnIn, cut(Mlp, 1, Ffn);

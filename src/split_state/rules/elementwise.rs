@@ -3,7 +3,10 @@
 //! op is linear in it; Routed (an expert product's rows, each on one device, zeros elsewhere)
 //! where the op keeps zero at zero: maps with f(0) = 0, `swiglu` of two values routed alike,
 //! products with a Mirrored factor or of two values routed alike, sums and differences of two
-//! values routed alike. Any other use of a Routed value takes it as Partial.
+//! values routed alike. Any other use of a Routed value takes it as Partial. GroupRouted (the
+//! columns of rows routed to a group of devices) is kept the same ways, except products with a
+//! Mirrored factor (whose columns the device does not slice); any other use pads it into a
+//! Partial.
 
 use super::{Ctx, Pattern, keep_state, pat};
 use crate::op::BinaryOp;
@@ -72,7 +75,7 @@ fn binary(cx: &Ctx, src: &[SplitState], op: BinaryOp) -> Vec<Pattern> {
 fn routed_binary(cx: &Ctx, src: &[SplitState], op: BinaryOp, out: &mut Vec<Pattern>) {
     let (a, b) = (&src[0], &src[1]);
     let full = |i: usize| cx.ne(i) == cx.ne(0);
-    if a.is_routed() && a == b && full(1) {
+    if (a.is_routed() || a.is_group_routed()) && a == b && full(1) {
         if matches!(op, BinaryOp::Mul | BinaryOp::Add | BinaryOp::Sub) {
             out.push(pat(vec![a.clone(), a.clone()], a.clone()));
         }
@@ -92,7 +95,7 @@ fn swiglu(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
     let s = &src[0];
     let mut out = Vec::new();
     // silu(0) * 0 = 0: gate and up routed alike stay routed.
-    if cx.n_src() == 2 && s.is_routed() && src[1] == *s {
+    if cx.n_src() == 2 && (s.is_routed() || s.is_group_routed()) && src[1] == *s {
         out.push(pat(vec![s.clone(), s.clone()], s.clone()));
     }
     if cx.n_src() == 2 {

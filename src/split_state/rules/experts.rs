@@ -6,6 +6,11 @@
 //! multiplies the rows routed to its experts and leaves zeros in the others, a `Routed` output
 //! keyed by the ids node. The activations are Mirrored (the gate and up products) or Routed by
 //! the same ids over the same experts (the down product, after the activation kept them).
+//! Experts over groups of devices (`ExpertGroups`): with axis 1 split inside a group and the
+//! activations Mirrored, each device multiplies its columns of the rows routed to its group's
+//! experts (`GroupRouted`); with axis 0 split inside a group and the activations GroupRouted
+//! alike (the same ids, groups and extents), each device's rows are a partial sum of the
+//! rows routed to its group and zeros elsewhere: Partial.
 //!
 //! | as | b | ids | output |
 //! |---|---|---|---|
@@ -14,6 +19,8 @@
 //! | Mirrored | Axis(0) in whole blocks | Mirrored | Partial (b alike on `as`) |
 //! | Mirrored | Axis(2) (tokens) | Axis(1) alike | Axis(2) |
 //! | Axis(2) (experts) | Mirrored, or Routed by these ids alike | Mirrored | Routed |
+//! | ExpertGroups(1) | Mirrored | Mirrored | GroupRouted by these ids |
+//! | ExpertGroups(0) | GroupRouted by these ids alike, or Mirrored (sliced per device) | Mirrored | Partial |
 //! | every source Mirrored | | | Mirrored |
 
 use super::{Ctx, Pattern, moved, pat, whole_blocks};
@@ -35,6 +42,18 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
                 out.push(pat(vec![sa.clone(), sb.clone(), m.clone()], routed.clone()));
             }
             out.push(pat(vec![sa.clone(), m.clone(), m.clone()], routed));
+        }
+        // Experts over groups, columns inside a group.
+        SplitAxis::ExpertGroups(1) => {
+            let routed = SplitState::group_routed(cx.node.src[2].index(), sa);
+            out.push(pat(vec![sa.clone(), m.clone(), m.clone()], routed));
+        }
+        // Experts over groups, rows inside a group: the columns product's rows, alike.
+        SplitAxis::ExpertGroups(0) => {
+            let routed = SplitState::group_routed(cx.node.src[2].index(), sa);
+            out.push(pat(vec![sa.clone(), routed, m.clone()], cx.partial()));
+            // Mirrored activations: each device takes its group's slice of their columns.
+            out.push(pat(vec![sa.clone(), m.clone(), m.clone()], cx.partial()));
         }
         _ => {}
     }
@@ -117,5 +136,31 @@ mod tests {
                 m(),
             ],
         );
+    }
+
+    #[test]
+    fn expert_groups_give_group_routed_columns_then_partial_rows() {
+        let mut g = Graph::new();
+        let w = f32_in(&mut g, "experts", [8, 6, 5, 1]);
+        let x = f32_in(&mut g, "x", [8, 1, 3, 1]);
+        let ids = g.input("ids", DType::I32, [2, 3, 1, 1]).unwrap();
+        let other = g.input("other", DType::I32, [2, 3, 1, 1]).unwrap();
+        let y = g.mul_mat_id(w, x, ids).unwrap();
+        let down = f32_in(&mut g, "down", [6, 8, 5, 1]);
+        let z = g.mul_mat_id(down, y, ids).unwrap();
+        let z2 = g.mul_mat_id(down, y, other).unwrap();
+        // One group of two devices holding every expert (N = 2 throughout these tests).
+        let cols = SplitState::expert_groups(1, &[(5, vec![4, 2])]);
+        let rows = SplitState::expert_groups(0, &[(5, vec![4, 2])]);
+        let routed = SplitState::group_routed(ids.index(), &cols);
+        keeps(&g, y, &[cols.clone(), m(), m()], routed.clone());
+        keeps(&g, z, &[rows.clone(), routed.clone(), m()], p());
+        keeps(&g, z, &[rows.clone(), m(), m()], p());
+        // Rows routed by other ids, or split otherwise, are not the row product's input.
+        refuses(&g, z2, &[rows.clone(), routed.clone(), m()]);
+        let uneven = SplitState::expert_groups(0, &[(5, vec![2, 4])]);
+        refuses(&g, z, &[uneven, routed, m()]);
+        // Expert groups are not taken with split activations.
+        refuses(&g, y, &[cols, ax(0, &[4, 4]), m()]);
     }
 }

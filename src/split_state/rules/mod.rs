@@ -107,8 +107,9 @@ pub fn family(op: &Op) -> Family {
 }
 
 /// Patterns for node `id` given its sources' current states (views and leaves have none). A
-/// Routed source is also a Partial one: the patterns that take it as Partial follow the
-/// rule's own (the sharding converts it for free).
+/// Routed source is also a Partial one, and a GroupRouted one becomes one by padding: the
+/// patterns that take it as Partial follow the rule's own (the sharding converts it for free,
+/// or nearly).
 pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
     let cx = Ctx {
         g,
@@ -117,11 +118,12 @@ pub fn patterns(g: &Graph, id: TensorId, src: &[SplitState]) -> Vec<Pattern> {
         n: src.first().map_or(1, |s| s.n_devices()),
     };
     let mut pats = family_patterns(&cx, src);
-    if src.iter().any(|s| s.is_routed()) {
+    let as_partial = |s: &SplitState| s.is_routed() || s.is_group_routed();
+    if src.iter().any(as_partial) {
         let partial: Vec<SplitState> = src
             .iter()
             .map(|s| {
-                if s.is_routed() {
+                if as_partial(s) {
                     cx.partial()
                 } else {
                     s.clone()
@@ -261,15 +263,15 @@ fn whole_blocks(s: &SplitState, dtype: DType) -> bool {
 }
 
 /// The rule of a one-source op that maps elements to elements of the node's dtype (a map, a
-/// copy, a cast): any state is kept, Partial only when the op is `linear`, Routed when it
-/// `keeps_zero` (the rows a device does not hold stay zero), and an axis-0 split only in whole
+/// copy, a cast): any state is kept, Partial only when the op is `linear`, Routed (and
+/// GroupRouted) when it `keeps_zero` (the rows a device does not hold stay zero), and an axis-0 split only in whole
 /// blocks of the output's dtype.
 fn keep_state(cx: &Ctx, src: &[SplitState], linear: bool, keeps_zero: bool) -> Vec<Pattern> {
     let s = &src[0];
     let mut out = Vec::new();
     let kept = if s.is_partial() {
         linear
-    } else if s.is_routed() {
+    } else if s.is_routed() || s.is_group_routed() {
         keeps_zero
     } else {
         true

@@ -353,3 +353,63 @@ pub fn random_attention_block(rng: &mut Rng, n: usize, z: AttnSizes, megatron: b
     }
     c
 }
+
+// ---- experts over groups of devices ---------------------------------------------------------
+
+/// The experts of a mixture of experts over random groups of the `n` devices (`--experts
+/// both`): gate and up `[k, f, E]` split on axis 1 inside each group, down `[f, k, E]` on axis
+/// 0 alike (each weight in this split half the time, else in any state of its own), a
+/// group-routed gate product as an output, swiglu, the down product. Random group sizes,
+/// experts per group (zero included) and uneven or zero inner extents.
+pub fn random_expert_groups(rng: &mut Rng, n: usize, p: [usize; 5]) -> Case {
+    let [k, f, n_expert, used, tokens] = p;
+    let used = used.min(n_expert);
+    // Group sizes: a random composition of n into 1..=n parts.
+    let n_groups = 1 + rng.below(n);
+    let mut sizes = vec![1usize; n_groups];
+    for _ in n_groups..n {
+        let g = rng.below(n_groups);
+        sizes[g] += 1;
+    }
+    let experts = random_extents(rng, n_expert, 1, n_groups);
+    let parts: Vec<(usize, Vec<usize>)> = experts
+        .iter()
+        .zip(&sizes)
+        .map(|(&e, &s)| (e, random_extents(rng, f, 1, s)))
+        .collect();
+    let cols = SplitState::expert_groups(1, &parts);
+    let rows = SplitState::expert_groups(0, &parts);
+    let wg = Input::random(rng, "gate_exps", DType::F32, [k, f, n_expert, 1]);
+    let wu = Input::random(rng, "up_exps", DType::F32, [k, f, n_expert, 1]);
+    let wd = Input::random(rng, "down_exps", DType::F32, [f, k, n_expert, 1]);
+    let x = Input::random(rng, "x", DType::F32, [k, 1, tokens, 1]);
+    // Distinct experts per token, as a router's top-k.
+    let mut ids = Vec::with_capacity(used * tokens);
+    for _ in 0..tokens {
+        let mut all: Vec<i32> = (0..n_expert as i32).collect();
+        for _ in 0..used {
+            let i = rng.below(all.len());
+            ids.push(all.swap_remove(i));
+        }
+    }
+    let ids = Input::from_i32("ids", [used, tokens, 1, 1], &ids);
+    let spaces = [
+        Space::any(&wg).extra(cols.clone()),
+        Space::any(&wu).extra(cols),
+        Space::any(&wd).extra(rows),
+        Space::any(&x),
+        Space::any(&ids),
+    ];
+    let build = |g: &mut Graph, l: &[TensorId]| -> Result<Vec<TensorId>> {
+        let gate = g.mul_mat_id(l[0], l[3], l[4])?;
+        let up = g.mul_mat_id(l[1], l[3], l[4])?;
+        let h = g.swiglu(gate, up)?;
+        let y = g.mul_mat_id(l[2], h, l[4])?;
+        Ok(vec![gate, y])
+    };
+    let mut c = Case::new("experts over groups", vec![wg, wu, wd, x, ids], build);
+    for (inp, s) in c.inputs.iter_mut().zip(spaces) {
+        inp.space = s;
+    }
+    c
+}

@@ -34,6 +34,7 @@ fn main() -> metashard::Result<()> {
         mem_bw: 10e9,
         gemv_bw: gemv,
         gemm_flops: gemm,
+        gemm_flops_by_m: BTreeMap::new(),
         step_overhead_s: 50e-6,
         node_overhead_s: 1e-6,
     };

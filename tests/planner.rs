@@ -34,6 +34,7 @@ fn cluster(n: usize, memory: u64) -> Cluster {
         mem_bw: 10e9,
         gemv_bw: rates(10e9),
         gemm_flops: rates(50e9),
+        gemm_flops_by_m: BTreeMap::new(),
         step_overhead_s: 50e-6,
         node_overhead_s: 1e-6,
     };
@@ -419,13 +420,14 @@ fn a_pipelined_layer_split_approaches_its_slowest_stage_and_never_beats_streamin
     let c = cluster(2, 8 << 30);
     // A compute-bound prompt (512 tokens) on two equal stages: one micro-batch runs them one
     // after another; 16 micro-batches of 32 tokens keep both busy, close to one stage's time
-    // (fill and drain: (m + 1) / 2m of the sequential time, 53% at m = 16).
+    // (fill and drain: (m + 1) / 2m of the sequential time, 53% at m = 16; a little less,
+    // since only the last micro-batch of one prompt computes the output's logits).
     let w = Workload::parse("pp=512,tg=4,ctx=1024")?;
     let one = evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Fixed(1))?;
     let many = evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Fixed(16))?;
     assert_eq!(many.prefill_micro_batches, 16);
     let ratio = many.prefill_s / one.prefill_s;
-    assert!((0.5..0.65).contains(&ratio), "{ratio}");
+    assert!((0.45..0.65).contains(&ratio), "{ratio}");
     // Decoding 32 sequences, compute-bound at these rates, pipelines too.
     let w = Workload::parse("pp=16,tg=8,batch=32,ctx=64")?;
     let one = evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Fixed(1))?;

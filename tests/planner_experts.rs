@@ -94,6 +94,7 @@ fn byte_counter() -> Cluster {
         mem_bw: 1e12,
         gemv_bw: rates(1e12),
         gemm_flops: rates(1e19),
+        gemm_flops_by_m: BTreeMap::new(),
         step_overhead_s: 0.0,
         node_overhead_s: 0.0,
     };

@@ -44,6 +44,7 @@ fn cpu_like(n: usize) -> Cluster {
         mem_bw: 10e9,
         gemv_bw: rates(8e9),
         gemm_flops: rates(40e9),
+        gemm_flops_by_m: BTreeMap::new(),
         step_overhead_s: 100e-6,
         node_overhead_s: 2e-6,
     };

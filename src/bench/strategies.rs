@@ -8,7 +8,8 @@
 //!
 //! With `--batch 1,8` each batch size S is a workload of its own: S sequences' prompts, then
 //! decode steps of one token of each of the S sequences together (`BatchSession`, the engine's
-//! batched step), priced by the planner at `batch = S` (auto searched per batch). Beside the
+//! batched step), priced by the planner at `batch = S` (auto searched per batch: the tensor
+//! search's split, or the layer split where the planner predicts it faster). Beside the
 //! tensor strategies a `layer` row runs whole layers per device as `run --split-mode layer`
 //! does, pipelined in the micro-batches the planner takes for it (`planner/layer.rs`): a
 //! prompt's chunk cut by `Session::ubatch`, a batched step's sequences by
@@ -30,6 +31,7 @@ use metashard::models::layer_split::SplitMode;
 use metashard::models::session::Session;
 use metashard::models::split::DecoderSplit;
 use metashard::planner::evaluate::{Evaluation, Workload};
+use metashard::planner::layouts::SAME_TIME;
 use metashard::planner::report::evaluate_split;
 use metashard::planner::{
     Cluster, MicroBatches, ModelShape, Strategy, auto, evaluate_layer_split,
@@ -301,6 +303,31 @@ fn predict_layer(shape: &ModelShape, cluster: &Cluster, w: &Workload) -> Result<
     })
 }
 
+/// The workload's predicted seconds at these speeds: every sequence's prompt, then the
+/// decode steps.
+fn workload_s(p: &Predicted, w: &Workload) -> f64 {
+    (w.prefill * w.batch) as f64 / p.pp_tps.max(1e-12) + w.decode as f64 / p.tg_tps.max(1e-12)
+}
+
+/// What `auto` runs on the device set: the search's tensor split, or the layer split where
+/// the planner predicts the workload faster by more than [`SAME_TIME`] under it (as the
+/// search over layouts weighs it; `planner/layouts.rs`). None: the layer split. The hybrid
+/// split needs groups inside a node of several devices, which one CPU device list is not.
+fn auto_layout(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    n_devices: usize,
+) -> Result<Option<DecoderSplit>> {
+    let tensor = auto(shape, cluster, w, None)?.split;
+    if n_devices < 2 {
+        return Ok(Some(tensor));
+    }
+    let t = workload_s(&predict_tensor(shape, &tensor, cluster, w)?, w);
+    let l = workload_s(&predict_layer(shape, cluster, w)?, w);
+    Ok((l * (1.0 + SAME_TIME) >= t).then_some(tensor))
+}
+
 /// One measurement of `c` on `l`: prompt tokens/s (all sequences' prompt tokens over the
 /// prompt's seconds) and decode tokens/s per sequence. One sequence's prompt goes through a
 /// `Session` whose `ubatch` cuts a chunk into the planner's micro-batches (as `run` does);
@@ -409,6 +436,9 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             format!("sequences decoded together, each in 1..={MAX_SLOTS}"),
         ));
     }
+    // The planner caps a prompt step at the context (`Workload::prefill_step`); the run's
+    // `BatchSession` steps hold a chunk of every sequence at once, so the workload's context
+    // holds them: the predicted step is the measured one (same rows per product).
     let workloads: Vec<Workload> = opts
         .batch
         .iter()
@@ -416,7 +446,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             prefill: opts.pp,
             decode: opts.tg,
             batch,
-            context,
+            context: context.max(opts.pp.min(PLANNER_CHUNK).saturating_mul(batch)),
         })
         .collect();
     for w in &workloads {
@@ -463,10 +493,10 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             let mut named: Vec<(String, Option<DecoderSplit>)> = Vec::new();
             for &st in &keep {
                 let split = match st.split(shape.n_layer(), shape.tied) {
-                    Some(s) => s,
-                    None => auto(&shape, &cluster, w, None)?.split,
+                    Some(s) => Some(s),
+                    None => auto_layout(&shape, &cluster, w, n_devices)?,
                 };
-                named.push((st.name().to_string(), Some(split)));
+                named.push((st.name().to_string(), split));
             }
             if n_devices > 1 && keep_layer {
                 named.push(("layer".to_string(), None));
@@ -479,7 +509,12 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                     }
                     None => (
                         "layer".to_string(),
-                        "whole layers per device (--split-mode layer)".to_string(),
+                        match strategy.as_str() {
+                            "auto" => "whole layers per device (--split-mode layer): predicted \
+                                       faster than the tensor split"
+                                .to_string(),
+                            _ => "whole layers per device (--split-mode layer)".to_string(),
+                        },
                         predict_layer(&shape, &cluster, w)?,
                     ),
                 };

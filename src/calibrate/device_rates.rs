@@ -7,6 +7,7 @@ use super::rig::{Rig, median};
 use crate::backend::alloc_tensors;
 use crate::buffer::{BufferType, Storage};
 use crate::graph::Graph;
+use crate::planner::CALIBRATED_M;
 use crate::tensor::Layout;
 use crate::{DType, Result};
 use std::collections::BTreeMap;
@@ -15,6 +16,8 @@ use std::collections::BTreeMap;
 pub(super) struct Rates {
     pub gemv: BTreeMap<String, f64>,
     pub gemm: BTreeMap<String, f64>,
+    /// Flop/s at the rows of [`CALIBRATED_M`], by type.
+    pub gemm_by_m: BTreeMap<String, Vec<(usize, f64)>>,
     pub mem_bw: f64,
     pub kernel_node_s: f64,
     pub gemv_bytes: BTreeMap<String, usize>,
@@ -118,6 +121,7 @@ pub(super) fn measure_devices(
     let mut r = Rates {
         gemv: BTreeMap::new(),
         gemm: BTreeMap::new(),
+        gemm_by_m: BTreeMap::new(),
         mem_bw: 0.0,
         kernel_node_s,
         gemv_bytes: BTreeMap::new(),
@@ -181,6 +185,28 @@ fn matmul_rates(
     r.gemv.insert(dt.name().into(), bytes as f64 / k);
     r.gemv_bytes.insert(dt.name().into(), bytes);
     r.gemv_nodes.insert(dt.name().into(), shapes.len());
+    // Between the regimes: M = 2 and 8 over the streamed weights (a batched decode step reads
+    // them from memory), larger M over one copy (compute-bound, as the GEMM).
+    let streamed = shapes;
+    let mut by_m = Vec::with_capacity(CALIBRATED_M.len());
+    for &m in &CALIBRATED_M {
+        step(&format!("{dt} products (M = {m})"));
+        let shapes: &[(usize, usize)] = if m <= 8 {
+            &streamed
+        } else {
+            &base[..b.gemm_shapes]
+        };
+        let flops: f64 = shapes.iter().map(|&(k, n)| 2.0 * (m * k * n) as f64).sum();
+        let p = rig.prepare(&|_, bt| {
+            let w = weights(dt, shapes, &tensors, bt)?;
+            matmul_graph(dt, &w, m)
+        })?;
+        let t = rig.time(&p, b.warmup, b.reps)?;
+        drop(p);
+        let k = kernel_time(median(&t.spans), shapes.len(), r.kernel_node_s);
+        by_m.push((m, flops / k));
+    }
+    r.gemm_by_m.insert(dt.name().into(), by_m);
     // GEMM: one copy of the first shapes (compute-bound, the weights may stay cached).
     step(&format!("GEMM {dt} (M = {GEMM_M})"));
     let shapes = &base[..b.gemm_shapes];
@@ -226,4 +252,43 @@ fn memory_bandwidth(rig: &mut Rig, b: &Budget, kernel_node_s: f64) -> Result<f64
     let t = rig.time(&p, b.warmup, b.reps)?;
     let k = kernel_time(median(&t.spans), adds, kernel_node_s);
     Ok((adds * moved_per_add) as f64 / k)
+}
+
+/// Seconds (median, from the first device starting to the last finishing) of products of M = 8
+/// rows over 8 copies of the first GEMM shapes of `dt`, on every device of `rig` at once: a
+/// compute-bound step, for [`alone_speedup`].
+fn product_span(rig: &mut Rig, dt: DType, b: &Budget) -> Result<f64> {
+    let base: Vec<(usize, usize)> = SHAPES[..b.gemm_shapes]
+        .iter()
+        .map(|&(k, n)| (k.next_multiple_of(dt.block_size()), n))
+        .collect();
+    let mut tensors = BTreeMap::new();
+    for &(k, n) in &base {
+        tensors.insert((k, n), tensor_bytes(dt, k, n)?);
+    }
+    let shapes: Vec<(usize, usize)> = (0..8).flat_map(|_| base.clone()).collect();
+    let p = rig.prepare(&|_, bt| {
+        let w = weights(dt, &shapes, &tensors, bt)?;
+        matmul_graph(dt, &w, 8)
+    })?;
+    let t = rig.time(&p, b.warmup, b.reps.max(5))?;
+    Ok(median(&t.spans))
+}
+
+/// How much faster the first device computes alone than all of `devices` at once (the
+/// cluster's `alone_speedup`): the same products timed on a rig of all of them, then of the
+/// first alone. At least 1 (a device alone is not slowed by the others); None for one device.
+pub(super) fn alone_speedup(
+    devices: &[std::sync::Arc<dyn crate::backend::Device>],
+    dt: DType,
+    b: &Budget,
+) -> Result<Option<f64>> {
+    if devices.len() < 2 {
+        return Ok(None);
+    }
+    let all = product_span(&mut Rig::new(devices)?, dt, b)?;
+    let alone = product_span(&mut Rig::new(&devices[..1])?, dt, b)?;
+    Ok(Some(
+        (all / alone.max(1e-12)).clamp(1.0, devices.len() as f64),
+    ))
 }

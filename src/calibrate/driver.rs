@@ -2,7 +2,7 @@
 //! overheads, links) with progress, and assembles the profile through the planner's
 //! `measured_cluster`, with sources saying how each figure was obtained.
 
-use super::device_rates::measure_devices;
+use super::device_rates::{alone_speedup, measure_devices};
 use super::host::cpu_model;
 use super::links::measure_links;
 use super::options::{Budget, CalibrateOptions, GEMM_M, GEMV_M, SHAPES, SHORT_CHAIN, STEP_GAP};
@@ -11,8 +11,8 @@ use super::rig::Rig;
 use crate::backend::{Device, DeviceKind};
 use crate::cpu::CpuOptions;
 use crate::devices::parse_devices_with;
-use crate::planner::Cluster;
 use crate::planner::fit::{LinkFitReport, MeasuredRates, measured_cluster};
+use crate::planner::{CALIBRATED_M, Cluster};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -63,7 +63,7 @@ pub fn calibrate_report(
     let n = devices.len();
     let budget = Budget::new(opts.quick);
     let link_units = (n - 1) * 3 * budget.link_sizes.len();
-    let units = 1 + 2 * opts.weight_types.len() + 1 + 1 + link_units;
+    let units = 1 + (2 + CALIBRATED_M.len()) * opts.weight_types.len() + 3 + link_units;
     let done = std::cell::Cell::new(0usize);
     let step = |what: &str| {
         progress(what, done.get() as f64 / units as f64);
@@ -75,6 +75,9 @@ pub fn calibrate_report(
         let mut rig = Rig::new(&devices)?;
         measure_devices(&mut rig, opts, &budget, &step)?
     };
+    // One device alone against all at once (a layer split's stages run alone or a few at once).
+    step("one device alone against all at once");
+    let speedup = alone_speedup(&devices, opts.weight_types[0], &budget)?;
     // Overheads through the backend a run uses.
     step("step and node overheads");
     let over = measure_overheads(spec, opts.precision, &budget)?;
@@ -93,9 +96,11 @@ pub fn calibrate_report(
     let measured = MeasuredRates {
         gemv_bw: rates.gemv.clone(),
         gemm_flops: rates.gemm.clone(),
+        gemm_flops_by_m: rates.gemm_by_m.clone(),
         mem_bw: rates.mem_bw,
         step_overhead_s: over.step_s,
         node_overhead_s: over.node_s,
+        alone_speedup: speedup,
     };
     let cluster = measured_cluster(
         format!("calibrated {spec}"),

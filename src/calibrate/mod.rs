@@ -8,9 +8,9 @@
 //! `overheads.rs` (step and node overheads through a run's backend), `links.rs` (timing
 //! collectives).
 //!
-//! The cost model (see `planner/cluster.rs`) prices a matrix product with weights at
-//! `weight bytes / gemv_bw[dtype]` when the activations have M <= 8 rows and at
-//! `2 M N K / gemm_flops[dtype]` above; any other op at `bytes moved / mem_bw`; every node of a
+//! The cost model (see `planner/cluster.rs`) prices a matrix product with weights at no less
+//! than `weight bytes / gemv_bw[dtype]` and `2 M N K / gemm_flops[dtype]`, interpolated in
+//! M through the `gemm_flops_by_m` points in between; any other op at `bytes moved / mem_bw`; every node of a
 //! device's program at `node_overhead_s` more, every graph computation at `step_overhead_s`;
 //! and collectives by the links' alpha-beta fits. [`calibrate`] measures exactly these
 //! quantities, on the devices of a device list opened the way a run opens them (same backend,
@@ -26,6 +26,9 @@
 //!     (K = 576, 1536, 2048, 4096; see [`SHAPES`]), repeated until they far exceed the last-level
 //!     cache so weights stream from memory as in a decode step; `gemv_bw` = weight bytes per
 //!     second of kernel time;
+//!   - between the two: M = 2 and 8 over the streamed weights, M = 32 over one copy
+//!     (`gemm_flops_by_m`, the points the cost model interpolates through);
+//!   - one device alone against all at once (8-row products): the cluster's `alone_speedup`;
 //!   - GEMM: M = 128 products over the same shapes, `gemm_flops` = `2 M N K` per second;
 //!   - memory: element-wise adds of large F32 tensors; `mem_bw` = bytes read and written per
 //!     second (two sources and the result: the cost model's "bytes moved");

@@ -216,17 +216,37 @@ pub fn table(r: &Calibration) -> String {
         .map(|t| t.name())
         .filter(|t| c.devices.iter().any(|d| d.gemv_bw.contains_key(*t)))
         .collect();
-    for (title, unit, get) in [
-        (
-            "GEMV (M = 1), weight GB/s",
+    type Get<'a> = Box<dyn Fn(&metashard::planner::DeviceProfile, &str) -> Option<f64> + 'a>;
+    let mut tables: Vec<(String, f64, Get)> = vec![(
+        "GEMV (M = 1), weight GB/s".into(),
+        1e9,
+        Box::new(|d, t| d.gemv_bw.get(t).copied()),
+    )];
+    for m in metashard::planner::CALIBRATED_M {
+        tables.push((
+            format!("products at M = {m}, GFLOP/s"),
             1e9,
-            (|d: &metashard::planner::DeviceProfile, t: &str| d.gemv_bw.get(t).copied())
-                as fn(&metashard::planner::DeviceProfile, &str) -> Option<f64>,
-        ),
-        ("GEMM (M = 128), GFLOP/s", 1e9, |d, t| {
-            d.gemm_flops.get(t).copied()
-        }),
-    ] {
+            Box::new(move |d, t| {
+                d.gemm_flops_by_m
+                    .get(t)
+                    .and_then(|p| p.iter().find(|x| x.0 == m))
+                    .map(|x| x.1)
+            }),
+        ));
+    }
+    tables.push((
+        "GEMM (M = 128), GFLOP/s".into(),
+        1e9,
+        Box::new(|d, t| d.gemm_flops.get(t).copied()),
+    ));
+    for (title, unit, get) in tables {
+        if !c
+            .devices
+            .iter()
+            .any(|d| types.iter().any(|t| get(d, t).is_some()))
+        {
+            continue;
+        }
         let _ = write!(s, "\n{title}\n{:<8}", "device");
         for t in &types {
             let _ = write!(s, " {t:>8}");

@@ -29,8 +29,17 @@ pub struct DeviceProfile {
     /// Matrix-vector regime (M <= 8 rows of activations): weight bytes read per second, by
     /// weight type name (`f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `q4_1`).
     pub gemv_bw: BTreeMap<String, f64>,
-    /// Matrix-matrix regime (M > 8): floating-point operations per second, by weight type.
+    /// Matrix-matrix regime (the largest M): floating-point operations per second, by weight
+    /// type.
     pub gemm_flops: BTreeMap<String, f64>,
+    /// Between the two regimes: `[M, flop/s]` points by weight type, M strictly increasing
+    /// from 2 (a calibration measures M = 2, 8 and 32, where a CPU's small-M kernels run far
+    /// below its GEMM rate: [`CALIBRATED_M`]). A product of M rows is priced by interpolating
+    /// its time linearly in M between the points, M = 1 costing the weights' bytes at
+    /// `gemv_bw` ([`DeviceProfile::product_seconds`]). Absent (presets, older profiles): the
+    /// `gemm_flops` rate from M = 2 on.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gemm_flops_by_m: BTreeMap<String, Vec<(usize, f64)>>,
     /// Fixed cost of one graph computation (launch, synchronization), seconds.
     pub step_overhead_s: f64,
     /// Fixed cost per node of a program (a kernel launch, a barrier between threads), seconds.
@@ -50,7 +59,40 @@ impl DeviceProfile {
             .or_else(|| self.gemm_flops.values().copied().reduce(f64::min))
             .unwrap_or(1e9)
     }
+
+    /// Seconds of a product of `m` activation rows with a weight of `dtype`, `weight_bytes`
+    /// bytes and `nk` (N x K) elements: never below streaming the weights once (`gemv_bw`) and
+    /// never below its `2 M N K` flops at the `gemm_flops` rate; between, where the profile has
+    /// [`gemm_flops_by_m`](DeviceProfile::gemm_flops_by_m) points for the type, the time is
+    /// interpolated linearly in M from M = 1 (the bytes at `gemv_bw`) through the points (each
+    /// point's time at least the one before: a larger M never costs less). Non-decreasing in
+    /// `m`, as a batch's step must be.
+    pub fn product_seconds(&self, dtype: DType, weight_bytes: f64, nk: f64, m: f64) -> f64 {
+        let floor = weight_bytes / self.gemv(dtype).max(1.0);
+        let flops = |m: f64| 2.0 * nk * m;
+        let gemm = flops(m) / self.gemm(dtype).max(1.0);
+        let Some(points) = self.gemm_flops_by_m.get(dtype.name()) else {
+            return floor.max(gemm);
+        };
+        let mut prev = (1.0, floor);
+        for &(pm, rate) in points {
+            let pm = pm as f64;
+            let t = (flops(pm) / rate.max(1.0)).max(prev.1);
+            if m <= pm {
+                let f = ((m - prev.0) / (pm - prev.0).max(1e-9)).clamp(0.0, 1.0);
+                return (prev.1 + f * (t - prev.1)).max(floor);
+            }
+            prev = (pm, t);
+        }
+        gemm.max(prev.1).max(floor)
+    }
 }
+
+/// The activation rows a calibration measures between the GEMV (M = 1) and the GEMM regimes
+/// ([`DeviceProfile::gemm_flops_by_m`]): 2 (just past the memory floor), 8 (the widest of the
+/// CPU's fused small-M kernels) and 32 (a short prompt or a micro-batch, on the dequantizing
+/// tiles).
+pub const CALIBRATED_M: [usize; 3] = [2, 8, 32];
 
 /// The most devices a cluster may have (hosts times devices per host included).
 pub const MAX_DEVICES: usize = 1024;
@@ -100,6 +142,28 @@ impl DeviceProfile {
                     ));
                 }
                 in_range(&format!("{field}.{k}"), v, range, unit)?;
+            }
+        }
+        for (k, points) in &self.gemm_flops_by_m {
+            let field = format!("gemm_flops_by_m.{k}");
+            if DType::from_name(k).is_none() {
+                return Err((
+                    "gemm_flops_by_m".into(),
+                    format!("`{k}`"),
+                    "not an element type name (f32, f16, bf16, q8_0, ...)".into(),
+                ));
+            }
+            let mut prev = 1;
+            for &(m, v) in points {
+                if m <= prev || m > 1 << 20 {
+                    return Err((
+                        field,
+                        format!("M = {m}"),
+                        "rows must increase, from 2 to 1048576".into(),
+                    ));
+                }
+                in_range(&format!("{field} at M = {m}"), v, &FLOPS, "flop/s")?;
+                prev = m;
             }
         }
         Ok(())
@@ -329,11 +393,32 @@ pub struct Cluster {
     /// Where the figures come from (a measurement, or public sources).
     #[serde(default)]
     pub sources: Vec<String>,
+    /// How much faster one device computes when it is the only one of the cluster computing
+    /// than when all of them compute at once, as the devices' rates were measured: devices
+    /// sharing cores (3 one-thread CPU devices on 2 cores) or a memory bus. A calibration
+    /// measures it; absent: 1 (independent devices). A layer split's stages, which run one
+    /// at a time or a few at once, are priced with it ([`Cluster::concurrency_factor`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alone_speedup: Option<f64>,
 }
 
 impl Cluster {
     pub fn n_devices(&self) -> usize {
         self.devices.len()
+    }
+
+    /// The factor on the devices' calibrated compute times when only `active` of the
+    /// cluster's devices compute at once (at most 1). With an [`alone_speedup`] s over n
+    /// devices, the devices behave as if they shared n / s cores: each of k active devices
+    /// runs at min(1, cores / k) of a device alone, against min(1, cores / n) when measured.
+    ///
+    /// [`alone_speedup`]: Cluster::alone_speedup
+    pub fn concurrency_factor(&self, active: usize) -> f64 {
+        let n = self.devices.len().max(1) as f64;
+        let s = self.alone_speedup.unwrap_or(1.0).clamp(1.0, n);
+        let cores = n / s;
+        let share = |k: f64| (cores / k.max(1.0)).min(1.0);
+        (share(n) / share(active.clamp(1, self.devices.len().max(1)) as f64)).min(1.0)
     }
 
     /// Check the figures against their physical ranges ([`MAX_DEVICES`], [`MEMORY_BYTES`],
@@ -350,6 +435,15 @@ impl Cluster {
     /// The first figure out of its range: (field, value, reason).
     fn check(&self) -> std::result::Result<(), (String, String, String)> {
         let n = self.devices.len();
+        if let Some(s) = self.alone_speedup
+            && !(1.0..=MAX_DEVICES as f64).contains(&s)
+        {
+            return Err((
+                "alone_speedup".into(),
+                s.to_string(),
+                format!("must be in 1..={MAX_DEVICES}"),
+            ));
+        }
         if !(1..=MAX_DEVICES).contains(&n) {
             return Err((
                 "devices".into(),
@@ -417,6 +511,7 @@ impl Cluster {
                 .collect(),
             links,
             sources: Vec::new(),
+            alone_speedup: None,
         }
     }
 
@@ -454,6 +549,7 @@ impl Cluster {
                 inter: Some(inter),
             },
             sources: self.sources.clone(),
+            alone_speedup: self.alone_speedup,
         };
         c.validate()?;
         Ok(c)
@@ -515,6 +611,82 @@ mod tests {
         // tests/planner_calibrate.rs, `calibrate_one_device_has_no_links_to_fit`.
     }
 
+    /// A CPU-like profile: q4_1 weights at 5.7 GB/s for one row, 29 GFLOP/s at M = 2 and 8,
+    /// 57 at 32, 71 at the GEMM's M = 128 (a quick calibration of cpu:2x1, 2026-11-27).
+    fn cpu_like() -> DeviceProfile {
+        let one = |v: f64| BTreeMap::from([("q4_1".to_string(), v)]);
+        DeviceProfile {
+            name: "cpu".into(),
+            memory_bytes: 1 << 30,
+            mem_bw: 5e9,
+            gemv_bw: one(5.7e9),
+            gemm_flops: one(71e9),
+            gemm_flops_by_m: BTreeMap::from([(
+                "q4_1".to_string(),
+                vec![(2, 29e9), (8, 29.8e9), (32, 57e9)],
+            )]),
+            step_overhead_s: 0.0,
+            node_overhead_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn small_m_products_cost_their_calibrated_rate_and_never_less_with_more_rows() {
+        let p = cpu_like();
+        let (k, n) = (576.0, 1536.0);
+        let bytes = DType::Q4_1.row_size(576) as f64 * n;
+        let floor = bytes / 5.7e9;
+        let at = |m: f64| p.product_seconds(DType::Q4_1, bytes, k * n, m);
+        // M = 1: the weights streamed once; at a point: its rate exactly.
+        assert_eq!(at(1.0), floor);
+        assert!((at(8.0) - 2.0 * k * n * 8.0 / 29.8e9).abs() < 1e-12);
+        assert!((at(32.0) - 2.0 * k * n * 32.0 / 57e9).abs() < 1e-12);
+        // Past the points: the GEMM rate (M = 256 at 71 GFLOP/s).
+        assert!((at(256.0) - 2.0 * k * n * 256.0 / 71e9).abs() < 1e-12);
+        // At M = 8 the product costs 2.4x what the GEMM rate alone says (the cost model took
+        // that before: batched decoding predicted ~3x too fast on this machine).
+        let gemm_only = 2.0 * k * n * 8.0 / 71e9;
+        assert!(at(8.0) > 2.0 * gemm_only, "{} vs {gemm_only}", at(8.0));
+        let mut last = 0.0;
+        for m in 1..=600 {
+            let t = at(m as f64);
+            assert!(t >= floor && t >= last, "M = {m}: {t} after {last}");
+            last = t;
+        }
+        // A type without points: the larger of the two regimes, as before.
+        let f = DType::F32;
+        assert_eq!(
+            p.product_seconds(f, 1e6, 1e6, 8.0),
+            (1e6 / p.gemv(f)).max(16e6 / p.gemm(f))
+        );
+        // A faster point after a slower one does not make more rows cheaper.
+        let mut q = cpu_like();
+        q.gemm_flops_by_m
+            .insert("q4_1".into(), vec![(2, 1e9), (8, 100e9)]);
+        let t2 = q.product_seconds(DType::Q4_1, bytes, k * n, 2.0);
+        assert!(q.product_seconds(DType::Q4_1, bytes, k * n, 8.0) >= t2);
+    }
+
+    #[test]
+    fn small_m_points_are_checked() {
+        let mut p = cpu_like();
+        assert!(p.check().is_ok());
+        p.gemm_flops_by_m
+            .insert("q4_1".into(), vec![(8, 1e9), (8, 2e9)]);
+        let e = p.check().unwrap_err();
+        assert!(
+            e.0.contains("gemm_flops_by_m.q4_1") && e.1 == "M = 8",
+            "{e:?}"
+        );
+        p.gemm_flops_by_m.insert("q4_1".into(), vec![(1, 1e9)]);
+        assert!(p.check().is_err());
+        p.gemm_flops_by_m.insert("q4_1".into(), vec![(4, -1.0)]);
+        assert!(p.check().unwrap_err().0.contains("at M = 4"));
+        p.gemm_flops_by_m.clear();
+        p.gemm_flops_by_m.insert("q9".into(), vec![(4, 1e9)]);
+        assert!(p.check().unwrap_err().1.contains("q9"));
+    }
+
     #[test]
     fn ring_formulas() {
         let l = level(100e9, 10e-6);
@@ -538,6 +710,7 @@ mod tests {
                 mem_bw: 1e10,
                 gemv_bw: BTreeMap::new(),
                 gemm_flops: BTreeMap::new(),
+                gemm_flops_by_m: BTreeMap::new(),
                 step_overhead_s: 0.0,
                 node_overhead_s: 0.0,
             },

@@ -9,7 +9,10 @@
 //! into the per-device programs a run would execute (`meta::rewrite`). Each program node is then costed on its device's profile:
 //!
 //! - a product with a weight: the larger of weight bytes / GEMV bandwidth of its type (the
-//!   weights stream once: the memory floor) and 2·M·N·K / GEMM flop rate of its type;
+//!   weights stream once: the memory floor) and 2·M·N·K / GEMM flop rate of its type; where
+//!   the profile has small-M rates for the type (a CPU's calibration at M = 2, 8, 32), the
+//!   time between M = 1 and the GEMM regime is interpolated through them
+//!   (`DeviceProfile::product_seconds`);
 //! - an expert product (`mul_mat_id`): the larger of the bytes of the experts the step's
 //!   tokens are expected to be routed to / GEMV bandwidth and the routed pairs' flops / GEMM
 //!   rate, under a routing skew (`planner::experts`);
@@ -198,7 +201,8 @@ impl Workload {
 
     /// The prefill step the cost model builds: (tokens, start). The middle chunk's context
     /// stands for all of them; a batch is costed as one longer sequence (the same rows for
-    /// every product, more attention). None without a prompt.
+    /// every product, more attention) with logits for each sequence's last token (the
+    /// output product of one row per sequence). None without a prompt.
     pub(super) fn prefill_step(&self) -> Option<(usize, usize)> {
         if self.prefill == 0 {
             return None;
@@ -412,11 +416,13 @@ impl Placed {
         mb.tensor_at(st.offset).map(|t| t.state.clone())
     }
 
-    /// A step of `tokens` tokens at positions `start..`, attending to `start + tokens` rows.
-    pub fn step_graph(&self, tokens: usize, start: usize) -> Result<Graph> {
+    /// A step of `tokens` tokens at positions `start..`, attending to `start + tokens` rows,
+    /// with logits for its last `logits` rows (1..=tokens: one per sequence of a batch, whose
+    /// output product then has that many rows, as a batched step's has).
+    pub fn step_graph(&self, tokens: usize, start: usize, logits: usize) -> Result<Graph> {
         let ids: Vec<i32> = (0..tokens).map(|i| (i % 7) as i32).collect();
         let step = SequenceStep::new(&ids, start, start + tokens);
-        let inp = step.input(tokens - 1..tokens);
+        let inp = step.input(tokens - logits.clamp(1, tokens.max(1))..tokens);
         Ok(build_step_shapes(&self.shape.cfg, &self.weights, &self.cache, &inp)?.graph)
     }
 
@@ -510,21 +516,27 @@ pub fn evaluate(
 }
 
 /// The cost of one step of `tokens` tokens at positions `start..` of `placed` on `cluster`,
-/// raising `activations` (per device) to the step's compute-buffer peaks.
+/// the tokens of `seqs` sequences (a batch, costed as one longer sequence: each sequence's
+/// last token gets logits, and each token attends to its own sequence's `start + tokens /
+/// seqs` positions, not to every row of the step), raising `activations` (per device) to the
+/// step's compute-buffer peaks.
 pub(super) fn step_at(
     placed: &Placed,
     cluster: &Cluster,
     tokens: usize,
     start: usize,
+    seqs: usize,
     activations: &mut [usize],
 ) -> Result<StepCost> {
-    let g = placed.step_graph(tokens, start)?;
+    let seqs = seqs.clamp(1, tokens.max(1));
+    let g = placed.step_graph(tokens, start, seqs)?;
     let (_, rw) = placed.shard(&g)?;
     for (d, p) in rw.programs.iter().enumerate() {
         let plan = crate::alloc::measure(&p.graph, &VirtualBufferType)?;
         activations[d] = activations[d].max(plan.peak);
     }
-    Ok(step_cost(&g, &rw, cluster, tokens, placed.routing()))
+    let span = start + tokens.div_ceil(seqs);
+    Ok(step_cost(&g, &rw, cluster, tokens, span, placed.routing()))
 }
 
 /// As [`evaluate`], for a model already placed.
@@ -537,13 +549,29 @@ pub fn evaluate_placed(
     let mut activations = vec![0usize; placed.devices.len()];
     let (prefill, chunks) = match workload.prefill_step() {
         Some((tokens, start)) => (
-            Some(step_at(placed, cluster, tokens, start, &mut activations)?),
+            Some(step_at(
+                placed,
+                cluster,
+                tokens,
+                start,
+                // The sequences whose chunks make up the step.
+                (tokens / workload.prefill.clamp(1, Workload::CHUNK)).clamp(1, workload.batch),
+                &mut activations,
+            )?),
             workload.prefill_steps(),
         ),
         None => (None, 0),
     };
     let decode = match workload.decode_step() {
-        Some((tokens, at)) => Some(step_at(placed, cluster, tokens, at, &mut activations)?),
+        // Every sequence of a batched decode step gets its logits.
+        Some((tokens, at)) => Some(step_at(
+            placed,
+            cluster,
+            tokens,
+            at,
+            tokens,
+            &mut activations,
+        )?),
         None => None,
     };
     let memory = placed
@@ -635,6 +663,7 @@ fn step_cost(
     rw: &Rewritten,
     cluster: &Cluster,
     tokens: usize,
+    kv_span: usize,
     routing: Option<Routing>,
 ) -> StepCost {
     let n = rw.programs.len();
@@ -678,7 +707,7 @@ fn step_cost(
                     let (mut t, mut o) = (0.0, 0.0);
                     for idx in r.clone() {
                         let id = TensorId(idx as u32);
-                        let (c, ov) = node_cost(&p.graph, id, prof, routing);
+                        let (c, ov) = node_cost(&p.graph, id, prof, kv_span, routing);
                         t += c + ov;
                         o += ov;
                         seg_compute[d][local_seg[d][idx]] += c + ov;
@@ -753,11 +782,13 @@ fn step_cost(
     }
 }
 
-/// Seconds of one local node on `prof`: (work, fixed overhead).
+/// Seconds of one local node on `prof`: (work, fixed overhead). Attention reads at most
+/// `kv_span` cache rows per query (a batch's tokens attend to their own sequence's).
 fn node_cost(
     g: &Graph,
     id: TensorId,
     prof: &super::cluster::DeviceProfile,
+    kv_span: usize,
     routing: Option<Routing>,
 ) -> (f64, f64) {
     let node = g.node(id);
@@ -785,10 +816,10 @@ fn node_cost(
                 // The weights stream at least once (the GEMV rate, their memory floor) and the
                 // product takes at least its flops at the GEMM rate: whichever is longer, at
                 // any number of activation rows.
-                let wbytes = a.nbytes() as f64;
-                let t =
-                    (wbytes / prof.gemv(a.dtype).max(1.0)).max(flops / prof.gemm(a.dtype).max(1.0));
-                t + mem(src_bytes(1) + out)
+                // Between the two, a calibrated small-M rate (`DeviceProfile::product_seconds`).
+                // The calibrated kernel times include reading the activations and writing
+                // the result (a step's activations are hot in cache), so nothing is added.
+                prof.product_seconds(a.dtype, a.nbytes() as f64, k * nn, m)
             } else {
                 // Activations times activations (attention scores and values): every row of b
                 // meets the N rows of its head of a.
@@ -798,10 +829,13 @@ fn node_cost(
         Op::FlashAttn { .. } => {
             let q = g.layout(node.src[0]);
             let k = g.layout(node.src[1]);
-            // q: [dk, n_q, n_head, b], k: [dk, n_kv, n_head_kv, b]
-            let flops =
-                4.0 * q.ne[0] as f64 * k.ne[1] as f64 * (q.ne[1] * q.ne[2] * q.ne[3]) as f64;
-            mem(src_bytes(0) + src_bytes(1) + src_bytes(2) + src_bytes(3) + out)
+            // q: [dk, n_q, n_head, b], k: [dk, n_kv, n_head_kv, b]. A batch's query attends
+            // to its own sequence's rows only (the CPU kernel skips the rows the mask hides
+            // from other sequences): at most `kv_span` of the n_kv, and of K and V as much.
+            let n_kv = k.ne[1].min(kv_span.max(1)) as f64;
+            let part = n_kv / k.ne[1].max(1) as f64;
+            let flops = 4.0 * q.ne[0] as f64 * n_kv * (q.ne[1] * q.ne[2] * q.ne[3]) as f64;
+            mem(src_bytes(0) + part * (src_bytes(1) + src_bytes(2) + src_bytes(3)) + out)
                 .max(flops / prof.gemm(DType::F32).max(1.0))
         }
         // Only the experts the step's tokens are routed to (`planner::experts`).
@@ -827,4 +861,124 @@ fn is_weight(g: &Graph, id: TensorId) -> bool {
             .storage
             .as_ref()
             .is_some_and(|st| st.buffer.usage() == BufferUsage::Weights)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::split::by_layer;
+    use crate::planner::cluster::{CollectiveFit, DeviceProfile, LinkLevel, Links};
+    use crate::planner::strategy::Strategy;
+    use std::collections::BTreeMap;
+
+    /// Two devices with a CPU's small-M rates (a quick calibration of cpu:2x1 on this
+    /// machine, 2026-11-27, rounded): the product of 8 rows runs at 40% of the GEMM's rate.
+    fn cpu_pair() -> Cluster {
+        let types = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"];
+        let rates = |x: f64| types.iter().map(|t| (t.to_string(), x)).collect();
+        let dev = DeviceProfile {
+            name: "cpu".into(),
+            memory_bytes: 8 << 30,
+            mem_bw: 5e9,
+            gemv_bw: BTreeMap::from([
+                ("q4_1".to_string(), 5.7e9),
+                ("q8_0".to_string(), 12e9),
+                ("f32".to_string(), 9e9),
+            ]),
+            gemm_flops: rates(70e9),
+            gemm_flops_by_m: types
+                .iter()
+                .map(|t| (t.to_string(), vec![(2, 28e9), (8, 30e9), (32, 55e9)]))
+                .collect(),
+            step_overhead_s: 50e-6,
+            node_overhead_s: 0.3e-6,
+        };
+        let fit = CollectiveFit {
+            alpha_s: vec![(2, 1e-6)],
+            bus_bw: 40e9,
+        };
+        let links = Links {
+            devices_per_node: 2,
+            intra: LinkLevel {
+                kind: "host memory".into(),
+                all_reduce: fit.clone(),
+                all_gather: fit.clone(),
+                reduce_scatter: fit,
+                broadcast: None,
+            },
+            inter: None,
+        };
+        Cluster::homogeneous("cpu", 2, &dev, links)
+    }
+
+    /// Issue 21's property, with small-M rates: for every batch, a step (prompt or decode)
+    /// costs at least streaming the busiest device's weights once at its fastest GEMV rate,
+    /// and a bigger batch never makes a step cheaper.
+    #[test]
+    fn steps_stream_the_weights_and_never_get_cheaper_with_the_batch() {
+        let shape = ModelShape::preset("smollm2-135m").unwrap();
+        let c = cpu_pair();
+        let fastest = c.devices[0].gemv_bw.values().copied().fold(0.0, f64::max);
+        for strategy in [Strategy::Megatron, Strategy::Mirrored] {
+            let split = strategy.split(shape.n_layer(), shape.tied).unwrap();
+            let (mut last_pp, mut last_tg) = (0.0, 0.0);
+            for batch in [1, 2, 3, 4, 7, 8, 9, 16, 32] {
+                let w = Workload {
+                    prefill: 32,
+                    decode: 8,
+                    batch,
+                    context: 32 * batch + 8,
+                };
+                let policy = by_layer(shape.split_dims(), split.clone());
+                let e = evaluate(&shape, policy, &c, &w).unwrap();
+                let floor = e.memory.iter().map(|m| m.weights).max().unwrap() as f64 / fastest;
+                let pp = e.prefill.as_ref().unwrap().seconds;
+                let tg = e.decode.as_ref().unwrap().seconds;
+                assert!(pp >= floor && tg >= floor, "{strategy:?} batch {batch}");
+                assert!(
+                    pp >= last_pp,
+                    "{strategy:?} batch {batch}: {pp} after {last_pp}"
+                );
+                assert!(
+                    tg >= last_tg,
+                    "{strategy:?} batch {batch}: {tg} after {last_tg}"
+                );
+                (last_pp, last_tg) = (pp, tg);
+            }
+        }
+    }
+
+    /// A batched step gets logits for every sequence (the output product has a row per
+    /// sequence, as a `BatchSession` step's has), and a batch's prompt tokens attend to their
+    /// own sequence's rows, not to every row of the step.
+    #[test]
+    fn a_batched_step_has_logits_per_sequence_and_attends_within_sequences() {
+        let shape = ModelShape::preset("smollm2-135m").unwrap();
+        let c = cpu_pair();
+        let split = Strategy::Megatron
+            .split(shape.n_layer(), shape.tied)
+            .unwrap();
+        let policy = by_layer(shape.split_dims(), split);
+        let placed = Placed::new(&shape, &c, policy, 8 * 64).unwrap();
+        let mut act = vec![0; 2];
+        let output = |s: &StepCost| s.segments.last().unwrap().compute_s;
+        let one = step_at(&placed, &c, 8, 32, 1, &mut act).unwrap();
+        let eight = step_at(&placed, &c, 8, 32, 8, &mut act).unwrap();
+        assert!(output(&eight) > 3.0 * output(&one), "{eight:?} vs {one:?}");
+        // 8 prompts of 32 tokens against one prompt of 256: the same products, less attention.
+        let long = step_at(&placed, &c, 256, 0, 1, &mut act).unwrap();
+        let batch = step_at(&placed, &c, 256, 0, 8, &mut act).unwrap();
+        let layers = |s: &StepCost| {
+            s.segments[1..s.segments.len() - 1]
+                .iter()
+                .map(|x| x.compute_s)
+                .sum::<f64>()
+        };
+        assert!(
+            layers(&batch) < layers(&long),
+            "{} vs {}",
+            layers(&batch),
+            layers(&long)
+        );
+    }
 }

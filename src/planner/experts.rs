@@ -607,6 +607,7 @@ mod tests {
             mem_bw: 1e12,
             gemv_bw: rate(1e12),
             gemm_flops: rate(1e30),
+            gemm_flops_by_m: Default::default(),
             step_overhead_s: 0.0,
             node_overhead_s: 0.0,
         };

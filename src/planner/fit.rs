@@ -246,9 +246,14 @@ pub struct MeasuredRates {
     pub gemv_bw: BTreeMap<String, f64>,
     /// GEMM floating-point operations per second, by weight type name.
     pub gemm_flops: BTreeMap<String, f64>,
+    /// Floating-point operations per second at the rows of [`super::cluster::CALIBRATED_M`],
+    /// by weight type name: `[M, flop/s]`.
+    pub gemm_flops_by_m: BTreeMap<String, Vec<(usize, f64)>>,
     pub mem_bw: f64,
     pub step_overhead_s: f64,
     pub node_overhead_s: f64,
+    /// [`Cluster::alone_speedup`]: one device computing alone against all at once.
+    pub alone_speedup: Option<f64>,
 }
 
 /// A one-level cluster of `devices` (name, memory bytes), each with `rates`, joined by
@@ -269,6 +274,7 @@ pub fn measured_cluster(
             mem_bw: rates.mem_bw,
             gemv_bw: rates.gemv_bw.clone(),
             gemm_flops: rates.gemm_flops.clone(),
+            gemm_flops_by_m: rates.gemm_flops_by_m.clone(),
             step_overhead_s: rates.step_overhead_s,
             node_overhead_s: rates.node_overhead_s,
         })
@@ -283,6 +289,7 @@ pub fn measured_cluster(
             inter: None,
         },
         sources,
+        alone_speedup: rates.alone_speedup,
     };
     cluster.validate()?;
     Ok(cluster)

@@ -18,7 +18,10 @@
 //!
 //! The segment times come from a whole-model evaluation on each distinct device profile alone
 //! (the same per-node cost model as every other strategy); memory is the resident bytes of the
-//! device's segments plus that evaluation's activation peak.
+//! device's segments plus that evaluation's activation peak. Profiles are measured with every
+//! device busy; where the cluster says a device alone runs faster (`Cluster::alone_speedup`,
+//! devices sharing cores), the fill and drain (one stage at a time) and the steady state
+//! (min(m, stages) at once) are scaled by [`Cluster::concurrency_factor`].
 
 use super::cluster::{Cluster, DeviceProfile};
 use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed, step_at};
@@ -338,6 +341,8 @@ fn evaluate_stages(
     };
     let owners: Vec<usize> = (0..n_layer + 2).map(stage_of).collect();
     let copies = owners.windows(2).filter(|p| p[0] != p[1]).count();
+    // Stages that run a part of the step.
+    let used = (0..stages).filter(|st| owners.contains(st)).count().max(1);
     // The residual stream goes from the last device of one stage to the first of the next.
     let link = |a: usize, b: usize| {
         let node = cluster.links.devices_per_node.max(1);
@@ -354,9 +359,13 @@ fn evaluate_stages(
         .fold(0.0, f64::max);
     // Each stage's seconds for one micro-batch of `tokens` rows (`costs`: the step's cost on
     // each distinct stage evaluation): its segments, its overhead, the copy out of it.
-    let stage_times = |costs: &[StepCost], tokens: usize| -> Vec<f64> {
+    // Without `output`, the output segment (the last stage's logits) is left out.
+    let stage_times = |costs: &[StepCost], tokens: usize, output: bool| -> Vec<f64> {
         let mut t = vec![0.0; stages];
         for (s, &st) in owners.iter().enumerate() {
+            if !output && s == n_layer + 1 {
+                continue;
+            }
             t[st] += costs[which[st]]
                 .segments
                 .get(s)
@@ -375,8 +384,12 @@ fn evaluate_stages(
         t
     };
     // A step of `rows` rows at `start` in the fastest (or the given) number of micro-batches:
-    // fill and drain (every stage once) plus m - 1 times the slowest stage.
+    // fill and drain (every stage once) plus m - 1 times the slowest stage. `seqs`: the
+    // sequences in the step, each with its logits (a decode step: one per row). One sequence's
+    // prompt cut into micro-batches has logits in its last micro-batch only: its output
+    // segment is paid once, at the end of the drain.
     let pipelined = |step: Option<(usize, usize)>,
+                     seqs: usize,
                      whole: &dyn Fn(&Evaluation) -> Option<&StepCost>|
      -> Result<(f64, usize)> {
         let Some((rows, start)) = step else {
@@ -385,6 +398,8 @@ fn evaluate_stages(
         let mut best: Option<(f64, usize)> = None;
         for m in micro.candidates(rows) {
             let part = rows.div_ceil(m);
+            // Sequences per micro-batch: a batch is cut between sequences.
+            let logits = seqs.div_ceil(m).clamp(1, part);
             let costs: Vec<StepCost> = if m == 1 {
                 evals
                     .iter()
@@ -392,17 +407,34 @@ fn evaluate_stages(
                     .collect()
             } else {
                 // The middle micro-batch's context stands for all of them (a prompt's later
-                // chunks attend to the earlier ones).
-                let at = start + (rows - part) / 2;
+                // chunks attend to the earlier ones); a batch's micro-batches hold whole
+                // sequences, at the step's positions.
+                let at = match seqs {
+                    1 => start + (rows - part) / 2,
+                    _ => start,
+                };
                 let mut scratch = vec![0usize; per];
                 evals
                     .iter()
-                    .map(|e| step_at(&e.placed, &e.group, part, at, &mut scratch))
+                    .map(|e| step_at(&e.placed, &e.group, part, at, logits, &mut scratch))
                     .collect::<Result<_>>()?
             };
-            let t = stage_times(&costs, part);
+            let once = seqs < m;
+            let t = stage_times(&costs, part, !once);
+            let output = match once {
+                true => costs[which[last]]
+                    .segments
+                    .get(n_layer + 1)
+                    .map_or(0.0, |x| x.compute_s + x.comm_s),
+                false => 0.0,
+            };
+            // Fill and drain run one stage at a time, the steady state min(m, stages) at
+            // once: on devices that share cores each runs faster than calibrated with all
+            // of them busy (`Cluster::concurrency_factor`).
+            let alone = cluster.concurrency_factor(per);
+            let busy = cluster.concurrency_factor(m.min(used) * per);
             let slowest = t.iter().copied().fold(0.0, f64::max);
-            let total = t.iter().sum::<f64>() + (m - 1) as f64 * slowest;
+            let total = (t.iter().sum::<f64>() + output) * alone + (m - 1) as f64 * slowest * busy;
             if best.is_none_or(|(b, _)| total < b) {
                 best = Some((total, m));
             }
@@ -411,9 +443,14 @@ fn evaluate_stages(
     };
     let e0 = &evals[which[first]].eval;
     let (prefill_s, prefill_micro_batches) =
-        pipelined(w.prefill_step(), &|e: &Evaluation| e.prefill.as_ref())?;
+        pipelined(w.prefill_step(), w.batch, &|e: &Evaluation| {
+            e.prefill.as_ref()
+        })?;
+    let decode_rows = w.decode_step().map_or(1, |(rows, _)| rows);
     let (decode_s, decode_micro_batches) =
-        pipelined(w.decode_step(), &|e: &Evaluation| e.decode.as_ref())?;
+        pipelined(w.decode_step(), decode_rows, &|e: &Evaluation| {
+            e.decode.as_ref()
+        })?;
     let total_s = prefill_s * e0.prefill_chunks as f64 + decode_s * w.decode as f64;
     let memory = (0..n)
         .map(|d| {

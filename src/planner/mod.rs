@@ -40,7 +40,7 @@ pub mod strategy;
 pub mod virtual_device;
 
 pub use cluster::{
-    Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links, MAX_DEVICES,
+    CALIBRATED_M, Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links, MAX_DEVICES,
 };
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};

@@ -210,6 +210,7 @@ fn netns_cpu(name: &str) -> DeviceProfile {
         mem_bw: NETNS_MEM_BW,
         gemv_bw: rates(|r| r.1),
         gemm_flops: rates(|r| r.2),
+        gemm_flops_by_m: BTreeMap::new(),
         step_overhead_s: NETNS_STEP_OVERHEAD_S,
         node_overhead_s: NETNS_NODE_OVERHEAD_S,
     }
@@ -257,6 +258,7 @@ fn gpu(name: &str, memory: f64, copy_bw: f64, bf16_flops: f64, f32_flops: f64) -
         mem_bw: copy_bw,
         gemv_bw,
         gemm_flops,
+        gemm_flops_by_m: BTreeMap::new(),
         step_overhead_s: GPU_STEP_OVERHEAD_S,
         node_overhead_s: GPU_NODE_OVERHEAD_S,
     }
@@ -352,6 +354,7 @@ impl Cluster {
                     SRC_RING,
                     SRC_DERIVED,
                 ]),
+                alone_speedup: None,
             }),
             "h100x16-ib" => Some(Cluster {
                 name: "h100x16-ib".into(),
@@ -382,6 +385,7 @@ impl Cluster {
                     SRC_RING,
                     SRC_DERIVED,
                 ]),
+                alone_speedup: None,
             }),
             "rtx4090x4-pcie" => Some(Cluster {
                 name: "rtx4090x4-pcie".into(),
@@ -414,6 +418,7 @@ impl Cluster {
                     SRC_RING,
                     SRC_DERIVED,
                 ]),
+                alone_speedup: None,
             }),
             "cpu2x2-netns" => Some(Cluster {
                 name: "cpu2x2-netns".into(),
@@ -442,6 +447,7 @@ impl Cluster {
                     )),
                 },
                 sources: strings(&[SRC_NETNS, SRC_NETNS_FIT, SRC_RING]),
+                alone_speedup: None,
             }),
             _ => None,
         }

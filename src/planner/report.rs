@@ -864,7 +864,7 @@ pub fn dot(shape: &ModelShape, cluster: &Cluster, split: &DecoderSplit) -> Resul
     s1.layers.truncate(1);
     let one = shape.with_layers(1).for_split(cluster.devices.len(), &s1);
     let placed = Placed::new(&one, cluster, split_fn(&one, &s1), 64)?;
-    let g = placed.step_graph(1, 8)?;
+    let g = placed.step_graph(1, 8, 1)?;
     let (_, rw) = placed.shard(&g)?;
     let mut out = String::from("digraph plan {\n  rankdir=TB;\n  node [shape=box, fontsize=10];\n");
     let mut collectives: Vec<Vec<String>> = Vec::new();

@@ -311,3 +311,32 @@ fn expert_groups_hold_the_groups_experts_in_slices() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn auto_is_never_slower_than_the_expert_splits_it_tries() -> Result<()> {
+    // The search costs its chosen assignment with whole experts per device and with experts
+    // over 2 and 4 groups of the 8 H100s, and keeps the fastest: so its total is at most
+    // each of those fixed strategies' (which share its assignment of everything else only
+    // when it is megatron's, hence `<=` and not equality).
+    let c = Cluster::preset("h100x8-nvswitch").unwrap();
+    let w = Workload::parse("pp=64,tg=16,ctx=512")?;
+    for p in [&MIXTRAL_8X7B, &QWEN3_30B_A3B] {
+        let shape = ModelShape::preset(p.name).unwrap();
+        let r = metashard::planner::search::auto(&shape, &c, &w, None)?;
+        let best = r.evaluation.total_s;
+        for s in [
+            Strategy::ExpertGroups,
+            Strategy::ExpertParallel,
+            Strategy::Megatron,
+        ] {
+            let fixed = plan_on_h100s(&shape, s, &w)?.evaluation.total_s;
+            assert!(
+                best <= fixed * (1.0 + 1e-9),
+                "{}: auto {best} > {} {fixed}",
+                p.name,
+                s.name()
+            );
+        }
+    }
+    Ok(())
+}

@@ -558,13 +558,21 @@ pub fn auto(
     }
     // A mixture of experts: cost the chosen assignment with its experts split whole over the
     // devices too (expert parallelism: each device streams only its experts' rows, and the
-    // same one all-reduce per block), and keep whichever is faster and fits.
-    if shape.cfg.moe.is_some()
-        && let Some((i, e)) = &mut chosen
-        && found[*i].2.layers.iter().any(|l| l.mlp)
-    {
+    // same one all-reduce per block), and over groups of devices whose count divides the
+    // devices (columns inside a group), and keep whichever is fastest and fits.
+    let n_dev = cluster.devices.len();
+    let expert_splits = std::iter::once(ExpertSplit::Expert).chain(
+        (2..n_dev)
+            .filter(|g| n_dev % g == 0)
+            .map(|groups| ExpertSplit::Both { groups }),
+    );
+    for experts in expert_splits {
+        let Some((i, e)) = &mut chosen else { break };
+        if shape.cfg.moe.is_none() || !found[*i].2.layers.iter().any(|l| l.mlp) {
+            break;
+        }
         let ep = DecoderSplit {
-            experts: ExpertSplit::Expert,
+            experts,
             ..found[*i].2.clone()
         };
         let eshape = &shape.for_split(cluster.devices.len(), &ep);

@@ -563,7 +563,7 @@ pub fn auto(
     let n_dev = cluster.devices.len();
     let expert_splits = std::iter::once(ExpertSplit::Expert).chain(
         (2..n_dev)
-            .filter(|g| n_dev % g == 0)
+            .filter(|g| n_dev.is_multiple_of(*g))
             .map(|groups| ExpertSplit::Both { groups }),
     );
     for experts in expert_splits {

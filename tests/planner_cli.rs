@@ -618,3 +618,47 @@ fn bad_strategy_names_and_routing_files_are_errors() {
     assert!(!err.contains("panicked"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn plan_takes_the_expert_groups_count() {
+    // Qwen3-30B-A3B's 128 experts over 4 groups of the 8 H100s: 32 experts per group, each
+    // device half of each of its group's experts, so an eighth of all expert bytes (6,912
+    // MiB), as under the default 2 groups; the count is checked against the devices and
+    // belongs to `--strategy expert-groups` only.
+    let base = [
+        "plan",
+        "--model",
+        "qwen3-30b-a3b",
+        "--cluster",
+        "h100x8-nvswitch",
+        "--strategy",
+        "expert-groups",
+    ];
+    let (code, out, err) = metashard(&[&base[..], &["--expert-groups", "4"]].concat());
+    assert_eq!(code, 0, "{err}");
+    for needle in [
+        "whole experts over 4 groups of devices",
+        "per device 32/32/32/32/32/32/32/32 experts, expert weights 6912.0 MiB each",
+    ] {
+        assert!(out.contains(needle), "lacks {needle:?}:\n{out}");
+    }
+    let (code, out, _) = metashard(&base);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("whole experts over 2 groups of devices"),
+        "{out}"
+    );
+    for (args, want) in [
+        (vec!["--expert-groups", "0"], "--expert-groups 0"),
+        (vec!["--expert-groups", "9"], "between 1 and the 8 devices"),
+    ] {
+        let (code, _, err) = metashard(&[&base[..], &args[..]].concat());
+        assert_ne!(code, 0);
+        assert!(err.contains(want), "{err}");
+    }
+    let mut other = base.to_vec();
+    other[6] = "megatron";
+    let (code, _, err) = metashard(&[&other[..], &["--expert-groups", "2"]].concat());
+    assert_ne!(code, 0);
+    assert!(err.contains("is for `--strategy expert-groups`"), "{err}");
+}

@@ -3,6 +3,7 @@
 //! with `--json` or `-o`, DOT or SVG of one layer's per-device programs with `--dot`/`--svg`.
 
 use metashard::Result;
+use metashard::models::split::ExpertSplit;
 use metashard::planner::evaluate::Workload;
 use metashard::planner::report::{Plan, dot, evaluate_split};
 use metashard::planner::{
@@ -31,9 +32,8 @@ pub struct PlanArgs {
     pub workload: String,
     /// megatron, mlp-only, attn-only, mirrored, vocab-split, memory, sequence-parallel,
     /// expert-parallel (a mixture of experts: whole experts per device), expert-groups (whole
-    /// experts per group of devices, two groups, columns and rows inside a group), auto (the
-    /// search),
-    /// layer (whole layers per device, as `--split-mode layer` runs them), or hybrid (groups
+    /// experts per group of devices, `--expert-groups` groups (2), columns and rows inside a
+    /// group), auto (the search), layer (whole layers per device, as `--split-mode layer` runs them), or hybrid (groups
     /// of devices under the Megatron split, layers across the groups, as `--split-mode hybrid`
     /// runs them).
     #[arg(long, default_value = "auto")]
@@ -41,6 +41,9 @@ pub struct PlanArgs {
     /// Groups of the hybrid split (default: the cluster's nodes, or 2 on one node).
     #[arg(long)]
     pub groups: Option<usize>,
+    /// Groups of devices of `--strategy expert-groups` (default 2; 1 to the device count).
+    #[arg(long)]
+    pub expert_groups: Option<usize>,
     /// Micro-batches of the layer split's steps (1: its devices one after another; default:
     /// the fastest the cost model finds).
     #[arg(long, value_parser = super::parse_positive)]
@@ -137,6 +140,15 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         ));
     }
     let ratios = Shares::parse(&a.shares)?.ratios(&shape, &cluster)?;
+    if let Some(g) = a.expert_groups
+        && !a.strategy.trim().eq_ignore_ascii_case("expert-groups")
+    {
+        return Err(metashard::Error::invalid_argument(
+            "--expert-groups",
+            g,
+            "is for `--strategy expert-groups`",
+        ));
+    }
     let staged = ["layer", "hybrid"]
         .into_iter()
         .find(|s| a.strategy.trim().eq_ignore_ascii_case(s));
@@ -201,6 +213,10 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     let plan = match strategy.split(shape.n_layer(), shape.tied) {
         Some(mut split) => {
             split.ratios = ratios.clone();
+            if let Some(groups) = a.expert_groups {
+                split.experts = ExpertSplit::Both { groups };
+                split.experts.check_groups(cluster.devices.len())?;
+            }
             let e = evaluate_split(&shape, &split, &cluster, &workload)?;
             Plan::fixed(&shape, &cluster, &workload, strategy.name(), split, e)?
         }

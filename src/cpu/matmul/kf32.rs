@@ -21,12 +21,10 @@
 use super::KQuantW as KW;
 use super::kquant::{K4, K5, K6, kblock_bytes};
 #[cfg(target_arch = "x86_64")]
-use super::kquant::{f16_at, head};
+use super::kquant::{f16_at, head, prefetch_rows_ahead};
 use crate::cpu::simd::Isa;
 use crate::dtype::QK_K;
 
-#[cfg(target_arch = "x86_64")]
-use super::quant::{PF_ROWS, prefetch};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -200,9 +198,7 @@ mod avx512 {
         for blk in 0..nblk {
             let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
             for r in 0..RN {
-                for l in 0..bs.div_ceil(64) {
-                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
-                }
+                prefetch_rows_ahead(wb(r), ldw, bs);
                 // Scales broadcast from memory (a load) rather than by a lane permute: the
                 // permutes would compete with the byte widening for the one shuffle port.
                 // SAFETY: super-block blk of weight row r; the arrays hold 16 f32.
@@ -411,9 +407,7 @@ mod avx2 {
         for blk in 0..nblk {
             let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
             for r in 0..RN {
-                for l in 0..bs.div_ceil(64) {
-                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
-                }
+                prefetch_rows_ahead(wb(r), ldw, bs);
                 // SAFETY: super-block blk of weight row r.
                 let h = unsafe { head::<T>(wb(r), tab) };
                 for j in 0..16 {
@@ -484,9 +478,7 @@ mod avx2 {
         for blk in 0..nblk {
             let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
             for r in 0..RN {
-                for l in 0..bs.div_ceil(64) {
-                    prefetch(wb(r).wrapping_add(PF_ROWS * ldw + 64 * l));
-                }
+                prefetch_rows_ahead(wb(r), ldw, bs);
                 // The products `d * sc` and `dm * mn` of [`head`] (the same roundings), with
                 // the f16 scales converted by `vcvtph2ps` rather than the 256 KiB table,
                 // whose lookups per row and super-block missed L1 and L2.

@@ -413,7 +413,12 @@ fn bench_strategies_runs_the_gemma3_file() {
     // Seven tensor strategies, auto and the layer split.
     assert_eq!(rows.len(), 9, "{v}");
     for r in rows {
-        if r["strategy"] == "layer" {
+        // The layer split has no predicted per-device weights; `auto` runs it where the
+        // planner predicts it faster (on a busy machine's calibration it may).
+        let layered = r["assignment"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("whole layers per device"));
+        if r["strategy"] == "layer" || layered {
             continue;
         }
         assert_eq!(

@@ -37,7 +37,7 @@ pub fn parse_devices_with(spec: &str, cpu: CpuOptions) -> Result<Vec<Arc<dyn Dev
         return crate::cpu::parse_cpu_spec_with(spec, cpu);
     }
     if spec.starts_with("cuda") {
-        return crate::cuda::parse_cuda_spec(spec);
+        return crate::cuda::parse_cuda_spec(spec, cpu.precision);
     }
     Err(Error::Device {
         device: spec.to_string(),

@@ -377,7 +377,14 @@ fn bench_backend_times_every_case_on_a_cpu_device_and_refuses_device_groups() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
     let rows = v.as_array().unwrap();
-    assert_eq!(rows.len(), 12, "{}", r.stdout);
+    // Copy, 3 GEMMs, 6 GEMVs, 2 mul_mat_id; the 5 quantized GEMVs and 2 mul_mat_id again with
+    // 8-bit activations (`... q8`).
+    assert_eq!(rows.len(), 19, "{}", r.stdout);
+    let q8 = rows
+        .iter()
+        .filter(|r| r["case"].as_str().unwrap().ends_with(" q8"))
+        .count();
+    assert_eq!(q8, 7, "{}", r.stdout);
     for row in rows {
         assert_eq!(row["device"], "cpu");
         let rate = row["rate"].as_f64().unwrap();

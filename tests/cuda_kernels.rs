@@ -269,6 +269,11 @@ static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline int __float2int_rz(float x) { return (int)x; }
 static inline int __float_as_int(float x) { int i; std::memcpy(&i, &x, 4); return i; }
 static inline float __int_as_float(int i) { float x; std::memcpy(&x, &i, 4); return x; }
+static inline u32 __vsub4(u32 a, u32 b) {
+    u32 r = 0;
+    for (int i = 0; i < 4; i++) r |= (((a >> (8 * i)) - (b >> (8 * i))) & 0xff) << (8 * i);
+    return r;
+}
 static inline u32 __byte_perm(u32 x, u32 y, u32 s) {
     unsigned long long b = ((unsigned long long)y << 32) | x;
     u32 r = 0;
@@ -328,8 +333,42 @@ int main(int argc, char **argv) {
             }
         }
         for (i64 i = 0; i < n; i++) if (hits[i] != 1) { fprintf(stderr, "element %lld read by %d lanes\n", i, hits[i]); return 5; }
+        // The same through `lane8i` (signed bytes for the integer dot products), where the
+        // 8-bit-activation GEMV has the type.
+        std::vector<float> ilanes(n, NAN);
+        if (has_q8a(type)) {
+            std::fill(hits.begin(), hits.end(), 0);
+            for (int lane = 0; lane < 32; lane++) {
+                int t, first, step;
+                qx_lanes(type, lane, &t, &first, &step);
+                for (i64 b = first; b < nblk; b += step) {
+                    int lo, hi, e0, e1;
+                    float dl, ml;
+                    const char *blk = row.data() + b * bb;
+                    switch (type) {
+                    case T_Q8_0: lane8i<T_Q8_0>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    case T_Q4_0: lane8i<T_Q4_0>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    case T_Q4_1: lane8i<T_Q4_1>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    case T_Q5_0: lane8i<T_Q5_0>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    case T_Q5_1: lane8i<T_Q5_1>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    case T_Q4_K: lane8i<T_Q4_K>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    case T_Q5_K: lane8i<T_Q5_K>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    default: lane8i<T_Q6_K>(blk, t, &lo, &hi, &dl, &ml, &e0, &e1); break;
+                    }
+                    for (int i = 0; i < 8; i++) {
+                        int q = (signed char)(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xff);
+                        i64 a = b * be + (i < 4 ? e0 + i : e1 + i - 4);
+                        bool min = type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K;
+                        ilanes[a] = min ? dl * (float)q - ml : dl * (float)q;
+                        hits[a]++;
+                    }
+                }
+            }
+            for (i64 i = 0; i < n; i++) if (hits[i] != 1) { fprintf(stderr, "element %lld read by %d lanes (lane8i)\n", i, hits[i]); return 7; }
+        }
         fwrite(elem.data(), 4, n, out);
         fwrite(lanes.data(), 4, n, out);
+        fwrite(ilanes.data(), 4, n, out);
     } else {
         int be = qx_block_elems(type);
         std::vector<float> x((size_t)nblk * be);
@@ -441,7 +480,8 @@ fn host_new_weight_types_dequantize_as_the_dtype_table_element_by_element_and_la
     // (exponent below 31). Values must equal the table's (ggml's reference dequantizers,
     // checked against gguf-py in tests/quant_formats.rs) bit for bit, both as `load_qx` reads
     // single elements (get_rows, copies, the cuBLAS path's expansion) and as the GEMV's 32
-    // lanes read a row (`lane8`, every quantized type), each element by exactly one lane.
+    // lanes read a row (`lane8`, every quantized type; `lane8i`, the signed-byte quants of the
+    // 8-bit-activation GEMV, for its types), each element by exactly one lane.
     let Some(exe) = host_program() else { return };
     let older: &[(DType, &[usize])] = &[
         (DType::Q8_0, &[0]),
@@ -459,10 +499,26 @@ fn host_new_weight_types_dequantize_as_the_dtype_table_element_by_element_and_la
         let n = nblk * dt.block_size();
         let want = metashard::dtype::bytes_to_f32(dt, &row, n).unwrap();
         let got = f32s(&run_host(&exe, "d", dt, nblk, &row));
-        let (elem, lanes) = got.split_at(n);
+        let (elem, rest) = got.split_at(n);
+        let (lanes, ilanes) = rest.split_at(n);
         let qx = QX_TYPES.iter().any(|&(t, _)| t == dt);
-        for (what, v) in [("load_qx", elem), ("lane8 lanes", lanes)] {
-            if what == "load_qx" && !qx {
+        let q8a = [
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q5_0,
+            DType::Q5_1,
+            DType::Q4_K,
+            DType::Q5_K,
+            DType::Q6_K,
+        ]
+        .contains(&dt);
+        for (what, v) in [
+            ("load_qx", elem),
+            ("lane8 lanes", lanes),
+            ("lane8i lanes", ilanes),
+        ] {
+            if (what == "load_qx" && !qx) || (what == "lane8i lanes" && !q8a) {
                 continue;
             }
             for (i, (a, b)) in v.iter().zip(&want).enumerate() {
@@ -548,7 +604,7 @@ fn gpu_decodes_as_the_cpu_on(
     use metashard::models::layer_split::SplitMode;
     use metashard::runtime::{OpenOptions, open_decoder};
     use metashard::verify::{greedy, nmse};
-    let run = |devices: &str| {
+    let run = |devices: &str, experts| {
         let opts = OpenOptions {
             precision: Precision::Exact,
             split_mode: SplitMode::Tensor,
@@ -558,12 +614,18 @@ fn gpu_decodes_as_the_cpu_on(
         let (set, m) = open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {})?;
         greedy(&m, &set, GPU_PROMPT, 6)
     };
-    let (want_logits, want) = match run("cpu:1x2") {
+    // The reference is one CPU device: expert groups need a device per group, so it runs the
+    // experts' default split there (one device's result is the same under every split).
+    let reference = match experts {
+        Some(metashard::models::split::ExpertSplit::Both { .. }) => None,
+        e => e,
+    };
+    let (want_logits, want) = match run("cpu:1x2", reference) {
         Ok(r) => r,
         Err(e) => return failures.push(format!("{label} on the CPU: {e}")),
     };
     for &devices in devices {
-        match run(devices) {
+        match run(devices, experts) {
             Ok((logits, toks)) => {
                 let e = nmse(&logits, &want_logits);
                 println!("{label} {devices}: prompt logits NMSE {e:.2e}, tokens {toks:?}");
@@ -642,7 +704,8 @@ fn every_decoder_family_decodes_on_the_gpu_as_on_the_cpu() {
 #[test]
 fn mixtures_of_experts_split_whole_experts_decode_on_the_gpu_as_on_the_cpu() {
     // Expert parallelism on the GPU: each MoE family with 8 experts (Q8_0), the experts split
-    // whole over `cuda:0x2` and `cuda:0x3` (8 over 3: uneven), so every expert product runs the
+    // whole over `cuda:0x2` and `cuda:0x3` (8 over 3: uneven), and in two expert groups
+    // (`both`) over `cuda:0x4` and `cuda:0x3`, so every expert product runs the
     // windowed `mul_mat_id` (ids outside a device's experts give zero rows, the output zeroed
     // first) and the MoE block's Routed partial sums meet in one all-reduce: the prompt's logits
     // within NMSE 1e-4 of the CPU's and 6 greedy tokens equal.
@@ -673,6 +736,150 @@ fn mixtures_of_experts_split_whole_experts_decode_on_the_gpu_as_on_the_cpu() {
             Some(ExpertSplit::Expert),
             &mut failures,
         );
+        // Both: whole experts over two groups, column then row inside a group (2 + 2 devices,
+        // and 2 + 1: uneven), so the gate and up products are GroupRouted and the down
+        // product's partial sums meet in the same all-reduce.
+        gpu_decodes_as_the_cpu_on(
+            &path,
+            &format!("{name} in 2 expert groups"),
+            &["cuda:0x4", "cuda:0x3"],
+            Some(ExpertSplit::Both { groups: 2 }),
+            &mut failures,
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn eight_bit_activation_products_on_the_gpu_follow_the_f32_reference() {
+    // `Precision::Q8` on the GPU (`k_quantize_q8a`, `gemv_q8a`): for each type the 8-bit GEMV
+    // has, products with 1, 3 and 8 activation rows, two batches sharing the weights
+    // (broadcast), two products of the same computed activations (the second reuses the
+    // quantized rows), and `mul_mat_id` with 2 of 4 experts per token, all within 2% of the
+    // largest value of an f64 product of the dequantized weights (8-bit activations: about
+    // 0.4% per value), and not equal to the f32 path's results (the 8-bit path ran).
+    use metashard::Graph;
+    use metashard::cpu::{CpuOptions, Precision};
+    use metashard::devices::parse_devices_with;
+    if let Some(why) = no_gpu() {
+        println!("skipped: {why}");
+        return;
+    }
+    let run = |precision: Precision, g: &mut Graph| {
+        let dev = parse_devices_with("cuda", CpuOptions { precision }).unwrap();
+        dev[0].init_backend().unwrap().graph_compute(g).unwrap();
+    };
+    let (k, n, experts) = (512usize, 72usize, 4usize);
+    let rand = |len: usize, seed: u64| -> Vec<f32> {
+        random_bytes(len * 4, seed)
+            .chunks_exact(4)
+            .map(|c| {
+                (u32::from_le_bytes(c.try_into().unwrap()) >> 8) as f32 / (1 << 23) as f32 - 1.0
+            })
+            .collect()
+    };
+    let mut failures = Vec::new();
+    for (seed, dt) in [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = seed as u64 * 10;
+        let wv = rand(k * n * experts, seed + 1);
+        let wb = metashard::dtype::f32_to_bytes(dt, &wv).unwrap();
+        let wd = metashard::dtype::bytes_to_f32(dt, &wb, wv.len()).unwrap();
+        let rows = wb.len() / (n * experts);
+        for m in [1usize, 3, 8] {
+            let xv = rand(k * m * 2, seed + 2 + m as u64);
+            let build = || {
+                let mut g = Graph::new();
+                let w = g.input("w", dt, [k, n, 1, 1]).unwrap();
+                g.set_data(w, wb[..rows * n].to_vec()).unwrap();
+                let w2 = g.input("w2", dt, [k, n, 1, 1]).unwrap();
+                g.set_data(w2, wb[rows * n..2 * rows * n].to_vec()).unwrap();
+                let x = g.input_f32("x", [k, m, 2, 1], &xv).unwrap();
+                let xs = g.scale(x, 1.0).unwrap();
+                let outs = [g.mul_mat(w, xs).unwrap(), g.mul_mat(w2, xs).unwrap()];
+                for &o in &outs {
+                    g.set_output(o);
+                }
+                (g, outs)
+            };
+            let (mut g8, outs) = build();
+            run(Precision::Q8, &mut g8);
+            let (mut gf, _) = build();
+            run(Precision::Exact, &mut gf);
+            for (i, &o) in outs.iter().enumerate() {
+                let got = g8.read_f32(o).unwrap();
+                let f32_path = gf.read_f32(o).unwrap();
+                let wm = &wd[i * k * n..(i + 1) * k * n];
+                let want: Vec<f64> = (0..2 * m)
+                    .flat_map(|col| {
+                        let xc = &xv[col * k..(col + 1) * k];
+                        (0..n).map(move |r| {
+                            wm[r * k..(r + 1) * k]
+                                .iter()
+                                .zip(xc)
+                                .map(|(&a, &b)| a as f64 * b as f64)
+                                .sum::<f64>()
+                        })
+                    })
+                    .collect();
+                let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));
+                let err = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0f64, |a, (&g, &w)| a.max((g as f64 - w).abs()));
+                let label = format!("{dt} M={m} product {i}");
+                if err > 0.02 * scale {
+                    failures.push(format!("{label}: error {err:.3e} of {scale:.3e}"));
+                }
+                if got == f32_path {
+                    failures.push(format!("{label}: equals the f32 path bit for bit"));
+                }
+            }
+        }
+        // mul_mat_id: 3 tokens, 2 of 4 experts each, one activation row per token (n_b = 1).
+        let ids_v: Vec<i32> = vec![0, 3, 2, 1, 3, 3];
+        let xv = rand(k * 3, seed + 9);
+        let mut g = Graph::new();
+        let w = g.input("experts", dt, [k, n, experts, 1]).unwrap();
+        g.set_data(w, wb.clone()).unwrap();
+        let x = g.input_f32("x", [k, 1, 3, 1], &xv).unwrap();
+        let ids = g.input_i32("ids", [2, 3, 1, 1], &ids_v).unwrap();
+        let o = g.mul_mat_id(w, x, ids).unwrap();
+        g.set_output(o);
+        run(Precision::Q8, &mut g);
+        let got = g.read_f32(o).unwrap();
+        let mut err = 0f64;
+        let mut scale = 0f64;
+        for t in 0..3 {
+            for e in 0..2 {
+                let ex = ids_v[t * 2 + e] as usize;
+                for r in 0..n {
+                    let wr = &wd[(ex * n + r) * k..(ex * n + r + 1) * k];
+                    let want: f64 = wr
+                        .iter()
+                        .zip(&xv[t * k..(t + 1) * k])
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum();
+                    scale = scale.max(want.abs());
+                    err = err.max((got[(t * 2 + e) * n + r] as f64 - want).abs());
+                }
+            }
+        }
+        if err > 0.02 * scale {
+            failures.push(format!("{dt} mul_mat_id: error {err:.3e} of {scale:.3e}"));
+        }
+        println!("{dt}: mul_mat_id error {:.2e} of the largest", err / scale);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

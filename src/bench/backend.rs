@@ -5,7 +5,9 @@
 //! BF16 and F32 weights (TFLOP/s), and decode GEMV 14336 x 4096 at M = 1 with Q4_0, Q8_0,
 //! Q4_K, Q6_K, Q5_0 and F16 weights (weight bytes read per second), and a decoding step's
 //! `mul_mat_id` (8 of 128 experts of 768 x 2048, Q4_K and Q8_0: the selected experts' bytes
-//! per second). A GEMV-like case's graph holds four products, each over its own copy of the
+//! per second); the quantized GEMV and `mul_mat_id` cases again on the device opened with 8-bit
+//! activations (`Precision::Q8`, labels ending `q8`: the activations' quantization included,
+//! once per product). A GEMV-like case's graph holds four products, each over its own copy of the
 //! weights, and its time is a quarter of the graph's: one product per synchronization measured
 //! the launch and the synchronization as much as the kernel. The same cases run on a CPU
 //! device, so the command is tested without a GPU (`--small` shrinks every shape).
@@ -14,6 +16,8 @@ use crate::bench::{Repeat, time_it};
 use crate::cli::JsonArgs;
 use metashard::backend::{Device, alloc_tensors};
 use metashard::buffer::Storage;
+use metashard::cpu::{CpuOptions, Precision};
+use metashard::devices::parse_devices_with;
 use metashard::dtype::f32_to_bytes;
 use metashard::{DType, Error, Graph, Result, parse_devices};
 use serde::Serialize;
@@ -90,6 +94,9 @@ pub enum Kind {
 pub struct Case {
     pub label: String,
     pub kind: Kind,
+    /// On a device opened with 8-bit activations for quantized weights (`Precision::Q8`, the
+    /// CPU's `--q8`; the GPU's integer-dot-product GEMV), labelled `... q8`.
+    pub q8: bool,
 }
 
 /// The cases, full size or shrunk for tests.
@@ -106,6 +113,7 @@ pub fn cases(small: bool) -> Vec<Case> {
             format!("copy f32 {} KiB", (copy * 4) >> 10)
         },
         kind: Kind::Copy { n: copy },
+        q8: false,
     }];
     for dt in [DType::F16, DType::BF16, DType::F32] {
         v.push(Case {
@@ -116,24 +124,31 @@ pub fn cases(small: bool) -> Vec<Case> {
                 n: g,
                 m: g,
             },
+            q8: false,
         });
     }
-    for dt in [
+    let gemv = [
         DType::Q4_0,
         DType::Q8_0,
         DType::Q4_K,
         DType::Q6_K,
         DType::Q5_0,
         DType::F16,
-    ] {
+    ];
+    for (dt, q8) in gemv
+        .iter()
+        .map(|&d| (d, false))
+        .chain(gemv.iter().filter(|d| d.is_quantized()).map(|&d| (d, true)))
+    {
         v.push(Case {
-            label: format!("gemv {dt} m=1 {gn}x{gk}"),
+            label: format!("gemv {dt} m=1 {gn}x{gk}{}", if q8 { " q8" } else { "" }),
             kind: Kind::MulMat {
                 dtype: dt,
                 k: gk,
                 n: gn,
                 m: 1,
             },
+            q8,
         });
     }
     // Qwen3-30B-A3B's expert shape (2048 x 768 at full size), 8 of 128 experts.
@@ -142,17 +157,23 @@ pub fn cases(small: bool) -> Vec<Case> {
     } else {
         (2048, 768, 128)
     };
-    for dt in [DType::Q4_K, DType::Q8_0] {
-        v.push(Case {
-            label: format!("mul_mat_id {dt} 8 of {experts} {en}x{ek}"),
-            kind: Kind::MulMatId {
-                dtype: dt,
-                k: ek,
-                n: en,
-                experts,
-                used: 8,
-            },
-        });
+    for q8 in [false, true] {
+        for dt in [DType::Q4_K, DType::Q8_0] {
+            v.push(Case {
+                label: format!(
+                    "mul_mat_id {dt} 8 of {experts} {en}x{ek}{}",
+                    if q8 { " q8" } else { "" }
+                ),
+                kind: Kind::MulMatId {
+                    dtype: dt,
+                    k: ek,
+                    n: en,
+                    experts,
+                    used: 8,
+                },
+                q8,
+            });
+        }
     }
     v
 }
@@ -309,7 +330,13 @@ pub fn measure(opts: &BackendBenchOptions, progress: &dyn Fn(&str)) -> Result<Ve
     let mut out = Vec::new();
     for spec in &opts.devices {
         let devs = parse_devices(spec)?;
-        let [device] = devs.as_slice() else {
+        let q8 = parse_devices_with(
+            spec,
+            CpuOptions {
+                precision: Precision::Q8,
+            },
+        )?;
+        let ([device], [device_q8]) = (devs.as_slice(), q8.as_slice()) else {
             return Err(Error::invalid_argument(
                 "--devices",
                 spec,
@@ -326,20 +353,27 @@ pub fn measure(opts: &BackendBenchOptions, progress: &dyn Fn(&str)) -> Result<Ve
                 continue;
             }
             progress(&format!("{}: {}", device.name(), case.label));
-            out.push(run_case(device, &case, opts.min_time)?);
+            let on = if case.q8 { device_q8 } else { device };
+            out.push(run_case(on, &case, opts.min_time)?);
         }
     }
     Ok(out)
 }
 
 pub fn print_table(results: &[BackendResult]) {
+    let w = results
+        .iter()
+        .map(|r| r.case.len())
+        .max()
+        .unwrap_or(0)
+        .max(28);
     println!(
-        "{:<10} {:<28} {:>12} {:>12}",
+        "{:<10} {:<w$} {:>12} {:>12}",
         "device", "case", "median us", "rate"
     );
     for r in results {
         println!(
-            "{:<10} {:<28} {:>12.1} {:>8.2} {}",
+            "{:<10} {:<w$} {:>12.1} {:>8.2} {}",
             r.device, r.case, r.median_us, r.rate, r.unit
         );
     }

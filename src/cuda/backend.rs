@@ -10,7 +10,10 @@
 //! weights) or `k_mul_mat_vec_<type>` (one per quantized type) reads the weights once in their
 //! own dtype (`gemv_kernel_for`; the quantized ones have a variant for one activation row),
 //! quantized blocks unpacked in registers (each lane sums quants times activations and scales
-//! once per 8 values), f32 activations (the CPU backend's default precision). Above that, cuBLAS `cublasGemmEx`, one call per
+//! once per 8 values), f32 activations (the CPU backend's default precision); on a device at
+//! `Precision::Q8` (the CPU's `--q8`), the types `gemv_q8a` has take 8-bit activations
+//! (`k_quantize_q8a`, once per computed activation within a range: `Q8Key`) and integer dot
+//! products (`k_mul_mat_vec_q8a_<type>`). Above that, cuBLAS `cublasGemmEx`, one call per
 //! (dim 2, dim 3) pair: F16 and BF16 weights in place on tensor cores with the activations
 //! rounded to the weight's type and f32 accumulation (ggml's CUDA backend does the same);
 //! quantized and F32 weights expanded to f32 in scratch memory and multiplied in f32
@@ -23,11 +26,15 @@
 
 use super::device::{CudaBuffer, CudaDevice, driver_err};
 pub use super::kernels::supports_node;
-use super::kernels::{ATTN_BLOCK, Fault, Ids, Tensor, gemm_input, gemv_kernel_for, no_kernels};
+use super::kernels::{
+    ATTN_BLOCK, Fault, Ids, Tensor, gemm_input, gemv_kernel_for, gemv_q8a_kernel_for, no_kernels,
+};
 use super::libs::{Lib, missing, present};
+use crate::DType;
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
 use crate::buffer::Buffer;
+use crate::cpu::Precision;
 use crate::graph::{Graph, TensorId};
 use crate::op::{BinaryOp, Op, RopeMode, RopeParams, RowWindow, UnaryOp};
 use crate::tensor::Layout;
@@ -74,6 +81,8 @@ struct Inner {
     /// Device address of one `Fault`.
     fault: u64,
     scratch: Mutex<Scratch>,
+    /// The 8-bit activations of `Precision::Q8` products (`k_quantize_q8a`'s packed rows).
+    q8: Mutex<Scratch>,
 }
 
 impl Drop for Inner {
@@ -87,9 +96,10 @@ impl Drop for Inner {
                     let _ = blas::destroy_handle(b.0);
                 }
                 let _ = cu::free_sync(self.fault);
-                let s = self.scratch.get_mut();
-                if s.size > 0 {
-                    let _ = cu::free_sync(s.ptr);
+                for s in [self.scratch.get_mut(), self.q8.get_mut()] {
+                    if s.size > 0 {
+                        let _ = cu::free_sync(s.ptr);
+                    }
                 }
                 let _ = cu::stream::destroy(self.stream.0);
             }
@@ -137,7 +147,12 @@ impl Inner {
 
     /// At least `bytes` of scratch; the stream is drained before the old block is freed.
     fn scratch(&self, bytes: usize) -> Result<u64> {
-        let mut s = self.scratch.lock();
+        self.grow(&self.scratch, bytes)
+    }
+
+    /// At least `bytes` of the scratch block `slot`, as [`Inner::scratch`].
+    fn grow(&self, slot: &Mutex<Scratch>, bytes: usize) -> Result<u64> {
+        let mut s = slot.lock();
         if s.size < bytes {
             self.sync()?;
             if s.size > 0 {
@@ -200,6 +215,7 @@ impl CudaBackend {
                 blas: OnceLock::new(),
                 fault,
                 scratch: Mutex::new(Scratch::default()),
+                q8: Mutex::new(Scratch::default()),
             }),
             alloc: Mutex::new(GraphAllocator::new(bt)),
         })
@@ -234,6 +250,10 @@ fn device_tensor(g: &Graph, id: TensorId, inner: &Inner) -> Result<Tensor> {
 /// One node ready to launch.
 struct ExecNode {
     id: TensorId,
+    /// For products: the computed node whose data the activations (src 1) view, `None` where
+    /// they view a leaf (inputs, caches, which `set_rows` can rewrite within a graph). Keys the
+    /// plan's reuse of quantized activations (`Q8Key`).
+    x_base: Option<TensorId>,
     name: String,
     op: Op,
     dst: Tensor,
@@ -242,9 +262,22 @@ struct ExecNode {
     src_layouts: SmallVec<[Layout; 4]>,
 }
 
+/// Which activations the q8 scratch holds: the view (`Tensor`) of a computed node. Within one
+/// `compute` range a node is written once, before its consumers, and its memory is not reused
+/// while a consumer is pending, so products reading the same view (Q, K and V; gate and up)
+/// quantize it once. Reset at the start of every range (the communicator writes between
+/// ranges).
+#[derive(Clone, Copy, PartialEq)]
+struct Q8Key {
+    base: TensorId,
+    view: Tensor,
+    at: u64,
+}
+
 struct CudaPlan {
     inner: Arc<Inner>,
     exec: Vec<ExecNode>,
+    q8_key: Mutex<Option<Q8Key>>,
     /// Keeps every buffer the addresses point into alive while the plan exists.
     _buffers: Vec<Arc<dyn Buffer>>,
 }
@@ -270,8 +303,13 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CudaPlan> {
             .iter()
             .map(|&s| device_tensor(g, s, inner))
             .collect::<Result<SmallVec<_>>>()?;
+        let x_base = match n.op {
+            Op::MulMat | Op::MulMatId { .. } => computed_base(g, n.src[1]),
+            _ => None,
+        };
         exec.push(ExecNode {
             id,
+            x_base,
             name: n.name.clone(),
             op: n.op,
             dst,
@@ -283,8 +321,22 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CudaPlan> {
     Ok(CudaPlan {
         inner: inner.clone(),
         exec,
+        q8_key: Mutex::new(None),
         _buffers: buffers,
     })
+}
+
+/// The node whose data `id` views (through reshapes, views and permutations), if it is computed
+/// (not a leaf).
+fn computed_base(g: &Graph, mut id: TensorId) -> Option<TensorId> {
+    loop {
+        let n = g.node(id);
+        match n.op {
+            Op::Leaf => return None,
+            Op::Reshape | Op::View { .. } | Op::Permute { .. } => id = n.src[0],
+            _ => return Some(id),
+        }
+    }
 }
 
 /// A pointer to a kernel argument.
@@ -590,25 +642,68 @@ impl CudaPlan {
         n: usize,
         batches: usize,
         (d, w, x, ids): (&Tensor, &Tensor, &Tensor, &Ids),
+        xq: Option<u64>,
     ) -> Result<()> {
         let warps = (BLOCK / 32) as usize;
         let y = batches.clamp(1, 65535);
         let z = batches.div_ceil(y);
         let node = at as i32;
+        let mut args: SmallVec<[*mut c_void; 7]> = SmallVec::new();
+        args.extend([
+            arg(d),
+            arg(w),
+            arg(x),
+            arg(ids),
+            arg(&self.inner.fault),
+            arg(&node),
+        ]);
+        if let Some(q) = &xq {
+            args.push(arg(q));
+        }
         self.inner.launch(
             kernel,
             (n.div_ceil(warps) as u32, y as u32, z as u32),
             (BLOCK, 1, 1),
             0,
-            &mut [
-                arg(d),
-                arg(w),
-                arg(x),
-                arg(ids),
-                arg(&self.inner.fault),
-                arg(&node),
-            ],
+            &mut args,
         )
+    }
+
+    /// The q8 GEMV kernel for weights of `wt` with `m` activation rows of `k` values, where this
+    /// device computes at `Precision::Q8` and `gemv_q8a` has the type.
+    fn q8a_kernel(&self, wt: DType, k: usize, m: usize) -> Option<&'static str> {
+        if self.inner.dev.precision != Precision::Q8 || !k.is_multiple_of(32) {
+            return None;
+        }
+        gemv_q8a_kernel_for(wt, m)
+    }
+
+    /// The activations `x` (node `e`'s view of its src 1) quantized to 8 bits in the q8 scratch
+    /// (`k_quantize_q8a`), or the scratch as it is where it already holds them (`Q8Key`); its
+    /// device address.
+    fn quantize_q8a(&self, e: &ExecNode, x: &Tensor) -> Result<u64> {
+        let inner = &self.inner;
+        let mut held = self.q8_key.lock();
+        if let (Some(base), Some(h)) = (e.x_base, *held)
+            && h.base == base
+            && h.view == *x
+        {
+            return Ok(h.at);
+        }
+        let k = x.ne[0] as usize;
+        let rows = nrows(x);
+        let at = inner.grow(&inner.q8, rows * (k + k / 8))?;
+        let warps = rows * (k / 32);
+        let grid = (warps * 32).div_ceil(BLOCK as usize) as u32;
+        inner.launch(
+            "k_quantize_q8a",
+            (grid, 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [arg(x), arg(&at)],
+        )?;
+        *held = e.x_base.map(|base| Q8Key { base, view: *x, at });
+        Ok(at)
     }
 
     /// ggml `mul_mat_id`, `out[:, e, t] = experts[:, :, ids[e, t]] · b[:, e % n_b, t]`: the
@@ -622,12 +717,15 @@ impl CudaPlan {
     fn mul_mat_id(&self, at: usize, e: &ExecNode, window: Option<RowWindow>) -> Result<()> {
         let (w, b, ids) = (&e.src[0], &e.src[1], &e.src[2]);
         let wt = e.src_layouts[0].dtype;
-        let kernel = gemv_kernel_for(wt, 1).ok_or_else(|| Error::UnsupportedOp {
-            backend: self.inner.name(),
-            op: e.op.name().to_string(),
-            node: e.name.clone(),
-            detail: format!("expert weights of dtype {wt} are not supported"),
-        })?;
+        let q8 = self.q8a_kernel(wt, w.ne[0] as usize, 1);
+        let kernel = q8
+            .or_else(|| gemv_kernel_for(wt, 1))
+            .ok_or_else(|| Error::UnsupportedOp {
+                backend: self.inner.name(),
+                op: e.op.name().to_string(),
+                node: e.name.clone(),
+                detail: format!("expert weights of dtype {wt} are not supported"),
+            })?;
         let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
         let mut x = *b;
         x.ne = [b.ne[0], 1, n_used, n_tokens];
@@ -654,7 +752,18 @@ impl CudaPlan {
             [with.rows, with.lo, with.hi, with.at] =
                 [win.rows, win.lo, win.hi, win.at].map(|v| v as i64);
         }
-        self.gemv(at, kernel, w.ne[1] as usize, batches, (&d, w, &x, &with))
+        let xq = match q8 {
+            Some(_) => Some(self.quantize_q8a(e, &x)?),
+            None => None,
+        };
+        self.gemv(
+            at,
+            kernel,
+            w.ne[1] as usize,
+            batches,
+            (&d, w, &x, &with),
+            xq,
+        )
     }
 
     /// `dst [N, M, b2, b3] = w [K, N, w2, w3] x [K, M, b2, b3]` (each output a dot product of
@@ -666,6 +775,10 @@ impl CudaPlan {
         let (b2, b3) = (x.ne[2] as usize, x.ne[3] as usize);
         if m <= GEMV_MAX_M {
             let wt = e.src_layouts[0].dtype;
+            if let Some(kernel) = self.q8a_kernel(wt, k, m) {
+                let xq = self.quantize_q8a(e, x)?;
+                return self.gemv(at, kernel, n, b2 * b3, (d, w, x, &Ids::none()), Some(xq));
+            }
             let Some(kernel) = gemv_kernel_for(wt, m) else {
                 return Err(Error::UnsupportedOp {
                     backend: inner.name(),
@@ -674,7 +787,7 @@ impl CudaPlan {
                     detail: format!("weights of dtype {wt} are not supported"),
                 });
             };
-            return self.gemv(at, kernel, n, b2 * b3, (d, w, x, &Ids::none()));
+            return self.gemv(at, kernel, n, b2 * b3, (d, w, x, &Ids::none()), None);
         }
         if k == 0 {
             // An empty contraction (a device's share of K split at whole blocks can be none):
@@ -792,6 +905,7 @@ impl GraphPlan for CudaPlan {
         }
         let inner = &self.inner;
         inner.dev.gpu.bind()?;
+        *self.q8_key.lock() = None;
         // SAFETY: the fault word belongs to this backend; ordered on its stream.
         unsafe {
             cu::memset_d8_async(inner.fault, 0, std::mem::size_of::<Fault>(), inner.stream.0)

@@ -13,6 +13,7 @@ use super::kernels::{KERNELS, arch_name, compile};
 use super::libs::{Lib, missing, present};
 use crate::backend::{Backend, Device, DeviceCaps, DeviceKind, MemoryInfo, Registry};
 use crate::buffer::{Buffer, BufferType, BufferUsage};
+use crate::cpu::Precision;
 use crate::graph::{Graph, TensorId};
 use crate::tensor::Layout;
 use crate::{Error, Result};
@@ -187,6 +188,10 @@ pub struct CudaDevice {
     /// Index among the logical devices of this GPU, and their count.
     pub index: usize,
     pub count: usize,
+    /// The activations' precision in products of quantized weights with at most 8 activation
+    /// rows: f32 (`Exact`, the default) or 8-bit with integer dot products (`Q8`, the CPU's
+    /// `--q8`), for the types `gemv_q8a` has.
+    pub precision: Precision,
 }
 
 impl CudaDevice {
@@ -195,6 +200,7 @@ impl CudaDevice {
             gpu,
             index,
             count: count.max(1),
+            precision: Precision::Exact,
         }
     }
 }
@@ -482,6 +488,11 @@ pub fn registry() -> Option<Arc<dyn Registry>> {
 /// Parse `cuda` (every GPU), `cuda:0,1` (those GPUs) or `cuda:0x2` / `cuda:0x2,1x2` (logical
 /// devices per GPU).
 pub fn parse_spec(spec: &str) -> Result<Vec<Arc<dyn Device>>> {
+    parse_spec_with(spec, Precision::Exact)
+}
+
+/// [`parse_spec`] with the devices' [`CudaDevice::precision`].
+pub fn parse_spec_with(spec: &str, precision: Precision) -> Result<Vec<Arc<dyn Device>>> {
     let bad = |reason: String| Error::Device {
         device: spec.to_string(),
         reason,
@@ -524,7 +535,10 @@ pub fn parse_spec(spec: &str) -> Result<Vec<Arc<dyn Device>>> {
     for (g, k) in wanted {
         let gpu = Gpu::get(g)?;
         for i in 0..k {
-            out.push(Arc::new(CudaDevice::new(gpu.clone(), i, k)));
+            out.push(Arc::new(CudaDevice {
+                precision,
+                ..CudaDevice::new(gpu.clone(), i, k)
+            }));
         }
     }
     Ok(out)

@@ -58,6 +58,23 @@ pub const KERNELS: &[&str] = &[
     "k_mul_mat_vec_q6_k_m1",
     "k_mul_mat_vec_iq4_nl_m1",
     "k_mul_mat_vec_iq4_xs_m1",
+    "k_quantize_q8a",
+    "k_mul_mat_vec_q8a_q8_0",
+    "k_mul_mat_vec_q8a_q4_0",
+    "k_mul_mat_vec_q8a_q4_1",
+    "k_mul_mat_vec_q8a_q5_0",
+    "k_mul_mat_vec_q8a_q5_1",
+    "k_mul_mat_vec_q8a_q4_k",
+    "k_mul_mat_vec_q8a_q5_k",
+    "k_mul_mat_vec_q8a_q6_k",
+    "k_mul_mat_vec_q8a_q8_0_m1",
+    "k_mul_mat_vec_q8a_q4_0_m1",
+    "k_mul_mat_vec_q8a_q4_1_m1",
+    "k_mul_mat_vec_q8a_q5_0_m1",
+    "k_mul_mat_vec_q8a_q5_1_m1",
+    "k_mul_mat_vec_q8a_q4_k_m1",
+    "k_mul_mat_vec_q8a_q5_k_m1",
+    "k_mul_mat_vec_q8a_q6_k_m1",
     "k_argsort",
     "k_to_dense",
     "k_flash_attn",
@@ -388,6 +405,24 @@ pub(crate) fn gemv_kernel(dtype: DType) -> Option<&'static str> {
 /// variant for one row (`_m1`: one accumulator in registers, not eight, so more warps fit).
 pub(crate) fn gemv_kernel_for(dtype: DType, m: usize) -> Option<&'static str> {
     gemv_kernels(dtype).map(|(any, one)| if m == 1 { one } else { any })
+}
+
+/// The GEMV kernel on 8-bit activations (`gemv_q8a` in `kernels_qx.cu`: the activations
+/// quantized by `k_quantize_q8a`, integer dot products) for weights of `dtype` and `m` rows;
+/// `None` for the types it does not have (they take [`gemv_kernel_for`]'s f32 path).
+pub(crate) fn gemv_q8a_kernel_for(dtype: DType, m: usize) -> Option<&'static str> {
+    let (any, one) = match dtype {
+        DType::Q8_0 => ("k_mul_mat_vec_q8a_q8_0", "k_mul_mat_vec_q8a_q8_0_m1"),
+        DType::Q4_0 => ("k_mul_mat_vec_q8a_q4_0", "k_mul_mat_vec_q8a_q4_0_m1"),
+        DType::Q4_1 => ("k_mul_mat_vec_q8a_q4_1", "k_mul_mat_vec_q8a_q4_1_m1"),
+        DType::Q5_0 => ("k_mul_mat_vec_q8a_q5_0", "k_mul_mat_vec_q8a_q5_0_m1"),
+        DType::Q5_1 => ("k_mul_mat_vec_q8a_q5_1", "k_mul_mat_vec_q8a_q5_1_m1"),
+        DType::Q4_K => ("k_mul_mat_vec_q8a_q4_k", "k_mul_mat_vec_q8a_q4_k_m1"),
+        DType::Q5_K => ("k_mul_mat_vec_q8a_q5_k", "k_mul_mat_vec_q8a_q5_k_m1"),
+        DType::Q6_K => ("k_mul_mat_vec_q8a_q6_k", "k_mul_mat_vec_q8a_q6_k_m1"),
+        _ => return None,
+    };
+    Some(if m == 1 { one } else { any })
 }
 
 /// (up to 8 rows, one row).

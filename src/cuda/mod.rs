@@ -19,6 +19,7 @@ pub mod libs;
 use crate::Error;
 use crate::Result;
 use crate::backend::{Device, Registry};
+use crate::cpu::Precision;
 use std::sync::Arc;
 
 /// The CUDA registry, when compiled in and a driver with at least one GPU is present.
@@ -33,15 +34,17 @@ pub fn registry() -> Option<Arc<dyn Registry>> {
     }
 }
 
-/// Parse `cuda` (every GPU), `cuda:0,1` or `cuda:0x2` (two logical devices on GPU 0).
-pub fn parse_cuda_spec(spec: &str) -> Result<Vec<Arc<dyn Device>>> {
+/// Parse `cuda` (every GPU), `cuda:0,1` or `cuda:0x2` (two logical devices on GPU 0), the
+/// devices computing products of quantized weights at `precision` (`Q8`: 8-bit activations and
+/// integer dot products for up to 8 activation rows).
+pub fn parse_cuda_spec(spec: &str, precision: Precision) -> Result<Vec<Arc<dyn Device>>> {
     #[cfg(feature = "cuda")]
     {
-        device::parse_spec(spec)
+        device::parse_spec_with(spec, precision)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = spec;
+        let _ = (spec, precision);
         Err(Error::CudaNotCompiled)
     }
 }

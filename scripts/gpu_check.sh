@@ -224,6 +224,8 @@ def ratio(a, b):
 copy = ours.get("copy f32 256 MiB", {}).get("rate")
 tcopy = torch.get("copy f32 256 MiB", {}).get("rate")
 rows.append(("copy f32 256 MiB", f"{copy or 0:.0f} GB/s", f"torch {tcopy or 0:.0f} GB/s", ratio(copy, tcopy), "-"))
+launch = ours.get("launch: 64 scale nodes of 256 f32", {}).get("rate")
+rows.append(("launch: 64 scale nodes of 256 f32", f"{launch or 0:.1f} us per node", "-", "-", "-"))
 for dt in ("f16", "bf16"):
     k = f"gemm {dt} 4096^3"
     a, b = ours.get(k, {}).get("rate"), torch.get(k, {}).get("rate")

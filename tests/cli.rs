@@ -377,9 +377,9 @@ fn bench_backend_times_every_case_on_a_cpu_device_and_refuses_device_groups() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let v: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
     let rows = v.as_array().unwrap();
-    // Copy, 3 GEMMs, 6 GEMVs, 2 mul_mat_id; the 5 quantized GEMVs and 2 mul_mat_id again with
-    // 8-bit activations (`... q8`).
-    assert_eq!(rows.len(), 19, "{}", r.stdout);
+    // Copy, launches, 3 GEMMs, 6 GEMVs, 2 mul_mat_id; the 5 quantized GEMVs and 2 mul_mat_id
+    // again with 8-bit activations (`... q8`).
+    assert_eq!(rows.len(), 20, "{}", r.stdout);
     let q8 = rows
         .iter()
         .filter(|r| r["case"].as_str().unwrap().ends_with(" q8"))
@@ -392,6 +392,7 @@ fn bench_backend_times_every_case_on_a_cpu_device_and_refuses_device_groups() {
         let unit = row["unit"].as_str().unwrap();
         let case = row["case"].as_str().unwrap();
         assert_eq!(unit == "TFLOP/s", case.starts_with("gemm"), "{row}");
+        assert_eq!(unit == "us/node", case.starts_with("launch"), "{row}");
     }
     refused(
         &["bench", "backend", "--devices", "cpu:2", "--small"],

@@ -1,7 +1,8 @@
 //! `bench backend`: one op at a time on any device, through the backend API (a one-node graph,
 //! its plan computed again and again, medians): the figures the CUDA issue holds against the
 //! hardware and PyTorch. A device-to-device copy (`cont` of 256 MiB f32: bytes read and
-//! written per second, the bandwidth the other rows are held against), GEMM 4096^3 with F16,
+//! written per second, the bandwidth the other rows are held against), a chain of 64 `scale`
+//! nodes on 256 values (microseconds per node: what launching one costs), GEMM 4096^3 with F16,
 //! BF16 and F32 weights (TFLOP/s), and decode GEMV 14336 x 4096 at M = 1 with Q4_0, Q8_0,
 //! Q4_K, Q6_K, Q5_0 and F16 weights (weight bytes read per second), and a decoding step's
 //! `mul_mat_id` (8 of 128 experts of 768 x 2048, Q4_K and Q8_0: the selected experts' bytes
@@ -79,6 +80,9 @@ pub enum Kind {
         n: usize,
         m: usize,
     },
+    /// A chain of `nodes` `scale` ops on `n` f32 values: one tiny kernel each, so the time per
+    /// node is what launching a node costs (a decoding step of a small model is hundreds).
+    Launches { nodes: usize, n: usize },
     /// `mul_mat_id` of one token by `used` of `experts` expert matrices `[k, n]` of `dtype`
     /// (a decoding step of a mixture of experts; ids `1, 3, 5, ...`).
     MulMatId {
@@ -115,6 +119,11 @@ pub fn cases(small: bool) -> Vec<Case> {
         kind: Kind::Copy { n: copy },
         q8: false,
     }];
+    v.push(Case {
+        label: "launch: 64 scale nodes of 256 f32".into(),
+        kind: Kind::Launches { nodes: 64, n: 256 },
+        q8: false,
+    });
     for dt in [DType::F16, DType::BF16, DType::F32] {
         v.push(Case {
             label: format!("gemm {dt} {g}^3"),
@@ -191,7 +200,8 @@ pub struct BackendResult {
     pub device: String,
     pub case: String,
     pub median_us: f64,
-    /// GB/s (copy: read + written; GEMV: weight bytes) or TFLOP/s (GEMM).
+    /// GB/s (copy: read + written; GEMV: weight bytes), TFLOP/s (GEMM) or microseconds per node
+    /// (launches).
     pub rate: f64,
     pub unit: &'static str,
 }
@@ -214,7 +224,7 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
     let backend = device.init_backend()?;
     let mut g = Graph::new();
     let inputs: Vec<(&str, DType, [usize; 4])> = match case.kind {
-        Kind::Copy { n } => vec![("x", DType::F32, [n, 1, 1, 1])],
+        Kind::Copy { n } | Kind::Launches { n, .. } => vec![("x", DType::F32, [n, 1, 1, 1])],
         Kind::MulMat { dtype, k, n, m } => {
             vec![("w", dtype, [k, n, 1, 1]), ("x", DType::F32, [k, m, 1, 1])]
         }
@@ -270,8 +280,16 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
         }
         ids.push(these);
     }
+    if let Kind::Launches { nodes, .. } = case.kind {
+        let mut t = ids[0][0];
+        for _ in 0..nodes {
+            t = g.scale(t, 1.0)?;
+        }
+        g.set_output(t);
+    }
     for c in 0..copies {
         let o = match case.kind {
+            Kind::Launches { .. } => break,
             Kind::Copy { .. } => g.cont(ids[0][c])?,
             Kind::MulMat { .. } => g.mul_mat(ids[0][c], ids[1][0])?,
             Kind::MulMatId { .. } => g.mul_mat_id(ids[0][c], ids[1][0], ids[2][0])?,
@@ -306,6 +324,7 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
     let median_us = t.median_us / copies as f64;
     let s = median_us * 1e-6;
     let (rate, unit) = match case.kind {
+        Kind::Launches { nodes, .. } => (median_us / nodes as f64, "us/node"),
         Kind::Copy { n } => ((2 * n * 4) as f64 / s / 1e9, "GB/s"),
         Kind::MulMat { dtype, k, n, m } if m <= 8 => {
             (dtype.row_size(k) as f64 * n as f64 / s / 1e9, "GB/s")

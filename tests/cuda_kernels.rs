@@ -883,3 +883,65 @@ fn eight_bit_activation_products_on_the_gpu_follow_the_f32_reference() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+#[test]
+fn nccl_takes_one_rank_per_gpu_and_names_a_gpu_given_twice() {
+    use metashard::cuda::nccl::nccl_device_list;
+    assert_eq!(nccl_device_list(&[0, 1, 3]).unwrap(), vec![0, 1, 3]);
+    let e = nccl_device_list(&[1, 0, 1]).unwrap_err().to_string();
+    assert!(e.contains("cuda1") && e.contains("twice"), "{e}");
+    assert!(nccl_device_list(&[]).is_err());
+}
+
+#[test]
+fn nccl_gather_plans_fill_the_full_tensor_as_the_layout_says() {
+    // What the NCCL communicator does without a GPU: for each layout, every rank's slice
+    // placed by NCCL's all-gather (Direct: slices concatenated in rank order) or by the staged
+    // broadcasts (Staged: slice q at `at[q]` of the staging block) and then `staged_copies`,
+    // must equal the full tensor the layout's own runs assemble. Layouts: an even split of the
+    // outermost axis (Direct), uneven extents, an inner axis (outer > 1), fused segments, zero
+    // extents, one rank, equal slices out of rank order.
+    use metashard::collectives::SliceLayout;
+    use metashard::cuda::nccl::{GatherPlan, gather_plan, staged_copies};
+    let cases: Vec<(SliceLayout, bool)> = vec![
+        (SliceLayout::single(1, 8, &[3, 3, 3]).unwrap(), true),
+        (SliceLayout::single(1, 8, &[3, 2, 4]).unwrap(), false),
+        (SliceLayout::single(5, 4, &[2, 2]).unwrap(), false),
+        (SliceLayout::new(1, 4, &[[2, 2], [3, 3]]).unwrap(), false),
+        (SliceLayout::single(3, 2, &[0, 5, 1]).unwrap(), false),
+        (SliceLayout::single(1, 16, &[0, 0]).unwrap(), true),
+        (SliceLayout::single(4, 2, &[7]).unwrap(), true),
+        // One run per rank of equal size, but rank 1's before rank 0's: not NCCL's order.
+        (SliceLayout::new(1, 4, &[[0, 2], [2, 0]]).unwrap(), false),
+    ];
+    for (i, (layout, direct)) in cases.iter().enumerate() {
+        let world = layout.world();
+        let locals: Vec<Vec<u8>> = (0..world)
+            .map(|r| random_bytes(layout.local_bytes(r), (i * 16 + r) as u64 + 1))
+            .collect();
+        let mut want = vec![0u8; layout.full_bytes()];
+        for (r, l) in locals.iter().enumerate() {
+            layout.gather_into(l, r, &mut want).unwrap();
+        }
+        let got = match gather_plan(layout) {
+            GatherPlan::Direct { bytes } => {
+                assert!(*direct, "case {i}: {} planned Direct", layout.describe());
+                assert!(locals.iter().all(|l| l.len() == bytes), "case {i}");
+                locals.concat()
+            }
+            GatherPlan::Staged { at, total } => {
+                assert!(!direct, "case {i}: {} planned Staged", layout.describe());
+                let mut staging = vec![0xa5u8; total];
+                for (q, l) in locals.iter().enumerate() {
+                    staging[at[q]..at[q] + l.len()].copy_from_slice(l);
+                }
+                let mut full = vec![0u8; layout.full_bytes()];
+                for (src, dst, len) in staged_copies(layout, &at) {
+                    full[dst..dst + len].copy_from_slice(&staging[src..src + len]);
+                }
+                full
+            }
+        };
+        assert_eq!(got, want, "case {i}: {}", layout.describe());
+    }
+}

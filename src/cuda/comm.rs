@@ -79,6 +79,8 @@ pub struct Deposit {
 /// tested without one (`tests/cuda_kernels.rs`).
 pub struct Rendezvous {
     label: String,
+    /// The communicator's kind in errors (`cuda-peer`, `nccl`).
+    kind: &'static str,
     world: usize,
     timeout: Duration,
     state: Mutex<State>,
@@ -96,7 +98,13 @@ struct State {
 
 impl Rendezvous {
     pub fn new(label: &str, world: usize, timeout: Duration) -> Rendezvous {
+        Self::of_kind("cuda-peer", label, world, timeout)
+    }
+
+    /// [`Rendezvous::new`] for a communicator of another kind (named in its errors).
+    pub fn of_kind(kind: &'static str, label: &str, world: usize, timeout: Duration) -> Rendezvous {
         Rendezvous {
+            kind,
             label: label.to_string(),
             world,
             timeout,
@@ -122,7 +130,7 @@ impl Rendezvous {
         self.cv.notify_all();
         Error::Device {
             device: self.label.clone(),
-            reason: format!("cuda-peer group failed: {reason}"),
+            reason: format!("{} group failed: {reason}", self.kind),
         }
     }
 
@@ -132,7 +140,7 @@ impl Rendezvous {
         if let Some(f) = &st.failed {
             return Err(Error::Device {
                 device: self.label.clone(),
-                reason: format!("cuda-peer group failed: {f}"),
+                reason: format!("{} group failed: {f}", self.kind),
             });
         }
         if let Some(d) = dep {
@@ -165,7 +173,7 @@ impl Rendezvous {
         if let Some(f) = &st.failed {
             return Err(Error::Device {
                 device: self.label.clone(),
-                reason: format!("cuda-peer group failed: {f}"),
+                reason: format!("{} group failed: {f}", self.kind),
             });
         }
         Ok(st.deposits.clone())

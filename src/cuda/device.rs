@@ -261,11 +261,15 @@ impl Device for CudaDevice {
             .is_some_and(|b| b.gpu.ordinal == self.gpu.ordinal)
     }
 
-    /// Logical devices of one GPU reduce through each other's memory (`comm.rs`).
+    /// Logical devices of one GPU reduce through each other's memory (`comm.rs`); devices on
+    /// different GPUs through NCCL (`nccl.rs`), one rank per GPU.
     fn communicators(&self) -> Vec<Arc<dyn crate::collectives::CommunicatorFactory>> {
-        vec![Arc::new(super::comm::OneGpuFactory {
-            ordinal: self.gpu.ordinal,
-        })]
+        vec![
+            Arc::new(super::comm::OneGpuFactory {
+                ordinal: self.gpu.ordinal,
+            }),
+            Arc::new(super::nccl::NcclFactory),
+        ]
     }
 
     fn as_any(&self) -> &dyn Any {

@@ -14,6 +14,8 @@ pub mod device;
 pub mod kernels;
 #[cfg(feature = "cuda")]
 pub mod libs;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 
 #[cfg(not(feature = "cuda"))]
 use crate::Error;

@@ -192,6 +192,11 @@ run() {
             step "bench model" sh -c "\"$bin/metashard\" bench model --model smollm2 --devices cuda \
                 --devices cuda:0x2 --devices cpu --precision exact,q8 --pp 128 --tg 64 --reps 3 \
                 --json >\"$res/model.json\""
+            # CUDA graphs (opt-in, METASHARD_CUDA_GRAPHS=1): the same tests and decode again.
+            step "models with CUDA graphs" env METASHARD_CUDA_GRAPHS=1 "$bin/cuda_models" --nocapture "${skip[@]}"
+            step "bench model, CUDA graphs" sh -c "METASHARD_CUDA_GRAPHS=1 \"$bin/metashard\" bench model --model smollm2 \
+                --devices cuda --devices cuda:0x2 --precision exact,q8 --pp 128 --tg 64 --reps 3 \
+                --json >\"$res/model_graphs.json\""
             if ls "$work"/wheels/*.whl >/dev/null 2>&1; then
                 python3 -m pip install -q --no-index --no-deps --target /tmp/gguf-site "$work"/wheels/*.whl &&
                     export PYTHONPATH=/tmp/gguf-site${PYTHONPATH:+:$PYTHONPATH}
@@ -217,6 +222,7 @@ def load(name):
     except Exception as e:
         return None
 backend, model, torch = load("backend.json") or [], load("model.json") or {}, load("torch_ref.json") or {}
+graphs = load("model_graphs.json") or {}
 ours = {r["case"]: r for r in backend}
 rows = []
 def ratio(a, b):
@@ -252,6 +258,11 @@ rows.append(("smollm2 decode, cuda", f"{tg.get('cuda', 0):.0f} t/s", f"transform
 rows.append(("smollm2 decode, cuda:0x2", f"{tg.get('cuda:0x2', 0):.0f} t/s", f"cuda {tg.get('cuda', 0):.0f} t/s", ratio(tg.get("cuda:0x2"), tg.get("cuda")), ">= 0.8x"))
 rows.append(("smollm2 decode, cuda, q8", f"{tg8.get('cuda', 0):.0f} t/s", f"cuda exact {tg.get('cuda', 0):.0f} t/s", ratio(tg8.get("cuda"), tg.get("cuda")), "-"))
 rows.append(("smollm2 decode, cuda:0x2, q8", f"{tg8.get('cuda:0x2', 0):.0f} t/s", f"cuda q8 {tg8.get('cuda', 0):.0f} t/s", ratio(tg8.get("cuda:0x2"), tg8.get("cuda")), "-"))
+for prec in ("exact", "q8"):
+    tgg = {r["devices"]: r["tg_tokens_per_s"] for r in graphs.get("rows", []) if r.get("precision", "exact") == prec}
+    base = tg if prec == "exact" else tg8
+    for d in ("cuda", "cuda:0x2"):
+        rows.append((f"smollm2 decode, {d}, {prec}, CUDA graphs", f"{tgg.get(d, 0):.0f} t/s", f"without {base.get(d, 0):.0f} t/s", ratio(tgg.get(d), base.get(d)), "-"))
 rows.append(("smollm2 prompt 128, cuda", f"{pp.get('cuda', 0):.0f} t/s", f"cpu {pp.get('cpu', 0):.0f} t/s", ratio(pp.get("cuda"), pp.get("cpu")), "-"))
 print()
 print("| measurement | metashard | against | ratio | target |")

@@ -21,6 +21,10 @@
 //! dequantized weights for prompts are not done yet. `mul_mat_id` runs the same GEMV kernels
 //! with the expert ids, one (expert slot, token) pair per batch; `argsort` sorts a row per block.
 //!
+//! With `METASHARD_CUDA_GRAPHS=1`, a plan's node range computed a second time is captured
+//! into a CUDA graph and replayed with one launch from then on (`CudaPlan::replay`; not yet run
+//! on a GPU, see docs/cuda.md).
+//!
 //! A kernel that finds a bad operand (an I32 row id outside its table) records it in a `Fault`
 //! word in device memory; the range's synchronization reads it and the error names the node.
 
@@ -83,6 +87,9 @@ struct Inner {
     scratch: Mutex<Scratch>,
     /// The 8-bit activations of `Precision::Q8` products (`k_quantize_q8a`'s packed rows).
     q8: Mutex<Scratch>,
+    /// CUDA graphs (`METASHARD_CUDA_GRAPHS=1`, see [`CudaPlan::compute`]); the stream is then
+    /// non-blocking, so no other thread's copy on the legacy default stream joins a capture.
+    graphs: bool,
 }
 
 impl Drop for Inner {
@@ -150,6 +157,11 @@ impl Inner {
         self.grow(&self.scratch, bytes)
     }
 
+    /// Where the scratch blocks are now (the dense one, the q8 one).
+    fn scratch_at(&self) -> (u64, u64) {
+        (self.scratch.lock().ptr, self.q8.lock().ptr)
+    }
+
     /// At least `bytes` of the scratch block `slot`, as [`Inner::scratch`].
     fn grow(&self, slot: &Mutex<Scratch>, bytes: usize) -> Result<u64> {
         let mut s = slot.lock();
@@ -196,14 +208,24 @@ impl Inner {
 pub struct CudaBackend {
     inner: Arc<Inner>,
     alloc: Mutex<GraphAllocator>,
+    /// With CUDA graphs: the last `graph_compute`'s plan, reused (with its captured graphs)
+    /// when the next graph's plan launches the same kernels on the same addresses (a decoding
+    /// step after another of the same shapes).
+    last: Mutex<Option<CudaPlan>>,
 }
 
 impl CudaBackend {
     pub fn new(dev: CudaDevice) -> Result<CudaBackend> {
         dev.gpu.bind()?;
         let name = dev.name();
-        let stream = cu::stream::create(cu::stream::StreamKind::Default)
-            .map_err(|e| driver_err(&name, "cuStreamCreate", e))?;
+        let graphs = std::env::var("METASHARD_CUDA_GRAPHS").is_ok_and(|v| v == "1");
+        let kind = if graphs {
+            cu::stream::StreamKind::NonBlocking
+        } else {
+            cu::stream::StreamKind::Default
+        };
+        let stream =
+            cu::stream::create(kind).map_err(|e| driver_err(&name, "cuStreamCreate", e))?;
         // SAFETY: the context is current.
         let fault = unsafe { cu::malloc_sync(std::mem::size_of::<Fault>()) }
             .map_err(|e| driver_err(&name, "cuMemAlloc", e))?;
@@ -216,8 +238,10 @@ impl CudaBackend {
                 fault,
                 scratch: Mutex::new(Scratch::default()),
                 q8: Mutex::new(Scratch::default()),
+                graphs,
             }),
             alloc: Mutex::new(GraphAllocator::new(bt)),
+            last: Mutex::new(None),
         })
     }
 }
@@ -274,10 +298,35 @@ struct Q8Key {
     at: u64,
 }
 
+/// A captured node range (`cuGraphInstantiate`), destroyed with its plan, and the addresses of
+/// the backend's scratch blocks it was captured with (a block that grew since, for another
+/// graph, moved: the capture is then stale).
+struct GraphExec {
+    exec: sys::CUgraphExec,
+    scratch: (u64, u64),
+}
+// SAFETY: launched and destroyed by the plan's owner only (plans are computed by one thread
+// at a time, by the `GraphPlan` contract).
+unsafe impl Send for GraphExec {}
+// SAFETY: as above.
+unsafe impl Sync for GraphExec {}
+
+/// What a plan knows of a node range under CUDA graphs.
+enum Capture {
+    /// Computed once by launches (so every scratch block has grown to its size): the next
+    /// compute captures it.
+    Seen,
+    Exec(GraphExec),
+    /// Not capturable (a cuBLAS product, or the capture failed): always launched.
+    Refused,
+}
+
 struct CudaPlan {
     inner: Arc<Inner>,
     exec: Vec<ExecNode>,
     q8_key: Mutex<Option<Q8Key>>,
+    /// Per node range (`exec` indices), under CUDA graphs.
+    captures: Mutex<std::collections::HashMap<(usize, usize), Capture>>,
     /// Keeps every buffer the addresses point into alive while the plan exists.
     _buffers: Vec<Arc<dyn Buffer>>,
 }
@@ -322,6 +371,7 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CudaPlan> {
         inner: inner.clone(),
         exec,
         q8_key: Mutex::new(None),
+        captures: Mutex::new(std::collections::HashMap::new()),
         _buffers: buffers,
     })
 }
@@ -896,21 +946,11 @@ impl CudaPlan {
     }
 }
 
-impl GraphPlan for CudaPlan {
-    fn compute(&mut self, range: std::ops::Range<usize>) -> Result<()> {
-        let lo = self.exec.partition_point(|e| e.id.index() < range.start);
-        let hi = self.exec.partition_point(|e| e.id.index() < range.end);
-        if lo == hi {
-            return Ok(());
-        }
-        let inner = &self.inner;
-        inner.dev.gpu.bind()?;
+impl CudaPlan {
+    /// Launch nodes `lo..hi` one kernel each (no activations quantized yet: a failed capture
+    /// may have recorded some that never ran).
+    fn launch_range(&self, lo: usize, hi: usize) -> Result<()> {
         *self.q8_key.lock() = None;
-        // SAFETY: the fault word belongs to this backend; ordered on its stream.
-        unsafe {
-            cu::memset_d8_async(inner.fault, 0, std::mem::size_of::<Fault>(), inner.stream.0)
-        }
-        .map_err(|e| inner.err("cuMemsetD8Async", e))?;
         for i in lo..hi {
             let e = &self.exec[i];
             self.run(i, e).map_err(|err| match err {
@@ -920,6 +960,147 @@ impl GraphPlan for CudaPlan {
                 },
                 other => other,
             })?;
+        }
+        Ok(())
+    }
+
+    /// CUDA graphs: launch nodes `lo..hi` as one captured graph when this plan computed them
+    /// before (capturing them the second time); false where they must be launched node by
+    /// node (the first time; ranges with a cuBLAS product, whose workspace and handle are not
+    /// captured; a capture that failed). A decoding step's graph repeats with the same shapes
+    /// and addresses for many steps (the KV length padded), so its ranges replay in one
+    /// `cuGraphLaunch` each instead of one launch per node.
+    fn replay(&self, lo: usize, hi: usize) -> Result<bool> {
+        let inner = &self.inner;
+        let mut caps = self.captures.lock();
+        let Some(state) = caps.get_mut(&(lo, hi)) else {
+            let cublas = self.exec[lo..hi].iter().any(|e| {
+                matches!(e.op, Op::MulMat)
+                    && e.src[1].ne[1] as usize > GEMV_MAX_M
+                    && e.src[0].ne[0] > 0
+            });
+            let first = if cublas {
+                Capture::Refused
+            } else {
+                Capture::Seen
+            };
+            caps.insert((lo, hi), first);
+            return Ok(false);
+        };
+        if let Capture::Exec(g) = state
+            && g.scratch != inner.scratch_at()
+        {
+            // SAFETY: instantiated by this plan; the stream drained after its last launch.
+            unsafe {
+                let _ = cu::graph::exec_destroy(g.exec);
+            }
+            *state = Capture::Seen;
+        }
+        match state {
+            Capture::Refused => return Ok(false),
+            Capture::Exec(_) => {}
+            Capture::Seen => match self.capture(lo, hi) {
+                Ok(g) => *state = Capture::Exec(g),
+                Err(e) => {
+                    tracing::warn!(device = %inner.name(), error = %e, "CUDA graph capture failed; launching node by node");
+                    *state = Capture::Refused;
+                    return Ok(false);
+                }
+            },
+        }
+        let Capture::Exec(g) = state else {
+            unreachable!()
+        };
+        // SAFETY: a graph instantiated from this plan's launches, whose addresses its buffers
+        // keep alive; on this backend's stream.
+        unsafe { cu::graph::launch(g.exec, inner.stream.0) }
+            .map_err(|e| inner.err("cuGraphLaunch", e))?;
+        Ok(true)
+    }
+
+    /// Capture nodes `lo..hi` into an instantiated graph (nothing runs).
+    fn capture(&self, lo: usize, hi: usize) -> Result<GraphExec> {
+        let inner = &self.inner;
+        let stream = inner.stream.0;
+        // Thread-local mode: other threads (the meta backend's other devices) may copy on the
+        // legacy stream meanwhile; this stream is non-blocking, so they do not join it.
+        // SAFETY: this backend's stream, idle at the start of a range.
+        unsafe {
+            cu::stream::begin_capture(
+                stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(|e| inner.err("cuStreamBeginCapture", e))?;
+        let launched = self.launch_range(lo, hi);
+        // SAFETY: ends the capture begun above, whatever the launches did.
+        let graph = unsafe { cu::stream::end_capture(stream) };
+        if let Err(e) = launched {
+            if let Ok(g) = graph {
+                // SAFETY: a graph just captured, not instantiated.
+                unsafe {
+                    let _ = cu::graph::destroy(g);
+                }
+            }
+            return Err(e);
+        }
+        let graph = graph.map_err(|e| inner.err("cuStreamEndCapture", e))?;
+        // SAFETY: a graph just captured; destroyed once instantiated (the instance is
+        // independent of it).
+        let exec = unsafe { cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) };
+        // SAFETY: as above.
+        unsafe {
+            let _ = cu::graph::destroy(graph);
+        }
+        Ok(GraphExec {
+            exec: exec.map_err(|e| inner.err("cuGraphInstantiate", e))?,
+            scratch: inner.scratch_at(),
+        })
+    }
+
+    /// Whether `other` launches the same kernels on the same addresses as this plan.
+    fn same_launches(&self, other: &CudaPlan) -> bool {
+        self.exec.len() == other.exec.len()
+            && self.exec.iter().zip(&other.exec).all(|(a, b)| {
+                a.op == b.op && a.dst == b.dst && a.src == b.src && a.x_base == b.x_base
+            })
+    }
+}
+
+impl Drop for CudaPlan {
+    fn drop(&mut self) {
+        let caps = self.captures.get_mut();
+        if caps.is_empty() || self.inner.dev.gpu.bind().is_err() {
+            return;
+        }
+        for c in caps.values() {
+            if let Capture::Exec(g) = c {
+                // SAFETY: instantiated by this plan, destroyed once; the stream drained at the
+                // end of the range that launched it.
+                unsafe {
+                    let _ = cu::graph::exec_destroy(g.exec);
+                }
+            }
+        }
+    }
+}
+
+impl GraphPlan for CudaPlan {
+    fn compute(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        let lo = self.exec.partition_point(|e| e.id.index() < range.start);
+        let hi = self.exec.partition_point(|e| e.id.index() < range.end);
+        if lo == hi {
+            return Ok(());
+        }
+        let inner = &self.inner;
+        inner.dev.gpu.bind()?;
+        // SAFETY: the fault word belongs to this backend; ordered on its stream.
+        unsafe {
+            cu::memset_d8_async(inner.fault, 0, std::mem::size_of::<Fault>(), inner.stream.0)
+        }
+        .map_err(|e| inner.err("cuMemsetD8Async", e))?;
+        if !(inner.graphs && self.replay(lo, hi)?) {
+            self.launch_range(lo, hi)?;
         }
         inner.sync()?;
         let mut f = [Fault::default()];
@@ -967,6 +1148,19 @@ impl Backend for CudaBackend {
             }
         }
         let mut plan = make_plan(&self.inner, g)?;
+        if !self.inner.graphs {
+            return plan.compute(0..g.len());
+        }
+        // CUDA graphs: reuse the last plan (and what it captured) when this one launches the
+        // same kernels on the same addresses, keeping the new plan's buffers alive.
+        let mut last = self.last.lock();
+        match last.as_mut() {
+            Some(old) if old.same_launches(&plan) => {
+                old._buffers = std::mem::take(&mut plan._buffers);
+            }
+            _ => *last = Some(plan),
+        }
+        let plan = last.as_mut().expect("set above");
         plan.compute(0..g.len())
     }
 

@@ -40,8 +40,8 @@ TYPES = {
 }
 SHAPES = [(4096, 14336), (14336, 4096), (2048, 8192)]
 UNROLLS = [1, 2, 8]
-# The types of gemv_dp4a_lab.cu's kernels.
-DP4A_TYPES = ("q4_0", "q5_0", "q8_0", "q4_k", "q6_k")
+# The types of gemv_dp4a_lab.cu's kernels (those `gemv_q8a` has).
+DP4A_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
 
 def source(base, old):
@@ -96,9 +96,10 @@ def main():
     ap.add_argument("--old", required=True)
     ap.add_argument("--emit", help="write the two CUDA sources to EMIT.old.cu and EMIT.new.cu and stop")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--dp4a", help="a CUDA file appended to the new source with lab_quantize_q8a and "
-                    "lab_TYPE_m1_dp4a[2|4] (8-bit activations): timed with the quantization ('dp4a*') "
-                    "and without ('g-dp4a*'), checked within 3e-2 of the largest output")
+    ap.add_argument("--dp4a", help="scripts/gemv_dp4a_lab.cu (appended to the new source): the "
+                    "backend's 8-bit-activation GEMV with 1, 2, 4 blocks per iteration, timed with "
+                    "the quantization ('q8uU') and without ('g-q8uU'), checked within 3e-2 of the "
+                    "largest output")
     ap.add_argument("--json")
     ap.add_argument("--types", help="only these types, comma-separated (e.g. q4_0,q4_k)")
     a = ap.parse_args()
@@ -177,8 +178,7 @@ def main():
                     res[v] = timed(run) / 4 * 1000.0  # us per product
                     outs[v] = out.get()
                 loose = set()
-                dp4a = [(f"dp4a{u}", f"lab_{tname}_m1_dp4a{u}", "lab_quantize_q8a") for u in ("", "2", "4")]
-                dp4a.append(("prod", f"lab_{tname}_m1_prod", "lab_prod_quantize"))
+                dp4a = [(f"q8u{u}", f"lab_{tname}_m1_q8u{u}", "lab_quantize_q8a") for u in (1, 2, 4)]
                 for v, kname, qname in dp4a:
                     if M != 1 or not a.dp4a or tname not in DP4A_TYPES:
                         continue

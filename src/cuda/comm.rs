@@ -59,7 +59,7 @@ impl CommunicatorFactory for OneGpuFactory {
 }
 
 /// A stream handle owned by one rank of the group.
-struct Stream(sys::CUstream);
+pub(super) struct Stream(pub(super) sys::CUstream);
 // SAFETY: used only by its rank's thread (with the context bound there) and destroyed in Drop.
 unsafe impl Send for Stream {}
 // SAFETY: as above.
@@ -223,23 +223,28 @@ impl Drop for OneGpuComm {
     }
 }
 
-fn dev_ptr(r: &BufferRange, what: &str) -> Result<u64> {
+/// The device address of `r` (`what` in errors of `component`), checked against its buffer.
+pub(super) fn dev_ptr_of(component: &'static str, r: &BufferRange, what: &str) -> Result<u64> {
     let b = r
         .storage
         .buffer
         .as_any()
         .downcast_ref::<CudaBuffer>()
         .ok_or_else(|| Error::Internal {
-            component: "cuda-peer",
+            component,
             reason: format!("{what} is not in device memory"),
         })?;
     if r.storage.offset + r.len > crate::buffer::Buffer::size(b) {
         return Err(Error::Internal {
-            component: "cuda-peer",
+            component,
             reason: format!("{what} lies outside its buffer"),
         });
     }
     Ok(b.ptr + r.storage.offset as u64)
+}
+
+fn dev_ptr(r: &BufferRange, what: &str) -> Result<u64> {
+    dev_ptr_of("cuda-peer", r, what)
 }
 
 fn esz(dtype: DType) -> Result<usize> {

@@ -181,34 +181,34 @@ __device__ __forceinline__ void bytes4(u32 v, float bias, float *q) {
 // 8 elements, not per element). A block of 32 gives lane t elements 4t .. 4t + 3 and 16 + 4t ..
 // (the low and high nibbles of the same 4 bytes; Q8_0: 8t .. 8t + 7); a super-block gives lane
 // t elements 8t .. 8t + 7 (one group of 16 or 32, one scale). The quants of 4 elements come in
-// one 32-bit word, unpacked 4 at a time (the bit positions are those of `deq32`/`kq_quant`).
-template <int TYPE>
-__device__ __forceinline__ void lane8(const char *blk, int t, float *q, float *dl, float *ml,
-                                      int *e0, int *e1) {
-    u32 lo, hi;
-    float bias = 0.0f;
+// one 32-bit word, unpacked 4 at a time (the bit positions are those of `deq32`/`kq_quant`):
+// `lane8_words` gives the two words (each byte a quant before its offset, Q8_0's signed or,
+// with Q8_FLIP, plus 128; IQ4's an index), `lane8` their exact floats, `lane8i` their signed
+// bytes.
+template <int TYPE, u32 Q8_FLIP>
+__device__ __forceinline__ void lane8_words(const char *blk, int t, u32 *lo, u32 *hi, float *dl,
+                                            float *ml, int *e0, int *e1) {
+    u32 l, h;
     *ml = 0.0f;
     if (blk_elems(TYPE) == 32) {
         *dl = hf(blk, 0);
         *e0 = TYPE == T_Q8_0 ? 8 * t : 4 * t;
         *e1 = TYPE == T_Q8_0 ? 8 * t + 4 : 16 + 4 * t;
         if (TYPE == T_Q8_0) {
-            // int8 quants at byte 2: flipping the sign bit gives q + 128.
-            lo = ld32h(blk, 2 + 8 * t) ^ 0x80808080u;
-            hi = ld32h(blk, 6 + 8 * t) ^ 0x80808080u;
-            bias = 128.0f;
+            // int8 quants at byte 2 (their sign bits flipped by Q8_FLIP = 0x80808080: q + 128).
+            l = ld32h(blk, 2 + 8 * t) ^ Q8_FLIP;
+            h = ld32h(blk, 6 + 8 * t) ^ Q8_FLIP;
         } else {
             const int qs = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
             u32 v = TYPE == T_Q4_1 || TYPE == T_Q5_1 ? ld32(blk, qs + 4 * t) : ld32h(blk, qs + 4 * t);
-            lo = v & 0x0F0F0F0Fu;
-            hi = (v >> 4) & 0x0F0F0F0Fu;
+            l = v & 0x0F0F0F0Fu;
+            h = (v >> 4) & 0x0F0F0F0Fu;
             if (TYPE == T_Q5_0 || TYPE == T_Q5_1) {
                 u32 qh = TYPE == T_Q5_0 ? ld32h(blk, 2) : ld32(blk, 4);
-                lo |= spread4((qh >> (4 * t)) & 15) << 4;
-                hi |= spread4((qh >> (16 + 4 * t)) & 15) << 4;
+                l |= spread4((qh >> (4 * t)) & 15) << 4;
+                h |= spread4((qh >> (16 + 4 * t)) & 15) << 4;
             }
             if (TYPE == T_Q4_1 || TYPE == T_Q5_1) *ml = -hf(blk, 2);
-            bias = TYPE == T_Q4_0 ? 8.0f : TYPE == T_Q5_0 ? 16.0f : 0.0f;
         }
     } else {
         *e0 = 8 * t;
@@ -217,38 +217,51 @@ __device__ __forceinline__ void lane8(const char *blk, int t, float *q, float *d
         const int c = t & 3; // the lane's 8 bytes within a run of 32
         if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
             int at = (TYPE == T_Q4_K ? 16 : 48) + 32 * (t >> 3) + 8 * c, sh = 4 * ((t >> 2) & 1);
-            lo = (ld32(blk, at) >> sh) & 0x0F0F0F0Fu;
-            hi = (ld32(blk, at + 4) >> sh) & 0x0F0F0F0Fu;
+            l = (ld32(blk, at) >> sh) & 0x0F0F0F0Fu;
+            h = (ld32(blk, at + 4) >> sh) & 0x0F0F0F0Fu;
             if (TYPE == T_Q5_K) {
                 int hb = t >> 2;
-                lo |= ((ld32(blk, 16 + 8 * c) >> hb) & 0x01010101u) << 4;
-                hi |= ((ld32(blk, 20 + 8 * c) >> hb) & 0x01010101u) << 4;
+                l |= ((ld32(blk, 16 + 8 * c) >> hb) & 0x01010101u) << 4;
+                h |= ((ld32(blk, 20 + 8 * c) >> hb) & 0x01010101u) << 4;
             }
         } else if (TYPE == T_Q6_K) {
-            int h = t >> 4;
-            int at = 64 * h + 8 * c + 32 * ((t >> 2) & 1), sh = 4 * ((t >> 3) & 1);
-            int ah = 128 + 32 * h + 8 * c, sh2 = 2 * ((t >> 2) & 3);
-            lo = ((ld32h(blk, at) >> sh) & 0x0F0F0F0Fu) | (((ld32h(blk, ah) >> sh2) & 0x03030303u) << 4);
-            hi = ((ld32h(blk, at + 4) >> sh) & 0x0F0F0F0Fu) |
-                 (((ld32h(blk, ah + 4) >> sh2) & 0x03030303u) << 4);
-            bias = 32.0f;
+            int hh = t >> 4;
+            int at = 64 * hh + 8 * c + 32 * ((t >> 2) & 1), sh = 4 * ((t >> 3) & 1);
+            int ah = 128 + 32 * hh + 8 * c, sh2 = 2 * ((t >> 2) & 3);
+            l = ((ld32h(blk, at) >> sh) & 0x0F0F0F0Fu) | (((ld32h(blk, ah) >> sh2) & 0x03030303u) << 4);
+            h = ((ld32h(blk, at + 4) >> sh) & 0x0F0F0F0Fu) |
+                (((ld32h(blk, ah + 4) >> sh2) & 0x03030303u) << 4);
         } else if (TYPE == T_Q2_K) {
             int at = 16 + 32 * (t >> 4) + 8 * c, sh = 2 * ((t >> 2) & 3);
-            lo = (ld32(blk, at) >> sh) & 0x03030303u;
-            hi = (ld32(blk, at + 4) >> sh) & 0x03030303u;
+            l = (ld32(blk, at) >> sh) & 0x03030303u;
+            h = (ld32(blk, at + 4) >> sh) & 0x03030303u;
         } else if (TYPE == T_Q3_K) {
             // q = the 2 low bits + 4 (hmask bit) - 4.
             int at = 32 + 32 * (t >> 4) + 8 * c, sh = 2 * ((t >> 2) & 3), hb = t >> 2;
-            lo = ((ld32h(blk, at) >> sh) & 0x03030303u) | (((ld32h(blk, 8 * c) >> hb) & 0x01010101u) << 2);
-            hi = ((ld32h(blk, at + 4) >> sh) & 0x03030303u) |
-                 (((ld32h(blk, 8 * c + 4) >> hb) & 0x01010101u) << 2);
-            bias = 4.0f;
+            l = ((ld32h(blk, at) >> sh) & 0x03030303u) | (((ld32h(blk, 8 * c) >> hb) & 0x01010101u) << 2);
+            h = ((ld32h(blk, at + 4) >> sh) & 0x03030303u) |
+                (((ld32h(blk, 8 * c + 4) >> hb) & 0x01010101u) << 2);
         } else { // T_IQ4_XS
             int at = 8 + 16 * (t >> 2) + 8 * (c & 1), sh = 4 * (c >> 1);
-            lo = (ld32(blk, at) >> sh) & 0x0F0F0F0Fu;
-            hi = (ld32(blk, at + 4) >> sh) & 0x0F0F0F0Fu;
+            l = (ld32(blk, at) >> sh) & 0x0F0F0F0Fu;
+            h = (ld32(blk, at + 4) >> sh) & 0x0F0F0F0Fu;
         }
     }
+    *lo = l;
+    *hi = h;
+}
+
+// The offset each quant of `lane8_words` carries (x = dl (q - offset) - ml): Q3_K's 4, Q4_0's
+// 8, Q5_0's 16, Q6_K's 32 (Q8_0's bytes are signed already).
+__device__ constexpr int q_offset(int type) {
+    return type == T_Q3_K ? 4 : type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q6_K ? 32 : 0;
+}
+
+template <int TYPE>
+__device__ __forceinline__ void lane8(const char *blk, int t, float *q, float *dl, float *ml,
+                                      int *e0, int *e1) {
+    u32 lo, hi;
+    lane8_words<TYPE, 0x80808080u>(blk, t, &lo, &hi, dl, ml, e0, e1);
     if (TYPE == T_IQ4_NL || TYPE == T_IQ4_XS) {
         // Non-linear: the index selects a value of kvalues_iq4nl.
 #pragma unroll
@@ -258,6 +271,7 @@ __device__ __forceinline__ void lane8(const char *blk, int t, float *q, float *d
         }
         return;
     }
+    const float bias = TYPE == T_Q8_0 ? 128.0f : (float)q_offset(TYPE);
     bytes4(lo, bias, q);
     bytes4(hi, bias, q + 4);
 }
@@ -271,64 +285,16 @@ __device__ constexpr bool has_q8a(int type) {
 
 // `lane8` for the integer dot products of `gemv_q8a`: the same 8 elements of lane t, their
 // quants as two words of 4 signed bytes (`lo` at element e0, `hi` at e1; Q4_0, Q5_0 and Q6_K
-// less their offsets 8, 16 and 32 by a bytewise subtraction, `__vsub4`), with the scale `dl`
-// and offset `ml` they share: element = dl q - ml as `lane8` forms it (Q4_1 and Q5_1's minimum m
-// as ml = -m).
+// less their offsets by a bytewise subtraction, `__vsub4`), with the scale `dl` and offset `ml`
+// they share: element = dl q - ml as `lane8` forms it (Q4_1 and Q5_1's minimum m as ml = -m).
 template <int TYPE>
 __device__ __forceinline__ void lane8i(const char *blk, int t, int *lo, int *hi, float *dl,
                                        float *ml, int *e0, int *e1) {
     u32 l, h;
-    *ml = 0.0f;
-    if (blk_elems(TYPE) == 32) {
-        *dl = hf(blk, 0);
-        *e0 = TYPE == T_Q8_0 ? 8 * t : 4 * t;
-        *e1 = TYPE == T_Q8_0 ? 8 * t + 4 : 16 + 4 * t;
-        if (TYPE == T_Q8_0) {
-            l = ld32h(blk, 2 + 8 * t);
-            h = ld32h(blk, 6 + 8 * t);
-        } else {
-            const int qs = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
-            u32 v = TYPE == T_Q4_1 || TYPE == T_Q5_1 ? ld32(blk, qs + 4 * t) : ld32h(blk, qs + 4 * t);
-            l = v & 0x0F0F0F0Fu;
-            h = (v >> 4) & 0x0F0F0F0Fu;
-            if (TYPE == T_Q5_0 || TYPE == T_Q5_1) {
-                u32 qh = TYPE == T_Q5_0 ? ld32h(blk, 2) : ld32(blk, 4);
-                l |= spread4((qh >> (4 * t)) & 15) << 4;
-                h |= spread4((qh >> (16 + 4 * t)) & 15) << 4;
-            }
-            if (TYPE == T_Q4_1 || TYPE == T_Q5_1) *ml = -hf(blk, 2);
-            if (TYPE == T_Q4_0) {
-                l = __vsub4(l, 0x08080808u);
-                h = __vsub4(h, 0x08080808u);
-            } else if (TYPE == T_Q5_0) {
-                l = __vsub4(l, 0x10101010u);
-                h = __vsub4(h, 0x10101010u);
-            }
-        }
-    } else {
-        *e0 = 8 * t;
-        *e1 = 8 * t + 4;
-        kq_scale(blk, TYPE, 8 * t, dl, ml);
-        const int c = t & 3;
-        if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
-            int at = (TYPE == T_Q4_K ? 16 : 48) + 32 * (t >> 3) + 8 * c, sh = 4 * ((t >> 2) & 1);
-            l = (ld32(blk, at) >> sh) & 0x0F0F0F0Fu;
-            h = (ld32(blk, at + 4) >> sh) & 0x0F0F0F0Fu;
-            if (TYPE == T_Q5_K) {
-                int hb = t >> 2;
-                l |= ((ld32(blk, 16 + 8 * c) >> hb) & 0x01010101u) << 4;
-                h |= ((ld32(blk, 20 + 8 * c) >> hb) & 0x01010101u) << 4;
-            }
-        } else { // T_Q6_K
-            int hh = t >> 4;
-            int at = 64 * hh + 8 * c + 32 * ((t >> 2) & 1), sh = 4 * ((t >> 3) & 1);
-            int ah = 128 + 32 * hh + 8 * c, sh2 = 2 * ((t >> 2) & 3);
-            l = ((ld32h(blk, at) >> sh) & 0x0F0F0F0Fu) | (((ld32h(blk, ah) >> sh2) & 0x03030303u) << 4);
-            h = ((ld32h(blk, at + 4) >> sh) & 0x0F0F0F0Fu) |
-                (((ld32h(blk, ah + 4) >> sh2) & 0x03030303u) << 4);
-            l = __vsub4(l, 0x20202020u);
-            h = __vsub4(h, 0x20202020u);
-        }
+    lane8_words<TYPE, 0>(blk, t, &l, &h, dl, ml, e0, e1);
+    if (q_offset(TYPE) != 0) {
+        l = __vsub4(l, 0x01010101u * q_offset(TYPE));
+        h = __vsub4(h, 0x01010101u * q_offset(TYPE));
     }
     *lo = (int)l;
     *hi = (int)h;

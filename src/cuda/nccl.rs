@@ -29,8 +29,8 @@
 //! `tests/cuda_kernels.rs`; `cuda_models` runs SmolLM2 on `cuda:0,1` wherever two GPUs are
 //! present (docs/cuda.md).
 
-use super::comm::{Deposit, Rendezvous};
-use super::device::{CudaBuffer, CudaDevice, Gpu, driver_err};
+use super::comm::{Deposit, Rendezvous, Stream, dev_ptr_of};
+use super::device::{CudaDevice, Gpu, driver_err};
 use super::libs::{Lib, missing, present};
 use crate::backend::Device;
 use crate::backend::layout::SliceLayout;
@@ -152,13 +152,6 @@ unsafe impl Send for Handle {}
 // SAFETY: as above.
 unsafe impl Sync for Handle {}
 
-/// A stream owned by one rank.
-struct Stream(sys::CUstream);
-// SAFETY: used by its rank's calls with its GPU's context bound; destroyed in Drop.
-unsafe impl Send for Stream {}
-// SAFETY: as above.
-unsafe impl Sync for Stream {}
-
 /// Device memory a rank stages through; grows, never shrinks.
 #[derive(Default)]
 struct Staging {
@@ -201,22 +194,7 @@ impl Drop for NcclComm {
 }
 
 fn dev_ptr(r: &BufferRange, what: &str) -> Result<u64> {
-    let b = r
-        .storage
-        .buffer
-        .as_any()
-        .downcast_ref::<CudaBuffer>()
-        .ok_or_else(|| Error::Internal {
-            component: "nccl",
-            reason: format!("{what} is not in device memory"),
-        })?;
-    if r.storage.offset + r.len > crate::buffer::Buffer::size(b) {
-        return Err(Error::Internal {
-            component: "nccl",
-            reason: format!("{what} lies outside its buffer"),
-        });
-    }
-    Ok(b.ptr + r.storage.offset as u64)
+    dev_ptr_of("nccl", r, what)
 }
 
 /// NCCL's type for summing `dtype`, and its size.

@@ -33,7 +33,7 @@ use super::virtual_device::{VirtualBufferType, VirtualDevice};
 use crate::backend::Device;
 use crate::buffer::{Buffer, BufferUsage};
 use crate::graph::{Graph, TensorId};
-use crate::meta::rewrite::{Rewritten, Stage, rewrite};
+use crate::meta::rewrite::{Rewritten, Stage, rewrite, rewrite_unnamed};
 use crate::meta::sharding::{Sharding, derive_sharding};
 use crate::meta::{HintFn, MetaBuffer, MetaDevice, MetaOptions, SplitPolicy, hint_for};
 use crate::models::arch::{Naming, Tensor};
@@ -442,6 +442,15 @@ impl Placed {
         Ok((sharding, rw))
     }
 
+    /// As [`Placed::shard`], the per-device programs without node names
+    /// ([`rewrite_unnamed`]): what the cost model measures and costs.
+    fn shard_unnamed(&self, g: &Graph) -> Result<Rewritten> {
+        let n = self.devices.len();
+        let hint = |id| hint_for(self.hints.as_ref(), g, id, n);
+        let sharding = derive_sharding(g, n, false, &|id| Self::leaf_state(g, id), &hint)?;
+        rewrite_unnamed(g, &sharding, &self.devices)
+    }
+
     /// Every placed tensor (weights and cache) by name.
     pub fn tensors(&self) -> std::collections::HashMap<String, crate::buffer::Storage> {
         self.refs
@@ -530,7 +539,7 @@ pub(super) fn step_at(
 ) -> Result<StepCost> {
     let seqs = seqs.clamp(1, tokens.max(1));
     let g = placed.step_graph(tokens, start, seqs)?;
-    let (_, rw) = placed.shard(&g)?;
+    let rw = placed.shard_unnamed(&g)?;
     for (d, p) in rw.programs.iter().enumerate() {
         let plan = crate::alloc::measure(&p.graph, &VirtualBufferType)?;
         activations[d] = activations[d].max(plan.peak);
@@ -546,34 +555,43 @@ pub fn evaluate_placed(
     workload: &Workload,
 ) -> Result<Evaluation> {
     let (weights, kv) = placed.resident_bytes();
-    let mut activations = vec![0usize; placed.devices.len()];
-    let (prefill, chunks) = match workload.prefill_step() {
-        Some((tokens, start)) => (
-            Some(step_at(
-                placed,
-                cluster,
-                tokens,
-                start,
-                // The sequences whose chunks make up the step.
-                (tokens / workload.prefill.clamp(1, Workload::CHUNK)).clamp(1, workload.batch),
-                &mut activations,
-            )?),
-            workload.prefill_steps(),
-        ),
-        None => (None, 0),
+    let n = placed.devices.len();
+    // The two steps are independent: cost them at once, each raising its own peaks.
+    let (pre, dec) = rayon::join(
+        || -> Result<_> {
+            let mut act = vec![0usize; n];
+            let step = match workload.prefill_step() {
+                Some((tokens, start)) => Some(step_at(
+                    placed,
+                    cluster,
+                    tokens,
+                    start,
+                    // The sequences whose chunks make up the step.
+                    (tokens / workload.prefill.clamp(1, Workload::CHUNK)).clamp(1, workload.batch),
+                    &mut act,
+                )?),
+                None => None,
+            };
+            Ok((step, act))
+        },
+        || -> Result<_> {
+            let mut act = vec![0usize; n];
+            let step = match workload.decode_step() {
+                // Every sequence of a batched decode step gets its logits.
+                Some((tokens, at)) => {
+                    Some(step_at(placed, cluster, tokens, at, tokens, &mut act)?)
+                }
+                None => None,
+            };
+            Ok((step, act))
+        },
+    );
+    let ((prefill, pre_act), (decode, dec_act)) = (pre?, dec?);
+    let chunks = match prefill {
+        Some(_) => workload.prefill_steps(),
+        None => 0,
     };
-    let decode = match workload.decode_step() {
-        // Every sequence of a batched decode step gets its logits.
-        Some((tokens, at)) => Some(step_at(
-            placed,
-            cluster,
-            tokens,
-            at,
-            tokens,
-            &mut activations,
-        )?),
-        None => None,
-    };
+    let activations: Vec<usize> = pre_act.iter().zip(&dec_act).map(|(a, b)| *a.max(b)).collect();
     let memory = placed
         .devices
         .iter()

@@ -19,7 +19,7 @@
 
 use super::cluster::Cluster;
 use super::evaluate::Workload;
-use super::layer::{LayerSplitCost, evaluate_hybrid_split};
+use super::layer::{LayerSplitCost, StageCache, evaluate_hybrid_split_cached};
 use super::search::{SearchResult, auto};
 use super::shape::ModelShape;
 use crate::error::human_bytes;
@@ -497,15 +497,40 @@ pub fn search_layouts(
         .into_iter()
         .flat_map(|k| group_sizes(cluster, k).into_iter().map(move |s| (k, s)))
         .collect();
-    let costs: Vec<LayerSplitCost> = {
+    // Groups of one size on different counts of devices evaluate the same stage (the first
+    // devices of the cluster): each is evaluated once, in a first wave of the first count with
+    // that group size, and taken from the cache by the others.
+    let cache = StageCache::default();
+    let first: Vec<bool> = (0..staged.len())
+        .map(|i| !staged[..i].iter().any(|p| p.1 == staged[i].1))
+        .collect();
+    let mut costs: Vec<Option<Result<LayerSplitCost>>> = (0..staged.len()).map(|_| None).collect();
+    for wave in [true, false] {
         use rayon::prelude::*;
-        staged
-            .par_iter()
-            .map(|&(k, s)| {
-                evaluate_hybrid_split(shape, &cluster.take(k), w, k / s, ratios.as_deref())
+        let done: Vec<(usize, Result<LayerSplitCost>)> = (0..staged.len())
+            .into_par_iter()
+            .filter(|&i| first[i] == wave)
+            .map(|i| {
+                let (k, s) = staged[i];
+                let cost = evaluate_hybrid_split_cached(
+                    shape,
+                    &cluster.take(k),
+                    w,
+                    k / s,
+                    ratios.as_deref(),
+                    Some(&cache),
+                );
+                (i, cost)
             })
-            .collect::<Result<_>>()?
-    };
+            .collect();
+        for (i, cost) in done {
+            costs[i] = Some(cost);
+        }
+    }
+    let costs: Vec<LayerSplitCost> = costs
+        .into_iter()
+        .map(|c| c.expect("every layout costed"))
+        .collect::<Result<_>>()?;
     for (&(k, s), cost) in staged.iter().zip(&costs) {
         layouts.push(staged_layout(k, s, cost, cluster));
     }

@@ -966,6 +966,46 @@ mod tests {
         }
     }
 
+    /// The programs the cost model measures (without names) are those a run gets, node for
+    /// node: the same ops, sources, layouts, views, storage and stages; only the names are
+    /// empty.
+    #[test]
+    fn programs_without_names_are_the_programs_a_run_gets() {
+        let shape = ModelShape::preset("smollm2-135m").unwrap();
+        let c = cpu_pair();
+        for strategy in [Strategy::Megatron, Strategy::SequenceParallel] {
+            let split = strategy.split(shape.n_layer(), shape.tied).unwrap();
+            let policy = by_layer(shape.split_dims(), split.clone());
+            let mut placed = Placed::new(&shape, &c, policy, 2 * 64).unwrap();
+            placed.set_hints(crate::models::split::sequence_parallel_hints(&split));
+            for (tokens, start, logits) in [(32, 0, 1), (2, 40, 2)] {
+                let g = placed.step_graph(tokens, start, logits).unwrap();
+                let (_, named) = placed.shard(&g).unwrap();
+                let plain = placed.shard_unnamed(&g).unwrap();
+                assert_eq!(named.local, plain.local);
+                assert_eq!(named.programs.len(), plain.programs.len());
+                for (a, b) in named.programs.iter().zip(&plain.programs) {
+                    assert_eq!(format!("{:?}", a.stages), format!("{:?}", b.stages));
+                    assert_eq!(a.graph.len(), b.graph.len());
+                    let mut named_nodes = 0;
+                    for (x, y) in a.graph.nodes().iter().zip(b.graph.nodes()) {
+                        assert!(y.name.is_empty());
+                        named_nodes += usize::from(!x.name.is_empty());
+                        let node = |n: &crate::graph::Node| {
+                            let st = n.storage.as_ref().map(|s| s.offset);
+                            format!(
+                                "{:?} {:?} {:?} {:?} {} {:?} {st:?}",
+                                n.op, n.layout, n.src, n.view_src, n.view_offs, n.flags
+                            )
+                        };
+                        assert_eq!(node(x), node(y));
+                    }
+                    assert_eq!(named_nodes, a.graph.len());
+                }
+            }
+        }
+    }
+
     /// A batched step gets logits for every sequence (the output product has a row per
     /// sequence, as a `BatchSession` step's has), and a batch's prompt tokens attend to their
     /// own sequence's rows, not to every row of the step.

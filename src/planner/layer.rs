@@ -230,6 +230,17 @@ pub struct StageCache {
     stages: Mutex<Vec<(StageKey, Arc<Stage>)>>,
 }
 
+impl StageCache {
+    /// Stages held.
+    pub fn len(&self) -> usize {
+        self.stages.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// The layer split of `shape` over `cluster`'s devices with `shares` (even when absent) for
 /// workload `w`, pipelined with the fastest number of micro-batches.
 pub fn evaluate_layer_split(

@@ -702,6 +702,28 @@ mod tests {
         assert!(choose(&mut none).is_none());
     }
 
+    /// A hybrid split whose stage another device count already evaluated (the first 4 devices
+    /// of 16 and of 8) costs, from the cache, exactly what it costs alone: every number of
+    /// its plan to the last bit.
+    #[test]
+    fn a_stage_from_the_cache_costs_what_a_new_one_costs() {
+        let shape = ModelShape::preset("llama3-8b").unwrap();
+        let c = Cluster::preset("h100x16-ib").unwrap();
+        let w = Workload::parse("pp=512,tg=128,batch=4,ctx=4096").unwrap();
+        let json = |cost: &LayerSplitCost| serde_json::to_string(cost).unwrap();
+        let cache = StageCache::default();
+        let on16 = evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, Some(&cache)).unwrap();
+        let on8 =
+            evaluate_hybrid_split_cached(&shape, &c.take(8), &w, 2, None, Some(&cache)).unwrap();
+        let alone16 = evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, None).unwrap();
+        let alone8 = evaluate_hybrid_split_cached(&shape, &c.take(8), &w, 2, None, None).unwrap();
+        assert_eq!(json(&on16), json(&alone16));
+        assert_eq!(json(&on8), json(&alone8));
+        // The two counts differ (the copy between the nodes), and the cache held one stage.
+        assert_ne!(on16.total_s, on8.total_s);
+        assert_eq!(cache.len(), 1);
+    }
+
     #[test]
     fn groups_stay_inside_a_node() {
         let c = Cluster::preset("h100x16-ib").unwrap();

@@ -977,9 +977,8 @@ fn the_searches_predictions_stay_the_same() -> Result<()> {
             let w = Workload::parse(&format!("pp=512,tg=128,batch={batch},ctx=4096"))?;
             let ls = search_layouts(&shape, &cl, &w, None)?;
             let e = &ls.result.evaluation;
-            let step = |s: &Option<metashard::planner::evaluate::StepCost>| {
-                s.as_ref().map(|s| s.seconds)
-            };
+            let step =
+                |s: &Option<metashard::planner::evaluate::StepCost>| s.as_ref().map(|s| s.seconds);
             writeln!(
                 out,
                 "{model} on {cluster}, batch {batch}: {}\n  plan: {} on {} devices, {:?}\n  \

@@ -578,9 +578,7 @@ pub fn evaluate_placed(
             let mut act = vec![0usize; n];
             let step = match workload.decode_step() {
                 // Every sequence of a batched decode step gets its logits.
-                Some((tokens, at)) => {
-                    Some(step_at(placed, cluster, tokens, at, tokens, &mut act)?)
-                }
+                Some((tokens, at)) => Some(step_at(placed, cluster, tokens, at, tokens, &mut act)?),
                 None => None,
             };
             Ok((step, act))
@@ -591,7 +589,11 @@ pub fn evaluate_placed(
         Some(_) => workload.prefill_steps(),
         None => 0,
     };
-    let activations: Vec<usize> = pre_act.iter().zip(&dec_act).map(|(a, b)| *a.max(b)).collect();
+    let activations: Vec<usize> = pre_act
+        .iter()
+        .zip(&dec_act)
+        .map(|(a, b)| *a.max(b))
+        .collect();
     let memory = placed
         .devices
         .iter()

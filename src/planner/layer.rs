@@ -30,8 +30,8 @@ use super::strategy::Strategy;
 use crate::models::layer_split::layer_ranges;
 use crate::models::split::by_layer;
 use crate::{Error, Result};
-use serde::Serialize;
 use parking_lot::Mutex;
+use serde::Serialize;
 use std::sync::Arc;
 
 /// Memory of one device under a layer split.
@@ -194,7 +194,10 @@ impl Stage {
     fn step(&self, rows: usize, start: usize, seqs: usize) -> Result<StepCost> {
         let key = (rows, start, seqs);
         let done = |steps: &[((usize, usize, usize), StepCost)]| {
-            steps.iter().find(|(k, _)| *k == key).map(|(_, c)| c.clone())
+            steps
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, c)| c.clone())
         };
         if let Some(c) = done(&self.steps.lock()) {
             return Ok(c);
@@ -386,7 +389,10 @@ fn evaluate_stages(
                 };
                 let cached = cache.and_then(|c| {
                     let stages = c.stages.lock();
-                    stages.iter().find(|(k, _)| *k == key).map(|(_, s)| s.clone())
+                    stages
+                        .iter()
+                        .find(|(k, _)| *k == key)
+                        .map(|(_, s)| s.clone())
                 });
                 let stage = match cached {
                     Some(stage) => stage,

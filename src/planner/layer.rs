@@ -22,6 +22,10 @@
 //! device busy; where the cluster says a device alone runs faster (`Cluster::alone_speedup`,
 //! devices sharing cores), the fill and drain (one stage at a time) and the steady state
 //! (min(m, stages) at once) are scaled by [`Cluster::concurrency_factor`].
+//!
+//! A search costs the hybrid split in groups of s on several counts of devices; each count's
+//! stage is the cluster's first s devices, so a [`StageCache`] evaluates it and its
+//! micro-batches' steps once for all of them (the same numbers: evaluations are deterministic).
 
 use super::cluster::{Cluster, DeviceProfile};
 use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed, step_at};
@@ -184,16 +188,19 @@ struct Stage {
     /// micro-batches' steps.
     placed: Placed,
     group: Cluster,
-    /// The micro-batches' steps costed so far: ((rows, start, sequences), cost).
-    steps: Mutex<Vec<((usize, usize, usize), StepCost)>>,
+    /// The micro-batches' steps costed so far.
+    steps: Mutex<Vec<(StepKey, StepCost)>>,
 }
+
+/// A step of a stage: (rows, start, sequences).
+type StepKey = (usize, usize, usize);
 
 impl Stage {
     /// The cost of a step of `rows` rows at `start` holding `seqs` sequences on this stage
     /// (`step_at`), costed once.
     fn step(&self, rows: usize, start: usize, seqs: usize) -> Result<StepCost> {
         let key = (rows, start, seqs);
-        let done = |steps: &[((usize, usize, usize), StepCost)]| {
+        let done = |steps: &[(StepKey, StepCost)]| {
             steps
                 .iter()
                 .find(|(k, _)| *k == key)

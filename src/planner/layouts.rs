@@ -16,6 +16,9 @@
 //! that fits wins; among those within [`SAME_TIME`] of it, the one on the fewest devices, then
 //! the simplest (a tensor split, replicas, a hybrid split, the layer split). Every other is
 //! kept with its predicted cost and why it lost ([`Considered`]), for the plan.
+//!
+//! The tensor searches, the hybrid and layer splits and the replicas are independent and run
+//! at once; the hybrid splits of one group size share their stage (`layer::StageCache`).
 
 use super::cluster::Cluster;
 use super::evaluate::Workload;

@@ -64,7 +64,10 @@ impl Graph {
             src: SmallVec::new(),
             view_src: None,
             view_offs: 0,
-            name: name.to_string(),
+            name: match self.is_named() {
+                true => name.to_string(),
+                false => String::new(),
+            },
             flags,
             storage: None,
             data: None,
@@ -110,7 +113,10 @@ impl Graph {
             src: src.iter().copied().collect(),
             view_src: None,
             view_offs: 0,
-            name: format!("{}_{id}", op.name()),
+            name: match self.is_named() {
+                true => format!("{}_{id}", op.name()),
+                false => String::new(),
+            },
             flags: Flags::default(),
             storage: None,
             data: None,

@@ -126,11 +126,29 @@ impl Node {
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     nodes: Vec<Node>,
+    /// Nodes get no names ([`Graph::unnamed`]).
+    unnamed: bool,
 }
 
 impl Graph {
     pub fn new() -> Self {
         Graph::default()
+    }
+
+    /// A graph whose nodes get no names (every name is empty, `set_name` does nothing), with
+    /// room for `capacity` nodes: for programs that are only measured and costed, never run or
+    /// shown (the planner's per-device programs), where formatting a name per node and device
+    /// is a large share of the work.
+    pub fn unnamed(capacity: usize) -> Self {
+        Graph {
+            nodes: Vec::with_capacity(capacity),
+            unnamed: true,
+        }
+    }
+
+    /// Whether nodes get names (see [`Graph::unnamed`]).
+    pub fn is_named(&self) -> bool {
+        !self.unnamed
     }
 
     pub fn len(&self) -> usize {
@@ -207,7 +225,9 @@ impl Graph {
 
     /// Set a node's name (returns the id, for chaining).
     pub fn set_name(&mut self, id: TensorId, name: impl Into<String>) -> TensorId {
-        self.nodes[id.index()].name = name.into();
+        if !self.unnamed {
+            self.nodes[id.index()].name = name.into();
+        }
         id
     }
 

@@ -22,6 +22,10 @@
 //! device busy; where the cluster says a device alone runs faster (`Cluster::alone_speedup`,
 //! devices sharing cores), the fill and drain (one stage at a time) and the steady state
 //! (min(m, stages) at once) are scaled by [`Cluster::concurrency_factor`].
+//!
+//! A search costs the hybrid split in groups of s on several counts of devices; each count's
+//! stage is the cluster's first s devices, so a [`StageCache`] evaluates it and its
+//! micro-batches' steps once for all of them (the same numbers: evaluations are deterministic).
 
 use super::cluster::{Cluster, DeviceProfile};
 use super::evaluate::{Evaluation, Placed, StepCost, Workload, evaluate_placed, step_at};
@@ -30,7 +34,9 @@ use super::strategy::Strategy;
 use crate::models::layer_split::layer_ranges;
 use crate::models::split::by_layer;
 use crate::{Error, Result};
+use parking_lot::Mutex;
 use serde::Serialize;
+use std::sync::Arc;
 
 /// Memory of one device under a layer split.
 #[derive(Clone, Debug, Serialize)]
@@ -182,6 +188,67 @@ struct Stage {
     /// micro-batches' steps.
     placed: Placed,
     group: Cluster,
+    /// The micro-batches' steps costed so far.
+    steps: Mutex<Vec<(StepKey, StepCost)>>,
+}
+
+/// A step of a stage: (rows, start, sequences).
+type StepKey = (usize, usize, usize);
+
+impl Stage {
+    /// The cost of a step of `rows` rows at `start` holding `seqs` sequences on this stage
+    /// (`step_at`), costed once.
+    fn step(&self, rows: usize, start: usize, seqs: usize) -> Result<StepCost> {
+        let key = (rows, start, seqs);
+        let done = |steps: &[(StepKey, StepCost)]| {
+            steps
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, c)| c.clone())
+        };
+        if let Some(c) = done(&self.steps.lock()) {
+            return Ok(c);
+        }
+        // Costed without the lock held (another thread may cost it too: the same answer).
+        let mut scratch = vec![0usize; self.group.devices.len()];
+        let c = step_at(&self.placed, &self.group, rows, start, seqs, &mut scratch)?;
+        let mut steps = self.steps.lock();
+        if done(&steps).is_none() {
+            steps.push((key, c.clone()));
+        }
+        Ok(c)
+    }
+}
+
+/// What a stage's evaluation depends on besides the model and the split strategy (fixed for
+/// one [`StageCache`]): its devices and links, the workload, and whether a tied output shares
+/// the embedding's bytes.
+#[derive(PartialEq)]
+struct StageKey {
+    group: Cluster,
+    workload: Workload,
+    share_tied: bool,
+}
+
+/// Stage evaluations shared by the layer and hybrid splits of one model that one search costs
+/// (`search_layouts`): the hybrid split in groups of s on 16 devices and on 8 evaluates the same
+/// stage (the first s devices, the same links) and the same micro-batches' steps. Evaluations
+/// are deterministic, so a stage taken from here costs exactly what a new one would. Use one
+/// cache per model and workload only.
+#[derive(Default)]
+pub struct StageCache {
+    stages: Mutex<Vec<(StageKey, Arc<Stage>)>>,
+}
+
+impl StageCache {
+    /// Stages held.
+    pub fn len(&self) -> usize {
+        self.stages.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// The layer split of `shape` over `cluster`'s devices with `shares` (even when absent) for
@@ -192,7 +259,7 @@ pub fn evaluate_layer_split(
     w: &Workload,
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
-    evaluate_stages(shape, cluster, w, shares, 1, MicroBatches::Best)
+    evaluate_stages(shape, cluster, w, shares, 1, MicroBatches::Best, None)
 }
 
 /// As [`evaluate_layer_split`] with the micro-batches given.
@@ -203,7 +270,7 @@ pub fn evaluate_layer_split_with(
     shares: Option<&[f64]>,
     micro: MicroBatches,
 ) -> Result<LayerSplitCost> {
-    evaluate_stages(shape, cluster, w, shares, 1, micro)
+    evaluate_stages(shape, cluster, w, shares, 1, micro, None)
 }
 
 /// The hybrid split (`run --split-mode hybrid --groups G`): G contiguous groups of the
@@ -216,6 +283,19 @@ pub fn evaluate_hybrid_split(
     w: &Workload,
     groups: usize,
     shares: Option<&[f64]>,
+) -> Result<LayerSplitCost> {
+    evaluate_hybrid_split_cached(shape, cluster, w, groups, shares, None)
+}
+
+/// As [`evaluate_hybrid_split`], taking the stages' evaluations from `cache` when it has them
+/// (and keeping those it makes there).
+pub(super) fn evaluate_hybrid_split_cached(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    groups: usize,
+    shares: Option<&[f64]>,
+    cache: Option<&StageCache>,
 ) -> Result<LayerSplitCost> {
     let n = cluster.devices.len();
     if groups == 0 || !n.is_multiple_of(groups) {
@@ -243,6 +323,7 @@ pub fn evaluate_hybrid_split(
         group_shares.as_deref(),
         per,
         MicroBatches::Best,
+        cache,
     )
 }
 
@@ -256,6 +337,7 @@ fn evaluate_stages(
     shares: Option<&[f64]>,
     per: usize,
     micro: MicroBatches,
+    cache: Option<&StageCache>,
 ) -> Result<LayerSplitCost> {
     shape.check()?;
     w.validate()?;
@@ -293,7 +375,7 @@ fn evaluate_stages(
         ..p.clone()
     };
     // Stages of the same profiles (names aside) share an evaluation.
-    let mut evals: Vec<Stage> = Vec::new();
+    let mut evals: Vec<Arc<Stage>> = Vec::new();
     let mut which = Vec::with_capacity(stages);
     for st in 0..stages {
         let devices = &cluster.devices[st * per..(st + 1) * per];
@@ -307,20 +389,44 @@ fn evaluate_stages(
                     devices: devices.to_vec(),
                     ..cluster.clone()
                 };
-                let placed = Placed::new(
-                    stage_shape,
-                    &group,
-                    by_layer(stage_shape.split_dims(), split.clone()),
-                    w.cache_rows(),
-                )?;
-                let eval = evaluate_placed(&placed, &group, w)?;
-                evals.push(Stage {
-                    profiles,
-                    eval,
-                    bytes: placed.bytes_by_segment(),
-                    placed,
+                let key = StageKey {
                     group,
+                    workload: *w,
+                    share_tied: stage_shape.share_tied,
+                };
+                let cached = cache.and_then(|c| {
+                    let stages = c.stages.lock();
+                    stages
+                        .iter()
+                        .find(|(k, _)| *k == key)
+                        .map(|(_, s)| s.clone())
                 });
+                let stage = match cached {
+                    Some(stage) => stage,
+                    None => {
+                        let group = key.group.clone();
+                        let placed = Placed::new(
+                            stage_shape,
+                            &group,
+                            by_layer(stage_shape.split_dims(), split.clone()),
+                            w.cache_rows(),
+                        )?;
+                        let eval = evaluate_placed(&placed, &group, w)?;
+                        let stage = Arc::new(Stage {
+                            profiles,
+                            eval,
+                            bytes: placed.bytes_by_segment(),
+                            placed,
+                            group,
+                            steps: Mutex::new(Vec::new()),
+                        });
+                        if let Some(c) = cache {
+                            c.stages.lock().push((key, stage.clone()));
+                        }
+                        stage
+                    }
+                };
+                evals.push(stage);
                 evals.len() - 1
             }
         };
@@ -396,28 +502,40 @@ fn evaluate_stages(
             return Ok((0.0, 1));
         };
         let mut best: Option<(f64, usize)> = None;
-        for m in micro.candidates(rows) {
+        let candidates = micro.candidates(rows);
+        // Sequences per micro-batch (a batch is cut between sequences) and rows of each.
+        let cut = |m: usize| {
             let part = rows.div_ceil(m);
-            // Sequences per micro-batch: a batch is cut between sequences.
-            let logits = seqs.div_ceil(m).clamp(1, part);
-            let costs: Vec<StepCost> = if m == 1 {
-                evals
+            (part, seqs.div_ceil(m).clamp(1, part))
+        };
+        // The micro-batches' steps (m > 1) are independent: cost them at once.
+        let steps: Vec<Result<Vec<StepCost>>> = {
+            use rayon::prelude::*;
+            candidates
+                .par_iter()
+                .filter(|&&m| m > 1)
+                .map(|&m| {
+                    let (part, logits) = cut(m);
+                    // The middle micro-batch's context stands for all of them (a prompt's
+                    // later chunks attend to the earlier ones); a batch's micro-batches hold
+                    // whole sequences, at the step's positions.
+                    let at = match seqs {
+                        1 => start + (rows - part) / 2,
+                        _ => start,
+                    };
+                    evals.iter().map(|e| e.step(part, at, logits)).collect()
+                })
+                .collect()
+        };
+        let mut steps = steps.into_iter();
+        for m in candidates {
+            let (part, _) = cut(m);
+            let costs: Vec<StepCost> = match m {
+                1 => evals
                     .iter()
                     .map(|e| whole(&e.eval).cloned().unwrap_or_default())
-                    .collect()
-            } else {
-                // The middle micro-batch's context stands for all of them (a prompt's later
-                // chunks attend to the earlier ones); a batch's micro-batches hold whole
-                // sequences, at the step's positions.
-                let at = match seqs {
-                    1 => start + (rows - part) / 2,
-                    _ => start,
-                };
-                let mut scratch = vec![0usize; per];
-                evals
-                    .iter()
-                    .map(|e| step_at(&e.placed, &e.group, part, at, logits, &mut scratch))
-                    .collect::<Result<_>>()?
+                    .collect(),
+                _ => steps.next().expect("a step per micro-batch count")?,
             };
             let once = seqs < m;
             let t = stage_times(&costs, part, !once);

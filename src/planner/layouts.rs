@@ -16,10 +16,13 @@
 //! that fits wins; among those within [`SAME_TIME`] of it, the one on the fewest devices, then
 //! the simplest (a tensor split, replicas, a hybrid split, the layer split). Every other is
 //! kept with its predicted cost and why it lost ([`Considered`]), for the plan.
+//!
+//! The tensor searches, the hybrid and layer splits and the replicas are independent and run
+//! at once; the hybrid splits of one group size share their stage (`layer::StageCache`).
 
 use super::cluster::Cluster;
 use super::evaluate::Workload;
-use super::layer::{LayerSplitCost, evaluate_hybrid_split};
+use super::layer::{LayerSplitCost, StageCache, evaluate_hybrid_split_cached};
 use super::search::{SearchResult, auto};
 use super::shape::ModelShape;
 use crate::error::human_bytes;
@@ -465,6 +468,50 @@ fn choose(c: &mut [Considered]) -> Option<()> {
     Some(())
 }
 
+/// The hybrid and layer splits `staged` ((devices, group size) pairs) of `shape` on the first
+/// devices of `cluster`, in that order. Groups of one size on different counts of devices
+/// evaluate the same stage (the first devices of the cluster): each is evaluated once, in a
+/// first wave of the first count with that group size, and taken from the cache by the others.
+fn staged_costs(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    ratios: Option<&[f64]>,
+    staged: &[(usize, usize)],
+) -> Result<Vec<LayerSplitCost>> {
+    use rayon::prelude::*;
+    let cache = StageCache::default();
+    let first: Vec<bool> = (0..staged.len())
+        .map(|i| !staged[..i].iter().any(|p| p.1 == staged[i].1))
+        .collect();
+    let mut costs: Vec<Option<Result<LayerSplitCost>>> = (0..staged.len()).map(|_| None).collect();
+    for wave in [true, false] {
+        let done: Vec<(usize, Result<LayerSplitCost>)> = (0..staged.len())
+            .into_par_iter()
+            .filter(|&i| first[i] == wave)
+            .map(|i| {
+                let (k, s) = staged[i];
+                let cost = evaluate_hybrid_split_cached(
+                    shape,
+                    &cluster.take(k),
+                    w,
+                    k / s,
+                    ratios,
+                    Some(&cache),
+                );
+                (i, cost)
+            })
+            .collect();
+        for (i, cost) in done {
+            costs[i] = Some(cost);
+        }
+    }
+    costs
+        .into_iter()
+        .map(|c| c.expect("every layout costed"))
+        .collect()
+}
+
 /// The search over layouts (see the module's doc): the tensor split on each count of
 /// devices, the hybrid and layer splits the cluster's nodes suggest, and replicas for a batch;
 /// the chosen layout's plan and every layout's predicted cost. With device shares (`ratios`,
@@ -482,7 +529,27 @@ pub fn search_layouts(
         Some(_) => vec![n],
         None => device_counts(cluster),
     };
-    let mut searches = tensor_searches(shape, cluster, w, &ratios, &counts)?;
+    // The stages' whole-model evaluations are independent: cost them in parallel.
+    let staged: Vec<(usize, usize)> = staged_counts(cluster, &counts)
+        .into_iter()
+        .flat_map(|k| group_sizes(cluster, k).into_iter().map(move |s| (k, s)))
+        .collect();
+    // The tensor searches, the hybrid and layer splits and the replicas are independent: run
+    // them at once (each search leaves a core idle while it costs its chosen assignment's
+    // prompt again under sequence parallelism), then take their answers in this order.
+    let (searches, (costs, reps)) = rayon::join(
+        || tensor_searches(shape, cluster, w, &ratios, &counts),
+        || {
+            rayon::join(
+                || staged_costs(shape, cluster, w, ratios.as_deref(), &staged),
+                || match ratios {
+                    Some(_) => Ok(Vec::new()),
+                    None => replica_searches(shape, cluster, w),
+                },
+            )
+        },
+    );
+    let mut searches = searches?;
     let Some(best_tensor) = fewest_fast(&searches) else {
         // Nothing fits under any tensor split, the least memory a device can hold: the whole
         // cluster's refusal names the device and the bytes.
@@ -492,27 +559,11 @@ pub fn search_layouts(
         .iter()
         .map(|(k, r)| tensor_layout(*k, r, w))
         .collect();
-    // The stages' whole-model evaluations are independent: cost them in parallel.
-    let staged: Vec<(usize, usize)> = staged_counts(cluster, &counts)
-        .into_iter()
-        .flat_map(|k| group_sizes(cluster, k).into_iter().map(move |s| (k, s)))
-        .collect();
-    let costs: Vec<LayerSplitCost> = {
-        use rayon::prelude::*;
-        staged
-            .par_iter()
-            .map(|&(k, s)| {
-                evaluate_hybrid_split(shape, &cluster.take(k), w, k / s, ratios.as_deref())
-            })
-            .collect::<Result<_>>()?
-    };
+    let costs = costs?;
     for (&(k, s), cost) in staged.iter().zip(&costs) {
         layouts.push(staged_layout(k, s, cost, cluster));
     }
-    let mut reps = match ratios {
-        Some(_) => Vec::new(),
-        None => replica_searches(shape, cluster, w)?,
-    };
+    let mut reps = reps?;
     layouts.extend(reps.iter().map(|(r, s, _)| replica_layout(r, s)));
     choose(&mut layouts).expect("a tensor split fits");
     let chosen = &layouts[0];
@@ -675,6 +726,28 @@ mod tests {
         // Nothing fits: no choice.
         let mut none = vec![layout(Tensor, 2, None, true)];
         assert!(choose(&mut none).is_none());
+    }
+
+    /// A hybrid split whose stage another device count already evaluated (the first 4 devices
+    /// of 16 and of 8) costs, from the cache, exactly what it costs alone: every number of
+    /// its plan to the last bit.
+    #[test]
+    fn a_stage_from_the_cache_costs_what_a_new_one_costs() {
+        let shape = ModelShape::preset("llama3-8b").unwrap();
+        let c = Cluster::preset("h100x16-ib").unwrap();
+        let w = Workload::parse("pp=512,tg=128,batch=4,ctx=4096").unwrap();
+        let json = |cost: &LayerSplitCost| serde_json::to_string(cost).unwrap();
+        let cache = StageCache::default();
+        let on16 = evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, Some(&cache)).unwrap();
+        let on8 =
+            evaluate_hybrid_split_cached(&shape, &c.take(8), &w, 2, None, Some(&cache)).unwrap();
+        let alone16 = evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, None).unwrap();
+        let alone8 = evaluate_hybrid_split_cached(&shape, &c.take(8), &w, 2, None, None).unwrap();
+        assert_eq!(json(&on16), json(&alone16));
+        assert_eq!(json(&on8), json(&alone8));
+        // The two counts differ (the copy between the nodes), and the cache held one stage.
+        assert_ne!(on16.total_s, on8.total_s);
+        assert_eq!(cache.len(), 1);
     }
 
     #[test]

@@ -147,7 +147,13 @@ impl<'m> Session<'m> {
             let (logits, t) = logits_of[j];
             *this += t;
             if all_logits || j + 1 == n_chunks {
-                out.extend(g.read_f32(logits)?);
+                let l = g.read_f32(logits)?;
+                // The last chunk's logits alone (decoding): the vector read, not a copy of it.
+                if out.is_empty() {
+                    out = l;
+                } else {
+                    out.extend(l);
+                }
             }
             Ok(())
         })?;

@@ -11,7 +11,10 @@ For every quantized type, shape and M in (1, 4): random blocks (random quants, s
 small f16 values) in four copies, rotated so that the 50 MB L2 does not hold them; the old
 kernel (`gemv_q` for Q8_0/Q4_0/Q4_1 where the old source has it, else `gemv_qx<TYPE, M>`) against
 the new `gemv_qx<TYPE, M>`. The two outputs must agree within 1e-5 of the largest (f32 sums in
-another order). Times are medians of 40 batches of 4 launches between CUDA events, each batch
+another order). With `--dp4a scripts/gemv_dp4a_lab.cu`, the backend's 8-bit-activation GEMV
+(`gemv_q8a`) of each type it has is timed beside them at 1, 2 and 4 blocks per iteration, with
+and without the activations' quantization, within 3e-2 of the largest f32-path output; `--types
+q4_0,q4_k` keeps a run short. Times are medians of 40 batches of 4 launches between CUDA events, each batch
 queued behind a 2 ms spinning kernel so that the launches run back to back; GB/s counts
 the weight bytes once. The copy's bandwidth (bytes read plus written) is the CUDA issue's
 reference: the quantized GEMV's target is half of it.

@@ -167,20 +167,23 @@ pub struct NcclComm {
     meet: Rendezvous,
     timeout: Duration,
     moved: Vec<AtomicU64>,
+    /// The NCCL communicators were aborted (which frees them).
+    aborted: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        let failed = self.meet.failure().is_some();
+        let aborted = *self.aborted.get_mut();
         for (r, gpu) in self.gpus.iter().enumerate() {
             if gpu.bind().is_err() {
                 continue;
             }
             // SAFETY: owned by this group and released once, after the stream drained; an
-            // aborted communicator was already freed by ncclCommAbort.
+            // aborted communicator was already freed by ncclCommAbort (a group that failed at
+            // a host barrier only still holds its communicators, idle).
             unsafe {
                 let _ = cu::stream::synchronize(self.streams[r].0);
-                if !failed {
+                if !aborted {
                     let _ = nccl::comm_destroy(self.comms[r].0);
                 }
                 let s = self.staging[r].get_mut();
@@ -249,6 +252,7 @@ impl NcclComm {
             meet: Rendezvous::of_kind("nccl", &label, world, timeout),
             timeout,
             moved: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            aborted: std::sync::atomic::AtomicBool::new(false),
             gpus,
         })
     }
@@ -259,9 +263,8 @@ impl NcclComm {
 
     /// Fail the group and abort every rank's NCCL communicator (which ends their kernels).
     fn fail_with(&self, reason: String) -> Error {
-        let first = self.meet.failure().is_none();
         let e = self.meet.fail_with(reason);
-        if first {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
             for h in &self.comms {
                 // SAFETY: a communicator of this group; NCCL allows aborting from any thread.
                 let _ = unsafe { nccl::comm_abort(h.0) };
@@ -307,10 +310,9 @@ impl NcclComm {
                 }
             }
             if let Some(f) = self.meet.failure() {
-                return Err(Error::Device {
-                    device: self.gpus[rank].label(),
-                    reason: format!("nccl group failed: {f}"),
-                });
+                // The group failed elsewhere (a peer late at a barrier): abort, so that this
+                // rank's NCCL kernels, which wait for that peer, end (the first reason stays).
+                return Err(self.fail_with(f));
             }
             if Instant::now() >= deadline {
                 return Err(self.fail_with(format!(

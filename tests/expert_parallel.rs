@@ -15,7 +15,7 @@ mod decoders;
 use decoders::config;
 use metashard::DType;
 use metashard::cpu::Precision;
-use metashard::meta::{ConversionKind, MetaDevice};
+use metashard::meta::{ConversionKind, MetaDevice, Sharding};
 use metashard::models::arch::{Arch, MIXTRAL, OLMOE, QWEN2MOE, QWEN3MOE};
 use metashard::models::decoder::{SequenceStep, build_step};
 use metashard::models::hparams::DecoderConfig;
@@ -45,6 +45,42 @@ fn model_file(arch: &'static Arch) -> PathBuf {
 }
 
 /// Prompt logits and greedy tokens on `devices`, and the most weight bytes a device holds.
+/// Weight `wt`'s product (the node whose first source it is) has the state `want(ids)` (ids:
+/// the product's expert ids), and neither the weight nor the product is converted.
+fn assert_product_stays(
+    g: &metashard::Graph,
+    plan: &Sharding,
+    wt: metashard::graph::TensorId,
+    want: impl Fn(usize) -> SplitState,
+    what: &str,
+) {
+    let text = plan.describe(g);
+    let product = g
+        .ids()
+        .find(|&id| g.node(id).src.first() == Some(&wt))
+        .unwrap();
+    let ids = g.node(product).src[2];
+    assert_eq!(
+        plan.states[product.index()],
+        want(ids.index()),
+        "{what}'s product\n{text}"
+    );
+    assert!(
+        plan.conversions
+            .iter()
+            .all(|cv| cv.source != wt && cv.source != product),
+        "{what} or its product converted\n{text}"
+    );
+}
+
+/// The plan's all-reduces.
+fn all_reduces(plan: &Sharding) -> usize {
+    plan.conversions
+        .iter()
+        .filter(|cv| cv.kind == ConversionKind::AllReduce)
+        .count()
+}
+
 fn run(path: &Path, devices: &str, experts: ExpertSplit) -> (Vec<f32>, Vec<u32>, usize) {
     let opts = OpenOptions {
         precision: Precision::Exact,
@@ -123,29 +159,11 @@ fn expert_parallel_moves_no_expert_weight() {
                         e.sort();
                         let want = if n == 2 { vec![4, 4] } else { vec![2, 3, 3] };
                         assert_eq!(e, want, "{what}: {t}");
-                        let product = g
-                            .ids()
-                            .find(|&id| g.node(id).src.first() == Some(&wt))
-                            .unwrap();
-                        let ids = g.node(product).src[2];
-                        assert_eq!(
-                            plan.states[product.index()],
-                            SplitState::routed(ids.index(), st.extents()),
-                            "{what}: {t}'s product\n{text}"
-                        );
-                        assert!(
-                            plan.conversions
-                                .iter()
-                                .all(|cv| cv.source != wt && cv.source != product),
-                            "{what}: {t} or its product converted\n{text}"
-                        );
+                        let product_state = |ids: usize| SplitState::routed(ids, st.extents());
+                        assert_product_stays(g, &plan, wt, product_state, &format!("{what}: {t}"));
                     }
                 }
-                let reduces = plan
-                    .conversions
-                    .iter()
-                    .filter(|cv| cv.kind == ConversionKind::AllReduce)
-                    .count();
+                let reduces = all_reduces(&plan);
                 // Two per layer (attention, the MoE block); none of them is more than a row
                 // of activations per token.
                 assert_eq!(reduces, 2 * c.n_layer, "{what}:\n{text}");
@@ -296,35 +314,17 @@ fn experts_over_groups_move_no_expert_weight() {
                         if n == 3 { vec![2, 1] } else { vec![2, 2] },
                         "{what}"
                     );
-                    let product = g
-                        .ids()
-                        .find(|&id| g.node(id).src.first() == Some(&wt))
-                        .unwrap();
-                    let ids = g.node(product).src[2];
-                    let want = if axis == 1 {
-                        SplitState::group_routed(ids.index(), st)
-                    } else {
-                        SplitState::partial(n)
+                    let product_state = |ids: usize| {
+                        if axis == 1 {
+                            SplitState::group_routed(ids, st)
+                        } else {
+                            SplitState::partial(n)
+                        }
                     };
-                    assert_eq!(
-                        plan.states[product.index()],
-                        want,
-                        "{what}: {t}'s product\n{text}"
-                    );
-                    assert!(
-                        plan.conversions
-                            .iter()
-                            .all(|cv| cv.source != wt && cv.source != product),
-                        "{what}: {t} or its product converted\n{text}"
-                    );
+                    assert_product_stays(g, &plan, wt, product_state, &format!("{what}: {t}"));
                 }
             }
-            let reduces = plan
-                .conversions
-                .iter()
-                .filter(|cv| cv.kind == ConversionKind::AllReduce)
-                .count();
-            assert_eq!(reduces, 2 * c.n_layer, "{what}:\n{text}");
+            assert_eq!(all_reduces(&plan), 2 * c.n_layer, "{what}:\n{text}");
         }
     }
 }

@@ -79,7 +79,7 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState]) -> Vec<Pattern> {
 mod tests {
     use super::super::testing::*;
     use crate::DType;
-    use crate::graph::Graph;
+    use crate::graph::{Graph, TensorId};
     use crate::split_state::SplitState;
 
     #[test]
@@ -103,8 +103,9 @@ mod tests {
         refuses(&g, y, &[m(), p(), m()]);
     }
 
-    #[test]
-    fn whole_experts_give_rows_routed_by_the_ids() {
+    /// 5 experts: an up product `y` routed by `ids`, the down product `z` of it by the same
+    /// ids, and `z2` of it by other ids.
+    fn up_down() -> (Graph, TensorId, TensorId, TensorId, TensorId) {
         let mut g = Graph::new();
         let w = f32_in(&mut g, "experts", [8, 6, 5, 1]);
         let x = f32_in(&mut g, "x", [8, 1, 3, 1]);
@@ -114,6 +115,12 @@ mod tests {
         let down = f32_in(&mut g, "down", [6, 8, 5, 1]);
         let z = g.mul_mat_id(down, y, ids).unwrap();
         let z2 = g.mul_mat_id(down, y, other).unwrap();
+        (g, ids, y, z, z2)
+    }
+
+    #[test]
+    fn whole_experts_give_rows_routed_by_the_ids() {
+        let (g, ids, y, z, z2) = up_down();
         let routed = SplitState::routed(ids.index(), &[3, 2]);
         // Uneven experts (3 + 2); the output names the ids it is routed by.
         keeps(&g, y, &[ax(2, &[3, 2]), m(), m()], routed.clone());
@@ -140,15 +147,7 @@ mod tests {
 
     #[test]
     fn expert_groups_give_group_routed_columns_then_partial_rows() {
-        let mut g = Graph::new();
-        let w = f32_in(&mut g, "experts", [8, 6, 5, 1]);
-        let x = f32_in(&mut g, "x", [8, 1, 3, 1]);
-        let ids = g.input("ids", DType::I32, [2, 3, 1, 1]).unwrap();
-        let other = g.input("other", DType::I32, [2, 3, 1, 1]).unwrap();
-        let y = g.mul_mat_id(w, x, ids).unwrap();
-        let down = f32_in(&mut g, "down", [6, 8, 5, 1]);
-        let z = g.mul_mat_id(down, y, ids).unwrap();
-        let z2 = g.mul_mat_id(down, y, other).unwrap();
+        let (g, ids, y, z, z2) = up_down();
         // One group of two devices holding every expert (N = 2 throughout these tests).
         let cols = SplitState::expert_groups(1, &[(5, vec![4, 2])]);
         let rows = SplitState::expert_groups(0, &[(5, vec![4, 2])]);

@@ -2,8 +2,9 @@
 //! GEMM): Q8_0, Q4_0, Q4_1 and Q5_0 with AVX2 (bytes widened, one multiply and, for Q4_1, one
 //! add per weight, as the reference rounds), the K-quants Q4_K, Q5_K and Q6_K with AVX2 (also
 //! on the AVX-512 level; `d * sc * q - dmin * mn` per 16 elements, Q6_K `d * sc * (q - 32)`,
-//! in the reference's operations), everything else through the type table's reference
-//! conversion.
+//! in the reference's operations), Q2_K, Q3_K, IQ4_XS, Q5_1 and IQ4_NL with AVX2 through
+//! [`low`](super::low)'s block decoders (`dl * q - ml` per 16), everything else through the
+//! type table's reference conversion.
 //! Also the per-block helpers the quantized kernels share (nibbles, Q5_0's fifth bits, f16
 //! scales). Layouts: ggml-common.h (`block_q4_0` .. `block_q6_K`).
 
@@ -47,6 +48,17 @@ pub(crate) unsafe fn row_to_f32(isa: Isa, w: Weights, src: *const u8, dst: *mut 
                     KW::Q4_K => kdequant_avx2::<K4>(src, dst, nblk),
                     KW::Q5_K => kdequant_avx2::<K5>(src, dst, nblk),
                     KW::Q6_K => kdequant_avx2::<K6>(src, dst, nblk),
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            Weights::Low(lw) if isa.clamp() >= Isa::Avx2 => {
+                use super::low::{L2K, L3K, L51, LNL, LXS};
+                match super::low::code(lw) {
+                    L2K => low_dequant_avx2::<L2K>(src, dst, k),
+                    L3K => low_dequant_avx2::<L3K>(src, dst, k),
+                    LXS => low_dequant_avx2::<LXS>(src, dst, k),
+                    L51 => low_dequant_avx2::<L51>(src, dst, k),
+                    _ => low_dequant_avx2::<LNL>(src, dst, k),
                 }
             }
             Weights::KQuant(_) | Weights::Low(_) => {
@@ -220,6 +232,47 @@ unsafe fn kdequant_avx2<const T: u8>(src: *const u8, dst: *mut f32, nblk: usize)
                             _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qi), dl), ml)
                         };
                         _mm256_storeu_ps(out.add(16 * j + 8 * e), v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A row of `k` elements of a [`low`](super::low) type `T` (Q2_K, Q3_K, IQ4_XS, Q5_1, IQ4_NL)
+/// converted to f32: each block decoded by `low::quants_avx2` into signed bytes and by
+/// `low::f32_scales` into `(dl, ml)` per 16, then `dl * q - ml` in two roundings, the
+/// reference dequantizer's operations (Q5_1's `d q + m` as `d q - (-m)`), so bit for bit.
+///
+/// # Safety
+/// AVX2 available; `src` readable for the row's blocks, `dst` writable for `k` f32, `k` a
+/// multiple of the block size.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn low_dequant_avx2<const T: u8>(src: *const u8, dst: *mut f32, k: usize) {
+    use super::low;
+    let (bs, ne) = (low::bytes(T), low::elems(T));
+    let tab = crate::cpu::simd::f16_table().as_ptr();
+    for blk in 0..k / ne {
+        // SAFETY: block blk of the row and its `ne` outputs.
+        unsafe {
+            let b = src.add(blk * bs);
+            let out = dst.add(blk * ne);
+            let (dl, ml) = low::f32_scales::<T>(b, tab);
+            let q = low::quants_avx2::<T>(b);
+            for (c, qc) in q.iter().take(ne / 32).enumerate() {
+                let parts = [
+                    _mm256_castsi256_si128(*qc),
+                    _mm256_extracti128_si256::<1>(*qc),
+                ];
+                for (half, p) in parts.iter().enumerate() {
+                    let j = 2 * c + half;
+                    let (d, m) = (_mm256_set1_ps(dl[j]), _mm256_set1_ps(ml[j]));
+                    for e in 0..2 {
+                        let bytes = if e == 0 { *p } else { _mm_srli_si128::<8>(*p) };
+                        let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                        let w = _mm256_sub_ps(_mm256_mul_ps(v, d), m);
+                        _mm256_storeu_ps(out.add(16 * j + 8 * e), w);
                     }
                 }
             }

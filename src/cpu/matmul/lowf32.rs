@@ -1,4 +1,5 @@
-//! Q2_K, Q3_K, IQ4_XS, Q5_1 and IQ4_NL weights times f32 activations, fused, for M <= 8:
+//! Q2_K, Q3_K, IQ4_XS, Q5_1 and IQ4_NL weights times f32 activations, fused, for small M
+//! (`plan::fused_max_m`):
 //! each block is decoded in registers ([`super::low`]: small integers and per-16 scales),
 //! every weight formed as `q * dl - ml` in one FMA (the reference's `dl * q` exactly where
 //! there is no minimum; Q2_K's `dl * q - ml` and Q5_1's `q * d + m` with one rounding where

@@ -5,6 +5,7 @@
 use super::kquant::KActLayout;
 use super::quant::ActLayout;
 use super::{FloatW, KQuantW, LowW, Precision, QuantW, Weights};
+use crate::cpu::simd::Isa;
 use crate::cpu::view::TensorView;
 
 /// Whether `m` activation rows of length `k` go to the packed GEMM (the `gemm` crate) rather
@@ -17,10 +18,31 @@ use crate::cpu::view::TensorView;
 pub(super) fn use_gemm(m: usize, k: usize) -> bool {
     m >= 512 || (m >= 64 && k <= 64)
 }
-/// Largest M (activation rows per batch) multiplied by the fused kernels ([`qf32`](super::qf32)) when
-/// quantized weights meet f32 activations; larger M dequantizes chunks of weight rows into
-/// scratch once and uses the wider f32 tiles.
-pub(super) const FUSED_MAX_M: usize = 8;
+/// Largest M (activation rows per batch) multiplied by the fused kernels ([`qf32`](super::qf32),
+/// [`kf32`](super::kf32), [`lowf32`](super::lowf32)) when quantized weights meet f32
+/// activations; larger M dequantizes chunks of weight rows into scratch once and uses the
+/// wider f32 tiles (the `Convert` path).
+///
+/// Per weight type on AVX2, measured (2026-11-27, Zen 2, 2 threads, `bench ops --precision
+/// exact`, 4096 x 4096 and 4096 x 14336, convert time / fused time): Q8_0 1.31-1.95x at
+/// M = 3..8 (fused to 8); Q4_0 1.00-1.26x at M <= 4, 0.73-0.95x from 5; Q4_1 1.03-1.40x to 5,
+/// 0.89-0.98x from 6; Q4_K 0.91-0.98x at 3, 1.05-1.11x at 4, 0.67-0.76x from 5; Q5_0, Q5_K,
+/// Q6_K, Q2_K, Q3_K, Q5_1, IQ4_NL, IQ4_XS 1.15-1.73x at M = 2 and 0.55-0.96x at 3, down to
+/// 0.51-0.69x at 8 (the fused tiles redo a block's decoding for every 4 rows; the converted
+/// rows are decoded once and then reused by every row). Other levels keep 8 (AVX-512 not
+/// measured against the convert path). The level is the machine's ([`Isa::detect`]), not the
+/// one a kernel is forced to, so `work_size` and `forward_with` agree on the scratch.
+pub(super) fn fused_max_m(w: Weights) -> usize {
+    if Isa::detect() != Isa::Avx2 {
+        return 8;
+    }
+    match w {
+        Weights::Quant(QuantW::Q8_0) => 8,
+        Weights::Quant(QuantW::Q4_1) => 5,
+        Weights::Quant(QuantW::Q4_0) | Weights::KQuant(KQuantW::Q4_K) => 4,
+        _ => 2,
+    }
+}
 
 /// Activation rows the fused kernels multiply per pass over an item's weights: as many as
 /// fit in 256 KiB of f32 (a quarter of a Zen 4 L2), 8 to 64, a multiple of 4 (the tile width).
@@ -56,7 +78,7 @@ pub(super) enum Path {
     KFused(KQuantW),
     /// K-quant integer kernels on Q8_K activations ([`kquant`](super::kquant)).
     KQuant(KQuantW),
-    /// Q2_K, Q3_K, IQ4 or Q5_1 weights decoded in registers, f32 activations, M <= 8
+    /// Q2_K, Q3_K, IQ4 or Q5_1 weights decoded in registers, f32 activations, M <= [`fused_max_m`]
     /// ([`lowf32`](super::lowf32)).
     LowFused(LowW),
     /// Their integer kernels on Q8_K (256-element types) or Q8_1-style (blocks of 32)
@@ -125,12 +147,12 @@ impl Plan {
         } else {
             match w {
                 Weights::Quant(q) if precision == Precision::Q8 => Path::Quant(q),
-                Weights::Quant(q) if m <= FUSED_MAX_M => Path::Fused(q),
+                Weights::Quant(q) if m <= fused_max_m(w) => Path::Fused(q),
                 Weights::KQuant(q) if precision == Precision::Q8 => Path::KQuant(q),
-                Weights::KQuant(q) if m <= FUSED_MAX_M => Path::KFused(q),
+                Weights::KQuant(q) if m <= fused_max_m(w) => Path::KFused(q),
                 Weights::Float(wt) if !gemm || f32_rows => Path::Direct { wt, gemm },
                 Weights::Low(q) if precision == Precision::Q8 => Path::LowQuant(q),
-                Weights::Low(q) if m <= FUSED_MAX_M => Path::LowFused(q),
+                Weights::Low(q) if m <= fused_max_m(w) => Path::LowFused(q),
                 Weights::Quant(_) | Weights::KQuant(_) | Weights::Float(_) | Weights::Low(_) => {
                     Path::Convert { w, gemm }
                 }

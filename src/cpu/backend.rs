@@ -7,9 +7,10 @@
 //! and the error names the node; a kernel that panics is caught by the pool.
 
 use super::device::CpuDevice;
+use super::matmul::{self, Isa};
 use super::ops;
 use super::pool::ThreadPool;
-use super::view::{ComputeParams, TensorView};
+use super::view::{ComputeParams, Precision, TensorView};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
 use crate::buffer::{Buffer, Storage};
@@ -32,6 +33,9 @@ struct ExecNode {
     /// Threads must meet after this node: the next one reads what it wrote, writes what it
     /// read, or shares scratch with it (see `plan_barriers`).
     barrier_after: bool,
+    /// The precision its kernels run at: the device's, but [`Precision::Exact`] for products
+    /// whose rows make 8-bit activations slower ([`matmul::node_precision`]).
+    precision: Precision,
 }
 
 /// The scratch pointer handed to every pool thread.
@@ -324,6 +328,10 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
             .iter()
             .map(|&s| host_view(g, s, &name))
             .collect::<Result<SmallVec<_>>>()?;
+        let precision = match n.op {
+            Op::MulMat => matmul::node_precision(&src[0], &src[1], precision, Isa::detect()),
+            _ => precision,
+        };
         let sc = ops::scratch(&n.op, &dst, &src, nth, precision);
         shared = shared.max(sc.shared);
         slot = slot.max(sc.per_thread);
@@ -335,6 +343,7 @@ fn make_plan(inner: &Arc<Inner>, g: &Graph) -> Result<CpuPlan> {
             dst,
             src,
             barrier_after: false,
+            precision,
         });
     }
     plan_barriers(&mut exec, &uses_shared, nth);
@@ -407,6 +416,7 @@ impl GraphPlan for CpuPlan {
                 }
                 let p = ComputeParams {
                     items: (nth > 1).then(|| &items[i]),
+                    precision: e.precision,
                     ..p
                 };
                 let t0 = prof.then(Instant::now);
@@ -547,6 +557,7 @@ mod tests {
             dst: v(dst),
             src: srcs.iter().map(|&a| v(a)).collect(),
             barrier_after: false,
+            precision: Precision::Exact,
         }
     }
 
@@ -712,5 +723,49 @@ mod tests {
             shaped(mul, 2 * k, 640, 2, &[(3 * k, 640, 2), (k, 640, 1)]),
         ];
         assert_eq!(barriers(exec, &[false; 2]), [true, false]);
+    }
+
+    /// `--q8` quantizes a product's activations up to `q8_max_rows` rows and runs it in f32
+    /// above: the larger product equals the exact run bit for bit, the smaller one does not.
+    #[test]
+    fn q8_nodes_above_the_row_cutoff_run_exact() {
+        use crate::cpu::device::CpuOptions;
+        use crate::dtype::f32_to_bytes;
+        let (k, n) = (256, 16);
+        let vals = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 7919 + seed) % 1013) as f32 / 1013.0 - 0.5) * 3.0)
+                .collect()
+        };
+        for dt in [DType::Q5_0, DType::Q4_K, DType::Q8_0, DType::Q3_K] {
+            let cut = matmul::q8_max_rows(dt, Isa::detect());
+            let big = if cut == usize::MAX { 64 } else { cut + 1 };
+            let run = |precision: Precision| {
+                let mut g = Graph::new();
+                let w = g.input("w", dt, [k, n, 1, 1]).unwrap();
+                g.set_data(w, f32_to_bytes(dt, &vals(k * n, 1)).unwrap())
+                    .unwrap();
+                let ys: Vec<_> = [1, big]
+                    .iter()
+                    .map(|&m| {
+                        let x = g.input_f32("x", [k, m, 1, 1], &vals(k * m, m)).unwrap();
+                        let y = g.mul_mat(w, x).unwrap();
+                        g.set_output(y);
+                        y
+                    })
+                    .collect();
+                let dev = CpuDevice::new(0, 1, 2, CpuOptions::with_precision(precision));
+                CpuBackend::new(dev).unwrap().graph_compute(&mut g).unwrap();
+                ys.iter()
+                    .map(|&y| g.read_f32(y).unwrap())
+                    .collect::<Vec<_>>()
+            };
+            let (exact, q8) = (run(Precision::Exact), run(Precision::Q8));
+            assert_ne!(q8[0], exact[0], "{dt}: one row is not quantized");
+            match cut {
+                usize::MAX => assert_ne!(q8[1], exact[1], "{dt}: {big} rows"),
+                _ => assert_eq!(q8[1], exact[1], "{dt}: {big} rows above the cutoff {cut}"),
+            }
+        }
     }
 }

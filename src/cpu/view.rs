@@ -153,8 +153,10 @@ pub struct ComputeParams<'a> {
 /// The precision of activations in products with quantized weights (Q8_0, Q4_0, Q4_1).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Precision {
-    /// Activations always quantized to 8 bits per 32-element block (Q8_0 / Q8_1 numbers) and
-    /// integer dot products, as ggml's CPU backend does.
+    /// Activations quantized to 8 bits per block (Q8_0 / Q8_1 / Q8_K numbers) and integer dot
+    /// products, as ggml's CPU backend does. The kernels honour it at every M; a graph node
+    /// on AVX2 without VNNI runs in f32 above [`q8_max_rows`](crate::cpu::matmul::q8_max_rows)
+    /// activation rows, where that is faster (the CPU backend's plan).
     Q8,
     /// f32 activations (the default): weights dequantized (in registers for small batches, into
     /// scratch for larger ones) and multiplied in f32, so the only error is f32 rounding.

@@ -18,9 +18,9 @@
 //! - Q2_K, Q3_K, IQ4_XS, Q5_1 and IQ4_NL ([`Weights::Low`]): blocks decoded to small
 //!   integers and per-16 scales ([`low`]); with 8-bit activations (Q8_K for the 256-element
 //!   types, [`quant`]'s blocks of 32 for the others, as ggml pairs them) integer dot products
-//!   at every M ([`lowq8`]); with f32 activations and M <= 8 fused in registers ([`lowf32`]);
-//!   larger M converts rows through the type table's reference conversion (scratch, then the
-//!   f32 tiles or the GEMM);
+//!   at every M ([`lowq8`]); with f32 activations and small M fused in registers ([`lowf32`]);
+//!   larger M converts rows ([`dequant`], AVX2) into scratch for the f32 tiles or the GEMM;
+//!   "small M" is [`plan::fused_max_m`] (per type on AVX2, measured);
 //! - large M ([`plan::use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
 //!   the output (`Parallelism::None`), F16/BF16/quantized weights converted to f32 chunk by chunk.
 //!
@@ -113,6 +113,52 @@ pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
         kernels_for(src0.dtype),
         Some(Weights::Quant(_) | Weights::KQuant(_) | Weights::Low(_))
     ) && precision == Precision::Q8
+}
+
+/// The most activation rows per batch (`src1.ne[1]`) for which a graph node at
+/// [`Precision::Q8`] quantizes its activations on this SIMD level; above it the node runs at
+/// [`Precision::Exact`] (the CPU backend's `make_plan`, [`node_precision`]). The kernels
+/// themselves ([`forward`], [`forward_with`]) take the precision they are given at any M.
+///
+/// Why: on AVX2 without VNNI (Zen 2 measured) `vpmaddubsw` and `vpmaddwd` share one vector
+/// pipe, so an 8-bit product retires no more multiply-adds per cycle than two f32 FMA pipes,
+/// and once a block of weights is reused by enough rows the f32 tiles over dequantized
+/// weights win. `bench ops --threads 2 --precision exact,q8 --m 3,5,6,8,16,32,64`
+/// (2026-11-27, Zen 2, 4096 x 4096 and 4096 x 14336, q8 time / the faster exact path's):
+/// Q4_0, Q4_1, Q5_0 0.77-0.91x at M = 8, 1.00-1.23x at 16; IQ4_NL 0.86-0.92x at 8, 1.00-1.17x
+/// at 16; Q8_0, Q4_K, Q5_K, Q6_K 0.78-1.01x at 16 and 1.00-1.28x at 32; Q2_K 0.71-0.73x at 3,
+/// 0.94-1.04x at 5, 1.16-1.26x at 6; Q3_K, Q5_1, IQ4_XS 0.89-1.02x at 5, 0.95-1.11x at 6,
+/// 1.00-1.16x at 8. Gemma 3's K = 640 products are ~2x slower with 8-bit activations at
+/// M = 64 (its prompt: 318 vs 520 t/s on cpu:1x2). AVX-512 (VNNI's `vpdpbusd`: one
+/// instruction per 64 byte products) and the scalar level keep 8-bit activations at every M
+/// (not measured against f32 there).
+pub fn q8_max_rows(dtype: DType, isa: Isa) -> usize {
+    if isa != Isa::Avx2 {
+        return usize::MAX;
+    }
+    match kernels_for(dtype) {
+        Some(Weights::Quant(QuantW::Q4_0 | QuantW::Q4_1 | QuantW::Q5_0))
+        | Some(Weights::Low(LowW::IQ4_NL)) => 8,
+        Some(Weights::Quant(QuantW::Q8_0)) | Some(Weights::KQuant(_)) => 16,
+        Some(Weights::Low(LowW::Q3_K | LowW::IQ4_XS | LowW::Q5_1)) => 5,
+        Some(Weights::Low(LowW::Q2_K)) => 4,
+        Some(Weights::Float(_)) | None => usize::MAX,
+    }
+}
+
+/// The precision a graph node's `mul_mat(src0, src1)` runs at on `isa` when the device's is
+/// `precision`: [`Precision::Exact`] where 8-bit activations would be slower
+/// ([`q8_max_rows`]), else `precision`.
+pub fn node_precision(
+    src0: &TensorView,
+    src1: &TensorView,
+    precision: Precision,
+    isa: Isa,
+) -> Precision {
+    match precision {
+        Precision::Q8 if src1.ne[1] > q8_max_rows(src0.dtype, isa) => Precision::Exact,
+        p => p,
+    }
 }
 
 /// Float weight types of the register-tiled kernels.

@@ -140,36 +140,31 @@ impl Rewriter<'_> {
             return Ok(base);
         }
         let full = self.packed(u);
-        // A group-routed value is padded into a Partial, which is then reduced.
-        if have.is_group_routed() && kind != ConversionKind::PadToPartial {
+        // A group-routed value is padded into a Partial, which is then reduced: the
+        // conversion starts from that Partial.
+        let (have, base) = if have.is_group_routed() && kind != ConversionKind::PadToPartial {
             let partial = SplitState::partial(self.n);
             let base = self.get(u, &partial)?;
-            let ids = self.reduce(u, &base, &full, kind, want)?;
-            self.insert(u, want.clone(), ids.clone());
-            return Ok(ids);
-        }
-        let ids = self.reduce(u, &base, &full, kind, want)?;
+            (partial, base)
+        } else {
+            (have, base)
+        };
+        let ids = self.reduce(u, &have, base, &full, kind, want)?;
         self.insert(u, want.clone(), ids.clone());
         Ok(ids)
     }
 
-    /// The local ids of `u` (whose local ids in its state are `base`) converted by `kind`,
-    /// named after the conversion.
+    /// The local ids of `u` in state `have` (`base`) converted by `kind`, named after the
+    /// conversion.
     fn reduce(
         &mut self,
         u: TensorId,
-        base: &[TensorId],
+        have: &SplitState,
+        base: Vec<TensorId>,
         full: &Layout,
         kind: ConversionKind,
         want: &SplitState,
     ) -> Result<Vec<TensorId>> {
-        let have = self.sharding.states[u.index()].clone();
-        let have = if have.is_group_routed() && kind != ConversionKind::PadToPartial {
-            SplitState::partial(self.n)
-        } else {
-            have
-        };
-        let base = base.to_vec();
         let full = *full;
         let ids = match kind {
             // The same local tensors, now read as a partial sum.
@@ -189,7 +184,7 @@ impl Rewriter<'_> {
                 }
                 v
             }
-            ConversionKind::PadToPartial => self.pad(&base, &full, &have)?,
+            ConversionKind::PadToPartial => self.pad(&base, &full, have)?,
             ConversionKind::AllReduce => {
                 let inplace = self.inplace_ok[u.index()];
                 let mut v = Vec::new();
@@ -221,10 +216,10 @@ impl Rewriter<'_> {
                 }
                 v
             }
-            ConversionKind::AllGather => self.gather(&base, &full, &have)?,
+            ConversionKind::AllGather => self.gather(&base, &full, have)?,
             ConversionKind::AllToAll => {
                 let m = SplitState::mirrored(self.n);
-                let gathered = self.gather(&base, &full, &have)?;
+                let gathered = self.gather(&base, &full, have)?;
                 self.insert(u, m, gathered.clone());
                 self.slice(&gathered, want)?
             }

@@ -768,4 +768,51 @@ mod tests {
             }
         }
     }
+
+    /// `mul_mat_id` applies the same rule per expert: an expert with more rows than the cutoff
+    /// multiplies them in f32 (equal to the exact run bit for bit), one with a single row
+    /// quantizes it.
+    #[test]
+    fn q8_experts_above_the_row_cutoff_run_exact() {
+        use crate::cpu::device::CpuOptions;
+        use crate::dtype::f32_to_bytes;
+        let (k, n, dt) = (256, 16, DType::Q5_0);
+        let cut = matmul::q8_max_rows(dt, Isa::detect());
+        let many = if cut == usize::MAX { 8 } else { cut + 1 };
+        let t = many + 1;
+        let vals = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 7919 + seed) % 1013) as f32 / 1013.0 - 0.5) * 3.0)
+                .collect()
+        };
+        // Tokens 0..many choose expert 0, the last one expert 1.
+        let ids: Vec<i32> = (0..t).map(|i| i32::from(i == many)).collect();
+        let run = |precision: Precision| {
+            let mut g = Graph::new();
+            let w = g.input("experts", dt, [k, n, 2, 1]).unwrap();
+            g.set_data(w, f32_to_bytes(dt, &vals(k * n * 2, 1)).unwrap())
+                .unwrap();
+            let x = g.input_f32("x", [k, 1, t, 1], &vals(k * t, 2)).unwrap();
+            let ids = g.input_i32("ids", [1, t, 1, 1], &ids).unwrap();
+            let y = g.mul_mat_id(w, x, ids).unwrap();
+            g.set_output(y);
+            let dev = CpuDevice::new(0, 1, 2, CpuOptions::with_precision(precision));
+            CpuBackend::new(dev).unwrap().graph_compute(&mut g).unwrap();
+            g.read_f32(y).unwrap()
+        };
+        let (exact, q8) = (run(Precision::Exact), run(Precision::Q8));
+        let (head, last) = (..many * n, many * n..);
+        assert_ne!(
+            q8[last.clone()],
+            exact[last],
+            "one row of expert 1 is not quantized"
+        );
+        match cut {
+            usize::MAX => assert_ne!(q8[head], exact[head]),
+            _ => assert_eq!(
+                q8[head], exact[head],
+                "{many} rows of expert 0, cutoff {cut}"
+            ),
+        }
+    }
 }

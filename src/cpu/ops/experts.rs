@@ -11,7 +11,8 @@
 //! the kernels read the row in place; threads wait for each other between experts only where
 //! the dense kernels use shared scratch (not the fused paths at f32 activations). Measured
 //! (Q4_K, 2 of 8 experts of [4096, 2048], one token, cpu:1x1, a loaded machine): 1.66 ms
-//! against 1.63 ms for `mul_mat` over the same bytes.
+//! against 1.63 ms for `mul_mat` over the same bytes. Under `--q8` each expert's product
+//! takes the dense rows rule (`matmul::node_precision`) for its own row count.
 //!
 //! With a window (one device's share of experts split whole: `op::RowWindow`), the weights
 //! hold only the window's experts; the rows of ids outside it are grouped last, as if under one
@@ -136,10 +137,18 @@ fn mm_size(experts: &TensorView, d: &Dims, nth: usize, precision: Precision) -> 
         .map(|m| {
             let x = packed_f32(std::ptr::null_mut(), d.k, m);
             let y = packed_f32(std::ptr::null_mut(), d.n, m);
-            matmul::work_size(&w, &x, &y, nth, precision)
+            matmul::work_size(&w, &x, &y, nth, expert_precision(&w, &x, precision))
         })
         .max()
         .unwrap_or(0)
+}
+
+/// The precision of one expert's product of `x`'s rows: the device's, but f32 activations
+/// where 8-bit ones would be slower for that many rows (`matmul::node_precision`, the rule
+/// the CPU backend applies to dense products; here the rows per expert are known only when
+/// the step runs).
+fn expert_precision(w: &TensorView, x: &TensorView, precision: Precision) -> Precision {
+    matmul::node_precision(w, x, precision, matmul::Isa::detect())
 }
 
 /// The local expert of the id at `ids[e, t]` (the window's `n_local` for an id outside it),
@@ -243,10 +252,14 @@ pub fn mul_mat_id(
             packed_f32(xs.wrapping_add(lo * d.k * 4), d.k, hi - lo)
         };
         let y = packed_f32(ys.wrapping_add(lo * d.n * 4), d.n, hi - lo);
+        let sub = ComputeParams {
+            precision: expert_precision(&w, &x, p.precision),
+            ..sub
+        };
         matmul::forward(&sub, &w, &x, &y);
         // The next expert's kernels reuse the dense kernels' shared scratch, if they have one
         // (the fused paths at f32 activations have none: no barrier).
-        if matmul::work_size(&w, &x, &y, p.nth, p.precision) > 0 {
+        if matmul::work_size(&w, &x, &y, p.nth, sub.precision) > 0 {
             p.barrier();
         }
     }

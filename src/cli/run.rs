@@ -53,7 +53,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Quantized weights times 8-bit activations (ggml's CPU behaviour; faster decoding on
-    /// some CPUs, less accurate; on AVX2 without VNNI products of more than 8-32 rows, e.g.
+    /// some CPUs, less accurate; on AVX2 without VNNI products of more than 4-16 rows, e.g.
     /// prompts, stay in f32, which is faster there). Default: f32 activations.
     #[arg(long)]
     pub q8: bool,

@@ -197,7 +197,8 @@ unsafe fn dequant_row_avx2(wt: WType, src: *const u8, dst: *mut f32, nblk: usize
     }
 }
 
-/// `nblk` K-quant super-blocks of kernel type `T` at `src` to f32 at `dst`, 8 at a time: per
+/// `nblk` K-quant super-blocks of kernel type `T` at `src` to f32 at `dst` ([`store_scaled`], shared
+/// with the 2-5 bit types' [`low_dequant_avx2`]), 8 at a time: per
 /// 16 elements `dl = d * sc` and `ml = dm * mn` as the reference computes them, then
 /// `dl * q - ml` (Q6_K: `dl * (q - 32)`), each operation rounded, as `dequantize_row_q4_K`
 /// and friends (ggml-quants.c) do; the same bits as the type table's conversion.
@@ -215,25 +216,22 @@ unsafe fn kdequant_avx2<const T: u8>(src: *const u8, dst: *mut f32, nblk: usize)
             let b = src.add(blk * bs);
             let out = dst.add(blk * QK_K);
             let h = head::<T>(b, tab);
+            let (mut dl, mut ml) = ([0f32; 16], [0f32; 16]);
+            for j in 0..16 {
+                dl[j] = h.d * h.sc[j] as f32;
+                // Q6_K has no minimum: `(q - 32) * dl - 0` is `(q - 32) * dl` bit for bit.
+                ml[j] = if T == K6 { 0.0 } else { h.dm * h.mn[j] as f32 };
+            }
             for c in 0..8 {
                 let q = chunk_avx2::<T>(b, c);
-                let parts = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
-                for (half, p) in parts.iter().enumerate() {
-                    let j = 2 * c + half;
-                    let dl = _mm256_set1_ps(h.d * h.sc[j] as f32);
-                    let ml = _mm256_set1_ps(h.dm * h.mn[j] as f32);
-                    for e in 0..2 {
-                        let bytes = if e == 0 { *p } else { _mm_srli_si128::<8>(*p) };
-                        let qi = _mm256_cvtepu8_epi32(bytes);
-                        let v = if T == K6 {
-                            let q = _mm256_sub_epi32(qi, _mm256_set1_epi32(32));
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(q), dl)
-                        } else {
-                            _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(qi), dl), ml)
-                        };
-                        _mm256_storeu_ps(out.add(16 * j + 8 * e), v);
-                    }
-                }
+                // Q4_K and Q5_K quants (0..31) are the same bytes signed; Q6_K's (0..63) are
+                // taken as the signed q - 32.
+                let q = if T == K6 {
+                    _mm256_sub_epi8(q, _mm256_set1_epi8(32))
+                } else {
+                    q
+                };
+                store_scaled(out.add(32 * c), q, &dl[2 * c..], &ml[2 * c..]);
             }
         }
     }
@@ -261,21 +259,30 @@ unsafe fn low_dequant_avx2<const T: u8>(src: *const u8, dst: *mut f32, k: usize)
             let (dl, ml) = low::f32_scales::<T>(b, tab);
             let q = low::quants_avx2::<T>(b);
             for (c, qc) in q.iter().take(ne / 32).enumerate() {
-                let parts = [
-                    _mm256_castsi256_si128(*qc),
-                    _mm256_extracti128_si256::<1>(*qc),
-                ];
-                for (half, p) in parts.iter().enumerate() {
-                    let j = 2 * c + half;
-                    let (d, m) = (_mm256_set1_ps(dl[j]), _mm256_set1_ps(ml[j]));
-                    for e in 0..2 {
-                        let bytes = if e == 0 { *p } else { _mm_srli_si128::<8>(*p) };
-                        let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-                        let w = _mm256_sub_ps(_mm256_mul_ps(v, d), m);
-                        _mm256_storeu_ps(out.add(16 * j + 8 * e), w);
-                    }
-                }
+                store_scaled(out.add(32 * c), *qc, &dl[2 * c..], &ml[2 * c..]);
             }
+        }
+    }
+}
+
+/// 32 signed quants `q` written as f32 at `out`: `q * dl[j] - ml[j]` for the two groups of
+/// 16 (`j` = 0, 1), multiply then subtract, two roundings as the reference dequantizers.
+///
+/// # Safety
+/// AVX2 available; `out` writable for 32 f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store_scaled(out: *mut f32, q: __m256i, dl: &[f32], ml: &[f32]) {
+    let parts = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+    for (j, p) in parts.iter().enumerate() {
+        let (d, m) = (_mm256_set1_ps(dl[j]), _mm256_set1_ps(ml[j]));
+        for e in 0..2 {
+            let bytes = if e == 0 { *p } else { _mm_srli_si128::<8>(*p) };
+            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+            let w = _mm256_sub_ps(_mm256_mul_ps(v, d), m);
+            // SAFETY: elements 16 j + 8 e .. + 8 of the caller's 32.
+            unsafe { _mm256_storeu_ps(out.add(16 * j + 8 * e), w) };
         }
     }
 }

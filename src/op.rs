@@ -250,6 +250,18 @@ pub enum Op {
     Rope(RopeParams),
     /// Row sums: `[1, ne1, ne2, ne3]`.
     SumRows,
+    /// The sum of squares of each row (along ne0), f32 `[1, ne1, ne2, ne3]`: the first half of
+    /// an RMS norm whose row is split by columns, each device summing its own columns (the
+    /// partial sums are then all-reduced; OLMoE's norms over the whole Q and K projections).
+    SumSqrRows,
+    /// `x * w / sqrt(sums / width + eps)` of `[x, sums, w]`: the second half, with the norm's
+    /// weight (`sums` `[1, ne1, ne2, ne3]` from [`Op::SumSqrRows`] over the whole row, `w`
+    /// `[ne0]`); `width` is the whole row's length, which a device holding some columns does
+    /// not see. ggml's `rms_norm` then `mul` when the sums are the row's own.
+    RmsNormSums {
+        eps: f32,
+        width: usize,
+    },
     /// Row means: `[1, ne1, ne2, ne3]`.
     Mean,
     /// Index of each row's maximum (I32 `[ne1]`, 2-D input).
@@ -295,6 +307,8 @@ impl Op {
             Op::SoftMax { .. } => "soft_max",
             Op::Rope(_) => "rope",
             Op::SumRows => "sum_rows",
+            Op::SumSqrRows => "sum_sqr_rows",
+            Op::RmsNormSums { .. } => "rms_norm_sums",
             Op::Mean => "mean",
             Op::Argmax => "argmax",
             Op::Argsort { .. } => "argsort",
@@ -350,6 +364,7 @@ impl Hash for Op {
             | Op::MulMat
             | Op::Swiglu
             | Op::SumRows
+            | Op::SumSqrRows
             | Op::Mean
             | Op::Argmax => {}
             Op::View { offset } => offset.hash(h),
@@ -370,6 +385,10 @@ impl Hash for Op {
             }
             Op::Unary(op) => op.hash(h),
             Op::RmsNorm { eps } | Op::Norm { eps } => hash_f32(eps, h),
+            Op::RmsNormSums { eps, width } => {
+                hash_f32(eps, h);
+                width.hash(h);
+            }
             Op::SoftMax { scale } | Op::FlashAttn { scale } => hash_f32(scale, h),
             Op::Rope(params) => params.hash(h),
             Op::Collective(kind) => kind.hash(h),
@@ -617,7 +636,7 @@ mod tests {
     }
 
     every_op! {
-        units: Leaf, Reshape, Cont, Cpy, MulMat, Swiglu, SumRows, Mean, Argmax;
+        units: Leaf, Reshape, Cont, Cpy, MulMat, Swiglu, SumRows, SumSqrRows, Mean, Argmax;
         structs:
             GetRows { window: Some(RowWindow { rows: 10, lo: 2, hi: 5, at: 1 }) },
             MulMatId { window: Some(RowWindow { rows: 8, lo: 2, hi: 6, at: 0 }) },
@@ -629,6 +648,7 @@ mod tests {
             Scale { scale: 0.5, bias: 0.0 },
             Clamp { min: -1.0, max: 1.0 },
             RmsNorm { eps: 1e-6 },
+            RmsNormSums { eps: 1e-6, width: 64 },
             Norm { eps: 1e-5 },
             SoftMax { scale: 0.125 },
             FlashAttn { scale: 0.125 };

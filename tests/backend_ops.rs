@@ -119,6 +119,8 @@ fn the_case_list_covers_every_op_dtype_and_shape_family() {
         "soft_max",
         "rope",
         "sum_rows",
+        "sum_sqr_rows",
+        "rms_norm_sums",
         "mean",
         "argmax",
         "flash_attn",

@@ -164,9 +164,11 @@ fn expert_parallel_moves_no_expert_weight() {
                     }
                 }
                 let reduces = all_reduces(&plan);
-                // Two per layer (attention, the MoE block); none of them is more than a row
-                // of activations per token.
-                assert_eq!(reduces, 2 * c.n_layer, "{what}:\n{text}");
+                // Two per layer (attention, the MoE block), and OLMoE's sums of squares of Q
+                // and K (its norms over the whole projections); none of them is more than a
+                // row of activations per token.
+                let per_layer = if arch.name == "olmoe" { 4 } else { 2 };
+                assert_eq!(reduces, per_layer * c.n_layer, "{what}:\n{text}");
                 let most = t * c.n_embd.max(c.n_vocab) * 4;
                 assert!(
                     plan.conversions

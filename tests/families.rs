@@ -423,12 +423,59 @@ fn mixtral_matches_the_reference_and_splits() {
 
 /// OLMoE: Q and K normalized over the whole projection (not per head), the experts' weights
 /// not renormalised. Its logits equal the numpy reference's (its greedy tokens too, on cpu:2x1:
-/// `verify_reference_covers_every_family`) and its splits give one device's tokens (the norms,
-/// mirrored, read Q and K whole).
+/// `verify_reference_covers_every_family`) and its splits give one device's tokens (each
+/// device sums the squares of its heads' columns; the sums are all-reduced).
 #[test]
 fn olmoe_matches_the_reference_and_splits() {
     matches_the_reference(&OLMOE, &[]);
     splits_give_one_devices_tokens(&OLMOE, &[]);
+}
+
+/// OLMoE's norms over the whole Q and K projections on a split attention move `t` sums of
+/// squares per norm (an all-reduce of `[1, t]`), never the projections (`[n, t]`, an
+/// all-gather each): a prompt step's sharding on cpu:2x1 and cpu:3x1 (with virtual KV heads
+/// there) gathers no tensor as wide as Q or K, and all-reduces two `[1, t]` sums per layer.
+#[test]
+fn olmoe_whole_norms_reduce_sums_not_projections() {
+    use metashard::meta::sharding::ConversionKind;
+    use metashard::models::decoder::{SequenceStep, build_step};
+    let path = model_file(&OLMOE, &[]);
+    let t = PROMPT.len();
+    for devices in ["cpu:2x1", "cpu:3x1"] {
+        let (set, m) = open(&path, devices, SplitMode::Tensor).unwrap();
+        let s = Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 64).unwrap();
+        let tokens: Vec<i32> = PROMPT.iter().map(|&x| x as i32).collect();
+        let step = SequenceStep::new(&tokens, 0, s.capacity());
+        let sg = build_step(&m.cfg, &m.weights, &s.cache(), &step.input(t - 1..t)).unwrap();
+        let g = &sg.graph;
+        let meta = set.meta.as_ref().expect("a meta device");
+        let sharding = meta.meta_backend().unwrap().sharding(g).unwrap();
+        let (n_q, n_kv) = (m.cfg.n_embd_q(), m.cfg.n_embd_kv());
+        let mut sums = 0;
+        for c in sharding
+            .conversions
+            .iter()
+            .filter(|c| c.kind.communicates())
+        {
+            let ne = g.layout(c.source).ne;
+            assert!(
+                !(c.kind == ConversionKind::AllGather
+                    && ne[1] == t
+                    && (ne[0] == n_q || ne[0] == n_kv)),
+                "{devices}: a {:?} of `{}` {ne:?}:\n{}",
+                c.kind,
+                g.node(c.source).name,
+                sharding.describe(g)
+            );
+            sums += usize::from(c.kind == ConversionKind::AllReduce && ne[..2] == [1, t]);
+        }
+        assert_eq!(
+            sums,
+            2 * m.cfg.n_layer,
+            "{devices}:\n{}",
+            sharding.describe(g)
+        );
+    }
 }
 
 /// Mixtral files written before the 3-D expert tensors (one 2-D tensor per expert,

@@ -477,6 +477,24 @@ impl CudaPlan {
             }
             Op::SumRows => self.row_reduce(e, 2, 0.0),
             Op::Mean => self.row_reduce(e, 3, 0.0),
+            Op::SumSqrRows => self.row_reduce(e, 4, 0.0),
+            Op::RmsNormSums { eps, width } => {
+                let width = width as i64;
+                inner.launch(
+                    "k_rms_norm_sums",
+                    (nrows(&s[0]) as u32, 1, 1),
+                    one,
+                    0,
+                    &mut [
+                        arg(d),
+                        arg(&s[0]),
+                        arg(&s[1]),
+                        arg(&s[2]),
+                        arg(&eps),
+                        arg(&width),
+                    ],
+                )
+            }
             Op::SoftMax { scale } => {
                 let (mask, has) = match s.get(1) {
                     Some(m) => (*m, 1i32),

@@ -442,7 +442,7 @@ __device__ __forceinline__ void row_index(i64 r, const Tensor &t, i64 *i1, i64 *
     *i3 = r / (t.ne[1] * t.ne[2]);
 }
 
-// mode 0: rms_norm, 1: norm (mean and variance), 2: sum_rows, 3: mean.
+// mode 0: rms_norm, 1: norm (mean and variance), 2: sum_rows, 3: mean, 4: sum_sqr_rows.
 extern "C" __global__ void k_row_reduce(Tensor dst, Tensor a, int mode, float eps) {
     __shared__ double sh[1024];
     i64 r = blockIdx.x;
@@ -476,11 +476,28 @@ extern "C" __global__ void k_row_reduce(Tensor dst, Tensor a, int mode, float ep
         }
     } else {
         double s1 = 0;
-        for (i64 i = threadIdx.x; i < n; i += blockDim.x) s1 += load(a, i, i1, i2, i3);
+        for (i64 i = threadIdx.x; i < n; i += blockDim.x) {
+            double x = load(a, i, i1, i2, i3);
+            s1 += mode == 4 ? x * x : x;
+        }
         s1 = block_sum(s1, sh);
         if (threadIdx.x == 0) {
             store(dst, 0, i1, i2, i3, (float)(mode == 3 ? s1 / (double)n : s1));
         }
+    }
+}
+
+// x * w / sqrt(sums / width + eps) per row: rms_norm's scale from the whole row's sum of
+// squares (computed apart: `sums` [1, ne1, ne2, ne3], f32), then the weight `w` [ne0].
+extern "C" __global__ void k_rms_norm_sums(Tensor dst, Tensor x, Tensor sums, Tensor w, float eps,
+                                           i64 width) {
+    i64 r = blockIdx.x;
+    i64 i1, i2, i3;
+    row_index(r, x, &i1, &i2, &i3);
+    double ss = load(sums, 0, i1, i2, i3);
+    float s = (float)(1.0 / sqrt(ss / (double)(width > 0 ? width : 1) + (double)eps));
+    for (i64 i = threadIdx.x; i < x.ne[0]; i += blockDim.x) {
+        store(dst, i, i1, i2, i3, (load(x, i, i1, i2, i3) * s) * load(w, i, 0, 0, 0));
     }
 }
 

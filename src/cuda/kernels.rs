@@ -28,6 +28,7 @@ pub const KERNELS: &[&str] = &[
     "k_unary",
     "k_swiglu",
     "k_row_reduce",
+    "k_rms_norm_sums",
     "k_soft_max",
     "k_argmax",
     "k_rope",
@@ -245,8 +246,16 @@ pub fn supports_node(g: &Graph, id: TensorId) -> std::result::Result<(), String>
             }
             float(dst, "the output")
         }
-        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::Mean => {
+        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::SumSqrRows | Op::Mean => {
             float(src[0], "the input")?;
+            float(dst, "the output")
+        }
+        Op::RmsNormSums { .. } => {
+            float(src[0], "the input")?;
+            if src[1].dtype != DType::F32 {
+                return Err("the sums must be f32".into());
+            }
+            float(src[2], "the weight")?;
             float(dst, "the output")
         }
         Op::SoftMax { .. } => {

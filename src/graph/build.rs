@@ -429,6 +429,62 @@ impl Graph {
         self.computed(Op::SumRows, DType::F32, ne, &[a])
     }
 
+    /// The sum of squares of each row of `a`: f32 `[1, ne1, ne2, ne3]`.
+    pub fn sum_sqr_rows(&mut self, a: TensorId) -> Result<TensorId> {
+        let l = self.float_operand("sum_sqr_rows", a)?;
+        let ne = [1, l.ne[1], l.ne[2], l.ne[3]];
+        self.computed(Op::SumSqrRows, DType::F32, ne, &[a])
+    }
+
+    /// `x * w / sqrt(sums / width + eps)`, row by row: the RMS norm of rows of `width`
+    /// elements of which `x` holds some, `sums` (f32 `[1, ne1, ne2, ne3]` of `x`'s) their
+    /// whole rows' sums of squares, `w` (`[ne0]`) the norm's weight of `x`'s elements.
+    pub fn rms_norm_sums(
+        &mut self,
+        x: TensorId,
+        sums: TensorId,
+        w: TensorId,
+        eps: f32,
+        width: usize,
+    ) -> Result<TensorId> {
+        let what = "rms_norm_sums";
+        let lx = self.float_operand(what, x)?;
+        let ls = self.lay(sums)?;
+        let lw = self.float_operand(what, w)?;
+        let want_s = [1, lx.ne[1], lx.ne[2], lx.ne[3]];
+        if ls.dtype != DType::F32 || ls.ne != want_s {
+            return Err(Error::shape(
+                what,
+                lx.ne,
+                ls.ne,
+                format!(
+                    "sums must be f32 {:?} (one per row of x), got {}",
+                    want_s, ls.dtype
+                ),
+            ));
+        }
+        if lw.ne != [lx.ne[0], 1, 1, 1] {
+            return Err(Error::shape(
+                what,
+                lx.ne,
+                lw.ne,
+                "the weight must be [ne0 of x]",
+            ));
+        }
+        if width < lx.ne[0] {
+            return Err(Error::invalid_op(
+                what,
+                format!("rows of {width} elements cannot hold x's {}", lx.ne[0]),
+            ));
+        }
+        self.computed(
+            Op::RmsNormSums { eps, width },
+            lx.dtype,
+            lx.ne,
+            &[x, sums, w],
+        )
+    }
+
     pub fn mean(&mut self, a: TensorId) -> Result<TensorId> {
         let l = self.float_operand("mean", a)?;
         let ne = [1, l.ne[1], l.ne[2], l.ne[3]];

@@ -570,6 +570,8 @@ fn rebuild(lg: &mut Graph, node: &Node, s: &[TensorId]) -> Result<TensorId> {
         Op::SoftMax { scale } => lg.soft_max(s[0], s.get(1).copied(), scale),
         Op::Rope(p) => lg.rope_ext(s[0], s[1], s.get(2).copied(), p),
         Op::SumRows => lg.sum_rows(s[0]),
+        Op::SumSqrRows => lg.sum_sqr_rows(s[0]),
+        Op::RmsNormSums { eps, width } => lg.rms_norm_sums(s[0], s[1], s[2], eps, width),
         Op::Mean => lg.mean(s[0]),
         Op::Argmax => lg.argmax(s[0]),
         Op::Argsort { descending } => lg.argsort(s[0], descending),

@@ -151,7 +151,7 @@ macro_rules! harness_tests {
                 }
 
                 #[test]
-                fn rowwise(n in 1usize..=8, seed: u64, which in 0usize..4, ne in shape4()) {
+                fn rowwise(n in 1usize..=8, seed: u64, which in 0usize..5, ne in shape4()) {
                     if TARGET.absent() { return Ok(()); }
                     suite::rowwise(&TARGET, n, seed, which, ne)?;
                 }

@@ -245,6 +245,15 @@ fn compute(op: &Op, s: &[T]) -> R<T> {
         Op::SoftMax { scale } => soft_max(&s[0], s.get(1), scale as f64),
         Op::Rope(p) => rope(&s[0], &s[1], s.get(2), &p),
         Op::SumRows => reduce_rows(&s[0], |r| r.iter().sum()),
+        Op::SumSqrRows => reduce_rows(&s[0], |r| r.iter().map(|x| x * x).sum()),
+        Op::RmsNormSums { eps, width } => rows_map_at(&s[0], |r, i1, i2, i3| {
+            let ms = s[1].at(0, i1, i2, i3) / width.max(1) as f64;
+            let k = 1.0 / (ms + eps as f64).sqrt();
+            r.iter()
+                .enumerate()
+                .map(|(i, x)| x * k * s[2].at(i, 0, 0, 0))
+                .collect()
+        }),
         Op::Mean => reduce_rows(&s[0], |r| r.iter().sum::<f64>() / r.len() as f64),
         Op::Argmax => argmax(&s[0]),
         Op::Argsort { descending } => argsort(&s[0], descending),

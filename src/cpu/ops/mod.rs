@@ -45,8 +45,14 @@ pub fn supports(op: &Op, dst: &TensorView, src: &[TensorView]) -> Support {
             }
             float(dst, "the output")
         }
-        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::Mean => {
+        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SumRows | Op::SumSqrRows | Op::Mean => {
             float(&src[0], "the input")
+        }
+        Op::RmsNormSums { .. } => {
+            float(&src[0], "the input")?;
+            need(src[1].dtype == DType::F32, || "the sums must be f32".into())?;
+            float(&src[2], "the weight")?;
+            float(dst, "the output")
         }
         Op::SoftMax { .. } => {
             float(&src[0], "the input")?;
@@ -111,9 +117,11 @@ pub fn scratch(
             per_thread: attn::thread_bytes(src, nth),
         },
         Op::RmsNorm { .. }
+        | Op::RmsNormSums { .. }
         | Op::Norm { .. }
         | Op::SoftMax { .. }
         | Op::SumRows
+        | Op::SumSqrRows
         | Op::Mean
         | Op::Argmax
         | Op::Argsort { .. }
@@ -148,9 +156,11 @@ pub fn split(op: &Op, dst: &TensorView, src: &[TensorView], nth: usize) -> Optio
             Some(elementwise::split(dst, nth))
         }
         // `norm::for_rows` and `rope` take rows `p.range(src0.nrows())`.
-        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SoftMax { .. } | Op::Rope(_) => {
-            Some(Split::Rows(src[0].nrows()))
-        }
+        Op::RmsNorm { .. }
+        | Op::RmsNormSums { .. }
+        | Op::Norm { .. }
+        | Op::SoftMax { .. }
+        | Op::Rope(_) => Some(Split::Rows(src[0].nrows())),
         _ => None,
     }
 }
@@ -165,9 +175,11 @@ pub fn reads_aligned(op: &Op, dst: &TensorView, src: &[TensorView], k: usize) ->
         Op::Binary(_) | Op::Scale { .. } | Op::Clamp { .. } | Op::Unary(_) => same_shape,
         // The fused form reads two halves of one wider row.
         Op::Swiglu => src.len() == 2 && same_shape,
-        Op::RmsNorm { .. } | Op::Norm { .. } | Op::SoftMax { .. } | Op::Rope(_) => {
-            k == 0 && same_shape
-        }
+        Op::RmsNorm { .. }
+        | Op::RmsNormSums { .. }
+        | Op::Norm { .. }
+        | Op::SoftMax { .. }
+        | Op::Rope(_) => k == 0 && same_shape,
         _ => false,
     }
 }
@@ -208,6 +220,8 @@ pub fn forward(
         Op::Norm { eps } => norm::norm(p, dst, &src[0], eps),
         Op::SoftMax { scale } => norm::soft_max(p, dst, &src[0], src.get(1), scale),
         Op::SumRows => norm::sum_rows(p, dst, &src[0], false),
+        Op::SumSqrRows => norm::sum_sqr_rows(p, dst, &src[0]),
+        Op::RmsNormSums { eps, width } => norm::rms_norm_sums(p, dst, src, eps, width),
         Op::Mean => norm::sum_rows(p, dst, &src[0], true),
         Op::Argmax => norm::argmax(p, dst, &src[0]),
         Op::Argsort { descending } => norm::argsort(p, dst, &src[0], descending),

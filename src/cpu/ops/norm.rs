@@ -91,6 +91,38 @@ pub fn sum_rows(p: &ComputeParams, dst: &TensorView, a: &TensorView, mean: bool)
     });
 }
 
+/// The sum of squares of each row (accumulated in f64, as `rms_norm`'s), into f32 `[1, ne1,
+/// ne2, ne3]`.
+pub fn sum_sqr_rows(p: &ComputeParams, dst: &TensorView, a: &TensorView) {
+    for_rows(p, dst, a, false, |row, i1, i2, i3| {
+        let ss: f64 = row.iter().map(|&x| (x as f64) * (x as f64)).sum();
+        // SAFETY: dst is [1, ne1, ne2, ne3]; this thread owns this row.
+        unsafe { dst.set_f32(0, i1, i2, i3, ss as f32) };
+    });
+}
+
+/// `x * w / sqrt(sums / width + eps)` row by row: `rms_norm`'s scale from the whole row's sum
+/// of squares `sums` (`[1, ne1, ne2, ne3]`), applied to `x`'s elements, then the weight `w`
+/// (`[ne0]`), in `rms_norm` then `mul`'s order.
+pub fn rms_norm_sums(
+    p: &ComputeParams,
+    dst: &TensorView,
+    src: &[TensorView],
+    eps: f32,
+    width: usize,
+) {
+    let (x, sums, w) = (&src[0], &src[1], &src[2]);
+    for_rows(p, dst, x, true, |row, i1, i2, i3| {
+        // SAFETY: the builder checked sums is f32 [1, ne1, ne2, ne3] and w [ne0].
+        let ss = unsafe { sums.get_f32(0, i1, i2, i3) } as f64;
+        let s = (1.0 / (ss / width.max(1) as f64 + eps as f64).sqrt()) as f32;
+        for (i0, v) in row.iter_mut().enumerate() {
+            // SAFETY: as above.
+            *v = (*v * s) * unsafe { w.get_f32(i0, 0, 0, 0) };
+        }
+    });
+}
+
 pub fn argmax(p: &ComputeParams, dst: &TensorView, a: &TensorView) {
     for_rows(p, dst, a, false, |row, i1, _, _| {
         let mut best = 0usize;

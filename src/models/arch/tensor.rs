@@ -251,9 +251,11 @@ roles! {
     // RMS norms over the whole Q and K projections, not per head (OLMoE; llama.cpp's
     // LLM_ARCH_OLMOE applies `attn_q_norm` to Qcur before the reshape to heads; Hugging Face's
     // `OlmoeAttention.k_norm` spans the KV heads' width): the same names as the per-head
-    // norms, told apart by the family (`Arch::parse`). The norm needs the whole row: mirrored.
-    AttnQNormFull, Layer, "attn_q_norm.weight", None, [Q, One], Norms, None;
-    AttnKNormFull, Layer, "attn_k_norm.weight", None, [Kv, One], Norms, None;
+    // norms, told apart by the family (`Arch::parse`). The decoder sums the squares of each
+    // device's columns and all-reduces the sums (`whole_norm_where_present`), so the weights
+    // are cut as the projections are.
+    AttnQNormFull, Layer, "attn_q_norm.weight", None, [Q, One], Norms, cut(Attention, 0, QGroup);
+    AttnKNormFull, Layer, "attn_k_norm.weight", None, [Kv, One], Norms, cut(Attention, 0, KvHead);
     // Norms of a block's output before the residual add (Gemma 2 and 3).
     AttnPostNorm, Layer, "post_attention_norm.weight", None, [Embd, One], Norms, None;
     FfnNorm, Layer, "ffn_norm.weight", None, [Embd, One], Norms, None;

@@ -11,11 +11,11 @@
 //! | matmul | `mul_mat` | `matmul.rs` |
 //! | experts | `mul_mat_id` | `experts.rs` |
 //! | element-wise | binary ops, `scale`, `clamp`, unary ops, `swiglu` | `elementwise.rs` |
-//! | norms | `rms_norm`, `norm`, `soft_max` | `norm.rs` |
+//! | norms | `rms_norm`, `norm`, `soft_max`, `rms_norm_sums` | `norm.rs` |
 //! | attention | `rope`, `flash_attn` | `attention.rs` |
 //! | rows | `get_rows`, `set_rows` | `rows.rs` |
 //! | views and copies | `reshape`, `view`, `permute`, `cont`, `cpy`, `concat` | `copy.rs` |
-//! | reductions | `sum_rows`, `mean`, `argmax`, `argsort` | `reduce.rs` |
+//! | reductions | `sum_rows`, `sum_sqr_rows`, `mean`, `argmax`, `argsort` | `reduce.rs` |
 //!
 //! Leaves and collectives have no rule (they are placed, not derived), nor do views (derived
 //! from their root in `view.rs`). Every op with a kernel also admits all-Mirrored, except those
@@ -94,12 +94,14 @@ pub fn family(op: &Op) -> Family {
         Op::Swiglu => Family::Elementwise(Elementwise::Swiglu),
         Op::RmsNorm { .. } | Op::Norm { .. } => Family::Norm(Norm::Row),
         Op::SoftMax { .. } => Family::Norm(Norm::SoftMax),
+        Op::RmsNormSums { .. } => Family::Norm(Norm::Sums),
         Op::Rope(_) => Family::Attention(Attention::Rope),
         Op::FlashAttn { .. } => Family::Attention(Attention::FlashAttn),
         // A window addresses rows within the operand it is given; the rules see whole ops.
         Op::GetRows { .. } => Family::Rows(Rows::Get),
         Op::SetRows { .. } => Family::Rows(Rows::Set),
         Op::SumRows => Family::Reduction(Reduction::Sum),
+        Op::SumSqrRows => Family::Reduction(Reduction::SumSqr),
         Op::Mean => Family::Reduction(Reduction::Mean),
         Op::Argmax => Family::Reduction(Reduction::Argmax),
         Op::Argsort { .. } => Family::Reduction(Reduction::Argsort),

@@ -1,6 +1,8 @@
 //! The rules of row-wise normalizations: `rms_norm` and `norm` (which reduce dimension 0, so
-//! keep any split but of it, and never Partial), and `soft_max` (likewise, with an optional
-//! mask that follows the input's split or broadcasts along it).
+//! keep any split but of it, and never Partial), `soft_max` (likewise, with an optional
+//! mask that follows the input's split or broadcasts along it), and `rms_norm_sums`, whose
+//! rows' sums of squares come as a source: it keeps any split of its input, dimension 0's
+//! too (the sums then Mirrored, the weight split alike), which is what it is for.
 
 use super::{Ctx, Pattern, pat};
 use crate::split_state::SplitState;
@@ -12,6 +14,8 @@ pub enum Norm {
     Row,
     /// `soft_max`: `[x, mask?]`.
     SoftMax,
+    /// `rms_norm_sums`: `[x, sums, w]`.
+    Sums,
 }
 
 pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Norm) -> Vec<Pattern> {
@@ -28,6 +32,26 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Norm) -> Vec<Pattern> {
                 && let Some(ins) = with_mask(cx, s, k)
             {
                 out.push(pat(ins, s.clone()));
+            }
+        }
+        Norm::Sums => {
+            if let Some(k) = s.split_dim() {
+                // The sums ([1, ...]) and the weight ([ne0]) each span dimension k (split
+                // alike) or broadcast along it (Mirrored).
+                let ne = cx.ne(0);
+                let follow = |i: usize| {
+                    let ni = cx.ne(i);
+                    if ni[k] == ne[k] {
+                        Some(s.clone())
+                    } else if ni[k] == 1 {
+                        Some(cx.mirrored())
+                    } else {
+                        None
+                    }
+                };
+                if let (Some(sums), Some(w)) = (follow(1), follow(2)) {
+                    out.push(pat(vec![s.clone(), sums, w], s.clone()));
+                }
             }
         }
     }

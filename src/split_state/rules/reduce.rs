@@ -1,6 +1,8 @@
 //! The rules of reductions along dimension 0: `sum_rows` and `mean` keep any split of the other
 //! dimensions and Partial (they are linear); a split of dimension 0 gives partial sums for
-//! `sum_rows` only (a mean of partial means would need each device's count). `argmax` of a
+//! `sum_rows` only (a mean of partial means would need each device's count), and for
+//! `sum_sqr_rows`, which keeps the other splits but not Partial (squares of partial sums do
+//! not add up). `argmax` of a
 //! 2-D tensor split by rows gives its indices split alike; `argsort` sorts within rows, so any
 //! split of the other dimensions is kept.
 
@@ -12,6 +14,8 @@ use crate::split_state::{SplitAxis, SplitState};
 pub enum Reduction {
     /// `sum_rows`
     Sum,
+    /// `sum_sqr_rows`
+    SumSqr,
     /// `mean`
     Mean,
     /// `argmax`: I32 `[ne1]` of a 2-D input.
@@ -30,6 +34,11 @@ pub(super) fn rule(cx: &Ctx, src: &[SplitState], kind: Reduction) -> Vec<Pattern
                 out.push(pat(vec![s.clone()], cx.partial()))
             }
             SplitAxis::Partial => out.push(pat(vec![s.clone()], s.clone())),
+            _ => {}
+        },
+        Reduction::SumSqr => match s.axis {
+            SplitAxis::Axis(0) => out.push(pat(vec![s.clone()], cx.partial())),
+            SplitAxis::Axis(_) => out.push(pat(vec![s.clone()], s.clone())),
             _ => {}
         },
         Reduction::Argsort => {

@@ -23,6 +23,7 @@ pub fn all_cases() -> Vec<Case> {
     unary_cases(&mut v);
     swiglu_cases(&mut v);
     norm_cases(&mut v);
+    sum_sqr_cases(&mut v);
     soft_max_cases(&mut v);
     rope_cases(&mut v);
     reduction_cases(&mut v);
@@ -279,6 +280,58 @@ fn norm_cases(v: &mut Vec<Case>) {
             case("norm", "eps 1e-5")
                 .input("x", F32, ne, lay, shifted())
                 .build(|g, x| g.norm(x[0], 1e-5)),
+        );
+    }
+}
+
+/// `sum_sqr_rows` and `rms_norm_sums`: on their own (sums and a width given, as a device
+/// holding some of a row's columns sees them), and together as the RMS norm of whole rows
+/// with its weight (what OLMoE's norms over whole projections compute).
+fn sum_sqr_cases(v: &mut Vec<Case>) {
+    for dt in FLOATS {
+        for ne in [[1, 1, 1, 1], [7, 3, 2, 1], [65, 5, 1, 3]] {
+            v.push(
+                case("sum_sqr_rows", "")
+                    .packed("x", dt, ne, u())
+                    .build(|g, x| g.sum_sqr_rows(x[0])),
+            );
+            let sums = [1, ne[1], ne[2], ne[3]];
+            v.push(
+                case("rms_norm_sums", "width 100")
+                    .packed("x", dt, ne, u())
+                    .packed("sums", F32, sums, Fill::Uniform(0.5, 3.0))
+                    .packed("w", F32, [ne[0], 1, 1, 1], u())
+                    .build(|g, x| g.rms_norm_sums(x[0], x[1], x[2], 1e-5, 100)),
+            );
+            v.push(
+                case("rms_norm_sums", "of its own sums")
+                    .packed("x", dt, ne, u())
+                    .packed("w", F32, [ne[0], 1, 1, 1], u())
+                    .build(move |g, x| {
+                        let sums = g.sum_sqr_rows(x[0])?;
+                        g.rms_norm_sums(x[0], sums, x[1], 1e-6, ne[0])
+                    }),
+            );
+        }
+    }
+    for (ne, lay) in [
+        ([33, 7, 2, 1], TRANSPOSED),
+        ([33, 7, 2, 1], PAD),
+        ([7, 0, 2, 1], Lay::Packed),
+    ] {
+        v.push(
+            case("sum_sqr_rows", "")
+                .input("x", F32, ne, lay, u())
+                .build(|g, x| g.sum_sqr_rows(x[0])),
+        );
+        v.push(
+            case("rms_norm_sums", "of its own sums")
+                .input("x", F32, ne, lay, u())
+                .packed("w", F32, [ne[0], 1, 1, 1], u())
+                .build(move |g, x| {
+                    let sums = g.sum_sqr_rows(x[0])?;
+                    g.rms_norm_sums(x[0], sums, x[1], 1e-6, ne[0])
+                }),
         );
     }
 }

@@ -132,9 +132,19 @@ pub fn random_swiglu(rng: &mut Rng, n: usize, ne: [usize; 4], fused: bool) -> Ca
     Case::new("swiglu", vec![x], |g, l| Ok(vec![g.swiglu_fused(l[0])?])).space(0, s)
 }
 
+/// A row-wise op of `a`; `which` 4 is the RMS norm in two ops (`sum_sqr_rows`, then
+/// `rms_norm_sums` with a weight), which a split of dimension 0 keeps split, the sums
+/// all-reduced.
 pub fn random_rowwise(rng: &mut Rng, ne: [usize; 4], which: usize) -> Case {
     let a = Input::random(rng, "a", DType::F32, ne);
-    let op = ["rms_norm", "norm", "sum_rows", "mean"][which.min(3)];
+    if which >= 4 {
+        let w = Input::random(rng, "w", DType::F32, [ne[0], 1, 1, 1]);
+        return Case::new("rms_norm_sums", vec![a, w], move |g, l| {
+            let sums = g.sum_sqr_rows(l[0])?;
+            Ok(vec![g.rms_norm_sums(l[0], sums, l[1], 1e-5, ne[0])?])
+        });
+    }
+    let op = ["rms_norm", "norm", "sum_rows", "mean"][which];
     Case::new(op, vec![a], move |g, l| {
         Ok(vec![match which {
             0 => g.rms_norm(l[0], 1e-5)?,

@@ -128,7 +128,8 @@ pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
 /// Q4_0, Q4_1, Q5_0 0.77-0.91x at M = 8, 1.00-1.23x at 16; IQ4_NL 0.86-0.92x at 8, 1.00-1.17x
 /// at 16; Q8_0, Q4_K, Q5_K, Q6_K 0.78-1.01x at 16 and 1.00-1.28x at 32; Q2_K 0.71-0.73x at 3,
 /// 0.94-1.04x at 5, 1.16-1.26x at 6; Q3_K, Q5_1, IQ4_XS 0.89-1.02x at 5, 0.95-1.11x at 6,
-/// 1.00-1.16x at 8. Gemma 3's K = 640 products are ~2x slower with 8-bit activations at
+/// 1.00-1.16x at 8. Q5_0 after its one-by-two tiles and signed weights (same day): 0.72-0.78x
+/// at 8, 0.92-0.97x at 12, 0.99-1.04x at 16. Gemma 3's K = 640 products are ~2x slower with 8-bit activations at
 /// M = 64 (its prompt: 318 vs 520 t/s on cpu:1x2). AVX-512 (VNNI's `vpdpbusd`: one
 /// instruction per 64 byte products) and the scalar level keep 8-bit activations at every M
 /// (not measured against f32 there).
@@ -137,8 +138,8 @@ pub fn q8_max_rows(dtype: DType, isa: Isa) -> usize {
         return usize::MAX;
     }
     match kernels_for(dtype) {
-        Some(Weights::Quant(QuantW::Q4_0 | QuantW::Q4_1 | QuantW::Q5_0))
-        | Some(Weights::Low(LowW::IQ4_NL)) => 8,
+        Some(Weights::Quant(QuantW::Q4_0 | QuantW::Q4_1)) | Some(Weights::Low(LowW::IQ4_NL)) => 8,
+        Some(Weights::Quant(QuantW::Q5_0)) => 12,
         Some(Weights::Quant(QuantW::Q8_0)) | Some(Weights::KQuant(_)) => 16,
         Some(Weights::Low(LowW::Q3_K | LowW::IQ4_XS | LowW::Q5_1)) => 5,
         Some(Weights::Low(LowW::Q2_K)) => 4,

@@ -480,6 +480,10 @@ mod avx2 {
         // The unsigned weights' offset (Q4_0: 8, Q5_0: 16), taken off the block's dot product
         // as `off * sum(y)`, computed once per activation block for all the tile's rows.
         let off = _mm256_set1_epi8(if WQ == Q5_0 { 16 } else { 8 });
+        // Signed weights and ggml's sign trick instead (|w| times sign-adjusted y, no offset
+        // term): Q8_0's own form, and Q5_0's when each weight block meets no other row of the
+        // tile to share the offset term with (one weight row: 0.9x the time at M = 2).
+        let signed = WQ == Q8_0 || (WQ == Q5_0 && RN == 1);
         let mut acc = [[_mm256_setzero_ps(); RM]; RN];
         let (ah, lps) = l2_stream::<RN>(ldw, lay.nblk);
         for blk in 0..lay.nblk {
@@ -498,7 +502,7 @@ mod avx2 {
                         .cast::<f32>()
                         .add(blk)
                 });
-                if WQ == Q4_0 || WQ == Q5_0 {
+                if (WQ == Q4_0 || WQ == Q5_0) && !signed {
                     corr[m] = _mm256_madd_epi16(_mm256_maddubs_epi16(off, y[m]), ones);
                 }
             }
@@ -522,24 +526,21 @@ mod avx2 {
                 let wq = unsafe {
                     match WQ {
                         Q8_0 => _mm256_loadu_si256(wb.add(2).cast()),
+                        Q5_0 if signed => _mm256_sub_epi8(q5_0_avx2(wb), off),
                         Q5_0 => q5_0_avx2(wb),
                         Q4_0 => nibbles_avx2(wb.add(2), mask),
                         _ => nibbles_avx2(wb.add(4), mask),
                     }
                 };
-                let wabs = if WQ == Q8_0 {
-                    _mm256_sign_epi8(wq, wq)
-                } else {
-                    wq
-                };
+                let wabs = if signed { _mm256_sign_epi8(wq, wq) } else { wq };
                 for (m, acc_rm) in accr.iter_mut().enumerate() {
-                    let p16 = if WQ == Q8_0 {
+                    let p16 = if signed {
                         _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(y[m], wq))
                     } else {
                         _mm256_maddubs_epi16(wq, y[m])
                     };
                     let mut p32 = _mm256_madd_epi16(p16, ones);
-                    if WQ == Q4_0 || WQ == Q5_0 {
+                    if (WQ == Q4_0 || WQ == Q5_0) && !signed {
                         p32 = _mm256_sub_epi32(p32, corr[m]);
                     }
                     // SAFETY: the scale and sum arrays of activation row m hold nblk entries.
@@ -572,11 +573,18 @@ mod avx2 {
         // unpacking; Q4_0, whose unpacking is cheap, the same; 2-core Zen 2, 2026-11-27; two
         // by four spills and is slower); four weight rows by two activation rows for M = 2
         // and 3 (against two by two: Q4_1 0.85-0.88x the time, Q5_0 0.95-1.00x, Q8_0 and
-        // Q4_0 0.95-1.02x; 2 threads, 4096 x 4096 and 4096 x 14336, 2026-11-27).
+        // Q4_0 0.95-1.02x; 2 threads, 4096 x 4096 and 4096 x 14336, 2026-11-27), but Q5_0's
+        // one by two there.
         if b.m == 1 {
             drive_qblock!(b, tile, 4, [1]);
         } else if b.m >= 4 {
             drive_qblock!(b, tile, 1, [4, 2, 1]);
+        } else if WQ == Q5_0 {
+            // One weight row by two activation rows: its 16 accumulators and decoding
+            // constants fit the registers (4096 x 4096 and 4096 x 14336 at M = 2: 0.91-0.94x
+            // the time of four by two; at M = 3 0.95-0.97x; two by two 1.01x; the other types
+            // measured slower one by two: Q4_1 1.5x, Q8_0 0.87-1.15x, Q4_0 0.98-1.05x).
+            drive_qblock!(b, tile, 1, [2, 1]);
         } else {
             drive_qblock!(b, tile, 4, [2, 1]);
         }

@@ -15,6 +15,14 @@ use crate::{DType, Result};
 pub enum NormKind {
     Rms,
     Layer,
+    /// RMS in two ops a meta device can take with the rows split by columns (OLMoE's norms
+    /// over whole Q and K projections, split by heads): `sum_sqr_rows` (each device sums the
+    /// squares of its own columns: partial sums, joined by one all-reduce of a value per row)
+    /// and `rms_norm_sums` with the weight (each device scales its own columns, the weight cut
+    /// alike). As one `rms_norm` a split row would be all-gathered first, `ne0` values per
+    /// row. With virtual KV heads (each repeated `r` times) K's width and its sum of squares
+    /// both grow `r`-fold, so the mean is the file's.
+    RmsSums,
 }
 
 /// `normalize(x) * w (+ b)`.
@@ -27,10 +35,20 @@ pub fn norm(
     eps: f32,
 ) -> Result<TensorId> {
     let y = match kind {
-        NormKind::Rms => g.rms_norm(x, eps)?,
-        NormKind::Layer => g.norm(x, eps)?,
+        NormKind::Rms => {
+            let y = g.rms_norm(x, eps)?;
+            g.mul(y, w)?
+        }
+        NormKind::Layer => {
+            let y = g.norm(x, eps)?;
+            g.mul(y, w)?
+        }
+        NormKind::RmsSums => {
+            let sums = g.sum_sqr_rows(x)?;
+            let n = g.layout(x).ne[0];
+            g.rms_norm_sums(x, sums, w, eps, n)?
+        }
     };
-    let y = g.mul(y, w)?;
     match b {
         Some(b) => g.add(y, b),
         None => Ok(y),

@@ -406,7 +406,8 @@ fn decoder_layer(
 
 /// `norm(x)` (RMS over ne0) with the layer's norm weight `t` where it has one, else `x`: the
 /// post-block norms (Gemma 2 and 3), the per-head Q and K norms on `[hd, heads, t]`
-/// (Qwen3, Gemma 3).
+/// (Qwen3, Gemma 3) and the whole-projection ones on `[hd * heads, t]` (OLMoE), those as
+/// [`NormKind::RmsSums`] so a split attention keeps its heads' columns.
 fn norm_where_present(
     g: &mut Graph,
     cfg: &DecoderConfig,
@@ -417,31 +418,11 @@ fn norm_where_present(
     if lw.opt(t).is_none() {
         return Ok(x);
     }
-    blocks::norm_of(g, NormKind::Rms, lw, t, None, x, cfg.rms_eps)
-}
-
-/// The RMS norm over a whole projection `[n, t]` (OLMoE's Q and K norms, role `t`) in two
-/// ops a meta device can take with the projection split by heads: `sum_sqr_rows` (each
-/// device sums the squares of its own columns: partial sums, which one all-reduce of `t`
-/// values joins) and `rms_norm_sums` (each device scales its columns by the whole row's root
-/// and the weight, cut as the projection is). As one `rms_norm` a split attention would
-/// all-gather the projection first, `n * t` values per norm. With virtual KV heads (each
-/// repeated `r` times) K's width and its sum of squares both grow `r`-fold, so the mean is
-/// the file's.
-fn whole_norm_where_present(
-    g: &mut Graph,
-    cfg: &DecoderConfig,
-    lw: &Weights,
-    t: Tensor,
-    x: TensorId,
-) -> Result<TensorId> {
-    if lw.opt(t).is_none() {
-        return Ok(x);
-    }
-    let w = lw.get(t)?.leaf(g)?;
-    let sums = g.sum_sqr_rows(x)?;
-    let n = g.layout(x).ne[0];
-    g.rms_norm_sums(x, sums, w, cfg.rms_eps, n)
+    let kind = match t {
+        Tensor::AttnQNormFull | Tensor::AttnKNormFull => NormKind::RmsSums,
+        _ => NormKind::Rms,
+    };
+    blocks::norm_of(g, kind, lw, t, None, x, cfg.rms_eps)
 }
 
 /// `cap * tanh(x * scale / cap)`: soft-capping (Gemma 2's attention scores and logits).
@@ -480,13 +461,13 @@ fn self_attention(
     };
     let proj = blocks::Qkv::declare(g, lw, cur, cfg.n_embd_q(), cfg.n_embd_kv())?;
     let q = proj.q(g)?;
-    let q = whole_norm_where_present(g, cfg, lw, Tensor::AttnQNormFull, q)?;
+    let q = norm_where_present(g, cfg, lw, Tensor::AttnQNormFull, q)?;
     let q = g.reshape(q, [hd, nh, t, 1])?;
     let q = norm_where_present(g, cfg, lw, Tensor::AttnQNorm, q)?;
     let q = g.rope_ext(q, step.pos, step.rope_factors, rope)?;
     let q = mul_opt(g, q, step.rope_mscale)?;
     let k = proj.k(g)?;
-    let k = whole_norm_where_present(g, cfg, lw, Tensor::AttnKNormFull, k)?;
+    let k = norm_where_present(g, cfg, lw, Tensor::AttnKNormFull, k)?;
     let k = g.reshape(k, [hd, nkv, t, 1])?;
     let k = norm_where_present(g, cfg, lw, Tensor::AttnKNorm, k)?;
     let k = g.rope_ext(k, step.pos, step.rope_factors, rope)?;

@@ -252,7 +252,7 @@ roles! {
     // LLM_ARCH_OLMOE applies `attn_q_norm` to Qcur before the reshape to heads; Hugging Face's
     // `OlmoeAttention.k_norm` spans the KV heads' width): the same names as the per-head
     // norms, told apart by the family (`Arch::parse`). The decoder sums the squares of each
-    // device's columns and all-reduces the sums (`whole_norm_where_present`), so the weights
+    // device's columns and all-reduces the sums (`NormKind::RmsSums`), so the weights
     // are cut as the projections are.
     AttnQNormFull, Layer, "attn_q_norm.weight", None, [Q, One], Norms, cut(Attention, 0, QGroup);
     AttnKNormFull, Layer, "attn_k_norm.weight", None, [Kv, One], Norms, cut(Attention, 0, KvHead);

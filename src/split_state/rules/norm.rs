@@ -106,6 +106,36 @@ mod tests {
         );
     }
 
+    /// `sum_sqr_rows` of a row split by columns gives partial sums; `rms_norm_sums` then keeps
+    /// the columns' split with the sums Mirrored and the weight split alike, and a token split
+    /// with the sums split alike and the weight Mirrored.
+    #[test]
+    fn norms_from_sums_keep_a_split_of_the_row() {
+        let mut g = Graph::new();
+        let x = f32_in(&mut g, "q", [8, 4, 1, 1]);
+        let w = f32_in(&mut g, "q_norm", [8, 1, 1, 1]);
+        let sums = g.sum_sqr_rows(x).unwrap();
+        let y = g.rms_norm_sums(x, sums, w, 1e-6, 8).unwrap();
+        keeps(&g, sums, &[ax(0, &[5, 3])], p());
+        keeps(&g, sums, &[ax(1, &[3, 1])], ax(1, &[3, 1]));
+        // Squares of partial sums do not add up.
+        admits(&g, sums, &[p()], &[pt(&[m()], m())]);
+        let cols = ax(0, &[5, 3]);
+        admits(
+            &g,
+            y,
+            &[cols.clone(), p(), m()],
+            &[
+                pt(&[cols.clone(), m(), cols.clone()], cols.clone()),
+                pt(&[m(), m(), m()], m()),
+            ],
+        );
+        keeps(&g, y, &[cols.clone(), m(), cols.clone()], cols);
+        let toks = ax(1, &[3, 1]);
+        keeps(&g, y, &[toks.clone(), toks.clone(), m()], toks);
+        refuses(&g, y, &[ax(0, &[5, 3]), m(), ax(0, &[4, 4])]);
+    }
+
     #[test]
     fn soft_max_masks_follow_or_broadcast() {
         let mut g = Graph::new();

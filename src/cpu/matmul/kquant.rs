@@ -460,8 +460,9 @@ pub(super) fn prefetch_rows_ahead(wb: *const u8, ldw: usize, bs: usize) {
 }
 
 /// The chunks `$c` of a super-block of weight row `$wb` against `$rm` activation rows `$y`,
-/// into `$isum`, one after another: with literals every chunk's offsets, shifts and scale
-/// mask are constants (the compiler leaves the loop over them rolled for Q5_K and Q6_K).
+/// into `$isum`, one after another: given as literals, every chunk's offsets, shifts and
+/// scale mask are constants (the compiler leaves a loop over them rolled for Q5_K and Q6_K);
+/// Q4_K passes its loop variable.
 #[cfg(target_arch = "x86_64")]
 macro_rules! k_chunks {
     ($t:ident, $rm:ident, $wb:ident, $y:ident, $halves:ident, $isum:ident; $($c:tt)+) => {$({
@@ -488,7 +489,7 @@ macro_rules! k_q8_kernels {
         /// Scales of chunk `c` for `vpmaddwd` (lanes 0-7 `sc[2c]`, lanes 8-15 `sc[2c + 1]`)
         /// from `halves`: the low and the high 128 bits of `sc` (`head_v`'s 16 scales), each
         /// in both lanes. Within a lane, one `vpshufb` (a lane-crossing `vpermd` per chunk
-        /// took 8% longer at M = 1); `c` is a literal (`k_chunks`), so the mask is a constant.
+        /// took 8% longer at M = 1); with `c` a literal (`k_chunks`) the mask is a constant.
         #[target_feature(enable = $feat)]
         #[inline]
         fn chunk_scales(halves: &[__m256i; 2], c: usize) -> __m256i {

@@ -112,13 +112,20 @@ pub fn rms_norm_sums(
     width: usize,
 ) {
     let (x, sums, w) = (&src[0], &src[1], &src[2]);
+    if p.range(x.nrows()).is_empty() {
+        return;
+    }
+    // The weight read once per thread, not per row and element.
+    // SAFETY: the builder checked w is [ne0] and sums f32 [1, ne1, ne2, ne3].
+    let wv: Vec<f32> = (0..w.ne[0])
+        .map(|i0| unsafe { w.get_f32(i0, 0, 0, 0) })
+        .collect();
     for_rows(p, dst, x, true, |row, i1, i2, i3| {
-        // SAFETY: the builder checked sums is f32 [1, ne1, ne2, ne3] and w [ne0].
+        // SAFETY: as above.
         let ss = unsafe { sums.get_f32(0, i1, i2, i3) } as f64;
         let s = (1.0 / (ss / width.max(1) as f64 + eps as f64).sqrt()) as f32;
-        for (i0, v) in row.iter_mut().enumerate() {
-            // SAFETY: as above.
-            *v = (*v * s) * unsafe { w.get_f32(i0, 0, 0, 0) };
+        for (v, &wi) in row.iter_mut().zip(&wv) {
+            *v = (*v * s) * wi;
         }
     });
 }

@@ -1,5 +1,6 @@
 //! Row-wise kernels (reduce dimension 0): `rms_norm`, `norm`, `soft_max` with mask and scale,
-//! `sum_rows`/`mean`, `argmax`, `argsort`. Sums accumulate in f64 as ggml's CPU backend does for norms
+//! `sum_rows`/`mean`, `sum_sqr_rows` and `rms_norm_sums` (an RMS norm from sums of squares
+//! computed apart, over rows split by columns), `argmax`, `argsort`. Sums accumulate in f64 as ggml's CPU backend does for norms
 //! (`ggml_float`), so long rows do not drift.
 
 use super::{read_row_f32, thread_scratch, unravel_row, write_row_f32};

@@ -14,7 +14,10 @@
 //! (`k6_bytes`). On AVX2, matrix-vector products (M = 1) do not dequantize: each group's
 //! integer quants are dotted with the activations and scaled once (`gemv_tile`), the scales
 //! decoded with `vcvtph2ps` instead of the f16 table (so an M = 1 product's output may differ
-//! from the same row's output at M > 1 by f32 rounding). Which tile computes an output depends
+//! from the same row's output at M > 1 by f32 rounding). The AVX2 tiles decode each row's
+//! quants to bytes one super-block ahead and widen them to f32 from memory
+//! (`avx2::decode_ahead`; 1.2-1.8x over widening from registers on Zen 2, docs/kernels.md).
+//! Which tile computes an output depends
 //! only on the whole product's M (`KF32Block::gemv`), never on how threads cut its rows, so
 //! results do not depend on the thread count.
 
@@ -404,8 +407,21 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); RM]; RN];
         let mut dl = [[0f32; 16]; RN];
         let mut ml = [[0f32; 16]; RN];
+        // The quants as bytes, one super-block ahead ([`decode_ahead`], unsigned here: Q6_K's
+        // offset is in `ml`).
+        let mut bytes = [[[0u8; QK_K]; RN]; 2];
+        if nblk > 0 {
+            // SAFETY: super-block 0 of every row.
+            unsafe { decode_ahead::<T, RN, false>(&mut bytes[0], w, ldw) };
+        }
         for blk in 0..nblk {
             let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
+            if blk + 1 < nblk {
+                // SAFETY: super-block blk + 1 of every row.
+                unsafe {
+                    decode_ahead::<T, RN, false>(&mut bytes[(blk + 1) % 2], wb(0).add(bs), ldw)
+                };
+            }
             for r in 0..RN {
                 prefetch_rows_ahead(wb(r), ldw, bs);
                 // SAFETY: super-block blk of weight row r.
@@ -415,18 +431,19 @@ mod avx2 {
                     ml[r][j] = h.dm * h.mn[j] as f32;
                 }
             }
+            let qb = &bytes[blk % 2];
             // Chunk-outer, row-inner: consecutive FMAs go to different accumulators.
             for c in 0..8 {
                 for (r, accr) in acc.iter_mut().enumerate() {
-                    // SAFETY: super-block blk of weight row r.
-                    let q = unsafe { chunk32::<T>(wb(r), c) };
-                    let parts = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
-                    for (half, p) in parts.iter().enumerate() {
+                    for half in 0..2 {
                         let j = 2 * c + half;
                         let (dv, mv) = (_mm256_set1_ps(dl[r][j]), _mm256_set1_ps(ml[r][j]));
                         for e in 0..2 {
-                            let bytes = if e == 0 { *p } else { _mm_srli_si128::<8>(*p) };
-                            let qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+                            // SAFETY: quants 16j + 8e.. + 8 of the row's 256.
+                            let qf = unsafe {
+                                let p = qb[r].as_ptr().add(16 * j + 8 * e);
+                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())))
+                            };
                             let wv = _mm256_fmsub_ps(qf, dv, mv);
                             for (m, a) in accr.iter_mut().enumerate() {
                                 // SAFETY: 8 activations of row m inside super-block blk.
@@ -455,7 +472,8 @@ mod avx2 {
     /// formed once per tile; Q6_K reads `q - 32` as signed bytes and has no minimum term.
     /// About 4 vector operations per 8 weights where dequantizing first takes about 7 (the
     /// per-weight `fmsub` and the scalar scale products per 16); f32 rounding differs from
-    /// the dequantizing tiles only by where the scale is applied.
+    /// the dequantizing tiles only by where the scale is applied. The quants come as bytes
+    /// decoded one super-block ahead ([`decode_ahead`]).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn gemv_tile<const T: u8, const RN: usize, const RM: usize>(
@@ -475,8 +493,21 @@ mod avx2 {
         let mut accm = [_mm256_setzero_ps(); RN];
         let mut dl = [[0f32; 16]; RN];
         let mut ml = [[0f32; 8]; RN];
+        // The quants of one super-block of every row as bytes (Q6_K's as `q - 32`), decoded
+        // one super-block ahead of the products that widen them: see [`decode_ahead`].
+        let mut bytes = [[[0u8; QK_K]; RN]; 2];
+        if nblk > 0 {
+            // SAFETY: super-block 0 of every row.
+            unsafe { decode_ahead::<T, RN, true>(&mut bytes[0], w, ldw) };
+        }
         for blk in 0..nblk {
             let wb = |r: usize| w.wrapping_add(r * ldw + blk * bs);
+            if blk + 1 < nblk {
+                // SAFETY: super-block blk + 1 of every row.
+                unsafe {
+                    decode_ahead::<T, RN, true>(&mut bytes[(blk + 1) % 2], wb(0).add(bs), ldw)
+                };
+            }
             for r in 0..RN {
                 prefetch_rows_ahead(wb(r), ldw, bs);
                 // The products `d * sc` and `dm * mn` of [`head`] (the same roundings), with
@@ -487,6 +518,7 @@ mod avx2 {
             }
             // SAFETY: super-block blk of the activation row.
             let xb = unsafe { x.add(blk * QK_K) };
+            let qb = &bytes[blk % 2];
             for c in 0..8 {
                 // SAFETY: 32 activations inside super-block blk.
                 let xv = [0, 1, 2, 3].map(|e| unsafe { _mm256_loadu_ps(xb.add(32 * c + 8 * e)) });
@@ -496,29 +528,18 @@ mod avx2 {
                     _mm256_setzero_ps()
                 };
                 for r in 0..RN {
-                    // SAFETY: super-block blk of weight row r.
-                    let mut q = unsafe { chunk32::<T>(wb(r), c) };
-                    if !g32 {
-                        q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-                    }
-                    let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q));
-                    let f = |v: __m128i| {
+                    // Quants 8e..8e + 8 of chunk c, widened straight from memory.
+                    // SAFETY: 8 bytes inside the row's 256.
+                    let f = |e: usize| unsafe {
+                        let v = _mm_loadl_epi64(qb[r].as_ptr().add(32 * c + 8 * e).cast());
                         _mm256_cvtepi32_ps(if g32 {
                             _mm256_cvtepu8_epi32(v)
                         } else {
                             _mm256_cvtepi8_epi32(v)
                         })
                     };
-                    let t0 = _mm256_fmadd_ps(
-                        f(_mm_srli_si128::<8>(lo)),
-                        xv[1],
-                        _mm256_mul_ps(f(lo), xv[0]),
-                    );
-                    let t1 = _mm256_fmadd_ps(
-                        f(_mm_srli_si128::<8>(hi)),
-                        xv[3],
-                        _mm256_mul_ps(f(hi), xv[2]),
-                    );
+                    let t0 = _mm256_fmadd_ps(f(1), xv[1], _mm256_mul_ps(f(0), xv[0]));
+                    let t1 = _mm256_fmadd_ps(f(3), xv[3], _mm256_mul_ps(f(2), xv[2]));
                     if g32 {
                         let t = _mm256_add_ps(t0, t1);
                         acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dl[r][c]), acc[r]);
@@ -533,6 +554,36 @@ mod avx2 {
         for r in 0..RN {
             // SAFETY: the output element is in the caller's block.
             unsafe { *d.add(r) = hsum256(_mm256_sub_ps(acc[r], accm[r])) };
+        }
+    }
+
+    /// The 256 quants of the super-block at `w + r * ldw`, for each of the `RN` rows, as bytes
+    /// in element order (Q6_K's as signed `q - 32` where `SIGNED`), 32 at a time with byte-wide vector
+    /// operations ([`chunk32`]). The matrix-vector tile decodes super-block b + 1 while it
+    /// multiplies super-block b, and widens the stored bytes with a load-operand
+    /// `vpmovzxbd` / `vpmovsxbd` (the tiles for M > 1 likewise): on Zen 2 that measured 1.4-1.7x faster than widening the
+    /// same bytes from registers (a lane extract, two byte shifts and four register
+    /// widenings per 32 weights, all on the two shuffle pipes), with the same products in
+    /// the same order, so the same bits. Widening right after the store instead stalls on
+    /// store-to-load forwarding (measured slower than the register form); one super-block of
+    /// distance avoids it.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn decode_ahead<const T: u8, const RN: usize, const SIGNED: bool>(
+        out: &mut [[u8; QK_K]; RN],
+        w: *const u8,
+        ldw: usize,
+    ) {
+        for (r, row) in out.iter_mut().enumerate() {
+            for c in 0..8 {
+                // SAFETY: the caller's super-block of row r.
+                let mut q = unsafe { chunk32::<T>(w.add(r * ldw), c) };
+                if T == K6 && SIGNED {
+                    q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                }
+                // SAFETY: 32 bytes inside the row's 256.
+                unsafe { _mm256_storeu_si256(row.as_mut_ptr().add(32 * c).cast(), q) };
+            }
         }
     }
 

@@ -26,12 +26,16 @@ pub(super) fn use_gemm(m: usize, k: usize) -> bool {
 /// Per weight type on AVX2, measured (2026-11-27, Zen 2, 2 threads, `bench ops --precision
 /// exact`, 4096 x 4096 and 4096 x 14336, convert time / fused time): Q8_0 1.31-1.95x at
 /// M = 3..8 (fused to 8); Q4_0 1.00-1.26x at M <= 4, 0.73-0.95x from 5; Q4_1 1.03-1.40x to 5,
-/// 0.89-0.98x from 6; Q4_K 0.91-0.98x at 3, 1.05-1.11x at 4, 0.67-0.76x from 5; Q5_0, Q5_K,
-/// Q6_K, Q2_K, Q3_K, Q5_1, IQ4_NL, IQ4_XS 1.15-1.73x at M = 2 and 0.55-0.96x at 3, down to
-/// 0.51-0.69x at 8 (the fused tiles redo a block's decoding for every 4 rows; the converted
-/// rows are decoded once and then reused by every row). Other levels keep 8 (AVX-512 not
-/// measured against the convert path). The level is the machine's ([`Isa::detect`]), not the
-/// one a kernel is forced to, so `work_size` and `forward_with` agree on the scratch.
+/// 0.89-0.98x from 6; Q4_K 0.91-0.98x at 3, 1.05-1.11x at 4, 0.67-0.76x from 5; Q3_K, Q5_1,
+/// IQ4_NL, IQ4_XS 1.15-1.73x at M = 2 and 0.55-0.96x at 3, down to 0.51-0.69x at 8 (the
+/// fused tiles redo a block's decoding for every 4 rows; the converted rows are decoded once
+/// and then reused by every row). Since the fused tiles widen decoded bytes from memory
+/// (`kf32::avx2::decode_ahead`, second session of 2026-11-27, K = N = 4096): Q5_0 1.04x at
+/// 3 and 1.17x at 4, Q5_K 1.07x at 4, Q6_K 1.02x at 3 and 1.20x at 4, Q2_K 1.17x at 3 and
+/// 1.31x at 4, all 0.77-0.94x from 5, so those four fuse to 4. Other levels keep 8 (AVX-512
+/// not measured against the convert path). The level is the machine's ([`Isa::detect`]),
+/// not the one a kernel is forced to, so `work_size` and `forward_with` agree on the
+/// scratch.
 pub(super) fn fused_max_m(w: Weights) -> usize {
     if Isa::detect() != Isa::Avx2 {
         return 8;
@@ -39,7 +43,9 @@ pub(super) fn fused_max_m(w: Weights) -> usize {
     match w {
         Weights::Quant(QuantW::Q8_0) => 8,
         Weights::Quant(QuantW::Q4_1) => 5,
-        Weights::Quant(QuantW::Q4_0) | Weights::KQuant(KQuantW::Q4_K) => 4,
+        Weights::Quant(QuantW::Q4_0 | QuantW::Q5_0)
+        | Weights::KQuant(KQuantW::Q4_K | KQuantW::Q5_K | KQuantW::Q6_K)
+        | Weights::Low(LowW::Q2_K) => 4,
         _ => 2,
     }
 }

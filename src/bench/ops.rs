@@ -40,7 +40,7 @@ pub struct BenchOpsArgs {
     #[command(flatten)]
     pub precision: PrecisionsArgs,
     /// M values of the K = N = 4096 cases (default 1,32), of the 4096 x 14336 cases
-    /// (default 1,2) and of SmolLM2's K = 576 cases (default 1; above 1 with its down and K/V
+    /// (default 1,2) and of the small models' cases (SmolLM2 K = 576, Gemma 3 270M K = 640) (default 1; above 1 with its down and K/V
     /// shapes).
     #[arg(long, value_delimiter = ',')]
     pub m: Option<Vec<usize>>,
@@ -114,7 +114,7 @@ pub struct OpsBenchOptions {
     /// weights once). Empty: [`Precision::Exact`].
     pub precisions: Vec<Precision>,
     /// M values of the K = N = 4096 cases (default 1 and 32), of the N = 4096, K = 14336
-    /// cases (default 1 and 2) and of SmolLM2's shapes (default 1).
+    /// cases (default 1 and 2) and of the small models' shapes (SmolLM2, Gemma 3 270M; default 1).
     pub ms: Option<Vec<usize>>,
     /// Only cases whose label contains this substring (e.g. "q4_0", "m=1 ").
     pub filter: Option<String>,
@@ -206,7 +206,7 @@ impl OpCase {
 }
 
 /// The case list with the K = N = 4096 cases at `ms`, the N = 4096, K = 14336 cases at
-/// `wide_ms` and SmolLM2's shapes at `small_ms`.
+/// `wide_ms` and the small models' shapes (SmolLM2, Gemma 3 270M) at `small_ms`.
 pub fn cases_with(ms: &[usize], wide_ms: &[usize], small_ms: &[usize]) -> Vec<OpCase> {
     let mm = |dtype, m, n, k, rotate| OpCase {
         op: "mul_mat",
@@ -265,6 +265,11 @@ pub fn cases_with(ms: &[usize], wide_ms: &[usize], small_ms: &[usize]) -> Vec<Op
             v.push(mm(DType::Q4_1, m, 576, 1536, true));
             v.push(mm(DType::Q4_1, m, 192, 576, true));
         }
+        // Gemma 3 270M Q4_K_M's (K = 640: 20 Q5_0 blocks a row): the Q5_0 gate and up
+        // projections and the Q6_K / Q4_K down projections.
+        v.push(mm(DType::Q5_0, m, 2048, 640, true));
+        v.push(mm(DType::Q6_K, m, 640, 2048, true));
+        v.push(mm(DType::Q4_K, m, 640, 2048, true));
     }
     // The F32 MLP stack of `bench meta --graph mlp` and ggml's meta-backend comparison
     // (D = 1024, F = 4096), one token: its up and down projections.
@@ -313,6 +318,20 @@ pub fn measure(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
         .collect::<Result<_>>()?;
     let total = selected.len() * pools.len();
     let mut out = Vec::with_capacity(total);
+    // Each pool's first measurement is preceded by half a second of the same product, untimed:
+    // without it the first row of a run measured up to 3x slow for a short product (Gemma's
+    // Q5_0 K = 640 GEMV, 2 threads: 246 us first, 84 us when measured again in the same run),
+    // while a new worker thread settles on its core.
+    let mut warmed = vec![false; pools.len()];
+    let settle = OpsBenchOptions {
+        repeat: Repeat {
+            warmup: 0,
+            min_reps: 1,
+            min_time: std::time::Duration::from_millis(500),
+            max_reps: usize::MAX,
+        },
+        ..opts.clone()
+    };
     for (ci, case) in selected.iter().enumerate() {
         let max_threads = pools.iter().map(|p| p.nth()).max().unwrap_or(1);
         // Float weights and the streaming probe do not depend on the precision.
@@ -333,6 +352,9 @@ pub fn measure(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
                         pool.nth(),
                         prec.map_or(String::new(), |p| format!(" precision={p}"))
                     );
+                }
+                if !std::mem::replace(&mut warmed[pi], true) {
+                    data.measure(case, pool, isa, prec, &settle)?;
                 }
                 let r = data.measure(case, pool, isa, prec, opts)?;
                 if opts.progress {

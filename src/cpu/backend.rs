@@ -448,7 +448,7 @@ impl GraphPlan for CpuPlan {
                 }
                 _ => String::new(),
             };
-            super::profile::record(&e.name, &weight, e.op.name(), c, w);
+            super::profile::record(&e.name, &weight, e.op.name(), c, w, e.barrier_after);
         }
         run.map_err(|msg| {
             let node = nodes

@@ -1,11 +1,14 @@
 //! `metashard quantize` (issue 17 item 5) on a synthetic F32 llama GGUF: the written file is
 //! read by gguf-py with the types llama.cpp's mix gives each tensor, its Q8_0 / Q4_0 / Q4_1 /
 //! Q5_0 / Q5_1 tensors equal gguf-py's own quantizer byte for byte, it runs, and its logits
-//! stay close to the F32 model's; bad requests are errors naming the flag or the tensor.
+//! stay close to the F32 model's; bad requests are errors naming the flag or the tensor. A
+//! synthetic Mixtral (8 experts) gets llama.cpp's expert rules (issue 19) and runs on one
+//! device and with its experts split over two.
 
 use metashard::DType;
 use metashard::cpu::Precision;
-use metashard::models::hparams::DecoderConfig;
+use metashard::models::arch::{MIXTRAL, Mlp};
+use metashard::models::hparams::{DecoderConfig, Moe};
 use metashard::models::layer_split::SplitMode;
 use metashard::models::synthetic::gguf_bytes;
 use metashard::runtime::{OpenOptions, open_decoder};
@@ -79,13 +82,18 @@ fn gguf_py(input: &Path, out: &Path) -> Option<serde_json::Value> {
 }
 
 fn logits(path: &Path) -> (Vec<f32>, Vec<u32>) {
+    logits_on(path, "cpu:1x1", 1)
+}
+
+/// Prompt logits and `steps` greedy tokens on `devices` (the default split).
+fn logits_on(path: &Path, devices: &str, steps: usize) -> (Vec<f32>, Vec<u32>) {
     let opts = OpenOptions {
         precision: Precision::Exact,
         split_mode: SplitMode::Tensor,
         ..OpenOptions::default()
     };
-    let (set, m) = open_decoder(path.to_str().unwrap(), "cpu:1x1", &opts, &|_, _| {}).unwrap();
-    greedy(&m, &set, PROMPT, 1).unwrap()
+    let (set, m) = open_decoder(path.to_str().unwrap(), devices, &opts, &|_, _| {}).unwrap();
+    greedy(&m, &set, PROMPT, steps).unwrap()
 }
 
 /// The type llama.cpp's Q4_K_M mix gives each tensor of the 4-layer model: attn_v and
@@ -162,6 +170,75 @@ fn quantized_files_have_llama_cpp_types_equal_gguf_py_and_run() {
         panic!("{errors:?}")
     };
     assert!(q8 < q6 && q6 < q5 && q5 < q4, "{errors:?}");
+}
+
+/// llama.cpp's Q4_K_M type of each tensor of a 4-layer Mixtral (8 experts): the router kept
+/// F32, attn_v and attn_k Q8_0, attn_output Q5_K (`n_expert == 8`), the experts' down
+/// projections by `use_more_bits` like a dense ffn_down, the other matrices Q4_K.
+fn mixtral_q4_k_m_type(name: &str) -> &'static str {
+    let more = name.starts_with("blk.2.") || name.starts_with("blk.3.");
+    if name.contains("norm") || name.contains("ffn_gate_inp") {
+        "F32"
+    } else if name.contains("attn_v.") || name.contains("attn_k.") {
+        "Q8_0"
+    } else if name.contains("attn_output") {
+        "Q5_K"
+    } else if name == "output.weight" || (more && name.contains("ffn_down")) {
+        "Q6_K"
+    } else {
+        "Q4_K"
+    }
+}
+
+#[test]
+fn experts_take_llama_cpp_s_moe_rules_and_run_split() {
+    let Mlp::Moe(spec) = MIXTRAL.decoder().unwrap().mlp else {
+        panic!("Mixtral has experts")
+    };
+    // Width and expert width 256: whole K-quant blocks in every row.
+    let cfg = DecoderConfig {
+        arch: &MIXTRAL,
+        moe: Some(Moe {
+            n_expert: 8,
+            n_expert_used: 2,
+            n_ff_exp: 256,
+            n_ff_shexp: 0,
+            norm_weights: spec.norm_weights,
+        }),
+        ..DecoderConfig::llama(4, 256, 512, 8, 2, 300)
+    };
+    let input = model("mixtral-f32.gguf", &cfg);
+    let out = dir().join("mixtral-q4_k_m.gguf");
+    let o = quantize(&input, &out, "q4_k_m");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(stderr.contains("blk.3.ffn_down_exps.weight"), "{stderr}");
+    // Each expert's rows are whole blocks of its own slice, so the quantized experts run
+    // where one device has them all and where two devices hold four each.
+    let (want, _) = logits(&input);
+    let (one, tokens_one) = logits_on(&out, "cpu:1x1", 4);
+    let e = nmse(&one, &want);
+    eprintln!("mixtral q4_k_m: logits NMSE {e:.2e} against the F32 model");
+    assert!(e < 1e-1, "NMSE {e:.3e}");
+    let (two, tokens_two) = logits_on(&out, "cpu:2x1", 4);
+    assert!(nmse(&two, &one) < 1e-8, "cpu:2x1 against cpu:1x1");
+    assert_eq!(tokens_two, tokens_one);
+    let Some(v) = gguf_py(&input, &out) else {
+        return;
+    };
+    let types = v["types"].as_object().unwrap();
+    assert!(types.contains_key("blk.0.ffn_up_exps.weight"), "{v}");
+    for (name, t) in types {
+        let want = mixtral_q4_k_m_type(name);
+        assert!(
+            t.as_str().unwrap().eq_ignore_ascii_case(want),
+            "{name} is {t}, want {want}"
+        );
+    }
+    // The Q8_0 attention tensors equal gguf-py's quantizer.
+    let equal = v["equal"].as_object().unwrap();
+    assert_eq!(equal.len(), 2 * cfg.n_layer, "{v}");
+    assert!(equal.values().all(|e| e == true), "{v}");
 }
 
 #[test]

@@ -14,6 +14,15 @@
 //! Q5_1, Q6_K to Q8_0, then F16). `q2_k`, `q3_k`, `q4_k`, `q5_k` and `q6_k` name llama.cpp's
 //! file types of those names (`q3_k`, `q4_k` and `q5_k` are its aliases of the `_m` mixes);
 //! `--pure` puts every quantized tensor in the one type. No importance matrix.
+//!
+//! Mixture-of-experts files (llama.cpp's rules for `n_expert`, read from
+//! `{arch}.expert_count`): the router (`ffn_gate_inp.weight`) is left as it is; the expert
+//! tensors (`ffn_{gate,up,down}_exps.weight`, `[n_embd, n_ff, n_expert]`) are quantized row by
+//! row like any matrix, so each expert's rows stay whole blocks in its own slice of the
+//! tensor (the layout `mul_mat_id` and the expert split read), `ffn_down_exps` taking
+//! `ffn_down`'s mix by the layer in its name; with exactly 8 experts (Mixtral) `attn_v` and
+//! `attn_k` take Q8_0 and `attn_output` Q5_K in the Q2_K, Q3_K_S, Q3_K_M, Q4_K_S and Q4_K_M
+//! mixes (and no dense `attn_output` rule).
 
 use clap::Args;
 use metashard::io::gguf::{GgufFile, GgufTensorInfo};
@@ -109,13 +118,17 @@ pub struct MixContext {
     pub n_gqa: usize,
     /// The file has an `output.weight` (else the token embedding is the output).
     pub has_output: bool,
+    /// Experts per MoE layer (`{arch}.expert_count`; 1 for a dense model).
+    pub n_expert: usize,
 }
 
-/// Whether llama-quantize quantizes a tensor of this name and number of dimensions.
+/// Whether llama-quantize quantizes a tensor of this name and number of dimensions (not the
+/// norms, nor an MoE router: `ffn_gate_inp.weight`).
 pub fn is_quantized_tensor(name: &str, n_dims: usize) -> bool {
     name.ends_with("weight")
         && n_dims >= 2
         && !name.contains("_norm.weight")
+        && !name.contains("ffn_gate_inp.weight")
         && name != "position_embd.weight"
         && name != "token_types.weight"
 }
@@ -150,6 +163,13 @@ pub fn tensor_type(f: FileType, ctx: MixContext, name: &str, ne0: usize) -> Resu
             "q4_k_s" if i < 4 => Q5_K,
             _ => t,
         };
+        if ctx.n_expert == 8 {
+            t = Q8_0;
+        }
+    } else if name.contains("attn_k.weight") {
+        if ctx.n_expert == 8 {
+            t = Q8_0;
+        }
     } else if name.contains("ffn_down") {
         let i = layer.unwrap_or(0);
         t = match f.name {
@@ -162,10 +182,12 @@ pub fn tensor_type(f: FileType, ctx: MixContext, name: &str, ne0: usize) -> Resu
             _ => t,
         };
     } else if name.contains("attn_output.weight") {
-        t = match f.name {
-            "q2_k" => Q3_K,
-            "q3_k_m" => Q4_K,
-            "q3_k_l" => Q5_K,
+        t = match (ctx.n_expert == 8, f.name) {
+            (true, "q2_k" | "q3_k_s" | "q3_k_m" | "q4_k_s" | "q4_k_m") => Q5_K,
+            (true, _) => t,
+            (false, "q2_k") => Q3_K,
+            (false, "q3_k_m") => Q4_K,
+            (false, "q3_k_l") => Q5_K,
             _ => t,
         };
     } else if name.contains("attn_qkv.weight") {
@@ -225,6 +247,9 @@ fn mix_context(g: &GgufFile) -> MixContext {
         n_layer: meta_usize(g, &format!("{arch}.block_count")).unwrap_or(1),
         n_gqa: n_head / n_kv.max(1),
         has_output: g.tensor("output.weight").is_some(),
+        n_expert: meta_usize(g, &format!("{arch}.expert_count"))
+            .unwrap_or(1)
+            .max(1),
     }
 }
 
@@ -341,6 +366,7 @@ mod tests {
         n_layer: 8,
         n_gqa: 4,
         has_output: true,
+        n_expert: 1,
     };
 
     #[test]
@@ -381,6 +407,43 @@ mod tests {
             tensor_type(m, tied, "token_embd.weight", 512).unwrap(),
             DType::Q6_K
         );
+    }
+
+    #[test]
+    fn moe_mixes_follow_llama_quant() {
+        let (m, q3) = (file_type("q4_k_m").unwrap(), file_type("q3_k_l").unwrap());
+        let ty = |f: FileType, ctx: MixContext, name: &str| tensor_type(f, ctx, name, 512).unwrap();
+        let mixtral = MixContext { n_expert: 8, ..CTX };
+        let olmoe = MixContext {
+            n_expert: 64,
+            ..CTX
+        };
+        // Eight experts: attn_v and attn_k to Q8_0 whatever the layer, attn_output Q5_K in
+        // the _M mix; the dense model keeps its rules.
+        for i in 0..8 {
+            assert_eq!(
+                ty(m, mixtral, &format!("blk.{i}.attn_v.weight")),
+                DType::Q8_0
+            );
+            assert_eq!(
+                ty(m, mixtral, &format!("blk.{i}.attn_k.weight")),
+                DType::Q8_0
+            );
+            assert_eq!(ty(m, CTX, &format!("blk.{i}.attn_k.weight")), DType::Q4_K);
+        }
+        assert_eq!(ty(m, mixtral, "blk.1.attn_output.weight"), DType::Q5_K);
+        assert_eq!(ty(q3, mixtral, "blk.1.attn_output.weight"), DType::Q3_K);
+        assert_eq!(ty(q3, CTX, "blk.1.attn_output.weight"), DType::Q5_K);
+        // Other expert counts take the dense rules; the experts' down projections the
+        // ffn_down mix by the layer in their names, gate and up the base type.
+        assert_eq!(ty(m, olmoe, "blk.1.attn_v.weight"), DType::Q4_K);
+        assert_eq!(ty(m, olmoe, "blk.0.ffn_down_exps.weight"), DType::Q6_K);
+        assert_eq!(ty(m, olmoe, "blk.1.ffn_down_exps.weight"), DType::Q4_K);
+        assert_eq!(ty(m, olmoe, "blk.1.ffn_gate_exps.weight"), DType::Q4_K);
+        // The router stays as it is; the shared expert's gate (a 2-D matrix) does not.
+        assert!(!is_quantized_tensor("blk.0.ffn_gate_inp.weight", 2));
+        assert!(is_quantized_tensor("blk.0.ffn_gate_inp_shexp.weight", 2));
+        assert!(is_quantized_tensor("blk.0.ffn_up_exps.weight", 3));
     }
 
     #[test]

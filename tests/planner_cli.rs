@@ -249,6 +249,66 @@ fn bench_strategies_holds_predictions_against_measurements() {
     );
 }
 
+/// On 4 devices `bench strategies` measures the hybrid split (two groups of two, megatron
+/// inside, layers across: what `run --split-mode hybrid` runs) beside the layer and tensor
+/// splits, priced by the planner's hybrid split; with fewer devices there is no such row,
+/// and asking for it there is not an error (nothing to measure).
+#[test]
+fn bench_strategies_measures_the_hybrid_split_on_four_devices() {
+    let rows = |devices: &str| {
+        let (code, out, err) = metashard(&[
+            "bench",
+            "strategies",
+            "--devices",
+            devices,
+            "--pp",
+            "8",
+            "--tg",
+            "3",
+            "--reps",
+            "1",
+            "--strategies",
+            "megatron,hybrid",
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{devices}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["rows"].as_array().unwrap().clone()
+    };
+    let four = rows("cpu:4x1");
+    let names: Vec<&str> = four
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["megatron", "hybrid"], "{four:?}");
+    let h = &four[1];
+    assert!(
+        h["assignment"]
+            .as_str()
+            .unwrap()
+            .contains("--split-mode hybrid --groups 2"),
+        "{h}"
+    );
+    for key in [
+        "predicted_pp_tps",
+        "measured_pp_tps",
+        "predicted_tg_tps",
+        "measured_tg_tps",
+    ] {
+        assert!(h[key].as_f64().unwrap() > 0.0, "{key}: {h}");
+    }
+    // A group's two devices hold half the layers between them, as megatron's four hold all
+    // of them, but the first and last group also hold the embedding and the output split two
+    // ways (megatron: four): the largest device holds more (SmolLM2: 44.7 against 25.1 MiB).
+    let (hybrid_w, megatron_w) = (
+        h["measured_weight_bytes"].as_u64().unwrap(),
+        four[0]["measured_weight_bytes"].as_u64().unwrap(),
+    );
+    assert!(hybrid_w > megatron_w, "{hybrid_w} vs {megatron_w}");
+    let two = rows("cpu:2x1");
+    assert!(two.iter().all(|r| r["strategy"] != "hybrid"), "{two:?}");
+}
+
 /// `run --micro-batches N` reaches the session: a layer split's prompt chunk is cut into N
 /// (the JSON's `ubatch` is the prompt over N, 128 without the flag);
 /// 0, more than 16, or N > 1 on a tensor split are errors naming the flag.

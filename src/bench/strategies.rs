@@ -13,9 +13,13 @@
 //! tensor strategies a `layer` row runs whole layers per device as `run --split-mode layer`
 //! does, pipelined in the micro-batches the planner takes for it (`planner/layer.rs`): a
 //! prompt's chunk cut by `Session::ubatch`, a batched step's sequences by
-//! `BatchSession::micro_batches`. The summaries are per device set and batch size.
+//! `BatchSession::micro_batches`. On device sets of 4 or more (an even count) a `hybrid` row
+//! runs two groups, each a meta device under the Megatron split, with whole layers per group
+//! as `run --split-mode hybrid` does, pipelined the same way and priced by the planner's
+//! hybrid split. The summaries are per device set and batch size.
 //!
-//! `--strategies` keeps only the named strategies (`layer` names the layer split), for two
+//! `--strategies` keeps only the named strategies (`layer` names the layer split, `hybrid`
+//! the hybrid split), for two
 //! strategies timed side by side in a short quiet run; each row also has the spread of its
 //! decode repetitions and the bytes a one-sequence decode step moves between devices, counted
 //! from the meta backend's sharding of that step (weights among them: expert parallelism moves
@@ -34,8 +38,8 @@ use metashard::planner::evaluate::{Evaluation, Workload};
 use metashard::planner::layouts::SAME_TIME;
 use metashard::planner::report::evaluate_split;
 use metashard::planner::{
-    Cluster, MicroBatches, ModelShape, Strategy, auto, evaluate_layer_split,
-    evaluate_layer_split_with,
+    Cluster, LayerSplitCost, MicroBatches, ModelShape, Strategy, auto, evaluate_hybrid_split,
+    evaluate_hybrid_split_with, evaluate_layer_split, evaluate_layer_split_with,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -65,7 +69,8 @@ pub struct BenchStrategiesArgs {
           value_parser = parse_positive)]
     pub batch: Vec<usize>,
     /// Only these strategies (comma-separated names, e.g. `megatron,expert-parallel`; `layer`
-    /// for the layer split); all that apply to the model by default.
+    /// for the layer split, `hybrid` for two groups with layers across them, on 4 or more
+    /// devices); all that apply to the model by default.
     #[arg(long, value_delimiter = ',')]
     pub strategies: Vec<String>,
     /// A full calibration of each device set instead of a quick one.
@@ -113,8 +118,8 @@ pub struct StrategiesBenchOptions {
     pub reps: usize,
     /// Batch sizes (sequences decoded together), each a workload.
     pub batch: Vec<usize>,
-    /// Only these strategies (by name, `layer` for the layer split); empty: every one that
-    /// applies to the model.
+    /// Only these strategies (by name, `layer` for the layer split, `hybrid` for the hybrid
+    /// split); empty: every one that applies to the model.
     pub strategies: Vec<String>,
     /// A full calibration instead of a quick one.
     pub full_calibration: bool,
@@ -144,7 +149,8 @@ pub struct StrategyRow {
     pub measured_tg_range: (f64, f64),
     /// Bytes one one-sequence decode step moves between devices (every communicating
     /// conversion of the meta backend's sharding of that step), and those of them that are
-    /// weights; 0 for the layer split (its copies are the residual stream between stages).
+    /// weights; 0 for the layer and hybrid splits (not counted: the layer split's copies are the
+    /// residual stream between stages).
     pub step_comm_bytes: usize,
     pub step_weight_bytes_moved: usize,
     /// Largest device's weights, predicted and measured (bytes); the planner's layer split
@@ -281,14 +287,28 @@ fn predict_tensor(
     })
 }
 
-/// The layer split's prediction for `w` (`planner/layer.rs`), with the micro-batch counts the
-/// planner takes; a batched prompt step is cut into at most its sequences (as
-/// `BatchSession::micro_batches` cuts it), so where the planner's best count is more, the
-/// prompt is priced at one micro-batch per sequence.
-fn predict_layer(shape: &ModelShape, cluster: &Cluster, w: &Workload) -> Result<Predicted> {
-    let best = evaluate_layer_split(shape, cluster, w, None)?;
+/// The layer split's prediction for `w` (`planner/layer.rs`), or the hybrid split's in
+/// `groups` groups, with the micro-batch counts the planner takes; a batched prompt step is
+/// cut into at most its sequences (as `BatchSession::micro_batches` cuts it), so where the
+/// planner's best count is more, the prompt is priced at one micro-batch per sequence.
+fn predict_staged(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    groups: Option<usize>,
+) -> Result<Predicted> {
+    let cost = |micro: MicroBatches| -> Result<LayerSplitCost> {
+        match groups {
+            None => evaluate_layer_split_with(shape, cluster, w, None, micro),
+            Some(g) => evaluate_hybrid_split_with(shape, cluster, w, g, None, micro),
+        }
+    };
+    let best = match groups {
+        None => evaluate_layer_split(shape, cluster, w, None)?,
+        Some(g) => evaluate_hybrid_split(shape, cluster, w, g, None)?,
+    };
     let pp_cost = if w.batch > 1 && best.prefill_micro_batches > w.batch {
-        evaluate_layer_split_with(shape, cluster, w, None, MicroBatches::Fixed(w.batch))?
+        cost(MicroBatches::Fixed(w.batch))?
     } else {
         best.clone()
     };
@@ -309,23 +329,43 @@ fn workload_s(p: &Predicted, w: &Workload) -> f64 {
     (w.prefill * w.batch) as f64 / p.pp_tps.max(1e-12) + w.decode as f64 / p.tg_tps.max(1e-12)
 }
 
-/// What `auto` runs on the device set: the search's tensor split, or the layer split where
-/// the planner predicts the workload faster by more than [`SAME_TIME`] under it (as the
-/// search over layouts weighs it; `planner/layouts.rs`). None: the layer split. The hybrid
-/// split needs groups inside a node of several devices, which one CPU device list is not.
+/// What `auto` runs on the device set: the search's tensor split, or the layer split or (on
+/// 4 or more devices, an even count) the hybrid split in [`HYBRID_GROUPS`] groups, whichever
+/// the planner predicts fastest for the workload, the tensor split kept unless another is
+/// faster by more than [`SAME_TIME`] (as the search over layouts weighs it;
+/// `planner/layouts.rs`).
 fn auto_layout(
     shape: &ModelShape,
     cluster: &Cluster,
     w: &Workload,
     n_devices: usize,
-) -> Result<Option<DecoderSplit>> {
+) -> Result<Layout> {
     let tensor = auto(shape, cluster, w, None)?.split;
     if n_devices < 2 {
-        return Ok(Some(tensor));
+        return Ok(Layout::Tensor(tensor));
     }
     let t = workload_s(&predict_tensor(shape, &tensor, cluster, w)?, w);
-    let l = workload_s(&predict_layer(shape, cluster, w)?, w);
-    Ok((l * (1.0 + SAME_TIME) >= t).then_some(tensor))
+    let mut best = (
+        Layout::Layer,
+        workload_s(&predict_staged(shape, cluster, w, None)?, w),
+    );
+    if hybrid_applies(n_devices) {
+        let h = workload_s(&predict_staged(shape, cluster, w, Some(HYBRID_GROUPS))?, w);
+        if h < best.1 {
+            best = (Layout::Hybrid(HYBRID_GROUPS), h);
+        }
+    }
+    Ok(if best.1 * (1.0 + SAME_TIME) >= t {
+        Layout::Tensor(tensor)
+    } else {
+        best.0
+    })
+}
+
+/// Whether a device set of `n` gets a hybrid row: at least two devices in each of the
+/// [`HYBRID_GROUPS`] groups, the groups of equal size.
+fn hybrid_applies(n: usize) -> bool {
+    n >= 2 * HYBRID_GROUPS && n.is_multiple_of(HYBRID_GROUPS)
 }
 
 /// One measurement of `c` on `l`: prompt tokens/s (all sequences' prompt tokens over the
@@ -467,7 +507,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         profiles.push(cluster);
     }
     // Checked before any device set is calibrated: a bad name fails at once.
-    let (keep, keep_layer) = chosen_strategies(&shape, &opts.strategies)?;
+    let (keep, keep_layer, keep_hybrid) = chosen_strategies(&shape, &opts.strategies)?;
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
     for (si, spec) in opts.devices.iter().enumerate() {
@@ -490,24 +530,27 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         let mut loaded: Vec<Loaded> = Vec::new();
         let mut cands = Vec::new();
         for w in &workloads {
-            let mut named: Vec<(String, Option<DecoderSplit>)> = Vec::new();
+            let mut named: Vec<(String, Layout)> = Vec::new();
             for &st in &keep {
-                let split = match st.split(shape.n_layer(), shape.tied) {
-                    Some(s) => Some(s),
+                let layout = match st.split(shape.n_layer(), shape.tied) {
+                    Some(s) => Layout::Tensor(s),
                     None => auto_layout(&shape, &cluster, w, n_devices)?,
                 };
-                named.push((st.name().to_string(), split));
+                named.push((st.name().to_string(), layout));
             }
             if n_devices > 1 && keep_layer {
-                named.push(("layer".to_string(), None));
+                named.push(("layer".to_string(), Layout::Layer));
             }
-            for (strategy, split) in named {
-                let (key, assignment, predicted) = match &split {
-                    Some(s) => {
+            if hybrid_applies(n_devices) && keep_hybrid {
+                named.push(("hybrid".to_string(), Layout::Hybrid(HYBRID_GROUPS)));
+            }
+            for (strategy, layout) in named {
+                let (key, assignment, predicted) = match &layout {
+                    Layout::Tensor(s) => {
                         let d = metashard::planner::strategy::describe(s);
                         (d.clone(), d, predict_tensor(&shape, s, &cluster, w)?)
                     }
-                    None => (
+                    Layout::Layer => (
                         "layer".to_string(),
                         match strategy.as_str() {
                             "auto" => "whole layers per device (--split-mode layer): predicted \
@@ -515,15 +558,28 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                                 .to_string(),
                             _ => "whole layers per device (--split-mode layer)".to_string(),
                         },
-                        predict_layer(&shape, &cluster, w)?,
+                        predict_staged(&shape, &cluster, w, None)?,
+                    ),
+                    Layout::Hybrid(g) => (
+                        format!("hybrid {g}"),
+                        format!(
+                            "{g} groups of {} devices, megatron inside, whole layers per group \
+                             (--split-mode hybrid --groups {g}){}",
+                            n_devices / g,
+                            match strategy.as_str() {
+                                "auto" => ": predicted faster than the tensor split",
+                                _ => "",
+                            }
+                        ),
+                        predict_staged(&shape, &cluster, w, Some(*g))?,
                     ),
                 };
                 let li = match loaded.iter().position(|l| l.key == key) {
                     Some(i) => i,
                     None => {
                         progress(&format!("loading {} on {spec} ({strategy})", opts.model));
-                        let tensor = split.is_some();
-                        let (set, m) = load_with(&opts.model, spec, split)?;
+                        let tensor = matches!(layout, Layout::Tensor(_));
+                        let (set, m) = load_with(&opts.model, spec, layout)?;
                         let weights = set
                             .bytes_per_device(&[&m.weight_buffer])
                             .into_iter()
@@ -651,30 +707,32 @@ fn decode_traffic(
 }
 
 /// The tensor strategies `names` keeps (all that apply to the model when empty), and whether
-/// it keeps the layer split (`layer`); a name that is neither is an error naming
-/// `--strategies`.
-fn chosen_strategies(shape: &ModelShape, names: &[String]) -> Result<(Vec<Strategy>, bool)> {
+/// it keeps the layer split (`layer`) and the hybrid split (`hybrid`, on device sets of 4 or
+/// more); a name that is none of these is an error naming `--strategies`.
+fn chosen_strategies(shape: &ModelShape, names: &[String]) -> Result<(Vec<Strategy>, bool, bool)> {
     let all = Strategy::for_model(shape.cfg.moe.is_some());
     if names.is_empty() {
-        return Ok((all, true));
+        return Ok((all, true, true));
     }
-    let (mut keep, mut layer) = (Vec::new(), false);
+    let (mut keep, mut layer, mut hybrid) = (Vec::new(), false, false);
     for name in names {
-        if name == "layer" {
-            layer = true;
-            continue;
+        match name.as_str() {
+            "layer" => layer = true,
+            "hybrid" => hybrid = true,
+            _ => {
+                let st = Strategy::parse(name)?;
+                if !all.contains(&st) {
+                    return Err(metashard::Error::invalid_argument(
+                        "--strategies",
+                        name,
+                        "a strategy of this model (expert-parallel needs a mixture of experts)",
+                    ));
+                }
+                keep.push(st);
+            }
         }
-        let st = Strategy::parse(name)?;
-        if !all.contains(&st) {
-            return Err(metashard::Error::invalid_argument(
-                "--strategies",
-                name,
-                "a strategy of this model (expert-parallel needs a mixture of experts)",
-            ));
-        }
-        keep.push(st);
     }
-    Ok((keep, layer))
+    Ok((keep, layer, hybrid))
 }
 
 /// A profile of as many devices as `spec` has, else an error naming `--profile`.
@@ -689,12 +747,25 @@ fn check_profile(cluster: &Cluster, spec: &str) -> Result<()> {
     Ok(())
 }
 
-/// Open the model on `spec` with an explicit per-layer assignment, or (None) as a layer split
-/// with even shares (`run --split-mode layer`).
+/// What a row runs: a tensor split's per-layer assignment, the layer split, or the hybrid
+/// split in so many groups.
+enum Layout {
+    Tensor(DecoderSplit),
+    Layer,
+    Hybrid(usize),
+}
+
+/// Groups of the hybrid row (`run --split-mode hybrid`'s default), measured on device sets of
+/// at least two devices per group.
+const HYBRID_GROUPS: usize = 2;
+
+/// Open the model on `spec` with `layout`: an explicit per-layer assignment (`--split-mode
+/// tensor`), or even shares of whole layers per device or per group (`run --split-mode layer`
+/// or `hybrid`).
 fn load_with(
     model: &str,
     spec: &str,
-    split: Option<DecoderSplit>,
+    layout: Layout,
 ) -> Result<(
     metashard::DeviceSet,
     metashard::models::loader::DecoderModel,
@@ -702,13 +773,15 @@ fn load_with(
     if metashard::parse_devices(spec)?.len() == 1 {
         return load(model, spec, Precision::Exact, &SplitArgs::default(), true);
     }
-    let split_mode = match split {
-        Some(_) => SplitMode::Tensor,
-        None => SplitMode::Layer,
+    let (split, split_mode, groups) = match layout {
+        Layout::Tensor(s) => (Some(s), SplitMode::Tensor, None),
+        Layout::Layer => (None, SplitMode::Layer, None),
+        Layout::Hybrid(g) => (None, SplitMode::Hybrid, Some(g)),
     };
     let opts = metashard::runtime::OpenOptions {
         split,
         split_mode,
+        groups,
         ..Default::default()
     };
     metashard::runtime::open_decoder(model, spec, &opts, &|_, _| {})

@@ -284,7 +284,19 @@ pub fn evaluate_hybrid_split(
     groups: usize,
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
-    evaluate_hybrid_split_cached(shape, cluster, w, groups, shares, None)
+    hybrid_stages(shape, cluster, w, groups, shares, MicroBatches::Best, None)
+}
+
+/// As [`evaluate_hybrid_split`] with the micro-batches given.
+pub fn evaluate_hybrid_split_with(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    groups: usize,
+    shares: Option<&[f64]>,
+    micro: MicroBatches,
+) -> Result<LayerSplitCost> {
+    hybrid_stages(shape, cluster, w, groups, shares, micro, None)
 }
 
 /// As [`evaluate_hybrid_split`], taking the stages' evaluations from `cache` when it has them
@@ -295,6 +307,20 @@ pub(super) fn evaluate_hybrid_split_cached(
     w: &Workload,
     groups: usize,
     shares: Option<&[f64]>,
+    cache: Option<&StageCache>,
+) -> Result<LayerSplitCost> {
+    hybrid_stages(shape, cluster, w, groups, shares, MicroBatches::Best, cache)
+}
+
+/// The hybrid split's stages: `groups` groups of equal size (an error naming `--groups`
+/// otherwise), the shares per device summed per group.
+fn hybrid_stages(
+    shape: &ModelShape,
+    cluster: &Cluster,
+    w: &Workload,
+    groups: usize,
+    shares: Option<&[f64]>,
+    micro: MicroBatches,
     cache: Option<&StageCache>,
 ) -> Result<LayerSplitCost> {
     let n = cluster.devices.len();
@@ -322,7 +348,7 @@ pub(super) fn evaluate_hybrid_split_cached(
         w,
         group_shares.as_deref(),
         per,
-        MicroBatches::Best,
+        micro,
         cache,
     )
 }

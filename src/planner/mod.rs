@@ -45,8 +45,8 @@ pub use cluster::{
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
 pub use layer::{
-    LayerSplitCost, MicroBatches, evaluate_hybrid_split, evaluate_layer_split,
-    evaluate_layer_split_with,
+    LayerSplitCost, MicroBatches, evaluate_hybrid_split, evaluate_hybrid_split_with,
+    evaluate_layer_split, evaluate_layer_split_with,
 };
 pub use layouts::{Considered, LayoutKind, LayoutSearch, search_layouts};
 pub use presets::PRESET_NAMES;

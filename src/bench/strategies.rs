@@ -38,8 +38,8 @@ use metashard::planner::evaluate::{Evaluation, Workload};
 use metashard::planner::layouts::SAME_TIME;
 use metashard::planner::report::evaluate_split;
 use metashard::planner::{
-    Cluster, LayerSplitCost, MicroBatches, ModelShape, Strategy, auto, evaluate_hybrid_split,
-    evaluate_hybrid_split_with, evaluate_layer_split, evaluate_layer_split_with,
+    Cluster, LayerSplitCost, MicroBatches, ModelShape, Strategy, auto, evaluate_hybrid_split_with,
+    evaluate_layer_split_with,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -303,10 +303,7 @@ fn predict_staged(
             Some(g) => evaluate_hybrid_split_with(shape, cluster, w, g, None, micro),
         }
     };
-    let best = match groups {
-        None => evaluate_layer_split(shape, cluster, w, None)?,
-        Some(g) => evaluate_hybrid_split(shape, cluster, w, g, None)?,
-    };
+    let best = cost(MicroBatches::Best)?;
     let pp_cost = if w.batch > 1 && best.prefill_micro_batches > w.batch {
         cost(MicroBatches::Fixed(w.batch))?
     } else {

@@ -284,7 +284,7 @@ pub fn evaluate_hybrid_split(
     groups: usize,
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
-    hybrid_stages(shape, cluster, w, groups, shares, MicroBatches::Best, None)
+    evaluate_hybrid_split_cached(shape, cluster, w, groups, shares, MicroBatches::Best, None)
 }
 
 /// As [`evaluate_hybrid_split`] with the micro-batches given.
@@ -296,25 +296,13 @@ pub fn evaluate_hybrid_split_with(
     shares: Option<&[f64]>,
     micro: MicroBatches,
 ) -> Result<LayerSplitCost> {
-    hybrid_stages(shape, cluster, w, groups, shares, micro, None)
+    evaluate_hybrid_split_cached(shape, cluster, w, groups, shares, micro, None)
 }
 
-/// As [`evaluate_hybrid_split`], taking the stages' evaluations from `cache` when it has them
-/// (and keeping those it makes there).
+/// As [`evaluate_hybrid_split_with`], taking the stages' evaluations from `cache` when it has
+/// them (and keeping those it makes there): `groups` groups of equal size (an error naming
+/// `--groups` otherwise), the shares per device summed per group.
 pub(super) fn evaluate_hybrid_split_cached(
-    shape: &ModelShape,
-    cluster: &Cluster,
-    w: &Workload,
-    groups: usize,
-    shares: Option<&[f64]>,
-    cache: Option<&StageCache>,
-) -> Result<LayerSplitCost> {
-    hybrid_stages(shape, cluster, w, groups, shares, MicroBatches::Best, cache)
-}
-
-/// The hybrid split's stages: `groups` groups of equal size (an error naming `--groups`
-/// otherwise), the shares per device summed per group.
-fn hybrid_stages(
     shape: &ModelShape,
     cluster: &Cluster,
     w: &Workload,

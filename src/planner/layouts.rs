@@ -22,7 +22,7 @@
 
 use super::cluster::Cluster;
 use super::evaluate::Workload;
-use super::layer::{LayerSplitCost, StageCache, evaluate_hybrid_split_cached};
+use super::layer::{LayerSplitCost, MicroBatches, StageCache, evaluate_hybrid_split_cached};
 use super::search::{SearchResult, auto};
 use super::shape::ModelShape;
 use crate::error::human_bytes;
@@ -497,6 +497,7 @@ fn staged_costs(
                     w,
                     k / s,
                     ratios,
+                    MicroBatches::Best,
                     Some(&cache),
                 );
                 (i, cost)
@@ -738,11 +739,25 @@ mod tests {
         let w = Workload::parse("pp=512,tg=128,batch=4,ctx=4096").unwrap();
         let json = |cost: &LayerSplitCost| serde_json::to_string(cost).unwrap();
         let cache = StageCache::default();
-        let on16 = evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, Some(&cache)).unwrap();
-        let on8 =
-            evaluate_hybrid_split_cached(&shape, &c.take(8), &w, 2, None, Some(&cache)).unwrap();
-        let alone16 = evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, None).unwrap();
-        let alone8 = evaluate_hybrid_split_cached(&shape, &c.take(8), &w, 2, None, None).unwrap();
+        let on16 =
+            evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, MicroBatches::Best, Some(&cache))
+                .unwrap();
+        let on8 = evaluate_hybrid_split_cached(
+            &shape,
+            &c.take(8),
+            &w,
+            2,
+            None,
+            MicroBatches::Best,
+            Some(&cache),
+        )
+        .unwrap();
+        let alone16 =
+            evaluate_hybrid_split_cached(&shape, &c, &w, 4, None, MicroBatches::Best, None)
+                .unwrap();
+        let alone8 =
+            evaluate_hybrid_split_cached(&shape, &c.take(8), &w, 2, None, MicroBatches::Best, None)
+                .unwrap();
         assert_eq!(json(&on16), json(&alone16));
         assert_eq!(json(&on8), json(&alone8));
         // The two counts differ (the copy between the nodes), and the cache held one stage.

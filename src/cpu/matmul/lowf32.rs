@@ -7,8 +7,9 @@
 //! rounding of the activations and no scratch.
 //!
 //! Levels: AVX-512 (16 weights per vector, tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1}
-//! otherwise); AVX2 (8 per vector, tiles 4 x 1 and 2 x {2, 1}; the quants decoded 256 weights
-//! a row ahead into bytes and widened from memory, but for Q5_1 and IQ4_NL at M > 1); scalar: the reference
+//! otherwise); AVX2 (8 per vector, tiles 4 x 1 and 2 x {2, 1}; the quants decoded 256
+//! weights a row ahead into bytes and widened from memory, but for Q5_1 and IQ4_NL at
+//! M > 1); scalar: the reference
 //! dequantization of a block, then dot products with 8 partial sums. An output's operations
 //! do not depend on the tile it lands in, so results do not depend on the thread count.
 

@@ -172,7 +172,16 @@ pub struct ModelBenchReport {
 /// of each.
 pub fn stream_read_samples(threads: usize, bytes: usize, reps: usize) -> Result<Vec<f64>> {
     let n = bytes / 4;
-    let data: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    // Host memory as the CPU backend's weights get it (huge pages where offered), so the
+    // `% stream` column compares like with like.
+    let buf = metashard::buffer::HostBuffer::new(n * 4)?;
+    let ptr = metashard::buffer::Buffer::host_ptr(&buf).expect("host memory") as *mut f32;
+    // SAFETY: the buffer holds n * 4 bytes, 64-byte aligned, owned here until the end.
+    let data = unsafe { std::slice::from_raw_parts_mut(ptr, n) };
+    for (i, x) in data.iter_mut().enumerate() {
+        *x = (i % 7) as f32;
+    }
+    let data = &*data;
     let pool = ThreadPool::new(threads, "stream")?;
     let sink = parking_lot::Mutex::new(0f32);
     let mut times = Vec::new();

@@ -100,6 +100,16 @@ impl std::fmt::Display for Isa {
 
 // ---- reductions -------------------------------------------------------------------------------
 
+/// `x` rounded to the nearest integer, ties to even, for |x| < 2^22 (quantization to 8 bits,
+/// where |x| <= 127): adding and subtracting 1.5 * 2^23 rounds in the current (nearest-even)
+/// mode, the same result as `f32::round_ties_even`, which below SSE4.1 is a call to libm's
+/// `rintf` per element and keeps loops scalar.
+#[inline(always)]
+pub fn round_small(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0;
+    (x + ROUND) - ROUND
+}
+
 /// `sum(a[i] * b[i])` in f32 with several partial sums (the order differs from a sequential
 /// loop, so results agree to rounding).
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -244,6 +254,24 @@ pub(crate) mod tests {
                 (s as f32 / u32::MAX as f32) * 8.0 - 4.0
             })
             .collect()
+    }
+
+    #[test]
+    fn round_small_rounds_ties_to_even() {
+        let ties = (-300..300).map(|i| i as f32 + 0.5);
+        let near = data(10_000, 9).into_iter().map(|x| x * 40.0);
+        let edges = [
+            0.0,
+            -0.0,
+            0.49999997,
+            -0.49999997,
+            127.0,
+            -127.5,
+            4_194_303.5,
+        ];
+        for x in ties.chain(near).chain(edges) {
+            assert_eq!(round_small(x), x.round_ties_even(), "{x}");
+        }
     }
 
     #[test]

@@ -250,7 +250,7 @@ pub(crate) unsafe fn quantize_blocks(
             for (g, c) in buf.chunks_exact(16).enumerate() {
                 let mut s = 0i16;
                 for (j, &v) in c.iter().enumerate() {
-                    let v = ((iscale * v).round_ties_even() as i32).min(127);
+                    let v = (crate::cpu::simd::round_small(iscale * v) as i32).min(127);
                     s += v as i16;
                     *q.add(16 * g + j) = v as i8;
                 }

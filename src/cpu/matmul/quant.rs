@@ -177,7 +177,7 @@ pub(crate) unsafe fn quantize_blocks(
         let (dv, id) = block_scale(amax);
         let mut sum = 0i32;
         for (j, v) in buf.iter().enumerate() {
-            let q = (v * id).round_ties_even() as i32;
+            let q = crate::cpu::simd::round_small(v * id) as i32;
             sum += q;
             // SAFETY: byte b * 32 + j of the caller's range.
             unsafe { *qs.add(b * BLK + j) = q as i8 };

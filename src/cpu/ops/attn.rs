@@ -105,13 +105,17 @@ pub(super) fn exp_fast(x: f32) -> f32 {
     // |v| < 2^22, in two vectorizable additions (`f32::round` is a libm call).
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `t`'s bits are ROUND's plus n (|n| <= 127), so 2^n's exponent field is read off them
+    // with integer arithmetic (`n as i32` is a saturating conversion, which keeps the loops
+    // scalar).
+    let scale = f32::from_bits(t.to_bits().wrapping_sub(ROUND.to_bits() - 127) << 23);
     p * scale
 }
 

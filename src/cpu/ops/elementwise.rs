@@ -1,7 +1,9 @@
 //! Element-wise kernels: binary ops with broadcasting, unary functions, scale, clamp, swiglu.
 //! Work is split by output rows, or, when there are fewer rows than threads (decoding one
 //! token), by columns within each row; f32 rows with packed elements take a slice fast path
-//! that the compiler vectorizes, everything else goes element by element.
+//! that the compiler vectorizes (`map_span`, `zip_span`: an AVX2 instance where the CPU has
+//! it; an input that partly overlaps the output goes element by element), everything else
+//! goes element by element.
 
 use super::{Split, unravel_row};
 use crate::DType;

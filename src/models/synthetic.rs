@@ -205,7 +205,9 @@ pub fn gguf_bytes_with(
         .map(|i| if i < 256 { 1 } else { 3 })
         .collect();
     w.add("tokenizer.ggml.model", GgufValue::String("gpt2".into()));
-    w.add("tokenizer.ggml.pre", GgufValue::String("gpt2".into()));
+    // "gpt-2", the name llama.cpp's converter writes and its loader knows (`llama-vocab.cpp`
+    // refuses "gpt2"), so llama.cpp can run these files as an outside reference.
+    w.add("tokenizer.ggml.pre", GgufValue::String("gpt-2".into()));
     w.add(
         "tokenizer.ggml.tokens",
         GgufValue::Array(GgufArray::String(tokens)),

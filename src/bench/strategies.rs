@@ -157,6 +157,10 @@ pub struct StrategyRow {
     /// reports resident bytes with the KV cache, so its row has no weights prediction.
     pub predicted_weight_bytes: Option<usize>,
     pub measured_weight_bytes: usize,
+    /// The strategy listed earlier whose program this row's is (same assignment, batch and
+    /// micro-batches): measured once, its figures shared.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub same_program_as: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -606,19 +610,56 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                 });
             }
         }
+        // Candidates that run one program (one loaded assignment, batch and micro-batch
+        // counts: `memory` where it assigns as `megatron` does, auto and the strategy it
+        // picked) are measured once per repetition and share the figures; measured apart,
+        // identical runs differed by up to 20% on a shared host and decided which "won".
+        let program: Vec<usize> = cands
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                cands[..i]
+                    .iter()
+                    .position(|o| {
+                        (
+                            o.loaded,
+                            o.batch,
+                            o.predicted.pp_micro,
+                            o.predicted.tg_micro,
+                        ) == (
+                            c.loaded,
+                            c.batch,
+                            c.predicted.pp_micro,
+                            c.predicted.tg_micro,
+                        )
+                    })
+                    .unwrap_or(i)
+            })
+            .collect();
         // Warm up (plans for every shape), then interleave the repetitions.
-        for c in &cands {
-            measure_one(&loaded[c.loaded], c, opts.pp, 2)?;
+        for (i, c) in cands.iter().enumerate() {
+            if program[i] == i {
+                measure_one(&loaded[c.loaded], c, opts.pp, 2)?;
+            }
         }
-        let mut measured = vec![(Vec::new(), Vec::new()); cands.len()];
+        let mut measured: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); cands.len()];
         for r in 0..opts.reps.max(1) {
-            for (c, (pps, tgs)) in cands.iter().zip(measured.iter_mut()) {
-                let (pp, tg) = measure_one(&loaded[c.loaded], c, opts.pp, opts.tg)?;
-                pps.push(pp);
-                tgs.push(tg);
+            for (i, c) in cands.iter().enumerate() {
+                let (pp, tg) = if program[i] == i {
+                    measure_one(&loaded[c.loaded], c, opts.pp, opts.tg)?
+                } else {
+                    let (pps, tgs) = &measured[program[i]];
+                    (pps[r], tgs[r])
+                };
+                measured[i].0.push(pp);
+                measured[i].1.push(tg);
+                let same = match program[i] {
+                    j if j == i => String::new(),
+                    j => format!(" (the run of {})", cands[j].strategy),
+                };
                 progress(&format!(
                     "{spec} batch {} {}: rep {} pp {pp:.1} t/s, tg {tg:.1} t/s per sequence \
-                     ({:.1} in all)",
+                     ({:.1} in all){same}",
                     c.batch,
                     c.strategy,
                     r + 1,
@@ -628,7 +669,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         }
         for w in &workloads {
             let mut set_rows = Vec::new();
-            for (c, (pps, tgs)) in cands.iter().zip(&measured) {
+            for (i, (c, (pps, tgs))) in cands.iter().zip(&measured).enumerate() {
                 if c.batch != w.batch {
                     continue;
                 }
@@ -655,6 +696,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                     step_weight_bytes_moved: moved,
                     predicted_weight_bytes: p.weights,
                     measured_weight_bytes: loaded[c.loaded].weights,
+                    same_program_as: (program[i] != i).then(|| cands[program[i]].strategy.clone()),
                 });
             }
             summaries.push(summarize(spec, w.batch, &set_rows));
@@ -867,6 +909,17 @@ pub fn print_table(r: &StrategiesReport) {
             x.step_comm_bytes,
             x.step_weight_bytes_moved
         );
+    }
+    let shared: Vec<String> = r
+        .rows
+        .iter()
+        .filter_map(|x| {
+            let of = x.same_program_as.as_ref()?;
+            Some(format!("{} S={} {} = {of}", x.devices, x.batch, x.strategy))
+        })
+        .collect();
+    if !shared.is_empty() {
+        println!("one program, measured once: {}", shared.join("; "));
     }
     let has_auto = r.rows.iter().any(|x| x.strategy == "auto");
     for s in &r.summaries {

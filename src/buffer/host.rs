@@ -76,7 +76,20 @@ pub struct HostBuffer {
 #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
 fn huge_pages_wanted() -> bool {
     static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WANTED.get_or_init(|| std::env::var("METASHARD_HUGEPAGES").map_or(true, |v| v != "0"))
+    *WANTED.get_or_init(|| {
+        let wanted = std::env::var("METASHARD_HUGEPAGES").map_or(true, |v| v != "0");
+        // The system's setting, once (`METASHARD_LOG=info`): under `[never]` the advice is
+        // ignored and buffers keep 4 KiB pages.
+        let path = "/sys/kernel/mm/transparent_hugepage/enabled";
+        let system = std::fs::read_to_string(path).unwrap_or_else(|_| "unknown".into());
+        tracing::info!(
+            wanted,
+            system = %system.trim(),
+            "host buffers of 2 MiB or more: transparent huge pages (METASHARD_HUGEPAGES=0 \
+             turns them off; the system's mode is {path})"
+        );
+        wanted
+    })
 }
 
 /// A zeroed anonymous mapping of `size` bytes aligned to [`HUGE_PAGE`], marked for huge pages;

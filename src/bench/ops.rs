@@ -270,6 +270,10 @@ pub fn cases_with(ms: &[usize], wide_ms: &[usize], small_ms: &[usize]) -> Vec<Op
         v.push(mm(DType::Q5_0, m, 2048, 640, true));
         v.push(mm(DType::Q6_K, m, 640, 2048, true));
         v.push(mm(DType::Q4_K, m, 640, 2048, true));
+        if m == 1 {
+            // Gemma 3's tied output (262,144 x 640 Q8_0, 178 MB: streamed from memory).
+            v.push(mm(DType::Q8_0, m, 262144, 640, true));
+        }
     }
     // The F32 MLP stack of `bench meta --graph mlp` and ggml's meta-backend comparison
     // (D = 1024, F = 4096), one token: its up and down projections.
@@ -370,24 +374,27 @@ pub fn measure(opts: &OpsBenchOptions) -> Result<Vec<OpBenchResult>> {
     Ok(out)
 }
 
-/// A 64-byte aligned byte buffer.
+/// A 64-byte aligned byte buffer in host memory as the CPU backend allocates it (huge pages
+/// from 2 MiB on Linux), so streaming cases read memory of the kind a model's weights are in.
 struct Aligned {
-    words: Vec<[u64; 8]>,
+    buf: metashard::buffer::HostBuffer,
+    len: usize,
 }
 
 impl Aligned {
     fn new(len: usize) -> Aligned {
+        let len = len.div_ceil(64).max(1) * 64;
         Aligned {
-            words: vec![[0u64; 8]; len.div_ceil(64).max(1)],
+            buf: metashard::buffer::HostBuffer::new(len).expect("benchmark buffers fit in memory"),
+            len,
         }
     }
     fn ptr(&self) -> *mut u8 {
-        self.words.as_ptr().cast_mut().cast()
+        metashard::buffer::Buffer::host_ptr(&self.buf).expect("host memory")
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
-        let len = self.words.len() * 64;
-        // SAFETY: the vector owns `len` initialized bytes, borrowed exclusively here.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), len) }
+        // SAFETY: the buffer owns `len` zero-initialized bytes, borrowed exclusively here.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
     }
 }
 
@@ -502,7 +509,7 @@ impl CaseData {
                 .map(|w| views(c, w, &self.x, &self.d))
                 .collect();
             let wdata = self.work.ptr() as usize;
-            let wsize = self.work.words.len() * 64;
+            let wsize = self.work.len;
             let mut err = None;
             let t = time_it(&opts.repeat, |i| {
                 let (w, x, d) = views[i % views.len()];

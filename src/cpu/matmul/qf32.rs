@@ -604,10 +604,7 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn block<const WQ: u8>(b: &QF32Block, tab: F16Tab) {
-        match (
-            b.m == 1,
-            (b.ldw > L2_STREAM_MAX_ROW || std::env::var_os("NOL2").is_some()),
-        ) {
+        match (b.m == 1, b.ldw > L2_STREAM_MAX_ROW) {
             (true, false) => drive_tiles!(b, short_tile, WQ, 4, [1], (b.nblk, tab, b.gemv)),
             (true, true) => drive_tiles!(b, long_tile, WQ, 4, [1], (b.nblk, tab, b.gemv)),
             (false, false) => drive_tiles!(b, short_tile, WQ, 2, [2, 1], (b.nblk, tab, false)),

@@ -705,6 +705,41 @@ fn bad_strategy_names_and_routing_files_are_errors() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `plan --routing` prices each placement with the skew of its own holders: counts with the
+/// first quarter of Qwen3-30B-A3B's 128 experts three times as busy are 2x skewed over 8
+/// devices of 16 experts each (expert parallel) and 4/3 over 2 groups of 64 (expert groups).
+#[test]
+fn counted_routing_is_priced_per_placement() {
+    let dir = std::env::temp_dir().join(format!("routing-held-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("r.json");
+    let layer: Vec<u64> = (0..128).map(|e| if e < 32 { 3 } else { 1 }).collect();
+    let per_layer = vec![layer; 48];
+    let body = serde_json::json!({ "routing": { "per_layer": per_layer } });
+    std::fs::write(&f, body.to_string()).unwrap();
+    let skew = |strategy: &str| {
+        let (code, json, err) = metashard(&[
+            "plan",
+            "--model",
+            "qwen3-30b-a3b",
+            "--cluster",
+            "h100x8-nvswitch",
+            "--strategy",
+            strategy,
+            "--routing",
+            f.to_str().unwrap(),
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        v["experts"]["routing_skew"].as_f64().unwrap()
+    };
+    let (ep, groups) = (skew("expert-parallel"), skew("expert-groups"));
+    assert!((ep - 2.0).abs() < 1e-9, "{ep}");
+    assert!((groups - 4.0 / 3.0).abs() < 1e-9, "{groups}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn plan_takes_the_expert_groups_count() {
     // Qwen3-30B-A3B's 128 experts over 4 groups of the 8 H100s: 32 experts per group, each

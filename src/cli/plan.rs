@@ -76,9 +76,15 @@ pub struct PlanArgs {
     pub svg: Option<PathBuf>,
 }
 
-/// The routing skew of a `bench model --json` report (`--routing`) on `n` devices: its
-/// `routing.per_layer` counts, checked against the model's layers and experts.
-fn measured_skew(p: &std::path::Path, shape: &ModelShape, n: usize) -> Result<f64> {
+/// The routing skews of a `bench model --json` report (`--routing`): on `n` devices, and by
+/// the number of expert holders (`experts::skews_by_holders`, for placements on fewer devices
+/// or over groups); its `routing.per_layer` counts checked against the model's layers and
+/// experts.
+fn measured_skew(
+    p: &std::path::Path,
+    shape: &ModelShape,
+    n: usize,
+) -> Result<(f64, std::sync::Arc<[f64]>)> {
     let bad = |why: String| metashard::Error::invalid_argument("--routing", p.display(), why);
     let text = metashard::io::file::read_json_text(p)?;
     let v: serde_json::Value =
@@ -113,7 +119,11 @@ fn measured_skew(p: &std::path::Path, shape: &ModelShape, n: usize) -> Result<f6
         )));
     }
     let skew = metashard::planner::experts::skew_from_counts(&per_layer, n);
-    metashard::planner::experts::check_skew("--routing", skew)
+    let by_holders = metashard::planner::experts::skews_by_holders(&per_layer, moe.n_expert);
+    Ok((
+        metashard::planner::experts::check_skew("--routing", skew)?,
+        by_holders.into(),
+    ))
 }
 
 /// The cluster of `--cluster` (preset or file) or `--devices` (measured now).
@@ -126,7 +136,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     shape.routing_skew = metashard::planner::experts::check_skew("--routing-skew", a.routing_skew)?;
     let cluster = cluster_of(a.cluster.as_deref(), a.devices.as_deref())?;
     if let Some(p) = &a.routing {
-        shape.routing_skew = measured_skew(p, &shape, cluster.n_devices())?;
+        let (skew, by_holders) = measured_skew(p, &shape, cluster.n_devices())?;
+        shape.routing_skew = skew;
+        shape.routing_counted = Some(by_holders);
     }
     let workload = Workload::parse(&a.workload)?;
     if workload.context > shape.context_length {

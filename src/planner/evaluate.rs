@@ -470,6 +470,7 @@ impl Placed {
         self.shape.cfg.moe.map(|m| Routing {
             n_expert: m.n_expert,
             skew: self.shape.routing_skew,
+            counted: self.shape.routing_counted.clone(),
         })
     }
 
@@ -549,7 +550,14 @@ pub(super) fn step_at(
         activations[d] = activations[d].max(plan.peak);
     }
     let span = start + tokens.div_ceil(seqs);
-    Ok(step_cost(&g, &rw, cluster, tokens, span, placed.routing()))
+    Ok(step_cost(
+        &g,
+        &rw,
+        cluster,
+        tokens,
+        span,
+        placed.routing().as_ref(),
+    ))
 }
 
 /// As [`evaluate`], for a model already placed.
@@ -688,7 +696,7 @@ fn step_cost(
     cluster: &Cluster,
     tokens: usize,
     kv_span: usize,
-    routing: Option<Routing>,
+    routing: Option<&Routing>,
 ) -> StepCost {
     let n = rw.programs.len();
     let (user_seg, names) = segments_of(g);
@@ -813,7 +821,7 @@ fn node_cost(
     id: TensorId,
     prof: &super::cluster::DeviceProfile,
     kv_span: usize,
-    routing: Option<Routing>,
+    routing: Option<&Routing>,
 ) -> (f64, f64) {
     let node = g.node(id);
     if node.op.is_noop() || matches!(node.op, Op::Collective(_)) {

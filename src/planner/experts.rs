@@ -36,6 +36,7 @@ use crate::op::RowWindow;
 use crate::split_state::SplitState;
 use crate::{Error, Result};
 use serde::Serialize;
+use std::sync::Arc;
 
 /// The routing skew assumed when none is given: 1.0, uniform routing. An assumption, not a
 /// measurement: both presets' routers were trained with a load-balancing loss
@@ -106,12 +107,48 @@ pub fn skew_from_counts(per_layer: &[Vec<u64>], n: usize) -> f64 {
 }
 
 /// The routing of a model's experts as the cost model needs it.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Routing {
     /// Experts of a layer in the model (`E`; a device may hold fewer).
     pub n_expert: usize,
-    /// The hottest device's share of the routed pairs over its uniform share (>= 1).
+    /// The hottest device's share of the routed pairs over its uniform share (>= 1): an
+    /// assumption, or counted for the cluster's device count.
     pub skew: f64,
+    /// From counted routing ([`skews_by_holders`]): the skew when the experts are spread over
+    /// `m` holders (devices, or groups of devices), at index `m`. A placement on a subset of
+    /// the devices, or over groups, is priced with its own holders' skew, not the one counted
+    /// for every device of the cluster.
+    pub counted: Option<Arc<[f64]>>,
+}
+
+impl Routing {
+    /// Routing with one assumed skew for any spread of the experts.
+    pub fn assumed(n_expert: usize, skew: f64) -> Routing {
+        Routing {
+            n_expert,
+            skew,
+            counted: None,
+        }
+    }
+
+    /// The skew of experts spread over `holders` (rounded; an uneven split's fraction).
+    pub fn skew_for(&self, holders: f64) -> f64 {
+        match &self.counted {
+            Some(t) if t.len() > 1 => {
+                let m = (holders.round().max(1.0) as usize).min(t.len() - 1);
+                t[m]
+            }
+            _ => self.skew,
+        }
+    }
+}
+
+/// [`skew_from_counts`] for every holder count `0..=n_expert` (index 0 repeats 1 holder's):
+/// what [`Routing::counted`] holds.
+pub fn skews_by_holders(per_layer: &[Vec<u64>], n_expert: usize) -> Vec<f64> {
+    (0..=n_expert.max(1))
+        .map(|m| skew_from_counts(per_layer, m.max(1)))
+        .collect()
 }
 
 /// What one device's expert product does in a step: expected experts read and (slot, token)
@@ -150,7 +187,7 @@ fn untouched(p: f64, tokens: usize) -> f64 {
 /// `E[max]` of them: one Mixtral decode token over 8 devices of one expert each reads 0.9 of an
 /// expert on the hottest device, not the mean's 0.25. Never more experts than pairs, never more
 /// pairs than the step has.
-pub fn expert_load(local: usize, used: usize, tokens: usize, routing: Routing) -> ExpertLoad {
+pub fn expert_load(local: usize, used: usize, tokens: usize, routing: &Routing) -> ExpertLoad {
     if local == 0 || tokens == 0 || used == 0 {
         return ExpertLoad {
             experts: 0.0,
@@ -162,7 +199,7 @@ pub fn expert_load(local: usize, used: usize, tokens: usize, routing: Routing) -
     let k = used.min(routing.n_expert.max(local));
     let peers = e / ed;
     // The skew this device can have: its share of the pairs is at most all of them.
-    let skew = routing.skew.max(1.0).min(peers);
+    let skew = routing.skew_for(peers).max(1.0).min(peers);
     let p = k as f64 / e;
     let p_hot = (skew * p).min(1.0);
     let (q, q_hot) = (1.0 - untouched(p, tokens), 1.0 - untouched(p_hot, tokens));
@@ -276,18 +313,15 @@ pub fn mul_mat_id_seconds(
     node: &Node,
     window: Option<RowWindow>,
     prof: &DeviceProfile,
-    routing: Option<Routing>,
+    routing: Option<&Routing>,
 ) -> f64 {
     let a = g.layout(node.src[0]);
     let ids = g.layout(node.src[2]);
     let (k_dim, n_dim) = (a.ne[0] as f64, a.ne[1] as f64);
     let local = window.map_or(a.ne[2], |w| w.len().min(a.ne[2]));
     let (used, tokens) = (ids.ne[0], ids.ne[1]);
-    let routing = routing.unwrap_or(Routing {
-        n_expert: local,
-        skew: 1.0,
-    });
-    let load = expert_load(local, used, tokens, routing);
+    let uniform = Routing::assumed(local, 1.0);
+    let load = expert_load(local, used, tokens, routing.unwrap_or(&uniform));
     let per_expert = a.nbytes() as f64 / a.ne[2].max(1) as f64;
     let read = load.experts * per_expert / prof.gemv(a.dtype).max(1.0);
     let flops = 2.0 * k_dim * n_dim * load.pairs / prof.gemm(a.dtype).max(1.0);
@@ -312,7 +346,9 @@ pub struct PlacedExperts {
     pub n_ff_exp: usize,
     /// The shared expert's width (0: none).
     pub n_ff_shexp: usize,
-    /// The routing skew the plan was priced with.
+    /// The routing skew the plan was priced with: the assumed one, or with counted routing
+    /// the skew of this placement's holders (the experts over the devices or groups that
+    /// hold different ones).
     pub routing_skew: f64,
     /// Per device, the experts of a layer it holds any part of (the fewest over the layers).
     pub experts: Vec<usize>,
@@ -351,12 +387,24 @@ impl PlacedExperts {
                 hi[d] = hi[d].max(held[d]);
             }
         }
+        // Holders: the model's experts over the most any device holds (1: mirrored or split
+        // inside every expert; the device count under whole experts; the groups under both).
+        let held = hi
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .clamp(1, m.n_expert.max(1));
+        let holders = m.n_expert as f64 / held as f64;
+        let routing_skew = placed
+            .routing()
+            .map_or(placed.shape.routing_skew, |r| r.skew_for(holders));
         Some(PlacedExperts {
             n_expert: m.n_expert,
             n_expert_used: m.n_expert_used,
             n_ff_exp: m.n_ff_exp,
             n_ff_shexp: m.n_ff_shexp,
-            routing_skew: placed.shape.routing_skew,
+            routing_skew,
             experts: lo.into_iter().map(|x| x.min(m.n_expert)).collect(),
             experts_max: hi,
             expert_bytes: bytes,
@@ -536,10 +584,7 @@ mod tests {
     }
 
     fn uniform(e: usize) -> Routing {
-        Routing {
-            n_expert: e,
-            skew: 1.0,
-        }
+        Routing::assumed(e, 1.0)
     }
 
     #[test]
@@ -552,27 +597,27 @@ mod tests {
         // Two tokens: 8 (1 - (3/4)^2) = 3.5.
         assert!((expected_experts(8, 2, 2, 8) - 3.5).abs() < 1e-12);
         // With every expert on the device, the load is that mean and every pair.
-        let one = expert_load(8, 2, 1, uniform(8));
+        let one = expert_load(8, 2, 1, &uniform(8));
         assert!(
             (one.experts - 2.0).abs() < 1e-12 && one.pairs == 2.0,
             "{one:?}"
         );
-        assert!((expert_load(8, 2, 2, uniform(8)).experts - 3.5).abs() < 1e-12);
+        assert!((expert_load(8, 2, 2, &uniform(8)).experts - 3.5).abs() < 1e-12);
         // Qwen3-30B-A3B, 8 of 128: a 512-token prompt reads all 128 (to rounding).
-        let prompt = expert_load(128, 8, 512, uniform(128));
+        let prompt = expert_load(128, 8, 512, &uniform(128));
         assert!((prompt.experts - 128.0).abs() < 1e-9, "{prompt:?}");
         assert_eq!(prompt.pairs, 512.0 * 8.0);
         // Spread over 8 devices of one expert, the step waits for the hottest: it reads its
         // expert unless no token picked it, 1 - (3/4)^8 (the two picked experts taken as
         // independent draws); the mean is 0.25.
-        let ep = expert_load(1, 2, 1, uniform(8));
+        let ep = expert_load(1, 2, 1, &uniform(8));
         assert!(
             (ep.experts - (1.0 - 0.75f64.powi(8))).abs() < 1e-9,
             "{ep:?}"
         );
         // A long prompt: every device reads all its experts, and the hottest computes a little
         // more than the mean's 512 * 8 / 8 pairs.
-        let ep = expert_load(16, 8, 512, uniform(128));
+        let ep = expert_load(16, 8, 512, &uniform(128));
         assert!((ep.experts - 16.0).abs() < 1e-6, "{ep:?}");
         assert!(ep.pairs > 512.0 && ep.pairs < 512.0 * 1.2, "{ep:?}");
     }
@@ -621,7 +666,7 @@ mod tests {
             Some(win) => g.mul_mat_id_windowed(w, x, ids, win).unwrap(),
             None => g.mul_mat_id(w, x, ids).unwrap(),
         };
-        mul_mat_id_seconds(&g, g.node(y), window, &prof, Some(uniform(8)))
+        mul_mat_id_seconds(&g, g.node(y), window, &prof, Some(&uniform(8)))
     }
 
     #[test]
@@ -652,30 +697,49 @@ mod tests {
         assert!(close(prompt, 8.0 * expert + rest(512.0)), "{prompt}");
     }
 
+    /// Counted routing prices each spread of the experts with its own skew: the same counts
+    /// are skewed 2x over four holders of two experts and even over two holders of four.
+    #[test]
+    fn counted_routing_takes_the_skew_of_the_placements_holders() {
+        let counts = vec![vec![40, 0, 0, 0, 10, 10, 10, 10]];
+        let t = skews_by_holders(&counts, 8);
+        assert_eq!((t[2], t[4]), (1.0, 2.0));
+        let counted = Routing {
+            n_expert: 8,
+            skew: t[4],
+            counted: Some(t.into()),
+        };
+        // Four holders (two experts each): the counted 2x; two holders: none.
+        let four = expert_load(2, 2, 16, &counted);
+        assert_eq!(four, expert_load(2, 2, 16, &Routing::assumed(8, 2.0)));
+        let two = expert_load(4, 2, 16, &counted);
+        assert_eq!(two, expert_load(4, 2, 16, &uniform(8)));
+        assert!(four.pairs > two.pairs / 2.0, "{four:?} {two:?}");
+        // The assumed skew alone would have priced the two holders at 2x.
+        assert!(expert_load(4, 2, 16, &Routing::assumed(8, 2.0)).pairs > two.pairs);
+    }
+
     #[test]
     fn skew_loads_the_hottest_device_up_to_all_pairs() {
-        let skewed = Routing {
-            n_expert: 8,
-            skew: 1.5,
-        };
-        let l = expert_load(2, 2, 16, skewed);
+        let skewed = Routing::assumed(8, 1.5);
+        let l = expert_load(2, 2, 16, &skewed);
         // Uniform share 16 * 2 * 2/8 = 8 pairs; the skewed device's mean 1.5 times that, and
         // the hottest of the four at least that.
-        let even = expert_load(2, 2, 16, uniform(8));
+        let even = expert_load(2, 2, 16, &uniform(8));
         assert!(
             l.pairs >= 12.0 && l.pairs > even.pairs && l.pairs < 32.0,
             "{l:?}"
         );
         assert!(l.experts > even.experts);
         // Capped at every pair of the step; with all experts local, no effect at all.
-        let huge = Routing {
-            n_expert: 8,
-            skew: 100.0,
-        };
-        assert_eq!(expert_load(1, 2, 16, huge).pairs, 32.0);
-        assert_eq!(expert_load(8, 2, 3, huge), expert_load(8, 2, 3, uniform(8)));
+        let huge = Routing::assumed(8, 100.0);
+        assert_eq!(expert_load(1, 2, 16, &huge).pairs, 32.0);
+        assert_eq!(
+            expert_load(8, 2, 3, &huge),
+            expert_load(8, 2, 3, &uniform(8))
+        );
         // Nothing held, nothing done.
-        assert_eq!(expert_load(0, 2, 16, huge).pairs, 0.0);
+        assert_eq!(expert_load(0, 2, 16, &huge).pairs, 0.0);
         assert!(check_skew("--routing-skew", 0.5).is_err());
         assert!(check_skew("--routing-skew", f64::NAN).is_err());
         assert_eq!(check_skew("--routing-skew", 1.25).unwrap(), 1.25);

@@ -107,6 +107,11 @@ pub struct ModelShape {
     /// over its uniform share (1: uniform, [`DEFAULT_ROUTING_SKEW`]; `plan --routing-skew`).
     /// Unused by dense models. See `planner::experts`.
     pub routing_skew: f64,
+    /// Counted routing's skew by the number of expert holders (`plan --routing`:
+    /// `experts::skews_by_holders`), so placements on fewer devices or over groups take their
+    /// own; `routing_skew` is then the one for every device of the cluster.
+    #[serde(skip)]
+    pub routing_counted: Option<std::sync::Arc<[f64]>>,
 }
 
 impl ModelShape {
@@ -249,6 +254,7 @@ impl ModelShape {
             file_tensors: Some(file_tensors),
             share_tied: false,
             routing_skew: DEFAULT_ROUTING_SKEW,
+            routing_counted: None,
         })
     }
 
@@ -352,6 +358,7 @@ impl ModelShape {
             file_tensors: None,
             share_tied: false,
             routing_skew: DEFAULT_ROUTING_SKEW,
+            routing_counted: None,
         })
     }
 
@@ -421,6 +428,7 @@ impl ModelShape {
             file_tensors: None,
             share_tied: false,
             routing_skew: DEFAULT_ROUTING_SKEW,
+            routing_counted: None,
         })
     }
 

@@ -21,7 +21,9 @@
 //! `skew k / E` (so more of them are read); the hottest device is then taken over it and the
 //! `m - 1` others. The skew is a figure of the
 //! workload and the router, not of the model files: [`DEFAULT_ROUTING_SKEW`] is 1 (uniform),
-//! an assumption (see there); `plan --routing-skew` sets it. With every expert on every device
+//! an assumption (see there); `plan --routing-skew` sets it, and `plan --routing` counts it
+//! (`skew_from_counts`), kept for every number of expert holders ([`skews_by_holders`]) so
+//! each placement takes the skew of its own spread. With every expert on every device
 //! (`E_d = E`) the skew changes nothing: a device cannot get more than all the pairs.
 
 use super::cluster::DeviceProfile;

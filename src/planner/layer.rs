@@ -284,7 +284,7 @@ pub fn evaluate_hybrid_split(
     groups: usize,
     shares: Option<&[f64]>,
 ) -> Result<LayerSplitCost> {
-    evaluate_hybrid_split_cached(shape, cluster, w, groups, shares, MicroBatches::Best, None)
+    evaluate_hybrid_split_with(shape, cluster, w, groups, shares, MicroBatches::Best)
 }
 
 /// As [`evaluate_hybrid_split`] with the micro-batches given.

@@ -783,3 +783,63 @@ fn plan_takes_the_expert_groups_count() {
     assert_ne!(code, 0);
     assert!(err.contains("is for `--strategy expert-groups`"), "{err}");
 }
+
+/// Qwen3-235B-A22B's shape (Hugging Face `Qwen/Qwen3-235B-A22B`, `config.json`; the model
+/// card's 94 layers, 64 query and 4 KV heads, 128 experts, 8 per token; width 4096 and expert
+/// width 1536 give its published 235B parameters, 22B active), the keys the planner reads.
+const QWEN3_235B_A22B: &str = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+  "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": 128, "hidden_act": "silu",
+  "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
+  "moe_intermediate_size": 1536, "norm_topk_prob": true, "num_attention_heads": 64,
+  "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 94,
+  "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 151936
+}"#;
+
+/// The search picks experts over groups of devices where that is what cuts them evenly:
+/// Qwen3-235B-A22B as the Q4_K_M file (`plan --quantize`, 132 GiB) needs 4 of the 8 H100s;
+/// its experts are 1536 wide, 6 Q4_K blocks of 256, so a column/row split inside every expert
+/// over 4 devices cuts them 2, 2, 1, 1 blocks (the hottest device reads a third of every
+/// routed expert), two groups of two cut each group's experts 3 and 3 (half of the experts
+/// routed to the hotter group, about 5 of the 8), and whole experts per device wait for the
+/// hottest device's whole experts.
+#[test]
+fn auto_groups_experts_where_blocks_cut_them_evenly() {
+    let f = tmp("qwen3-235b-a22b.json");
+    std::fs::write(&f, QWEN3_235B_A22B).unwrap();
+    let args = [
+        "plan",
+        "--model",
+        f.to_str().unwrap(),
+        "--quantize",
+        "q4_k_m",
+        "--cluster",
+        "h100x8-nvswitch",
+        "--workload",
+        "pp=512,tg=128,batch=1,ctx=4096",
+        "--json",
+    ];
+    let (code, json, err) = metashard(&args);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(
+        v["devices"].as_array().map(Vec::len),
+        Some(4),
+        "{}",
+        v["layouts"]
+    );
+    assert_eq!(v["split"]["experts"]["both"]["groups"], 2, "{}", v["split"]);
+    assert_eq!(v["experts"]["experts"], serde_json::json!([64, 64, 64, 64]));
+    let (code, out, err) = metashard(&args[..args.len() - 1]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("ExpertGroups1[64x[768 x2], 64x[768 x2]]"),
+        "{out}"
+    );
+    // Without --quantize the bf16 checkpoint (438 GiB) takes all 8 devices.
+    let (code, json, err) = metashard(&[&args[..3], &args[5..]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["devices"].as_array().map(Vec::len), Some(8));
+}

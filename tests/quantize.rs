@@ -285,3 +285,82 @@ fn bad_requests_are_named() {
     let (b, _) = logits(&out);
     assert!(nmse(&a, &b) < 1e-2, "{:.3e}", nmse(&a, &b));
 }
+
+/// `metashard plan` with `--json` on `model` (extra flags after), as JSON.
+fn plan_json(model: &Path, extra: &[&str]) -> serde_json::Value {
+    let o = Command::new(env!("CARGO_BIN_EXE_metashard"))
+        .args(["plan", "--model"])
+        .arg(model)
+        .args(["--cluster", "h100x8-nvswitch", "--strategy", "megatron"])
+        .args(["--workload", "pp=64,tg=16,ctx=256", "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// `plan --quantize TYPE` prices the file `quantize --type TYPE` writes: the same weight bytes
+/// on every device, for a dense llama with and without a tied output and for a Mixtral (the
+/// expert rules), and the name says which type was planned.
+#[test]
+fn plan_quantize_prices_the_file_quantize_writes() {
+    let Mlp::Moe(spec) = MIXTRAL.decoder().unwrap().mlp else {
+        panic!("Mixtral has experts")
+    };
+    let mixtral = DecoderConfig {
+        arch: &MIXTRAL,
+        moe: Some(Moe {
+            n_expert: 8,
+            n_expert_used: 2,
+            n_ff_exp: 512,
+            n_ff_shexp: 0,
+            norm_weights: spec.norm_weights,
+        }),
+        ..DecoderConfig::llama(4, 256, 512, 8, 2, 300)
+    };
+    let dense = DecoderConfig::llama(8, 256, 768, 8, 2, 300);
+    let tied = dir().join("plan-tied-f32.gguf");
+    std::fs::write(&tied, gguf_bytes(&dense, DType::F32, true, 256, 5).unwrap()).unwrap();
+    let cases = [
+        (model("plan-dense-f32.gguf", &dense), "q4_k_m"),
+        (tied, "q5_k_m"),
+        (model("plan-mixtral-f32.gguf", &mixtral), "q4_k_m"),
+        (dir().join("plan-tied-f32.gguf"), "q8_0"),
+    ];
+    for (input, ty) in cases {
+        let out = dir().join(format!("plan-{ty}.gguf"));
+        let o = quantize(&input, &out, ty);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let (file, planned) = (plan_json(&out, &[]), plan_json(&input, &["--quantize", ty]));
+        let weights = |v: &serde_json::Value| -> Vec<u64> {
+            v["evaluation"]["memory"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d["weights"].as_u64().unwrap())
+                .collect()
+        };
+        assert_eq!(
+            weights(&planned),
+            weights(&file),
+            "{} as {ty}",
+            input.display()
+        );
+        assert_ne!(weights(&planned), weights(&plan_json(&input, &[])), "{ty}");
+        assert_eq!(planned["experts"], file["experts"], "{ty}");
+        let name = planned["model"].as_str().unwrap_or_default().to_string();
+        assert!(name.ends_with(&format!(" as {ty}")), "{name}");
+    }
+    // A type quantize does not write is named by the flag's values.
+    let o = Command::new(env!("CARGO_BIN_EXE_metashard"))
+        .args(["plan", "--model", "smollm2-135m", "--quantize", "q4_x"])
+        .args(["--cluster", "h100x8-nvswitch"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("q4_k_m") && e.contains("q4_x"),
+        "{e}"
+    );
+}

@@ -1,6 +1,8 @@
 //! `metashard plan`: which split is fastest for a model on a cluster, whether it fits, and what
 //! it costs in communication, predicted without running it. A table by default, the plan file
 //! with `--json` or `-o`, DOT or SVG of one layer's per-device programs with `--dot`/`--svg`.
+//! `--quantize TYPE` plans the model as `metashard quantize` would write it (each weight in
+//! the type llama.cpp's mix rules give it).
 
 use metashard::Result;
 use metashard::models::split::ExpertSplit;
@@ -21,6 +23,11 @@ pub struct PlanArgs {
     /// its folder).
     #[arg(long, default_value = "smollm2")]
     pub model: String,
+    /// Plan the model as `metashard quantize --type TYPE` would write it (q8_0, q4_k_m,
+    /// q5_k_m, q6_k, ...: llama.cpp's per-tensor mix rules), e.g. a config.json's bf16 model
+    /// as the Q4_K_M file people download.
+    #[arg(long, value_name = "TYPE")]
+    pub quantize: Option<String>,
     /// The cluster: a preset name or a profile JSON (`metashard calibrate -o FILE`).
     #[arg(long, conflicts_with = "devices")]
     pub cluster: Option<String>,
@@ -126,6 +133,63 @@ fn measured_skew(
     ))
 }
 
+/// `shape` with every weight in the type `metashard quantize --type qtype` gives it
+/// (`quantize::tensor_type`: llama.cpp's mix rules; norms and routers keep theirs), the types
+/// of layer 0's roles following, and the name saying so. A tied output takes the embedding's
+/// type (one table).
+fn quantized(shape: &ModelShape, qtype: &str) -> Result<ModelShape> {
+    use super::quantize::{MixContext, file_type_of, is_quantized_tensor, tensor_type};
+    use metashard::models::arch::Tensor;
+    let f = file_type_of("--quantize", qtype)?;
+    let cfg = &shape.cfg;
+    let ctx = MixContext {
+        n_layer: cfg.n_layer,
+        n_gqa: cfg.n_head / cfg.n_head_kv.max(1),
+        has_output: !shape.tied,
+        n_expert: cfg.moe.as_ref().map_or(1, |m| m.n_expert.max(1)),
+    };
+    let mut decls = shape.weight_decls()?;
+    let retype = |d: &mut metashard::models::weights::TensorDecl| -> Result<()> {
+        if is_quantized_tensor(&d.name, d.tensor.n_dims()) {
+            let t = tensor_type(f, ctx, &d.name, d.layout.ne[0])?;
+            d.layout = metashard::Layout::contiguous(t, d.layout.ne);
+        }
+        Ok(())
+    };
+    for d in decls
+        .iter_mut()
+        .filter(|d| d.tensor != Tensor::Output || !shape.tied)
+    {
+        retype(d)?;
+    }
+    let of = |decls: &[metashard::models::weights::TensorDecl], t: Tensor| {
+        decls.iter().find(|d| d.tensor == t).map(|d| d.layout.dtype)
+    };
+    if let Some(e) = of(&decls, Tensor::TokenEmbd)
+        && shape.tied
+    {
+        for d in decls.iter_mut().filter(|d| d.tensor == Tensor::Output) {
+            d.layout = metashard::Layout::contiguous(e, d.layout.ne);
+        }
+    }
+    let mut out = shape.clone();
+    let first = |ts: &[Tensor], was: metashard::DType| {
+        ts.iter().find_map(|&t| of(&decls, t)).unwrap_or(was)
+    };
+    let w = &mut out.types;
+    w.embedding = first(&[Tensor::TokenEmbd], w.embedding);
+    w.output = first(&[Tensor::Output, Tensor::TokenEmbd], w.output);
+    w.attention = first(&[Tensor::AttnQ, Tensor::AttnQkv], w.attention);
+    w.ffn_gate_up = first(
+        &[Tensor::FfnUp, Tensor::FfnGateUp, Tensor::FfnUpExps],
+        w.ffn_gate_up,
+    );
+    w.ffn_down = first(&[Tensor::FfnDown, Tensor::FfnDownExps], w.ffn_down);
+    out.file_tensors = Some(decls);
+    out.name = format!("{} as {}", shape.name, f.name);
+    Ok(out)
+}
+
 /// The cluster of `--cluster` (preset or file) or `--devices` (measured now).
 pub fn cluster_of(cluster: Option<&str>, devices: Option<&str>) -> Result<Cluster> {
     super::calibrate::resolve_cluster(cluster, devices)
@@ -133,6 +197,9 @@ pub fn cluster_of(cluster: Option<&str>, devices: Option<&str>) -> Result<Cluste
 
 pub fn run(a: &PlanArgs) -> Result<()> {
     let mut shape = ModelShape::resolve(&a.model)?;
+    if let Some(t) = &a.quantize {
+        shape = quantized(&shape, t)?;
+    }
     shape.routing_skew = metashard::planner::experts::check_skew("--routing-skew", a.routing_skew)?;
     let cluster = cluster_of(a.cluster.as_deref(), a.devices.as_deref())?;
     if let Some(p) = &a.routing {

@@ -79,6 +79,11 @@ const fn ft(name: &'static str, id: u32, base: DType) -> FileType {
 /// The file type a `--type` value names (llama-quantize's aliases `q3_k`, `q4_k`, `q5_k` for
 /// the `_m` mixes), or an error naming the flag and listing the types.
 pub fn file_type(name: &str) -> Result<FileType> {
+    file_type_of("--type", name)
+}
+
+/// [`file_type`] given to the flag `flag` (errors name it).
+pub fn file_type_of(flag: &str, name: &str) -> Result<FileType> {
     let lower = name.to_ascii_lowercase();
     let canonical = match lower.as_str() {
         "q3_k" => "q3_k_m",
@@ -93,7 +98,7 @@ pub fn file_type(name: &str) -> Result<FileType> {
         .ok_or_else(|| {
             let names: Vec<_> = FILE_TYPES.iter().map(|f| f.name).collect();
             Error::invalid_argument(
-                "--type",
+                flag,
                 name,
                 format!(
                     "not a type metashard quantizes to (one of {}, or q3_k, q4_k, q5_k)",

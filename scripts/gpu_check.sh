@@ -170,6 +170,9 @@ run() {
         step "cuda_kernels" "$bin/cuda_kernels" --skip host_ --nocapture
         step "op harness on cuda" "$bin/targets" cuda:: --nocapture
         step "bench backend" sh -c "\"$bin/metashard\" bench backend --devices cuda --json >\"$res/backend.json\""
+        # A prompt's mul_mat_id with each expert read once per pair (not grouped by expert).
+        step "bench backend, experts per pair" sh -c "METASHARD_CUDA_MOE_GROUPS=0 \"$bin/metashard\" \
+            bench backend --devices cuda --filter tokens --json >\"$res/backend_pairs.json\""
         step "torch kernels" sh -c "python3 \"$work/scripts/gpu_torch_ref.py\" >\"$res/torch_ref.json\""
     else
         # The checks of the models the bundle carries (MODELS at build time).
@@ -247,6 +250,11 @@ for q8 in ("", " q8"):
         k = f"mul_mat_id {dt} 8 of 128 768x2048{q8}"
         a = ours.get(k, {}).get("rate")
         rows.append((k, f"{a or 0:.0f} GB/s", f"copy {copy or 0:.0f} GB/s", ratio(a, copy), "-"))
+pairs = {r["case"]: r for r in (load("backend_pairs.json") or [])}
+for dt in ("q4_k", "q8_0"):
+    k = f"mul_mat_id {dt} 8 of 128 768x2048 512 tokens"
+    a, b = ours.get(k, {}).get("rate"), pairs.get(k, {}).get("rate")
+    rows.append((k + ", grouped by expert", f"{a or 0:.1f} TFLOP/s", f"per pair {b or 0:.1f} TFLOP/s", ratio(a, b), "-"))
 mrows = model.get("rows", [])
 tg = {r["devices"]: r["tg_tokens_per_s"] for r in mrows if r.get("precision", "exact") == "exact"}
 pp = {r["devices"]: r["pp_tokens_per_s"] for r in mrows if r.get("precision", "exact") == "exact"}

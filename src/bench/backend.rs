@@ -6,7 +6,7 @@
 //! BF16 and F32 weights (TFLOP/s), and decode GEMV 14336 x 4096 at M = 1 with Q4_0, Q8_0,
 //! Q4_K, Q6_K, Q5_0 and F16 weights (weight bytes read per second), and a decoding step's
 //! `mul_mat_id` (8 of 128 experts of 768 x 2048, Q4_K and Q8_0: the selected experts' bytes
-//! per second); the quantized GEMV and `mul_mat_id` cases again on the device opened with 8-bit
+//! per second; and over a prompt of 512 tokens, 32 pairs per expert: TFLOP/s); the quantized GEMV and `mul_mat_id` cases again on the device opened with 8-bit
 //! activations (`Precision::Q8`, labels ending `q8`: the activations' quantization included,
 //! once per product). A GEMV-like case's graph holds four products, each over its own copy of the
 //! weights, and its time is a quarter of the graph's: one product per synchronization measured
@@ -83,14 +83,16 @@ pub enum Kind {
     /// A chain of `nodes` `scale` ops on `n` f32 values: one tiny kernel each, so the time per
     /// node is what launching a node costs (a decoding step of a small model is hundreds).
     Launches { nodes: usize, n: usize },
-    /// `mul_mat_id` of one token by `used` of `experts` expert matrices `[k, n]` of `dtype`
-    /// (a decoding step of a mixture of experts; ids `1, 3, 5, ...`).
+    /// `mul_mat_id` of `tokens` tokens by `used` of `experts` expert matrices `[k, n]` of
+    /// `dtype` (one token: a decoding step of a mixture of experts, ids `1, 3, 5, ...`; more:
+    /// a prompt, token t's ids shifted by 3 t, so every expert gets about as many pairs).
     MulMatId {
         dtype: DType,
         k: usize,
         n: usize,
         experts: usize,
         used: usize,
+        tokens: usize,
     },
 }
 
@@ -179,10 +181,28 @@ pub fn cases(small: bool) -> Vec<Case> {
                     n: en,
                     experts,
                     used: 8,
+                    tokens: 1,
                 },
                 q8,
             });
         }
+    }
+    // The same experts over a prompt of 512 tokens (32 pairs per expert): products grouped
+    // by expert, or each expert read once per pair.
+    let tokens = if small { 16 } else { 512 };
+    for dt in [DType::Q4_K, DType::Q8_0] {
+        v.push(Case {
+            label: format!("mul_mat_id {dt} 8 of {experts} {en}x{ek} {tokens} tokens"),
+            kind: Kind::MulMatId {
+                dtype: dt,
+                k: ek,
+                n: en,
+                experts,
+                used: 8,
+                tokens,
+            },
+            q8: false,
+        });
     }
     v
 }
@@ -234,10 +254,11 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
             n,
             experts,
             used,
+            tokens,
         } => vec![
             ("w", dtype, [k, n, experts, 1]),
-            ("x", DType::F32, [k, 1, 1, 1]),
-            ("ids", DType::I32, [used, 1, 1, 1]),
+            ("x", DType::F32, [k, 1, tokens, 1]),
+            ("ids", DType::I32, [used, tokens, 1, 1]),
         ],
     };
     // A GEMV moves too few bytes for one launch per synchronization to show the kernel's rate:
@@ -245,7 +266,7 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
     // from the L2 cache the one before filled), and the time is divided by COPIES.
     let copies = match case.kind {
         Kind::MulMat { m, .. } if m <= 8 => COPIES,
-        Kind::MulMatId { .. } => COPIES,
+        Kind::MulMatId { tokens: 1, .. } => COPIES,
         _ => 1,
     };
     let layouts: Vec<_> = inputs
@@ -261,10 +282,13 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
     let mut ids: Vec<Vec<_>> = Vec::new();
     let mut at = 0;
     for (i, &(name, dt, ne)) in inputs.iter().enumerate() {
-        let bytes = if dt == DType::I32 {
-            // Expert ids 1, 3, 5, ... (each expert once, none adjacent).
-            (0..ne[0] as i32)
-                .flat_map(|e| (2 * e + 1).to_le_bytes())
+        let bytes = if let (DType::I32, Kind::MulMatId { experts, .. }) = (dt, case.kind) {
+            // Expert ids 1, 3, 5, ... (each expert once in a token, none adjacent), token t's
+            // shifted by 3 t.
+            let e_n = experts as i32;
+            (0..ne[1] as i32)
+                .flat_map(|t| (0..ne[0] as i32).map(move |e| (2 * e + 1 + 3 * t) % e_n))
+                .flat_map(i32::to_le_bytes)
                 .collect()
         } else {
             f32_to_bytes(dt, &values(ne.iter().product(), i as u64 + 1))?
@@ -332,8 +356,16 @@ fn run_case(device: &Arc<dyn Device>, case: &Case, min_time: Duration) -> Result
         Kind::MulMat { k, n, m, .. } => (2.0 * (k * n * m) as f64 / s / 1e12, "TFLOP/s"),
         // The selected experts' bytes.
         Kind::MulMatId {
-            dtype, k, n, used, ..
+            dtype,
+            k,
+            n,
+            used,
+            tokens: 1,
+            ..
         } => ((dtype.row_size(k) * n * used) as f64 / s / 1e9, "GB/s"),
+        Kind::MulMatId {
+            k, n, used, tokens, ..
+        } => (2.0 * (k * n * used * tokens) as f64 / s / 1e12, "TFLOP/s"),
     };
     Ok(BackendResult {
         device: device.name(),

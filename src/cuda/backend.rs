@@ -19,7 +19,9 @@
 //! quantized and F32 weights expanded to f32 in scratch memory and multiplied in f32
 //! (CUBLAS_COMPUTE_32F, no TF32); an empty contraction (K = 0) writes zeros. Cached
 //! dequantized weights for prompts are not done yet. `mul_mat_id` runs the same GEMV kernels
-//! with the expert ids, one (expert slot, token) pair per batch; `argsort` sorts a row per block.
+//! with the expert ids, one (expert slot, token) pair per batch, or, for a prompt, with the
+//! pairs grouped by expert on the device into chunks of up to 8 (`mul_mat_id_grouped`: each
+//! expert read once per chunk; not yet run on a GPU); `argsort` sorts a row per block.
 //!
 //! With `METASHARD_CUDA_GRAPHS=1`, a plan's node range computed a second time is captured
 //! into a CUDA graph and replayed with one launch from then on (`CudaPlan::replay`; not yet run
@@ -31,7 +33,8 @@
 use super::device::{CudaBuffer, CudaDevice, driver_err};
 pub use super::kernels::supports_node;
 use super::kernels::{
-    ATTN_BLOCK, Fault, Ids, Tensor, gemm_input, gemv_kernel_for, gemv_q8a_kernel_for, no_kernels,
+    ATTN_BLOCK, Fault, GROUP_MIN_PAIRS_PER_EXPERT, Ids, MOE_CHUNK, MOE_MAX_EXPERTS, Tensor,
+    gemm_input, gemv_kernel_for, gemv_q8a_kernel_for, no_kernels,
 };
 use super::libs::{Lib, missing, present};
 use crate::DType;
@@ -54,6 +57,9 @@ use std::sync::{Arc, OnceLock};
 const BLOCK: u32 = 256;
 /// Activation columns up to which products go through `k_mul_mat_vec` / `k_mul_mat_vec_<type>`.
 const GEMV_MAX_M: usize = 8;
+
+// A grouped `mul_mat_id`'s chunks run through the GEMV kernels.
+const _: () = assert!(MOE_CHUNK <= GEMV_MAX_M);
 
 /// A CUDA stream handle.
 struct Stream(sys::CUstream);
@@ -90,6 +96,9 @@ struct Inner {
     /// CUDA graphs (`METASHARD_CUDA_GRAPHS=1`, see [`CudaPlan::compute`]); the stream is then
     /// non-blocking, so no other thread's copy on the legacy default stream joins a capture.
     graphs: bool,
+    /// A prompt's `mul_mat_id` groups its pairs by expert (`mul_mat_id_grouped`); off with
+    /// `METASHARD_CUDA_MOE_GROUPS=0`, for timing against the per-pair path.
+    moe_groups: bool,
 }
 
 impl Drop for Inner {
@@ -239,6 +248,7 @@ impl CudaBackend {
                 scratch: Mutex::new(Scratch::default()),
                 q8: Mutex::new(Scratch::default()),
                 graphs,
+                moe_groups: std::env::var("METASHARD_CUDA_MOE_GROUPS").map_or(true, |v| v != "0"),
             }),
             alloc: Mutex::new(GraphAllocator::new(bt)),
             last: Mutex::new(None),
@@ -394,7 +404,6 @@ fn arg<T>(v: &T) -> *mut c_void {
     (v as *const T).cast_mut().cast()
 }
 
-/// Blocks for a grid-stride kernel over `n` items.
 /// Blocks for a grid-stride kernel over `n` items: at most 4096 (about four waves of resident
 /// blocks on a 132-SM GPU); more only add launch and scheduling cost to a memory-bound loop.
 fn blocks(n: usize) -> u32 {
@@ -750,7 +759,6 @@ impl CudaPlan {
     /// (`k_quantize_q8a`), or the scratch as it is where it already holds them (`Q8Key`); its
     /// device address.
     fn quantize_q8a(&self, e: &ExecNode, x: &Tensor) -> Result<u64> {
-        let inner = &self.inner;
         let mut held = self.q8_key.lock();
         if let (Some(base), Some(h)) = (e.x_base, *held)
             && h.base == base
@@ -758,6 +766,15 @@ impl CudaPlan {
         {
             return Ok(h.at);
         }
+        let at = self.quantize_q8a_rows(x)?;
+        *held = e.x_base.map(|base| Q8Key { base, view: *x, at });
+        Ok(at)
+    }
+
+    /// `x`'s rows quantized to 8 bits in the q8 scratch (`k_quantize_q8a`), whatever it held
+    /// (the caller keeps or clears `q8_key`); its device address.
+    fn quantize_q8a_rows(&self, x: &Tensor) -> Result<u64> {
+        let inner = &self.inner;
         let k = x.ne[0] as usize;
         let rows = nrows(x);
         let at = inner.grow(&inner.q8, rows * (k + k / 8))?;
@@ -770,7 +787,6 @@ impl CudaPlan {
             0,
             &mut [arg(x), arg(&at)],
         )?;
-        *held = e.x_base.map(|base| Q8Key { base, view: *x, at });
         Ok(at)
     }
 
@@ -778,8 +794,9 @@ impl CudaPlan {
     /// GEMV kernels with the ids, one activation row per batch (e, t). The activations and the
     /// output are viewed as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens] (column
     /// e % n_b by a zero stride when n_b is 1; supports_node admits n_b of 1 or n_used). Each
-    /// (e, t) streams its expert's weights: a decoding step reads each selected expert once; a
-    /// prompt reads an expert once per token that chose it (no grouping by expert yet). With a
+    /// (e, t) streams its expert's weights: a decoding step reads each selected expert once; with
+    /// several tokens and at least [`GROUP_MIN_PAIRS_PER_EXPERT`] pairs per expert held (a
+    /// prompt) the pairs go through [`Self::mul_mat_id_grouped`] instead. With a
     /// window (a device's share of experts split whole), the output is zeroed first and only
     /// the rows of ids in the window are computed.
     fn mul_mat_id(&self, at: usize, e: &ExecNode, window: Option<RowWindow>) -> Result<()> {
@@ -795,6 +812,15 @@ impl CudaPlan {
                 detail: format!("expert weights of dtype {wt} are not supported"),
             })?;
         let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+        let held = window.unwrap_or(RowWindow::whole(w.ne[2] as usize));
+        let pairs = (n_used * n_tokens) as usize;
+        if self.inner.moe_groups
+            && n_tokens > 1
+            && held.rows <= MOE_MAX_EXPERTS
+            && pairs >= GROUP_MIN_PAIRS_PER_EXPERT * held.len().max(1)
+        {
+            return self.mul_mat_id_grouped(at, e, window, held);
+        }
         let mut x = *b;
         x.ne = [b.ne[0], 1, n_used, n_tokens];
         x.nb = [
@@ -831,6 +857,160 @@ impl CudaPlan {
             batches,
             (&d, w, &x, &with),
             xq,
+        )
+    }
+
+    /// [`Self::mul_mat_id`] with the (slot, token) pairs grouped by expert (a prompt's): the
+    /// pairs counted and sorted by expert on the device (`k_moe_group`, chunks of up to 8
+    /// pairs of one expert), each chunk's activation rows packed (`k_moe_gather`), the 8-row
+    /// GEMV over the chunks with each chunk's expert as its id (so each expert's weights are
+    /// read once per 8 pairs, not once per pair), and the products put back at their pairs
+    /// (`k_moe_scatter`). `held`: the experts this device holds (all of them without a
+    /// window). Each pair's product is the per-pair path's, in the same order.
+    fn mul_mat_id_grouped(
+        &self,
+        at: usize,
+        e: &ExecNode,
+        window: Option<RowWindow>,
+        held: RowWindow,
+    ) -> Result<()> {
+        let inner = &self.inner;
+        let (w, b, ids) = (&e.src[0], &e.src[1], &e.src[2]);
+        let wt = e.src_layouts[0].dtype;
+        let (k, n) = (w.ne[0] as usize, w.ne[1] as usize);
+        let q8 = self.q8a_kernel(wt, k, MOE_CHUNK);
+        let kernel = q8
+            .or_else(|| gemv_kernel_for(wt, MOE_CHUNK))
+            .ok_or_else(|| Error::UnsupportedOp {
+                backend: inner.name(),
+                op: e.op.name().to_string(),
+                node: e.name.clone(),
+                detail: format!("expert weights of dtype {wt} are not supported"),
+            })?;
+        let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+        let pairs = (n_used * n_tokens) as usize;
+        // At most one partly filled chunk per expert held.
+        let chunks = pairs.div_ceil(MOE_CHUNK) + held.len().min(pairs);
+        if chunks > 65535 * 65535 {
+            return Err(Error::invalid_op(
+                "mul_mat_id",
+                format!("{pairs} (slot, token) pairs are more than one launch can group"),
+            ));
+        }
+        // Scratch: order (pairs), chunk ids, starts and lengths (chunks each, i32), then the
+        // packed activations [K, 8, chunks] and products [N, 8, chunks] (f32, 16-byte aligned).
+        let ints = (pairs + 3 * chunks).next_multiple_of(4) * 4;
+        let (xs_bytes, ds_bytes) = (k * MOE_CHUNK * chunks * 4, n * MOE_CHUNK * chunks * 4);
+        let base = inner.scratch(ints + xs_bytes + ds_bytes)?;
+        let order = base;
+        let chunk_id = order + (pairs * 4) as u64;
+        let chunk_start = chunk_id + (chunks * 4) as u64;
+        let chunk_len = chunk_start + (chunks * 4) as u64;
+        let packed = |ptr: u64, ne0: usize| Tensor {
+            ptr,
+            ne: [ne0 as i64, MOE_CHUNK as i64, chunks as i64, 1],
+            nb: [
+                4,
+                4 * ne0 as i64,
+                (4 * ne0 * MOE_CHUNK) as i64,
+                (4 * ne0 * MOE_CHUNK * chunks) as i64,
+            ],
+            dtype: 0,
+            pad: 0,
+        };
+        let xs = packed(base + ints as u64, k);
+        let ds = packed(xs.ptr + xs_bytes as u64, n);
+        // The activations and output as [K or N, 1, n_used, n_tokens] (column e % n_b of b).
+        let mut x = *b;
+        x.ne = [b.ne[0], 1, n_used, n_tokens];
+        x.nb = [
+            b.nb[0],
+            b.nb[1],
+            if b.ne[1] == 1 { 0 } else { b.nb[1] },
+            b.nb[2],
+        ];
+        let mut d = e.dst;
+        d.ne = [d.ne[0], 1, n_used, n_tokens];
+        d.nb = [d.nb[0], d.nb[1], d.nb[1], d.nb[2]];
+        if window.is_some() {
+            let bytes = e.dst_layout.nelements() * 4;
+            // SAFETY: the output node is packed (supports_node), `bytes` long on this GPU;
+            // ordered on this backend's stream before the scatter.
+            unsafe { cu::memset_d8_async(e.dst.ptr, 0, bytes, inner.stream.0) }
+                .map_err(|err| inner.err("cuMemsetD8Async", err))?;
+        }
+        let node = at as i32;
+        let [rows, lo, hi, local] = [held.rows, held.lo, held.hi, held.at].map(|v| v as i64);
+        let max_chunks = chunks as i64;
+        inner.launch(
+            "k_moe_group",
+            (1, 1, 1),
+            (1024, 1, 1),
+            0,
+            &mut [
+                arg(ids),
+                arg(&rows),
+                arg(&lo),
+                arg(&hi),
+                arg(&order),
+                arg(&chunk_id),
+                arg(&chunk_start),
+                arg(&chunk_len),
+                arg(&max_chunks),
+                arg(&inner.fault),
+                arg(&node),
+            ],
+        )?;
+        inner.launch(
+            "k_moe_gather",
+            (blocks(k * MOE_CHUNK * chunks), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [
+                arg(&xs),
+                arg(&x),
+                arg(&order),
+                arg(&chunk_start),
+                arg(&chunk_len),
+            ],
+        )?;
+        // Each chunk's expert: ids [chunks] (I32); an unused chunk's id is `rows`, which the
+        // window below leaves out. The window is `rows + 1` wide so that id is in range.
+        let chunk_ids = Ids {
+            t: Tensor {
+                ptr: chunk_id,
+                ne: [chunks as i64, 1, 1, 1],
+                nb: [4, 4 * chunks as i64, 4 * chunks as i64, 4 * chunks as i64],
+                dtype: 3,
+                pad: 0,
+            },
+            rows: rows + 1,
+            lo,
+            hi,
+            at: local,
+        };
+        let xq = match q8 {
+            Some(_) => {
+                let q = self.quantize_q8a_rows(&xs)?;
+                // The q8 scratch now holds the gathered rows, not what the key names.
+                *self.q8_key.lock() = None;
+                Some(q)
+            }
+            None => None,
+        };
+        self.gemv(at, kernel, n, chunks, (&ds, w, &xs, &chunk_ids), xq)?;
+        inner.launch(
+            "k_moe_scatter",
+            (blocks(n * MOE_CHUNK * chunks), 1, 1),
+            (BLOCK, 1, 1),
+            0,
+            &mut [
+                arg(&d),
+                arg(&ds),
+                arg(&order),
+                arg(&chunk_start),
+                arg(&chunk_len),
+            ],
         )
     }
 

@@ -820,6 +820,100 @@ extern "C" __global__ void k_mul_mat_vec(Tensor dst, Tensor w, Tensor x, Ids ids
     gemv_store(dst, acc, M, row, b2, b3);
 }
 
+// ---- mul_mat_id grouped by expert (prompts) ------------------------------------------------
+//
+// A prompt's (slot, token) pairs routed to one expert are multiplied together, 8 at a time, so
+// each expert's weights are read once per 8 pairs instead of once per pair (the per-pair GEMV
+// reads an expert once per token that chose it). As ggml's CUDA backend groups mul_mat_id rows
+// by expert before its products (ggml-cuda.cu, ggml_cuda_mul_mat_id), but on the device, with
+// no copy of the ids to the host: `k_moe_group` sorts the pairs by expert, `k_moe_gather` packs
+// each chunk's activation rows, the GEMV kernels run once over the chunks (ids: each chunk's
+// expert), and `k_moe_scatter` puts each product back at its pair. Each pair's output is the
+// same dot product in the same order as the per-pair path's, so the bits do not change.
+
+#define MOE_MAX_EXPERTS 4096
+#define MOE_CHUNK 8
+
+// The ids [n_used, n_tokens] (I32, any strides) counted by expert (pair p = e + n_used t), in
+// one block. Ids outside 0..R are reported through the fault record (as the GEMV does); pairs
+// whose expert is outside lo..hi (experts held elsewhere) are left out. Writes `order` (pair
+// indices, grouped by expert in increasing expert order) and `max_chunks` chunks of at most 8
+// pairs of one expert: chunk_id (R for an unused chunk, which the GEMV skips: outside lo..hi),
+// chunk_start (into order), chunk_len. R <= MOE_MAX_EXPERTS (the host checks).
+extern "C" __global__ void k_moe_group(Tensor ids, i64 R, i64 lo, i64 hi, int *order,
+                                       int *chunk_id, int *chunk_start, int *chunk_len,
+                                       i64 max_chunks, Fault *fault, int node) {
+    __shared__ int count[MOE_MAX_EXPERTS];
+    __shared__ int next[MOE_MAX_EXPERTS];
+    i64 n_used = ids.ne[0], pairs = ids.ne[0] * ids.ne[1];
+    for (i64 e = threadIdx.x; e < R; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (i64 p = threadIdx.x; p < pairs; p += blockDim.x) {
+        i64 e = p % n_used, t = p / n_used;
+        i64 id = *(const int *)(ids.p + offset(ids, e, t, 0, 0));
+        if (id < 0 || id >= R) {
+            fault_row(fault, node, id, e, t, 0, R);
+            continue;
+        }
+        if (id >= lo && id < hi) atomicAdd(&count[id], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0;
+        i64 c = 0;
+        for (i64 e = lo; e < hi; e++) {
+            next[e] = at;
+            for (int s = 0; s < count[e] && c < max_chunks; s += MOE_CHUNK, c++) {
+                chunk_id[c] = (int)e;
+                chunk_start[c] = at + s;
+                chunk_len[c] = min(MOE_CHUNK, count[e] - s);
+            }
+            at += count[e];
+        }
+        for (; c < max_chunks; c++) {
+            chunk_id[c] = (int)R;
+            chunk_start[c] = 0;
+            chunk_len[c] = 0;
+        }
+    }
+    __syncthreads();
+    for (i64 p = threadIdx.x; p < pairs; p += blockDim.x) {
+        i64 e = p % n_used, t = p / n_used;
+        i64 id = *(const int *)(ids.p + offset(ids, e, t, 0, 0));
+        if (id >= lo && id < hi && id < R) order[atomicAdd(&next[id], 1)] = (int)p;
+    }
+}
+
+// xs [K, 8, chunks] (packed f32) = the activation rows of each chunk's pairs, zeros past its
+// length; x is the activations viewed [K, 1, n_used, n_tokens] (f32, any strides).
+extern "C" __global__ void k_moe_gather(Tensor xs, Tensor x, const int *order,
+                                        const int *chunk_start, const int *chunk_len) {
+    i64 K = xs.ne[0], n_used = x.ne[2];
+    GRID_STRIDE(i, nelements(xs)) {
+        i64 k = i % K, m = (i / K) % MOE_CHUNK, c = i / (K * MOE_CHUNK);
+        float v = 0.0f;
+        if (m < chunk_len[c]) {
+            i64 p = order[chunk_start[c] + m];
+            v = *(const float *)(x.p + offset(x, k, 0, p % n_used, p / n_used));
+        }
+        ((float *)xs.p)[i] = v;
+    }
+}
+
+// The products ds [N, 8, chunks] (packed f32) back at their pairs of dst, viewed [N, 1, n_used,
+// n_tokens].
+extern "C" __global__ void k_moe_scatter(Tensor dst, Tensor ds, const int *order,
+                                         const int *chunk_start, const int *chunk_len) {
+    i64 N = ds.ne[0], n_used = dst.ne[2];
+    GRID_STRIDE(i, nelements(ds)) {
+        i64 n = i % N, m = (i / N) % MOE_CHUNK, c = i / (N * MOE_CHUNK);
+        if (m < chunk_len[c]) {
+            i64 p = order[chunk_start[c] + m];
+            *(float *)(dst.p + offset(dst, n, 0, p % n_used, p / n_used)) = ((const float *)ds.p)[i];
+        }
+    }
+}
+
 // Any tensor to a packed f32, f16 or bf16 matrix [ne0, ne1 * ne2 * ne3] for cuBLAS (out_type:
 // T_F32, T_F16 or T_BF16), in ggml order.
 extern "C" __global__ void k_to_dense(char *out, int out_type, Tensor w) {

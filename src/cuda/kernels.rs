@@ -77,10 +77,26 @@ pub const KERNELS: &[&str] = &[
     "k_mul_mat_vec_q8a_q5_k_m1",
     "k_mul_mat_vec_q8a_q6_k_m1",
     "k_argsort",
+    "k_moe_group",
+    "k_moe_gather",
+    "k_moe_scatter",
     "k_to_dense",
     "k_flash_attn",
     "k_sum_ranks",
 ];
+
+/// Pairs of one expert per chunk of a grouped `mul_mat_id` (`MOE_CHUNK` in `kernels.cu`): the
+/// rows of the 8-row GEMV.
+pub(crate) const MOE_CHUNK: usize = 8;
+
+/// The most experts `k_moe_group` counts (`MOE_MAX_EXPERTS` in `kernels.cu`, two shared
+/// arrays of ints): the models' limit (`hparams::MAX_EXPERTS`).
+pub(crate) const MOE_MAX_EXPERTS: usize = 4096;
+
+/// A `mul_mat_id` groups its pairs by expert when they are at least this many per expert the
+/// device holds (a prompt): below it most experts get one pair and the three extra launches
+/// buy nothing.
+pub(crate) const GROUP_MIN_PAIRS_PER_EXPERT: usize = 2;
 
 /// A tensor as kernels see it (`struct Tensor` in `kernels.cu`): device address of element
 /// (0, 0, 0, 0), elements and byte strides per dimension, dtype code.
@@ -580,6 +596,13 @@ mod tests {
                 assert_eq!(one, any, "{d}");
             }
         }
+    }
+
+    #[test]
+    fn grouped_expert_constants_are_the_kernels_defines() {
+        assert!(SOURCE.contains(&format!("#define MOE_CHUNK {MOE_CHUNK}")));
+        assert!(SOURCE.contains(&format!("#define MOE_MAX_EXPERTS {MOE_MAX_EXPERTS}")));
+        assert_eq!(MOE_MAX_EXPERTS, crate::models::hparams::MAX_EXPERTS);
     }
 
     #[test]

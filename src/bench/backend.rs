@@ -168,41 +168,29 @@ pub fn cases(small: bool) -> Vec<Case> {
     } else {
         (2048, 768, 128)
     };
-    for q8 in [false, true] {
+    // One token (with 8-bit activations too), and a prompt of 512 tokens (32 pairs per
+    // expert: products grouped by expert, or each expert read once per pair).
+    let prompt = if small { 16 } else { 512 };
+    for (tokens, q8) in [(1, false), (1, true), (prompt, false)] {
         for dt in [DType::Q4_K, DType::Q8_0] {
+            let what = match (tokens, q8) {
+                (1, false) => String::new(),
+                (1, true) => " q8".into(),
+                _ => format!(" {tokens} tokens"),
+            };
             v.push(Case {
-                label: format!(
-                    "mul_mat_id {dt} 8 of {experts} {en}x{ek}{}",
-                    if q8 { " q8" } else { "" }
-                ),
+                label: format!("mul_mat_id {dt} 8 of {experts} {en}x{ek}{what}"),
                 kind: Kind::MulMatId {
                     dtype: dt,
                     k: ek,
                     n: en,
                     experts,
                     used: 8,
-                    tokens: 1,
+                    tokens,
                 },
                 q8,
             });
         }
-    }
-    // The same experts over a prompt of 512 tokens (32 pairs per expert): products grouped
-    // by expert, or each expert read once per pair.
-    let tokens = if small { 16 } else { 512 };
-    for dt in [DType::Q4_K, DType::Q8_0] {
-        v.push(Case {
-            label: format!("mul_mat_id {dt} 8 of {experts} {en}x{ek} {tokens} tokens"),
-            kind: Kind::MulMatId {
-                dtype: dt,
-                k: ek,
-                n: en,
-                experts,
-                used: 8,
-                tokens,
-            },
-            q8: false,
-        });
     }
     v
 }

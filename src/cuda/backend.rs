@@ -790,37 +790,34 @@ impl CudaPlan {
         Ok(at)
     }
 
-    /// ggml `mul_mat_id`, `out[:, e, t] = experts[:, :, ids[e, t]] · b[:, e % n_b, t]`: the
-    /// GEMV kernels with the ids, one activation row per batch (e, t). The activations and the
-    /// output are viewed as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens] (column
-    /// e % n_b by a zero stride when n_b is 1; supports_node admits n_b of 1 or n_used). Each
-    /// (e, t) streams its expert's weights: a decoding step reads each selected expert once; with
-    /// several tokens and at least [`GROUP_MIN_PAIRS_PER_EXPERT`] pairs per expert held (a
-    /// prompt) the pairs go through [`Self::mul_mat_id_grouped`] instead. With a
-    /// window (a device's share of experts split whole), the output is zeroed first and only
-    /// the rows of ids in the window are computed.
-    fn mul_mat_id(&self, at: usize, e: &ExecNode, window: Option<RowWindow>) -> Result<()> {
-        let (w, b, ids) = (&e.src[0], &e.src[1], &e.src[2]);
+    /// The GEMV kernel of a `mul_mat_id` node's expert weights for `m` activation rows: the
+    /// 8-bit one where this device computes at `Precision::Q8` (`Some` in the first place),
+    /// else the f32 one; an error naming the node where the type has neither.
+    fn expert_kernel(
+        &self,
+        e: &ExecNode,
+        m: usize,
+    ) -> Result<(Option<&'static str>, &'static str)> {
         let wt = e.src_layouts[0].dtype;
-        let q8 = self.q8a_kernel(wt, w.ne[0] as usize, 1);
+        let q8 = self.q8a_kernel(wt, e.src[0].ne[0] as usize, m);
         let kernel = q8
-            .or_else(|| gemv_kernel_for(wt, 1))
+            .or_else(|| gemv_kernel_for(wt, m))
             .ok_or_else(|| Error::UnsupportedOp {
                 backend: self.inner.name(),
                 op: e.op.name().to_string(),
                 node: e.name.clone(),
                 detail: format!("expert weights of dtype {wt} are not supported"),
             })?;
+        Ok((q8, kernel))
+    }
+
+    /// A `mul_mat_id` node's activations and output viewed per (slot, token) pair, `[K, 1,
+    /// n_used, n_tokens]` and `[N, 1, n_used, n_tokens]` (column e % n_b of the activations by a
+    /// zero stride when n_b is 1); with a `window`, the output zeroed first (the pairs of
+    /// experts held elsewhere stay 0).
+    fn pair_views(&self, e: &ExecNode, window: Option<RowWindow>) -> Result<(Tensor, Tensor)> {
+        let (b, ids) = (&e.src[1], &e.src[2]);
         let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
-        let held = window.unwrap_or(RowWindow::whole(w.ne[2] as usize));
-        let pairs = (n_used * n_tokens) as usize;
-        if self.inner.moe_groups
-            && n_tokens > 1
-            && held.rows <= MOE_MAX_EXPERTS
-            && pairs >= GROUP_MIN_PAIRS_PER_EXPERT * held.len().max(1)
-        {
-            return self.mul_mat_id_grouped(at, e, window, held);
-        }
         let mut x = *b;
         x.ne = [b.ne[0], 1, n_used, n_tokens];
         x.nb = [
@@ -832,17 +829,44 @@ impl CudaPlan {
         let mut d = e.dst;
         d.ne = [d.ne[0], 1, n_used, n_tokens];
         d.nb = [d.nb[0], d.nb[1], d.nb[1], d.nb[2]];
-        let batches = (n_used * n_tokens) as usize;
+        if window.is_some() {
+            let bytes = e.dst_layout.nelements() * 4;
+            // SAFETY: the output node is packed (supports_node), `bytes` long on this GPU;
+            // ordered on this backend's stream before the products.
+            unsafe { cu::memset_d8_async(e.dst.ptr, 0, bytes, self.inner.stream.0) }
+                .map_err(|err| self.inner.err("cuMemsetD8Async", err))?;
+        }
+        Ok((x, d))
+    }
+
+    /// ggml `mul_mat_id`, `out[:, e, t] = experts[:, :, ids[e, t]] · b[:, e % n_b, t]`: the
+    /// GEMV kernels with the ids, one activation row per batch (e, t). The activations and the
+    /// output are viewed as [K, 1, n_used, n_tokens] and [N, 1, n_used, n_tokens] (column
+    /// e % n_b by a zero stride when n_b is 1; supports_node admits n_b of 1 or n_used). Each
+    /// (e, t) streams its expert's weights: a decoding step reads each selected expert once; with
+    /// several tokens and at least [`GROUP_MIN_PAIRS_PER_EXPERT`] pairs per expert held (a
+    /// prompt) the pairs go through [`Self::mul_mat_id_grouped`] instead. With a
+    /// window (a device's share of experts split whole), the output is zeroed first and only
+    /// the rows of ids in the window are computed.
+    fn mul_mat_id(&self, at: usize, e: &ExecNode, window: Option<RowWindow>) -> Result<()> {
+        let (w, ids) = (&e.src[0], &e.src[2]);
+        let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+        let held = window.unwrap_or(RowWindow::whole(w.ne[2] as usize));
+        let pairs = (n_used * n_tokens) as usize;
+        if self.inner.moe_groups
+            && n_tokens > 1
+            && held.rows <= MOE_MAX_EXPERTS
+            && pairs >= GROUP_MIN_PAIRS_PER_EXPERT * held.len().max(1)
+        {
+            return self.mul_mat_id_grouped(at, e, window, held);
+        }
+        let (q8, kernel) = self.expert_kernel(e, 1)?;
+        let (x, d) = self.pair_views(e, window)?;
         let mut with = Ids {
             t: *ids,
             ..Ids::default()
         };
         if let Some(win) = window {
-            let bytes = e.dst_layout.nelements() * 4;
-            // SAFETY: the output node is packed (supports_node), `bytes` long on this GPU;
-            // ordered on this backend's stream before the GEMV.
-            unsafe { cu::memset_d8_async(e.dst.ptr, 0, bytes, self.inner.stream.0) }
-                .map_err(|err| self.inner.err("cuMemsetD8Async", err))?;
             [with.rows, with.lo, with.hi, with.at] =
                 [win.rows, win.lo, win.hi, win.at].map(|v| v as i64);
         }
@@ -850,14 +874,7 @@ impl CudaPlan {
             Some(_) => Some(self.quantize_q8a(e, &x)?),
             None => None,
         };
-        self.gemv(
-            at,
-            kernel,
-            w.ne[1] as usize,
-            batches,
-            (&d, w, &x, &with),
-            xq,
-        )
+        self.gemv(at, kernel, w.ne[1] as usize, pairs, (&d, w, &x, &with), xq)
     }
 
     /// [`Self::mul_mat_id`] with the (slot, token) pairs grouped by expert (a prompt's): the
@@ -875,18 +892,9 @@ impl CudaPlan {
         held: RowWindow,
     ) -> Result<()> {
         let inner = &self.inner;
-        let (w, b, ids) = (&e.src[0], &e.src[1], &e.src[2]);
-        let wt = e.src_layouts[0].dtype;
+        let (w, ids) = (&e.src[0], &e.src[2]);
         let (k, n) = (w.ne[0] as usize, w.ne[1] as usize);
-        let q8 = self.q8a_kernel(wt, k, MOE_CHUNK);
-        let kernel = q8
-            .or_else(|| gemv_kernel_for(wt, MOE_CHUNK))
-            .ok_or_else(|| Error::UnsupportedOp {
-                backend: inner.name(),
-                op: e.op.name().to_string(),
-                node: e.name.clone(),
-                detail: format!("expert weights of dtype {wt} are not supported"),
-            })?;
+        let (q8, kernel) = self.expert_kernel(e, MOE_CHUNK)?;
         let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
         let pairs = (n_used * n_tokens) as usize;
         // At most one partly filled chunk per expert held.
@@ -920,25 +928,7 @@ impl CudaPlan {
         };
         let xs = packed(base + ints as u64, k);
         let ds = packed(xs.ptr + xs_bytes as u64, n);
-        // The activations and output as [K or N, 1, n_used, n_tokens] (column e % n_b of b).
-        let mut x = *b;
-        x.ne = [b.ne[0], 1, n_used, n_tokens];
-        x.nb = [
-            b.nb[0],
-            b.nb[1],
-            if b.ne[1] == 1 { 0 } else { b.nb[1] },
-            b.nb[2],
-        ];
-        let mut d = e.dst;
-        d.ne = [d.ne[0], 1, n_used, n_tokens];
-        d.nb = [d.nb[0], d.nb[1], d.nb[1], d.nb[2]];
-        if window.is_some() {
-            let bytes = e.dst_layout.nelements() * 4;
-            // SAFETY: the output node is packed (supports_node), `bytes` long on this GPU;
-            // ordered on this backend's stream before the scatter.
-            unsafe { cu::memset_d8_async(e.dst.ptr, 0, bytes, inner.stream.0) }
-                .map_err(|err| inner.err("cuMemsetD8Async", err))?;
-        }
+        let (x, d) = self.pair_views(e, window)?;
         let node = at as i32;
         let [rows, lo, hi, local] = [held.rows, held.lo, held.hi, held.at].map(|v| v as i64);
         let max_chunks = chunks as i64;

@@ -35,6 +35,7 @@ fn main() -> metashard::Result<()> {
         gemv_bw: gemv,
         gemm_flops: gemm,
         gemm_flops_by_m: BTreeMap::new(),
+        gemv_bw_by_k: BTreeMap::new(),
         step_overhead_s: 50e-6,
         node_overhead_s: 1e-6,
     };

@@ -35,6 +35,7 @@ fn cluster(n: usize, memory: u64) -> Cluster {
         gemv_bw: rates(10e9),
         gemm_flops: rates(50e9),
         gemm_flops_by_m: BTreeMap::new(),
+        gemv_bw_by_k: BTreeMap::new(),
         step_overhead_s: 50e-6,
         node_overhead_s: 1e-6,
     };

@@ -95,6 +95,7 @@ fn byte_counter() -> Cluster {
         gemv_bw: rates(1e12),
         gemm_flops: rates(1e19),
         gemm_flops_by_m: BTreeMap::new(),
+        gemv_bw_by_k: BTreeMap::new(),
         step_overhead_s: 0.0,
         node_overhead_s: 0.0,
     };

@@ -45,6 +45,7 @@ fn cpu_like(n: usize) -> Cluster {
         gemv_bw: rates(8e9),
         gemm_flops: rates(40e9),
         gemm_flops_by_m: BTreeMap::new(),
+        gemv_bw_by_k: BTreeMap::new(),
         step_overhead_s: 100e-6,
         node_overhead_s: 2e-6,
     };

@@ -15,6 +15,8 @@ use std::collections::BTreeMap;
 /// What [`measure_devices`] found (the same for every device of the list).
 pub(super) struct Rates {
     pub gemv: BTreeMap<String, f64>,
+    /// GEMV bytes/s by row length K, by type.
+    pub gemv_by_k: BTreeMap<String, Vec<(usize, f64)>>,
     pub gemm: BTreeMap<String, f64>,
     /// Flop/s at the rows of [`CALIBRATED_M`], by type.
     pub gemm_by_m: BTreeMap<String, Vec<(usize, f64)>>,
@@ -120,6 +122,7 @@ pub(super) fn measure_devices(
     let kernel_node_s = node_cost(rig, b)?;
     let mut r = Rates {
         gemv: BTreeMap::new(),
+        gemv_by_k: BTreeMap::new(),
         gemm: BTreeMap::new(),
         gemm_by_m: BTreeMap::new(),
         mem_bw: 0.0,
@@ -160,31 +163,45 @@ fn matmul_rates(
 ) -> Result<()> {
     let n = rig.devices.len();
     let per_device_gemv = (b.gemv_total / n).max(8 << 20);
-    // GEMV: the shapes in turn until the device's weights reach its share of the total.
-    step(&format!("GEMV {dt} (M = {GEMV_M})"));
     // Rows in whole blocks (576 -> 768 for the K-quants' blocks of 256).
     let base: Vec<(usize, usize)> = SHAPES
         .iter()
         .map(|&(k, m)| (k.next_multiple_of(dt.block_size()), m))
         .collect();
-    let cycle: usize = base.iter().map(|&(k, m)| dt.row_size(k) * m).sum();
-    let cycles = per_device_gemv.div_ceil(cycle).max(1);
-    let shapes: Vec<(usize, usize)> = (0..cycles).flat_map(|_| base.clone()).collect();
     let mut tensors = BTreeMap::new();
     for &(k, m) in &base {
         tensors.insert((k, m), tensor_bytes(dt, k, m)?);
     }
-    let p = rig.prepare(&|_, bt| {
-        let w = weights(dt, &shapes, &tensors, bt)?;
-        matmul_graph(dt, &w, GEMV_M)
-    })?;
-    let t = rig.time(&p, b.warmup, b.reps)?;
-    drop(p);
-    let bytes = cycles * cycle;
-    let k = kernel_time(median(&t.spans), shapes.len(), r.kernel_node_s);
-    r.gemv.insert(dt.name().into(), bytes as f64 / k);
+    // GEMV: each row length on its own (copies of its shape until the device's weights reach
+    // its share of the total, so they stream from memory), `gemv_bw` over all of them.
+    let (mut bytes, mut secs, mut nodes) = (0usize, 0f64, 0usize);
+    let mut by_k: Vec<(usize, f64)> = Vec::with_capacity(base.len());
+    for &(k, m) in &base {
+        if by_k.last().is_some_and(|&(pk, _)| pk >= k) {
+            continue;
+        }
+        step(&format!("GEMV {dt} (M = {GEMV_M}, K = {k})"));
+        let one = dt.row_size(k) * m;
+        let copies = per_device_gemv.div_ceil(one).max(1);
+        let shapes = vec![(k, m); copies];
+        let p = rig.prepare(&|_, bt| {
+            let w = weights(dt, &shapes, &tensors, bt)?;
+            matmul_graph(dt, &w, GEMV_M)
+        })?;
+        let t = rig.time(&p, b.warmup, b.reps)?;
+        drop(p);
+        let s = kernel_time(median(&t.spans), copies, r.kernel_node_s);
+        by_k.push((k, (copies * one) as f64 / s));
+        (bytes, secs, nodes) = (bytes + copies * one, secs + s, nodes + copies);
+    }
+    r.gemv.insert(dt.name().into(), bytes as f64 / secs);
+    r.gemv_by_k.insert(dt.name().into(), by_k);
     r.gemv_bytes.insert(dt.name().into(), bytes);
-    r.gemv_nodes.insert(dt.name().into(), shapes.len());
+    r.gemv_nodes.insert(dt.name().into(), nodes);
+    // The shapes in turn over the device's share, for the small-M products below.
+    let cycle: usize = base.iter().map(|&(k, m)| dt.row_size(k) * m).sum();
+    let cycles = per_device_gemv.div_ceil(cycle).max(1);
+    let shapes: Vec<(usize, usize)> = (0..cycles).flat_map(|_| base.clone()).collect();
     // Between the regimes: M = 2 and 8 over the streamed weights (a batched decode step reads
     // them from memory), larger M over one copy (compute-bound, as the GEMM).
     let streamed = shapes;

@@ -63,7 +63,9 @@ pub fn calibrate_report(
     let n = devices.len();
     let budget = Budget::new(opts.quick);
     let link_units = (n - 1) * 3 * budget.link_sizes.len();
-    let units = 1 + (2 + CALIBRATED_M.len()) * opts.weight_types.len() + 3 + link_units;
+    // Per type: a GEMV per row length of the shapes, the small-M products, the GEMM.
+    let per_type = SHAPES.len() + CALIBRATED_M.len() + 1;
+    let units = 1 + per_type * opts.weight_types.len() + 3 + link_units;
     let done = std::cell::Cell::new(0usize);
     let step = |what: &str| {
         progress(what, done.get() as f64 / units as f64);
@@ -97,6 +99,7 @@ pub fn calibrate_report(
         gemv_bw: rates.gemv.clone(),
         gemm_flops: rates.gemm.clone(),
         gemm_flops_by_m: rates.gemm_by_m.clone(),
+        gemv_bw_by_k: rates.gemv_by_k.clone(),
         mem_bw: rates.mem_bw,
         step_overhead_s: over.step_s,
         node_overhead_s: over.node_s,

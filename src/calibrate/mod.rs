@@ -23,9 +23,10 @@
 //!   over repeated runs of the time from the first device starting to the last one finishing
 //!   (what a step waits for), the same for every device of the list (they are identical):
 //!   - GEMV: M = 1 products over weights shaped like a small decoder's projections
-//!     (K = 576, 1536, 2048, 4096; see [`SHAPES`]), repeated until they far exceed the last-level
-//!     cache so weights stream from memory as in a decode step; `gemv_bw` = weight bytes per
-//!     second of kernel time;
+//!     (K = 576, 1536, 2048, 4096; see [`SHAPES`]), each row length on its own, repeated until
+//!     they far exceed the last-level cache so weights stream from memory as in a decode step;
+//!     `gemv_bw_by_k` = each row length's weight bytes per second of kernel time, `gemv_bw` =
+//!     all of them together;
 //!   - between the two: M = 2 and 8 over the streamed weights, M = 32 over one copy
 //!     (`gemm_flops_by_m`, the points the cost model interpolates through);
 //!   - one device alone against all at once (8-row products): the cluster's `alone_speedup`;

@@ -222,6 +222,26 @@ pub fn table(r: &Calibration) -> String {
         1e9,
         Box::new(|d, t| d.gemv_bw.get(t).copied()),
     )];
+    // By row length: the K each type was measured at (the K-quants' 576 is 768, whole blocks).
+    let mut ks: Vec<usize> = c
+        .devices
+        .iter()
+        .flat_map(|d| d.gemv_bw_by_k.values().flatten().map(|p| p.0))
+        .collect();
+    ks.sort_unstable();
+    ks.dedup();
+    for k in ks {
+        tables.push((
+            format!("GEMV (M = 1) with rows of K = {k}, weight GB/s"),
+            1e9,
+            Box::new(move |d, t| {
+                d.gemv_bw_by_k
+                    .get(t)
+                    .and_then(|p| p.iter().find(|x| x.0 == k))
+                    .map(|x| x.1)
+            }),
+        ));
+    }
     for m in metashard::planner::CALIBRATED_M {
         tables.push((
             format!("products at M = {m}, GFLOP/s"),

@@ -40,6 +40,15 @@ pub struct DeviceProfile {
     /// `gemm_flops` rate from M = 2 on.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub gemm_flops_by_m: BTreeMap<String, Vec<(usize, f64)>>,
+    /// The matrix-vector rate by row length: `[K, bytes/s]` points by weight type, K strictly
+    /// increasing (a calibration measures each row length of its shapes on its own: short rows
+    /// stream slower on a CPU, each row a separate burst; on the Zen 2 host of this project
+    /// F16 and BF16 rows of 576 read at 9-10 GB/s per device of cpu:2x1, rows of 4096 at
+    /// 16.5, Q4_1 at 7.2 and 7.7). A product with rows of K elements reads its weights at
+    /// [`DeviceProfile::gemv_at`]. Absent (presets, older profiles, types not measured):
+    /// `gemv_bw` at every K.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gemv_bw_by_k: BTreeMap<String, Vec<(usize, f64)>>,
     /// Fixed cost of one graph computation (launch, synchronization), seconds.
     pub step_overhead_s: f64,
     /// Fixed cost per node of a program (a kernel launch, a barrier between threads), seconds.
@@ -53,6 +62,36 @@ impl DeviceProfile {
         rate(&self.gemv_bw, dtype).unwrap_or(self.mem_bw)
     }
 
+    /// Weight bytes per second of a matrix-vector product of `dtype` with rows of `k`
+    /// elements: the type's [`gemv_bw_by_k`](DeviceProfile::gemv_bw_by_k) points interpolated
+    /// linearly in ln K, the end points' rates beyond them; [`DeviceProfile::gemv`] where the
+    /// profile has none for the type.
+    pub fn gemv_at(&self, dtype: DType, k: usize) -> f64 {
+        let Some(points) = self
+            .gemv_bw_by_k
+            .get(dtype.name())
+            .filter(|p| !p.is_empty())
+        else {
+            return self.gemv(dtype);
+        };
+        let x = (k.max(1) as f64).ln();
+        let mut prev: Option<(f64, f64)> = None;
+        for &(pk, rate) in points {
+            let px = (pk.max(1) as f64).ln();
+            if x <= px {
+                return match prev {
+                    Some((qx, qr)) => {
+                        let f = ((x - qx) / (px - qx).max(1e-12)).clamp(0.0, 1.0);
+                        qr + f * (rate - qr)
+                    }
+                    None => rate,
+                };
+            }
+            prev = Some((px, rate));
+        }
+        prev.map_or_else(|| self.gemv(dtype), |(_, r)| r)
+    }
+
     /// Floating-point operations per second in the matrix-matrix regime for `dtype`.
     pub fn gemm(&self, dtype: DType) -> f64 {
         rate(&self.gemm_flops, dtype)
@@ -61,14 +100,22 @@ impl DeviceProfile {
     }
 
     /// Seconds of a product of `m` activation rows with a weight of `dtype`, `weight_bytes`
-    /// bytes and `nk` (N x K) elements: never below streaming the weights once (`gemv_bw`) and
+    /// bytes, rows of `k` elements and `nk` (N x K) elements: never below streaming the
+    /// weights once ([`DeviceProfile::gemv_at`] its row length) and
     /// never below its `2 M N K` flops at the `gemm_flops` rate; between, where the profile has
     /// [`gemm_flops_by_m`](DeviceProfile::gemm_flops_by_m) points for the type, the time is
     /// interpolated linearly in M from M = 1 (the bytes at `gemv_bw`) through the points (each
     /// point's time at least the one before: a larger M never costs less). Non-decreasing in
     /// `m`, as a batch's step must be.
-    pub fn product_seconds(&self, dtype: DType, weight_bytes: f64, nk: f64, m: f64) -> f64 {
-        let floor = weight_bytes / self.gemv(dtype).max(1.0);
+    pub fn product_seconds(
+        &self,
+        dtype: DType,
+        weight_bytes: f64,
+        k: usize,
+        nk: f64,
+        m: f64,
+    ) -> f64 {
+        let floor = weight_bytes / self.gemv_at(dtype, k).max(1.0);
         let flops = |m: f64| 2.0 * nk * m;
         let gemm = flops(m) / self.gemm(dtype).max(1.0);
         let Some(points) = self.gemm_flops_by_m.get(dtype.name()) else {
@@ -142,6 +189,28 @@ impl DeviceProfile {
                     ));
                 }
                 in_range(&format!("{field}.{k}"), v, range, unit)?;
+            }
+        }
+        for (k, points) in &self.gemv_bw_by_k {
+            let field = format!("gemv_bw_by_k.{k}");
+            if DType::from_name(k).is_none() {
+                return Err((
+                    "gemv_bw_by_k".into(),
+                    format!("`{k}`"),
+                    "not an element type name (f32, f16, bf16, q8_0, ...)".into(),
+                ));
+            }
+            let mut prev = 0;
+            for &(rk, v) in points {
+                if rk <= prev || rk > 1 << 24 {
+                    return Err((
+                        field,
+                        format!("K = {rk}"),
+                        "row lengths must increase, from 1 to 16777216".into(),
+                    ));
+                }
+                in_range(&format!("{field} at K = {rk}"), v, &BANDWIDTH, "bytes/s")?;
+                prev = rk;
             }
         }
         for (k, points) in &self.gemm_flops_by_m {
@@ -625,6 +694,7 @@ mod tests {
                 "q4_1".to_string(),
                 vec![(2, 29e9), (8, 29.8e9), (32, 57e9)],
             )]),
+            gemv_bw_by_k: BTreeMap::new(),
             step_overhead_s: 0.0,
             node_overhead_s: 0.0,
         }
@@ -636,7 +706,7 @@ mod tests {
         let (k, n) = (576.0, 1536.0);
         let bytes = DType::Q4_1.row_size(576) as f64 * n;
         let floor = bytes / 5.7e9;
-        let at = |m: f64| p.product_seconds(DType::Q4_1, bytes, k * n, m);
+        let at = |m: f64| p.product_seconds(DType::Q4_1, bytes, 576, k * n, m);
         // M = 1: the weights streamed once; at a point: its rate exactly.
         assert_eq!(at(1.0), floor);
         assert!((at(8.0) - 2.0 * k * n * 8.0 / 29.8e9).abs() < 1e-12);
@@ -656,15 +726,53 @@ mod tests {
         // A type without points: the larger of the two regimes, as before.
         let f = DType::F32;
         assert_eq!(
-            p.product_seconds(f, 1e6, 1e6, 8.0),
+            p.product_seconds(f, 1e6, 1000, 1e6, 8.0),
             (1e6 / p.gemv(f)).max(16e6 / p.gemm(f))
         );
         // A faster point after a slower one does not make more rows cheaper.
         let mut q = cpu_like();
         q.gemm_flops_by_m
             .insert("q4_1".into(), vec![(2, 1e9), (8, 100e9)]);
-        let t2 = q.product_seconds(DType::Q4_1, bytes, k * n, 2.0);
-        assert!(q.product_seconds(DType::Q4_1, bytes, k * n, 8.0) >= t2);
+        let t2 = q.product_seconds(DType::Q4_1, bytes, 576, k * n, 2.0);
+        assert!(q.product_seconds(DType::Q4_1, bytes, 576, k * n, 8.0) >= t2);
+    }
+
+    #[test]
+    fn matrix_vector_rates_follow_the_row_length() {
+        let mut p = cpu_like();
+        let q = DType::Q4_1;
+        // Without points: the one rate at every K.
+        assert_eq!(p.gemv_at(q, 64), 5.7e9);
+        p.gemv_bw_by_k
+            .insert("q4_1".into(), vec![(576, 4e9), (2304, 8e9)]);
+        // At the points, halfway in ln K between them (576 x 2 = 1152), the ends beyond them.
+        assert_eq!(p.gemv_at(q, 576), 4e9);
+        assert_eq!(p.gemv_at(q, 2304), 8e9);
+        assert!(
+            (p.gemv_at(q, 1152) - 6e9).abs() < 1.0,
+            "{}",
+            p.gemv_at(q, 1152)
+        );
+        assert_eq!(p.gemv_at(q, 64), 4e9);
+        assert_eq!(p.gemv_at(q, 1 << 20), 8e9);
+        // A type without points keeps its flat rate; a product's floor is its row length's.
+        assert_eq!(p.gemv_at(DType::F32, 576), p.gemv(DType::F32));
+        let bytes = q.row_size(576) as f64 * 1536.0;
+        let t = p.product_seconds(q, bytes, 576, 576.0 * 1536.0, 1.0);
+        assert_eq!(t, bytes / 4e9);
+        // Row lengths must increase; rates must be bandwidths.
+        p.gemv_bw_by_k
+            .insert("q4_1".into(), vec![(576, 4e9), (576, 8e9)]);
+        let e = p.check().unwrap_err();
+        assert!(
+            e.0.contains("gemv_bw_by_k.q4_1") && e.1 == "K = 576",
+            "{e:?}"
+        );
+        p.gemv_bw_by_k.insert("q4_1".into(), vec![(576, f64::NAN)]);
+        assert!(p.check().unwrap_err().0.contains("at K = 576"));
+        p.gemv_bw_by_k.clear();
+        p.gemv_bw_by_k.insert("q9".into(), vec![(576, 4e9)]);
+        assert_eq!(p.check().unwrap_err().0, "gemv_bw_by_k");
     }
 
     #[test]
@@ -711,6 +819,7 @@ mod tests {
                 gemv_bw: BTreeMap::new(),
                 gemm_flops: BTreeMap::new(),
                 gemm_flops_by_m: BTreeMap::new(),
+                gemv_bw_by_k: BTreeMap::new(),
                 step_overhead_s: 0.0,
                 node_overhead_s: 0.0,
             },

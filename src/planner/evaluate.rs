@@ -851,7 +851,7 @@ fn node_cost(
                 // Between the two, a calibrated small-M rate (`DeviceProfile::product_seconds`).
                 // The calibrated kernel times include reading the activations and writing
                 // the result (a step's activations are hot in cache), so nothing is added.
-                prof.product_seconds(a.dtype, a.nbytes() as f64, k * nn, m)
+                prof.product_seconds(a.dtype, a.nbytes() as f64, a.ne[0], k * nn, m)
             } else {
                 // Activations times activations (attention scores and values): every row of b
                 // meets the N rows of its head of a.
@@ -922,6 +922,7 @@ mod tests {
                 .iter()
                 .map(|t| (t.to_string(), vec![(2, 28e9), (8, 30e9), (32, 55e9)]))
                 .collect(),
+            gemv_bw_by_k: BTreeMap::new(),
             step_overhead_s: 50e-6,
             node_overhead_s: 0.3e-6,
         };

@@ -325,7 +325,7 @@ pub fn mul_mat_id_seconds(
     let uniform = Routing::assumed(local, 1.0);
     let load = expert_load(local, used, tokens, routing.unwrap_or(&uniform));
     let per_expert = a.nbytes() as f64 / a.ne[2].max(1) as f64;
-    let read = load.experts * per_expert / prof.gemv(a.dtype).max(1.0);
+    let read = load.experts * per_expert / prof.gemv_at(a.dtype, a.ne[0]).max(1.0);
     let flops = 2.0 * k_dim * n_dim * load.pairs / prof.gemm(a.dtype).max(1.0);
     let rest = [node.src[1], node.src[2]]
         .iter()
@@ -655,6 +655,7 @@ mod tests {
             gemv_bw: rate(1e12),
             gemm_flops: rate(1e30),
             gemm_flops_by_m: Default::default(),
+            gemv_bw_by_k: Default::default(),
             step_overhead_s: 0.0,
             node_overhead_s: 0.0,
         };

@@ -249,6 +249,8 @@ pub struct MeasuredRates {
     /// Floating-point operations per second at the rows of [`super::cluster::CALIBRATED_M`],
     /// by weight type name: `[M, flop/s]`.
     pub gemm_flops_by_m: BTreeMap<String, Vec<(usize, f64)>>,
+    /// GEMV weight bytes per second by row length, by weight type name: `[K, bytes/s]`.
+    pub gemv_bw_by_k: BTreeMap<String, Vec<(usize, f64)>>,
     pub mem_bw: f64,
     pub step_overhead_s: f64,
     pub node_overhead_s: f64,
@@ -275,6 +277,7 @@ pub fn measured_cluster(
             gemv_bw: rates.gemv_bw.clone(),
             gemm_flops: rates.gemm_flops.clone(),
             gemm_flops_by_m: rates.gemm_flops_by_m.clone(),
+            gemv_bw_by_k: rates.gemv_bw_by_k.clone(),
             step_overhead_s: rates.step_overhead_s,
             node_overhead_s: rates.node_overhead_s,
         })

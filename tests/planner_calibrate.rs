@@ -230,6 +230,40 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
     }
     // The profile says where it comes from.
     assert!(c.sources.iter().any(|s| s.contains("cpu:2x1")));
+    // Each row length of the GEMV shapes measured on its own, in increasing K, and the one
+    // rate over all of them between the slowest and the fastest.
+    for t in metashard::calibrate::MEASURED_TYPES {
+        let by_k = &c.devices[0].gemv_bw_by_k[t.name()];
+        assert_eq!(
+            by_k.len(),
+            metashard::calibrate::SHAPES.len(),
+            "{t}: {by_k:?}"
+        );
+        assert!(by_k.windows(2).all(|w| w[0].0 < w[1].0), "{by_k:?}");
+        let (lo, hi) = by_k
+            .iter()
+            .fold((f64::MAX, 0f64), |(l, h), p| (l.min(p.1), h.max(p.1)));
+        let all = c.devices[0].gemv_bw[t.name()];
+        assert!(
+            lo * 0.999 <= all && all <= hi * 1.001,
+            "{t}: {all} outside {by_k:?}"
+        );
+    }
+    // A small decoder's decoding steps were run (hundreds of nodes on the critical path), and
+    // what they cost beyond the chains' prediction is in node_overhead_s: with the correction
+    // the profile prices the step at no less than was measured, to rounding.
+    assert!(
+        r.decoder_step_s > 0.0 && r.decoder_step_predicted_s > 0.0,
+        "{r:?}"
+    );
+    assert!(r.decoder_step_nodes > 100.0, "{}", r.decoder_step_nodes);
+    let extra = (r.decoder_step_s - r.decoder_step_predicted_s).max(0.0) / r.decoder_step_nodes;
+    assert!(c.devices[0].node_overhead_s >= extra, "{:?}", c.devices[0]);
+    assert!(
+        c.sources
+            .iter()
+            .any(|s| s.contains("small decoder's decoding step"))
+    );
 
     // A second run: device rates and the all-reduce bandwidth within a factor of 5.
     let r2 = calibrate_report("cpu:2x1", &opts, &no_progress).unwrap();

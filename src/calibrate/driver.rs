@@ -2,6 +2,7 @@
 //! overheads, links) with progress, and assembles the profile through the planner's
 //! `measured_cluster`, with sources saying how each figure was obtained.
 
+use super::decoder_steps::{DecoderSteps, measure_decoder_steps};
 use super::device_rates::{alone_speedup, measure_devices};
 use super::host::cpu_model;
 use super::links::measure_links;
@@ -37,6 +38,12 @@ pub struct Calibration {
     pub gemv_nodes: BTreeMap<String, usize>,
     /// Long-chain length of the overhead measurements.
     pub chain_nodes: usize,
+    /// A small decoder's decoding step as run (median seconds), as the profile predicted it
+    /// before the correction, and the nodes on its critical path: the difference per node is
+    /// in `node_overhead_s` (`decoder_steps.rs`).
+    pub decoder_step_s: f64,
+    pub decoder_step_predicted_s: f64,
+    pub decoder_step_nodes: f64,
     pub links: Vec<LinkFitReport>,
     pub seconds: f64,
 }
@@ -65,7 +72,7 @@ pub fn calibrate_report(
     let link_units = (n - 1) * 3 * budget.link_sizes.len();
     // Per type: a GEMV per row length of the shapes, the small-M products, the GEMM.
     let per_type = SHAPES.len() + CALIBRATED_M.len() + 1;
-    let units = 1 + per_type * opts.weight_types.len() + 3 + link_units;
+    let units = 1 + per_type * opts.weight_types.len() + 4 + link_units;
     let done = std::cell::Cell::new(0usize);
     let step = |what: &str| {
         progress(what, done.get() as f64 / units as f64);
@@ -84,9 +91,7 @@ pub fn calibrate_report(
     step("step and node overheads");
     let over = measure_overheads(spec, opts.precision, &budget)?;
     let (level, links) = measure_links(n, &budget, &step, rates.mem_bw)?;
-    progress("done", 1.0);
 
-    let seconds = start.elapsed().as_secs_f64();
     let names: Vec<(String, u64)> = devices
         .iter()
         .map(|d| {
@@ -105,7 +110,7 @@ pub fn calibrate_report(
         node_overhead_s: over.node_s,
         alone_speedup: speedup,
     };
-    let cluster = measured_cluster(
+    let mut cluster = measured_cluster(
         format!("calibrated {spec}"),
         format!(
             "{n} logical CPU device{} of `{spec}` on {}, measured by metashard calibrate",
@@ -115,8 +120,23 @@ pub fn calibrate_report(
         &names,
         &measured,
         level,
-        sources(spec, opts, &budget, n, &over, &links, seconds),
+        Vec::new(),
     )?;
+    // A real decoding step against the profile's prediction: what a step costs per node
+    // beyond the chains (`decoder_steps.rs`).
+    step("decoding steps of a small decoder");
+    let open = crate::runtime::OpenOptions {
+        precision: opts.precision,
+        ..Default::default()
+    };
+    let dec = measure_decoder_steps(spec, &open, &cluster)?;
+    for d in &mut cluster.devices {
+        d.node_overhead_s += dec.extra_node_s;
+    }
+    progress("done", 1.0);
+    let seconds = start.elapsed().as_secs_f64();
+    cluster.sources = sources(spec, opts, &budget, n, (&over, &dec), &links, seconds);
+    cluster.validate()?;
     Ok(Calibration {
         spec: spec.to_string(),
         quick: opts.quick,
@@ -126,6 +146,9 @@ pub fn calibrate_report(
         gemv_weight_bytes: rates.gemv_bytes,
         gemv_nodes: rates.gemv_nodes,
         chain_nodes: budget.chain,
+        decoder_step_s: dec.measured_s,
+        decoder_step_predicted_s: dec.predicted_s,
+        decoder_step_nodes: dec.nodes,
         links,
         seconds,
     })
@@ -155,7 +178,7 @@ fn sources(
     opts: &CalibrateOptions,
     budget: &Budget,
     n: usize,
-    over: &Overheads,
+    (over, dec): (&Overheads, &DecoderSteps),
     links: &[LinkFitReport],
     seconds: f64,
 ) -> Vec<String> {
@@ -183,14 +206,20 @@ fn sources(
             "overheads: steps built and computed through {}; node_overhead_s is the slope \
              between chains of {SHORT_CHAIN} and {} tiny nodes run back to back, \
              step_overhead_s the cost of a one-node step after {STEP_GAP:?} idle less its \
-             node ({:.1} us back to back)",
+             node ({:.1} us back to back); plus {:.2} us per node from a small decoder's \
+             decoding step as run ({:.1} us measured, {:.1} us predicted before, {:.0} nodes \
+             on its critical path)",
             if n > 1 {
                 "the meta device's backend"
             } else {
                 "the device's backend"
             },
             budget.chain,
-            over.back_to_back_s * 1e6
+            over.back_to_back_s * 1e6,
+            dec.extra_node_s * 1e6,
+            dec.measured_s * 1e6,
+            dec.predicted_s * 1e6,
+            dec.nodes
         ),
     ];
     for l in links {

@@ -58,6 +58,7 @@
 //! Only CPU device lists are calibrated: the links are measured with the host communicator,
 //! which is what CPU devices use.
 
+mod decoder_steps;
 mod device_rates;
 mod driver;
 mod host;

@@ -211,6 +211,15 @@ pub fn table(r: &Calibration) -> String {
         r.step_back_to_back_s * 1e6,
         r.kernel_node_s * 1e6
     );
+    let _ = writeln!(
+        s,
+        "(node us includes {:.2} us from a small decoder's decoding step: {:.1} us as run, {:.1} \
+         us predicted from the chains, {:.0} nodes on its critical path)",
+        ((r.decoder_step_s - r.decoder_step_predicted_s) / r.decoder_step_nodes).max(0.0) * 1e6,
+        r.decoder_step_s * 1e6,
+        r.decoder_step_predicted_s * 1e6,
+        r.decoder_step_nodes
+    );
     let types: Vec<&str> = DType::WEIGHT_TYPES
         .iter()
         .map(|t| t.name())

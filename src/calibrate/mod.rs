@@ -5,7 +5,8 @@
 //! (`planner::fit`). One file per job: `options.rs` (what to measure and how long), `host.rs`
 //! (probing the host), `driver.rs` ([`calibrate`], [`calibrate_report`]), `rig.rs` (timing
 //! graphs on all devices at once), `device_rates.rs` (GEMV, GEMM, memory, per-node cost),
-//! `overheads.rs` (step and node overheads through a run's backend), `links.rs` (timing
+//! `overheads.rs` (step and node overheads through a run's backend), `decoder_steps.rs` (a
+//! small decoder's decoding steps against the profile's prediction), `links.rs` (timing
 //! collectives).
 //!
 //! The cost model (see `planner/cluster.rs`) prices a matrix product with weights at no less
@@ -42,6 +43,9 @@
 //!   one more node). A one-node step after an idle gap ([`STEP_GAP`], as the sampling between
 //!   two decode steps leaves the workers parked) gives `step_overhead_s` (the meta dispatch to
 //!   every device's worker and back included).
+//! - **A real decoding step**: a small synthetic decoder decoded through the run path, its mean
+//!   step against the cost model's prediction on the profile so far; the difference per node
+//!   of the step's critical path is added to `node_overhead_s` (`decoder_steps.rs`).
 //! - **Links**: for each group size N = 2..=n,
 //!   [`CpuCommunicator`](crate::collectives::CpuCommunicator) ranks on N workers pinned like
 //!   the meta device's, timing all-reduce, all-gather and reduce-scatter of F32 tensors of

@@ -256,9 +256,15 @@ fn bench_strategies_holds_predictions_against_measurements() {
         if let Some(of) = r["same_program_as"].as_str() {
             let o = by_name(of);
             assert!(o.get("same_program_as").is_none(), "{o}");
-            for k in ["measured_tg_tps", "measured_pp_tps", "assignment"] {
+            for k in ["measured_tg_tps", "measured_pp_tps"] {
                 assert_eq!(r[k], o[k], "{k}: {r} against {o}");
             }
+            // The same assignment; auto's says why it was chosen after it (a loaded host's
+            // calibration can make auto pick the layer split: "...: predicted faster than the
+            // tensor split").
+            let (a, b) = (r["assignment"].as_str(), o["assignment"].as_str());
+            let (a, b) = (a.unwrap_or_default(), b.unwrap_or_default());
+            assert!(a.starts_with(b) || b.starts_with(a), "{r} against {o}");
         }
     }
     let s = &v["summaries"][0];

@@ -32,7 +32,7 @@ const REPS: usize = 3;
 
 /// What [`measure_decoder_steps`] found, in seconds.
 pub(super) struct DecoderSteps {
-    /// Mean seconds of one decoding step as run.
+    /// Mean seconds of one decoding step as run (the fastest span's).
     pub measured_s: f64,
     /// The cost model's seconds for that step on the cluster before the correction.
     pub predicted_s: f64,
@@ -71,7 +71,8 @@ pub(super) fn measure_decoder_steps(
     s.eval(&[2], false)?;
     // The mean step, as a generation pays it (the steps that prepare a structure not seen
     // before included: one generation goes on through [`REPS`] spans of [`STEPS`] steps, each
-    // reaching new cache sizes); the median of the spans, so one disturbed span does not set it.
+    // reaching new cache sizes); the fastest span's, as the chains' slope is taken between the
+    // fastest chains: what every step costs, not another process's interference.
     let mut means = Vec::with_capacity(REPS);
     for r in 0..REPS {
         let t = Instant::now();
@@ -80,7 +81,7 @@ pub(super) fn measure_decoder_steps(
         }
         means.push(t.elapsed().as_secs_f64() / STEPS as f64);
     }
-    let measured_s = super::rig::median(&means);
+    let measured_s = means.iter().copied().fold(f64::INFINITY, f64::min);
     // The prediction, and the nodes it charges `node_overhead_s` for: the same step on a copy
     // of the cluster whose only cost is 1 second per node.
     let split = Strategy::Megatron

@@ -23,12 +23,15 @@ use std::time::Instant;
 
 /// Layers of the decoder timed: as many as a small model has, so a step has hundreds of nodes.
 const LAYERS: usize = 24;
-/// Decoding steps timed (after one untimed): two `KV_PAD`s of cache rows, so the steps whose
+/// Decoding steps per timed span (after two untimed): two `KV_PAD`s of cache rows, so the steps whose
 /// attention span grows (a structure the plan caches have not seen: prepared again) are among
 /// them as often as in a run.
 const STEPS: usize = 2 * crate::models::session::KV_PAD;
-/// Generations of [`STEPS`] steps timed.
+/// Spans of [`STEPS`] steps timed, one generation going on through them.
 const REPS: usize = 3;
+
+/// Calibrations of this process so far: each writes its decoder file under a name of its own.
+static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// What [`measure_decoder_steps`] found, in seconds.
 pub(super) struct DecoderSteps {
@@ -43,8 +46,9 @@ pub(super) struct DecoderSteps {
     pub extra_node_s: f64,
 }
 
-/// Decode [`STEPS`] steps of a synthetic llama of [`LAYERS`] layers of width 64 on `spec` (its
-/// default tensor split, `opts` as a run's) and compare with `cluster`'s prediction.
+/// Decode [`REPS`] spans of [`STEPS`] steps of a synthetic llama of [`LAYERS`] layers of width
+/// 64 on `spec` (its default tensor split, `opts` as a run's) and compare the fastest span's
+/// mean step with `cluster`'s prediction for a step of that generation.
 pub(super) fn measure_decoder_steps(
     spec: &str,
     opts: &OpenOptions,
@@ -55,7 +59,7 @@ pub(super) fn measure_decoder_steps(
     let path = std::env::temp_dir().join(format!(
         "metashard-calibrate-decoder-{}-{}.gguf",
         std::process::id(),
-        spec.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
+        FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     std::fs::write(&path, &bytes).map_err(|e| Error::io(&path, e))?;
     let opened = (|| {
@@ -87,7 +91,8 @@ pub(super) fn measure_decoder_steps(
     let split = Strategy::Megatron
         .split(shape.n_layer(), shape.tied)
         .ok_or_else(|| Error::invalid_op("calibrate", "no tensor split for the decoder"))?;
-    let workload = Workload::parse(&format!("pp=1,tg={STEPS},ctx={ctx}"))?;
+    // The generation timed: its middle step is the one the cost model prices.
+    let workload = Workload::parse(&format!("pp=1,tg={},ctx={ctx}", REPS * STEPS))?;
     let step = |c: &Cluster| -> Result<f64> {
         let e = evaluate_split(&shape, &split, c, &workload)?;
         Ok(e.decode.map_or(0.0, |d| d.seconds))

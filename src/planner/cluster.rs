@@ -191,52 +191,53 @@ impl DeviceProfile {
                 in_range(&format!("{field}.{k}"), v, range, unit)?;
             }
         }
-        for (k, points) in &self.gemv_bw_by_k {
-            let field = format!("gemv_bw_by_k.{k}");
-            if DType::from_name(k).is_none() {
-                return Err((
-                    "gemv_bw_by_k".into(),
-                    format!("`{k}`"),
-                    "not an element type name (f32, f16, bf16, q8_0, ...)".into(),
-                ));
-            }
-            let mut prev = 0;
-            for &(rk, v) in points {
-                if rk <= prev || rk > 1 << 24 {
-                    return Err((
-                        field,
-                        format!("K = {rk}"),
-                        "row lengths must increase, from 1 to 16777216".into(),
-                    ));
-                }
-                in_range(&format!("{field} at K = {rk}"), v, &BANDWIDTH, "bytes/s")?;
-                prev = rk;
-            }
-        }
-        for (k, points) in &self.gemm_flops_by_m {
-            let field = format!("gemm_flops_by_m.{k}");
-            if DType::from_name(k).is_none() {
-                return Err((
-                    "gemm_flops_by_m".into(),
-                    format!("`{k}`"),
-                    "not an element type name (f32, f16, bf16, q8_0, ...)".into(),
-                ));
-            }
-            let mut prev = 1;
-            for &(m, v) in points {
-                if m <= prev || m > 1 << 20 {
-                    return Err((
-                        field,
-                        format!("M = {m}"),
-                        "rows must increase, from 2 to 1048576".into(),
-                    ));
-                }
-                in_range(&format!("{field} at M = {m}"), v, &FLOPS, "flop/s")?;
-                prev = m;
-            }
-        }
+        check_points(
+            "gemv_bw_by_k",
+            &self.gemv_bw_by_k,
+            ("K", 1..=1 << 24, "row lengths"),
+            (&BANDWIDTH, "bytes/s"),
+        )?;
+        check_points(
+            "gemm_flops_by_m",
+            &self.gemm_flops_by_m,
+            ("M", 2..=1 << 20, "rows"),
+            (&FLOPS, "flop/s"),
+        )?;
         Ok(())
     }
+}
+
+/// Points `[x, rate]` by weight type name (`gemv_bw_by_k`, `gemm_flops_by_m`): known type
+/// names, `x` (named `var`, what it counts `what`) strictly increasing within `xs`, rates in
+/// `range`; else (field, value, reason) of the first that is not.
+fn check_points(
+    field: &str,
+    map: &BTreeMap<String, Vec<(usize, f64)>>,
+    (var, xs, what): (&str, RangeInclusive<usize>, &str),
+    (range, unit): (&RangeInclusive<f64>, &str),
+) -> std::result::Result<(), (String, String, String)> {
+    for (k, points) in map {
+        if DType::from_name(k).is_none() {
+            return Err((
+                field.into(),
+                format!("`{k}`"),
+                "not an element type name (f32, f16, bf16, q8_0, ...)".into(),
+            ));
+        }
+        let mut prev = 0;
+        for &(x, v) in points {
+            if x <= prev || !xs.contains(&x) {
+                return Err((
+                    format!("{field}.{k}"),
+                    format!("{var} = {x}"),
+                    format!("{what} must increase, from {} to {}", xs.start(), xs.end()),
+                ));
+            }
+            in_range(&format!("{field}.{k} at {var} = {x}"), v, range, unit)?;
+            prev = x;
+        }
+    }
+    Ok(())
 }
 
 impl CollectiveFit {

@@ -149,18 +149,12 @@ fn quantized(shape: &ModelShape, qtype: &str) -> Result<ModelShape> {
         n_expert: cfg.moe.as_ref().map_or(1, |m| m.n_expert.max(1)),
     };
     let mut decls = shape.weight_decls()?;
-    let retype = |d: &mut metashard::models::weights::TensorDecl| -> Result<()> {
-        if is_quantized_tensor(&d.name, d.tensor.n_dims()) {
-            let t = tensor_type(f, ctx, &d.name, d.layout.ne[0])?;
-            d.layout = metashard::Layout::contiguous(t, d.layout.ne);
-        }
-        Ok(())
-    };
-    for d in decls
-        .iter_mut()
-        .filter(|d| d.tensor != Tensor::Output || !shape.tied)
-    {
-        retype(d)?;
+    for d in decls.iter_mut().filter(|d| {
+        (d.tensor != Tensor::Output || !shape.tied)
+            && is_quantized_tensor(&d.name, d.tensor.n_dims())
+    }) {
+        let t = tensor_type(f, ctx, &d.name, d.layout.ne[0])?;
+        d.layout = metashard::Layout::contiguous(t, d.layout.ne);
     }
     let of = |decls: &[metashard::models::weights::TensorDecl], t: Tensor| {
         decls.iter().find(|d| d.tensor == t).map(|d| d.layout.dtype)

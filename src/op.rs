@@ -173,7 +173,7 @@ impl RowWindow {
 /// One operation. `Graph` nodes hold an `Op` and up to four sources; the sources' meaning is
 /// given per variant.
 ///
-/// `Op` is `Hash` (see the impl below) so that a graph's structure hash covers every parameter.
+/// `Op` is `Hash` (see the impl below) so that a graph's signature (`Graph::signature`) covers every parameter.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Op {
     /// No computation: a weight, an input, a cache; its data comes from storage or inline bytes.

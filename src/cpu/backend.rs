@@ -14,7 +14,7 @@ use super::view::{ComputeParams, Precision, TensorView};
 use crate::alloc::GraphAllocator;
 use crate::backend::{Backend, Device, GraphPlan, check_supported};
 use crate::buffer::{Buffer, Storage};
-use crate::graph::{Graph, TensorId};
+use crate::graph::{Graph, Signature, TensorId};
 use crate::op::Op;
 use crate::{Error, Result};
 use parking_lot::Mutex;
@@ -71,7 +71,7 @@ pub struct CpuBackend {
 /// allocator gave its roots, and its plan, holding its buffers only weakly (a kept plan does
 /// not keep a dropped model's weights alive; a buffer gone makes it unusable).
 struct Reuse {
-    key: u64,
+    key: Signature,
     offsets: Vec<(TensorId, usize)>,
     compute: Weak<dyn Buffer>,
     buffers: Vec<Weak<dyn Buffer>>,
@@ -81,7 +81,7 @@ struct Reuse {
 impl Reuse {
     /// Keep `plan` (made for `g` after allocation at `offsets` in `compute`) for later graphs.
     fn keep(
-        key: u64,
+        key: Signature,
         offsets: Vec<(TensorId, usize)>,
         compute: &Arc<dyn Buffer>,
         mut plan: CpuPlan,
@@ -105,12 +105,12 @@ impl Reuse {
     /// A `Weak` keeps its allocation, so a live buffer at a kept address is the kept buffer.
     fn revive(
         mut self,
-        key: u64,
+        key: &Signature,
         g: &mut Graph,
         compute: Option<&Arc<dyn Buffer>>,
     ) -> Option<(CpuPlan, Vec<(TensorId, usize)>)> {
         let compute = compute?;
-        let same = self.key == key
+        let same = self.key == *key
             && std::ptr::addr_eq(self.compute.as_ptr(), Arc::as_ptr(compute))
             && self.plan.exec.iter().all(|e| e.name == g.node(e.id).name);
         if !same {
@@ -500,10 +500,10 @@ impl Backend for CpuBackend {
     }
 
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
-        let key = g.structure_hash();
+        let key = g.signature();
         let mut alloc = self.alloc.lock();
         let mut last = self.last.lock();
-        let kept = last.take().and_then(|r| r.revive(key, g, alloc.buffer()));
+        let kept = last.take().and_then(|r| r.revive(&key, g, alloc.buffer()));
         let (mut plan, offsets) = match kept {
             Some(k) => k,
             None => {

@@ -35,7 +35,7 @@ use crate::buffer::{Buffer, BufferRange, Storage};
 use crate::collectives::{
     AbortOnPanic, Communicator, CommunicatorFactory, HostCommunicatorFactory,
 };
-use crate::graph::{Flags, Graph, TensorId};
+use crate::graph::{Flags, Graph, Signature, TensorId};
 use crate::op::CollectiveKind;
 use crate::tensor::Layout;
 use crate::workers::{DeviceWorkers, Job, Outcome, Progress};
@@ -83,8 +83,8 @@ struct DeviceRun {
 
 /// Everything prepared for one graph structure.
 struct Prepared {
-    key: u64,
-    /// The buffers the graph's storage was bound to when prepared. The key hashes buffer
+    key: Signature,
+    /// The buffers the graph's storage was bound to when prepared. The key holds buffer
     /// addresses; a buffer freed and another allocated at its address would hit a stale entry,
     /// so a hit counts only while all of these are still alive.
     bound: Vec<std::sync::Weak<dyn Buffer>>,
@@ -242,7 +242,7 @@ impl MetaBackend {
     }
 
     /// The passes, in order (see the module doc).
-    fn prepare(&self, g: &Graph, key: u64) -> Result<Arc<Prepared>> {
+    fn prepare(&self, g: &Graph, key: Signature) -> Result<Arc<Prepared>> {
         let devices = &self.shared.devices;
         let sharding = self.sharding(g)?;
         log_sharding(g, &sharding);
@@ -267,7 +267,7 @@ impl MetaBackend {
     }
 
     fn prepared(&self, g: &Graph) -> Result<Arc<Prepared>> {
-        let key = g.structure_hash();
+        let key = g.signature();
         {
             let mut cache = self.cache.lock();
             // Plans whose buffers are gone can never be valid again.

@@ -56,7 +56,7 @@ pub use split::{CopyFrom, CopyIn, Split, Splits};
 
 use crate::backend::{Backend, Device, DeviceKind};
 use crate::buffer::{Buffer, BufferType, HostBufferType, Storage};
-use crate::graph::{Graph, TensorId};
+use crate::graph::{Graph, Signature, TensorId};
 use crate::{Error, Result};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -101,7 +101,7 @@ pub(crate) struct Slot {
 pub struct SchedPlan {
     pub assignment: Assignment,
     pub splits: Splits,
-    key: u64,
+    key: (Signature, Vec<bool>),
     /// The buffers the graph was bound to when planned (a hit needs them alive; see the meta
     /// backend's `Prepared::bound`).
     bound: Vec<Weak<dyn Buffer>>,
@@ -235,10 +235,16 @@ impl Sched {
 
     /// The plan of `g` without running it (no nodes asked for).
     pub fn plan(&self, g: &Graph) -> Result<SchedPlan> {
-        self.make_plan(g, &vec![false; g.len()], g.structure_hash())
+        let asked = vec![false; g.len()];
+        self.make_plan(g, &asked, (g.signature(), asked.clone()))
     }
 
-    fn make_plan(&self, g: &Graph, asked: &[bool], key: u64) -> Result<SchedPlan> {
+    fn make_plan(
+        &self,
+        g: &Graph,
+        asked: &[bool],
+        key: (Signature, Vec<bool>),
+    ) -> Result<SchedPlan> {
         let ctx = passes::Ctx::new(g, &self.slots, self.id);
         let assignment = passes::assign(&ctx)?;
         let cut: Vec<bool> = self
@@ -258,13 +264,7 @@ impl Sched {
     }
 
     fn cached_plan(&self, st: &mut State, g: &Graph, asked: &[bool]) -> Result<Arc<SchedPlan>> {
-        let key = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            g.structure_hash().hash(&mut h);
-            asked.hash(&mut h);
-            h.finish()
-        };
+        let key = (g.signature(), asked.to_vec());
         st.cache
             .retain(|p| p.bound.iter().all(|w| w.strong_count() > 0));
         if let Some(i) = st.cache.iter().position(|p| p.key == key) {

@@ -36,6 +36,7 @@ fn main() -> metashard::Result<()> {
         gemm_flops: gemm,
         gemm_flops_by_m: BTreeMap::new(),
         gemv_bw_by_k: BTreeMap::new(),
+        attn_flops: None,
         step_overhead_s: 50e-6,
         node_overhead_s: 1e-6,
     };

@@ -36,6 +36,7 @@ fn cluster(n: usize, memory: u64) -> Cluster {
         gemm_flops: rates(50e9),
         gemm_flops_by_m: BTreeMap::new(),
         gemv_bw_by_k: BTreeMap::new(),
+        attn_flops: None,
         step_overhead_s: 50e-6,
         node_overhead_s: 1e-6,
     };

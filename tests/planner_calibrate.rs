@@ -191,6 +191,16 @@ fn assert_valid_calibration(c: &Cluster, n: usize) {
         }
         // Overheads of microseconds, not seconds.
         assert!(d.step_overhead_s < 0.1 && d.node_overhead_s < 1e-3, "{d:?}");
+        // Attention measured, and far below the F32 GEMM rate on a CPU (a kernel visiting
+        // the cache row by row; about a fifth of it on the Zen 2 host).
+        let a = d.attn_flops.expect("attention measured");
+        assert!(pos(a) && (1e7..1e13).contains(&a), "attention: {a}");
+        assert!(
+            a < d.gemm_flops["f32"],
+            "attention {a} vs {:?}",
+            d.gemm_flops
+        );
+        assert_eq!(d.attention(), a);
     }
 }
 
@@ -296,6 +306,8 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
         assert!(within(a.gemm_flops[k], b.gemm_flops[k], 5.0), "gemm {k}");
     }
     assert!(within(a.mem_bw, b.mem_bw, 5.0), "{} {}", a.mem_bw, b.mem_bw);
+    let (p, q) = (a.attn_flops.unwrap(), b.attn_flops.unwrap());
+    assert!(within(p, q, 5.0), "attention {p} {q}");
     let (x, y) = (
         c.links.intra.all_reduce.bus_bw,
         c2.links.intra.all_reduce.bus_bw,

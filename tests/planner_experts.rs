@@ -96,6 +96,7 @@ fn byte_counter() -> Cluster {
         gemm_flops: rates(1e19),
         gemm_flops_by_m: BTreeMap::new(),
         gemv_bw_by_k: BTreeMap::new(),
+        attn_flops: None,
         step_overhead_s: 0.0,
         node_overhead_s: 0.0,
     };

@@ -46,6 +46,7 @@ fn cpu_like(n: usize) -> Cluster {
         gemm_flops: rates(40e9),
         gemm_flops_by_m: BTreeMap::new(),
         gemv_bw_by_k: BTreeMap::new(),
+        attn_flops: None,
         step_overhead_s: 100e-6,
         node_overhead_s: 2e-6,
     };

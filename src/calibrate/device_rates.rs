@@ -1,8 +1,11 @@
 //! Device rates: GEMV weight bandwidth and GEMM throughput per weight type, memory bandwidth,
-//! and the per-node cost of a device's own program, measured on every device of the list at
-//! once through the timing rig (`rig.rs`).
+//! fused attention at a decoding step's shape, and the per-node cost of a device's own
+//! program, measured on every device of the list at once through the timing rig (`rig.rs`).
 
-use super::options::{Budget, CalibrateOptions, GEMM_M, GEMV_M, SHAPES, SHORT_CHAIN, STREAM_ELEMS};
+use super::options::{
+    ATTN_HEADS, ATTN_KV_ROWS, ATTN_SHAPES, Budget, CalibrateOptions, GEMM_M, GEMV_M, SHAPES,
+    SHORT_CHAIN, STREAM_ELEMS,
+};
 use super::rig::{Rig, median};
 use crate::backend::alloc_tensors;
 use crate::buffer::{BufferType, Storage};
@@ -21,6 +24,8 @@ pub(super) struct Rates {
     /// Flop/s at the rows of [`CALIBRATED_M`], by type.
     pub gemm_by_m: BTreeMap<String, Vec<(usize, f64)>>,
     pub mem_bw: f64,
+    /// Fused attention flop/s at a decoding step's shape ([`attention_rate`]).
+    pub attn_flops: f64,
     pub kernel_node_s: f64,
     pub gemv_bytes: BTreeMap<String, usize>,
     pub gemv_nodes: BTreeMap<String, usize>,
@@ -126,6 +131,7 @@ pub(super) fn measure_devices(
         gemm: BTreeMap::new(),
         gemm_by_m: BTreeMap::new(),
         mem_bw: 0.0,
+        attn_flops: 0.0,
         kernel_node_s,
         gemv_bytes: BTreeMap::new(),
         gemv_nodes: BTreeMap::new(),
@@ -137,7 +143,67 @@ pub(super) fn measure_devices(
     // from and goes to memory.
     step("memory bandwidth (F32 adds)");
     r.mem_bw = memory_bandwidth(rig, b, kernel_node_s)?;
+    step("attention (a decoding step's shape)");
+    r.attn_flops = attention_rate(rig, b, kernel_node_s)?;
     Ok(r)
+}
+
+/// Flop/s of fused attention (`flash_attn`) as a decoding step runs it: one query row of
+/// [`ATTN_HEADS`] heads over [`ATTN_KV_ROWS`] f16 cache rows of 2 KV heads, at each head size of
+/// [`ATTN_SHAPES`], each node on its own cache (about as many bytes per device as the GEMV
+/// graphs stream, so the caches come from memory as a model's layers' do). 4 D flops per query
+/// head and cache row (the score and the value row), the count the cost model prices.
+fn attention_rate(rig: &mut Rig, b: &Budget, kernel_node_s: f64) -> Result<f64> {
+    let n = rig.devices.len();
+    let kv_bytes = |d: usize| 2 * 2 * ATTN_KV_ROWS * d * 2;
+    let per_shape = ((b.gemv_total / n).max(8 << 20) / ATTN_SHAPES.len())
+        .div_ceil(kv_bytes(ATTN_SHAPES[0]))
+        .max(1);
+    let nodes: Vec<usize> = ATTN_SHAPES
+        .iter()
+        .flat_map(|&d| std::iter::repeat_n(d, per_shape))
+        .collect();
+    let flops: f64 = nodes
+        .iter()
+        .map(|&d| 4.0 * (d * ATTN_KV_ROWS * ATTN_HEADS) as f64)
+        .sum();
+    let p = rig.prepare(&|_, bt| {
+        let layouts: Vec<Layout> = nodes
+            .iter()
+            .flat_map(|&d| [Layout::contiguous(DType::F16, [d, ATTN_KV_ROWS, 2, 1]); 2])
+            .collect();
+        let (buf, offs) = alloc_tensors(bt, &layouts)?;
+        let mut g = Graph::new();
+        let mut qs: BTreeMap<usize, crate::TensorId> = BTreeMap::new();
+        for (i, &d) in nodes.iter().enumerate() {
+            let q = match qs.get(&d) {
+                Some(&q) => q,
+                None => {
+                    let data = random_f32(d * ATTN_HEADS, d as u64);
+                    let q = g.input_f32(&format!("q{d}"), [d, 1, ATTN_HEADS, 1], &data)?;
+                    qs.insert(d, q);
+                    q
+                }
+            };
+            let mut kv = [crate::TensorId(0); 2];
+            for (j, t) in kv.iter_mut().enumerate() {
+                let l = &layouts[2 * i + j];
+                let mut bytes = vec![0u8; l.nbytes()];
+                let vals = random_f32(d * ATTN_KV_ROWS * 2, (3 * i + j) as u64);
+                crate::dtype::row_from_f32(DType::F16, &vals, &mut bytes)?;
+                let st = Storage::new(buf.clone(), offs[2 * i + j]);
+                st.set(l, &bytes)?;
+                *t = g.new_tensor(&format!("kv{i}.{j}"), DType::F16, l.ne)?;
+                g.bind(*t, st)?;
+            }
+            let o = g.flash_attn(q, kv[0], kv[1], None, 1.0 / (d as f32).sqrt())?;
+            g.set_output(o);
+        }
+        Ok(g)
+    })?;
+    let t = rig.time(&p, b.warmup, b.reps)?;
+    let k = kernel_time(median(&t.spans), nodes.len(), kernel_node_s);
+    Ok(flops / k)
 }
 
 /// Seconds per node of a device's own program: the slope between chains of [`SHORT_CHAIN`]

@@ -6,7 +6,10 @@ use super::decoder_steps::{DecoderSteps, measure_decoder_steps};
 use super::device_rates::{alone_speedup, measure_devices};
 use super::host::cpu_model;
 use super::links::measure_links;
-use super::options::{Budget, CalibrateOptions, GEMM_M, GEMV_M, SHAPES, SHORT_CHAIN, STEP_GAP};
+use super::options::{
+    ATTN_HEADS, ATTN_KV_ROWS, ATTN_SHAPES, Budget, CalibrateOptions, GEMM_M, GEMV_M, SHAPES,
+    SHORT_CHAIN, STEP_GAP,
+};
 use super::overheads::{Overheads, measure_overheads};
 use super::rig::Rig;
 use crate::backend::{Device, DeviceKind};
@@ -72,7 +75,7 @@ pub fn calibrate_report(
     let link_units = (n - 1) * 3 * budget.link_sizes.len();
     // Per type: a GEMV per row length of the shapes, the small-M products, the GEMM.
     let per_type = SHAPES.len() + CALIBRATED_M.len() + 1;
-    let units = 1 + per_type * opts.weight_types.len() + 4 + link_units;
+    let units = 1 + per_type * opts.weight_types.len() + 5 + link_units;
     let done = std::cell::Cell::new(0usize);
     let step = |what: &str| {
         progress(what, done.get() as f64 / units as f64);
@@ -105,6 +108,7 @@ pub fn calibrate_report(
         gemm_flops: rates.gemm.clone(),
         gemm_flops_by_m: rates.gemm_by_m.clone(),
         gemv_bw_by_k: rates.gemv_by_k.clone(),
+        attn_flops: Some(rates.attn_flops),
         mem_bw: rates.mem_bw,
         step_overhead_s: over.step_s,
         node_overhead_s: over.node_s,
@@ -197,9 +201,12 @@ fn sources(
             "device rates: medians of {} runs of every device computing at once (first start \
              to last finish; the devices of one list are identical and get the same figures); \
              GEMV at M = {GEMV_M}, GEMM at M = {GEMM_M} over (K, N) shapes {:?}; mem_bw from \
-             F32 adds (bytes read + written); precision {}",
+             F32 adds (bytes read + written); attn_flops from flash_attn of one query row of \
+             {ATTN_HEADS} heads over {ATTN_KV_ROWS} f16 cache rows of 2 KV heads, head sizes \
+             {:?}; precision {}",
             budget.reps,
             &SHAPES[..],
+            &ATTN_SHAPES[..],
             opts.precision
         ),
         format!(

@@ -9,6 +9,12 @@ use std::time::Duration;
 /// (576 -> 1536 and back) and a 2048- and a 4096-wide projection cut to N = 1024 rows, a
 /// device's share of a split matrix.
 pub const SHAPES: [(usize, usize); 4] = [(576, 1536), (1536, 576), (2048, 1024), (4096, 1024)];
+/// Head sizes of the attention measurement (SmolLM2's and Gemma 3's 64, Llama's 128).
+pub const ATTN_SHAPES: [usize; 2] = [64, 128];
+/// Query heads of the attention measurement (over 2 KV heads: groups of 4).
+pub const ATTN_HEADS: usize = 8;
+/// Cache rows each query row of the attention measurement attends to.
+pub const ATTN_KV_ROWS: usize = 512;
 /// Activation rows of the GEMV (matrix-vector) measurement.
 pub const GEMV_M: usize = 1;
 /// Activation rows of the GEMM measurement (a prompt batch; above the cost model's M <= 8).

@@ -189,16 +189,17 @@ pub fn table(r: &Calibration) -> String {
     );
     let _ = writeln!(
         s,
-        "\n{:<8} {:>11} {:>10} {:>9} {:>9}",
-        "device", "memory GiB", "mem GB/s", "step us", "node us"
+        "\n{:<8} {:>11} {:>10} {:>11} {:>9} {:>9}",
+        "device", "memory GiB", "mem GB/s", "attn GF/s", "step us", "node us"
     );
     for d in &c.devices {
         let _ = writeln!(
             s,
-            "{:<8} {:>11.2} {:>10.2} {:>9.1} {:>9.2}",
+            "{:<8} {:>11.2} {:>10.2} {:>11.2} {:>9.1} {:>9.2}",
             d.name,
             d.memory_bytes as f64 / (1u64 << 30) as f64,
             d.mem_bw / 1e9,
+            d.attention() / 1e9,
             d.step_overhead_s * 1e6,
             d.node_overhead_s * 1e6,
         );

@@ -49,6 +49,14 @@ pub struct DeviceProfile {
     /// `gemv_bw` at every K.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub gemv_bw_by_k: BTreeMap<String, Vec<(usize, f64)>>,
+    /// Fused attention (`flash_attn`): floating-point operations per second, counting 4 D per
+    /// query row, query head and cache row it attends to (head size D: a score and a value
+    /// row), as calibrated at a decoding step's shape (one query row, grouped heads, f16
+    /// cache). A CPU kernel visits the cache row by row, far below its GEMM rate (on the Zen 2
+    /// host of this project about 10 Gflop/s against 50-100 for F32 GEMM). Absent (presets,
+    /// older profiles): the F32 `gemm_flops` rate, as a GPU's tiled kernel approaches it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_flops: Option<f64>,
     /// Fixed cost of one graph computation (launch, synchronization), seconds.
     pub step_overhead_s: f64,
     /// Fixed cost per node of a program (a kernel launch, a barrier between threads), seconds.
@@ -90,6 +98,14 @@ impl DeviceProfile {
             prev = Some((px, rate));
         }
         prev.map_or_else(|| self.gemv(dtype), |(_, r)| r)
+    }
+
+    /// Floating-point operations per second of fused attention: [`attn_flops`] where
+    /// calibrated, else the F32 GEMM rate.
+    ///
+    /// [`attn_flops`]: DeviceProfile::attn_flops
+    pub fn attention(&self) -> f64 {
+        self.attn_flops.unwrap_or_else(|| self.gemm(DType::F32))
     }
 
     /// Floating-point operations per second in the matrix-matrix regime for `dtype`.
@@ -176,6 +192,9 @@ impl DeviceProfile {
         in_range("mem_bw", self.mem_bw, &BANDWIDTH, "bytes/s")?;
         in_range("step_overhead_s", self.step_overhead_s, &SECONDS, "s")?;
         in_range("node_overhead_s", self.node_overhead_s, &SECONDS, "s")?;
+        if let Some(a) = self.attn_flops {
+            in_range("attn_flops", a, &FLOPS, "flop/s")?;
+        }
         for (map, field, range, unit) in [
             (&self.gemv_bw, "gemv_bw", &BANDWIDTH, "bytes/s"),
             (&self.gemm_flops, "gemm_flops", &FLOPS, "flop/s"),
@@ -696,6 +715,7 @@ mod tests {
                 vec![(2, 29e9), (8, 29.8e9), (32, 57e9)],
             )]),
             gemv_bw_by_k: BTreeMap::new(),
+            attn_flops: None,
             step_overhead_s: 0.0,
             node_overhead_s: 0.0,
         }
@@ -821,6 +841,7 @@ mod tests {
                 gemm_flops: BTreeMap::new(),
                 gemm_flops_by_m: BTreeMap::new(),
                 gemv_bw_by_k: BTreeMap::new(),
+                attn_flops: None,
                 step_overhead_s: 0.0,
                 node_overhead_s: 0.0,
             },

@@ -768,6 +768,7 @@ fn step_cost(
         }
         compute_s += slowest;
         overhead_s += slowest_overhead;
+
         if let Some((c, bytes, seg)) = collective {
             let t = cluster.links.time(c, n, bytes as f64);
             comm_s += t;
@@ -868,7 +869,7 @@ fn node_cost(
             let part = n_kv / k.ne[1].max(1) as f64;
             let flops = 4.0 * q.ne[0] as f64 * n_kv * (q.ne[1] * q.ne[2] * q.ne[3]) as f64;
             mem(src_bytes(0) + part * (src_bytes(1) + src_bytes(2) + src_bytes(3)) + out)
-                .max(flops / prof.gemm(DType::F32).max(1.0))
+                .max(flops / prof.attention().max(1.0))
         }
         // Only the experts the step's tokens are routed to (`planner::experts`).
         Op::MulMatId { window } => mul_mat_id_seconds(g, node, *window, prof, routing),
@@ -923,6 +924,7 @@ mod tests {
                 .map(|t| (t.to_string(), vec![(2, 28e9), (8, 30e9), (32, 55e9)]))
                 .collect(),
             gemv_bw_by_k: BTreeMap::new(),
+            attn_flops: None,
             step_overhead_s: 50e-6,
             node_overhead_s: 0.3e-6,
         };
@@ -979,6 +981,40 @@ mod tests {
                 (last_pp, last_tg) = (pp, tg);
             }
         }
+    }
+
+    /// A calibrated attention rate prices `flash_attn` at its flops (4 D per query head and
+    /// cache row) at that rate: a slow rate makes decoding dearer, the more so the longer the
+    /// cache; absent, the F32 GEMM rate prices it.
+    #[test]
+    fn attention_costs_its_flops_at_the_calibrated_rate() {
+        let shape = ModelShape::preset("smollm2-135m").unwrap();
+        let split = Strategy::Megatron
+            .split(shape.n_layer(), shape.tied)
+            .unwrap();
+        let decode = |attn: Option<f64>, prefill: usize| {
+            let mut c = cpu_pair();
+            for d in &mut c.devices {
+                d.attn_flops = attn;
+            }
+            let w = Workload {
+                prefill,
+                decode: 2,
+                batch: 1,
+                context: prefill + 2,
+            };
+            let policy = by_layer(shape.split_dims(), split.clone());
+            let e = evaluate(&shape, policy, &c, &w).unwrap();
+            e.decode.unwrap().seconds
+        };
+        assert_eq!(decode(None, 1000), decode(Some(70e9), 1000));
+        let short = decode(Some(1e9), 64) - decode(None, 64);
+        let long = decode(Some(1e9), 1000) - decode(None, 1000);
+        assert!(short > 0.0 && long > 10.0 * short, "{short} {long}");
+        // 30 layers; the busier device's 6 query heads of 64 over the 1,001 rows the middle
+        // step sees: about its flops at 1 Gflop/s, less what the memory-bound price was.
+        let flops = 30.0 * 6.0 * 4.0 * 64.0 * 1001.0;
+        assert!((0.7..1.1).contains(&(long / (flops / 1e9))), "{long}");
     }
 
     /// The programs the cost model measures (without names) are those a run gets, node for

@@ -656,6 +656,7 @@ mod tests {
             gemm_flops: rate(1e30),
             gemm_flops_by_m: Default::default(),
             gemv_bw_by_k: Default::default(),
+            attn_flops: None,
             step_overhead_s: 0.0,
             node_overhead_s: 0.0,
         };

@@ -251,6 +251,8 @@ pub struct MeasuredRates {
     pub gemm_flops_by_m: BTreeMap<String, Vec<(usize, f64)>>,
     /// GEMV weight bytes per second by row length, by weight type name: `[K, bytes/s]`.
     pub gemv_bw_by_k: BTreeMap<String, Vec<(usize, f64)>>,
+    /// [`super::cluster::DeviceProfile::attn_flops`]: fused attention at a decoding step.
+    pub attn_flops: Option<f64>,
     pub mem_bw: f64,
     pub step_overhead_s: f64,
     pub node_overhead_s: f64,
@@ -278,6 +280,7 @@ pub fn measured_cluster(
             gemm_flops: rates.gemm_flops.clone(),
             gemm_flops_by_m: rates.gemm_flops_by_m.clone(),
             gemv_bw_by_k: rates.gemv_bw_by_k.clone(),
+            attn_flops: rates.attn_flops,
             step_overhead_s: rates.step_overhead_s,
             node_overhead_s: rates.node_overhead_s,
         })

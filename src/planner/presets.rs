@@ -212,6 +212,7 @@ fn netns_cpu(name: &str) -> DeviceProfile {
         gemm_flops: rates(|r| r.2),
         gemm_flops_by_m: BTreeMap::new(),
         gemv_bw_by_k: BTreeMap::new(),
+        attn_flops: None,
         step_overhead_s: NETNS_STEP_OVERHEAD_S,
         node_overhead_s: NETNS_NODE_OVERHEAD_S,
     }
@@ -261,6 +262,7 @@ fn gpu(name: &str, memory: f64, copy_bw: f64, bf16_flops: f64, f32_flops: f64) -
         gemm_flops,
         gemm_flops_by_m: BTreeMap::new(),
         gemv_bw_by_k: BTreeMap::new(),
+        attn_flops: None,
         step_overhead_s: GPU_STEP_OVERHEAD_S,
         node_overhead_s: GPU_NODE_OVERHEAD_S,
     }

@@ -317,3 +317,73 @@ fn smollm2_cancel_and_stop_strings() {
     assert_eq!(o.text, t2[..first], "stop {stop:?}");
     assert_eq!(e.batch().free_slots(), 2);
 }
+
+/// A decoding step reuses the last step's graph (`Session::set_graph_reuse`,
+/// `BatchSession::set_graph_reuse`, on by default): 40 steps after a prompt, and 36 steps of
+/// two sequences together, across a cache-size boundary (a new graph shape), give the same
+/// logits bit for bit as building every step's graph anew, for a llama and a Gemma 2 file
+/// (its sliding-window mask refilled too) on one device, a meta device and a layer split.
+#[test]
+fn reused_step_graphs_give_the_bits_of_new_ones() {
+    for arch in [&LLAMA, &GEMMA2] {
+        let path = model_file(arch);
+        let model = path.to_str().unwrap();
+        for (devices, mode) in [
+            ("cpu:1x1", SplitMode::Tensor),
+            ("cpu:2x1", SplitMode::Tensor),
+            ("cpu:2x1", SplitMode::Layer),
+        ] {
+            let (set, m) = open(model, devices, mode);
+            let run = |reuse: bool| -> Vec<Vec<f32>> {
+                let mut s =
+                    Session::new(&m, set.backend.clone(), set.buffer_type.as_ref(), 64).unwrap();
+                s.set_graph_reuse(reuse);
+                let mut out = vec![s.eval(&prompts()[0], false).unwrap()];
+                for i in 0..40u32 {
+                    out.push(s.eval(&[(i * 13 + 5) % 250], false).unwrap());
+                }
+                out
+            };
+            let (fresh, reused) = (run(false), run(true));
+            // Two sequences decoding together, one of them starting late.
+            let run_batch = |reuse: bool| -> Vec<Vec<f32>> {
+                let bt = set.buffer_type.as_ref();
+                let mut bs = BatchSession::new(&m, set.backend.clone(), bt, 2, 64).unwrap();
+                bs.set_graph_reuse(reuse);
+                let (a, b) = (bs.acquire().unwrap(), bs.acquire().unwrap());
+                let ps = prompts();
+                let mut out = Vec::new();
+                fn seq(slot: usize, tokens: &[u32]) -> SeqInput<'_> {
+                    SeqInput {
+                        slot,
+                        tokens,
+                        logits: true,
+                    }
+                }
+                out.extend(bs.step(&[seq(a, &ps[2])]).unwrap().into_iter().flatten());
+                out.extend(bs.step(&[seq(b, &ps[3])]).unwrap().into_iter().flatten());
+                for i in 0..36u32 {
+                    let (x, y) = ([(i * 7 + 1) % 250], [(i * 11 + 3) % 250]);
+                    let r = bs.step(&[seq(a, &x), seq(b, &y)]).unwrap();
+                    out.extend(r.into_iter().flatten());
+                }
+                out
+            };
+            let (fresh_b, reused_b) = (run_batch(false), run_batch(true));
+            let pairs = fresh
+                .iter()
+                .zip(&reused)
+                .chain(fresh_b.iter().zip(&reused_b));
+            assert_eq!(fresh_b.len(), 2 + 2 * 36);
+            for (i, (a, b)) in pairs.enumerate() {
+                let same =
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "{} on {devices} ({mode:?}): logits {i} differ",
+                    arch.name
+                );
+            }
+        }
+    }
+}

@@ -10,14 +10,16 @@
 //! [`BatchSession::set_lens`] takes another session's slot lengths: with both, the ranks of a
 //! job step alike (`runtime::lockstep`). With [`BatchSession::micro_batches`] above 1 a step's
 //! sequences are cut into that many graphs, given to the backend together
-//! (`Backend::graph_compute_many`): a layer split pipelines them through its devices.
+//! (`Backend::graph_compute_many`): a layer split pipelines them through its devices. A step
+//! of one graph is kept and refilled by the next step of its shape (`decoder::KeptStep`).
 
-use super::decoder::{StepInput, StepSeqs, build_step_seqs};
+use super::decoder::{KeptStep, StepInput, StepSeqs, build_step_seqs};
 use super::loader::DecoderModel;
 use super::session::{KV_PAD, padded_context};
 use super::weights::{KvCache, alloc_kv_cache};
 use crate::backend::Backend;
 use crate::buffer::{Buffer, BufferType};
+use crate::graph::{Graph, TensorId};
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -54,6 +56,12 @@ pub struct BatchSession<'m> {
     /// several, their graphs go to the backend together (`Backend::graph_compute_many`),
     /// which the scheduler of a layer split pipelines through its stages.
     pub micro_batches: usize,
+    /// The last step's graph when it was one graph, for the next step of its shape
+    /// (`decoder::KeptStep`: a step of S sequences decoding one token each repeats its
+    /// structure for up to `KV_PAD` steps).
+    kept: Option<KeptStep>,
+    /// Whether steps reuse `kept` ([`BatchSession::set_graph_reuse`]).
+    reuse: bool,
 }
 
 impl<'m> BatchSession<'m> {
@@ -85,6 +93,8 @@ impl<'m> BatchSession<'m> {
             lens: vec![None; slots],
             hook: None,
             micro_batches: 1,
+            kept: None,
+            reuse: true,
         })
     }
 
@@ -211,6 +221,15 @@ impl<'m> BatchSession<'m> {
         Ok(())
     }
 
+    /// Whether a step of one graph reuses the last such step's graph when it has the same
+    /// shape (on by default); off, every step's graph is built anew (both give the same bits).
+    pub fn set_graph_reuse(&mut self, on: bool) {
+        self.reuse = on;
+        if !on {
+            self.kept = None;
+        }
+    }
+
     /// Evaluate each sequence's tokens after its slot's sequence, all in one graph; returns,
     /// per sequence in order, the logits (`n_vocab`) of its last token where it asked for
     /// them. Tokens needing logits are laid out last, so the logits are one contiguous range.
@@ -251,16 +270,21 @@ impl<'m> BatchSession<'m> {
     /// The graphs of `groups` of sequences (slot lengths `before` the step, `self.lens`
     /// after), computed together; the logits of every sequence that asked, in order.
     fn compute_groups<'s>(
-        &self,
+        &mut self,
         groups: impl Iterator<Item = &'s [SeqInput<'s>]>,
         before: &[Option<usize>],
     ) -> Result<Vec<f32>> {
+        let groups: Vec<&[SeqInput]> = groups.collect();
         let mut graphs = Vec::new();
         let mut outs = Vec::new();
-        for g in groups {
-            let (graph, logits, n_logits) = self.build(g, before)?;
+        // One graph is kept for the next step (out of `self.kept` while it computes).
+        let mut kept = None;
+        for g in &groups {
+            let last = (groups.len() == 1 && self.reuse).then(|| self.kept.take());
+            let (graph, logits, n_logits, k) = self.build(g, before, last)?;
             graphs.push(graph);
             outs.push((logits, n_logits));
+            kept = k;
         }
         let mut all = Vec::new();
         self.backend.graph_compute_many(&mut graphs, &mut |j, g| {
@@ -270,16 +294,23 @@ impl<'m> BatchSession<'m> {
             }
             Ok(())
         })?;
+        if let (Some(mut k), Some(g)) = (kept, graphs.pop()) {
+            k.put_back(g);
+            self.kept = Some(k);
+        }
         Ok(all)
     }
 
     /// The step graph of `seqs` (each slot's length `before` the step), its logits node and
-    /// how many sequences asked for logits.
+    /// how many sequences asked for logits; with `last` (the kept step, if any), the graph is
+    /// the kept one's where the shape is the same, and comes with the `KeptStep` to put it
+    /// back in.
     fn build(
         &self,
         seqs: &[SeqInput],
         before: &[Option<usize>],
-    ) -> Result<(crate::graph::Graph, crate::graph::TensorId, usize)> {
+        last: Option<Option<KeptStep>>,
+    ) -> Result<(Graph, TensorId, usize, Option<KeptStep>)> {
         // (token, position, cache row, slot) per row: rows without logits first.
         let mut front = Vec::new();
         let mut back = Vec::new();
@@ -335,7 +366,16 @@ impl<'m> BatchSession<'m> {
             kv_rows: &kv_rows,
         };
         let m = self.model;
-        let sg = build_step_seqs(&m.cfg, &m.weights, &self.cache, &inp, Some(&ids))?;
-        Ok((sg.graph, sg.logits, n_logits))
+        match last {
+            Some(last) => {
+                let model = (&m.cfg, &m.weights, &self.cache);
+                let mut k = KeptStep::for_step(last, model, &inp, Some(&ids))?;
+                Ok((k.take_graph(), k.logits(), n_logits, Some(k)))
+            }
+            None => {
+                let sg = build_step_seqs(&m.cfg, &m.weights, &self.cache, &inp, Some(&ids))?;
+                Ok((sg.graph, sg.logits, n_logits, None))
+            }
+        }
     }
 }

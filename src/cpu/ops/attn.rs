@@ -9,7 +9,9 @@
 //! computed for a block of 32 kv rows, exponentiated together (a vectorizable polynomial exp),
 //! then the block's V rows are accumulated. f16 rows of 32, 64 or 128 elements go through
 //! AVX-512 block kernels that keep the query row and the accumulator in registers (`avx512`);
-//! other rows are widened one at a time by `simd::dot_f16_f32_raw` / `axpy_f16_raw`.
+//! other f16 rows of a multiple of 8 elements through AVX2 block kernels that do the same 64
+//! elements at a time (`avx2`: the AVX2 level, and head sizes such as Gemma 3's 256 on
+//! AVX-512); other rows are widened one at a time by `simd::dot_f16_f32_raw` / `axpy_f16_raw`.
 
 use super::thread_scratch;
 use crate::DType;
@@ -166,12 +168,29 @@ unsafe fn axpy_row(isa: Isa, acc: &mut [f32], w: f32, row: *const u8, vt: KvRow)
     }
 }
 
-/// Vectors of 16 f32 in a row of `n` elements, when the AVX-512 block kernels take it (f16 rows,
-/// 32, 64 or 128 elements: the head sizes of the models metashard runs).
-fn avx512_chunks(isa: Isa, t: KvRow, n: usize) -> Option<usize> {
-    (cfg!(target_arch = "x86_64") && isa == Isa::Avx512 && t == KvRow::F16)
-        .then_some(n / 16)
-        .filter(|c| n.is_multiple_of(16) && matches!(c, 2 | 4 | 8))
+/// The block kernels a row of `n` elements of type `t` goes through, chosen once per node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Blocks {
+    /// AVX-512, this many vectors of 16 f32 per row (2, 4 or 8).
+    Avx512(usize),
+    /// AVX2, 64 elements (8 vectors of 8 f32) at a time.
+    Avx2,
+}
+
+/// [`Blocks`] for f16 rows of `n` elements on `isa`: AVX-512 for 32, 64 or 128 elements (the
+/// head sizes of most models), AVX2 for any other multiple of 8 on a CPU with AVX2; None for
+/// f32 rows and other lengths (row by row).
+fn blocks(isa: Isa, t: KvRow, n: usize) -> Option<Blocks> {
+    if !cfg!(target_arch = "x86_64") || t != KvRow::F16 || n == 0 || !n.is_multiple_of(8) {
+        return None;
+    }
+    match isa {
+        Isa::Avx512 if n.is_multiple_of(16) && matches!(n / 16, 2 | 4 | 8) => {
+            Some(Blocks::Avx512(n / 16))
+        }
+        Isa::Avx512 | Isa::Avx2 => Some(Blocks::Avx2),
+        Isa::Scalar => None,
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -242,48 +261,188 @@ mod avx512 {
     }
 }
 
-/// [`avx512::dots`] for `chunks` vectors per row.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// `out[j] = dot(q, k_j)` (or `+=` with `add`) for `n` f16 rows `k_j = k + j * ld` of
+    /// `8 * C` elements, the query row held in registers, two accumulators.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C are available; `q` holds `8 * C` floats, each K row `16 * C` bytes,
+    /// `out` `n` floats.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dots<const C: usize>(
+        q: *const f32,
+        k: *const u8,
+        ld: usize,
+        n: usize,
+        out: *mut f32,
+        add: bool,
+    ) {
+        // SAFETY (whole body): within the bounds the caller vouched for.
+        unsafe {
+            let qv: [__m256; C] = std::array::from_fn(|c| _mm256_loadu_ps(q.add(8 * c)));
+            for j in 0..n {
+                let row = k.add(j * ld);
+                let mut acc = [_mm256_setzero_ps(); 2];
+                for (c, qc) in qv.iter().enumerate() {
+                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(row.add(16 * c).cast()));
+                    acc[c % 2] = _mm256_fmadd_ps(*qc, kv, acc[c % 2]);
+                }
+                let s = crate::cpu::simd::hsum256(_mm256_add_ps(acc[0], acc[1]));
+                *out.add(j) = if add { *out.add(j) + s } else { s };
+            }
+        }
+    }
+
+    /// `acc += sum_j w[j] * v_j` over `n` f16 rows `v_j = v + j * ld` of `8 * C` elements,
+    /// the accumulator held in registers; rows with `w[j] == 0` are skipped (never read: past
+    /// the causal mask they may hold anything).
+    ///
+    /// # Safety
+    /// As [`dots`], with `acc` holding `8 * C` floats and `w` `n`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpys<const C: usize>(
+        acc: *mut f32,
+        w: *const f32,
+        v: *const u8,
+        ld: usize,
+        n: usize,
+    ) {
+        // SAFETY (whole body): within the bounds the caller vouched for.
+        unsafe {
+            let mut a: [__m256; C] = std::array::from_fn(|c| _mm256_loadu_ps(acc.add(8 * c)));
+            for j in 0..n {
+                let wj = *w.add(j);
+                if wj == 0.0 {
+                    continue;
+                }
+                let (wv, row) = (_mm256_set1_ps(wj), v.add(j * ld));
+                for (c, ac) in a.iter_mut().enumerate() {
+                    let vv = _mm256_cvtph_ps(_mm_loadu_si128(row.add(16 * c).cast()));
+                    *ac = _mm256_fmadd_ps(wv, vv, *ac);
+                }
+            }
+            for (c, ac) in a.iter().enumerate() {
+                _mm256_storeu_ps(acc.add(8 * c), *ac);
+            }
+        }
+    }
+
+    /// [`dots`] over a row of `d` elements (a multiple of 8): pieces of 64, their sums added.
+    ///
+    /// # Safety
+    /// As [`dots`] for `d` elements.
+    pub unsafe fn row_dots(
+        d: usize,
+        q: *const f32,
+        k: *const u8,
+        ld: usize,
+        n: usize,
+        out: *mut f32,
+    ) {
+        let mut e = 0;
+        while e < d {
+            // SAFETY: elements e..e + 8C of every row and of q are inside them.
+            unsafe {
+                let (q, k, add) = (q.add(e), k.add(2 * e), e > 0);
+                match (d - e).min(64) / 8 {
+                    8 => dots::<8>(q, k, ld, n, out, add),
+                    7 => dots::<7>(q, k, ld, n, out, add),
+                    6 => dots::<6>(q, k, ld, n, out, add),
+                    5 => dots::<5>(q, k, ld, n, out, add),
+                    4 => dots::<4>(q, k, ld, n, out, add),
+                    3 => dots::<3>(q, k, ld, n, out, add),
+                    2 => dots::<2>(q, k, ld, n, out, add),
+                    _ => dots::<1>(q, k, ld, n, out, add),
+                }
+            }
+            e += 64;
+        }
+    }
+
+    /// [`axpys`] over rows of `d` elements (a multiple of 8): 64 of them at a time.
+    ///
+    /// # Safety
+    /// As [`axpys`] for `d` elements.
+    pub unsafe fn row_axpys(
+        d: usize,
+        acc: *mut f32,
+        w: *const f32,
+        v: *const u8,
+        ld: usize,
+        n: usize,
+    ) {
+        let mut e = 0;
+        while e < d {
+            // SAFETY: elements e..e + 8C of every row and of acc are inside them.
+            unsafe {
+                let (acc, v) = (acc.add(e), v.add(2 * e));
+                match (d - e).min(64) / 8 {
+                    8 => axpys::<8>(acc, w, v, ld, n),
+                    7 => axpys::<7>(acc, w, v, ld, n),
+                    6 => axpys::<6>(acc, w, v, ld, n),
+                    5 => axpys::<5>(acc, w, v, ld, n),
+                    4 => axpys::<4>(acc, w, v, ld, n),
+                    3 => axpys::<3>(acc, w, v, ld, n),
+                    2 => axpys::<2>(acc, w, v, ld, n),
+                    _ => axpys::<1>(acc, w, v, ld, n),
+                }
+            }
+            e += 64;
+        }
+    }
+}
+
+/// `out[j] = dot(q, k_j)` for `n` f16 rows of `d` elements through the block kernels `b`.
 ///
 /// # Safety
-/// As [`avx512::dots`]; `chunks` came from [`avx512_chunks`].
+/// As [`avx512::dots`] / [`avx2::dots`] for rows of `d` elements; `b` came from [`blocks`]
+/// for `d`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn block_dots(
-    chunks: usize,
+    b: Blocks,
+    d: usize,
     q: *const f32,
     k: *const u8,
     ld: usize,
     n: usize,
     out: *mut f32,
 ) {
-    // SAFETY: forwarded; avx512_chunks checked the level.
+    // SAFETY: forwarded; `blocks` checked the level and the row length.
     unsafe {
-        match chunks {
-            2 => avx512::dots::<2>(q, k, ld, n, out),
-            4 => avx512::dots::<4>(q, k, ld, n, out),
-            _ => avx512::dots::<8>(q, k, ld, n, out),
+        match b {
+            Blocks::Avx512(2) => avx512::dots::<2>(q, k, ld, n, out),
+            Blocks::Avx512(4) => avx512::dots::<4>(q, k, ld, n, out),
+            Blocks::Avx512(_) => avx512::dots::<8>(q, k, ld, n, out),
+            Blocks::Avx2 => avx2::row_dots(d, q, k, ld, n, out),
         }
     }
 }
 
-/// [`avx512::axpys`] for `chunks` vectors per row.
+/// `acc += sum_j w[j] * v_j` over `n` f16 rows of `d` elements through the block kernels `b`.
 ///
 /// # Safety
-/// As [`avx512::axpys`]; `chunks` came from [`avx512_chunks`].
+/// As [`avx512::axpys`] / [`avx2::axpys`] for rows of `d` elements; `b` came from [`blocks`]
+/// for `d`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn block_axpys(
-    chunks: usize,
+    b: Blocks,
+    d: usize,
     acc: *mut f32,
     w: *const f32,
     v: *const u8,
     ld: usize,
     n: usize,
 ) {
-    // SAFETY: forwarded; avx512_chunks checked the level.
+    // SAFETY: forwarded; `blocks` checked the level and the row length.
     unsafe {
-        match chunks {
-            2 => avx512::axpys::<2>(acc, w, v, ld, n),
-            4 => avx512::axpys::<4>(acc, w, v, ld, n),
-            _ => avx512::axpys::<8>(acc, w, v, ld, n),
+        match b {
+            Blocks::Avx512(2) => avx512::axpys::<2>(acc, w, v, ld, n),
+            Blocks::Avx512(4) => avx512::axpys::<4>(acc, w, v, ld, n),
+            Blocks::Avx512(_) => avx512::axpys::<8>(acc, w, v, ld, n),
+            Blocks::Avx2 => avx2::row_axpys(d, acc, w, v, ld, n),
         }
     }
 }
@@ -330,9 +489,9 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
     let group = (n_head / n_kvh.max(1)).max(1);
     let g = heads_per_unit(src, p.nth);
     let (kt, vt) = kv_rows(k, v);
-    // Blocks of f16 K and V rows through the AVX-512 kernels (query row and accumulator in
-    // registers, one call per block and head), or row by row.
-    let (k_chunks, v_chunks) = (avx512_chunks(isa, kt, d), avx512_chunks(isa, vt, dv));
+    // Blocks of f16 K and V rows through the AVX-512 or AVX2 kernels (query row and
+    // accumulator in registers, one call per block and head), or row by row.
+    let (k_chunks, v_chunks) = (blocks(isa, kt, d), blocks(isa, vt, dv));
     // SAFETY: thread_bytes reserved `per_thread` floats for this thread and this `g`.
     let buf = unsafe { thread_scratch(p, per_thread(src, g)) };
     let (qs, rest) = buf.split_at_mut(g * d);
@@ -383,7 +542,7 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
                     let kr = k.row_ptr(j0, hk, b).cast_const();
                     for h in 0..g {
                         let (qh, out) = (qs[h * d..].as_ptr(), sc[h * BLOCK..].as_mut_ptr());
-                        block_dots(kc, qh, kr, k.nb[1], jn, out);
+                        block_dots(kc, d, qh, kr, k.nb[1], jn, out);
                     }
                 }
                 for jj in 0..jn {
@@ -452,7 +611,7 @@ pub fn flash_attn(p: &ComputeParams, dst: &TensorView, src: &[TensorView], scale
                     let vr = v.row_ptr(j0, hk, b).cast_const();
                     for h in 0..g {
                         let (ah, wh) = (acc[h * dv..].as_mut_ptr(), sc[h * BLOCK..].as_ptr());
-                        block_axpys(vc, ah, wh, vr, v.nb[1], jn);
+                        block_axpys(vc, dv, ah, wh, vr, v.nb[1], jn);
                     }
                 }
             }

@@ -5,7 +5,7 @@
 //!
 //! Synchronization: each rank owns a counter of the barriers it has reached, on its own cache
 //! line; a barrier is "store mine + 1, wait until every peer's is at least that". Waiting
-//! spins, then yields, checks the failed flag every round and gives up after the timeout. No
+//! spins (without the PAUSE hint when every rank has a core: see `relax`), then yields, checks the failed flag every round and gives up after the timeout. No
 //! allocation, lock or system call on the path of a successful call when peers are on time.
 
 use super::reduce::{check_reducible, sum_into};
@@ -234,10 +234,20 @@ impl CpuCommunicator {
 
     /// One round of waiting: spin for the first `self.spins` rounds, then yield the core.
     /// Returns whether it yielded (the caller then checks its deadline).
+    ///
+    /// When every rank has a core, a spinning round is a bare re-check of the flags, without
+    /// the PAUSE hint (`spin_loop`): with it, a rank waiting inside a decoding step noticed
+    /// its peer's arrival late (the later rank of SmolLM2's cpu:2x1 all-reduces spent 6-22 us
+    /// in each; likely the hypervisor's pause-loop exits on the guest the project measures
+    /// on), and decoding was 1.8-2.7% slower (three interleaved experiments of three rounds,
+    /// Zen 2, 2026-11-28; spinning longer with PAUSE was no better). At most `SPINS` rounds,
+    /// a few microseconds, before the core is yielded. Oversubscribed ranks keep the hint.
     fn relax(&self, round: &mut u32) -> bool {
         if *round < self.spins {
             *round += 1;
-            std::hint::spin_loop();
+            if self.spins <= SPINS_OVERSUBSCRIBED {
+                std::hint::spin_loop();
+            }
             false
         } else {
             std::thread::yield_now();

@@ -542,3 +542,48 @@ fn a_closed_stdout_ends_every_printing_command_quietly_by_sigpipe() {
         assert!(t.elapsed() < Duration::from_secs(60), "{args:?}");
     }
 }
+
+/// `METASHARD_STEP_PROFILE=1` prints where a meta device's steps went when the run ends:
+/// the host's share, the critical path's compute and collectives, and each device's times.
+#[test]
+fn the_step_profile_reports_every_device() {
+    let r = metashard_with(
+        &[
+            "run",
+            "--devices",
+            "cpu:2x1",
+            "-n",
+            "4",
+            "--raw",
+            "-p",
+            "Hello",
+        ],
+        &[("METASHARD_STEP_PROFILE", "1")],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let at = r
+        .stderr
+        .find("step profile (METASHARD_STEP_PROFILE), mean of ");
+    let report = &r.stderr[at.expect("a step profile")..];
+    for needle in [
+        "host before the devices",
+        "critical path: compute",
+        "cpu0",
+        "cpu1",
+    ] {
+        assert!(report.contains(needle), "{needle}: {report}");
+    }
+    // Off by default.
+    let r = metashard(&[
+        "run",
+        "--devices",
+        "cpu:2x1",
+        "-n",
+        "2",
+        "--raw",
+        "-p",
+        "Hello",
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(!r.stderr.contains("step profile"), "{}", r.stderr);
+}

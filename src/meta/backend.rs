@@ -43,7 +43,7 @@ use crate::{Error, Result};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Plans kept per backend (a decode loop alternates few shapes).
 const CACHE_SIZE: usize = 8;
@@ -115,6 +115,17 @@ pub struct MetaBackend {
     cache: Mutex<Vec<Arc<Prepared>>>,
     last: Mutex<Option<Arc<Prepared>>>,
     graphs_prepared: AtomicUsize,
+    /// `METASHARD_STEP_PROFILE`'s sums (`profile.rs`).
+    profile: Mutex<super::profile::StepProfile>,
+}
+
+impl Drop for MetaBackend {
+    fn drop(&mut self) {
+        let names: Vec<String> = self.shared.devices.iter().map(|d| d.name()).collect();
+        if let Some(r) = self.profile.lock().report(&names) {
+            eprintln!("{r}");
+        }
+    }
 }
 
 /// The first communicator kind every device offers, else the host fallback.
@@ -171,6 +182,7 @@ impl MetaBackend {
             cache: Mutex::new(Vec::new()),
             last: Mutex::new(None),
             graphs_prepared: AtomicUsize::new(0),
+            profile: Mutex::new(Default::default()),
             shared,
         })
     }
@@ -469,6 +481,8 @@ struct StepJob {
     comm: Arc<dyn Communicator>,
     device: Arc<dyn Device>,
     error: Arc<Mutex<Option<Error>>>,
+    /// Where `METASHARD_STEP_PROFILE` is on: this device's times of the step.
+    times: Option<Arc<Mutex<super::profile::DeviceTimes>>>,
 }
 
 impl StepJob {
@@ -496,6 +510,7 @@ impl StepJob {
                 ),
             })
         };
+        let start = self.times.as_ref().map(|_| Instant::now());
         // Inputs of this step.
         for (lid, up) in &run.program.uploads {
             let st = storage(*lid)?;
@@ -513,7 +528,13 @@ impl StepJob {
                 Upload::Zeros => st.buffer.memset_tensor(l, st.offset, 0, 0, l.nbytes())?,
             }
         }
+        let mut times = self.times.as_ref().map(|t| t.lock());
+        if let (Some(t), Some(start)) = (times.as_mut(), start) {
+            t.uploads = start.elapsed().as_nanos() as u64;
+            t.stages.clear();
+        }
         for (i, stage) in run.program.stages.iter().enumerate() {
+            let stage_start = times.as_ref().map(|_| Instant::now());
             if progress.cancelled() {
                 return Err(Error::Device {
                     device: self.device.name(),
@@ -554,6 +575,10 @@ impl StepJob {
                         )?,
                     }
                 }
+            }
+            if let (Some(t), Some(st)) = (times.as_mut(), stage_start) {
+                let coll = matches!(stage, Stage::Collective { .. });
+                t.stages.push((coll, st.elapsed().as_nanos() as u64));
             }
         }
         Ok(())
@@ -608,6 +633,8 @@ impl Backend for MetaBackend {
     }
 
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
+        let profiling = super::profile::enabled();
+        let entered = Instant::now();
         unbind_results(g);
         let prep = self.prepared(g)?;
         let n = self.n_devices();
@@ -625,6 +652,9 @@ impl Backend for MetaBackend {
         let comm = self.step_communicator()?;
         let errors: Vec<Arc<Mutex<Option<Error>>>> =
             (0..n).map(|_| Arc::new(Mutex::new(None))).collect();
+        let times: Vec<Arc<Mutex<super::profile::DeviceTimes>>> = (0..n)
+            .map(|_| Arc::new(Mutex::new(Default::default())))
+            .collect();
         let jobs: Vec<Job> = (0..n)
             .map(|d| {
                 // Another process runs this rank's program.
@@ -638,14 +668,17 @@ impl Backend for MetaBackend {
                     comm: comm.clone(),
                     device: self.shared.devices[d].clone(),
                     error: errors[d].clone(),
+                    times: profiling.then(|| times[d].clone()),
                 };
                 Box::new(move |p: &Progress| job.run(p)) as Job
             })
             .collect();
         let timeout = self.shared.options.timeout;
+        let dispatched = Instant::now();
         let outcome = self.workers.lock().run(jobs, timeout, &|d| {
             comm.abort(d, "it stalled (no progress within the timeout)")
         })?;
+        let finished = Instant::now();
         if let Outcome::Stalled {
             devices,
             stages,
@@ -688,6 +721,16 @@ impl Backend for MetaBackend {
             }
         }
         *self.last.lock() = Some(prep);
+        if profiling {
+            let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
+            let times: Vec<_> = times
+                .iter()
+                .map(|t| std::mem::take(&mut *t.lock()))
+                .collect();
+            let (before, devices) = (ns(entered, dispatched), ns(dispatched, finished));
+            let after = ns(finished, Instant::now());
+            self.profile.lock().add(before, devices, after, &times);
+        }
         Ok(())
     }
 }

@@ -9,9 +9,11 @@
 //! - `sharding.rs`: derive every node's state and the conversions its sources need (pure).
 //! - `rewrite.rs`: build the per-device programs (local shapes, conversions, collectives).
 //! - `backend.rs`: `MetaBackend` (plan cache, per-device allocation, concurrent execution).
+//! - `profile.rs`: `METASHARD_STEP_PROFILE`, a step's time stage by stage on every device.
 
 pub mod backend;
 pub mod buffer;
+mod profile;
 pub(crate) mod rewrite;
 pub mod sharding;
 

@@ -126,8 +126,8 @@ pub type StepShape = (usize, usize, std::ops::Range<usize>);
 /// within one `KV_PAD` of cache rows), with each node's storage as built: a backend binds the
 /// results it computed, and the graph is put back as it was built (`put_back`) so that the
 /// next computation finds the plans made for it. Building a 30-layer model's step graph and
-/// freeing it took about a third of a millisecond per step, as much as a decoding step's
-/// kernels on a GPU; refilling it takes microseconds.
+/// freeing it took about a third of a millisecond per step (host time that does not shrink
+/// on a faster device); refilling it takes microseconds.
 pub struct KeptStep {
     shape: StepShape,
     step: StepGraph,

@@ -6,7 +6,7 @@
 //! rows): the next step puts its tokens, positions and mask into the kept graph
 //! (`StepGraph::refill`) instead of building the graph again, which cost about a third of a
 //! millisecond per step for a 30-layer model (building, then freeing, some 1,200 named
-//! nodes), as much as a decoding step's kernels on a GPU.
+//! nodes): host time that does not shrink on a faster device.
 
 use super::decoder::{KeptStep, SequenceStep, build_step};
 use super::loader::DecoderModel;

@@ -420,40 +420,30 @@ impl Graph {
     }
 }
 
-/// A graph's structure as words ([`Graph::signature`]), with a digest of them for a quick
-/// rejection: equal signatures are equal structures (the words are the `Hash` writes of every
-/// node's fields, each value in a word of its own or its bytes packed, lengths first, so no
-/// two structures write the same words). Building one costs about a nanosecond per word
-/// (SipHash over the same writes, the earlier cache key, took 0.15 ms per decoding step of
-/// a 30-layer model on the Zen 2 host).
-#[derive(Clone, Debug)]
+/// A graph's structure as words ([`Graph::signature`]): equal signatures are equal
+/// structures (the words are the `Hash` writes of every node's fields, each value in a word of
+/// its own or its bytes packed, lengths first, so no two structures write the same words).
+/// Compared whole (two different structures usually differ within the first few hundred
+/// words); building one costs about a nanosecond per word (SipHash over the same writes, the
+/// earlier cache key, took 0.15 ms per decoding step of a 30-layer model on the Zen 2 host).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Signature {
-    digest: u64,
     words: Vec<u64>,
 }
 
 impl Signature {
     fn new(words: Vec<u64>) -> Signature {
-        // FxHash's multiply-rotate step (rustc's hasher): a digest, never trusted alone.
-        let digest = words.iter().fold(words.len() as u64, |h, &w| {
-            (h.rotate_left(5) ^ w).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95)
-        });
-        Signature { digest, words }
+        Signature { words }
     }
 
-    /// A 64-bit digest of the words.
+    /// A 64-bit digest of the words (FxHash's multiply-rotate step, as rustc's hasher): for
+    /// logs and tests; caches compare whole signatures.
     pub fn digest(&self) -> u64 {
-        self.digest
+        self.words.iter().fold(self.words.len() as u64, |h, &w| {
+            (h.rotate_left(5) ^ w).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95)
+        })
     }
 }
-
-impl PartialEq for Signature {
-    fn eq(&self, other: &Signature) -> bool {
-        self.digest == other.digest && self.words == other.words
-    }
-}
-
-impl Eq for Signature {}
 
 /// A `Hasher` that records what is written instead of mixing it: every integer a word of its
 /// own (`Hash` for tuples, enums and slices writes a length or discriminant before the

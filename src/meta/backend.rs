@@ -633,8 +633,9 @@ impl Backend for MetaBackend {
     }
 
     fn graph_compute(&self, g: &mut Graph) -> Result<()> {
-        let profiling = super::profile::enabled();
-        let entered = Instant::now();
+        // `METASHARD_STEP_PROFILE`: nothing is timed or allocated for it when it is off.
+        let clock = || super::profile::enabled().then(Instant::now);
+        let entered = clock();
         unbind_results(g);
         let prep = self.prepared(g)?;
         let n = self.n_devices();
@@ -652,9 +653,10 @@ impl Backend for MetaBackend {
         let comm = self.step_communicator()?;
         let errors: Vec<Arc<Mutex<Option<Error>>>> =
             (0..n).map(|_| Arc::new(Mutex::new(None))).collect();
-        let times: Vec<Arc<Mutex<super::profile::DeviceTimes>>> = (0..n)
-            .map(|_| Arc::new(Mutex::new(Default::default())))
-            .collect();
+        let times: Vec<Arc<Mutex<super::profile::DeviceTimes>>> = match entered {
+            Some(_) => (0..n).map(|_| Default::default()).collect(),
+            None => Vec::new(),
+        };
         let jobs: Vec<Job> = (0..n)
             .map(|d| {
                 // Another process runs this rank's program.
@@ -668,17 +670,17 @@ impl Backend for MetaBackend {
                     comm: comm.clone(),
                     device: self.shared.devices[d].clone(),
                     error: errors[d].clone(),
-                    times: profiling.then(|| times[d].clone()),
+                    times: times.get(d).cloned(),
                 };
                 Box::new(move |p: &Progress| job.run(p)) as Job
             })
             .collect();
         let timeout = self.shared.options.timeout;
-        let dispatched = Instant::now();
+        let dispatched = clock();
         let outcome = self.workers.lock().run(jobs, timeout, &|d| {
             comm.abort(d, "it stalled (no progress within the timeout)")
         })?;
-        let finished = Instant::now();
+        let finished = clock();
         if let Outcome::Stalled {
             devices,
             stages,
@@ -721,7 +723,7 @@ impl Backend for MetaBackend {
             }
         }
         *self.last.lock() = Some(prep);
-        if profiling {
+        if let (Some(entered), Some(dispatched), Some(finished)) = (entered, dispatched, finished) {
             let ns = |a: Instant, b: Instant| b.duration_since(a).as_nanos() as u64;
             let times: Vec<_> = times
                 .iter()

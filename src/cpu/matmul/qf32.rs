@@ -16,7 +16,8 @@
 //! - AVX-512: a Q4 block's 16 possible values are computed once per block and row
 //!   (`(j - 8) * d` or `j * d + m` for j in 0..16, one vector) and the 32 weights are looked up
 //!   with two `vpermps` indexed by the nibbles (the instruction uses the low 4 bits of each
-//!   index lane, so the low nibbles need no masking); Q8_0 widens the bytes and converts them.
+//!   index lane, so the low nibbles need no masking); Q8_0 widens the bytes and converts them;
+//!   Q5_0 widens its nibble bytes once and takes the fifth bits as lane masks (`q5_0_ints`).
 //!   Tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1} otherwise.
 //! - AVX2 + FMA + F16C: nibbles widened to i32 straight from memory (`vpmovzxbd`, each dword
 //!   holding elements j and j + 16), Q5_0's quants decoded to bytes one group of 8 blocks
@@ -320,11 +321,7 @@ mod avx512 {
                     // SAFETY: the block's 32 quants follow its scale (Q5_0: its bits).
                     let (q0, q1) = unsafe {
                         if WQ == Q5_0 {
-                            let b = _mm256_sub_epi8(q5_0_avx2(wb), _mm256_set1_epi8(16));
-                            (
-                                _mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)),
-                                _mm512_cvtepi8_epi32(_mm256_extracti128_si256::<1>(b)),
-                            )
+                            q5_0_ints(wb)
                         } else {
                             (
                                 _mm512_cvtepi8_epi32(_mm_loadu_si128(wb.add(2).cast())),
@@ -372,6 +369,35 @@ mod avx512 {
                 unsafe { *d.add(m * ldd + r) = _mm512_reduce_add_ps(*a) };
             }
         }
+    }
+
+    /// A Q5_0 block's 32 quants `q - 16` as i32 (elements 0..16, 16..32): the nibble bytes
+    /// widened once to dwords, the low nibbles masked and the high ones shifted down, and the
+    /// fifth bits taken as two 16-bit lane masks straight from `qh` (bit j is element j's,
+    /// ggml-common.h `block_q5_0`): `q - 16` is the nibble minus 16 where the bit is clear.
+    /// About 7 operations per block, one of them on the shuffle port, where going through
+    /// [`q5_0_avx2`]'s bytes took about 15, seven on it.
+    ///
+    /// # Safety
+    /// `wb` readable for one Q5_0 block.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q5_0_ints(wb: *const u8) -> (__m512i, __m512i) {
+        // SAFETY: `qh` (bytes 2..6) and the 16 quant bytes (6..22) of the block.
+        let (b, k0, k1) = unsafe {
+            (
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(6).cast())),
+                _load_mask16(wb.add(2).cast()),
+                _load_mask16(wb.add(4).cast()),
+            )
+        };
+        let s = _mm512_set1_epi32(16);
+        let lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
+        let hi = _mm512_srli_epi32::<4>(b);
+        (
+            _mm512_mask_sub_epi32(lo, _knot_mask16(k0), lo, s),
+            _mm512_mask_sub_epi32(hi, _knot_mask16(k1), hi, s),
+        )
     }
 
     row_length_tiles!("avx512f,avx512bw,avx512vl,avx2,fma,f16c");

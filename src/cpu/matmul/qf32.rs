@@ -376,7 +376,7 @@ mod avx512 {
     /// fifth bits taken as two 16-bit lane masks straight from `qh` (bit j is element j's,
     /// ggml-common.h `block_q5_0`): `q - 16` is the nibble minus 16 where the bit is clear.
     /// About 7 operations per block, one of them on the shuffle port, where going through
-    /// [`q5_0_avx2`]'s bytes took about 15, seven on it.
+    /// [`q5_0_avx2`]'s bytes took about 12, seven on it.
     ///
     /// # Safety
     /// `wb` readable for one Q5_0 block.
@@ -384,19 +384,21 @@ mod avx512 {
     #[inline]
     unsafe fn q5_0_ints(wb: *const u8) -> (__m512i, __m512i) {
         // SAFETY: `qh` (bytes 2..6) and the 16 quant bytes (6..22) of the block.
+        // (Unaligned reads: a block is 22 bytes, so `qh` has no alignment to rely on.)
         let (b, k0, k1) = unsafe {
             (
                 _mm512_cvtepu8_epi32(_mm_loadu_si128(wb.add(6).cast())),
-                _load_mask16(wb.add(2).cast()),
-                _load_mask16(wb.add(4).cast()),
+                wb.add(2).cast::<u16>().read_unaligned(),
+                wb.add(4).cast::<u16>().read_unaligned(),
             )
         };
         let s = _mm512_set1_epi32(16);
         let lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
         let hi = _mm512_srli_epi32::<4>(b);
+        // The lanes whose fifth bit is clear get the nibble minus 16.
         (
-            _mm512_mask_sub_epi32(lo, _knot_mask16(k0), lo, s),
-            _mm512_mask_sub_epi32(hi, _knot_mask16(k1), hi, s),
+            _mm512_mask_sub_epi32(lo, !k0, lo, s),
+            _mm512_mask_sub_epi32(hi, !k1, hi, s),
         )
     }
 

@@ -6,7 +6,7 @@
 //! start (the plan-cache lookup, the dispatch) and after they finish (results bound). The
 //! sums per step are printed to stderr when the backend is dropped. This is how the cost
 //! model's misses on a cpu:2x1 step were found (docs/planner.md, "Predictions held against
-//! measurements"). Off, it costs one load per step.
+//! measurements"). Off, it costs three reads of a set flag per step.
 
 use std::sync::OnceLock;
 

@@ -240,6 +240,13 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
     }
     // The profile says where it comes from.
     assert!(c.sources.iter().any(|s| s.contains("cpu:2x1")));
+    // One device alone against both, at a streaming and a compute-bound row count, each in
+    // 1..=2 devices' worth; the single figure is the compute-bound one.
+    let by_m = &c.alone_speedup_by_m;
+    let rows: Vec<usize> = by_m.iter().map(|p| p.0).collect();
+    assert_eq!(rows, metashard::calibrate::ALONE_M, "{by_m:?}");
+    assert!(by_m.iter().all(|p| (1.0..=2.0).contains(&p.1)), "{by_m:?}");
+    assert_eq!(c.alone_speedup, Some(by_m[1].1));
     // Each row length of the GEMV shapes measured on its own, in increasing K, and the one
     // rate over all of them between the slowest and the fastest.
     for t in metashard::calibrate::MEASURED_TYPES {

@@ -346,41 +346,74 @@ fn memory_bandwidth(rig: &mut Rig, b: &Budget, kernel_node_s: f64) -> Result<f64
     Ok((adds * moved_per_add) as f64 / k)
 }
 
-/// Seconds (median, from the first device starting to the last finishing) of products of M = 8
-/// rows over 8 copies of the first GEMM shapes of `dt`, on every device of `rig` at once: a
-/// compute-bound step, for [`alone_speedup`].
-fn product_span(rig: &mut Rig, dt: DType, b: &Budget) -> Result<f64> {
-    let base: Vec<(usize, usize)> = SHAPES[..b.gemm_shapes]
+/// Rows of the products behind the cluster's `alone_speedup_by_m`: a decoding step of one
+/// sequence (M = 1, weights streamed from memory) and a batched or prompt step (M = 8,
+/// compute-bound on a CPU); the cost model interpolates between them.
+pub const ALONE_M: [usize; 2] = [1, 8];
+
+/// Pairs of runs (all devices, then the first alone) per point of [`alone_speedups`].
+const ALONE_PAIRS: usize = 9;
+
+/// The products of one point of [`alone_speedups`], per device: at M = 1 the shapes in turn
+/// over the device's share of the GEMV bytes (streamed, as in a decoding step), above it 8
+/// copies of the first GEMM shapes.
+fn alone_shapes(dt: DType, m: usize, n: usize, b: &Budget) -> Vec<(usize, usize)> {
+    let base: Vec<(usize, usize)> = SHAPES
         .iter()
         .map(|&(k, n)| (k.next_multiple_of(dt.block_size()), n))
         .collect();
-    let mut tensors = BTreeMap::new();
-    for &(k, n) in &base {
-        tensors.insert((k, n), tensor_bytes(dt, k, n)?);
+    if m > 1 {
+        let first = &base[..b.gemm_shapes];
+        return (0..8).flat_map(|_| first.iter().copied()).collect();
     }
-    let shapes: Vec<(usize, usize)> = (0..8).flat_map(|_| base.clone()).collect();
-    let p = rig.prepare(&|_, bt| {
-        let w = weights(dt, &shapes, &tensors, bt)?;
-        matmul_graph(dt, &w, 8)
-    })?;
-    let t = rig.time(&p, b.warmup, b.reps.max(5))?;
-    Ok(median(&t.spans))
+    let per_device = (b.gemv_total / n).max(8 << 20);
+    let cycle: usize = base.iter().map(|&(k, n)| dt.row_size(k) * n).sum();
+    let cycles = per_device.div_ceil(cycle).max(1);
+    (0..cycles).flat_map(|_| base.iter().copied()).collect()
 }
 
-/// How much faster the first device computes alone than all of `devices` at once (the
-/// cluster's `alone_speedup`): the same products timed on a rig of all of them, then of the
-/// first alone. At least 1 (a device alone is not slowed by the others); None for one device.
-pub(super) fn alone_speedup(
+/// How much faster the first device computes alone than all of `devices` at once, at each row
+/// count of [`ALONE_M`] (the cluster's `alone_speedup_by_m`): the same products on a rig of
+/// all of them and on a rig of the first alone, timed in alternation (all, alone, all, ...;
+/// [`ALONE_PAIRS`] pairs after a warm-up of each) and the median of the pairs' ratios taken,
+/// so a host whose speed drifts during the measurement moves both sides of a pair alike. At
+/// least 1 (a device alone is not slowed by the others), at most the device count; empty for
+/// one device. Hyperthreads show why it takes two points: two one-thread devices on one
+/// core's two hyperthreads slow each other down more in compute-bound products (they share
+/// the vector units) than in streaming ones.
+pub(super) fn alone_speedups(
     devices: &[std::sync::Arc<dyn crate::backend::Device>],
     dt: DType,
     b: &Budget,
-) -> Result<Option<f64>> {
-    if devices.len() < 2 {
-        return Ok(None);
+) -> Result<Vec<(usize, f64)>> {
+    let n = devices.len();
+    if n < 2 {
+        return Ok(Vec::new());
     }
-    let all = product_span(&mut Rig::new(devices)?, dt, b)?;
-    let alone = product_span(&mut Rig::new(&devices[..1])?, dt, b)?;
-    Ok(Some(
-        (all / alone.max(1e-12)).clamp(1.0, devices.len() as f64),
-    ))
+    let (mut all, mut one) = (Rig::new(devices)?, Rig::new(&devices[..1])?);
+    let mut out = Vec::with_capacity(ALONE_M.len());
+    for m in ALONE_M {
+        let shapes = alone_shapes(dt, m, n, b);
+        let mut tensors = BTreeMap::new();
+        for &(k, c) in &shapes {
+            if let std::collections::btree_map::Entry::Vacant(e) = tensors.entry((k, c)) {
+                e.insert(tensor_bytes(dt, k, c)?);
+            }
+        }
+        let build = |_: usize, bt: &dyn BufferType| {
+            let w = weights(dt, &shapes, &tensors, bt)?;
+            matmul_graph(dt, &w, m)
+        };
+        let (pa, po) = (all.prepare(&build)?, one.prepare(&build)?);
+        all.time(&pa, b.warmup, 0)?;
+        one.time(&po, b.warmup, 0)?;
+        let mut ratios = Vec::with_capacity(ALONE_PAIRS);
+        for _ in 0..ALONE_PAIRS {
+            let ta = median(&all.time(&pa, 0, 1)?.spans);
+            let to = median(&one.time(&po, 0, 1)?.spans);
+            ratios.push(ta / to.max(1e-12));
+        }
+        out.push((m, median(&ratios).clamp(1.0, n as f64)));
+    }
+    Ok(out)
 }

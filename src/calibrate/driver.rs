@@ -3,7 +3,7 @@
 //! `measured_cluster`, with sources saying how each figure was obtained.
 
 use super::decoder_steps::{DecoderSteps, measure_decoder_steps};
-use super::device_rates::{alone_speedup, measure_devices};
+use super::device_rates::{alone_speedups, measure_devices};
 use super::host::cpu_model;
 use super::links::measure_links;
 use super::options::{
@@ -89,7 +89,7 @@ pub fn calibrate_report(
     };
     // One device alone against all at once (a layer split's stages run alone or a few at once).
     step("one device alone against all at once");
-    let speedup = alone_speedup(&devices, opts.weight_types[0], &budget)?;
+    let speedups = alone_speedups(&devices, opts.weight_types[0], &budget)?;
     // Overheads through the backend a run uses.
     step("step and node overheads");
     let over = measure_overheads(spec, opts.precision, &budget)?;
@@ -112,7 +112,8 @@ pub fn calibrate_report(
         mem_bw: rates.mem_bw,
         step_overhead_s: over.step_s,
         node_overhead_s: over.node_s,
-        alone_speedup: speedup,
+        alone_speedup: speedups.last().map(|&(_, s)| s),
+        alone_speedup_by_m: speedups,
     };
     let mut cluster = measured_cluster(
         format!("calibrated {spec}"),

@@ -30,7 +30,8 @@
 //!     all of them together;
 //!   - between the two: M = 2 and 8 over the streamed weights, M = 32 over one copy
 //!     (`gemm_flops_by_m`, the points the cost model interpolates through);
-//!   - one device alone against all at once (8-row products): the cluster's `alone_speedup`;
+//!   - one device alone against all at once, at M = 1 (streamed) and M = 8, in alternating pairs
+//!     (median of the pairs' ratios): the cluster's `alone_speedup_by_m` and `alone_speedup`;
 //!   - GEMM: M = 128 products over the same shapes, `gemm_flops` = `2 M N K` per second;
 //!   - memory: element-wise adds of large F32 tensors; `mem_bw` = bytes read and written per
 //!     second (two sources and the result: the cost model's "bytes moved");
@@ -72,5 +73,6 @@ mod overheads;
 mod rig;
 
 pub use crate::planner::fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
+pub use device_rates::ALONE_M;
 pub use driver::{Calibration, calibrate, calibrate_report};
 pub use options::{CalibrateOptions, GEMM_M, GEMV_M, MEASURED_TYPES, SHAPES, STEP_GAP};

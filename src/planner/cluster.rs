@@ -489,6 +489,14 @@ pub struct Cluster {
     /// at a time or a few at once, are priced with it ([`Cluster::concurrency_factor`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alone_speedup: Option<f64>,
+    /// The same by the rows of the products (`[M, speedup]`, rising M): a calibration measures
+    /// it at M = 1 (a decoding step of one sequence, weights streamed) and M = 8 (batched and
+    /// prompt steps), since devices sharing a core's vector units slow each other down more in
+    /// compute-bound products than in streaming ones. Between the points the speedup is
+    /// interpolated in log M, outside them the nearest point holds; absent or empty:
+    /// [`alone_speedup`](Cluster::alone_speedup) at every M.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub alone_speedup_by_m: Vec<(usize, f64)>,
 }
 
 impl Cluster {
@@ -497,17 +505,37 @@ impl Cluster {
     }
 
     /// The factor on the devices' calibrated compute times when only `active` of the
-    /// cluster's devices compute at once (at most 1). With an [`alone_speedup`] s over n
-    /// devices, the devices behave as if they shared n / s cores: each of k active devices
-    /// runs at min(1, cores / k) of a device alone, against min(1, cores / n) when measured.
-    ///
-    /// [`alone_speedup`]: Cluster::alone_speedup
-    pub fn concurrency_factor(&self, active: usize) -> f64 {
+    /// cluster's devices compute at once, in a step of `rows` rows (at most 1). With an alone
+    /// speedup s over n devices ([`Cluster::alone_speedup_at`]), the devices behave as if they
+    /// shared n / s cores: each of k active devices runs at min(1, cores / k) of a device
+    /// alone, against min(1, cores / n) when measured.
+    pub fn concurrency_factor(&self, active: usize, rows: usize) -> f64 {
         let n = self.devices.len().max(1) as f64;
-        let s = self.alone_speedup.unwrap_or(1.0).clamp(1.0, n);
+        let s = self.alone_speedup_at(rows).clamp(1.0, n);
         let cores = n / s;
         let share = |k: f64| (cores / k.max(1.0)).min(1.0);
         (share(n) / share(active.clamp(1, self.devices.len().max(1)) as f64)).min(1.0)
+    }
+
+    /// How much faster one device computes alone than all at once in products of `rows` rows:
+    /// [`alone_speedup_by_m`](Cluster::alone_speedup_by_m) interpolated in log M (the nearest
+    /// point outside them), else [`alone_speedup`](Cluster::alone_speedup), else 1.
+    pub fn alone_speedup_at(&self, rows: usize) -> f64 {
+        let p = &self.alone_speedup_by_m;
+        let (Some(first), Some(last)) = (p.first(), p.last()) else {
+            return self.alone_speedup.unwrap_or(1.0);
+        };
+        let m = rows.max(1);
+        if m <= first.0 {
+            return first.1;
+        }
+        if m >= last.0 {
+            return last.1;
+        }
+        let i = p.iter().position(|&(pm, _)| pm >= m).unwrap_or(p.len() - 1);
+        let ((m0, s0), (m1, s1)) = (p[i - 1], p[i]);
+        let t = ((m as f64).ln() - (m0 as f64).ln()) / ((m1 as f64).ln() - (m0 as f64).ln());
+        s0 + t * (s1 - s0)
     }
 
     /// Check the figures against their physical ranges ([`MAX_DEVICES`], [`MEMORY_BYTES`],
@@ -532,6 +560,16 @@ impl Cluster {
                 s.to_string(),
                 format!("must be in 1..={MAX_DEVICES}"),
             ));
+        }
+        for (i, &(m, s)) in self.alone_speedup_by_m.iter().enumerate() {
+            let rising = i == 0 || self.alone_speedup_by_m[i - 1].0 < m;
+            if m == 0 || !rising || !(1.0..=MAX_DEVICES as f64).contains(&s) {
+                return Err((
+                    format!("alone_speedup_by_m[{i}]"),
+                    format!("[{m}, {s}]"),
+                    format!("rows must rise from 1 and speedups be in 1..={MAX_DEVICES}"),
+                ));
+            }
         }
         if !(1..=MAX_DEVICES).contains(&n) {
             return Err((
@@ -601,6 +639,7 @@ impl Cluster {
             links,
             sources: Vec::new(),
             alone_speedup: None,
+            alone_speedup_by_m: Vec::new(),
         }
     }
 
@@ -639,6 +678,7 @@ impl Cluster {
             },
             sources: self.sources.clone(),
             alone_speedup: self.alone_speedup,
+            alone_speedup_by_m: self.alone_speedup_by_m.clone(),
         };
         c.validate()?;
         Ok(c)
@@ -876,5 +916,48 @@ mod tests {
         // The inter-node part moves 1/8 of the data: well under a flat 16-rank ring at 48 GB/s.
         let flat = level(48e9, 47e-6).time(Collective::AllReduce, 16, 64e6);
         assert!(two < flat, "{two} vs {flat}");
+    }
+
+    #[test]
+    fn the_alone_speedup_follows_the_rows_and_prices_a_stage_alone_by_it() {
+        let mut c = Cluster::homogeneous(
+            "box",
+            2,
+            &cpu_like(),
+            Links {
+                devices_per_node: 2,
+                intra: level(40e9, 1e-6),
+                inter: None,
+            },
+        );
+        // Neither figure: independent devices, at any rows.
+        assert_eq!(c.alone_speedup_at(1), 1.0);
+        assert_eq!(c.concurrency_factor(1, 8), 1.0);
+        // One figure for every M.
+        c.alone_speedup = Some(1.6);
+        assert_eq!(c.alone_speedup_at(1), 1.6);
+        assert_eq!(c.alone_speedup_at(512), 1.6);
+        // By rows: the points, log-M interpolation between them, the nearest outside.
+        c.alone_speedup_by_m = vec![(1, 1.0), (8, 2.0)];
+        assert_eq!(c.alone_speedup_at(0), 1.0);
+        assert_eq!(c.alone_speedup_at(1), 1.0);
+        assert!((c.alone_speedup_at(2) - 4.0 / 3.0).abs() < 1e-12);
+        assert_eq!(c.alone_speedup_at(8), 2.0);
+        assert_eq!(c.alone_speedup_at(128), 2.0);
+        // Two devices that are one core at M = 8: one alone runs at twice the measured rate,
+        // so its time is halved; both busy, as measured; a streaming step alone, no faster.
+        assert_eq!(c.concurrency_factor(1, 8), 0.5);
+        assert_eq!(c.concurrency_factor(2, 8), 1.0);
+        assert_eq!(c.concurrency_factor(1, 1), 1.0);
+        c.validate().unwrap();
+        // Rows must rise and speedups stay in range; the error names the entry.
+        c.alone_speedup_by_m = vec![(8, 2.0), (1, 1.0)];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("alone_speedup_by_m[1]"), "{e}");
+        c.alone_speedup_by_m = vec![(1, 0.5)];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("alone_speedup_by_m[0]"), "{e}");
+        c.alone_speedup_by_m = vec![(0, 1.5)];
+        assert!(c.validate().is_err());
     }
 }

@@ -258,6 +258,8 @@ pub struct MeasuredRates {
     pub node_overhead_s: f64,
     /// [`Cluster::alone_speedup`]: one device computing alone against all at once.
     pub alone_speedup: Option<f64>,
+    /// [`Cluster::alone_speedup_by_m`]: the same by the products' rows.
+    pub alone_speedup_by_m: Vec<(usize, f64)>,
 }
 
 /// A one-level cluster of `devices` (name, memory bytes), each with `rates`, joined by
@@ -296,6 +298,7 @@ pub fn measured_cluster(
         },
         sources,
         alone_speedup: rates.alone_speedup,
+        alone_speedup_by_m: rates.alone_speedup_by_m.clone(),
     };
     cluster.validate()?;
     Ok(cluster)

@@ -563,8 +563,8 @@ fn evaluate_stages(
             // Fill and drain run one stage at a time, the steady state min(m, stages) at
             // once: on devices that share cores each runs faster than calibrated with all
             // of them busy (`Cluster::concurrency_factor`).
-            let alone = cluster.concurrency_factor(per);
-            let busy = cluster.concurrency_factor(m.min(used) * per);
+            let alone = cluster.concurrency_factor(per, part);
+            let busy = cluster.concurrency_factor(m.min(used) * per, part);
             let slowest = t.iter().copied().fold(0.0, f64::max);
             let total = (t.iter().sum::<f64>() + output) * alone + (m - 1) as f64 * slowest * busy;
             if best.is_none_or(|(b, _)| total < b) {

@@ -359,6 +359,7 @@ impl Cluster {
                     SRC_DERIVED,
                 ]),
                 alone_speedup: None,
+                alone_speedup_by_m: Vec::new(),
             }),
             "h100x16-ib" => Some(Cluster {
                 name: "h100x16-ib".into(),
@@ -390,6 +391,7 @@ impl Cluster {
                     SRC_DERIVED,
                 ]),
                 alone_speedup: None,
+                alone_speedup_by_m: Vec::new(),
             }),
             "rtx4090x4-pcie" => Some(Cluster {
                 name: "rtx4090x4-pcie".into(),
@@ -423,6 +425,7 @@ impl Cluster {
                     SRC_DERIVED,
                 ]),
                 alone_speedup: None,
+                alone_speedup_by_m: Vec::new(),
             }),
             "cpu2x2-netns" => Some(Cluster {
                 name: "cpu2x2-netns".into(),
@@ -452,6 +455,7 @@ impl Cluster {
                 },
                 sources: strings(&[SRC_NETNS, SRC_NETNS_FIT, SRC_RING]),
                 alone_speedup: None,
+                alone_speedup_by_m: Vec::new(),
             }),
             _ => None,
         }

@@ -1,18 +1,24 @@
-//! The per-node cost of a real decoding step: a small synthetic decoder (many layers, tiny
-//! matrices, so its kernels cost almost nothing) decoded through the path a run takes
+//! The per-node cost of a real decoding step: a synthetic decoder of a small model's width
+//! (24 layers of 512, Q4_1 weights) decoded through the path a run takes
 //! (`runtime::open_decoder`, a `Session`), the mean step timed, against the cost model's
 //! prediction for the same step on the cluster measured so far. The chains of tiny nodes
-//! (`overheads.rs`) leave out what a decoder's step does per node besides computing it: the
-//! model code building the step graph (named nodes, views of the cache), hashing it against
-//! the plan cache, uploading positions and the mask, running each device's plan node by
-//! node, gathering the logits. On cpu:2x1 of this project's Zen 2 host the chains gave 0.30
-//! us per node and a 30-layer decoder of width 64 took 0.80 ms a step where 0.41 ms was
-//! predicted. The difference per node on the step's critical path is added to the profile's
-//! `node_overhead_s` (never taken off it: a slower prediction is the kernels', not the
-//! nodes'). Since attention has a calibrated rate (`attn_flops`) and a decoding step refills
-//! the last step's graph (`decoder::KeptStep`), the difference there is about nothing (380 us
-//! measured, 374 us predicted, +0.01 us per node): the measurement stays as the check that
-//! the chains and the kernel rates price a real step.
+//! (`overheads.rs`) and the rates timed graph by graph leave out what a decoder's step does
+//! besides computing each node: the model code building the step graph, hashing it against
+//! the plan cache, uploading positions and the mask, running each device's plan node by node,
+//! the devices meeting at every collective, gathering the logits. The difference per node on
+//! the step's critical path is added to the profile's `node_overhead_s` (never taken off it:
+//! a slower prediction is the kernels', not the nodes').
+//!
+//! The decoder was 64 wide until 2026-11-28, so that its kernels cost almost nothing and the
+//! difference was the nodes' alone (on cpu:2x1 of the Zen 2 host: 380 us measured against 374
+//! predicted once steps reused their graphs). At that width the devices of a step meet every
+//! few microseconds and never lose their cores; at a real width they compute for tens of
+//! microseconds between collectives, and three one-thread devices on two cores lose about a
+//! quarter of a decoding step to taking turns (SmolLM2 on cpu:3x1 of the AVX-512 Xeon: 9.5-11.3
+//! ms a step for 16 ms of work on two cores). The 512-wide decoder sees it: 6.7-6.9 ms measured
+//! against 5.6-5.8 predicted on cpu:3x1 (+2.1-2.3 us per node), 4.3-4.5 against 4.2-4.5 on
+//! cpu:2x1 (0-0.7 us). Charged per node, it is exact for steps of about this width and too
+//! little for wider ones or batched steps, where the turns cost more compute.
 
 use crate::models::hparams::DecoderConfig;
 use crate::models::session::Session;
@@ -50,15 +56,15 @@ pub(super) struct DecoderSteps {
 }
 
 /// Decode [`REPS`] spans of [`STEPS`] steps of a synthetic llama of [`LAYERS`] layers of width
-/// 64 on `spec` (its default tensor split, `opts` as a run's) and compare the fastest span's
+/// 512 on `spec` (its default tensor split, `opts` as a run's) and compare the fastest span's
 /// mean step with `cluster`'s prediction for a step of that generation.
 pub(super) fn measure_decoder_steps(
     spec: &str,
     opts: &OpenOptions,
     cluster: &Cluster,
 ) -> Result<DecoderSteps> {
-    let cfg = DecoderConfig::llama(LAYERS, 64, 128, 8, 2, 300);
-    let bytes = gguf_bytes(&cfg, DType::F32, true, 256, 11)?;
+    let cfg = DecoderConfig::llama(LAYERS, 512, 1536, 8, 2, 300);
+    let bytes = gguf_bytes(&cfg, DType::Q4_1, true, 256, 11)?;
     let path = std::env::temp_dir().join(format!(
         "metashard-calibrate-decoder-{}-{}.gguf",
         std::process::id(),

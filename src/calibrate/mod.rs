@@ -44,7 +44,8 @@
 //!   one more node). A one-node step after an idle gap ([`STEP_GAP`], as the sampling between
 //!   two decode steps leaves the workers parked) gives `step_overhead_s` (the meta dispatch to
 //!   every device's worker and back included).
-//! - **A real decoding step**: a small synthetic decoder decoded through the run path, its mean
+//! - **A real decoding step**: a synthetic decoder of a small model's width (24 x 512, Q4_1)
+//!   decoded through the run path, its mean
 //!   step against the cost model's prediction on the profile so far; the difference per node
 //!   of the step's critical path is added to `node_overhead_s` (`decoder_steps.rs`).
 //! - **Links**: for each group size N = 2..=n,

@@ -378,9 +378,12 @@ fn alone_shapes(dt: DType, m: usize, n: usize, b: &Budget) -> Vec<(usize, usize)
 /// [`ALONE_PAIRS`] pairs after a warm-up of each) and the median of the pairs' ratios taken,
 /// so a host whose speed drifts during the measurement moves both sides of a pair alike. At
 /// least 1 (a device alone is not slowed by the others), at most the device count; empty for
-/// one device. Hyperthreads show why it takes two points: two one-thread devices on one
-/// core's two hyperthreads slow each other down more in compute-bound products (they share
-/// the vector units) than in streaming ones.
+/// one device. Two points, since devices that share a core's vector units can slow each other
+/// down more in compute-bound products than in streaming ones; on the AVX-512 Xeon of
+/// 2026-11-28 (two vCPUs), three quick calibrations each gave 1.01-1.05 at M = 1 and 1.04-1.20
+/// at M = 8 on cpu:2x1, 1.78-1.90 and 1.88-2.02 on cpu:3x1, where the one unpaired figure
+/// before moved between 1.05 and 2.0 on cpu:2x1. The alone rig holds one more device's share
+/// of the GEMV bytes beside the rig of all devices while it runs.
 pub(super) fn alone_speedups(
     devices: &[std::sync::Arc<dyn crate::backend::Device>],
     dt: DType,

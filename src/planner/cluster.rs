@@ -491,8 +491,8 @@ pub struct Cluster {
     pub alone_speedup: Option<f64>,
     /// The same by the rows of the products (`[M, speedup]`, rising M): a calibration measures
     /// it at M = 1 (a decoding step of one sequence, weights streamed) and M = 8 (batched and
-    /// prompt steps), since devices sharing a core's vector units slow each other down more in
-    /// compute-bound products than in streaming ones. Between the points the speedup is
+    /// prompt steps), since devices sharing a core's vector units can slow each other down more
+    /// in compute-bound products than in streaming ones. Between the points the speedup is
     /// interpolated in log M, outside them the nearest point holds; absent or empty:
     /// [`alone_speedup`](Cluster::alone_speedup) at every M.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

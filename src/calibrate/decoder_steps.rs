@@ -17,7 +17,7 @@
 //! quarter of a decoding step to taking turns (SmolLM2 on cpu:3x1 of the AVX-512 Xeon: 9.5-11.3
 //! ms a step for 16 ms of work on two cores). The 512-wide decoder sees it: 6.7-6.9 ms measured
 //! against 5.6-5.8 predicted on cpu:3x1 (+2.1-2.3 us per node), 4.3-4.5 against 4.2-4.5 on
-//! cpu:2x1 (0-0.7 us). Charged per node, it is exact for steps of about this width and too
+//! cpu:2x1 (0-0.7 us). Charged per node, it is about right for steps of this width and too
 //! little for wider ones or batched steps, where the turns cost more compute.
 
 use crate::models::hparams::DecoderConfig;

@@ -114,6 +114,33 @@ fn kernel_time(t: f64, nodes: usize, node_s: f64) -> f64 {
     if k > 0.5 * t { k } else { t }
 }
 
+/// Each device's share of the streamed weights' bytes (`gemv_total` over `n` devices, at least
+/// 8 MiB): enough that they come from memory, as a decoding step's do.
+fn per_device_bytes(b: &Budget, n: usize) -> usize {
+    (b.gemv_total / n).max(8 << 20)
+}
+
+/// [`SHAPES`] with rows in whole blocks of `dt` (576 -> 768 for the K-quants' blocks of 256).
+fn block_shapes(dt: DType) -> Vec<(usize, usize)> {
+    SHAPES
+        .iter()
+        .map(|&(k, n)| (k.next_multiple_of(dt.block_size()), n))
+        .collect()
+}
+
+/// The shapes of `base` in turn until they hold a device's share of the streamed bytes
+/// ([`per_device_bytes`] over `n` devices).
+fn streamed_shapes(
+    dt: DType,
+    base: &[(usize, usize)],
+    n: usize,
+    b: &Budget,
+) -> Vec<(usize, usize)> {
+    let cycle: usize = base.iter().map(|&(k, n)| dt.row_size(k) * n).sum();
+    let cycles = per_device_bytes(b, n).div_ceil(cycle).max(1);
+    (0..cycles).flat_map(|_| base.iter().copied()).collect()
+}
+
 /// GEMV, GEMM and memory rates of every device of the rig at once, and the per-node cost of a
 /// device's program subtracted from them (see the module doc).
 pub(super) fn measure_devices(
@@ -156,7 +183,7 @@ pub(super) fn measure_devices(
 fn attention_rate(rig: &mut Rig, b: &Budget, kernel_node_s: f64) -> Result<f64> {
     let n = rig.devices.len();
     let kv_bytes = |d: usize| 2 * 2 * ATTN_KV_ROWS * d * 2;
-    let per_shape = ((b.gemv_total / n).max(8 << 20) / ATTN_SHAPES.len())
+    let per_shape = (per_device_bytes(b, n) / ATTN_SHAPES.len())
         .div_ceil(kv_bytes(ATTN_SHAPES[0]))
         .max(1);
     let nodes: Vec<usize> = ATTN_SHAPES
@@ -237,12 +264,8 @@ fn matmul_rates(
     r: &mut Rates,
 ) -> Result<()> {
     let n = rig.devices.len();
-    let per_device_gemv = (b.gemv_total / n).max(8 << 20);
-    // Rows in whole blocks (576 -> 768 for the K-quants' blocks of 256).
-    let base: Vec<(usize, usize)> = SHAPES
-        .iter()
-        .map(|&(k, m)| (k.next_multiple_of(dt.block_size()), m))
-        .collect();
+    let per_device_gemv = per_device_bytes(b, n);
+    let base = block_shapes(dt);
     let mut tensors = BTreeMap::new();
     for &(k, m) in &base {
         tensors.insert((k, m), tensor_bytes(dt, k, m)?);
@@ -274,12 +297,9 @@ fn matmul_rates(
     r.gemv_bytes.insert(dt.name().into(), bytes);
     r.gemv_nodes.insert(dt.name().into(), nodes);
     // The shapes in turn over the device's share, for the small-M products below.
-    let cycle: usize = base.iter().map(|&(k, m)| dt.row_size(k) * m).sum();
-    let cycles = per_device_gemv.div_ceil(cycle).max(1);
-    let shapes: Vec<(usize, usize)> = (0..cycles).flat_map(|_| base.clone()).collect();
     // Between the regimes: M = 2 and 8 over the streamed weights (a batched decode step reads
     // them from memory), larger M over one copy (compute-bound, as the GEMM).
-    let streamed = shapes;
+    let streamed = streamed_shapes(dt, &base, n, b);
     let mut by_m = Vec::with_capacity(CALIBRATED_M.len());
     for &m in &CALIBRATED_M {
         step(&format!("{dt} products (M = {m})"));
@@ -358,18 +378,12 @@ const ALONE_PAIRS: usize = 9;
 /// over the device's share of the GEMV bytes (streamed, as in a decoding step), above it 8
 /// copies of the first GEMM shapes.
 fn alone_shapes(dt: DType, m: usize, n: usize, b: &Budget) -> Vec<(usize, usize)> {
-    let base: Vec<(usize, usize)> = SHAPES
-        .iter()
-        .map(|&(k, n)| (k.next_multiple_of(dt.block_size()), n))
-        .collect();
+    let base = block_shapes(dt);
     if m > 1 {
         let first = &base[..b.gemm_shapes];
         return (0..8).flat_map(|_| first.iter().copied()).collect();
     }
-    let per_device = (b.gemv_total / n).max(8 << 20);
-    let cycle: usize = base.iter().map(|&(k, n)| dt.row_size(k) * n).sum();
-    let cycles = per_device.div_ceil(cycle).max(1);
-    (0..cycles).flat_map(|_| base.iter().copied()).collect()
+    streamed_shapes(dt, &base, n, b)
 }
 
 /// How much faster the first device computes alone than all of `devices` at once, at each row

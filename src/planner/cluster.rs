@@ -497,7 +497,41 @@ pub struct Cluster {
     /// [`alone_speedup`](Cluster::alone_speedup) at every M.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub alone_speedup_by_m: Vec<(usize, f64)>,
+    /// How much longer the kernels of a real step of M rows take than the devices' rates say
+    /// (`[M, factor]`, rising M): a calibration times a small decoder's batched decoding
+    /// step, prompt chunk and batch of prompt chunks as run, and the factor is measured over predicted for their
+    /// compute (the step's overheads and collectives kept as predicted). In a step the
+    /// products are short and meet at a collective after each, where the rates time each
+    /// kernel in long runs: devices that share cores take turns at every meeting point, and
+    /// a step waits at each for the slowest device. Interpolated in log M, the nearest point
+    /// outside them; absent or empty: 1 (the rates as measured).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub step_factor_by_m: Vec<(usize, f64)>,
 }
+
+/// `points` (`[M, value]`, rising M) at `rows`, interpolated in log M, the nearest point
+/// outside them; `None` when there are none.
+fn at_rows(points: &[(usize, f64)], rows: usize) -> Option<f64> {
+    let (first, last) = (points.first()?, points.last()?);
+    let m = rows.max(1);
+    if m <= first.0 {
+        return Some(first.1);
+    }
+    if m >= last.0 {
+        return Some(last.1);
+    }
+    let i = points
+        .iter()
+        .position(|&(pm, _)| pm >= m)
+        .unwrap_or(points.len() - 1);
+    let ((m0, s0), (m1, s1)) = (points[i - 1], points[i]);
+    let t = ((m as f64).ln() - (m0 as f64).ln()) / ((m1 as f64).ln() - (m0 as f64).ln());
+    Some(s0 + t * (s1 - s0))
+}
+
+/// Smallest and largest step factor a profile may hold
+/// ([`Cluster::step_factor_by_m`]).
+pub const STEP_FACTOR: std::ops::RangeInclusive<f64> = 0.25..=4.0;
 
 impl Cluster {
     pub fn n_devices(&self) -> usize {
@@ -521,21 +555,14 @@ impl Cluster {
     /// [`alone_speedup_by_m`](Cluster::alone_speedup_by_m) interpolated in log M (the nearest
     /// point outside them), else [`alone_speedup`](Cluster::alone_speedup), else 1.
     pub fn alone_speedup_at(&self, rows: usize) -> f64 {
-        let p = &self.alone_speedup_by_m;
-        let (Some(first), Some(last)) = (p.first(), p.last()) else {
-            return self.alone_speedup.unwrap_or(1.0);
-        };
-        let m = rows.max(1);
-        if m <= first.0 {
-            return first.1;
-        }
-        if m >= last.0 {
-            return last.1;
-        }
-        let i = p.iter().position(|&(pm, _)| pm >= m).unwrap_or(p.len() - 1);
-        let ((m0, s0), (m1, s1)) = (p[i - 1], p[i]);
-        let t = ((m as f64).ln() - (m0 as f64).ln()) / ((m1 as f64).ln() - (m0 as f64).ln());
-        s0 + t * (s1 - s0)
+        at_rows(&self.alone_speedup_by_m, rows).unwrap_or(self.alone_speedup.unwrap_or(1.0))
+    }
+
+    /// The factor on the kernels' times in a step of `rows` rows:
+    /// [`step_factor_by_m`](Cluster::step_factor_by_m) interpolated in log M (the nearest
+    /// point outside them), else 1.
+    pub fn step_factor_at(&self, rows: usize) -> f64 {
+        at_rows(&self.step_factor_by_m, rows).unwrap_or(1.0)
     }
 
     /// Check the figures against their physical ranges ([`MAX_DEVICES`], [`MEMORY_BYTES`],
@@ -568,6 +595,20 @@ impl Cluster {
                     format!("alone_speedup_by_m[{i}]"),
                     format!("[{m}, {s}]"),
                     format!("rows must rise from 1 and speedups be in 1..={MAX_DEVICES}"),
+                ));
+            }
+        }
+        for (i, &(m, f)) in self.step_factor_by_m.iter().enumerate() {
+            let rising = i == 0 || self.step_factor_by_m[i - 1].0 < m;
+            if m == 0 || !rising || !STEP_FACTOR.contains(&f) {
+                return Err((
+                    format!("step_factor_by_m[{i}]"),
+                    format!("[{m}, {f}]"),
+                    format!(
+                        "rows must rise from 1 and factors be in {}..={}",
+                        STEP_FACTOR.start(),
+                        STEP_FACTOR.end()
+                    ),
                 ));
             }
         }
@@ -640,6 +681,7 @@ impl Cluster {
             sources: Vec::new(),
             alone_speedup: None,
             alone_speedup_by_m: Vec::new(),
+            step_factor_by_m: Vec::new(),
         }
     }
 
@@ -679,6 +721,7 @@ impl Cluster {
             sources: self.sources.clone(),
             alone_speedup: self.alone_speedup,
             alone_speedup_by_m: self.alone_speedup_by_m.clone(),
+            step_factor_by_m: self.step_factor_by_m.clone(),
         };
         c.validate()?;
         Ok(c)
@@ -959,5 +1002,42 @@ mod tests {
         assert!(e.contains("alone_speedup_by_m[0]"), "{e}");
         c.alone_speedup_by_m = vec![(0, 1.5)];
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn the_step_factor_follows_the_rows_and_is_checked() {
+        let mut c = Cluster::homogeneous(
+            "box",
+            2,
+            &cpu_like(),
+            Links {
+                devices_per_node: 2,
+                intra: level(40e9, 1e-6),
+                inter: None,
+            },
+        );
+        // None measured: the rates as they are, at any rows.
+        assert_eq!(c.step_factor_at(1), 1.0);
+        assert_eq!(c.step_factor_at(4096), 1.0);
+        // The points, log-M interpolation between them, the nearest outside.
+        c.step_factor_by_m = vec![(1, 1.0), (8, 1.3), (64, 0.8)];
+        assert_eq!(c.step_factor_at(0), 1.0);
+        assert_eq!(c.step_factor_at(8), 1.3);
+        assert!((c.step_factor_at(2) - 1.1).abs() < 1e-12);
+        assert!((c.step_factor_at(16) - (1.3 - 0.5 / 3.0)).abs() < 1e-12);
+        assert_eq!(c.step_factor_at(512), 0.8);
+        c.validate().unwrap();
+        // Rows must rise and factors stay in range; the error names the entry.
+        for (bad, entry) in [
+            (vec![(1, 1.0), (1, 1.2)], "step_factor_by_m[1]"),
+            (vec![(1, 1.0), (8, 5.0)], "step_factor_by_m[1]"),
+            (vec![(1, 0.1)], "step_factor_by_m[0]"),
+            (vec![(1, f64::NAN)], "step_factor_by_m[0]"),
+            (vec![(0, 1.0)], "step_factor_by_m[0]"),
+        ] {
+            c.step_factor_by_m = bad;
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(entry), "{e}");
+        }
     }
 }

@@ -19,7 +19,10 @@
 //! - a product of two activations (attention without the fused kernel) and fused attention:
 //!   the larger of bytes moved / memory bandwidth and flops / the F32 GEMM rate;
 //! - everything else: bytes read and written / memory bandwidth;
-//! - every executed node: the device's per-node overhead; every step: its per-step overhead.
+//! - every executed node: the device's per-node overhead; every step: its per-step overhead;
+//! - the kernels' times of a step of M rows (not the overheads) times the cluster's step
+//!   factor at M (`Cluster::step_factor_at`: what a calibration measured a real batched
+//!   step or prompt chunk to take over its prediction; 1 where there is none).
 //!
 //! The devices run their programs at the same time and meet at each collective, so a step
 //! takes the sum over stages of the slowest device's compute, plus each collective's
@@ -727,6 +730,9 @@ fn step_cost(
         .map(|p| p.stages.len())
         .max()
         .unwrap_or(0);
+    // Kernels in a real step of this many rows, against the rates timed in long runs
+    // (`Cluster::step_factor_by_m`); the overheads are figures of their own.
+    let factor = cluster.step_factor_at(tokens);
     for i in 0..stages {
         let mut slowest = 0f64;
         let mut slowest_overhead = 0f64;
@@ -740,6 +746,7 @@ fn step_cost(
                     for idx in r.clone() {
                         let id = TensorId(idx as u32);
                         let (c, ov) = node_cost(&p.graph, id, prof, kv_span, routing);
+                        let c = c * factor;
                         t += c + ov;
                         o += ov;
                         seg_compute[d][local_seg[d][idx]] += c + ov;
@@ -948,12 +955,30 @@ mod tests {
 
     /// Issue 21's property, with small-M rates: for every batch, a step (prompt or decode)
     /// costs at least streaming the busiest device's weights once at its fastest GEMV rate,
-    /// and a bigger batch never makes a step cheaper.
+    /// and a bigger batch never makes a step cheaper; also with step factors as calibrations
+    /// measure them, rising or falling with the rows.
     #[test]
     fn steps_stream_the_weights_and_never_get_cheaper_with_the_batch() {
         let shape = ModelShape::preset("smollm2-135m").unwrap();
-        let c = cpu_pair();
-        let fastest = c.devices[0].gemv_bw.values().copied().fold(0.0, f64::max);
+        let mut clusters = vec![cpu_pair()];
+        for factors in [
+            vec![(1, 1.0), (8, 1.4), (64, 0.8)],
+            vec![(1, 1.0), (8, 0.9), (64, 0.8)],
+        ] {
+            let mut c = cpu_pair();
+            c.step_factor_by_m = factors;
+            clusters.push(c);
+        }
+        for c in &clusters {
+            steps_stream_the_weights_and_never_get_cheaper(&shape, c);
+        }
+    }
+
+    fn steps_stream_the_weights_and_never_get_cheaper(shape: &ModelShape, c: &Cluster) {
+        // A factor below 1 says real steps stream faster than the rates: the floor with it.
+        let fastest = c.devices[0].gemv_bw.values().copied().fold(0.0, f64::max)
+            / c.step_factor_by_m.iter().map(|p| p.1).fold(1.0, f64::min);
+        let factors = &c.step_factor_by_m;
         for strategy in [Strategy::Megatron, Strategy::Mirrored] {
             let split = strategy.split(shape.n_layer(), shape.tied).unwrap();
             let (mut last_pp, mut last_tg) = (0.0, 0.0);
@@ -965,22 +990,60 @@ mod tests {
                     context: 32 * batch + 8,
                 };
                 let policy = by_layer(shape.split_dims(), split.clone());
-                let e = evaluate(&shape, policy, &c, &w).unwrap();
+                let e = evaluate(shape, policy, c, &w).unwrap();
                 let floor = e.memory.iter().map(|m| m.weights).max().unwrap() as f64 / fastest;
                 let pp = e.prefill.as_ref().unwrap().seconds;
                 let tg = e.decode.as_ref().unwrap().seconds;
-                assert!(pp >= floor && tg >= floor, "{strategy:?} batch {batch}");
+                assert!(
+                    pp >= floor && tg >= floor,
+                    "{strategy:?} batch {batch} {factors:?}"
+                );
                 assert!(
                     pp >= last_pp,
-                    "{strategy:?} batch {batch}: {pp} after {last_pp}"
+                    "{strategy:?} batch {batch} {factors:?}: {pp} after {last_pp}"
                 );
                 assert!(
                     tg >= last_tg,
-                    "{strategy:?} batch {batch}: {tg} after {last_tg}"
+                    "{strategy:?} batch {batch} {factors:?}: {tg} after {last_tg}"
                 );
                 (last_pp, last_tg) = (pp, tg);
             }
         }
+    }
+
+    /// A calibrated step factor multiplies the kernels' time of a step of its rows and
+    /// nothing else: the overheads and the collectives stay as they were.
+    #[test]
+    fn the_step_factor_scales_the_kernels_only() {
+        let shape = ModelShape::preset("smollm2-135m").unwrap();
+        let split = Strategy::Megatron
+            .split(shape.n_layer(), shape.tied)
+            .unwrap();
+        let w = Workload {
+            prefill: 64,
+            decode: 4,
+            batch: 8,
+            context: 8 * 64 + 8,
+        };
+        let step = |c: &Cluster| {
+            let policy = by_layer(shape.split_dims(), split.clone());
+            let e = evaluate(&shape, policy, c, &w).unwrap();
+            (e.prefill.unwrap(), e.decode.unwrap())
+        };
+        let plain = cpu_pair();
+        let mut slow = cpu_pair();
+        // 2x at a batched decoding step's 8 rows, 1x at the prompt step's 512.
+        slow.step_factor_by_m = vec![(1, 1.0), (8, 2.0), (512, 1.0)];
+        let ((p0, d0), (p1, d1)) = (step(&plain), step(&slow));
+        let kernels = |s: &StepCost| s.compute_s - s.overhead_s;
+        assert!(
+            (kernels(&d1) / kernels(&d0) - 2.0).abs() < 1e-9,
+            "{d0:?} {d1:?}"
+        );
+        assert_eq!(d1.overhead_s, d0.overhead_s);
+        assert_eq!(d1.comm_s, d0.comm_s);
+        assert_eq!(p1.tokens, 512);
+        assert_eq!(p1.seconds, p0.seconds);
     }
 
     /// A calibrated attention rate prices `flash_attn` at its flops (4 D per query head and

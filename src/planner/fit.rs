@@ -299,6 +299,7 @@ pub fn measured_cluster(
         sources,
         alone_speedup: rates.alone_speedup,
         alone_speedup_by_m: rates.alone_speedup_by_m.clone(),
+        step_factor_by_m: Vec::new(),
     };
     cluster.validate()?;
     Ok(cluster)

@@ -360,6 +360,7 @@ impl Cluster {
                 ]),
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
+                step_factor_by_m: Vec::new(),
             }),
             "h100x16-ib" => Some(Cluster {
                 name: "h100x16-ib".into(),
@@ -392,6 +393,7 @@ impl Cluster {
                 ]),
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
+                step_factor_by_m: Vec::new(),
             }),
             "rtx4090x4-pcie" => Some(Cluster {
                 name: "rtx4090x4-pcie".into(),
@@ -426,6 +428,7 @@ impl Cluster {
                 ]),
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
+                step_factor_by_m: Vec::new(),
             }),
             "cpu2x2-netns" => Some(Cluster {
                 name: "cpu2x2-netns".into(),
@@ -456,6 +459,7 @@ impl Cluster {
                 sources: strings(&[SRC_NETNS, SRC_NETNS_FIT, SRC_RING]),
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
+                step_factor_by_m: Vec::new(),
             }),
             _ => None,
         }

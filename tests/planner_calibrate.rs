@@ -247,6 +247,33 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
     assert_eq!(rows, metashard::calibrate::ALONE_M, "{by_m:?}");
     assert!(by_m.iter().all(|p| (1.0..=2.0).contains(&p.1)), "{by_m:?}");
     assert_eq!(c.alone_speedup, Some(by_m[1].1));
+    // Step factors at the one-token step (1: where the per-node correction was fitted), a
+    // batched decoding step, a prompt chunk and a batch's prompt chunks in one step, each what makes its prediction its
+    // measurement (unless clamped to the range a profile may hold).
+    let steps = &c.step_factor_by_m;
+    let rows: Vec<usize> = steps.iter().map(|p| p.0).collect();
+    let (batch, prompt) = (
+        metashard::calibrate::BATCH_ROWS,
+        metashard::calibrate::PROMPT_ROWS,
+    );
+    assert_eq!(rows, [1, batch, prompt, batch * prompt], "{steps:?}");
+    assert_eq!(steps[0].1, 1.0);
+    assert_eq!(r.decoder_rows_steps.len(), 3);
+    for (st, &(m, f)) in r.decoder_rows_steps.iter().zip(&steps[1..]) {
+        assert_eq!((st.rows, st.factor), (m, f));
+        assert!(metashard::planner::STEP_FACTOR.contains(&f), "{st:?}");
+        assert!(
+            st.measured_s > 0.0 && st.predicted_kernels_s < st.predicted_s,
+            "{st:?}"
+        );
+        let explained = st.predicted_s + (f - 1.0) * st.predicted_kernels_s;
+        let clamped = f == *metashard::planner::STEP_FACTOR.start()
+            || f == *metashard::planner::STEP_FACTOR.end();
+        assert!(
+            clamped || (explained / st.measured_s - 1.0).abs() < 1e-9,
+            "{st:?}"
+        );
+    }
     // Each row length of the GEMV shapes measured on its own, in increasing K, and the one
     // rate over all of them between the slowest and the fastest.
     for t in metashard::calibrate::MEASURED_TYPES {

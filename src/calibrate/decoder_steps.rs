@@ -19,11 +19,21 @@
 //! against 5.6-5.8 predicted on cpu:3x1 (+2.1-2.3 us per node), 4.3-4.5 against 4.2-4.5 on
 //! cpu:2x1 (0-0.7 us). Charged per node, it is about right for steps of this width and too
 //! little for wider ones or batched steps, where the turns cost more compute.
+//!
+//! So, with the per-node correction in the cluster, the same decoder then takes steps of more
+//! rows: a batched decoding step of [`BATCH_ROWS`] sequences, a prompt chunk of
+//! [`PROMPT_ROWS`] tokens, and [`BATCH_ROWS`] such chunks in one step (a batch's prompts).
+//! Each one's measured over predicted time, as a factor on the prediction's kernel time (the
+//! overheads and collectives kept), is the cluster's `step_factor_by_m` at its rows: what
+//! the kernels of a real step take beyond the rates timed in long runs (turns taken at every
+//! collective, the wait for the slowest device at each, the kernels' speed at these shapes).
 
+use crate::models::batch::{BatchSession, SeqInput};
 use crate::models::hparams::DecoderConfig;
 use crate::models::session::Session;
 use crate::models::synthetic::gguf_bytes;
-use crate::planner::evaluate::Workload;
+use crate::planner::STEP_FACTOR;
+use crate::planner::evaluate::{StepCost, Workload};
 use crate::planner::report::evaluate_split;
 use crate::planner::{Cluster, ModelShape, Strategy};
 use crate::runtime::{OpenOptions, open_decoder};
@@ -42,6 +52,14 @@ const REPS: usize = 3;
 /// Calibrations of this process so far: each writes its decoder file under a name of its own.
 static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// Sequences of the batched decoding step timed for [`Cluster::step_factor_by_m`].
+pub const BATCH_ROWS: usize = 8;
+/// Tokens of the prompt chunk timed for [`Cluster::step_factor_by_m`].
+pub const PROMPT_ROWS: usize = 64;
+/// Prompts of [`PROMPT_ROWS`] tokens per timed span (after one untimed); the batch of
+/// [`BATCH_ROWS`] such prompts in one step is timed once per span.
+const PROMPTS: usize = 2;
+
 /// What [`measure_decoder_steps`] found, in seconds.
 pub(super) struct DecoderSteps {
     /// Mean seconds of one decoding step as run (the fastest span's).
@@ -53,11 +71,33 @@ pub(super) struct DecoderSteps {
     pub nodes: f64,
     /// Seconds added to `node_overhead_s`: `(measured - predicted) / nodes`, at least 0.
     pub extra_node_s: f64,
+    /// The steps of more rows: a batched decoding step of [`BATCH_ROWS`] sequences, a
+    /// prompt chunk of [`PROMPT_ROWS`] tokens and [`BATCH_ROWS`] such chunks in one step,
+    /// each as run and as predicted after the per-node correction.
+    pub rows: Vec<RowsStep>,
+}
+
+/// A step of `rows` rows of the small decoder, timed and predicted.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RowsStep {
+    pub rows: usize,
+    /// Mean seconds of the step as run (the fastest span's).
+    pub measured_s: f64,
+    /// The cost model's seconds for it, and the part of them the kernels are (the rest is
+    /// the overheads and the collectives).
+    pub predicted_s: f64,
+    pub predicted_kernels_s: f64,
+    /// `1 + (measured - predicted) / predicted kernels`, in [`STEP_FACTOR`]: the factor on
+    /// the kernels that makes the prediction the measurement.
+    pub factor: f64,
 }
 
 /// Decode [`REPS`] spans of [`STEPS`] steps of a synthetic llama of [`LAYERS`] layers of width
 /// 512 on `spec` (its default tensor split, `opts` as a run's) and compare the fastest span's
-/// mean step with `cluster`'s prediction for a step of that generation.
+/// mean step with `cluster`'s prediction for a step of that generation; then, with the
+/// per-node difference added to the cluster's `node_overhead_s`, the same for a batched step
+/// of [`BATCH_ROWS`] sequences, a prompt chunk of [`PROMPT_ROWS`] tokens, and a step of
+/// [`BATCH_ROWS`] such chunks.
 pub(super) fn measure_decoder_steps(
     spec: &str,
     opts: &OpenOptions,
@@ -86,40 +126,147 @@ pub(super) fn measure_decoder_steps(
     // before included: one generation goes on through [`REPS`] spans of [`STEPS`] steps, each
     // reaching new cache sizes); the fastest span's, as the chains' slope is taken between the
     // fastest chains: what every step costs, not another process's interference.
-    let mut means = Vec::with_capacity(REPS);
-    for r in 0..REPS {
-        let t = Instant::now();
-        for i in 0..STEPS {
-            s.eval(&[3 + ((r * STEPS + i) % 200) as u32], false)?;
-        }
-        means.push(t.elapsed().as_secs_f64() / STEPS as f64);
-    }
-    let measured_s = means.iter().copied().fold(f64::INFINITY, f64::min);
+    let measured_s = fastest_span(STEPS, |i| s.eval(&[3 + (i % 200) as u32], false).map(drop))?;
+    drop(s);
     // The prediction, and the nodes it charges `node_overhead_s` for: the same step on a copy
     // of the cluster whose only cost is 1 second per node.
     let split = Strategy::Megatron
         .split(shape.n_layer(), shape.tied)
         .ok_or_else(|| Error::invalid_op("calibrate", "no tensor split for the decoder"))?;
-    // The generation timed: its middle step is the one the cost model prices.
-    let workload = Workload::parse(&format!("pp=1,tg={},ctx={ctx}", REPS * STEPS))?;
-    let step = |c: &Cluster| -> Result<f64> {
-        let e = evaluate_split(&shape, &split, c, &workload)?;
-        Ok(e.decode.map_or(0.0, |d| d.seconds))
+    let predict = |c: &Cluster, w: &str| -> Result<StepCost> {
+        let e = evaluate_split(&shape, &split, c, &Workload::parse(w)?)?;
+        Ok(e.decode.or(e.prefill).unwrap_or_default())
     };
-    let predicted_s = step(cluster)?;
+    // The generation timed: its middle step is the one the cost model prices.
+    let generation = format!("pp=1,tg={},ctx={ctx}", REPS * STEPS);
+    let predicted_s = predict(cluster, &generation)?.seconds;
     let mut counting = cluster.clone();
     for d in &mut counting.devices {
         d.node_overhead_s = 1.0;
         d.step_overhead_s = 0.0;
     }
-    let counted = step(&counting)?;
+    let counted = predict(&counting, &generation)?.seconds;
     // Kernel and collective time is negligible next to a second per node.
     let nodes = counted.round().max(1.0);
     let extra_node_s = ((measured_s - predicted_s) / nodes).max(0.0);
+
+    // Steps of more rows, priced with the per-node correction.
+    let mut corrected = cluster.clone();
+    for d in &mut corrected.devices {
+        d.node_overhead_s += extra_node_s;
+    }
+    let rows_step = |rows: usize, measured_s: f64, w: &str| -> Result<RowsStep> {
+        let p = predict(&corrected, w)?;
+        let kernels = (p.compute_s - p.overhead_s).max(1e-12);
+        let factor = (1.0 + (measured_s - p.seconds) / kernels)
+            .clamp(*STEP_FACTOR.start(), *STEP_FACTOR.end());
+        Ok(RowsStep {
+            rows,
+            measured_s,
+            predicted_s: p.seconds,
+            predicted_kernels_s: kernels,
+            factor,
+        })
+    };
+    // A batched decoding step: one token of each of BATCH_ROWS sequences.
+    let mut b = BatchSession::new(
+        &model,
+        set.backend.clone(),
+        set.buffer_type.as_ref(),
+        BATCH_ROWS,
+        ctx,
+    )?;
+    let slots: Vec<usize> = (0..BATCH_ROWS).filter_map(|_| b.acquire()).collect();
+    let tokens: Vec<[u32; 1]> = (0..BATCH_ROWS as u32).map(|t| [t + 1]).collect();
+    let mut batched = |_: usize| -> Result<()> {
+        let seqs: Vec<SeqInput> = slots
+            .iter()
+            .zip(&tokens)
+            .map(|(&slot, t)| SeqInput {
+                slot,
+                tokens: t,
+                logits: true,
+            })
+            .collect();
+        b.step(&seqs).map(drop)
+    };
+    batched(0)?;
+    batched(1)?;
+    let batch_s = fastest_span(STEPS, batched)?;
+    drop(b);
+    let batch = rows_step(
+        BATCH_ROWS,
+        batch_s,
+        &format!("pp=1,tg={},batch={BATCH_ROWS},ctx={ctx}", REPS * STEPS),
+    )?;
+    // A prompt chunk of PROMPT_ROWS tokens, from the start of a sequence each time.
+    let mut s = Session::new(&model, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
+    let prompt: Vec<u32> = (0..PROMPT_ROWS as u32).map(|t| 1 + t % 200).collect();
+    let mut prompt_once = |_: usize| -> Result<()> {
+        s.reset();
+        s.eval(&prompt, false).map(drop)
+    };
+    prompt_once(0)?;
+    let prompt_s = fastest_span(PROMPTS, prompt_once)?;
+    let chunk = rows_step(
+        PROMPT_ROWS,
+        prompt_s,
+        &format!("pp={PROMPT_ROWS},tg=0,ctx={ctx}"),
+    )?;
+    drop(s);
+    // A batch's prompt chunks in one step: BATCH_ROWS sequences of PROMPT_ROWS tokens each,
+    // every sequence from its start each time (slots released and taken again).
+    let mut b = BatchSession::new(
+        &model,
+        set.backend.clone(),
+        set.buffer_type.as_ref(),
+        BATCH_ROWS,
+        ctx,
+    )?;
+    let mut prompts_once = |_: usize| -> Result<()> {
+        for slot in 0..BATCH_ROWS {
+            if b.len(slot).is_some() {
+                b.release(slot)?;
+            }
+        }
+        let slots: Vec<usize> = (0..BATCH_ROWS).filter_map(|_| b.acquire()).collect();
+        let seqs: Vec<SeqInput> = slots
+            .iter()
+            .map(|&slot| SeqInput {
+                slot,
+                tokens: &prompt,
+                logits: true,
+            })
+            .collect();
+        b.step(&seqs).map(drop)
+    };
+    prompts_once(0)?;
+    let prompts_s = fastest_span(1, prompts_once)?;
+    let rows = BATCH_ROWS * PROMPT_ROWS;
+    let chunks = rows_step(
+        rows,
+        prompts_s,
+        &format!("pp={PROMPT_ROWS},tg=0,batch={BATCH_ROWS},ctx={rows}"),
+    )?;
     Ok(DecoderSteps {
         measured_s,
         predicted_s,
         nodes,
         extra_node_s,
+        rows: vec![batch, chunk, chunks],
     })
+}
+
+/// The mean seconds of `step` over the fastest of [`REPS`] spans of `per_span` calls (`step`
+/// is told how many calls came before it).
+fn fastest_span(per_span: usize, mut step: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    let mut fastest = f64::INFINITY;
+    for r in 0..REPS {
+        let t = Instant::now();
+        for i in 0..per_span {
+            step(r * per_span + i)?;
+        }
+        fastest = fastest.min(t.elapsed().as_secs_f64() / per_span as f64);
+    }
+    Ok(fastest)
 }

@@ -2,7 +2,7 @@
 //! overheads, links) with progress, and assembles the profile through the planner's
 //! `measured_cluster`, with sources saying how each figure was obtained.
 
-use super::decoder_steps::{DecoderSteps, measure_decoder_steps};
+use super::decoder_steps::{DecoderSteps, RowsStep, measure_decoder_steps};
 use super::device_rates::{alone_speedups, measure_devices};
 use super::host::cpu_model;
 use super::links::measure_links;
@@ -47,6 +47,9 @@ pub struct Calibration {
     pub decoder_step_s: f64,
     pub decoder_step_predicted_s: f64,
     pub decoder_step_nodes: f64,
+    /// The small decoder's steps of more rows (a batched decoding step, a prompt chunk), as
+    /// run and as predicted after the per-node correction: the profile's `step_factor_by_m`.
+    pub decoder_rows_steps: Vec<RowsStep>,
     pub links: Vec<LinkFitReport>,
     pub seconds: f64,
 }
@@ -138,6 +141,10 @@ pub fn calibrate_report(
     for d in &mut cluster.devices {
         d.node_overhead_s += dec.extra_node_s;
     }
+    // The one-token step is where the per-node correction was fitted: factor 1 there.
+    cluster.step_factor_by_m = std::iter::once((1, 1.0))
+        .chain(dec.rows.iter().map(|r| (r.rows, r.factor)))
+        .collect();
     progress("done", 1.0);
     let seconds = start.elapsed().as_secs_f64();
     cluster.sources = sources(spec, opts, &budget, n, (&over, &dec), &links, seconds);
@@ -154,6 +161,7 @@ pub fn calibrate_report(
         decoder_step_s: dec.measured_s,
         decoder_step_predicted_s: dec.predicted_s,
         decoder_step_nodes: dec.nodes,
+        decoder_rows_steps: dec.rows.clone(),
         links,
         seconds,
     })
@@ -230,6 +238,23 @@ fn sources(
             dec.nodes
         ),
     ];
+    sources.push(format!(
+        "step_factor_by_m: the small decoder's {}, each as run against its prediction after \
+         the per-node correction; the factor on the kernels' time that makes them agree",
+        dec.rows
+            .iter()
+            .map(|r| format!(
+                "step of {} rows ({:.1} us measured, {:.1} us predicted, {:.1} us of it \
+                 kernels: x{:.3})",
+                r.rows,
+                r.measured_s * 1e6,
+                r.predicted_s * 1e6,
+                r.predicted_kernels_s * 1e6,
+                r.factor
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
     for l in links {
         sources.push(format!(
             "{} fitted to alpha(N) + factor(N) B / bus_bw over {} samples: relative RMS \

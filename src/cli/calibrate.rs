@@ -221,6 +221,23 @@ pub fn table(r: &Calibration) -> String {
         r.decoder_step_predicted_s * 1e6,
         r.decoder_step_nodes
     );
+    for st in &r.decoder_rows_steps {
+        let _ = writeln!(
+            s,
+            "(steps of {} rows: kernels x{:.3}, from the small decoder's {}: {:.1} us as run, \
+             {:.1} us predicted, {:.1} us of it kernels)",
+            st.rows,
+            st.factor,
+            match st.rows {
+                metashard::calibrate::BATCH_ROWS => "batched decoding step",
+                metashard::calibrate::PROMPT_ROWS => "prompt chunk",
+                _ => "prompt chunks of a batch in one step",
+            },
+            st.measured_s * 1e6,
+            st.predicted_s * 1e6,
+            st.predicted_kernels_s * 1e6
+        );
+    }
     let types: Vec<&str> = DType::WEIGHT_TYPES
         .iter()
         .map(|t| t.name())

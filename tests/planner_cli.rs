@@ -269,6 +269,14 @@ fn bench_strategies_holds_predictions_against_measurements() {
     }
     let s = &v["summaries"][0];
     assert!(s["spearman_tg"].as_f64().unwrap().is_finite());
+    // The figures the device set was predicted with, as its calibration measured them on
+    // real steps: the step factor at 1 row is 1 (the per-node correction's), 3 more points.
+    let p = &v["profiles"][0];
+    assert_eq!(p["devices"], "cpu:2x1", "{p}");
+    let steps = p["step_factor_by_m"].as_array().unwrap();
+    assert_eq!(steps.len(), 4, "{p}");
+    assert_eq!(steps[0], serde_json::json!([1, 1.0]), "{p}");
+    assert!(p["node_overhead_s"].as_f64().unwrap() > 0.0, "{p}");
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(
         plot.starts_with("<svg") && plot.contains("megatron"),

@@ -16,7 +16,9 @@
 //! `BatchSession::micro_batches`. On device sets of 4 or more (an even count) a `hybrid` row
 //! runs two groups, each a meta device under the Megatron split, with whole layers per group
 //! as `run --split-mode hybrid` does, pipelined the same way and priced by the planner's
-//! hybrid split. The summaries are per device set and batch size.
+//! hybrid split. The summaries are per device set and batch size; the report also keeps the
+//! figures of each device set's profile that its calibration measured on real steps (per-node
+//! overhead, step factors, alone speedups), which move with the host's load from run to run.
 //!
 //! `--strategies` keeps only the named strategies (`layer` names the layer split, `hybrid`
 //! the hybrid split), for two
@@ -187,6 +189,20 @@ pub struct StrategiesReport {
     pub workloads: Vec<Workload>,
     pub rows: Vec<StrategyRow>,
     pub summaries: Vec<DeviceSetSummary>,
+    /// The profile each device set was predicted with: the figures a calibration measures on
+    /// real steps, which move from run to run on a shared host.
+    pub profiles: Vec<ProfileFigures>,
+}
+
+/// Figures of the profile a device set was predicted with.
+#[derive(Clone, Debug, Serialize)]
+pub struct ProfileFigures {
+    pub devices: String,
+    /// The first device's per-node overhead (seconds).
+    pub node_overhead_s: f64,
+    /// `Cluster::alone_speedup_by_m` and `Cluster::step_factor_by_m`.
+    pub alone_speedup_by_m: Vec<(usize, f64)>,
+    pub step_factor_by_m: Vec<(usize, f64)>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -511,6 +527,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
     let (keep, keep_layer, keep_hybrid) = chosen_strategies(&shape, &opts.strategies)?;
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
+    let mut figures = Vec::new();
     for (si, spec) in opts.devices.iter().enumerate() {
         let cluster: Cluster = match profiles.get(si) {
             Some(c) => c.clone(),
@@ -525,6 +542,12 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             }
         };
         check_profile(&cluster, spec)?;
+        figures.push(ProfileFigures {
+            devices: spec.clone(),
+            node_overhead_s: cluster.devices.first().map_or(0.0, |d| d.node_overhead_s),
+            alone_speedup_by_m: cluster.alone_speedup_by_m.clone(),
+            step_factor_by_m: cluster.step_factor_by_m.clone(),
+        });
         let n_devices = metashard::parse_devices(spec)?.len();
         // Every strategy at every batch size: auto is searched per batch; the layer split
         // where there are devices to split over. Models are loaded once per assignment.
@@ -708,6 +731,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         workloads,
         rows,
         summaries,
+        profiles: figures,
     })
 }
 
@@ -920,6 +944,23 @@ pub fn print_table(r: &StrategiesReport) {
         .collect();
     if !shared.is_empty() {
         println!("one program, measured once: {}", shared.join("; "));
+    }
+    let points = |p: &[(usize, f64)]| match p {
+        [] => "none".to_string(),
+        _ => p
+            .iter()
+            .map(|(m, x)| format!("M={m} {x:.2}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+    };
+    for f in &r.profiles {
+        println!(
+            "{} profile: node overhead {:.2} us; step factor {}; alone speedup {}",
+            f.devices,
+            f.node_overhead_s * 1e6,
+            points(&f.step_factor_by_m),
+            points(&f.alone_speedup_by_m)
+        );
     }
     let has_auto = r.rows.iter().any(|x| x.strategy == "auto");
     for s in &r.summaries {

@@ -193,7 +193,6 @@ pub(super) fn measure_decoder_steps(
     batched(0)?;
     batched(1)?;
     let batch_s = fastest_span(STEPS, batched)?;
-    drop(b);
     let batch = rows_step(
         BATCH_ROWS,
         batch_s,
@@ -215,14 +214,8 @@ pub(super) fn measure_decoder_steps(
     )?;
     drop(s);
     // A batch's prompt chunks in one step: BATCH_ROWS sequences of PROMPT_ROWS tokens each,
-    // every sequence from its start each time (slots released and taken again).
-    let mut b = BatchSession::new(
-        &model,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        BATCH_ROWS,
-        ctx,
-    )?;
+    // every sequence from its start each time (the batched session's slots released and
+    // taken again).
     let mut prompts_once = |_: usize| -> Result<()> {
         for slot in 0..BATCH_ROWS {
             if b.len(slot).is_some() {

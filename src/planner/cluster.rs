@@ -499,8 +499,9 @@ pub struct Cluster {
     pub alone_speedup_by_m: Vec<(usize, f64)>,
     /// How much longer the kernels of a real step of M rows take than the devices' rates say
     /// (`[M, factor]`, rising M): a calibration times a small decoder's batched decoding
-    /// step, prompt chunk and batch of prompt chunks as run, and the factor is measured over predicted for their
-    /// compute (the step's overheads and collectives kept as predicted). In a step the
+    /// step, prompt chunk and batch of prompt chunks as run, and the factor is measured over
+    /// predicted for their compute (the step's overheads and collectives kept as predicted;
+    /// below 1 where the rates were slower than the step's kernels). In a step the
     /// products are short and meet at a collective after each, where the rates time each
     /// kernel in long runs: devices that share cores take turns at every meeting point, and
     /// a step waits at each for the slowest device. Interpolated in log M, the nearest point
@@ -961,9 +962,9 @@ mod tests {
         assert!(two < flat, "{two} vs {flat}");
     }
 
-    #[test]
-    fn the_alone_speedup_follows_the_rows_and_prices_a_stage_alone_by_it() {
-        let mut c = Cluster::homogeneous(
+    /// Two CPU-like devices in one box.
+    fn box_of_two() -> Cluster {
+        Cluster::homogeneous(
             "box",
             2,
             &cpu_like(),
@@ -972,7 +973,12 @@ mod tests {
                 intra: level(40e9, 1e-6),
                 inter: None,
             },
-        );
+        )
+    }
+
+    #[test]
+    fn the_alone_speedup_follows_the_rows_and_prices_a_stage_alone_by_it() {
+        let mut c = box_of_two();
         // Neither figure: independent devices, at any rows.
         assert_eq!(c.alone_speedup_at(1), 1.0);
         assert_eq!(c.concurrency_factor(1, 8), 1.0);
@@ -1006,16 +1012,7 @@ mod tests {
 
     #[test]
     fn the_step_factor_follows_the_rows_and_is_checked() {
-        let mut c = Cluster::homogeneous(
-            "box",
-            2,
-            &cpu_like(),
-            Links {
-                devices_per_node: 2,
-                intra: level(40e9, 1e-6),
-                inter: None,
-            },
-        );
+        let mut c = box_of_two();
         // None measured: the rates as they are, at any rows.
         assert_eq!(c.step_factor_at(1), 1.0);
         assert_eq!(c.step_factor_at(4096), 1.0);

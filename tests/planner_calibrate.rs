@@ -248,8 +248,9 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
     assert!(by_m.iter().all(|p| (1.0..=2.0).contains(&p.1)), "{by_m:?}");
     assert_eq!(c.alone_speedup, Some(by_m[1].1));
     // Step factors at the one-token step (1: where the per-node correction was fitted), a
-    // batched decoding step, a prompt chunk and a batch's prompt chunks in one step, each what makes its prediction its
-    // measurement (unless clamped to the range a profile may hold).
+    // batched decoding step, a prompt chunk and a batch's prompt chunks in one step, each
+    // what makes its prediction its measurement (unless clamped to the range a profile may
+    // hold).
     let steps = &c.step_factor_by_m;
     let rows: Vec<usize> = steps.iter().map(|p| p.0).collect();
     let (batch, prompt) = (

@@ -49,9 +49,9 @@
 //!   step against the cost model's prediction on the profile so far; the difference per node
 //!   of the step's critical path is added to `node_overhead_s` (`decoder_steps.rs`). Then, so
 //!   corrected, a batched decoding step of 8 sequences, a prompt chunk of 64 tokens and 8
-//!   such chunks in one step of the same decoder, each against its prediction: the factor on the kernels' time that makes
-//!   them agree is the cluster's `step_factor_by_m` (1 at one row, where the per-node
-//!   correction was fitted).
+//!   such chunks in one step of the same decoder, each against its prediction: the factor
+//!   on the kernels' time that makes them agree is the cluster's `step_factor_by_m` (1 at
+//!   one row, where the per-node correction was fitted).
 //! - **Links**: for each group size N = 2..=n,
 //!   [`CpuCommunicator`](crate::collectives::CpuCommunicator) ranks on N workers pinned like
 //!   the meta device's, timing all-reduce, all-gather and reduce-scatter of F32 tensors of

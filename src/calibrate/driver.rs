@@ -47,8 +47,9 @@ pub struct Calibration {
     pub decoder_step_s: f64,
     pub decoder_step_predicted_s: f64,
     pub decoder_step_nodes: f64,
-    /// The small decoder's steps of more rows (a batched decoding step, a prompt chunk), as
-    /// run and as predicted after the per-node correction: the profile's `step_factor_by_m`.
+    /// The small decoder's steps of more rows (a batched decoding step, a prompt chunk, a
+    /// batch's prompt chunks in one step), as run and as predicted after the per-node
+    /// correction: the profile's `step_factor_by_m`.
     pub decoder_rows_steps: Vec<RowsStep>,
     pub links: Vec<LinkFitReport>,
     pub seconds: f64,

@@ -21,7 +21,9 @@
 //! device's segments plus that evaluation's activation peak. Profiles are measured with every
 //! device busy; where the cluster says a device alone runs faster (`Cluster::alone_speedup`,
 //! devices sharing cores), the fill and drain (one stage at a time) and the steady state
-//! (min(m, stages) at once) are scaled by [`Cluster::concurrency_factor`].
+//! (min(m, stages) at once) are scaled by [`Cluster::concurrency_factor`]. A stage's step of
+//! a micro-batch's rows is costed like any step (`evaluate::step_at`), so the cluster's step
+//! factor at those rows (`Cluster::step_factor_at`) is in it too.
 //!
 //! A search costs the hybrid split in groups of s on several counts of devices; each count's
 //! stage is the cluster's first s devices, so a [`StageCache`] evaluates it and its

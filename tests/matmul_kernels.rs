@@ -376,16 +376,18 @@ fn every_dtype_m_layout_and_broadcast_matches_the_reference() {
 
 #[test]
 fn fused_tiles_at_every_small_m() {
-    // f32 activations with quantized weights and M <= 8 take the fused kernels: M = 1 uses
+    // f32 activations with quantized weights and small M take the fused kernels: M = 1 uses
     // 8 x 1 (AVX-512) or 4 x 1 (AVX2) tiles, larger M the 4 x {4, 3, 2, 1} or 2 x {2, 1} tiles;
-    // N = 37 leaves single rows after the full tiles. Long rows (K = 4096) cross the prefetch
-    // distance many times.
+    // N = 37 leaves single rows after the full tiles. How small depends on the type and the
+    // level (`plan::fused_max_m`: up to 32 on AVX-512), so M = 12..33 runs each type on both
+    // sides of its limit. Long rows (K = 4096) cross the prefetch distance many times, and at
+    // M = 24 take two passes over the weights (16 activation rows per pass at that K).
     let pools = pools();
     for wt in quantized_weight_types() {
-        for m in 1..=9 {
+        for m in (1..=9).chain([12, 13, 16, 17, 24, 25, 32, 33]) {
             check(&base(wt, m), &pools, 30 + m as u64);
         }
-        for m in [1, 4] {
+        for m in [1, 4, 24] {
             check(
                 &Case {
                     k: 4096,

@@ -152,9 +152,9 @@ impl DeviceProfile {
 }
 
 /// The activation rows a calibration measures between the GEMV (M = 1) and the GEMM regimes
-/// ([`DeviceProfile::gemm_flops_by_m`]): 2 (just past the memory floor), 8 (the widest of the
-/// CPU's fused small-M kernels) and 32 (a short prompt or a micro-batch, on the dequantizing
-/// tiles).
+/// ([`DeviceProfile::gemm_flops_by_m`]): 2 (just past the memory floor), 8 (a batched decoding
+/// step; on the CPU every weight type's fused small-M kernels) and 32 (a short prompt or a
+/// micro-batch: the dequantizing tiles, or on AVX-512 Q4_1's fused kernels).
 pub const CALIBRATED_M: [usize; 3] = [2, 8, 32];
 
 /// The most devices a cluster may have (hosts times devices per host included).

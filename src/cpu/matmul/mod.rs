@@ -20,7 +20,7 @@
 //!   types, [`quant`]'s blocks of 32 for the others, as ggml pairs them) integer dot products
 //!   at every M ([`lowq8`]); with f32 activations and small M fused in registers ([`lowf32`]);
 //!   larger M converts rows ([`dequant`], AVX2) into scratch for the f32 tiles or the GEMM;
-//!   "small M" is [`plan::fused_max_m`] (per type on AVX2, measured);
+//!   "small M" is [`plan::fused_max_m`] (per type on AVX2 and AVX-512, measured: 2 to 32);
 //! - large M ([`plan::use_gemm`]): the `gemm` crate's packed GEMM, one call per thread on its share of
 //!   the output (`Parallelism::None`), F16/BF16/quantized weights converted to f32 chunk by chunk.
 //!

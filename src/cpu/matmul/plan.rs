@@ -32,21 +32,39 @@ pub(super) fn use_gemm(m: usize, k: usize) -> bool {
 /// and then reused by every row). Since the fused tiles widen decoded bytes from memory
 /// (`kf32::avx2::decode_ahead`, second session of 2026-11-27, K = N = 4096): Q5_0 1.04x at
 /// 3 and 1.17x at 4, Q5_K 1.07x at 4, Q6_K 1.02x at 3 and 1.20x at 4, Q2_K 1.17x at 3 and
-/// 1.31x at 4, all 0.77-0.94x from 5, so those four fuse to 4. Other levels keep 8 (AVX-512
-/// not measured against the convert path). The level is the machine's ([`Isa::detect`]),
-/// not the one a kernel is forced to, so `work_size` and `forward_with` agree on the
-/// scratch.
+/// 1.31x at 4, all 0.77-0.94x from 5, so those four fuse to 4.
+///
+/// On AVX-512, measured (2026-11-28, Xeon with AVX-512, 4096 x 4096, `bench ops --no-rotate`, the
+/// fused and the convert path alternated, medians of two rounds, convert time / fused time, 2
+/// threads; 1 thread in brackets): the eight types not ahead at 9 below are ahead at M = 2..4
+/// (1.1-3.0x) and at 8 (1.0-1.3x; Q3_K and IQ4_XS behind at 6, 0.80x and 0.76x); past 8, Q4_1 1.74x
+/// at 9, 1.25x [1.45x] at 16, 1.03x [1.28x] at 32, 1.00x at 64 [0.96x at 48]; Q4_0 1.53x at 9,
+/// 1.11x [1.49x] at 24, 1.07x [0.92x] at 32; Q8_0 1.45x at 9, 1.08x [1.51x] at 16, 1.05x [0.94x] at
+/// 24; Q4_K 1.29x at 9, 1.19x [1.33x] at 16, 1.06x [0.93x] at 24; Q5_K 1.17x [1.05x] at 12, 0.94x
+/// [0.88x] at 16; the rest 0.76-1.07x at 9 (Q5_0 1.07x, Q2_K 1.04x, IQ4_NL 1.03x; Q6_K, Q3_K, Q5_1,
+/// IQ4_XS 0.76-0.88x), so they keep 8. Each type fuses up to the last M where both thread counts
+/// gain. Until then every M from 9 took the convert path: 1.1-1.7x slower at M = 9..16 for the
+/// common types (a batch of 9 to 16 sequences, a prompt's micro-batch). The scalar fallback keeps
+/// 8. The level is the machine's ([`Isa::detect`]), not the one a kernel is forced to, so
+/// `work_size` and `forward_with` agree on the scratch.
 pub(super) fn fused_max_m(w: Weights) -> usize {
-    if Isa::detect() != Isa::Avx2 {
-        return 8;
-    }
-    match w {
-        Weights::Quant(QuantW::Q8_0) => 8,
-        Weights::Quant(QuantW::Q4_1) => 5,
-        Weights::Quant(QuantW::Q4_0 | QuantW::Q5_0)
-        | Weights::KQuant(KQuantW::Q4_K | KQuantW::Q5_K | KQuantW::Q6_K)
-        | Weights::Low(LowW::Q2_K) => 4,
-        _ => 2,
+    match Isa::detect() {
+        Isa::Avx2 => match w {
+            Weights::Quant(QuantW::Q8_0) => 8,
+            Weights::Quant(QuantW::Q4_1) => 5,
+            Weights::Quant(QuantW::Q4_0 | QuantW::Q5_0)
+            | Weights::KQuant(KQuantW::Q4_K | KQuantW::Q5_K | KQuantW::Q6_K)
+            | Weights::Low(LowW::Q2_K) => 4,
+            _ => 2,
+        },
+        Isa::Avx512 => match w {
+            Weights::Quant(QuantW::Q4_1) => 32,
+            Weights::Quant(QuantW::Q4_0) => 24,
+            Weights::Quant(QuantW::Q8_0) | Weights::KQuant(KQuantW::Q4_K) => 16,
+            Weights::KQuant(KQuantW::Q5_K) => 12,
+            _ => 8,
+        },
+        Isa::Scalar => 8,
     }
 }
 

@@ -460,8 +460,24 @@ fn bench_strategies_measures_batches_and_the_layer_split() {
             "spearman_pp",
             "median_error_tg",
             "median_error_pp",
+            "shape_error_tg",
+            "shape_error_pp",
         ] {
             assert!(s[k].as_f64().unwrap().is_finite(), "{k} of {s}");
+        }
+        // The level is a ratio of positive speeds; the error with it taken out is never more
+        // than the error with it plus |level - 1| / level (the triangle inequality per row).
+        for k in ["tg", "pp"] {
+            let level = s[format!("level_{k}")].as_f64().unwrap();
+            let (shape, raw) = (
+                s[format!("shape_error_{k}")].as_f64().unwrap(),
+                s[format!("median_error_{k}")].as_f64().unwrap(),
+            );
+            assert!(level.is_finite() && level > 0.0, "level_{k} of {s}");
+            assert!(
+                shape <= (raw + (level - 1.0).abs()) / level + 1e-9,
+                "{k}: {shape} against {raw} at level {level}: {s}"
+            );
         }
         assert!(s["auto_within_5pct"].is_boolean(), "{s}");
     }

@@ -175,6 +175,15 @@ pub struct DeviceSetSummary {
     /// Median |predicted - measured| / measured.
     pub median_error_tg: f64,
     pub median_error_pp: f64,
+    /// The level of the predictions: the median of predicted / measured over the strategies
+    /// (above 1: the cost model's figures faster than this run's; a calibration and the
+    /// measurements minutes later see a shared host differently).
+    pub level_tg: f64,
+    pub level_pp: f64,
+    /// Median |predicted / level - measured| / measured: the error with the level taken out,
+    /// what is left of the model's shape (how the strategies compare), not the check's figure.
+    pub shape_error_tg: f64,
+    pub shape_error_pp: f64,
     /// auto's measured decode speed over the best measured strategy's.
     pub auto_vs_best_tg: f64,
     pub auto_vs_best_pp: f64,
@@ -850,6 +859,27 @@ fn load_with(
     metashard::runtime::open_decoder(model, spec, &opts, &|_, _| {})
 }
 
+/// The median of `predicted / measured` over the rows (the predictions' level) and the median
+/// |error| of the predictions divided by it (their shape); (1, 0) without rows.
+fn level_and_shape(predicted: &[f64], measured: &[f64]) -> (f64, f64) {
+    if predicted.is_empty() {
+        return (1.0, 0.0);
+    }
+    let ratio: Vec<f64> = predicted
+        .iter()
+        .zip(measured)
+        .map(|(p, m)| p / m.max(1e-12))
+        .collect();
+    let level = median(ratio.clone());
+    let shape = median(
+        ratio
+            .iter()
+            .map(|r| (r / level.max(1e-12) - 1.0).abs())
+            .collect(),
+    );
+    (level, shape)
+}
+
 fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary {
     let col = |f: &dyn Fn(&StrategyRow) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
     let (ptg, mtg) = (col(&|r| r.predicted_tg_tps), col(&|r| r.measured_tg_tps));
@@ -862,6 +892,8 @@ fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary
                 .collect(),
         )
     };
+    let (level_tg, shape_error_tg) = level_and_shape(&ptg, &mtg);
+    let (level_pp, shape_error_pp) = level_and_shape(&ppp, &mpp);
     let auto = rows.iter().find(|r| r.strategy == "auto");
     let best_tg = mtg.iter().copied().fold(0.0, f64::max);
     let best_pp = mpp.iter().copied().fold(0.0, f64::max);
@@ -874,6 +906,10 @@ fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary
         spearman_pp: spearman(&ppp, &mpp),
         median_error_tg: err(&ptg, &mtg),
         median_error_pp: err(&ppp, &mpp),
+        level_tg,
+        level_pp,
+        shape_error_tg,
+        shape_error_pp,
         auto_vs_best_tg,
         auto_vs_best_pp,
         auto_within_5pct: auto_vs_best_tg >= 0.95 && auto_vs_best_pp >= 0.95,
@@ -964,6 +1000,16 @@ pub fn print_table(r: &StrategiesReport) {
     }
     let has_auto = r.rows.iter().any(|x| x.strategy == "auto");
     for s in &r.summaries {
+        println!(
+            "{} batch {}: predictions at {:.2}x / {:.2}x of the measurements (tg / pp, median); \
+             with that level taken out, median |error| tg {:.1}%, pp {:.1}%",
+            s.devices,
+            s.batch,
+            s.level_tg,
+            s.level_pp,
+            s.shape_error_tg * 100.0,
+            s.shape_error_pp * 100.0
+        );
         if !has_auto {
             println!(
                 "{} batch {}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}% \
@@ -1084,5 +1130,35 @@ mod tests {
         let s = spearman(&[1.0, 2.0, 3.0, 4.0, 5.0], &[1.0, 3.0, 2.0, 4.0, 5.0]);
         assert!((s - 0.9).abs() < 1e-12, "{s}");
         assert_eq!(ranks(&[5.0, 1.0, 5.0]), vec![2.5, 1.0, 2.5]);
+    }
+
+    #[test]
+    fn the_level_of_the_predictions_is_told_apart_from_their_shape() {
+        // Every prediction 30% above its measurement: a 30% error, all of it level.
+        let m = [100.0, 80.0, 50.0, 20.0];
+        let p: Vec<f64> = m.iter().map(|x| x * 1.3).collect();
+        let (level, shape) = level_and_shape(&p, &m);
+        assert!(
+            (level - 1.3).abs() < 1e-12 && shape < 1e-12,
+            "{level} {shape}"
+        );
+        // One of four off by 2x on top: the level stays near 1.3, the shape error is what
+        // the outlier and the median move leave.
+        let mut p2 = p.clone();
+        p2[3] *= 2.0;
+        let (level2, shape2) = level_and_shape(&p2, &m);
+        assert!((level2 - 1.3).abs() < 1e-12, "{level2}");
+        assert!(
+            shape2 < 1e-12,
+            "{shape2}: the median ignores one outlier of four"
+        );
+        p2[2] *= 0.5;
+        let (level3, shape3) = level_and_shape(&p2, &m);
+        // Ratios 1.3, 1.3, 0.65, 2.6: median 1.3, |r / 1.3 - 1| = 0, 0, 0.5, 1: median 0.25.
+        assert!(
+            (level3 - 1.3).abs() < 1e-12 && (shape3 - 0.25).abs() < 1e-12,
+            "{shape3}"
+        );
+        assert_eq!(level_and_shape(&[], &[]), (1.0, 0.0));
     }
 }

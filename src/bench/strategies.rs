@@ -4,7 +4,10 @@
 //! is loaded and run (prompt of `pp` tokens, `tg` decode steps, repetitions interleaved over
 //! the strategies, medians). The report puts predicted and measured side by side, with the
 //! Spearman rank correlation of the strategies' speeds, the median relative error for prefill
-//! and decode, and how auto's measured speed compares with the best measured.
+//! and decode, and how auto's measured speed compares with the best measured; and that error
+//! split in two: the predictions' level (the median of predicted / measured, which moves with
+//! the host between the calibration and the measurements) and the median error once the
+//! level is divided out (the cost model's shape: how the strategies compare).
 //!
 //! With `--batch 1,8` each batch size S is a workload of its own: S sequences' prompts, then
 //! decode steps of one token of each of the S sequences together (`BatchSession`, the engine's
@@ -1142,8 +1145,7 @@ mod tests {
             (level - 1.3).abs() < 1e-12 && shape < 1e-12,
             "{level} {shape}"
         );
-        // One of four off by 2x on top: the level stays near 1.3, the shape error is what
-        // the outlier and the median move leave.
+        // One of four off by another 2x: both medians pass over it (level 1.3, shape 0).
         let mut p2 = p.clone();
         p2[3] *= 2.0;
         let (level2, shape2) = level_and_shape(&p2, &m);

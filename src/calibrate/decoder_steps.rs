@@ -46,8 +46,12 @@ const LAYERS: usize = 24;
 /// attention span grows (a structure the plan caches have not seen: prepared again) are among
 /// them as often as in a run.
 const STEPS: usize = 2 * crate::models::session::KV_PAD;
-/// Spans of [`STEPS`] steps timed, one generation going on through them.
-const REPS: usize = 3;
+/// Spans of [`STEPS`] steps timed, one generation going on through them; the median span's
+/// mean step is the figure.
+const SPANS: usize = 5;
+/// The synthetic decoder's context: the generation of [`SPANS`] spans and its two untimed
+/// steps.
+const CONTEXT: usize = 2 + SPANS * STEPS;
 
 /// Calibrations of this process so far: each writes its decoder file under a name of its own.
 static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -62,7 +66,7 @@ const PROMPTS: usize = 2;
 
 /// What [`measure_decoder_steps`] found, in seconds.
 pub(super) struct DecoderSteps {
-    /// Mean seconds of one decoding step as run (the fastest span's).
+    /// Mean seconds of one decoding step as run (the median span's).
     pub measured_s: f64,
     /// The cost model's seconds for that step on the cluster before the correction.
     pub predicted_s: f64,
@@ -81,7 +85,7 @@ pub(super) struct DecoderSteps {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct RowsStep {
     pub rows: usize,
-    /// Mean seconds of the step as run (the fastest span's).
+    /// Mean seconds of the step as run (the median span's).
     pub measured_s: f64,
     /// The cost model's seconds for it, and the part of them the kernels are (the rest is
     /// the overheads and the collectives).
@@ -92,8 +96,8 @@ pub struct RowsStep {
     pub factor: f64,
 }
 
-/// Decode [`REPS`] spans of [`STEPS`] steps of a synthetic llama of [`LAYERS`] layers of width
-/// 512 on `spec` (its default tensor split, `opts` as a run's) and compare the fastest span's
+/// Decode [`SPANS`] spans of [`STEPS`] steps of a synthetic llama of [`LAYERS`] layers of width
+/// 512 on `spec` (its default tensor split, `opts` as a run's) and compare the median span's
 /// mean step with `cluster`'s prediction for a step of that generation; then, with the
 /// per-node difference added to the cluster's `node_overhead_s`, the same for a batched step
 /// of [`BATCH_ROWS`] sequences, a prompt chunk of [`PROMPT_ROWS`] tokens, and a step of
@@ -104,7 +108,7 @@ pub(super) fn measure_decoder_steps(
     cluster: &Cluster,
 ) -> Result<DecoderSteps> {
     let cfg = DecoderConfig::llama(LAYERS, 512, 1536, 8, 2, 300);
-    let bytes = gguf_bytes(&cfg, DType::Q4_1, true, 256, 11)?;
+    let bytes = gguf_bytes(&cfg, DType::Q4_1, true, CONTEXT, 11)?;
     let path = std::env::temp_dir().join(format!(
         "metashard-calibrate-decoder-{}-{}.gguf",
         std::process::id(),
@@ -118,15 +122,19 @@ pub(super) fn measure_decoder_steps(
     })();
     std::fs::remove_file(&path).ok();
     let (shape, set, model) = opened?;
-    let ctx = 2 + REPS * STEPS;
+    let ctx = CONTEXT;
     let mut s = Session::new(&model, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
     s.eval(&[1], false)?;
     s.eval(&[2], false)?;
     // The mean step, as a generation pays it (the steps that prepare a structure not seen
-    // before included: one generation goes on through [`REPS`] spans of [`STEPS`] steps, each
-    // reaching new cache sizes); the fastest span's, as the chains' slope is taken between the
-    // fastest chains: what every step costs, not another process's interference.
-    let measured_s = fastest_span(STEPS, |i| s.eval(&[3 + (i % 200) as u32], false).map(drop))?;
+    // before included: one generation goes on through [`SPANS`] spans of [`STEPS`] steps, each
+    // reaching new cache sizes); the median span's, as `bench strategies` and `bench model`
+    // report a run's median: a step as a run typically pays it, the host's other load
+    // included. (The fastest of three spans until 2026-11-28; of five spans, on cpu:2x1 of
+    // the shared AVX-512 Xeon in three calibrations, the fastest was 8-27% faster than the
+    // median for this step, 8-21% for the batched step, whose first span attends to the
+    // shortest cache, and 1-15% for the prompts: every prediction was that much too fast.)
+    let measured_s = median_span(STEPS, |i| s.eval(&[3 + (i % 200) as u32], false).map(drop))?;
     drop(s);
     // The prediction, and the nodes it charges `node_overhead_s` for: the same step on a copy
     // of the cluster whose only cost is 1 second per node.
@@ -138,7 +146,7 @@ pub(super) fn measure_decoder_steps(
         Ok(e.decode.or(e.prefill).unwrap_or_default())
     };
     // The generation timed: its middle step is the one the cost model prices.
-    let generation = format!("pp=1,tg={},ctx={ctx}", REPS * STEPS);
+    let generation = format!("pp=1,tg={},ctx={ctx}", SPANS * STEPS);
     let predicted_s = predict(cluster, &generation)?.seconds;
     let mut counting = cluster.clone();
     for d in &mut counting.devices {
@@ -192,11 +200,11 @@ pub(super) fn measure_decoder_steps(
     };
     batched(0)?;
     batched(1)?;
-    let batch_s = fastest_span(STEPS, batched)?;
+    let batch_s = median_span(STEPS, batched)?;
     let batch = rows_step(
         BATCH_ROWS,
         batch_s,
-        &format!("pp=1,tg={},batch={BATCH_ROWS},ctx={ctx}", REPS * STEPS),
+        &format!("pp=1,tg={},batch={BATCH_ROWS},ctx={ctx}", SPANS * STEPS),
     )?;
     // A prompt chunk of PROMPT_ROWS tokens, from the start of a sequence each time.
     let mut s = Session::new(&model, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
@@ -206,7 +214,7 @@ pub(super) fn measure_decoder_steps(
         s.eval(&prompt, false).map(drop)
     };
     prompt_once(0)?;
-    let prompt_s = fastest_span(PROMPTS, prompt_once)?;
+    let prompt_s = median_span(PROMPTS, prompt_once)?;
     let chunk = rows_step(
         PROMPT_ROWS,
         prompt_s,
@@ -234,7 +242,7 @@ pub(super) fn measure_decoder_steps(
         b.step(&seqs).map(drop)
     };
     prompts_once(0)?;
-    let prompts_s = fastest_span(1, prompts_once)?;
+    let prompts_s = median_span(1, prompts_once)?;
     let rows = BATCH_ROWS * PROMPT_ROWS;
     let chunks = rows_step(
         rows,
@@ -250,16 +258,16 @@ pub(super) fn measure_decoder_steps(
     })
 }
 
-/// The mean seconds of `step` over the fastest of [`REPS`] spans of `per_span` calls (`step`
-/// is told how many calls came before it).
-fn fastest_span(per_span: usize, mut step: impl FnMut(usize) -> Result<()>) -> Result<f64> {
-    let mut fastest = f64::INFINITY;
-    for r in 0..REPS {
+/// The median over [`SPANS`] spans of `per_span` calls of `step` of the span's mean seconds
+/// per call (`step` is told how many calls came before it).
+fn median_span(per_span: usize, mut step: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    let mut spans = Vec::with_capacity(SPANS);
+    for r in 0..SPANS {
         let t = Instant::now();
         for i in 0..per_span {
             step(r * per_span + i)?;
         }
-        fastest = fastest.min(t.elapsed().as_secs_f64() / per_span as f64);
+        spans.push(t.elapsed().as_secs_f64() / per_span as f64);
     }
-    Ok(fastest)
+    Ok(super::rig::median(&spans))
 }

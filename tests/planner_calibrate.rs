@@ -275,6 +275,31 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
             "{st:?}"
         );
     }
+    // Steps apart: the prompt chunk and the batch of prompt chunks timed with the decoder
+    // mirrored, after the tensor split's points below them; each factor what makes its
+    // prediction its measurement.
+    let apart = &c.step_factor_apart_by_m;
+    let rows: Vec<usize> = apart.iter().map(|p| p.0).collect();
+    assert_eq!(rows, [1, batch, prompt, batch * prompt], "{apart:?}");
+    assert_eq!(apart[..2], steps[..2]);
+    assert_eq!(r.decoder_apart_steps.len(), 2);
+    for (st, &(m, f)) in r.decoder_apart_steps.iter().zip(&apart[2..]) {
+        assert_eq!((st.rows, st.factor), (m, f));
+        // Mirrored, every device computes the whole decoder: more kernel time than the
+        // tensor split's step of the same rows.
+        let tensor = r.decoder_rows_steps.iter().find(|t| t.rows == m).unwrap();
+        assert!(
+            st.predicted_kernels_s > tensor.predicted_kernels_s,
+            "{st:?} {tensor:?}"
+        );
+        let explained = st.predicted_s + (f - 1.0) * st.predicted_kernels_s;
+        let clamped = f == *metashard::planner::STEP_FACTOR.start()
+            || f == *metashard::planner::STEP_FACTOR.end();
+        assert!(
+            clamped || (explained / st.measured_s - 1.0).abs() < 1e-9,
+            "{st:?}"
+        );
+    }
     // Each row length of the GEMV shapes measured on its own, in increasing K, and the one
     // rate over all of them between the slowest and the fastest.
     for t in metashard::calibrate::MEASURED_TYPES {
@@ -362,6 +387,8 @@ fn calibrate_one_device_has_no_links_to_fit() {
     c.validate().unwrap();
     assert_eq!(c.n_devices(), 1);
     assert!(r.links.is_empty());
+    // One device has no other way to run than whole layers: no steps apart of their own.
+    assert!(r.decoder_apart_steps.is_empty() && c.step_factor_apart_by_m.is_empty());
     assert!(c.links.intra.all_reduce.alpha_s.is_empty());
     let d = &c.devices[0];
     assert_eq!(d.gemv_bw.len(), 2);

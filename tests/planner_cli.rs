@@ -276,6 +276,10 @@ fn bench_strategies_holds_predictions_against_measurements() {
     let steps = p["step_factor_by_m"].as_array().unwrap();
     assert_eq!(steps.len(), 4, "{p}");
     assert_eq!(steps[0], serde_json::json!([1, 1.0]), "{p}");
+    // And those of steps apart (timed mirrored at the prompt steps' rows).
+    let apart = p["step_factor_apart_by_m"].as_array().unwrap();
+    assert_eq!(apart.len(), 4, "{p}");
+    assert_eq!(apart[..2], steps[..2], "{p}");
     assert!(p["node_overhead_s"].as_f64().unwrap() > 0.0, "{p}");
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(

@@ -212,9 +212,11 @@ pub struct ProfileFigures {
     pub devices: String,
     /// The first device's per-node overhead (seconds).
     pub node_overhead_s: f64,
-    /// `Cluster::alone_speedup_by_m` and `Cluster::step_factor_by_m`.
+    /// `Cluster::alone_speedup_by_m`, `Cluster::step_factor_by_m` and
+    /// `Cluster::step_factor_apart_by_m`.
     pub alone_speedup_by_m: Vec<(usize, f64)>,
     pub step_factor_by_m: Vec<(usize, f64)>,
+    pub step_factor_apart_by_m: Vec<(usize, f64)>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -559,6 +561,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             node_overhead_s: cluster.devices.first().map_or(0.0, |d| d.node_overhead_s),
             alone_speedup_by_m: cluster.alone_speedup_by_m.clone(),
             step_factor_by_m: cluster.step_factor_by_m.clone(),
+            step_factor_apart_by_m: cluster.step_factor_apart_by_m.clone(),
         });
         let n_devices = metashard::parse_devices(spec)?.len();
         // Every strategy at every batch size: auto is searched per batch; the layer split
@@ -994,10 +997,11 @@ pub fn print_table(r: &StrategiesReport) {
     };
     for f in &r.profiles {
         println!(
-            "{} profile: node overhead {:.2} us; step factor {}; alone speedup {}",
+            "{} profile: node overhead {:.2} us; step factor {}; apart {}; alone speedup {}",
             f.devices,
             f.node_overhead_s * 1e6,
             points(&f.step_factor_by_m),
+            points(&f.step_factor_apart_by_m),
             points(&f.alone_speedup_by_m)
         );
     }

@@ -51,6 +51,9 @@ pub struct Calibration {
     /// batch's prompt chunks in one step), as run and as predicted after the per-node
     /// correction: the profile's `step_factor_by_m`.
     pub decoder_rows_steps: Vec<RowsStep>,
+    /// The prompt steps again with the decoder mirrored on every device: the profile's
+    /// `step_factor_apart_by_m` (empty on one device).
+    pub decoder_apart_steps: Vec<RowsStep>,
     pub links: Vec<LinkFitReport>,
     pub seconds: f64,
 }
@@ -146,6 +149,17 @@ pub fn calibrate_report(
     cluster.step_factor_by_m = std::iter::once((1, 1.0))
         .chain(dec.rows.iter().map(|r| (r.rows, r.factor)))
         .collect();
+    // Steps apart: the prompt steps timed mirrored; below their rows the tensor split's
+    // points (a mirrored decoding step was priced within 4-9% with them on cpu:3x1).
+    if let Some(first) = dec.apart.first() {
+        cluster.step_factor_apart_by_m = cluster
+            .step_factor_by_m
+            .iter()
+            .copied()
+            .filter(|&(m, _)| m < first.rows)
+            .chain(dec.apart.iter().map(|r| (r.rows, r.factor)))
+            .collect();
+    }
     progress("done", 1.0);
     let seconds = start.elapsed().as_secs_f64();
     cluster.sources = sources(spec, opts, &budget, n, (&over, &dec), &links, seconds);
@@ -163,6 +177,7 @@ pub fn calibrate_report(
         decoder_step_predicted_s: dec.predicted_s,
         decoder_step_nodes: dec.nodes,
         decoder_rows_steps: dec.rows.clone(),
+        decoder_apart_steps: dec.apart.clone(),
         links,
         seconds,
     })
@@ -239,23 +254,34 @@ fn sources(
             dec.nodes
         ),
     ];
+    let steps = |rows: &[RowsStep]| {
+        rows.iter()
+            .map(|r| {
+                format!(
+                    "step of {} rows ({:.1} us measured, {:.1} us predicted, {:.1} us of it \
+                     kernels: x{:.3})",
+                    r.rows,
+                    r.measured_s * 1e6,
+                    r.predicted_s * 1e6,
+                    r.predicted_kernels_s * 1e6,
+                    r.factor
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     sources.push(format!(
         "step_factor_by_m: the small decoder's {}, each as run against its prediction after \
          the per-node correction; the factor on the kernels' time that makes them agree",
-        dec.rows
-            .iter()
-            .map(|r| format!(
-                "step of {} rows ({:.1} us measured, {:.1} us predicted, {:.1} us of it \
-                 kernels: x{:.3})",
-                r.rows,
-                r.measured_s * 1e6,
-                r.predicted_s * 1e6,
-                r.predicted_kernels_s * 1e6,
-                r.factor
-            ))
-            .collect::<Vec<_>>()
-            .join(", ")
+        steps(&dec.rows)
     ));
+    if !dec.apart.is_empty() {
+        sources.push(format!(
+            "step_factor_apart_by_m: step_factor_by_m's points below the first here, then \
+             the small decoder mirrored on every device: its {}",
+            steps(&dec.apart)
+        ));
+    }
     for l in links {
         sources.push(format!(
             "{} fitted to alpha(N) + factor(N) B / bus_bw over {} samples: relative RMS \

@@ -45,13 +45,16 @@
 //!   two decode steps leaves the workers parked) gives `step_overhead_s` (the meta dispatch to
 //!   every device's worker and back included).
 //! - **A real decoding step**: a synthetic decoder of a small model's width (24 x 512, Q4_1)
-//!   decoded through the run path, its mean
+//!   decoded through the run path, its median span's mean
 //!   step against the cost model's prediction on the profile so far; the difference per node
 //!   of the step's critical path is added to `node_overhead_s` (`decoder_steps.rs`). Then, so
 //!   corrected, a batched decoding step of 8 sequences, a prompt chunk of 64 tokens and 8
 //!   such chunks in one step of the same decoder, each against its prediction: the factor
 //!   on the kernels' time that makes them agree is the cluster's `step_factor_by_m` (1 at
-//!   one row, where the per-node correction was fitted).
+//!   one row, where the per-node correction was fitted). On several devices the two prompt
+//!   steps again with the decoder mirrored on every device (no collective inside the
+//!   layers, whole matrices per device): the cluster's `step_factor_apart_by_m`, for steps
+//!   whose devices do not meet at every layer.
 //! - **Links**: for each group size N = 2..=n,
 //!   [`CpuCommunicator`](crate::collectives::CpuCommunicator) ranks on N workers pinned like
 //!   the meta device's, timing all-reduce, all-gather and reduce-scatter of F32 tensors of

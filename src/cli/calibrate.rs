@@ -221,11 +221,12 @@ pub fn table(r: &Calibration) -> String {
         r.decoder_step_predicted_s * 1e6,
         r.decoder_step_nodes
     );
-    for st in &r.decoder_rows_steps {
+    let apart = r.decoder_apart_steps.iter().map(|st| (st, " mirrored"));
+    for (st, how) in r.decoder_rows_steps.iter().map(|st| (st, "")).chain(apart) {
         let _ = writeln!(
             s,
-            "(steps of {} rows: kernels x{:.3}, from the small decoder's {}: {:.1} us as run, \
-             {:.1} us predicted, {:.1} us of it kernels)",
+            "(steps of {} rows{how}: kernels x{:.3}, from the small decoder's {}: {:.1} us as \
+             run, {:.1} us predicted, {:.1} us of it kernels)",
             st.rows,
             st.factor,
             match st.rows {

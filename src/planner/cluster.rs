@@ -508,6 +508,17 @@ pub struct Cluster {
     /// outside them; absent or empty: 1 (the rates as measured).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub step_factor_by_m: Vec<(usize, f64)>,
+    /// The same for steps whose devices do not meet inside the layers (fewer collectives
+    /// than layers: a mirrored or vocab-split program, or a layer split's stage, each device
+    /// running whole layers through): a calibration times the small decoder mirrored on every
+    /// device at its prompt chunk and its batch of prompt chunks, where the devices'
+    /// products are whole matrices and nobody waits for the slowest at every half layer (on
+    /// the shared AVX-512 Xeon such programs measured 15-40% faster than the factors timed on
+    /// a tensor split said; `docs/planner.md`, "twenty-first session"). Below those rows a
+    /// calibration copies the tensor split's points. Absent or empty:
+    /// [`step_factor_by_m`](Cluster::step_factor_by_m).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub step_factor_apart_by_m: Vec<(usize, f64)>,
 }
 
 /// `points` (`[M, value]`, rising M) at `rows`, interpolated in log M, the nearest point
@@ -566,6 +577,13 @@ impl Cluster {
         at_rows(&self.step_factor_by_m, rows).unwrap_or(1.0)
     }
 
+    /// The factor on the kernels' times in a step of `rows` rows whose devices do not meet
+    /// inside the layers: [`step_factor_apart_by_m`](Cluster::step_factor_apart_by_m) as
+    /// [`step_factor_at`](Cluster::step_factor_at) interpolates, else that.
+    pub fn step_factor_apart_at(&self, rows: usize) -> f64 {
+        at_rows(&self.step_factor_apart_by_m, rows).unwrap_or_else(|| self.step_factor_at(rows))
+    }
+
     /// Check the figures against their physical ranges ([`MAX_DEVICES`], [`MEMORY_BYTES`],
     /// [`BANDWIDTH`], [`FLOPS`], [`SECONDS`]): at least one device, rates and bandwidths
     /// positive, finite and within reach of hardware, overheads and latencies non-negative and
@@ -599,18 +617,23 @@ impl Cluster {
                 ));
             }
         }
-        for (i, &(m, f)) in self.step_factor_by_m.iter().enumerate() {
-            let rising = i == 0 || self.step_factor_by_m[i - 1].0 < m;
-            if m == 0 || !rising || !STEP_FACTOR.contains(&f) {
-                return Err((
-                    format!("step_factor_by_m[{i}]"),
-                    format!("[{m}, {f}]"),
-                    format!(
-                        "rows must rise from 1 and factors be in {}..={}",
-                        STEP_FACTOR.start(),
-                        STEP_FACTOR.end()
-                    ),
-                ));
+        for (field, points) in [
+            ("step_factor_by_m", &self.step_factor_by_m),
+            ("step_factor_apart_by_m", &self.step_factor_apart_by_m),
+        ] {
+            for (i, &(m, f)) in points.iter().enumerate() {
+                let rising = i == 0 || points[i - 1].0 < m;
+                if m == 0 || !rising || !STEP_FACTOR.contains(&f) {
+                    return Err((
+                        format!("{field}[{i}]"),
+                        format!("[{m}, {f}]"),
+                        format!(
+                            "rows must rise from 1 and factors be in {}..={}",
+                            STEP_FACTOR.start(),
+                            STEP_FACTOR.end()
+                        ),
+                    ));
+                }
             }
         }
         if !(1..=MAX_DEVICES).contains(&n) {
@@ -683,6 +706,7 @@ impl Cluster {
             alone_speedup: None,
             alone_speedup_by_m: Vec::new(),
             step_factor_by_m: Vec::new(),
+            step_factor_apart_by_m: Vec::new(),
         }
     }
 
@@ -723,6 +747,7 @@ impl Cluster {
             alone_speedup: self.alone_speedup,
             alone_speedup_by_m: self.alone_speedup_by_m.clone(),
             step_factor_by_m: self.step_factor_by_m.clone(),
+            step_factor_apart_by_m: self.step_factor_apart_by_m.clone(),
         };
         c.validate()?;
         Ok(c)
@@ -1032,9 +1057,37 @@ mod tests {
             (vec![(1, f64::NAN)], "step_factor_by_m[0]"),
             (vec![(0, 1.0)], "step_factor_by_m[0]"),
         ] {
-            c.step_factor_by_m = bad;
+            c.step_factor_by_m = bad.clone();
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains(entry), "{e}");
+            // The factors of steps apart are checked the same way.
+            c.step_factor_by_m = vec![(1, 1.0), (8, 1.3), (64, 0.8)];
+            c.step_factor_apart_by_m = bad;
+            let e = c.validate().unwrap_err().to_string();
+            let apart = entry.replace("step_factor_by_m", "step_factor_apart_by_m");
+            assert!(e.contains(&apart), "{e}");
+            c.step_factor_apart_by_m = Vec::new();
         }
+    }
+
+    #[test]
+    fn steps_apart_have_their_own_factor_else_the_tensor_splits() {
+        let mut c = box_of_two();
+        c.step_factor_by_m = vec![(1, 1.0), (8, 1.3), (64, 0.8)];
+        // None measured apart: the tensor split's.
+        for rows in [1, 8, 20, 64, 512] {
+            assert_eq!(c.step_factor_apart_at(rows), c.step_factor_at(rows));
+        }
+        c.step_factor_apart_by_m = vec![(1, 1.0), (8, 1.3), (64, 0.6), (512, 0.5)];
+        c.validate().unwrap();
+        assert_eq!(c.step_factor_apart_at(8), 1.3);
+        assert_eq!(c.step_factor_apart_at(64), 0.6);
+        assert_eq!(c.step_factor_apart_at(4096), 0.5);
+        assert_eq!(c.step_factor_at(4096), 0.8);
+        // A profile written before the field reads as none measured.
+        let json = serde_json::to_value(box_of_two()).unwrap();
+        assert!(json.get("step_factor_apart_by_m").is_none());
+        let back: Cluster = serde_json::from_value(json).unwrap();
+        assert!(back.step_factor_apart_by_m.is_empty());
     }
 }

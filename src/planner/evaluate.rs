@@ -22,7 +22,9 @@
 //! - every executed node: the device's per-node overhead; every step: its per-step overhead;
 //! - the kernels' times of a step of M rows (not the overheads) times the cluster's step
 //!   factor at M (`Cluster::step_factor_at`: what a calibration measured a real batched
-//!   step or prompt chunk to take over its prediction; 1 where there is none).
+//!   step or prompt chunk to take over its prediction; 1 where there is none), or, in a step
+//!   whose devices meet fewer times than there are layers (mirrored, vocab split, a layer
+//!   split's stage), the factor timed that way (`Cluster::step_factor_apart_at`).
 //!
 //! The devices run their programs at the same time and meet at each collective, so a step
 //! takes the sum over stages of the slowest device's compute, plus each collective's
@@ -731,8 +733,21 @@ fn step_cost(
         .max()
         .unwrap_or(0);
     // Kernels in a real step of this many rows, against the rates timed in long runs
-    // (`Cluster::step_factor_by_m`); the overheads are figures of their own.
-    let factor = cluster.step_factor_at(tokens);
+    // (`Cluster::step_factor_by_m`); the overheads are figures of their own. A step whose
+    // devices meet fewer times than there are layers runs whole layers through on each
+    // device (mirrored, vocab split, a layer split's stage): the factor timed that way
+    // (`Cluster::step_factor_apart_by_m`).
+    let layers = names.iter().filter(|s| s.starts_with("layer ")).count();
+    let meetings = rw.programs.first().map_or(0, |p| {
+        p.stages
+            .iter()
+            .filter(|s| matches!(s, Stage::Collective { .. }))
+            .count()
+    });
+    let factor = match meetings < layers.max(1) {
+        true => cluster.step_factor_apart_at(tokens),
+        false => cluster.step_factor_at(tokens),
+    };
     for i in 0..stages {
         let mut slowest = 0f64;
         let mut slowest_overhead = 0f64;
@@ -969,6 +984,11 @@ mod tests {
             c.step_factor_by_m = factors;
             clusters.push(c);
         }
+        // Steps apart (the mirrored split below) with factors of their own.
+        let mut c = cpu_pair();
+        c.step_factor_by_m = vec![(1, 1.0), (8, 1.4), (64, 0.8)];
+        c.step_factor_apart_by_m = vec![(1, 1.0), (8, 1.4), (64, 0.6), (512, 0.5)];
+        clusters.push(c);
         for c in &clusters {
             steps_stream_the_weights_and_never_get_cheaper(&shape, c);
         }
@@ -977,7 +997,11 @@ mod tests {
     fn steps_stream_the_weights_and_never_get_cheaper(shape: &ModelShape, c: &Cluster) {
         // A factor below 1 says real steps stream faster than the rates: the floor with it.
         let fastest = c.devices[0].gemv_bw.values().copied().fold(0.0, f64::max)
-            / c.step_factor_by_m.iter().map(|p| p.1).fold(1.0, f64::min);
+            / c.step_factor_by_m
+                .iter()
+                .chain(&c.step_factor_apart_by_m)
+                .map(|p| p.1)
+                .fold(1.0, f64::min);
         let factors = &c.step_factor_by_m;
         for strategy in [Strategy::Megatron, Strategy::Mirrored] {
             let split = strategy.split(shape.n_layer(), shape.tied).unwrap();
@@ -1044,6 +1068,46 @@ mod tests {
         assert_eq!(d1.comm_s, d0.comm_s);
         assert_eq!(p1.tokens, 512);
         assert_eq!(p1.seconds, p0.seconds);
+    }
+
+    /// Steps whose devices do not meet inside the layers (mirrored) take the factor timed
+    /// apart; a tensor split's steps, which meet at every layer, keep theirs.
+    #[test]
+    fn steps_apart_take_the_factor_timed_apart() {
+        let shape = ModelShape::preset("smollm2-135m").unwrap();
+        let w = Workload {
+            prefill: 64,
+            decode: 4,
+            batch: 8,
+            context: 8 * 64 + 8,
+        };
+        let step = |c: &Cluster, strategy: Strategy| {
+            let split = strategy.split(shape.n_layer(), shape.tied).unwrap();
+            let policy = by_layer(shape.split_dims(), split);
+            let e = evaluate(&shape, policy, c, &w).unwrap();
+            (e.prefill.unwrap(), e.decode.unwrap())
+        };
+        let kernels = |s: &StepCost| s.compute_s - s.overhead_s;
+        let plain = cpu_pair();
+        let mut apart = cpu_pair();
+        // 3x at the prompt step's 512 rows for steps apart only.
+        apart.step_factor_apart_by_m = vec![(1, 1.0), (8, 1.0), (512, 3.0)];
+        apart.validate().unwrap();
+        let ((mp0, md0), (mp1, md1)) = (
+            step(&plain, Strategy::Megatron),
+            step(&apart, Strategy::Megatron),
+        );
+        assert_eq!((mp1.seconds, md1.seconds), (mp0.seconds, md0.seconds));
+        let ((p0, d0), (p1, d1)) = (
+            step(&plain, Strategy::Mirrored),
+            step(&apart, Strategy::Mirrored),
+        );
+        assert!(
+            (kernels(&p1) / kernels(&p0) - 3.0).abs() < 1e-9,
+            "{p0:?} {p1:?}"
+        );
+        assert_eq!(p1.overhead_s, p0.overhead_s);
+        assert_eq!(d1.seconds, d0.seconds);
     }
 
     /// A calibrated attention rate prices `flash_attn` at its flops (4 D per query head and

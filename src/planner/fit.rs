@@ -300,6 +300,7 @@ pub fn measured_cluster(
         alone_speedup: rates.alone_speedup,
         alone_speedup_by_m: rates.alone_speedup_by_m.clone(),
         step_factor_by_m: Vec::new(),
+        step_factor_apart_by_m: Vec::new(),
     };
     cluster.validate()?;
     Ok(cluster)

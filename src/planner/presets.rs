@@ -361,6 +361,7 @@ impl Cluster {
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
+                step_factor_apart_by_m: Vec::new(),
             }),
             "h100x16-ib" => Some(Cluster {
                 name: "h100x16-ib".into(),
@@ -394,6 +395,7 @@ impl Cluster {
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
+                step_factor_apart_by_m: Vec::new(),
             }),
             "rtx4090x4-pcie" => Some(Cluster {
                 name: "rtx4090x4-pcie".into(),
@@ -429,6 +431,7 @@ impl Cluster {
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
+                step_factor_apart_by_m: Vec::new(),
             }),
             "cpu2x2-netns" => Some(Cluster {
                 name: "cpu2x2-netns".into(),
@@ -460,6 +463,7 @@ impl Cluster {
                 alone_speedup: None,
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
+                step_factor_apart_by_m: Vec::new(),
             }),
             _ => None,
         }

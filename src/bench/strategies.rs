@@ -217,6 +217,9 @@ pub struct ProfileFigures {
     pub alone_speedup_by_m: Vec<(usize, f64)>,
     pub step_factor_by_m: Vec<(usize, f64)>,
     pub step_factor_apart_by_m: Vec<(usize, f64)>,
+    /// The first device's GEMV weight bandwidth by type (bytes/s): what a one-sequence
+    /// decoding step's prediction is made of, almost alone.
+    pub gemv_bw: std::collections::BTreeMap<String, f64>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -547,10 +550,13 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             Some(c) => c.clone(),
             None => {
                 progress(&format!("calibrating {spec}"));
-                let co = if opts.full_calibration {
-                    CalibrateOptions::default()
-                } else {
-                    CalibrateOptions::quick()
+                let co = CalibrateOptions {
+                    weight_types: calibrated_types(&shape)?,
+                    ..if opts.full_calibration {
+                        CalibrateOptions::default()
+                    } else {
+                        CalibrateOptions::quick()
+                    }
                 };
                 calibrate(spec, &co, &|what, _| progress(&format!("  {what}")))?
             }
@@ -562,6 +568,11 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             alone_speedup_by_m: cluster.alone_speedup_by_m.clone(),
             step_factor_by_m: cluster.step_factor_by_m.clone(),
             step_factor_apart_by_m: cluster.step_factor_apart_by_m.clone(),
+            gemv_bw: cluster
+                .devices
+                .first()
+                .map(|d| d.gemv_bw.clone())
+                .unwrap_or_default(),
         });
         let n_devices = metashard::parse_devices(spec)?.len();
         // Every strategy at every batch size: auto is searched per batch; the layer split
@@ -748,6 +759,22 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         summaries,
         profiles: figures,
     })
+}
+
+/// The weight types a device set's calibration measures for `shape`: F32 (what the cost model
+/// falls back to for a type without figures, and the rate of unfused attention) and every type
+/// the model's matrices are stored in. The other types' rates would not price anything here,
+/// and measuring only these leaves the calibration's time to the repetitions of the ones that
+/// do (SmolLM2: F32, Q8_0 and Q4_1 of the six measured by default).
+fn calibrated_types(shape: &ModelShape) -> Result<Vec<metashard::DType>> {
+    let mut types = vec![metashard::DType::F32];
+    for d in shape.weight_decls()? {
+        let t = d.layout.dtype;
+        if metashard::DType::WEIGHT_TYPES.contains(&t) && !types.contains(&t) {
+            types.push(t);
+        }
+    }
+    Ok(types)
 }
 
 /// Bytes one decode step (a token after the warm-up's) moves between devices on a meta device,

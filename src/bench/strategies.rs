@@ -1156,6 +1156,26 @@ pub fn svg(r: &StrategiesReport) -> String {
 mod tests {
     use super::*;
 
+    /// A device set's calibration measures F32 and each of the model's matrix types, once.
+    #[test]
+    fn the_calibration_measures_f32_and_the_models_types() {
+        use metashard::DType;
+        let mut shape = ModelShape::preset("smollm2-135m").unwrap();
+        shape.types.ffn_down = DType::Q4_1;
+        shape.types.output = DType::Q8_0;
+        let types = calibrated_types(&shape).unwrap();
+        assert_eq!(types[0], DType::F32);
+        for d in shape.weight_decls().unwrap() {
+            assert!(types.contains(&d.layout.dtype), "{}: {types:?}", d.name);
+        }
+        assert!(types.contains(&DType::Q4_1) && types.contains(&DType::Q8_0));
+        let mut unique = types.clone();
+        unique.dedup();
+        unique.sort_by_key(|t| t.name());
+        unique.dedup();
+        assert_eq!(unique.len(), types.len(), "{types:?}");
+    }
+
     #[test]
     fn spearman_of_known_orders() {
         assert!((spearman(&[1.0, 2.0, 3.0, 4.0], &[10.0, 20.0, 30.0, 40.0]) - 1.0).abs() < 1e-12);

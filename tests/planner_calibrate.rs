@@ -204,6 +204,19 @@ fn assert_valid_calibration(c: &Cluster, n: usize) {
     }
 }
 
+/// A step factor is what makes the step's prediction its measurement (unless clamped to the
+/// range a profile may hold).
+fn factor_explains_the_step(st: &metashard::calibrate::RowsStep) {
+    let f = st.factor;
+    let explained = st.predicted_s + (f - 1.0) * st.predicted_kernels_s;
+    let clamped = f == *metashard::planner::STEP_FACTOR.start()
+        || f == *metashard::planner::STEP_FACTOR.end();
+    assert!(
+        clamped || (explained / st.measured_s - 1.0).abs() < 1e-9,
+        "{st:?}"
+    );
+}
+
 fn within(a: f64, b: f64, factor: f64) -> bool {
     a / b <= factor && b / a <= factor
 }
@@ -267,13 +280,7 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
             st.measured_s > 0.0 && st.predicted_kernels_s < st.predicted_s,
             "{st:?}"
         );
-        let explained = st.predicted_s + (f - 1.0) * st.predicted_kernels_s;
-        let clamped = f == *metashard::planner::STEP_FACTOR.start()
-            || f == *metashard::planner::STEP_FACTOR.end();
-        assert!(
-            clamped || (explained / st.measured_s - 1.0).abs() < 1e-9,
-            "{st:?}"
-        );
+        factor_explains_the_step(st);
     }
     // Steps apart: the prompt chunk and the batch of prompt chunks timed with the decoder
     // mirrored, after the tensor split's points below them; each factor what makes its
@@ -292,13 +299,7 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
             st.predicted_kernels_s > tensor.predicted_kernels_s,
             "{st:?} {tensor:?}"
         );
-        let explained = st.predicted_s + (f - 1.0) * st.predicted_kernels_s;
-        let clamped = f == *metashard::planner::STEP_FACTOR.start()
-            || f == *metashard::planner::STEP_FACTOR.end();
-        assert!(
-            clamped || (explained / st.measured_s - 1.0).abs() < 1e-9,
-            "{st:?}"
-        );
+        factor_explains_the_step(st);
     }
     // Each row length of the GEMV shapes measured on its own, in increasing K, and the one
     // rate over all of them between the slowest and the fastest.

@@ -1170,7 +1170,6 @@ mod tests {
         }
         assert!(types.contains(&DType::Q4_1) && types.contains(&DType::Q8_0));
         let mut unique = types.clone();
-        unique.dedup();
         unique.sort_by_key(|t| t.name());
         unique.dedup();
         assert_eq!(unique.len(), types.len(), "{types:?}");

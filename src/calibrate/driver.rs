@@ -150,7 +150,8 @@ pub fn calibrate_report(
         .chain(dec.rows.iter().map(|r| (r.rows, r.factor)))
         .collect();
     // Steps apart: the prompt steps timed mirrored; below their rows the tensor split's
-    // points (a mirrored decoding step was priced within 4-9% with them on cpu:3x1).
+    // points (the decoding steps are not timed mirrored: on cpu:3x1 three runs priced a
+    // mirrored decoding step within 2-16% with them, the prompts 30-40% off before).
     if let Some(first) = dec.apart.first() {
         cluster.step_factor_apart_by_m = cluster
             .step_factor_by_m

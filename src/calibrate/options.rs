@@ -35,8 +35,9 @@ pub(super) const COMM_TIMEOUT: Duration = Duration::from_secs(60);
 /// What to measure and how long.
 #[derive(Clone, Debug)]
 pub struct CalibrateOptions {
-    /// Fewer repetitions, smaller sizes and fewer shapes: a few seconds (tests), instead of a
-    /// few tens of seconds.
+    /// Fewer repetitions, smaller sizes and fewer shapes: under a minute on two cores (48-52 s
+    /// for `cpu:2x1` with the six default types on the AVX-512 Xeon), instead of about two and
+    /// a half.
     pub quick: bool,
     /// Precision of products with quantized weights on CPU devices (default: the runs'
     /// default, [`Precision::Exact`]).

@@ -21,7 +21,7 @@ pub struct CalibrateArgs {
     /// Write the profile (JSON, read back by the planner) to this file.
     #[arg(long, short = 'o')]
     pub output: Option<PathBuf>,
-    /// A few seconds instead of a few tens: fewer repetitions, sizes and shapes.
+    /// Under a minute instead of a few: fewer repetitions, sizes and shapes.
     #[arg(long)]
     pub quick: bool,
     #[command(flatten)]

@@ -513,8 +513,8 @@ pub struct Cluster {
     /// running whole layers through): a calibration times the small decoder mirrored on every
     /// device at its prompt chunk and its batch of prompt chunks, where the devices'
     /// products are whole matrices and nobody waits for the slowest at every half layer (on
-    /// the shared AVX-512 Xeon such programs measured 15-40% faster than the factors timed on
-    /// a tensor split said; `docs/planner.md`, "twenty-first session"). Below those rows a
+    /// the shared AVX-512 Xeon such programs' prompts measured 30-40% faster, against the
+    /// others, than the factors timed on a tensor split said; `docs/planner.md`, "twenty-first session"). Below those rows a
     /// calibration copies the tensor split's points. Absent or empty:
     /// [`step_factor_by_m`](Cluster::step_factor_by_m).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

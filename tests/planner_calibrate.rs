@@ -173,7 +173,8 @@ fn presets_round_trip_through_json_files() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-fn assert_valid_calibration(c: &Cluster, n: usize) {
+/// A calibrated profile of `n` devices with sane figures, rates measured for exactly `types`.
+fn assert_valid_calibration(c: &Cluster, n: usize, types: &[DType]) {
     c.validate().unwrap();
     assert_eq!(c.n_devices(), n);
     assert_eq!(c.links.devices_per_node, n);
@@ -183,7 +184,12 @@ fn assert_valid_calibration(c: &Cluster, n: usize) {
         assert!(pos(d.mem_bw) && pos(d.step_overhead_s) && pos(d.node_overhead_s));
         // A CPU reads memory at 0.1 GB/s .. 1 TB/s.
         assert!((1e8..1e12).contains(&d.mem_bw), "{}", d.mem_bw);
-        for t in metashard::calibrate::MEASURED_TYPES {
+        let mut names: Vec<&str> = d.gemv_bw.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        let mut want: Vec<&str> = types.iter().map(|t| t.name()).collect();
+        want.sort_unstable();
+        assert_eq!(names, want, "{d:?}");
+        for t in types {
             let g = d.gemv_bw[t.name()];
             let f = d.gemm_flops[t.name()];
             assert!(pos(g) && (1e8..1e12).contains(&g), "gemv {t}: {g}");
@@ -231,7 +237,7 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
     })
     .unwrap();
     let c = &r.cluster;
-    assert_valid_calibration(c, 2);
+    assert_valid_calibration(c, 2, metashard::calibrate::MEASURED_TYPES);
     // Progress went from 0 to 1, in order.
     let seen = seen.into_inner();
     assert!(seen.len() > 5);
@@ -336,8 +342,14 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
             .any(|s| s.contains("small decoder's decoding step"))
     );
 
-    // A second run: device rates and the all-reduce bandwidth within a factor of 5.
-    let r2 = calibrate_report("cpu:2x1", &opts, &no_progress).unwrap();
+    // A second run: device rates and the all-reduce bandwidth within a factor of 5 (two of
+    // the types again: the other four would only lengthen the test).
+    let two = [DType::F32, DType::Q4_1];
+    let opts2 = CalibrateOptions {
+        weight_types: two.to_vec(),
+        ..CalibrateOptions::quick()
+    };
+    let r2 = calibrate_report("cpu:2x1", &opts2, &no_progress).unwrap();
     let c2 = &r2.cluster;
     // Bigger collectives take longer, in at least one of the two runs: on a shared 2-core
     // machine a preempted worker can hold the smallest size's median at a scheduler tick
@@ -358,7 +370,7 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
         );
     }
     let (a, b) = (&c.devices[0], &c2.devices[0]);
-    for t in metashard::calibrate::MEASURED_TYPES {
+    for t in two {
         let k = t.name();
         assert!(
             within(a.gemv_bw[k], b.gemv_bw[k], 5.0),
@@ -437,25 +449,52 @@ fn the_binary_writes_a_profile_cluster_load_accepts() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("profile.json");
     let p = path.to_str().unwrap();
-    let o = metashard(&["calibrate", "--devices", "cpu:2x1", "--quick", "-o", p]);
+    // --types: the named types (any case, repeated) and F32, nothing else.
+    let o = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--quick",
+        "--types",
+        "Q4_K,q8_0,q4_k",
+        "-o",
+        p,
+    ]);
     let (stdout, stderr) = (
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr),
     );
     assert!(o.status.success(), "{stderr}");
     let c = Cluster::load(&path).unwrap();
-    assert_valid_calibration(&c, 2);
-    // The table names every weight type, the collectives and the file.
-    for want in ["q4_1", "all-reduce", "reduce-scatter", "bus GB/s", p] {
+    assert_valid_calibration(&c, 2, &[DType::F32, DType::Q4_K, DType::Q8_0]);
+    // The table names the weight types measured, the collectives and the file.
+    for want in [
+        "q4_k",
+        "q8_0",
+        "all-reduce",
+        "reduce-scatter",
+        "bus GB/s",
+        p,
+    ] {
         assert!(stdout.contains(want), "no `{want}` in\n{stdout}");
     }
+    assert!(!stdout.contains("q4_1"), "{stdout}");
     std::fs::remove_dir_all(&dir).ok();
 
     // --json: the profile on stdout, parseable; the table on stderr.
-    let o = metashard(&["calibrate", "--devices", "cpu:1x1", "--quick", "--json"]);
+    let o = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:1x1",
+        "--quick",
+        "--types",
+        "f32",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let c: Cluster = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(c.n_devices(), 1);
+    assert_eq!(c.devices[0].gemv_bw.len(), 1, "{:?}", c.devices[0]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("GEMV"));
 }
 
@@ -481,6 +520,16 @@ fn the_binary_refuses_a_bad_device_list_naming_it() {
         err.contains("--output") && err.contains("directory"),
         "{err}"
     );
+    // A name that is no type, or a type no weight is stored in, is refused naming it.
+    for bad in ["q9_9", "i32"] {
+        let o = metashard(&["calibrate", "--devices", "cpu:2x1", "--types", bad]);
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(bad) && err.contains("--types") && err.contains("q4_k"),
+            "{err}"
+        );
+    }
     // --json has a help line.
     let o = metashard(&["calibrate", "--help"]);
     let help = String::from_utf8_lossy(&o.stdout);
@@ -546,7 +595,14 @@ fn calibrate_with_hosts_fits_the_link_between_hosts_from_bench_comm_rows() {
     assert!(!e.status.success() && err.contains("gather"), "{err}");
 
     let _g = MEASURING.lock();
-    let args = ["calibrate", "--devices", "cpu:2x1", "--quick"];
+    let args = [
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--quick",
+        "--types",
+        "f32",
+    ];
     let o = metashard(&[&args[..], &["--hosts", "2", "--inter", r, "-o", o]].concat());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("between hosts"));

@@ -48,8 +48,9 @@ pub struct CalibrateOptions {
 
 /// The weight types measured by default. The others (Q5_0, Q5_1, the K-quants, IQ4) have
 /// kernels of their own too (docs/kernels.md) but are left out to keep the calibration's time;
-/// they can be named in `weight_types` (`bench strategies` measures F32 and the model's own
-/// types), and a profile without them prices them at its F32 figures.
+/// they can be named in `weight_types` (`metashard calibrate --types`; `bench strategies`
+/// measures F32 and the model's own types), and a profile without them prices them at its F32
+/// figures.
 pub const MEASURED_TYPES: &[DType] = &[
     DType::F32,
     DType::F16,

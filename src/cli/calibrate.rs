@@ -29,6 +29,12 @@ pub struct CalibrateArgs {
     /// Precision of products with quantized weights, as the runs to be planned will use it.
     #[arg(long, value_parser = super::parse_precision, default_value = "exact")]
     pub precision: Precision,
+    /// Weight types whose matrix-vector and matrix-matrix rates are measured, by ggml name,
+    /// comma-separated (`--types q4_k,q6_k,q8_0` for a Q4_K_M file). F32 is always measured
+    /// as well: the planner prices unfused attention and types without figures from it.
+    /// Default: f32, f16, bf16, q8_0, q4_0, q4_1.
+    #[arg(long, value_delimiter = ',', value_parser = parse_weight_type)]
+    pub types: Vec<DType>,
     /// Hosts of this device list each: the profile then has HOSTS copies of the measured
     /// devices, joined between hosts by the links fitted from --inter (two levels).
     #[arg(long, default_value_t = 1, value_parser = super::parse_positive)]
@@ -124,11 +130,14 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         }
         None => None,
     };
-    let opts = CalibrateOptions {
+    let mut opts = CalibrateOptions {
         quick: a.quick,
         precision: a.precision,
         ..Default::default()
     };
+    if !a.types.is_empty() {
+        opts.weight_types = with_f32(&a.types);
+    }
     let pb = indicatif::ProgressBar::new(1000);
     pb.set_style(
         indicatif::ProgressStyle::with_template("{msg:<34} [{bar:40}] {percent:>3}% {elapsed}")
@@ -173,6 +182,29 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         print!("{text}");
     }
     Ok(())
+}
+
+/// A `--types` entry: a weight type by its ggml name (`q4_k`), case-insensitive.
+fn parse_weight_type(s: &str) -> std::result::Result<DType, String> {
+    DType::from_name(s.trim())
+        .filter(|d| DType::WEIGHT_TYPES.contains(d))
+        .ok_or_else(|| {
+            let names: Vec<&str> = DType::WEIGHT_TYPES.iter().map(|d| d.name()).collect();
+            format!("`{s}` is not a weight type ({})", names.join(", "))
+        })
+}
+
+/// The types to measure: F32 first (the figure other types fall back to and the rate of
+/// unfused attention; the alone-against-together speedup is timed with the first type), then
+/// the named ones in their order, each once.
+fn with_f32(types: &[DType]) -> Vec<DType> {
+    let mut out = vec![DType::F32];
+    for &t in types {
+        if !out.contains(&t) {
+            out.push(t);
+        }
+    }
+    out
 }
 
 /// The figures of a calibration as text tables.

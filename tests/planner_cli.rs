@@ -3,8 +3,15 @@
 //! answer as the built-in split); DOT of layer 0 names its collectives; bad clusters,
 //! strategies and plans are errors naming the flag; `bench strategies` reports every strategy
 //! predicted against measured (SmolLM2, and the Gemma 3 270M file).
+//!
+//! One test calibrates inside `bench strategies` (the figures it reports are its
+//! calibration's); the others that need a profile of this machine share one quick calibration
+//! ([`cpu2_profile`]): they check the planner's and the bench's structure, not the rates, and
+//! a calibration each took most of this file's time.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 fn metashard(args: &[&str]) -> (i32, String, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_metashard"))
@@ -18,10 +25,41 @@ fn metashard(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-fn tmp(name: &str) -> std::path::PathBuf {
+fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("metashard-planner-cli-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d.join(name)
+}
+
+/// A quick calibration of cpu:2x1 (F32 and SmolLM2's Q8_0 and Q4_1; other types are priced
+/// at the F32 figures), made once for the tests of this file that run on it.
+fn cpu2_profile() -> &'static Path {
+    static PROFILE: OnceLock<PathBuf> = OnceLock::new();
+    PROFILE.get_or_init(|| {
+        let p = tmp("shared-cpu2.json");
+        let (code, _, err) = metashard(&[
+            "calibrate",
+            "--devices",
+            "cpu:2x1",
+            "--quick",
+            "--types",
+            "q8_0,q4_1",
+            "-o",
+            p.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        p
+    })
+}
+
+/// Two hosts of [`cpu2_profile`]'s devices joined by its links: a profile of four devices
+/// for `cpu:4x1` without calibrating four devices on this machine's cores.
+fn cpu4_profile() -> PathBuf {
+    let two = metashard::planner::Cluster::load(cpu2_profile()).unwrap();
+    let four = two.with_hosts(2, two.links.intra.clone()).unwrap();
+    let p = tmp("shared-cpu4.json");
+    std::fs::write(&p, four.to_json()).unwrap();
+    p
 }
 
 #[test]
@@ -69,17 +107,8 @@ fn a_plan_file_runs_as_planned_and_dot_shows_the_collectives() {
     let plan = tmp("smol.json");
     let dot = tmp("l0.dot");
     let svg = tmp("l0.svg");
-    let profile = tmp("cpu2.json");
     // A profile of this machine, then a plan for it, written to a file.
-    let (code, _, err) = metashard(&[
-        "calibrate",
-        "--devices",
-        "cpu:2x1",
-        "--quick",
-        "-o",
-        profile.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
+    let profile = cpu2_profile();
     let (code, out, err) = metashard(&[
         "plan",
         "--cluster",
@@ -294,12 +323,14 @@ fn bench_strategies_holds_predictions_against_measurements() {
 /// and asking for it there is not an error (nothing to measure).
 #[test]
 fn bench_strategies_measures_the_hybrid_split_on_four_devices() {
-    let rows = |devices: &str| {
+    let rows = |devices: &str, profile: &Path| {
         let (code, out, err) = metashard(&[
             "bench",
             "strategies",
             "--devices",
             devices,
+            "--profile",
+            profile.to_str().unwrap(),
             "--pp",
             "8",
             "--tg",
@@ -314,7 +345,7 @@ fn bench_strategies_measures_the_hybrid_split_on_four_devices() {
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
         v["rows"].as_array().unwrap().clone()
     };
-    let four = rows("cpu:4x1");
+    let four = rows("cpu:4x1", &cpu4_profile());
     let names: Vec<&str> = four
         .iter()
         .map(|r| r["strategy"].as_str().unwrap())
@@ -344,7 +375,7 @@ fn bench_strategies_measures_the_hybrid_split_on_four_devices() {
         four[0]["measured_weight_bytes"].as_u64().unwrap(),
     );
     assert!(hybrid_w > megatron_w, "{hybrid_w} vs {megatron_w}");
-    let two = rows("cpu:2x1");
+    let two = rows("cpu:2x1", cpu2_profile());
     assert!(two.iter().all(|r| r["strategy"] != "hybrid"), "{two:?}");
 }
 
@@ -410,6 +441,8 @@ fn bench_strategies_measures_batches_and_the_layer_split() {
         "strategies",
         "--devices",
         "cpu:2x1",
+        "--profile",
+        cpu2_profile().to_str().unwrap(),
         "--batch",
         "1,2",
         "--pp",
@@ -507,6 +540,8 @@ fn bench_strategies_runs_the_gemma3_file() {
         path.to_str().unwrap(),
         "--devices",
         "cpu:2x1",
+        "--profile",
+        cpu2_profile().to_str().unwrap(),
         "--pp",
         "4",
         "--tg",

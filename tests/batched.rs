@@ -322,7 +322,8 @@ fn smollm2_cancel_and_stop_strings() {
 /// `BatchSession::set_graph_reuse`, on by default): 40 steps after a prompt, and 36 steps of
 /// two sequences together, across a cache-size boundary (a new graph shape), give the same
 /// logits bit for bit as building every step's graph anew, for a llama and a Gemma 2 file
-/// (its sliding-window mask refilled too) on one device, a meta device and a layer split.
+/// (its sliding-window mask refilled too) on one device, a meta device and a layer split; on
+/// the layer split also with the two sequences in two micro-batches (a graph kept for each).
 #[test]
 fn reused_step_graphs_give_the_bits_of_new_ones() {
     for arch in [&LLAMA, &GEMMA2] {
@@ -346,10 +347,11 @@ fn reused_step_graphs_give_the_bits_of_new_ones() {
             };
             let (fresh, reused) = (run(false), run(true));
             // Two sequences decoding together, one of them starting late.
-            let run_batch = |reuse: bool| -> Vec<Vec<f32>> {
+            let run_batch = |reuse: bool, micro: usize| -> Vec<Vec<f32>> {
                 let bt = set.buffer_type.as_ref();
                 let mut bs = BatchSession::new(&m, set.backend.clone(), bt, 2, 64).unwrap();
                 bs.set_graph_reuse(reuse);
+                bs.micro_batches = micro;
                 let (a, b) = (bs.acquire().unwrap(), bs.acquire().unwrap());
                 let ps = prompts();
                 let mut out = Vec::new();
@@ -369,12 +371,18 @@ fn reused_step_graphs_give_the_bits_of_new_ones() {
                 }
                 out
             };
-            let (fresh_b, reused_b) = (run_batch(false), run_batch(true));
+            let (fresh_b, reused_b) = (run_batch(false, 1), run_batch(true, 1));
+            let (fresh_m, reused_m) = match mode {
+                SplitMode::Layer => (run_batch(false, 2), run_batch(true, 2)),
+                _ => (Vec::new(), Vec::new()),
+            };
             let pairs = fresh
                 .iter()
                 .zip(&reused)
-                .chain(fresh_b.iter().zip(&reused_b));
+                .chain(fresh_b.iter().zip(&reused_b))
+                .chain(fresh_m.iter().zip(&reused_m));
             assert_eq!(fresh_b.len(), 2 + 2 * 36);
+            assert_eq!(reused_m.len(), fresh_m.len());
             for (i, (a, b)) in pairs.enumerate() {
                 let same =
                     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());

@@ -10,8 +10,9 @@
 //! [`BatchSession::set_lens`] takes another session's slot lengths: with both, the ranks of a
 //! job step alike (`runtime::lockstep`). With [`BatchSession::micro_batches`] above 1 a step's
 //! sequences are cut into that many graphs, given to the backend together
-//! (`Backend::graph_compute_many`): a layer split pipelines them through its devices. A step
-//! of one graph is kept and refilled by the next step of its shape (`decoder::KeptStep`).
+//! (`Backend::graph_compute_many`): a layer split pipelines them through its devices. Each
+//! micro-batch's graph is kept and refilled by the next step whose micro-batch of that index
+//! has its shape (`decoder::KeptStep`).
 
 use super::decoder::{KeptStep, StepInput, StepSeqs, build_step_seqs};
 use super::loader::DecoderModel;
@@ -56,10 +57,10 @@ pub struct BatchSession<'m> {
     /// several, their graphs go to the backend together (`Backend::graph_compute_many`),
     /// which the scheduler of a layer split pipelines through its stages.
     pub micro_batches: usize,
-    /// The last step's graph when it was one graph, for the next step of its shape
-    /// (`decoder::KeptStep`: a step of S sequences decoding one token each repeats its
-    /// structure for up to `KV_PAD` steps).
-    kept: Option<KeptStep>,
+    /// The last step's graph of each micro-batch (by index), for the next step whose
+    /// micro-batch of that index has its shape (`decoder::KeptStep`: a step of S sequences
+    /// decoding one token each repeats its structure for up to `KV_PAD` steps).
+    kept: Vec<Option<KeptStep>>,
     /// Whether steps reuse `kept` ([`BatchSession::set_graph_reuse`]).
     reuse: bool,
 }
@@ -93,7 +94,7 @@ impl<'m> BatchSession<'m> {
             lens: vec![None; slots],
             hook: None,
             micro_batches: 1,
-            kept: None,
+            kept: Vec::new(),
             reuse: true,
         })
     }
@@ -221,12 +222,13 @@ impl<'m> BatchSession<'m> {
         Ok(())
     }
 
-    /// Whether a step of one graph reuses the last such step's graph when it has the same
-    /// shape (on by default); off, every step's graph is built anew (both give the same bits).
+    /// Whether a step's graphs (one per micro-batch) reuse the last step's of the same
+    /// micro-batch where it has the same shape (on by default); off, every step's graphs are
+    /// built anew (both give the same bits).
     pub fn set_graph_reuse(&mut self, on: bool) {
         self.reuse = on;
         if !on {
-            self.kept = None;
+            self.kept.clear();
         }
     }
 
@@ -277,14 +279,17 @@ impl<'m> BatchSession<'m> {
         let groups: Vec<&[SeqInput]> = groups.collect();
         let mut graphs = Vec::new();
         let mut outs = Vec::new();
-        // One graph is kept for the next step (out of `self.kept` while it computes).
-        let mut kept = None;
-        for g in &groups {
-            let last = (groups.len() == 1 && self.reuse).then(|| self.kept.take());
+        // Each micro-batch's graph is kept for the next step (out of `self.kept` while it
+        // computes; a failed step drops them and the next builds anew).
+        let mut kept = Vec::with_capacity(groups.len());
+        for (i, g) in groups.iter().enumerate() {
+            let last = self
+                .reuse
+                .then(|| self.kept.get_mut(i).and_then(Option::take));
             let (graph, logits, n_logits, k) = self.build(g, before, last)?;
             graphs.push(graph);
             outs.push((logits, n_logits));
-            kept = k;
+            kept.push(k);
         }
         let mut all = Vec::new();
         self.backend.graph_compute_many(&mut graphs, &mut |j, g| {
@@ -294,9 +299,14 @@ impl<'m> BatchSession<'m> {
             }
             Ok(())
         })?;
-        if let (Some(mut k), Some(g)) = (kept, graphs.pop()) {
-            k.put_back(g);
-            self.kept = Some(k);
+        if self.kept.len() < kept.len() {
+            self.kept.resize_with(kept.len(), || None);
+        }
+        for (i, (k, g)) in kept.into_iter().zip(graphs).enumerate() {
+            if let Some(mut k) = k {
+                k.put_back(g);
+                self.kept[i] = Some(k);
+            }
         }
         Ok(all)
     }

@@ -481,20 +481,28 @@ fn the_binary_writes_a_profile_cluster_load_accepts() {
     assert!(!stdout.contains("q4_1"), "{stdout}");
     std::fs::remove_dir_all(&dir).ok();
 
-    // --json: the profile on stdout, parseable; the table on stderr.
+    // --json: the profile on stdout, parseable; the table on stderr. --model: F32 and the
+    // types of the real Gemma 3 Q4_K_M file's matrices (Q4_K and Q6_K among them), no other.
+    let gemma = metashard::models::paths::models_dir().join("gemma3/gemma-3-270m-q4_k_m.gguf");
     let o = metashard(&[
         "calibrate",
         "--devices",
         "cpu:1x1",
         "--quick",
-        "--types",
-        "f32",
+        "--model",
+        gemma.to_str().unwrap(),
         "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let c: Cluster = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(c.n_devices(), 1);
-    assert_eq!(c.devices[0].gemv_bw.len(), 1, "{:?}", c.devices[0]);
+    let measured = &c.devices[0].gemv_bw;
+    for t in ["f32", "q4_k", "q6_k"] {
+        assert!(measured.contains_key(t), "{t}: {measured:?}");
+    }
+    for t in ["bf16", "q4_0", "q4_1"] {
+        assert!(!measured.contains_key(t), "{t}: {measured:?}");
+    }
     assert!(String::from_utf8_lossy(&o.stderr).contains("GEMV"));
 }
 
@@ -530,6 +538,34 @@ fn the_binary_refuses_a_bad_device_list_naming_it() {
             "{err}"
         );
     }
+    // --types and --model both say which types to measure: not together.
+    let o = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--types",
+        "q8_0",
+        "--model",
+        "smollm2",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--types") && err.contains("--model"),
+        "{err}"
+    );
+    // A model that is none is named before anything is measured.
+    let o = metashard(&[
+        "calibrate",
+        "--devices",
+        "cpu:2x1",
+        "--model",
+        "no-such-model",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("no-such-model") && !err.contains("panicked"),
+        "{err}"
+    );
     // --json has a help line.
     let o = metashard(&["calibrate", "--help"]);
     let help = String::from_utf8_lossy(&o.stdout);

@@ -551,7 +551,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             None => {
                 progress(&format!("calibrating {spec}"));
                 let co = CalibrateOptions {
-                    weight_types: calibrated_types(&shape)?,
+                    weight_types: metashard::calibrate::types_of(&shape)?,
                     ..if opts.full_calibration {
                         CalibrateOptions::default()
                     } else {
@@ -759,22 +759,6 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         summaries,
         profiles: figures,
     })
-}
-
-/// The weight types a device set's calibration measures for `shape`: F32 (what the cost model
-/// falls back to for a type without figures, and the rate of unfused attention) and every type
-/// the model's matrices are stored in. The other types' rates would not price anything here,
-/// and measuring only these leaves the calibration's time to the repetitions of the ones that
-/// do (SmolLM2: F32, Q8_0 and Q4_1 of the six measured by default).
-fn calibrated_types(shape: &ModelShape) -> Result<Vec<metashard::DType>> {
-    let mut types = vec![metashard::DType::F32];
-    for d in shape.weight_decls()? {
-        let t = d.layout.dtype;
-        if metashard::DType::WEIGHT_TYPES.contains(&t) && !types.contains(&t) {
-            types.push(t);
-        }
-    }
-    Ok(types)
 }
 
 /// Bytes one decode step (a token after the warm-up's) moves between devices on a meta device,
@@ -1155,25 +1139,6 @@ pub fn svg(r: &StrategiesReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A device set's calibration measures F32 and each of the model's matrix types, once.
-    #[test]
-    fn the_calibration_measures_f32_and_the_models_types() {
-        use metashard::DType;
-        let mut shape = ModelShape::preset("smollm2-135m").unwrap();
-        shape.types.ffn_down = DType::Q4_1;
-        shape.types.output = DType::Q8_0;
-        let types = calibrated_types(&shape).unwrap();
-        assert_eq!(types[0], DType::F32);
-        for d in shape.weight_decls().unwrap() {
-            assert!(types.contains(&d.layout.dtype), "{}: {types:?}", d.name);
-        }
-        assert!(types.contains(&DType::Q4_1) && types.contains(&DType::Q8_0));
-        let mut unique = types.clone();
-        unique.sort_by_key(|t| t.name());
-        unique.dedup();
-        assert_eq!(unique.len(), types.len(), "{types:?}");
-    }
 
     #[test]
     fn spearman_of_known_orders() {

@@ -60,6 +60,23 @@ pub const MEASURED_TYPES: &[DType] = &[
     DType::Q4_1,
 ];
 
+/// The weight types worth measuring for `shape`: F32 (what the cost model falls back to for a
+/// type without figures, and the rate of unfused attention), then every type the model's
+/// matrices are stored in, each once, in the order of their first tensor. The other types'
+/// rates would not price anything for this model, and leaving them out leaves the calibration's
+/// time to the ones that do (SmolLM2: F32, Q8_0 and Q4_1; `bench strategies` and `calibrate
+/// --model` measure these).
+pub fn types_of(shape: &crate::planner::ModelShape) -> Result<Vec<DType>> {
+    let mut types = vec![DType::F32];
+    for d in shape.weight_decls()? {
+        let t = d.layout.dtype;
+        if DType::WEIGHT_TYPES.contains(&t) && !types.contains(&t) {
+            types.push(t);
+        }
+    }
+    Ok(types)
+}
+
 impl Default for CalibrateOptions {
     fn default() -> Self {
         CalibrateOptions {
@@ -164,5 +181,29 @@ impl Budget {
                 link_min_reps: 10,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::ModelShape;
+
+    /// A calibration for a model measures F32 and each of the model's matrix types, once.
+    #[test]
+    fn the_calibration_measures_f32_and_the_models_types() {
+        let mut shape = ModelShape::preset("smollm2-135m").unwrap();
+        shape.types.ffn_down = DType::Q4_1;
+        shape.types.output = DType::Q8_0;
+        let types = types_of(&shape).unwrap();
+        assert_eq!(types[0], DType::F32);
+        for d in shape.weight_decls().unwrap() {
+            assert!(types.contains(&d.layout.dtype), "{}: {types:?}", d.name);
+        }
+        assert!(types.contains(&DType::Q4_1) && types.contains(&DType::Q8_0));
+        let mut unique = types.clone();
+        unique.sort_by_key(|t| t.name());
+        unique.dedup();
+        assert_eq!(unique.len(), types.len(), "{types:?}");
     }
 }

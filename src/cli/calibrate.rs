@@ -35,6 +35,10 @@ pub struct CalibrateArgs {
     /// Default: f32, f16, bf16, q8_0, q4_0, q4_1.
     #[arg(long, value_delimiter = ',', value_parser = parse_weight_type)]
     pub types: Vec<DType>,
+    /// Measure F32 and the weight types this model's matrices are stored in (a model name as
+    /// `plan --model` takes it, a `.gguf` file or a `config.json`) instead of --types.
+    #[arg(long, conflicts_with = "types")]
+    pub model: Option<String>,
     /// Hosts of this device list each: the profile then has HOSTS copies of the measured
     /// devices, joined between hosts by the links fitted from --inter (two levels).
     #[arg(long, default_value_t = 1, value_parser = super::parse_positive)]
@@ -135,7 +139,10 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         precision: a.precision,
         ..Default::default()
     };
-    if !a.types.is_empty() {
+    if let Some(m) = &a.model {
+        opts.weight_types =
+            metashard::calibrate::types_of(&metashard::planner::ModelShape::resolve(m)?)?;
+    } else if !a.types.is_empty() {
         opts.weight_types = with_f32(&a.types);
     }
     let pb = indicatif::ProgressBar::new(1000);

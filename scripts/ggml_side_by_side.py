@@ -34,11 +34,18 @@ def run(cmd):
     return p.stdout
 
 
+def ggml_name(t):
+    """ggml's spelling of a type name in any case: lower case, the K-quants' `_K` upper
+    (ggml.c's type_traits names: "q4_K", "q8_0", "iq4_xs")."""
+    t = t.strip().lower()
+    return t[:-2] + "_K" if t.endswith("_k") else t
+
+
 def speed_table(a, mm):
     """Issue 17's speed table: types x shapes x M, ours at both precisions against ggml."""
     t = str(a.threads)
     ms = [int(x) for x in a.ms.split(",")]
-    types = a.types.split(",")
+    types = [ggml_name(x) for x in a.types.split(",")]
     shapes = [(4096, 4096), (4096, 14336)]
     res = {}
     for rep in range(a.reps):
@@ -85,7 +92,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--table", action="store_true",
                     help="issue 17's table: --types x two shapes x --ms, both precisions")
-    ap.add_argument("--types", default="q4_K,q5_K,q6_K,q5_0,q8_0", help="ggml type names")
+    ap.add_argument("--types", default="q4_K,q5_K,q6_K,q5_0,q8_0", help="type names, any case (ggml's spelling is used)")
     ap.add_argument("--ms", default="1,2,8,32,128")
     a = ap.parse_args()
     mm = os.path.join(a.ggml_dir, "ggml_mm_bench")

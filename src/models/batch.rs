@@ -299,9 +299,10 @@ impl<'m> BatchSession<'m> {
             }
             Ok(())
         })?;
-        if self.kept.len() < kept.len() {
-            self.kept.resize_with(kept.len(), || None);
-        }
+        // Only this step's micro-batches stay kept (a kept graph holds its inputs' data, the
+        // mask among them: rows x cache rows).
+        self.kept.truncate(kept.len());
+        self.kept.resize_with(kept.len(), || None);
         for (i, (k, g)) in kept.into_iter().zip(graphs).enumerate() {
             if let Some(mut k) = k {
                 k.put_back(g);

@@ -84,4 +84,6 @@ pub use crate::planner::fit::{LinkFitReport, LinkSample, fit_collective, fit_lev
 pub use decoder_steps::{BATCH_ROWS, PROMPT_ROWS, RowsStep};
 pub use device_rates::ALONE_M;
 pub use driver::{Calibration, calibrate, calibrate_report};
-pub use options::{CalibrateOptions, GEMM_M, GEMV_M, MEASURED_TYPES, SHAPES, STEP_GAP, types_of};
+pub use options::{
+    CalibrateOptions, GEMM_M, GEMV_M, MEASURED_TYPES, SHAPES, STEP_GAP, types_of, with_f32,
+};

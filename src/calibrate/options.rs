@@ -67,14 +67,22 @@ pub const MEASURED_TYPES: &[DType] = &[
 /// time to the ones that do (SmolLM2: F32, Q8_0 and Q4_1; `bench strategies` and `calibrate
 /// --model` measure these).
 pub fn types_of(shape: &crate::planner::ModelShape) -> Result<Vec<DType>> {
-    let mut types = vec![DType::F32];
-    for d in shape.weight_decls()? {
-        let t = d.layout.dtype;
-        if DType::WEIGHT_TYPES.contains(&t) && !types.contains(&t) {
-            types.push(t);
+    let decls = shape.weight_decls()?;
+    let stored = decls.iter().map(|d| d.layout.dtype);
+    Ok(with_f32(stored.filter(|t| DType::WEIGHT_TYPES.contains(t))))
+}
+
+/// F32 first (the figure other types fall back to, the rate of unfused attention, and the type
+/// the alone-against-together speedup is timed with), then `types` in their order, each once:
+/// the `weight_types` of a calibration asked for these types (`calibrate --types`).
+pub fn with_f32(types: impl IntoIterator<Item = DType>) -> Vec<DType> {
+    let mut out = vec![DType::F32];
+    for t in types {
+        if !out.contains(&t) {
+            out.push(t);
         }
     }
-    Ok(types)
+    out
 }
 
 impl Default for CalibrateOptions {
@@ -188,6 +196,14 @@ impl Budget {
 mod tests {
     use super::*;
     use crate::planner::ModelShape;
+
+    /// F32 first, then the asked types in order, each once (F32 asked for too).
+    #[test]
+    fn asked_types_come_after_f32_once_each() {
+        let asked = [DType::Q4_K, DType::F32, DType::Q4_K, DType::Q8_0];
+        assert_eq!(with_f32(asked), [DType::F32, DType::Q4_K, DType::Q8_0]);
+        assert_eq!(with_f32([]), [DType::F32]);
+    }
 
     /// A calibration for a model measures F32 and each of the model's matrix types, once.
     #[test]

@@ -143,7 +143,7 @@ pub fn run(a: &CalibrateArgs) -> Result<()> {
         opts.weight_types =
             metashard::calibrate::types_of(&metashard::planner::ModelShape::resolve(m)?)?;
     } else if !a.types.is_empty() {
-        opts.weight_types = with_f32(&a.types);
+        opts.weight_types = metashard::calibrate::with_f32(a.types.iter().copied());
     }
     let pb = indicatif::ProgressBar::new(1000);
     pb.set_style(
@@ -199,19 +199,6 @@ fn parse_weight_type(s: &str) -> std::result::Result<DType, String> {
             let names: Vec<&str> = DType::WEIGHT_TYPES.iter().map(|d| d.name()).collect();
             format!("`{s}` is not a weight type ({})", names.join(", "))
         })
-}
-
-/// The types to measure: F32 first (the figure other types fall back to and the rate of
-/// unfused attention; the alone-against-together speedup is timed with the first type), then
-/// the named ones in their order, each once.
-fn with_f32(types: &[DType]) -> Vec<DType> {
-    let mut out = vec![DType::F32];
-    for &t in types {
-        if !out.contains(&t) {
-            out.push(t);
-        }
-    }
-    out
 }
 
 /// The figures of a calibration as text tables.

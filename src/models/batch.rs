@@ -301,14 +301,16 @@ impl<'m> BatchSession<'m> {
         })?;
         // Only this step's micro-batches stay kept (a kept graph holds its inputs' data, the
         // mask among them: rows x cache rows).
-        self.kept.truncate(kept.len());
-        self.kept.resize_with(kept.len(), || None);
-        for (i, (k, g)) in kept.into_iter().zip(graphs).enumerate() {
-            if let Some(mut k) = k {
-                k.put_back(g);
-                self.kept[i] = Some(k);
-            }
-        }
+        self.kept = kept
+            .into_iter()
+            .zip(graphs)
+            .map(|(k, g)| {
+                k.map(|mut k| {
+                    k.put_back(g);
+                    k
+                })
+            })
+            .collect();
         Ok(all)
     }
 

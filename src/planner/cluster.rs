@@ -514,8 +514,9 @@ pub struct Cluster {
     /// device at its prompt chunk and its batch of prompt chunks, where the devices'
     /// products are whole matrices and nobody waits for the slowest at every half layer (on
     /// the shared AVX-512 Xeon such programs' prompts measured 30-40% faster, against the
-    /// others, than the factors timed on a tensor split said; `docs/planner.md`, "twenty-first session"). Below those rows a
-    /// calibration copies the tensor split's points. Absent or empty:
+    /// others, than the factors timed on a tensor split said; `docs/planner.md`,
+    /// "twenty-first session"). Below those rows a calibration copies the tensor split's
+    /// points. Absent or empty:
     /// [`step_factor_by_m`](Cluster::step_factor_by_m).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub step_factor_apart_by_m: Vec<(usize, f64)>,

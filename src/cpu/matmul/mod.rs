@@ -14,7 +14,9 @@
 //! - K-quant weights (Q4_K, Q5_K, Q6_K; [`Weights::KQuant`]): with 8-bit activations, Q8_K
 //!   activations and integer dot products per 256-element super-block ([`kquant`], AVX-512:
 //!   [`kquant512`]); with f32 activations and small M, super-blocks dequantized in registers
-//!   ([`kf32`]), above it rows dequantized into scratch ([`dequant`]) for the f32 tiles;
+//!   ([`kf32`]; on AVX-512 Q6_K at M <= 2 and Q5_K at M = 1 through integer limbs of the
+//!   activations instead, [`klimb`]), above it rows dequantized into scratch ([`dequant`]) for
+//!   the f32 tiles;
 //! - Q2_K, Q3_K, IQ4_XS, Q5_1 and IQ4_NL ([`Weights::Low`]): blocks decoded to small
 //!   integers and per-16 scales ([`low`]); with 8-bit activations (Q8_K for the 256-element
 //!   types, [`quant`]'s blocks of 32 for the others, as ggml pairs them) integer dot products
@@ -31,7 +33,7 @@
 //! Files: this one holds the weight-type dispatch ([`kernels_for`]), [`supports`], and the
 //! threaded driver ([`forward_with`]); [`plan`] decides the path, scratch and work items;
 //! [`run`] runs one item (and the shared stage-1 gather/quantize of src1); the kernels live in
-//! [`float`], [`qf32`], [`quant`], [`kf32`], [`kquant`], [`lowf32`] and [`lowq8`].
+//! [`float`], [`qf32`], [`quant`], [`kf32`], [`klimb`], [`kquant`], [`lowf32`] and [`lowq8`].
 
 /// `f::<..>(args.., extra..)`: splices [`drive_tiles`]'s extra arguments after the common ones.
 macro_rules! call_tile {
@@ -82,6 +84,7 @@ macro_rules! drive_tiles {
 mod dequant;
 mod float;
 mod kf32;
+mod klimb;
 mod kquant;
 #[cfg(target_arch = "x86_64")]
 mod kquant512;

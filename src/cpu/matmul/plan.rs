@@ -2,6 +2,7 @@
 //! scratch, the scratch sizes and the work items, decided identically by every thread and by
 //! `work_size` before any data is touched.
 
+use super::klimb::{self, LimbLayout};
 use super::kquant::KActLayout;
 use super::quant::ActLayout;
 use super::{FloatW, KQuantW, LowW, Precision, QuantW, Weights};
@@ -137,8 +138,11 @@ pub(super) struct Plan {
     pub(super) r3: usize,
     /// Shared scratch bytes (src1 gathered or quantized), a multiple of 64.
     pub(super) shared: usize,
-    /// Per-thread scratch bytes (converted weights), a multiple of 64.
+    /// Per-thread scratch bytes (converted weights, or activation limbs), a multiple of 64.
     pub(super) per_thread: usize,
+    /// K-quant products with f32 activations that go through integer limbs
+    /// ([`klimb`](super::klimb)): their layout, made per item in the per-thread scratch.
+    pub(super) limbs: Option<LimbLayout>,
     /// Weight rows converted per step, and their f32 row stride.
     pub(super) conv_rows: usize,
     pub(super) conv_ld: usize,
@@ -214,6 +218,10 @@ impl Plan {
             _ => (Src1::Direct, 0),
         };
         let conv_ld = k.next_multiple_of(16);
+        let limbs = match path {
+            Path::KFused(q) if klimb::use_limbs(q, m) => Some(LimbLayout::new(k)),
+            _ => None,
+        };
         let (conv_rows, per_thread) = match path {
             Path::Convert { gemm, .. } => {
                 let rows = if gemm {
@@ -224,7 +232,10 @@ impl Plan {
                 let rows = rows.min(n.next_multiple_of(TILE_N));
                 (rows, (rows * conv_ld * 4).next_multiple_of(64))
             }
-            _ => (0, 0),
+            _ => match limbs {
+                Some(l) => (0, m.min(fused_chunk_m(k)) * l.row_bytes),
+                None => (0, 0),
+            },
         };
         let (bn, bm) = grid(batches, n, m, nth);
         let (cn, cm) = (n.div_ceil(bn.max(1)), m.div_ceil(bm.max(1)));
@@ -240,6 +251,7 @@ impl Plan {
             r3: ne13.checked_div(ne03).unwrap_or(1).max(1),
             shared: shared.next_multiple_of(64),
             per_thread,
+            limbs,
             conv_rows,
             conv_ld,
             items: batches * cn * cm,

@@ -5,6 +5,7 @@
 use super::dequant;
 use super::float::{self, FloatBlock};
 use super::kf32::{self, KF32Block};
+use super::klimb::{self, LimbBlock};
 use super::kquant::{self, KActLayout, KQuantBlock};
 use super::low;
 use super::lowf32::{self, LowF32Block};
@@ -162,6 +163,24 @@ pub(super) unsafe fn run_item(
         }
         if let Path::KFused(wt) = plan.path {
             for (mc, rows) in row_chunks(m, fused_chunk_m(plan.k)) {
+                if let Some(lay) = plan.limbs {
+                    let b = LimbBlock {
+                        w,
+                        ldw: src0.nb[1],
+                        wt,
+                        x: x.add(mc * ldx),
+                        ldx,
+                        d: d.add(mc * ldd),
+                        ldd,
+                        n,
+                        m: rows,
+                        lay,
+                        scratch: p.wdata.add(plan.shared + p.ith * plan.per_thread),
+                    };
+                    if klimb::block(isa, &b) {
+                        continue;
+                    }
+                }
                 let b = KF32Block {
                     w,
                     ldw: src0.nb[1],

@@ -93,8 +93,8 @@ pub(crate) fn use_limbs(wt: KW, m: usize) -> bool {
         }
 }
 
-/// One block of `dst[m][n] = dot(w[n], x[m])` with Q6_K weights and activations made into
-/// limbs in `scratch`.
+/// One block of `dst[m][n] = dot(w[n], x[m])` with K-quant weights and f32 activations, made
+/// into limbs in `scratch`.
 #[derive(Clone, Copy)]
 pub(crate) struct LimbBlock {
     /// First weight row: `lay.nblk` super-blocks of `wt` at `w + n * ldw` bytes.
@@ -118,7 +118,7 @@ pub(crate) struct LimbBlock {
 /// in range; `false` (nothing written) otherwise, for the caller's f32 route.
 ///
 /// # Safety
-/// Weight rows `n < b.n` hold `b.lay.nblk` Q6_K super-blocks, activation rows `m < b.m` hold
+/// Weight rows `n < b.n` hold `b.lay.nblk` super-blocks of `b.wt`, activation rows `m < b.m` hold
 /// `256 * b.lay.nblk` f32, the scratch is as documented, `dst[m][n]` is writable and owned by
 /// the caller's thread.
 pub(crate) unsafe fn block(isa: Isa, b: &LimbBlock) -> bool {

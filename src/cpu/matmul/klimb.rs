@@ -12,7 +12,10 @@
 //! even elements, of the odd ones, low limbs of the even, of the odd), with the block's 16
 //! sums of 16 activations (f32, for Q5_K's minimums) and its `2^-k` ([`LimbLayout`]); every
 //! thread makes the limbs of its own items' rows in its per-thread scratch, the same bytes
-//! whoever makes them. A block whose largest magnitude is not finite or lies outside
+//! whoever makes them: about 1.0 us per row of 4096 (1.4 with the sums) for each item, so a
+//! thread with 4 items of a decoding step's product makes the same row 4 times (0.6 % of a
+//! 4096 x 4096 Q6_K product; more for small models' products). Making them once per thread
+//! and node, as `Plan::private_src1` does for 8-bit activations, would save that. A block whose largest magnitude is not finite or lies outside
 //! `[2^-60, 2^60]` (nor zero) sends the whole item back to [`super::kf32`], which propagates
 //! NaN and infinity as f32 arithmetic does.
 //!
@@ -36,6 +39,7 @@
 //! for the dequantizing path; the tests hold every type to the f32 dot product's error.
 
 use super::KQuantW as KW;
+use super::kf32::KF32Block;
 #[cfg(target_arch = "x86_64")]
 use super::kquant::{K4, K5, K5_QH, K6, K6_QH, head_v, kblock_bytes, prefetch_rows_ahead, qs_off};
 #[cfg(target_arch = "x86_64")]
@@ -47,8 +51,8 @@ use crate::dtype::QK_K;
 use std::arch::x86_64::*;
 
 /// Bytes of one super-block's limbs (4 chunks x 4 vectors x 32 words), then its 16 sums of 16
-/// activations (f32, for the minimums of Q4_K and Q5_K).
-pub(crate) const LIMB_BLOCK: usize = 1024 + SUMS_BYTES;
+/// activations (f32, for the minimums of Q4_K and Q5_K; written only for them).
+const LIMB_BLOCK: usize = 1024 + SUMS_BYTES;
 const SUMS_OFF: usize = 1024;
 const SUMS_BYTES: usize = 64;
 
@@ -93,24 +97,12 @@ pub(crate) fn use_limbs(wt: KW, m: usize) -> bool {
         }
 }
 
-/// One block of `dst[m][n] = dot(w[n], x[m])` with K-quant weights and f32 activations, made
-/// into limbs in `scratch`.
+/// A [`KF32Block`] whose activations are made into limbs in `scratch`.
 #[derive(Clone, Copy)]
 pub(crate) struct LimbBlock {
-    /// First weight row: `lay.nblk` super-blocks of `wt` at `w + n * ldw` bytes.
-    pub w: *const u8,
-    pub ldw: usize,
-    pub wt: KW,
-    /// First activation row (f32), row `m` at `x + m * ldx` elements.
-    pub x: *const f32,
-    pub ldx: usize,
-    /// Output: `dst[m][n]` at `d + m * ldd + n` elements.
-    pub d: *mut f32,
-    pub ldd: usize,
-    pub n: usize,
-    pub m: usize,
+    pub f: KF32Block,
     pub lay: LimbLayout,
-    /// At least `m * lay.row_bytes` bytes, 64-byte aligned, this thread's own.
+    /// At least `f.m * lay.row_bytes` bytes, 64-byte aligned, this thread's own.
     pub scratch: *mut u8,
 }
 
@@ -118,17 +110,17 @@ pub(crate) struct LimbBlock {
 /// in range; `false` (nothing written) otherwise, for the caller's f32 route.
 ///
 /// # Safety
-/// Weight rows `n < b.n` hold `b.lay.nblk` super-blocks of `b.wt`, activation rows `m < b.m` hold
-/// `256 * b.lay.nblk` f32, the scratch is as documented, `dst[m][n]` is writable and owned by
-/// the caller's thread.
+/// `b.f` as [`super::kf32::block`] requires (with `b.lay.nblk` super-blocks per row), and the
+/// scratch as documented.
 pub(crate) unsafe fn block(isa: Isa, b: &LimbBlock) -> bool {
     #[cfg(target_arch = "x86_64")]
     if isa.clamp() == Isa::Avx512 {
         // SAFETY: AVX-512 (with VNNI, part of the level) is supported; caller's guarantees.
         unsafe {
-            for m in 0..b.m {
+            let sums = b.f.wt != KW::Q6_K;
+            for m in 0..b.f.m {
                 let row = b.scratch.add(m * b.lay.row_bytes);
-                if !avx512::limbs_row(b.x.add(m * b.ldx), b.lay, row) {
+                if !avx512::limbs_row(b.f.x.add(m * b.f.ldx), b.lay, sums, row) {
                     return false;
                 }
             }
@@ -162,9 +154,15 @@ mod avx512 {
         unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
     }
 
-    /// One activation row into the limb form at `out`; `false` if a block is out of range.
+    /// One activation row into the limb form at `out` (with the sums of 16 if `sums`);
+    /// `false` if a block is out of range.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn limbs_row(x: *const f32, lay: LimbLayout, out: *mut u8) -> bool {
+    pub(super) unsafe fn limbs_row(
+        x: *const f32,
+        lay: LimbLayout,
+        sums: bool,
+        out: *mut u8,
+    ) -> bool {
         let (ie, io) = (parity_idx(0), parity_idx(1));
         let absmask = _mm512_set1_epi32(0x7fff_ffff);
         let lomask = _mm512_set1_epi32(0x7fff);
@@ -206,14 +204,17 @@ mod avx512 {
                     _mm512_storeu_si512(oc.add(128).cast(), le);
                     _mm512_storeu_si512(oc.add(192).cast(), lo);
                 }
-                // Sums of 16 activations, in one fixed order.
-                let sums: [f32; 16] =
-                    std::array::from_fn(|j| _mm512_reduce_add_ps(_mm512_loadu_ps(xb.add(16 * j))));
-                std::ptr::copy_nonoverlapping(
-                    sums.as_ptr().cast::<u8>(),
-                    ob.add(SUMS_OFF),
-                    SUMS_BYTES,
-                );
+                if sums {
+                    // Sums of 16 activations, in one fixed order.
+                    let v: [f32; 16] = std::array::from_fn(|j| {
+                        _mm512_reduce_add_ps(_mm512_loadu_ps(xb.add(16 * j)))
+                    });
+                    std::ptr::copy_nonoverlapping(
+                        v.as_ptr().cast::<u8>(),
+                        ob.add(SUMS_OFF),
+                        SUMS_BYTES,
+                    );
+                }
                 let s = f32::from_bits(((127 - k) as u32) << 23);
                 out.add(lay.s_off() + 4 * blk)
                     .cast::<f32>()
@@ -406,7 +407,6 @@ mod avx512 {
                             dpwssd(&mut lo[m], wo, _mm512_loadu_si512(x.add(192).cast()));
                         }
                     }
-                    let mnf = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(mn));
                     for m in 0..RM {
                         let ds = dw * xs[m];
                         let mut v = _mm512_fmadd_ps(
@@ -418,6 +418,7 @@ mod avx512 {
                         if T != K6 {
                             // Each minimum twice (one per 16 elements) against the sums of
                             // 16 activations.
+                            let mnf = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(mn));
                             let sums = _mm512_loadu_ps(xb(m).add(SUMS_OFF).cast());
                             v = _mm512_fnmadd_ps(_mm512_mul_ps(mnf, sums), _mm512_set1_ps(dm), v);
                         }
@@ -440,17 +441,18 @@ mod avx512 {
     pub(super) unsafe fn block(b: &LimbBlock) {
         let tab = crate::cpu::simd::f16_table().as_ptr();
         // drive_tiles reads the activation rows at `x + m * ldx`: the limbs, rows apart.
+        let f = &b.f;
         let lb = Rows {
-            w: b.w,
-            ldw: b.ldw,
+            w: f.w,
+            ldw: f.ldw,
             x: b.scratch.cast_const(),
             ldx: b.lay.row_bytes,
-            d: b.d,
-            ldd: b.ldd,
-            n: b.n,
-            m: b.m,
+            d: f.d,
+            ldd: f.ldd,
+            n: f.n,
+            m: f.m,
         };
-        match (b.wt, b.m) {
+        match (f.wt, f.m) {
             (KW::Q4_K, 1) => drive_tiles!(&lb, tile, K4, 8, [1], (b.lay, tab)),
             (KW::Q5_K, 1) => drive_tiles!(&lb, tile, K5, 8, [1], (b.lay, tab)),
             (KW::Q6_K, 1) => drive_tiles!(&lb, tile, K6, 8, [1], (b.lay, tab)),
@@ -520,7 +522,7 @@ mod tests {
         let base = scratch.as_mut_ptr().cast::<u8>();
         let off = base.align_offset(64);
         let mut d = vec![f32::NAN; n * m];
-        let b = LimbBlock {
+        let f = KF32Block {
             w: q.as_ptr(),
             ldw: t.1.row_size(k),
             wt: t.0,
@@ -530,6 +532,11 @@ mod tests {
             ldd: n,
             n,
             m,
+            nblk: lay.nblk,
+            gemv: m == 1,
+        };
+        let b = LimbBlock {
+            f,
             lay,
             // SAFETY: inside the vector (8 spare words for the alignment).
             scratch: unsafe { base.add(off) },

@@ -163,24 +163,6 @@ pub(super) unsafe fn run_item(
         }
         if let Path::KFused(wt) = plan.path {
             for (mc, rows) in row_chunks(m, fused_chunk_m(plan.k)) {
-                if let Some(lay) = plan.limbs {
-                    let b = LimbBlock {
-                        w,
-                        ldw: src0.nb[1],
-                        wt,
-                        x: x.add(mc * ldx),
-                        ldx,
-                        d: d.add(mc * ldd),
-                        ldd,
-                        n,
-                        m: rows,
-                        lay,
-                        scratch: p.wdata.add(plan.shared + p.ith * plan.per_thread),
-                    };
-                    if klimb::block(isa, &b) {
-                        continue;
-                    }
-                }
                 let b = KF32Block {
                     w,
                     ldw: src0.nb[1],
@@ -194,6 +176,12 @@ pub(super) unsafe fn run_item(
                     nblk: plan.k / crate::dtype::QK_K,
                     gemv: plan.m == 1,
                 };
+                if let Some(lay) = plan.limbs {
+                    let scratch = p.wdata.add(plan.shared + p.ith * plan.per_thread);
+                    if klimb::block(isa, &LimbBlock { f: b, lay, scratch }) {
+                        continue;
+                    }
+                }
                 kf32::block(isa, &b);
             }
             return;

@@ -16,18 +16,27 @@
 //!   signed 8-bit scales per 16 elements, f16 `d`; element `128 h + 32 t + i` has its low
 //!   nibble in `ql[64 h + 32 (t % 2) + i]` (high nibble if `t >= 2`) and its high bits at
 //!   `2 t` in `qh[32 h + i]`; the value is `d * sc * (q - 32)`, so `mn = 32 sc`, `dm = d`.
+//! - `block_q2_K` (84 bytes; its 8-bit path only, routed here by [`super::lowq8`]): 16 bytes of
+//!   scales (`sc` the low nibble, `mn` the high nibble per 16 elements), 64 bytes of 2-bit
+//!   quants (element `128 h + 32 t + i` at bits `2 t` of `qs[32 h + i]`), f16 `d`, f16 `dmin`.
+//! - `block_q3_K` (110 bytes; likewise): 32 bytes `hmask`, the 2-bit quants as Q2_K's, 12
+//!   bytes of 6-bit scales (as `q3k_scale_words` unpacks them, each minus 32), f16 `d`; the
+//!   value is `d * sc * (q - 4)` with `q = low + 4 h`, `h` bit `e / 32` of `hmask[e % 32]`
+//!   (the reference's `low - 4` where that bit is clear), so `mn = 4 sc`, `dm = d`.
 //!
 //! Integer ranges: `q <= 63` times `|y| <= 127` summed in pairs fits i16 (`vpmaddubsw`); times
 //! a scale `|sc| <= 128` summed in pairs fits i32 (`vpmaddwd`), and so does the sum over 256
 //! elements (< 2^28). The minimum term `sum(mn * bsums)` uses the activations' sums of 16.
 //!
-//! Levels: AVX2 (`vpmaddubsw` + `vpmaddwd`, tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise);
+//! Levels: AVX2 (`vpmaddubsw` + `vpmaddwd`, tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise; also
+//! Q2_K and Q3_K, through [`block_low_avx2`]);
 //! AVX-512 with VNNI in [`super::kquant512`] (64 quants per vector, `vpdpwssd`); scalar: the
 //! same integer sums. Every output's operations are the same whatever
 //! tile it lands in, so results do not depend on the thread count.
 
 use super::KQuantW as KW;
 use super::Weights;
+use crate::DType;
 use crate::cpu::simd::Isa;
 use crate::dtype::QK_K;
 
@@ -40,16 +49,21 @@ use std::arch::x86_64::*;
 pub(super) const K4: u8 = 0;
 pub(super) const K5: u8 = 1;
 pub(super) const K6: u8 = 2;
+/// Q2_K and Q3_K: only this file's AVX2 tiles take them (their other paths are `low*.rs`).
+pub(super) const K2: u8 = 3;
+pub(super) const K3: u8 = 4;
 
 /// Bytes of one super-block of kernel type `t` (the type table's figure).
 pub(super) const fn kblock_bytes(t: u8) -> usize {
-    let kw = match t {
-        K4 => KW::Q4_K,
-        K5 => KW::Q5_K,
-        K6 => KW::Q6_K,
+    let dt = match t {
+        K4 => Weights::KQuant(KW::Q4_K).dtype(),
+        K5 => Weights::KQuant(KW::Q5_K).dtype(),
+        K6 => Weights::KQuant(KW::Q6_K).dtype(),
+        K2 => DType::Q2_K,
+        K3 => DType::Q3_K,
         _ => panic!("not a K-quant kernel type"),
     };
-    Weights::KQuant(kw).dtype().type_size()
+    dt.type_size()
 }
 
 /// Offset of the 12 packed scale bytes (Q4_K, Q5_K), of `qh` (Q5_K: 32 bytes, Q6_K: 64), of
@@ -59,10 +73,14 @@ pub(super) const K5_QH: usize = 16;
 pub(super) const K6_QH: usize = 128;
 pub(super) const K6_SCALES: usize = 192;
 pub(super) const K6_D: usize = 208;
+const K2_D: usize = 80;
+const K3_SCALES: usize = 96;
+const K3_D: usize = 108;
 pub(super) const fn qs_off(t: u8) -> usize {
     match t {
-        K4 => 16,
+        K4 | K2 => 16,
         K5 => 48,
+        K3 => 32,
         _ => 0,
     }
 }
@@ -110,6 +128,29 @@ pub(super) unsafe fn scales_k4(p: *const u8) -> [u32; 4] {
     ]
 }
 
+/// Q3_K's 16 six-bit scales from their 12 packed bytes, as four little-endian words of four
+/// (groups `4 w .. 4 w + 4`), not yet offset by -32: the low nibbles of groups 0-7 and 8-15
+/// are the low and high nibbles of bytes 0-7, the top 2 bits of group `g` are bits `2 (g /
+/// 4)` of byte `8 + g % 4` (ggml-common.h `block_q3_K`; the words as ggml-cpu's AVX2
+/// `ggml_vec_dot_q3_K_q8_K` forms them).
+///
+/// # Safety
+/// `p` readable for 12 bytes.
+#[inline(always)]
+pub(super) unsafe fn q3k_scale_words(p: *const u8) -> [u32; 4] {
+    // SAFETY: the caller's 12 bytes.
+    let w = |i: usize| unsafe { p.add(4 * i).cast::<u32>().read_unaligned() };
+    let (w0, w1, top) = (w(0), w(1), w(2));
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const TOP2: u32 = 0x0303_0303;
+    [
+        (w0 & LOW4) | ((top & TOP2) << 4),
+        (w1 & LOW4) | (((top >> 2) & TOP2) << 4),
+        ((w0 >> 4) & LOW4) | (((top >> 4) & TOP2) << 4),
+        ((w1 >> 4) & LOW4) | (((top >> 6) & TOP2) << 4),
+    ]
+}
+
 /// The [`Head`] of the super-block at `b` (portable form).
 ///
 /// # Safety
@@ -130,6 +171,21 @@ pub(super) unsafe fn head<const T: u8>(b: *const u8, tab: *const f32) -> Head {
             for j in 0..16 {
                 h.sc[j] = *b.add(K6_SCALES + j) as i8 as i16;
                 h.mn[j] = 32 * h.sc[j];
+            }
+        } else if T == K2 {
+            h.d = f16_at(tab, b.add(K2_D));
+            h.dm = f16_at(tab, b.add(K2_D + 2));
+            for j in 0..16 {
+                h.sc[j] = (*b.add(j) & 0x0f) as i16;
+                h.mn[j] = (*b.add(j) >> 4) as i16;
+            }
+        } else if T == K3 {
+            h.d = f16_at(tab, b.add(K3_D));
+            h.dm = h.d;
+            let bytes: [u8; 16] = std::mem::transmute(q3k_scale_words(b.add(K3_SCALES)));
+            for (j, &v) in bytes.iter().enumerate() {
+                h.sc[j] = v as i16 - 32;
+                h.mn[j] = 4 * h.sc[j];
             }
         } else {
             h.d = f16_at(tab, b);
@@ -161,6 +217,14 @@ pub(super) unsafe fn chunk<const T: u8>(b: *const u8, c: usize) -> [u8; 32] {
             for (i, v) in q.iter_mut().enumerate() {
                 let lo = (*ql.add(i) >> (4 * (t / 2))) & 0x0f;
                 *v = lo | (((*qh.add(i) >> (2 * t)) & 3) << 4);
+            }
+        } else if T == K2 || T == K3 {
+            let qs = b.add(qs_off(T) + 32 * (c / 4));
+            for (i, v) in q.iter_mut().enumerate() {
+                *v = (*qs.add(i) >> (2 * (c % 4))) & 3;
+                if T == K3 {
+                    *v |= ((*b.add(i) >> c) & 1) << 2;
+                }
             }
         } else {
             let qs = b.add(qs_off(T) + 32 * (c / 2));
@@ -266,10 +330,10 @@ pub(crate) unsafe fn quantize_blocks(
 /// One block of `dst[m][n] = dot(w[n], a[m])` with K-quant weights and Q8_K activations.
 #[derive(Clone, Copy)]
 pub(crate) struct KQuantBlock {
-    /// First weight row: `lay.nblk` super-blocks of `wt` at `w + n * ldw` bytes.
+    /// First weight row: `lay.nblk` super-blocks (of the type the caller names) at `w + n *
+    /// ldw` bytes.
     pub w: *const u8,
     pub ldw: usize,
-    pub wt: KW,
     /// First activation row in the [`KActLayout`] form; row `m` at `a + m * lay.row_bytes`.
     pub a: *const u8,
     pub lay: KActLayout,
@@ -283,15 +347,15 @@ pub(crate) struct KQuantBlock {
 /// Compute one block at the given level.
 ///
 /// # Safety
-/// Weight rows `n < b.n` hold `b.lay.nblk` super-blocks of `b.wt`, activation rows `m < b.m`
+/// Weight rows `n < b.n` hold `b.lay.nblk` super-blocks of `wt`, activation rows `m < b.m`
 /// are in the [`KActLayout`] form, `dst[m][n]` is writable and owned by the caller's thread.
-pub(crate) unsafe fn block(isa: Isa, b: &KQuantBlock) {
+pub(crate) unsafe fn block(isa: Isa, wt: KW, b: &KQuantBlock) {
     let tab = crate::cpu::simd::f16_table().as_ptr();
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: supported level (clamped); forwarded caller guarantees.
         unsafe {
-            match (isa.clamp(), b.wt) {
+            match (isa.clamp(), wt) {
                 (Isa::Avx512, KW::Q4_K) => return super::kquant512::block::<K4>(b, tab),
                 (Isa::Avx512, KW::Q5_K) => return super::kquant512::block::<K5>(b, tab),
                 (Isa::Avx512, KW::Q6_K) => return super::kquant512::block::<K6>(b, tab),
@@ -306,10 +370,30 @@ pub(crate) unsafe fn block(isa: Isa, b: &KQuantBlock) {
     let _ = isa;
     // SAFETY: forwarded caller guarantees.
     unsafe {
-        match b.wt {
+        match wt {
             KW::Q4_K => scalar_block::<K4>(b, tab),
             KW::Q5_K => scalar_block::<K5>(b, tab),
             KW::Q6_K => scalar_block::<K6>(b, tab),
+        }
+    }
+}
+
+/// Q2_K (`low_k3 = false`) or Q3_K weights against Q8_K activations through this file's AVX2
+/// tiles: `lowq8` sends them here at the AVX2 level, where its generic tiles (every quant
+/// decoded into eight vectors, the scales by scalar code) measured 0.66-0.84x ggml's at M = 1
+/// on the Zen 3 host (docs/kernels.md).
+///
+/// # Safety
+/// As [`block`], the weights of the type named; AVX2 available.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn block_low_avx2(low_k3: bool, b: &KQuantBlock) {
+    let tab = crate::cpu::simd::f16_table().as_ptr();
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        if low_k3 {
+            avx2::block::<K3>(b, tab)
+        } else {
+            avx2::block::<K2>(b, tab)
         }
     }
 }
@@ -371,6 +455,23 @@ pub(super) unsafe fn head_v<const T: u8>(
             let d = f16_at(tab, b.add(K6_D));
             let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(K6_SCALES).cast()));
             (sc, _mm256_slli_epi16::<5>(sc), d, d)
+        } else if T == K2 {
+            let v = _mm_loadu_si128(b.cast());
+            let m4 = _mm_set1_epi8(0x0f);
+            let sc = _mm256_cvtepu8_epi16(_mm_and_si128(v, m4));
+            let mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(v), m4));
+            (
+                sc,
+                mn,
+                f16_at(tab, b.add(K2_D)),
+                f16_at(tab, b.add(K2_D + 2)),
+            )
+        } else if T == K3 {
+            let w = q3k_scale_words(b.add(K3_SCALES));
+            let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
+            let sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(v, _mm_set1_epi8(32)));
+            let d = f16_at(tab, b.add(K3_D));
+            (sc, _mm256_slli_epi16::<2>(sc), d, d)
         } else {
             let w = scales_k4(b.add(K45_SCALES));
             let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
@@ -403,6 +504,24 @@ pub(super) unsafe fn chunk_avx2<const T: u8>(b: *const u8, c: usize) -> __m256i 
                 _mm256_set1_epi8(3),
             );
             _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+        } else if T == K2 || T == K3 {
+            let qs = _mm256_loadu_si256(b.add(qs_off(T) + 32 * (c / 4)).cast());
+            let lo = _mm256_and_si256(
+                _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * (c % 4) as i32)),
+                _mm256_set1_epi8(3),
+            );
+            if T == K2 {
+                return lo;
+            }
+            // Bit c of each `hmask` byte moved to bit 2 (within its byte: shifts of at most 5
+            // bring no bit across), then kept: the 4 of `q = low + 4 h`.
+            let hm = _mm256_loadu_si256(b.cast());
+            let h = if c >= 2 {
+                _mm256_srl_epi16(hm, _mm_cvtsi32_si128(c as i32 - 2))
+            } else {
+                _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - c as i32))
+            };
+            _mm256_or_si256(lo, _mm256_and_si256(h, _mm256_set1_epi8(4)))
         } else {
             let qs = _mm256_loadu_si256(b.add(qs_off(T) + 32 * (c / 2)).cast());
             let lo = _mm256_and_si256(
@@ -622,6 +741,7 @@ mod tests {
     use super::*;
     use crate::DType;
     use crate::dtype::{BlockQ8K, quantize};
+    use std::mem::transmute;
 
     #[test]
     fn activations_quantize_as_ggml_q8_k() {
@@ -655,13 +775,66 @@ mod tests {
         }
     }
 
+    /// The AVX2 forms of a super-block's head and chunks ([`head_v`], [`chunk_avx2`]) hold
+    /// the portable ones' values.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn assert_avx2_matches(
+        dt: DType,
+        t: u8,
+        b: *const u8,
+        h: &Head,
+        q: &[u8],
+        tab: *const f32,
+    ) {
+        // SAFETY: the caller's super-block; AVX2 enabled here.
+        let ((sc, mn, d, dm), chunks) = unsafe {
+            let v = match t {
+                K4 => head_v::<K4>(b, tab),
+                K5 => head_v::<K5>(b, tab),
+                K6 => head_v::<K6>(b, tab),
+                K2 => head_v::<K2>(b, tab),
+                _ => head_v::<K3>(b, tab),
+            };
+            let c: Vec<[u8; 32]> = (0..8)
+                .map(|c| {
+                    let v = match t {
+                        K4 => chunk_avx2::<K4>(b, c),
+                        K5 => chunk_avx2::<K5>(b, c),
+                        K6 => chunk_avx2::<K6>(b, c),
+                        K2 => chunk_avx2::<K2>(b, c),
+                        _ => chunk_avx2::<K3>(b, c),
+                    };
+                    std::mem::transmute::<__m256i, [u8; 32]>(v)
+                })
+                .collect();
+            (v, c)
+        };
+        // SAFETY: plain reinterpretations of 256-bit vectors.
+        let (sc, mn): ([i16; 16], [i16; 16]) = unsafe {
+            (
+                transmute::<__m256i, [i16; 16]>(sc),
+                transmute::<__m256i, [i16; 16]>(mn),
+            )
+        };
+        assert_eq!((sc, mn, d, dm), (h.sc, h.mn, h.d, h.dm), "{dt} head");
+        assert_eq!(chunks.concat(), q, "{dt} quants");
+    }
+
     #[test]
     fn heads_and_chunks_give_the_reference_values() {
         let x: Vec<f32> = (0..QK_K)
             .map(|i| ((i * 31 % 97) as f32 - 40.0) / 9.0)
             .collect();
         let tab = crate::cpu::simd::f16_table().as_ptr();
-        for (dt, t) in [(DType::Q4_K, K4), (DType::Q5_K, K5), (DType::Q6_K, K6)] {
+        let types = [
+            (DType::Q4_K, K4),
+            (DType::Q5_K, K5),
+            (DType::Q6_K, K6),
+            (DType::Q2_K, K2),
+            (DType::Q3_K, K3),
+        ];
+        for (dt, t) in types {
             let bytes = crate::dtype::f32_to_bytes(dt, &x).unwrap();
             let want = crate::dtype::bytes_to_f32(dt, &bytes, QK_K).unwrap();
             // SAFETY: bytes hold one super-block.
@@ -669,17 +842,29 @@ mod tests {
                 let h = match t {
                     K4 => head::<K4>(bytes.as_ptr(), tab),
                     K5 => head::<K5>(bytes.as_ptr(), tab),
-                    _ => head::<K6>(bytes.as_ptr(), tab),
+                    K6 => head::<K6>(bytes.as_ptr(), tab),
+                    K2 => head::<K2>(bytes.as_ptr(), tab),
+                    _ => head::<K3>(bytes.as_ptr(), tab),
                 };
                 let q: Vec<u8> = (0..8)
                     .flat_map(|c| match t {
                         K4 => chunk::<K4>(bytes.as_ptr(), c),
                         K5 => chunk::<K5>(bytes.as_ptr(), c),
-                        _ => chunk::<K6>(bytes.as_ptr(), c),
+                        K6 => chunk::<K6>(bytes.as_ptr(), c),
+                        K2 => chunk::<K2>(bytes.as_ptr(), c),
+                        _ => chunk::<K3>(bytes.as_ptr(), c),
                     })
                     .collect();
                 (h, q)
             };
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                // SAFETY: AVX2 checked; bytes hold one super-block.
+                unsafe { assert_avx2_matches(dt, t, bytes.as_ptr(), &h, &q, tab) };
+            }
             for e in 0..QK_K {
                 let dl = h.d * h.sc[e / 16] as f32;
                 let got = dl.mul_add(q[e] as f32, -(h.dm * h.mn[e / 16] as f32));

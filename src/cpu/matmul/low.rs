@@ -143,18 +143,9 @@ pub(super) unsafe fn int_scales<const T: u8>(b: *const u8, tab: *const f32) -> I
                 s.db = f16_at(tab, b.add(82));
             }
             L3K => {
-                // Four words of four 6-bit scales (groups 4w..4w + 4): the low nibbles from
-                // bytes 0-7, the top 2 bits from bytes 8-11 (the layout `q3_scale` reads).
-                let w = |i: usize| b.add(96 + 4 * i).cast::<u32>().read_unaligned();
-                let (w0, w1, top) = (w(0), w(1), w(2));
-                const LOW4: u32 = 0x0f0f_0f0f;
-                const TOP2: u32 = 0x0303_0303;
-                let words = [
-                    (w0 & LOW4) | ((top & TOP2) << 4),
-                    (w1 & LOW4) | (((top >> 2) & TOP2) << 4),
-                    ((w0 >> 4) & LOW4) | (((top >> 4) & TOP2) << 4),
-                    ((w1 >> 4) & LOW4) | (((top >> 6) & TOP2) << 4),
-                ];
+                // Four words of four 6-bit scales (groups 4w..4w + 4; the layout `q3_scale`
+                // reads).
+                let words = super::kquant::q3k_scale_words(b.add(96));
                 for (j, v) in s.sc.iter_mut().enumerate() {
                     *v = (words[j / 4] >> (8 * (j % 4)) & 0xff) as i16 - 32;
                 }

@@ -81,7 +81,6 @@ pub(super) unsafe fn run_item(
                 let b = KQuantBlock {
                     w,
                     ldw: src0.nb[1],
-                    wt,
                     a: p.wdata.add((row1 + mc) * lay.row_bytes).cast_const(),
                     lay,
                     d: d.add(mc * ldd),
@@ -89,7 +88,7 @@ pub(super) unsafe fn run_item(
                     n,
                     m: rows,
                 };
-                kquant::block(isa, &b);
+                kquant::block(isa, wt, &b);
             }
             return;
         }

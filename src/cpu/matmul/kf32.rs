@@ -17,14 +17,17 @@
 //! from the same row's output at M > 1 by f32 rounding). The AVX2 tiles decode each row's
 //! quants to bytes one super-block ahead and widen them to f32 from memory
 //! (`avx2::decode_ahead`; 1.2-1.8x over widening from registers on Zen 2, docs/kernels.md).
+//! Q3_K matrix-vector products on AVX2 come here too (from `lowf32`, [`gemv_q3k_avx2`]): the
+//! same tile with Q6_K's form (signed quants `q - 4`, scales per 16, no minimum).
 //! Which tile computes an output depends
 //! only on the whole product's M (`KF32Block::gemv`), never on how threads cut its rows, so
 //! results do not depend on the thread count.
 
 use super::KQuantW as KW;
-use super::kquant::{K4, K5, K6, kblock_bytes};
+use super::kquant::{K3, K4, K5, K6, kblock_bytes};
 #[cfg(target_arch = "x86_64")]
 use super::kquant::{f16_at, head, prefetch_rows_ahead};
+use super::lowf32::LowF32Block;
 use crate::cpu::simd::Isa;
 use crate::dtype::QK_K;
 
@@ -494,7 +497,9 @@ mod avx2 {
     ) {
         // drive_tiles calls this tile with RM = 1 only (M = 1 blocks).
         let bs = const { kblock_bytes(T) };
-        let g32 = T != K6;
+        // Scales and minimums per 32 with unsigned quants (Q4_K, Q5_K), or scales per 16 with
+        // signed quants and no minimum (Q6_K's `q - 32`, Q3_K's `q - 4`).
+        let g32 = T == K4 || T == K5;
         let mut acc = [_mm256_setzero_ps(); RN];
         let mut accm = [_mm256_setzero_ps(); RN];
         let mut dl = [[0f32; 16]; RN];
@@ -564,7 +569,7 @@ mod avx2 {
     }
 
     /// The 256 quants of the super-block at `w + r * ldw`, for each of the `RN` rows, as bytes
-    /// in element order (Q6_K's as signed `q - 32` where `SIGNED`), 32 at a time with byte-wide vector
+    /// in element order (Q6_K's as signed `q - 32` and Q3_K's as `q - 4` where `SIGNED`), 32 at a time with byte-wide vector
     /// operations ([`chunk32`]). The matrix-vector tile decodes super-block b + 1 while it
     /// multiplies super-block b, and widens the stored bytes with a load-operand
     /// `vpmovzxbd` / `vpmovsxbd` (the tiles for M > 1 likewise): on Zen 2 that measured 1.4-1.7x faster than widening the
@@ -586,6 +591,8 @@ mod avx2 {
                 let mut q = unsafe { chunk32::<T>(w.add(r * ldw), c) };
                 if T == K6 && SIGNED {
                     q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+                } else if T == K3 && SIGNED {
+                    q = _mm256_sub_epi8(q, _mm256_set1_epi8(4));
                 }
                 // SAFETY: 32 bytes inside the row's 256.
                 unsafe { _mm256_storeu_si256(row.as_mut_ptr().add(32 * c).cast(), q) };
@@ -593,21 +600,28 @@ mod avx2 {
         }
     }
 
-    /// `d * sc[j]` (per 32 for Q4_K / Q5_K in `dl[0..8]`, per 16 for Q6_K) and `dm * mn[j]`
-    /// (Q4_K / Q5_K, in `ml`) of the super-block at `b`.
+    /// `d * sc[j]` (per 32 for Q4_K / Q5_K in `dl[0..8]`, per 16 for Q6_K and Q3_K) and `dm *
+    /// mn[j]` (Q4_K / Q5_K, in `ml`) of the super-block at `b`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn scales_gemv<const T: u8>(b: *const u8, dl: &mut [f32; 16], ml: &mut [f32; 8]) {
-        use super::super::kquant::{K6_D, K6_SCALES, scales_k4};
+        use super::super::kquant::{K3_D, K3_SCALES, K6_D, K6_SCALES};
+        use super::super::kquant::{q3k_scale_words, scales_k4};
         // SAFETY: offsets inside the super-block; the arrays hold 16 and 8 f32.
         unsafe {
             let half = |p: *const u8| {
                 let h = p.cast::<u16>().read_unaligned() as i32;
                 _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))))
             };
-            if T == K6 {
-                let d = half(b.add(K6_D));
-                let sc = _mm_loadu_si128(b.add(K6_SCALES).cast());
+            if T == K6 || T == K3 {
+                // 16 signed 8-bit scales (Q3_K's unpacked, less 32).
+                let (d, sc) = if T == K6 {
+                    (half(b.add(K6_D)), _mm_loadu_si128(b.add(K6_SCALES).cast()))
+                } else {
+                    let w = q3k_scale_words(b.add(K3_SCALES));
+                    let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
+                    (half(b.add(K3_D)), _mm_sub_epi8(v, _mm_set1_epi8(32)))
+                };
                 let f = |v: __m128i| _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
                 _mm256_storeu_ps(dl.as_mut_ptr(), f(sc));
                 _mm256_storeu_ps(dl.as_mut_ptr().add(8), f(_mm_srli_si128::<8>(sc)));
@@ -632,4 +646,24 @@ mod avx2 {
             drive_tiles!(b, tile, T, 2, [2, 1], (b.nblk, tab));
         }
     }
+
+    /// [`gemv_tile`] over a Q3_K block that `lowf32` describes (the same geometry).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv_q3k(b: &LowF32Block, tab: *const f32) {
+        drive_tiles!(b, gemv_tile, K3, 4, [1], (b.nblk, tab));
+    }
+}
+
+/// Q3_K matrix-vector products (`b.gemv`) with f32 activations through this file's AVX2
+/// matrix-vector tile: `lowf32` sends them here, where its own tiles (each block decoded into
+/// eight vectors, the scales formed by scalar code) took 1.5x as long on the Zen 3 host.
+/// Q2_K and the Q3_K products of more rows measured the same either way and stay there.
+///
+/// # Safety
+/// As [`super::lowf32::block`], with Q3_K weights, `b.gemv` and `b.m == 1`; AVX2 available.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn gemv_q3k_avx2(b: &LowF32Block) {
+    let tab = crate::cpu::simd::f16_table().as_ptr();
+    // SAFETY: forwarded caller guarantees.
+    unsafe { avx2::gemv_q3k(b, tab) }
 }

@@ -74,8 +74,8 @@ pub(super) const K6_QH: usize = 128;
 pub(super) const K6_SCALES: usize = 192;
 pub(super) const K6_D: usize = 208;
 const K2_D: usize = 80;
-const K3_SCALES: usize = 96;
-const K3_D: usize = 108;
+pub(super) const K3_SCALES: usize = 96;
+pub(super) const K3_D: usize = 108;
 pub(super) const fn qs_off(t: u8) -> usize {
     match t {
         K4 | K2 => 16,

@@ -9,7 +9,7 @@
 //! Levels: AVX-512 (16 weights per vector, tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1}
 //! otherwise); AVX2 (8 per vector, tiles 4 x 1 and 2 x {2, 1}; the quants decoded 256
 //! weights a row ahead into bytes and widened from memory, but for Q5_1 and IQ4_NL at
-//! M > 1); scalar: the reference
+//! M > 1; Q3_K matrix-vector products go to `kf32`'s tile, 1.5x faster on Zen 3); scalar: the reference
 //! dequantization of a block, then dot products with 8 partial sums. An output's operations
 //! do not depend on the tile it lands in, so results do not depend on the thread count.
 
@@ -41,6 +41,9 @@ pub(crate) struct LowF32Block {
     pub m: usize,
     /// Blocks per row (K / 256 or K / 32).
     pub nblk: usize,
+    /// The whole product has one activation row (as `KF32Block::gemv`): Q3_K takes `kf32`'s
+    /// matrix-vector tile then on AVX2.
+    pub gemv: bool,
 }
 
 /// Compute one block at the given level.
@@ -60,6 +63,7 @@ pub(crate) unsafe fn block(isa: Isa, b: &LowF32Block) {
                 (Isa::Avx512, LowW::IQ4_XS) => return avx512::block::<LXS>(b, tab),
                 (Isa::Avx512, LowW::Q5_1) => return avx512::block::<L51>(b, tab),
                 (Isa::Avx512, LowW::IQ4_NL) => return avx512::block::<LNL>(b, tab),
+                (Isa::Avx2, LowW::Q3_K) if b.gemv => return super::kf32::gemv_q3k_avx2(b),
                 (Isa::Avx2, LowW::Q2_K) => return avx2::block::<L2K>(b, tab),
                 (Isa::Avx2, LowW::Q3_K) => return avx2::block::<L3K>(b, tab),
                 (Isa::Avx2, LowW::IQ4_XS) => return avx2::block::<LXS>(b, tab),

@@ -156,6 +156,7 @@ pub(super) unsafe fn run_item(
                 n,
                 m,
                 nblk: plan.k / low::elems(low::code(wt)),
+                gemv: plan.m == 1,
             };
             lowf32::block(isa, &b);
             return;

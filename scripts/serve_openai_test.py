@@ -96,6 +96,7 @@ p = cases[0]["prompt"]
 expect_status(400, lambda: client.completions.create(model=model, prompt=p, max_tokens=0), "max_tokens 0")
 expect_status(400, lambda: client.completions.create(model=model, prompt=p, temperature=-1), "temperature -1")
 expect_status(400, lambda: client.completions.create(model=model, prompt="word " * 5000), "prompt past the context")
+expect_status(400, lambda: client.chat.completions.create(model=model, messages=[], max_tokens=4), "no messages")
 for key, what in [("wrong", "wrong API key")]:
     bad = openai.OpenAI(base_url=args.base_url, api_key=key, max_retries=0)
     expect_status(401, lambda: bad.models.list(), what)

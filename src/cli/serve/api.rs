@@ -74,6 +74,12 @@ fn parse(
             .get("messages")
             .and_then(Value::as_array)
             .ok_or_else(|| bad("`messages` must be an array of messages".into(), "messages"))?;
+        if msgs.is_empty() {
+            return Err(bad(
+                "`messages` must hold at least one message".into(),
+                "messages",
+            ));
+        }
         let mut out = Vec::new();
         for m in msgs {
             let role = m.get("role").and_then(Value::as_str);

@@ -134,7 +134,7 @@ pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
 /// 1.00-1.16x at 8. Q5_0 after its one-by-two tiles and signed weights (same day): 0.72-0.78x
 /// at 8, 0.92-0.97x at 12, 0.99-1.04x at 16. Q2_K and Q3_K after they took the K-quant tiles
 /// (2026-11-29, Zen 3, the same command at M = 3..32, two runs): 0.39-0.67x at 3-6, 0.50-0.76x
-/// at 8, 0.73-0.89x at 16, 0.82-1.10x at 32. Gemma 3's K = 640 products are ~2x slower with 8-bit activations at
+/// at 8, 0.62-0.93x at 12, 0.73-0.89x at 16, 0.82-1.10x at 32. Gemma 3's K = 640 products are ~2x slower with 8-bit activations at
 /// M = 64 (its prompt: 318 vs 520 t/s on cpu:1x2). AVX-512 (VNNI's `vpdpbusd`: one
 /// instruction per 64 byte products) and the scalar level keep 8-bit activations at every M
 /// (not measured against f32 there).

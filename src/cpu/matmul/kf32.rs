@@ -606,7 +606,7 @@ mod avx2 {
     #[inline]
     unsafe fn scales_gemv<const T: u8>(b: *const u8, dl: &mut [f32; 16], ml: &mut [f32; 8]) {
         use super::super::kquant::{K3_D, K3_SCALES, K6_D, K6_SCALES};
-        use super::super::kquant::{q3k_scale_words, scales_k4};
+        use super::super::kquant::{q3k_scales_i8, scales_k4};
         // SAFETY: offsets inside the super-block; the arrays hold 16 and 8 f32.
         unsafe {
             let half = |p: *const u8| {
@@ -618,9 +618,7 @@ mod avx2 {
                 let (d, sc) = if T == K6 {
                     (half(b.add(K6_D)), _mm_loadu_si128(b.add(K6_SCALES).cast()))
                 } else {
-                    let w = q3k_scale_words(b.add(K3_SCALES));
-                    let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
-                    (half(b.add(K3_D)), _mm_sub_epi8(v, _mm_set1_epi8(32)))
+                    (half(b.add(K3_D)), q3k_scales_i8(b.add(K3_SCALES)))
                 };
                 let f = |v: __m128i| _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
                 _mm256_storeu_ps(dl.as_mut_ptr(), f(sc));

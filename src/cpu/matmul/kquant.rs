@@ -437,6 +437,22 @@ unsafe fn scalar_block<const T: u8>(b: &KQuantBlock, tab: *const f32) {
     }
 }
 
+/// Q3_K's 16 scales as signed bytes (each less 32) in one vector, from the 12 packed bytes at
+/// `p` ([`q3k_scale_words`]).
+///
+/// # Safety
+/// `p` readable for 12 bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn q3k_scales_i8(p: *const u8) -> __m128i {
+    // SAFETY: the caller's 12 bytes; SSE2 is part of x86_64.
+    unsafe {
+        let w = q3k_scale_words(p);
+        let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
+        _mm_sub_epi8(v, _mm_set1_epi8(32))
+    }
+}
+
 /// 16 i16 scales and minimums of the super-block at `b` (the [`Head`] in two vectors) and its
 /// two multipliers.
 ///
@@ -467,9 +483,7 @@ pub(super) unsafe fn head_v<const T: u8>(
                 f16_at(tab, b.add(K2_D + 2)),
             )
         } else if T == K3 {
-            let w = q3k_scale_words(b.add(K3_SCALES));
-            let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
-            let sc = _mm256_cvtepi8_epi16(_mm_sub_epi8(v, _mm_set1_epi8(32)));
+            let sc = _mm256_cvtepi8_epi16(q3k_scales_i8(b.add(K3_SCALES)));
             let d = f16_at(tab, b.add(K3_D));
             (sc, _mm256_slli_epi16::<2>(sc), d, d)
         } else {

@@ -87,6 +87,43 @@ fn gemma3_q4_k_m_runs_as_the_reference_and_splits_by_layers() {
     assert!(e < 1e-6, "last prompt logits NMSE {e:.3e}");
 }
 
+/// The file (the base model) has no `tokenizer.chat_template`: a prompt is fed raw. With
+/// `--chat-template gemma` it takes metashard's Gemma format: BOS, the user's turn, the
+/// model's turn opened; `--chat-template chatml` is refused naming the token the vocabulary
+/// lacks.
+#[test]
+fn gemma3_file_prompts_are_raw_or_in_the_gemma_chat_format() {
+    use metashard::models::prompt::{PromptOptions, prompt_tokens};
+    let (_set, mut m) = open(gemma_path(), "cpu:1x1", SplitMode::Tensor).unwrap();
+    assert!(m.chat.is_none());
+    let raw = prompt_tokens(&m, "Hi", &PromptOptions::default()).unwrap();
+    let mut want = vec![2];
+    want.extend(m.tokenizer.encode_with("Hi", false, false).unwrap());
+    assert_eq!(raw, want);
+    m.choose_chat("gemma").unwrap();
+    let ids = prompt_tokens(&m, "Hi", &PromptOptions::default()).unwrap();
+    let id = |t: &str| {
+        let v = m.tokenizer.encode_with(t, false, true).unwrap();
+        assert_eq!(v.len(), 1, "{t}: {v:?}");
+        v[0]
+    };
+    let (start, end) = (id("<start_of_turn>"), id("<end_of_turn>"));
+    let mut want = vec![2, start];
+    want.extend(m.tokenizer.encode_with("user\nHi", false, false).unwrap());
+    want.push(end);
+    want.extend(m.tokenizer.encode_with("\n", false, false).unwrap());
+    want.push(start);
+    want.extend(m.tokenizer.encode_with("model\n", false, false).unwrap());
+    assert_eq!(ids, want);
+    // The turn's end is where generation stops.
+    assert!(m.tokenizer.eog().contains(&end));
+    let e = m.choose_chat("chatml").unwrap_err().to_string();
+    assert!(
+        e.contains("--chat-template") && e.contains("<|im_start|>"),
+        "{e}"
+    );
+}
+
 /// The file's weights are read as their own types, the K-quants among them.
 #[test]
 fn gemma3_q4_k_m_weights_keep_their_types() {

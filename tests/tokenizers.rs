@@ -726,6 +726,95 @@ fn chat_templates_match_transformers() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// metashard's own chat formats (for files without a template) render every conversation as
+/// the family's own template does, less its leading BOS text (the tokenizer adds BOS): those
+/// templates are the ones `chat_templates_match_transformers` holds against transformers.
+/// ChatML against Qwen2.5's only where a system message leads (Qwen's adds a default one).
+#[test]
+fn metashard_chat_formats_equal_the_families_own_templates() {
+    let tdir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/chat_templates");
+    let files = template_files();
+    let mut checked = Vec::new();
+    for (format, file) in [
+        ("llama3", "llama3-instruct"),
+        ("gemma", "gemma3-it"),
+        ("phi3", "phi3-mini-instruct"),
+        ("chatml", "qwen2.5-instruct"),
+    ] {
+        let toks = files.iter().find(|f| f.0 == file).unwrap().1.clone();
+        let text = std::fs::read_to_string(tdir.join(format!("{file}.jinja"))).unwrap();
+        let theirs = ChatTemplate::new(&text, toks.clone()).unwrap();
+        let ours = ChatTemplate::choose(format, toks.clone(), &|_| true).unwrap();
+        let mut n = 0;
+        for (msgs, gen_prompt) in conversations(true) {
+            if format == "chatml" && msgs[0].role != "system" {
+                continue;
+            }
+            let want = theirs.render(&msgs, gen_prompt).unwrap();
+            // (Phi-3's template writes no BOS.)
+            let want = want
+                .strip_prefix(toks.bos.as_deref().unwrap_or(""))
+                .unwrap_or(&want);
+            let (got, spans) = ours.render_spans(&msgs, gen_prompt).unwrap();
+            assert_eq!(
+                got, want,
+                "{format}: {msgs:?}, generation prompt {gen_prompt}"
+            );
+            // Every message with text is found, as its text or trimmed.
+            let texts: Vec<&str> = spans.iter().map(|r| &got[r.clone()]).collect();
+            let with_text = msgs.iter().filter(|m| !m.content.trim().is_empty()).count();
+            assert_eq!(texts.len(), with_text, "{format}: {texts:?} in {got:?}");
+            n += 1;
+        }
+        checked.push(format!("{format} {n}"));
+    }
+    eprintln!("conversations equal: {}", checked.join(", "));
+}
+
+/// `--chat-template` takes a format's name where the vocabulary has its turn tokens, or a
+/// file; anything else is an error naming the flag and what is missing.
+#[test]
+fn chat_template_choices_are_checked() {
+    let toks = ChatTokens::default();
+    let has = |t: &str| t == "<|im_start|>" || t == "<|im_end|>";
+    let e = ChatTemplate::choose("gemma", toks.clone(), &has)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--chat-template") && e.contains("<start_of_turn>"),
+        "{e}"
+    );
+    let e = ChatTemplate::choose("no-such-format", toks.clone(), &has)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--chat-template") && e.contains("chatml"), "{e}");
+    let ours = ChatTemplate::choose("chatml", toks.clone(), &has).unwrap();
+    assert!(
+        ours.render(&[ChatMessage::new("user", "x")], true)
+            .unwrap()
+            .starts_with("<|im_start|>user\nx")
+    );
+    // A file: its template, errors naming the file.
+    let dir = temp_dir("choose");
+    let f = dir.join("t.jinja");
+    std::fs::write(
+        &f,
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+    )
+    .unwrap();
+    let t = ChatTemplate::choose(f.to_str().unwrap(), toks.clone(), &has).unwrap();
+    assert_eq!(
+        t.render(&[ChatMessage::new("user", "x")], true).unwrap(),
+        "[x]"
+    );
+    std::fs::write(&f, "{% for m in messages %}").unwrap();
+    let e = ChatTemplate::choose(f.to_str().unwrap(), toks.clone(), &has)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("t.jinja"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A template that does not parse or render is an error naming the key and the template; a
 /// file without one has none.
 #[test]

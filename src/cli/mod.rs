@@ -443,6 +443,12 @@ pub struct PromptArgs {
     /// way. Use with --raw to write a chat template by hand.
     #[arg(long)]
     pub special: bool,
+    /// The chat format: `llama3`, `gemma`, `phi3`, `chatml` (metashard's own, for an
+    /// instruction model whose file has no `tokenizer.chat_template` or a wrong one; the
+    /// model's vocabulary must have the format's turn tokens), or a file holding a Jinja
+    /// template. Default: the file's template; none (a base model's file): the raw prompt.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub chat_template: Option<String>,
 }
 
 impl PromptArgs {

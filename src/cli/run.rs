@@ -372,6 +372,9 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let leader = set.is_leader();
     m.cfg.fused_attn = !a.no_flash;
     if leader {
+        if let Some(c) = &a.prompt.chat_template {
+            m.choose_chat(c)?;
+        }
         let opts = a.prompt.options(a.system.as_deref());
         request.tokens = prompt_tokens(&m, &a.prompt.prompt, &opts)?;
     }

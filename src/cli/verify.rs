@@ -85,7 +85,7 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         &a.model.name,
         decoder_settings(super::setting("--q8", a.q8), &a.split, []),
     )?;
-    let (single, m1) = load(
+    let (single, mut m1) = load(
         &a.model.name,
         &a.against,
         precision,
@@ -100,6 +100,9 @@ pub fn run(a: &VerifyArgs) -> Result<()> {
         tokens: Vec::new(),
     };
     if leader {
+        if let Some(c) = &a.prompt.chat_template {
+            m1.choose_chat(c)?;
+        }
         request.tokens = prompt_tokens(&m1, &a.prompt.prompt, &a.prompt.options(None))?;
     }
     // Rank 0 owns the request: every rank checks its prompt for its number of steps.

@@ -24,7 +24,7 @@ use super::weights::{
 };
 use crate::buffer::{Buffer, BufferType};
 use crate::io::gguf::{GgufFile, GgufTensorInfo};
-use crate::tokenizer::chat::ChatTemplate;
+use crate::tokenizer::chat::{ChatTemplate, ChatTokens};
 use crate::tokenizer::{GgufTokenizer, Tokenizer};
 use crate::{DType, Error, Result};
 use std::path::Path;
@@ -59,7 +59,11 @@ pub struct DecoderModel {
     pub weights: ModelWeights,
     pub weight_buffer: Arc<dyn Buffer>,
     pub tokenizer: GgufTokenizer,
+    /// The file's chat template (none: the prompt is fed raw, as a base model's files have
+    /// none); `--chat-template` sets or replaces it ([`DecoderModel::choose_chat`]).
     pub chat: Option<ChatTemplate>,
+    /// The special tokens' text a chat template may use (`bos_token`, ...).
+    pub chat_tokens: ChatTokens,
     pub context_length: usize,
     /// Bytes of all weights as stored (the tied output counted once).
     pub weight_bytes: usize,
@@ -236,7 +240,26 @@ pub fn file_tensors(g: &GgufFile, cfg: &DecoderConfig) -> Result<Vec<TensorDecl>
     Ok(declare(g, cfg)?.0)
 }
 
+/// Whether `text` is one special token of the vocabulary (a chat format's turn marker).
+fn one_token(t: &GgufTokenizer, text: &str) -> bool {
+    t.encode_with(text, false, true).is_ok_and(|ids| {
+        ids.len() == 1 && t.token_type(ids[0]) != crate::tokenizer::TOKEN_TYPE_NORMAL
+    })
+}
+
 impl DecoderModel {
+    /// `--chat-template NAME|FILE`: one of metashard's chat formats or a Jinja file in place of
+    /// the file's template ([`ChatTemplate::choose`]).
+    pub fn choose_chat(&mut self, choice: &str) -> Result<()> {
+        let t = &self.tokenizer;
+        self.chat = Some(ChatTemplate::choose(
+            choice,
+            self.chat_tokens.clone(),
+            &|text| one_token(t, text),
+        )?);
+        Ok(())
+    }
+
     /// Load a GGUF decoder, placing its weights in `bt`; `progress(done_bytes, total_bytes)` is
     /// called as tensors are placed.
     pub fn load(
@@ -318,12 +341,15 @@ impl DecoderModel {
             .filter(|(d, s)| s.name != d.name)
             .map(|(d, _)| d.layout.nbytes())
             .sum();
+        let chat_tokens = ChatTokens::from_gguf(&g)?;
+        let chat = ChatTemplate::from_gguf(&g)?;
         Ok(DecoderModel {
             name: g
                 .opt_str("general.name")?
                 .unwrap_or(cfg.arch.name)
                 .to_string(),
-            chat: ChatTemplate::from_gguf(&g)?,
+            chat,
+            chat_tokens,
             context_length: context_length_from_gguf(&g)?,
             cfg,
             weights,

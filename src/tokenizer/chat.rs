@@ -12,6 +12,12 @@
 //! one that fails to parse or render is an error at load time naming the template (its first
 //! characters) and the reason.
 //!
+//! `--chat-template NAME|FILE` takes one of metashard's own [`CHAT_FORMATS`] (Gemma's, Llama
+//! 3's, Phi-3's, ChatML) or a Jinja file in place of the file's template: for an instruction
+//! model whose file has none or a wrong one. A file without a template is not given one by
+//! default: base models' files have none (the Gemma 3 270M file is `google/gemma-3-270m`, whose
+//! vocabulary has Gemma's turn tokens and which answers worse inside them).
+//!
 //! [`ChatTemplate::render_spans`] also says where each message's text lies in the prompt, so a
 //! tokenizer can keep it literal and take control tokens from the markup only. It renders the
 //! conversation a second time with a marker in place of each message's text and aligns the two
@@ -86,6 +92,81 @@ impl std::fmt::Debug for ChatTemplate {
 
 const NAME: &str = "chat_template";
 
+/// A chat format metashard writes itself: the turn markup its family documents, as a Jinja
+/// template in this module's dialect, and the control tokens it needs, which a vocabulary must
+/// have for it to be used. The templates leave BOS out: the tokenizer adds it where the file
+/// says to (`tokenizer.ggml.add_bos_token`). Each renders what its family's own template (in
+/// `tests/data/chat_templates`) renders for plain conversations, less the leading BOS text
+/// (checked in `tests/tokenizers.rs`); tool calls and image parts are not formatted.
+#[derive(Clone, Copy, Debug)]
+pub struct ChatFormat {
+    pub name: &'static str,
+    pub tokens: &'static [&'static str],
+    pub template: &'static str,
+    /// Where the format is documented.
+    pub source: &'static str,
+}
+
+/// metashard's own chat formats, for `--chat-template NAME`.
+pub const CHAT_FORMATS: [ChatFormat; 4] = [
+    ChatFormat {
+        name: "llama3",
+        tokens: &["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        template: "{%- for m in messages -%}\
+                   {{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' \
+                   + m['content'] | trim + '<|eot_id|>' }}\
+                   {%- endfor -%}\
+                   {%- if add_generation_prompt -%}\
+                   {{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\
+                   {%- endif -%}",
+        source: "Meta's Llama 3 model card, \"Prompt format\"",
+    },
+    ChatFormat {
+        // Gemma has no system role: a system message opens the first turn, a blank line
+        // after it; the assistant's role is `model`; the turns' text trimmed.
+        name: "gemma",
+        tokens: &["<start_of_turn>", "<end_of_turn>"],
+        template: "{%- if messages and messages[0]['role'] == 'system' -%}\
+                   {%- set prefix = messages[0]['content'] + '\\n\\n' -%}\
+                   {%- set turns = messages[1:] -%}\
+                   {%- else -%}\
+                   {%- set prefix = '' -%}\
+                   {%- set turns = messages -%}\
+                   {%- endif -%}\
+                   {%- for m in turns -%}\
+                   {{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) \
+                   + '\\n' + (prefix if loop.first else '') + m['content'] | trim \
+                   + '<end_of_turn>\\n' }}\
+                   {%- endfor -%}\
+                   {%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}",
+        source: "Google's Gemma documentation, \"Gemma formatting and system instructions\"",
+    },
+    ChatFormat {
+        name: "phi3",
+        tokens: &["<|user|>", "<|assistant|>", "<|end|>"],
+        template: "{%- for m in messages -%}\
+                   {{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}\
+                   {%- endfor -%}\
+                   {%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}\
+                   {%- else -%}{{ eos_token }}{%- endif -%}",
+        source: "Microsoft's Phi-3 model cards, \"Chat format\"",
+    },
+    ChatFormat {
+        name: "chatml",
+        tokens: &["<|im_start|>", "<|im_end|>"],
+        template: "{%- for m in messages -%}\
+                   {{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}\
+                   {%- endfor -%}\
+                   {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}",
+        source: "OpenAI's ChatML (openai-python `chatml.md`), as Qwen and SmolLM use it",
+    },
+];
+
+/// The names of [`CHAT_FORMATS`], for messages.
+fn format_names() -> String {
+    CHAT_FORMATS.map(|f| f.name).join(", ")
+}
+
 /// The first characters of a template, to name it in messages.
 fn head(source: &str) -> String {
     let h: String = source.chars().take(60).collect();
@@ -110,6 +191,44 @@ impl ChatTemplate {
     /// A template given as text; `tokens` are the special tokens' text it may use.
     pub fn new(text: &str, tokens: ChatTokens) -> Result<ChatTemplate> {
         ChatTemplate::with_origin(text, tokens, Path::new("<chat template>"))
+    }
+
+    /// `--chat-template`: the name of one of [`CHAT_FORMATS`] (its turn tokens must be in the
+    /// vocabulary: `has(text)`), or a file holding a Jinja template. Errors name the flag,
+    /// the missing token or the file.
+    pub fn choose(
+        choice: &str,
+        tokens: ChatTokens,
+        has: &dyn Fn(&str) -> bool,
+    ) -> Result<ChatTemplate> {
+        if let Some(f) = CHAT_FORMATS.iter().find(|f| f.name == choice) {
+            if let Some(t) = f.tokens.iter().find(|t| !has(t)) {
+                return Err(Error::invalid_argument(
+                    "--chat-template",
+                    choice,
+                    format!(
+                        "the model's vocabulary has no `{t}` token, which the {} format's turns \
+                         are marked with",
+                        f.name
+                    ),
+                ));
+            }
+            let origin = format!("<metashard's {} chat format>", f.name);
+            return ChatTemplate::with_origin(f.template, tokens, Path::new(&origin));
+        }
+        let path = Path::new(choice);
+        if !path.is_file() {
+            return Err(Error::invalid_argument(
+                "--chat-template",
+                choice,
+                format!(
+                    "neither a chat format ({}) nor a file holding a Jinja template",
+                    format_names()
+                ),
+            ));
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        ChatTemplate::with_origin(&text, tokens, path)
     }
 
     fn with_origin(text: &str, tokens: ChatTokens, origin: &Path) -> Result<ChatTemplate> {

@@ -36,7 +36,8 @@ pub(super) async fn chat_completions(
 }
 
 /// Chat messages to prompt tokens: the model's chat template (the messages' text literal, so
-/// control tokens come only from the template), or the contents one per line without one.
+/// control tokens come only from the template), or the contents one per line without one
+/// (a base model's file; `--chat-template` gives one).
 fn chat_tokens(m: &DecoderModel, msgs: &[ChatMessage]) -> Result<Vec<u32>> {
     match &m.chat {
         Some(t) => {

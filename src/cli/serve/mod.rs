@@ -63,6 +63,12 @@ pub struct EngineArgs {
     /// Quantized weights times 8-bit activations.
     #[arg(long)]
     pub q8: bool,
+    /// The chat format: `llama3`, `gemma`, `phi3`, `chatml` (metashard's own, for an
+    /// instruction model whose file has no `tokenizer.chat_template` or a wrong one; the
+    /// model's vocabulary must have the format's turn tokens), or a file holding a Jinja
+    /// template. Default: the file's template; none (a base model's file): the raw prompt.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub chat_template: Option<String>,
 }
 
 #[derive(Clone, Debug, clap::Args)]
@@ -258,13 +264,16 @@ struct EngineThread {
 fn open(s: &ServeArgs, quiet: bool) -> Result<(std::net::TcpListener, AppState, EngineThread)> {
     let a = &s.engine;
     a.split.check(&a.devices)?;
-    let (set, m) = load(
+    let (set, mut m) = load(
         &a.model.name,
         &a.devices,
         Precision::from_q8_flag(a.q8),
         &a.split,
         quiet,
     )?;
+    if let Some(c) = &a.chat_template {
+        m.choose_chat(c)?;
+    }
     listen(s, &set, leak(m), None)
 }
 

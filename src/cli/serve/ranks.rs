@@ -37,7 +37,7 @@ pub(super) fn run(a: &ServeArgs) -> Result<()> {
         decoder_settings(setting("--q8", e.q8), &e.split, more),
     )?;
     let precision = Precision::from_q8_flag(e.q8);
-    let (set, m) = load_dist(
+    let (set, mut m) = load_dist(
         &e.model.name,
         &e.devices,
         Dist::Mpi,
@@ -45,6 +45,10 @@ pub(super) fn run(a: &ServeArgs) -> Result<()> {
         &e.split,
         false,
     )?;
+    // Rank 0 reads the requests; the others only step.
+    if let Some(c) = e.chat_template.as_ref().filter(|_| set.is_leader()) {
+        m.choose_chat(c)?;
+    }
     let m = leak(m);
     let link = Link::mpi()?;
     if set.is_leader() {

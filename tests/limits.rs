@@ -569,6 +569,7 @@ fn huge_flag_values_are_refused_before_anything_is_measured() {
         &["bench", "comm", "--bytes", max],
         &["bench", "model", "--reps", max],
         &["bench", "strategies", "--reps", max],
+        &["bench", "strategies", "--calibrations", max],
     ] {
         let (code, err, secs, _) = metashard(args);
         assert_eq!(code, 2, "{args:?}: {err}");

@@ -236,6 +236,8 @@ fn bench_strategies_holds_predictions_against_measurements() {
         "4",
         "--reps",
         "1",
+        "--calibrations",
+        "2",
         "--svg",
         svg.to_str().unwrap(),
         "--json",
@@ -273,6 +275,28 @@ fn bench_strategies_holds_predictions_against_measurements() {
         }
         assert!(r["measured_tg_tps"].as_f64().unwrap() > 0.0);
         assert!(r["predicted_tg_tps"].as_f64().unwrap() > 0.0);
+        // Predicted under both calibrations: the figure is their median (of two, the mean),
+        // inside the range of the two.
+        for (k, range) in [
+            ("predicted_tg_tps", "predicted_tg_range"),
+            ("predicted_pp_tps", "predicted_pp_range"),
+        ] {
+            let (p, lo, hi) = (
+                r[k].as_f64().unwrap(),
+                r[range][0].as_f64().unwrap(),
+                r[range][1].as_f64().unwrap(),
+            );
+            assert!(lo > 0.0 && lo <= hi, "{r}");
+            assert!((p - (lo + hi) / 2.0).abs() <= 1e-9 * hi, "{k}: {r}");
+        }
+        let each = r["predicted_by_calibration"].as_array().unwrap();
+        assert_eq!(each.len(), 2, "{r}");
+        let tg: Vec<f64> = each.iter().map(|x| x[1].as_f64().unwrap()).collect();
+        assert_eq!(
+            tg.iter().copied().fold(f64::INFINITY, f64::min),
+            r["predicted_tg_range"][0],
+            "{r}"
+        );
     }
     // Strategies of one assignment run one program: measured once, the later rows naming the
     // first and carrying its figures (SmolLM2 fits both devices, so `memory` splits as
@@ -298,10 +322,22 @@ fn bench_strategies_holds_predictions_against_measurements() {
     }
     let s = &v["summaries"][0];
     assert!(s["spearman_tg"].as_f64().unwrap().is_finite());
+    assert_eq!(
+        s["median_error_by_calibration_tg"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2,
+        "{s}"
+    );
     // The figures the device set was predicted with, as its calibration measured them on
     // real steps: the step factor at 1 row is 1 (the per-node correction's), 3 more points.
-    let p = &v["profiles"][0];
+    let profiles = v["profiles"].as_array().unwrap();
+    assert_eq!(profiles.len(), 2, "{profiles:?}");
+    assert_eq!(profiles[1]["calibration"], 2, "{profiles:?}");
+    let p = &profiles[0];
     assert_eq!(p["devices"], "cpu:2x1", "{p}");
+    assert_eq!(p["calibration"], 1, "{p}");
     let steps = p["step_factor_by_m"].as_array().unwrap();
     assert_eq!(steps.len(), 4, "{p}");
     assert_eq!(steps[0], serde_json::json!([1, 1.0]), "{p}");
@@ -517,6 +553,9 @@ fn bench_strategies_measures_batches_and_the_layer_split() {
             );
         }
         assert!(s["auto_within_5pct"].is_boolean(), "{s}");
+        // auto's whole workload takes at least the fastest strategy's time.
+        let w = s["auto_vs_best_workload"].as_f64().unwrap();
+        assert!(w > 0.0 && w <= 1.0, "{s}");
     }
     assert_eq!(v["workloads"].as_array().unwrap().len(), 2, "{v}");
 }

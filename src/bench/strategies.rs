@@ -2,7 +2,13 @@
 //! each device set, the devices are calibrated (or a profile is read), every named strategy
 //! and the search's choice are costed by the planner for the benchmark's workload, then each
 //! is loaded and run (prompt of `pp` tokens, `tg` decode steps, repetitions interleaved over
-//! the strategies, medians). The report puts predicted and measured side by side, with the
+//! the strategies, medians). Without a profile the device set is calibrated `--calibrations`
+//! times (3 by default): once before anything is loaded (auto is searched, and a layer
+//! split's micro-batches chosen, with that one), the others spread between the repetitions;
+//! each row's prediction is the median of its predictions under each profile, so that the
+//! predictions sample the same stretch of a shared host's time as the measurements (a quick
+//! calibration's step factors moved 0.71 -> 1.12 within twenty minutes on a 2-vCPU guest,
+//! docs/planner.md). The report puts predicted and measured side by side, with the
 //! Spearman rank correlation of the strategies' speeds, the median relative error for prefill
 //! and decode, and how auto's measured speed compares with the best measured; and that error
 //! split in two: the predictions' level (the median of predicted / measured, which moves with
@@ -81,6 +87,12 @@ pub struct BenchStrategiesArgs {
     /// A full calibration of each device set instead of a quick one.
     #[arg(long)]
     pub full_calibration: bool,
+    /// Calibrations of each device set without a --profile: the first before anything is
+    /// loaded (auto is searched with it), the others spread over the repetitions; every
+    /// prediction is the median of its predictions under each (the host's speed moves
+    /// between a calibration and the measurements minutes later).
+    #[arg(long, default_value_t = 3, value_parser = parse_calibrations)]
+    pub calibrations: usize,
     /// Write an SVG plot of predicted against measured tokens/s with the diagonal.
     #[arg(long)]
     pub svg: Option<std::path::PathBuf>,
@@ -104,6 +116,7 @@ pub fn run(a: &BenchStrategiesArgs) -> Result<()> {
         batch: a.batch.clone(),
         strategies: a.strategies.clone(),
         full_calibration: a.full_calibration,
+        calibrations: a.calibrations,
     };
     let report = measure(&opts, &|line| eprintln!("{line}"))?;
     if let Some(p) = &a.svg {
@@ -128,6 +141,20 @@ pub struct StrategiesBenchOptions {
     pub strategies: Vec<String>,
     /// A full calibration instead of a quick one.
     pub full_calibration: bool,
+    /// Calibrations of each device set without a profile (1..=[`MAX_CALIBRATIONS`]): the
+    /// predictions are the median of their predictions under each.
+    pub calibrations: usize,
+}
+
+/// The most calibrations `--calibrations` takes (a quick one takes most of a minute).
+pub const MAX_CALIBRATIONS: usize = 16;
+
+/// A `--calibrations` count: 1..=[`MAX_CALIBRATIONS`].
+fn parse_calibrations(s: &str) -> std::result::Result<usize, String> {
+    match parse_positive(s)? {
+        n if n <= MAX_CALIBRATIONS => Ok(n),
+        n => Err(format!("{n} calibrations: at most {MAX_CALIBRATIONS}")),
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -152,6 +179,13 @@ pub struct StrategyRow {
     pub measured_tg_total_tps: f64,
     /// The slowest and fastest decode repetition (tokens/s per sequence): the median's noise.
     pub measured_tg_range: (f64, f64),
+    /// The lowest and highest prediction of the device set's calibrations (tokens/s; prompt,
+    /// decode per sequence): the calibrations' noise. The predicted figures are their medians.
+    pub predicted_pp_range: (f64, f64),
+    pub predicted_tg_range: (f64, f64),
+    /// The prediction under each calibration, in the order they were taken (prompt tokens/s,
+    /// decode tokens/s per sequence).
+    pub predicted_by_calibration: Vec<(f64, f64)>,
     /// Bytes one one-sequence decode step moves between devices (every communicating
     /// conversion of the meta backend's sharding of that step), and those of them that are
     /// weights; 0 for the layer and hybrid splits (not counted: the layer split's copies are the
@@ -187,11 +221,19 @@ pub struct DeviceSetSummary {
     /// what is left of the model's shape (how the strategies compare), not the check's figure.
     pub shape_error_tg: f64,
     pub shape_error_pp: f64,
+    /// The median |error| had each calibration predicted alone (in the order they were
+    /// taken; the first is what one calibration before the measurements gives).
+    pub median_error_by_calibration_tg: Vec<f64>,
+    pub median_error_by_calibration_pp: Vec<f64>,
     /// auto's measured decode speed over the best measured strategy's.
     pub auto_vs_best_tg: f64,
     pub auto_vs_best_pp: f64,
     /// auto's measured decode and prompt speeds are each within 5% of the best measured.
     pub auto_within_5pct: bool,
+    /// The best measured strategy's time for the whole workload (every prompt, then the
+    /// decode steps) over auto's: what auto's one program for both phases is chosen by, where
+    /// a strategy faster in one phase (a layer split's prompts) can be slower overall.
+    pub auto_vs_best_workload: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -201,15 +243,19 @@ pub struct StrategiesReport {
     pub workloads: Vec<Workload>,
     pub rows: Vec<StrategyRow>,
     pub summaries: Vec<DeviceSetSummary>,
-    /// The profile each device set was predicted with: the figures a calibration measures on
-    /// real steps, which move from run to run on a shared host.
+    /// The profiles each device set was predicted with, in the order they were calibrated:
+    /// the figures a calibration measures on real steps, which move from run to run on a
+    /// shared host.
     pub profiles: Vec<ProfileFigures>,
 }
 
-/// Figures of the profile a device set was predicted with.
+/// Figures of a profile a device set was predicted with.
 #[derive(Clone, Debug, Serialize)]
 pub struct ProfileFigures {
     pub devices: String,
+    /// Which of the device set's calibrations (1: the one before anything was loaded, which
+    /// auto was searched with; a `--profile` is 1).
+    pub calibration: usize,
     /// The first device's per-node overhead (seconds).
     pub node_overhead_s: f64,
     /// `Cluster::alone_speedup_by_m`, `Cluster::step_factor_by_m` and
@@ -299,7 +345,14 @@ struct Candidate {
     assignment: String,
     batch: usize,
     loaded: usize,
+    /// What it runs and for which workload, to predict it again under a later calibration.
+    layout: Layout,
+    workload: Workload,
+    /// The prediction under the first calibration: its micro-batch counts are the program
+    /// run.
     predicted: Predicted,
+    /// Its predictions under every calibration of the device set, the first included.
+    predictions: Vec<Predicted>,
 }
 
 /// The prompt step the planner prices (`Workload::prefill_step`): a chunk of at most this
@@ -328,11 +381,14 @@ fn predict_tensor(
 /// `groups` groups, with the micro-batch counts the planner takes; a batched prompt step is
 /// cut into at most its sequences (as `BatchSession::micro_batches` cuts it), so where the
 /// planner's best count is more, the prompt is priced at one micro-batch per sequence.
+/// With `fixed` (micro-batches of a prompt step, of a decode step) those counts are priced
+/// instead: the program a first prediction chose, predicted again under another calibration.
 fn predict_staged(
     shape: &ModelShape,
     cluster: &Cluster,
     w: &Workload,
     groups: Option<usize>,
+    fixed: Option<(usize, usize)>,
 ) -> Result<Predicted> {
     let cost = |micro: MicroBatches| -> Result<LayerSplitCost> {
         match groups {
@@ -340,21 +396,51 @@ fn predict_staged(
             Some(g) => evaluate_hybrid_split_with(shape, cluster, w, g, None, micro),
         }
     };
-    let best = cost(MicroBatches::Best)?;
-    let pp_cost = if w.batch > 1 && best.prefill_micro_batches > w.batch {
-        cost(MicroBatches::Fixed(w.batch))?
-    } else {
-        best.clone()
+    let (pp_cost, tg_cost) = match fixed {
+        Some((pp, tg)) => (
+            cost(MicroBatches::Fixed(pp))?,
+            cost(MicroBatches::Fixed(tg))?,
+        ),
+        None => {
+            let best = cost(MicroBatches::Best)?;
+            let pp_cost = if w.batch > 1 && best.prefill_micro_batches > w.batch {
+                cost(MicroBatches::Fixed(w.batch))?
+            } else {
+                best.clone()
+            };
+            (pp_cost, best)
+        }
     };
     let rows = (w.prefill.min(PLANNER_CHUNK) * w.batch).min(w.context);
     Ok(Predicted {
         pp_tps: rows as f64 / pp_cost.prefill_s.max(1e-12),
-        tg_tps: 1.0 / best.decode_s.max(1e-12),
-        tg_total_tps: w.batch as f64 / best.decode_s.max(1e-12),
+        tg_tps: 1.0 / tg_cost.decode_s.max(1e-12),
+        tg_total_tps: w.batch as f64 / tg_cost.decode_s.max(1e-12),
         pp_micro: pp_cost.prefill_micro_batches,
-        tg_micro: best.decode_micro_batches,
+        tg_micro: tg_cost.decode_micro_batches,
         weights: None,
     })
+}
+
+/// `c`'s prediction under `cluster` (a later calibration of its device set), for the
+/// program measured: a staged split keeps the micro-batch counts of its first prediction.
+fn predict_again(shape: &ModelShape, cluster: &Cluster, c: &Candidate) -> Result<Predicted> {
+    let w = &c.workload;
+    let fixed = Some((c.predicted.pp_micro, c.predicted.tg_micro));
+    match &c.layout {
+        Layout::Tensor(s) => predict_tensor(shape, s, cluster, w),
+        Layout::Layer => predict_staged(shape, cluster, w, None, fixed),
+        Layout::Hybrid(g) => predict_staged(shape, cluster, w, Some(*g), fixed),
+    }
+}
+
+/// The repetitions (0-based) after which a device set is calibrated again: `extra`
+/// calibrations spread evenly over `reps` repetitions, the last after the last one (several
+/// after one repetition where there are more calibrations than repetitions).
+fn calibrate_after(reps: usize, extra: usize) -> Vec<usize> {
+    (1..=extra)
+        .map(|i| (i * reps.max(1)).div_ceil(extra) - 1)
+        .collect()
 }
 
 /// The workload's predicted seconds at these speeds: every sequence's prompt, then the
@@ -381,10 +467,13 @@ fn auto_layout(
     let t = workload_s(&predict_tensor(shape, &tensor, cluster, w)?, w);
     let mut best = (
         Layout::Layer,
-        workload_s(&predict_staged(shape, cluster, w, None)?, w),
+        workload_s(&predict_staged(shape, cluster, w, None, None)?, w),
     );
     if hybrid_applies(n_devices) {
-        let h = workload_s(&predict_staged(shape, cluster, w, Some(HYBRID_GROUPS))?, w);
+        let h = workload_s(
+            &predict_staged(shape, cluster, w, Some(HYBRID_GROUPS), None)?,
+            w,
+        );
         if h < best.1 {
             best = (Layout::Hybrid(HYBRID_GROUPS), h);
         }
@@ -503,6 +592,13 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                 ),
             )
         })?;
+    if !(1..=MAX_CALIBRATIONS).contains(&opts.calibrations) {
+        return Err(metashard::Error::invalid_argument(
+            "--calibrations",
+            opts.calibrations,
+            format!("calibrations of each device set, 1..={MAX_CALIBRATIONS}"),
+        ));
+    }
     if opts.batch.is_empty() || opts.batch.iter().any(|&b| b == 0 || b > MAX_SLOTS) {
         return Err(metashard::Error::invalid_argument(
             "--batch",
@@ -545,35 +641,34 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
     let mut figures = Vec::new();
+    let co = CalibrateOptions {
+        weight_types: metashard::calibrate::types_of(&shape)?,
+        ..if opts.full_calibration {
+            CalibrateOptions::default()
+        } else {
+            CalibrateOptions::quick()
+        }
+    };
+    let calibrate_set = |spec: &str, k: usize, figures: &mut Vec<ProfileFigures>| {
+        progress(&format!(
+            "calibrating {spec} ({k} of {})",
+            opts.calibrations
+        ));
+        let c = calibrate(spec, &co, &|what, _| progress(&format!("  {what}")))?;
+        check_profile(&c, spec)?;
+        figures.push(profile_figures(spec, k, &c));
+        Ok::<Cluster, metashard::Error>(c)
+    };
     for (si, spec) in opts.devices.iter().enumerate() {
-        let cluster: Cluster = match profiles.get(si) {
-            Some(c) => c.clone(),
-            None => {
-                progress(&format!("calibrating {spec}"));
-                let co = CalibrateOptions {
-                    weight_types: metashard::calibrate::types_of(&shape)?,
-                    ..if opts.full_calibration {
-                        CalibrateOptions::default()
-                    } else {
-                        CalibrateOptions::quick()
-                    }
-                };
-                calibrate(spec, &co, &|what, _| progress(&format!("  {what}")))?
+        // A profile given is the device set's only one; else the first of its calibrations.
+        let (cluster, extra) = match profiles.get(si) {
+            Some(c) => {
+                check_profile(c, spec)?;
+                figures.push(profile_figures(spec, 1, c));
+                (c.clone(), 0)
             }
+            None => (calibrate_set(spec, 1, &mut figures)?, opts.calibrations - 1),
         };
-        check_profile(&cluster, spec)?;
-        figures.push(ProfileFigures {
-            devices: spec.clone(),
-            node_overhead_s: cluster.devices.first().map_or(0.0, |d| d.node_overhead_s),
-            alone_speedup_by_m: cluster.alone_speedup_by_m.clone(),
-            step_factor_by_m: cluster.step_factor_by_m.clone(),
-            step_factor_apart_by_m: cluster.step_factor_apart_by_m.clone(),
-            gemv_bw: cluster
-                .devices
-                .first()
-                .map(|d| d.gemv_bw.clone())
-                .unwrap_or_default(),
-        });
         let n_devices = metashard::parse_devices(spec)?.len();
         // Every strategy at every batch size: auto is searched per batch; the layer split
         // where there are devices to split over. Models are loaded once per assignment.
@@ -608,7 +703,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                                 .to_string(),
                             _ => "whole layers per device (--split-mode layer)".to_string(),
                         },
-                        predict_staged(&shape, &cluster, w, None)?,
+                        predict_staged(&shape, &cluster, w, None, None)?,
                     ),
                     Layout::Hybrid(g) => (
                         format!("hybrid {g}"),
@@ -621,7 +716,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                                 _ => "",
                             }
                         ),
-                        predict_staged(&shape, &cluster, w, Some(*g))?,
+                        predict_staged(&shape, &cluster, w, Some(*g), None)?,
                     ),
                 };
                 let li = match loaded.iter().position(|l| l.key == key) {
@@ -629,7 +724,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                     None => {
                         progress(&format!("loading {} on {spec} ({strategy})", opts.model));
                         let tensor = matches!(layout, Layout::Tensor(_));
-                        let (set, m) = load_with(&opts.model, spec, layout)?;
+                        let (set, m) = load_with(&opts.model, spec, layout.clone())?;
                         let weights = set
                             .bytes_per_device(&[&m.weight_buffer])
                             .into_iter()
@@ -655,7 +750,10 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                     assignment,
                     batch: w.batch,
                     loaded: li,
+                    layout,
+                    workload: *w,
                     predicted,
+                    predictions: vec![predicted],
                 });
             }
         }
@@ -692,6 +790,8 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
             }
         }
         let mut measured: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); cands.len()];
+        let again = calibrate_after(opts.reps, extra);
+        let mut k = 1;
         for r in 0..opts.reps.max(1) {
             for (i, c) in cands.iter().enumerate() {
                 let (pp, tg) = if program[i] == i {
@@ -715,6 +815,16 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                     tg * c.batch as f64
                 ));
             }
+            // The later calibrations, between the repetitions, so that the predictions and
+            // the measurements sample the same stretch of the host's time.
+            for _ in again.iter().filter(|&&a| a == r) {
+                k += 1;
+                let later = calibrate_set(spec, k, &mut figures)?;
+                for c in cands.iter_mut() {
+                    let p = predict_again(&shape, &later, c)?;
+                    c.predictions.push(p);
+                }
+            }
         }
         for w in &workloads {
             let mut set_rows = Vec::new();
@@ -722,6 +832,16 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                 if c.batch != w.batch {
                     continue;
                 }
+                // The median prediction over the calibrations (each a whole profile's).
+                let over = |f: fn(&Predicted) -> f64| {
+                    let v: Vec<f64> = c.predictions.iter().map(f).collect();
+                    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+                    let hi = v.iter().copied().fold(0.0, f64::max);
+                    (median(v), (lo, hi))
+                };
+                let (pp_pred, pp_range) = over(|p| p.pp_tps);
+                let (tg_pred, tg_range) = over(|p| p.tg_tps);
+                let (tg_total_pred, _) = over(|p| p.tg_total_tps);
                 let p = c.predicted;
                 let tg = median(tgs.clone());
                 let lo = tgs.iter().copied().fold(f64::INFINITY, f64::min);
@@ -734,13 +854,20 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                     batch: c.batch,
                     pp_micro_batches: p.pp_micro,
                     tg_micro_batches: p.tg_micro,
-                    predicted_pp_tps: p.pp_tps,
+                    predicted_pp_tps: pp_pred,
                     measured_pp_tps: median(pps.clone()),
-                    predicted_tg_tps: p.tg_tps,
+                    predicted_tg_tps: tg_pred,
                     measured_tg_tps: tg,
-                    predicted_tg_total_tps: p.tg_total_tps,
+                    predicted_tg_total_tps: tg_total_pred,
                     measured_tg_total_tps: tg * c.batch as f64,
                     measured_tg_range: (lo, hi),
+                    predicted_pp_range: pp_range,
+                    predicted_tg_range: tg_range,
+                    predicted_by_calibration: c
+                        .predictions
+                        .iter()
+                        .map(|p| (p.pp_tps, p.tg_tps))
+                        .collect(),
                     step_comm_bytes: comm,
                     step_weight_bytes_moved: moved,
                     predicted_weight_bytes: p.weights,
@@ -748,7 +875,7 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
                     same_program_as: (program[i] != i).then(|| cands[program[i]].strategy.clone()),
                 });
             }
-            summaries.push(summarize(spec, w.batch, &set_rows));
+            summaries.push(summarize(spec, w, &set_rows));
             rows.extend(set_rows);
         }
     }
@@ -759,6 +886,23 @@ pub fn measure(opts: &StrategiesBenchOptions, progress: &dyn Fn(&str)) -> Result
         summaries,
         profiles: figures,
     })
+}
+
+/// The figures of `cluster`, the `k`-th profile of device set `spec`, the report keeps.
+fn profile_figures(spec: &str, k: usize, cluster: &Cluster) -> ProfileFigures {
+    ProfileFigures {
+        devices: spec.to_string(),
+        calibration: k,
+        node_overhead_s: cluster.devices.first().map_or(0.0, |d| d.node_overhead_s),
+        alone_speedup_by_m: cluster.alone_speedup_by_m.clone(),
+        step_factor_by_m: cluster.step_factor_by_m.clone(),
+        step_factor_apart_by_m: cluster.step_factor_apart_by_m.clone(),
+        gemv_bw: cluster
+            .devices
+            .first()
+            .map(|d| d.gemv_bw.clone())
+            .unwrap_or_default(),
+    }
 }
 
 /// Bytes one decode step (a token after the warm-up's) moves between devices on a meta device,
@@ -838,6 +982,7 @@ fn check_profile(cluster: &Cluster, spec: &str) -> Result<()> {
 
 /// What a row runs: a tensor split's per-layer assignment, the layer split, or the hybrid
 /// split in so many groups.
+#[derive(Clone)]
 enum Layout {
     Tensor(DecoderSplit),
     Layer,
@@ -897,7 +1042,8 @@ fn level_and_shape(predicted: &[f64], measured: &[f64]) -> (f64, f64) {
     (level, shape)
 }
 
-fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary {
+fn summarize(spec: &str, w: &Workload, rows: &[StrategyRow]) -> DeviceSetSummary {
+    let batch = w.batch;
     let col = |f: &dyn Fn(&StrategyRow) -> f64| rows.iter().map(f).collect::<Vec<f64>>();
     let (ptg, mtg) = (col(&|r| r.predicted_tg_tps), col(&|r| r.measured_tg_tps));
     let (ppp, mpp) = (col(&|r| r.predicted_pp_tps), col(&|r| r.measured_pp_tps));
@@ -909,6 +1055,20 @@ fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary
                 .collect(),
         )
     };
+    let k = rows.first().map_or(0, |r| r.predicted_by_calibration.len());
+    let by_calibration = |f: fn(&(f64, f64)) -> f64, m: &[f64]| -> Vec<f64> {
+        (0..k)
+            .map(|i| {
+                let p: Vec<f64> = rows
+                    .iter()
+                    .map(|r| r.predicted_by_calibration.get(i).map_or(0.0, f))
+                    .collect();
+                err(&p, m)
+            })
+            .collect()
+    };
+    let median_error_by_calibration_tg = by_calibration(|p| p.1, &mtg);
+    let median_error_by_calibration_pp = by_calibration(|p| p.0, &mpp);
     let (level_tg, shape_error_tg) = level_and_shape(&ptg, &mtg);
     let (level_pp, shape_error_pp) = level_and_shape(&ppp, &mpp);
     let auto = rows.iter().find(|r| r.strategy == "auto");
@@ -916,6 +1076,14 @@ fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary
     let best_pp = mpp.iter().copied().fold(0.0, f64::max);
     let auto_vs_best_tg = auto.map_or(0.0, |a| a.measured_tg_tps / best_tg.max(1e-12));
     let auto_vs_best_pp = auto.map_or(0.0, |a| a.measured_pp_tps / best_pp.max(1e-12));
+    // The workload's measured seconds: every sequence's prompt, then the decode steps (what
+    // auto minimizes with one program for both).
+    let secs = |r: &StrategyRow| {
+        (w.prefill * w.batch) as f64 / r.measured_pp_tps.max(1e-12)
+            + w.decode as f64 / r.measured_tg_tps.max(1e-12)
+    };
+    let best_s = rows.iter().map(secs).fold(f64::INFINITY, f64::min);
+    let auto_vs_best_workload = auto.map_or(0.0, |a| best_s / secs(a).max(1e-12));
     DeviceSetSummary {
         devices: spec.to_string(),
         batch,
@@ -927,9 +1095,12 @@ fn summarize(spec: &str, batch: usize, rows: &[StrategyRow]) -> DeviceSetSummary
         level_pp,
         shape_error_tg,
         shape_error_pp,
+        median_error_by_calibration_tg,
+        median_error_by_calibration_pp,
         auto_vs_best_tg,
         auto_vs_best_pp,
         auto_within_5pct: auto_vs_best_tg >= 0.95 && auto_vs_best_pp >= 0.95,
+        auto_vs_best_workload,
     }
 }
 
@@ -1008,8 +1179,9 @@ pub fn print_table(r: &StrategiesReport) {
     };
     for f in &r.profiles {
         println!(
-            "{} profile: node overhead {:.2} us; step factor {}; apart {}; alone speedup {}",
+            "{} profile {}: node overhead {:.2} us; step factor {}; apart {}; alone speedup {}",
             f.devices,
+            f.calibration,
             f.node_overhead_s * 1e6,
             points(&f.step_factor_by_m),
             points(&f.step_factor_apart_by_m),
@@ -1018,6 +1190,35 @@ pub fn print_table(r: &StrategiesReport) {
     }
     let has_auto = r.rows.iter().any(|x| x.strategy == "auto");
     for s in &r.summaries {
+        let k = r.profiles.iter().filter(|f| f.devices == s.devices).count();
+        if k > 1 {
+            // How far apart the calibrations' predictions of one row were, at most.
+            let spread = |range: fn(&StrategyRow) -> (f64, f64)| {
+                r.rows
+                    .iter()
+                    .filter(|x| x.devices == s.devices && x.batch == s.batch)
+                    .map(|x| range(x).1 / range(x).0.max(1e-12) - 1.0)
+                    .fold(0.0, f64::max)
+                    * 100.0
+            };
+            let pct = |v: &[f64]| {
+                v.iter()
+                    .map(|e| format!("{:.1}%", e * 100.0))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            };
+            println!(
+                "{} batch {}: predictions are the median of {k} calibrations' (each row's \
+                 highest up to {:.1}% / {:.1}% above its lowest, tg / pp); each calibration \
+                 alone: median |error| tg {}, pp {}",
+                s.devices,
+                s.batch,
+                spread(|x| x.predicted_tg_range),
+                spread(|x| x.predicted_pp_range),
+                pct(&s.median_error_by_calibration_tg),
+                pct(&s.median_error_by_calibration_pp)
+            );
+        }
         println!(
             "{} batch {}: predictions at {:.2}x / {:.2}x of the measurements (tg / pp, median); \
              with that level taken out, median |error| tg {:.1}%, pp {:.1}%",
@@ -1043,7 +1244,7 @@ pub fn print_table(r: &StrategiesReport) {
         }
         println!(
             "{} batch {}: Spearman tg {:.2}, pp {:.2}; median |error| tg {:.1}%, pp {:.1}%; \
-             auto vs best measured: tg {:.3}x, pp {:.3}x ({})",
+             auto vs best measured: tg {:.3}x, pp {:.3}x ({}), the whole workload {:.3}x",
             s.devices,
             s.batch,
             s.spearman_tg,
@@ -1056,7 +1257,8 @@ pub fn print_table(r: &StrategiesReport) {
                 "within 5%"
             } else {
                 "not within 5%"
-            }
+            },
+            s.auto_vs_best_workload
         );
     }
 }
@@ -1141,6 +1343,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn later_calibrations_spread_over_the_repetitions() {
+        // Two more over five repetitions: after the third and after the last.
+        assert_eq!(calibrate_after(5, 2), vec![2, 4]);
+        assert_eq!(calibrate_after(5, 1), vec![4]);
+        assert_eq!(calibrate_after(3, 0), Vec::<usize>::new());
+        // More calibrations than repetitions: several after one, every one counted.
+        assert_eq!(calibrate_after(1, 3), vec![0, 0, 0]);
+        assert_eq!(calibrate_after(2, 3), vec![0, 1, 1]);
+    }
+
+    #[test]
     fn spearman_of_known_orders() {
         assert!((spearman(&[1.0, 2.0, 3.0, 4.0], &[10.0, 20.0, 30.0, 40.0]) - 1.0).abs() < 1e-12);
         assert!((spearman(&[1.0, 2.0, 3.0, 4.0], &[4.0, 3.0, 2.0, 1.0]) + 1.0).abs() < 1e-12);
@@ -1177,5 +1390,63 @@ mod tests {
             "{shape3}"
         );
         assert_eq!(level_and_shape(&[], &[]), (1.0, 0.0));
+    }
+
+    /// auto measured behind a layer split's prompts but ahead in decoding, and ahead for the
+    /// whole workload: 0.8x on prompts, 1.0x on the workload; and the errors under each
+    /// calibration alone.
+    #[test]
+    fn auto_is_held_against_the_best_workload_too() {
+        let row = |strategy: &str, pp: f64, tg: f64, pred: Vec<(f64, f64)>| StrategyRow {
+            devices: "cpu:3x1".into(),
+            strategy: strategy.into(),
+            assignment: String::new(),
+            batch: 1,
+            pp_micro_batches: 1,
+            tg_micro_batches: 1,
+            predicted_pp_tps: pp,
+            measured_pp_tps: pp,
+            predicted_tg_tps: tg,
+            measured_tg_tps: tg,
+            predicted_tg_total_tps: tg,
+            measured_tg_total_tps: tg,
+            measured_tg_range: (tg, tg),
+            predicted_pp_range: (pp, pp),
+            predicted_tg_range: (tg, tg),
+            predicted_by_calibration: pred,
+            step_comm_bytes: 0,
+            step_weight_bytes_moved: 0,
+            predicted_weight_bytes: None,
+            measured_weight_bytes: 0,
+            same_program_as: None,
+        };
+        let w = Workload {
+            prefill: 100,
+            decode: 100,
+            batch: 1,
+            context: 256,
+        };
+        // auto: 100 / 200 + 100 / 50 = 2.5 s; layer: 100 / 250 + 100 / 40 = 2.9 s.
+        let rows = [
+            row("auto", 200.0, 50.0, vec![(200.0, 50.0), (220.0, 60.0)]),
+            row("layer", 250.0, 40.0, vec![(250.0, 40.0), (250.0, 48.0)]),
+        ];
+        let s = summarize("cpu:3x1", &w, &rows);
+        assert!((s.auto_vs_best_pp - 0.8).abs() < 1e-12, "{s:?}");
+        assert!(!s.auto_within_5pct);
+        assert!((s.auto_vs_best_workload - 1.0).abs() < 1e-12, "{s:?}");
+        // The first calibration predicted every row exactly; the second 20% fast in decoding.
+        assert_eq!(s.median_error_by_calibration_tg, vec![0.0, 0.2]);
+        // The layer split the faster: auto's workload 2.5 s against 100 / 250 + 100 / 60 s.
+        let rows = [
+            rows[0].clone(),
+            row("layer", 250.0, 60.0, vec![(250.0, 60.0)]),
+        ];
+        let s = summarize("cpu:3x1", &w, &rows);
+        let best = 100.0 / 250.0 + 100.0 / 60.0;
+        assert!(
+            (s.auto_vs_best_workload - best / 2.5).abs() < 1e-12,
+            "{s:?}"
+        );
     }
 }

@@ -811,7 +811,16 @@ fn chat_template_choices_are_checked() {
     let e = ChatTemplate::choose(f.to_str().unwrap(), toks.clone(), &has)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("t.jinja"), "{e}");
+    assert!(
+        e.contains("t.jinja") && e.contains("--chat-template") && !e.contains("metadata"),
+        "{e}"
+    );
+    // A file far larger than any template is refused before it is read.
+    std::fs::write(&f, vec![b' '; (1 << 20) + 1]).unwrap();
+    let e = ChatTemplate::choose(f.to_str().unwrap(), toks.clone(), &has)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("t.jinja") && e.contains("at most"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -75,8 +75,10 @@ impl ChatTokens {
 
 pub struct ChatTemplate {
     source: String,
-    /// Where the template came from, for messages (the GGUF path).
+    /// Where the template came from, for messages (the GGUF path, or `--chat-template`'s).
     origin: PathBuf,
+    /// What holds it there, for messages: the GGUF metadata key, or the flag.
+    key: &'static str,
     env: Environment<'static>,
     tokens: ChatTokens,
 }
@@ -162,6 +164,16 @@ pub const CHAT_FORMATS: [ChatFormat; 4] = [
     },
 ];
 
+/// What a file's template is named by in messages.
+const KEY: &str = "metadata key 'tokenizer.chat_template'";
+
+/// What a template from `--chat-template` is named by in messages.
+const FLAG: &str = "--chat-template";
+
+/// The largest template file `--chat-template` reads (the templates of the families metashard
+/// runs are 0.4-4 KB; llama.cpp's largest are tens of KB).
+const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
+
 /// The names of [`CHAT_FORMATS`], for messages.
 fn format_names() -> String {
     CHAT_FORMATS.map(|f| f.name).join(", ")
@@ -185,12 +197,12 @@ impl ChatTemplate {
             return Ok(None);
         };
         let tokens = ChatTokens::from_gguf(g)?;
-        ChatTemplate::with_origin(text, tokens, g.path()).map(Some)
+        ChatTemplate::with_origin(text, tokens, g.path(), KEY).map(Some)
     }
 
     /// A template given as text; `tokens` are the special tokens' text it may use.
     pub fn new(text: &str, tokens: ChatTokens) -> Result<ChatTemplate> {
-        ChatTemplate::with_origin(text, tokens, Path::new("<chat template>"))
+        ChatTemplate::with_origin(text, tokens, Path::new("<chat template>"), KEY)
     }
 
     /// `--chat-template`: the name of one of [`CHAT_FORMATS`] (its turn tokens must be in the
@@ -214,7 +226,7 @@ impl ChatTemplate {
                 ));
             }
             let origin = format!("<metashard's {} chat format>", f.name);
-            return ChatTemplate::with_origin(f.template, tokens, Path::new(&origin));
+            return ChatTemplate::with_origin(f.template, tokens, Path::new(&origin), FLAG);
         }
         let path = Path::new(choice);
         if !path.is_file() {
@@ -227,23 +239,33 @@ impl ChatTemplate {
                 ),
             ));
         }
+        // Read only after its size is checked: a template is kilobytes, not a whole file.
+        let size = std::fs::metadata(path)
+            .map_err(|e| Error::io(path, e))?
+            .len();
+        if size > MAX_TEMPLATE_BYTES {
+            return Err(Error::format(
+                path,
+                FLAG,
+                format!("{size} bytes: a chat template is at most {MAX_TEMPLATE_BYTES}"),
+            ));
+        }
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        ChatTemplate::with_origin(&text, tokens, path)
+        ChatTemplate::with_origin(&text, tokens, path, FLAG)
     }
 
-    fn with_origin(text: &str, tokens: ChatTokens, origin: &Path) -> Result<ChatTemplate> {
+    fn with_origin(
+        text: &str,
+        tokens: ChatTokens,
+        origin: &Path,
+        key: &'static str,
+    ) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
             .lstrip_blocks(true)
             .build()
-            .map_err(|e| {
-                Error::format(
-                    origin,
-                    "metadata key 'tokenizer.chat_template'",
-                    e.to_string(),
-                )
-            })?;
+            .map_err(|e| Error::format(origin, key, e.to_string()))?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -256,6 +278,7 @@ impl ChatTemplate {
         let t = ChatTemplate {
             source: text.to_string(),
             origin: origin.to_path_buf(),
+            key,
             env,
             tokens,
         };
@@ -278,7 +301,7 @@ impl ChatTemplate {
         }
         Error::format(
             &self.origin,
-            "metadata key 'tokenizer.chat_template'",
+            self.key,
             format!(
                 "the chat template beginning {:?} {what}: {reason}",
                 head(&self.source)
@@ -365,7 +388,7 @@ impl ChatTemplate {
         let spans = align(&real, &with_marks, mark, messages).ok_or_else(|| {
             Error::format(
                 &self.origin,
-                "metadata key 'tokenizer.chat_template'",
+                self.key,
                 format!(
                     "the chat template beginning {:?} changes the messages' text in a way \
                      metashard cannot follow, so the user's text cannot be kept literal; use \

@@ -391,6 +391,40 @@ fn a_layer_split_costs_one_device_at_a_time_plus_the_copies_between_them() -> Re
     Ok(())
 }
 
+/// A calibration reads the alone speedup off a layer split's steps of one micro-batch by
+/// pricing them at speedups 1 and 2 (`calibrate::StageStep`): that holds while such a step
+/// costs `scaled / s + rest`, the stages one at a time, at every speedup up to the devices.
+#[test]
+fn a_layer_split_step_of_one_micro_batch_is_divided_by_the_alone_speedup() -> Result<()> {
+    use metashard::planner::{MicroBatches, evaluate_layer_split_with};
+    let s = smol();
+    for n in [2, 3] {
+        let base = cluster(n, 8 << 30);
+        for spec in ["pp=1,tg=64,ctx=128", "pp=1,tg=64,batch=8,ctx=128"] {
+            let w = Workload::parse(spec)?;
+            let at = |speedup: f64| -> Result<f64> {
+                let c = Cluster {
+                    alone_speedup: Some(speedup),
+                    ..base.clone()
+                };
+                Ok(evaluate_layer_split_with(&s, &c, &w, None, MicroBatches::Fixed(1))?.decode_s)
+            };
+            let (one, two) = (at(1.0)?, at(2.0)?);
+            let scaled = 2.0 * (one - two);
+            assert!(scaled > 0.0 && scaled <= one, "{spec} on {n}: {one} {two}");
+            for speedup in [1.25, 1.5, n as f64] {
+                let expected = one - scaled + scaled / speedup;
+                let got = at(speedup)?;
+                assert!(
+                    (got / expected - 1.0).abs() < 1e-9,
+                    "{spec} on {n} at {speedup}: {got} against {expected}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Seconds to stream the weights of the slowest stage of `cost` once at its device's GEMV
 /// bandwidth: no step of a layer split is faster, whatever its micro-batches.
 fn stage_weight_floor(

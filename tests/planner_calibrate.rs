@@ -259,13 +259,29 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
     }
     // The profile says where it comes from.
     assert!(c.sources.iter().any(|s| s.contains("cpu:2x1")));
-    // One device alone against both, at a streaming and a compute-bound row count, each in
-    // 1..=2 devices' worth; the single figure is the compute-bound one.
+    // A device alone against both: the small decoder as a layer split, decoding one sequence
+    // and a batch, each speedup in 1..=2 devices' worth and what makes the step's prediction
+    // its measurement unless clamped; the single figure is the batch's.
     let by_m = &c.alone_speedup_by_m;
     let rows: Vec<usize> = by_m.iter().map(|p| p.0).collect();
     assert_eq!(rows, metashard::calibrate::ALONE_M, "{by_m:?}");
     assert!(by_m.iter().all(|p| (1.0..=2.0).contains(&p.1)), "{by_m:?}");
     assert_eq!(c.alone_speedup, Some(by_m[1].1));
+    assert_eq!(r.decoder_stage_steps.len(), by_m.len());
+    for (st, &(m, sp)) in r.decoder_stage_steps.iter().zip(by_m) {
+        assert_eq!((st.rows, st.speedup), (m, sp));
+        assert!(
+            st.measured_s > 0.0 && st.scaled_s > 0.0 && st.scaled_s <= st.predicted_s,
+            "{st:?}"
+        );
+        let explained = st.predicted_s - st.scaled_s + st.scaled_s / sp;
+        assert!(
+            sp == 1.0 || sp == 2.0 || (explained / st.measured_s - 1.0).abs() < 1e-9,
+            "{st:?}"
+        );
+        // A batch of 8 costs more than one sequence's step.
+        assert!(m == 1 || st.predicted_s > r.decoder_stage_steps[0].predicted_s);
+    }
     // Step factors at the one-token step (1: where the per-node correction was fitted), a
     // batched decoding step, a prompt chunk and a batch's prompt chunks in one step, each
     // what makes its prediction its measurement (unless clamped to the range a profile may

@@ -34,9 +34,21 @@
 //! its two prompt steps are timed the same way: the cluster's `step_factor_apart_by_m`, for
 //! steps whose devices do not meet at every layer (mirrored, vocab split, a layer split's
 //! stage). On cpu:3x1 of the AVX-512 Xeon they came out 7-18% below the tensor split's.
+//!
+//! Last ([`measure_stage_steps`], on the profile with those factors), on several devices the
+//! decoder is opened as a layer split (whole layers per device, on the scheduler) and its
+//! decoding step of one sequence and its batched step of [`BATCH_ROWS`] are timed: stages
+//! that run one after another, each device alone while the others wait. The cost model
+//! divides such a step's time by the cluster's alone speedup at its rows; the speedup that
+//! makes each prediction its measurement is the profile's `alone_speedup_by_m` at
+//! [`ALONE_M`]. Until 2026-11-29 those points came from products timed on the first device
+//! alone against all at once; on the Zen 3 host (cpu:2x1) that gave 1.38-1.89 at one row,
+//! where SmolLM2's layer split decoded at one device's speed (cpu:1x1 and the layer split both
+//! about 50 tokens/s against a prediction of 62-89 with those figures).
 
 use crate::models::batch::{BatchSession, SeqInput};
 use crate::models::hparams::DecoderConfig;
+use crate::models::layer_split::SplitMode;
 use crate::models::loader::DecoderModel;
 use crate::models::session::Session;
 use crate::models::split::DecoderSplit;
@@ -44,7 +56,7 @@ use crate::models::synthetic::gguf_bytes;
 use crate::planner::STEP_FACTOR;
 use crate::planner::evaluate::{StepCost, Workload};
 use crate::planner::report::evaluate_split;
-use crate::planner::{Cluster, ModelShape, Strategy};
+use crate::planner::{Cluster, MicroBatches, ModelShape, Strategy, evaluate_layer_split_with};
 use crate::runtime::{OpenOptions, open_decoder};
 use crate::{DType, DeviceSet, Error, Result};
 use std::time::Instant;
@@ -109,6 +121,63 @@ pub struct RowsStep {
     pub factor: f64,
 }
 
+/// Rows of the layer split's steps timed for the cluster's `alone_speedup_by_m`: a decoding
+/// step of one sequence and a batched decoding step of [`BATCH_ROWS`] sequences.
+pub const ALONE_M: [usize; 2] = [1, BATCH_ROWS];
+
+/// A step of `rows` rows of the small decoder under a layer split (stages one after another),
+/// timed, and the alone speedup that makes the cost model's prediction agree with it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StageStep {
+    pub rows: usize,
+    /// Mean seconds of the step as run (the median span's).
+    pub measured_s: f64,
+    /// The cost model's seconds for it with no alone speedup (every stage at the rates
+    /// measured with all devices busy), and the part of them the speedup divides.
+    pub predicted_s: f64,
+    pub scaled_s: f64,
+    /// `scaled / (measured - (predicted - scaled))`, in 1 ..= the device count: the
+    /// cluster's `alone_speedup_by_m` at `rows`.
+    pub speedup: f64,
+}
+
+/// The small decoder timed by a calibration: a synthetic llama of [`LAYERS`] layers of width
+/// 512 with Q4_1 weights, as GGUF bytes, opened as often as the measurements need.
+pub(super) struct SmallDecoder {
+    bytes: Vec<u8>,
+}
+
+impl SmallDecoder {
+    pub(super) fn new() -> Result<SmallDecoder> {
+        let cfg = DecoderConfig::llama(LAYERS, 512, 1536, 8, 2, 300);
+        Ok(SmallDecoder {
+            bytes: gguf_bytes(&cfg, DType::Q4_1, true, CONTEXT, 11)?,
+        })
+    }
+
+    /// The decoder opened on `spec` with `opts` (its file written for the open and removed
+    /// after).
+    fn open(
+        &self,
+        spec: &str,
+        opts: &OpenOptions,
+    ) -> Result<(ModelShape, DeviceSet, DecoderModel)> {
+        let path = std::env::temp_dir().join(format!(
+            "metashard-calibrate-decoder-{}-{}.gguf",
+            std::process::id(),
+            FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::write(&path, &self.bytes).map_err(|e| Error::io(&path, e))?;
+        let opened = (|| {
+            let shape = ModelShape::from_gguf(&path)?;
+            let (set, model) = open_decoder(&path.to_string_lossy(), spec, opts, &|_, _| {})?;
+            Ok::<_, Error>((shape, set, model))
+        })();
+        std::fs::remove_file(&path).ok();
+        opened
+    }
+}
+
 /// Decode [`SPANS`] spans of [`STEPS`] steps of a synthetic llama of [`LAYERS`] layers of width
 /// 512 on `spec` (its default tensor split, `opts` as a run's) and compare the median span's
 /// mean step with `cluster`'s prediction for a step of that generation; then, with the
@@ -117,43 +186,14 @@ pub struct RowsStep {
 /// [`BATCH_ROWS`] such chunks; and on several devices the two prompt steps again with the
 /// decoder mirrored on every device (steps whose devices do not meet inside the layers).
 pub(super) fn measure_decoder_steps(
+    decoder: &SmallDecoder,
     spec: &str,
     opts: &OpenOptions,
     cluster: &Cluster,
 ) -> Result<DecoderSteps> {
-    let cfg = DecoderConfig::llama(LAYERS, 512, 1536, 8, 2, 300);
-    let bytes = gguf_bytes(&cfg, DType::Q4_1, true, CONTEXT, 11)?;
-    // The decoder opened with `opts` (its file written for the open and removed after).
-    let open = |opts: &OpenOptions| {
-        let path = std::env::temp_dir().join(format!(
-            "metashard-calibrate-decoder-{}-{}.gguf",
-            std::process::id(),
-            FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        std::fs::write(&path, &bytes).map_err(|e| Error::io(&path, e))?;
-        let opened = (|| {
-            let shape = ModelShape::from_gguf(&path)?;
-            let (set, model) = open_decoder(&path.to_string_lossy(), spec, opts, &|_, _| {})?;
-            Ok::<_, Error>((shape, set, model))
-        })();
-        std::fs::remove_file(&path).ok();
-        opened
-    };
-    let (shape, set, model) = open(opts)?;
+    let (shape, set, model) = decoder.open(spec, opts)?;
     let ctx = CONTEXT;
-    let mut s = Session::new(&model, set.backend.clone(), set.buffer_type.as_ref(), ctx)?;
-    s.eval(&[1], false)?;
-    s.eval(&[2], false)?;
-    // The mean step, as a generation pays it (the steps that prepare a structure not seen
-    // before included: one generation goes on through [`SPANS`] spans of [`STEPS`] steps, each
-    // reaching new cache sizes); the median span's, as `bench strategies` and `bench model`
-    // report a run's median: a step as a run typically pays it, the host's other load
-    // included. (The fastest of three spans until 2026-11-28; of five spans, on cpu:2x1 of
-    // the shared AVX-512 Xeon in three calibrations, the fastest was 8-27% faster than the
-    // median for this step, 8-21% for the batched step, whose first span attends to the
-    // shortest cache, and 1-15% for the prompts: every prediction was that much too fast.)
-    let measured_s = median_span(STEPS, |i| s.eval(&[3 + (i % 200) as u32], false).map(drop))?;
-    drop(s);
+    let measured_s = time_decode(&model, &set)?;
     // The prediction, and the nodes it charges `node_overhead_s` for: the same step on a copy
     // of the cluster whose only cost is 1 second per node.
     let split_of = |st: Strategy| {
@@ -197,32 +237,7 @@ pub(super) fn measure_decoder_steps(
             factor,
         })
     };
-    // A batched decoding step: one token of each of BATCH_ROWS sequences.
-    let mut b = BatchSession::new(
-        &model,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        BATCH_ROWS,
-        ctx,
-    )?;
-    let slots: Vec<usize> = (0..BATCH_ROWS).filter_map(|_| b.acquire()).collect();
-    let tokens: Vec<[u32; 1]> = (0..BATCH_ROWS as u32).map(|t| [t + 1]).collect();
-    let mut batched = |_: usize| -> Result<()> {
-        let seqs: Vec<SeqInput> = slots
-            .iter()
-            .zip(&tokens)
-            .map(|(&slot, t)| SeqInput {
-                slot,
-                tokens: t,
-                logits: true,
-            })
-            .collect();
-        b.step(&seqs).map(drop)
-    };
-    batched(0)?;
-    batched(1)?;
-    let batch_s = median_span(STEPS, batched)?;
-    drop(b);
+    let batch_s = time_batched(&model, &set, STEPS)?;
     let batch = rows_step(
         &split,
         BATCH_ROWS,
@@ -256,10 +271,13 @@ pub(super) fn measure_decoder_steps(
         1 => Vec::new(),
         _ => {
             let mirrored = split_of(Strategy::Mirrored)?;
-            let (_, set, model) = open(&OpenOptions {
-                split: Some(mirrored.clone()),
-                ..opts.clone()
-            })?;
+            let (_, set, model) = decoder.open(
+                spec,
+                &OpenOptions {
+                    split: Some(mirrored.clone()),
+                    ..opts.clone()
+                },
+            )?;
             prompts(&mirrored, &model, &set)?.to_vec()
         }
     };
@@ -271,6 +289,120 @@ pub(super) fn measure_decoder_steps(
         rows: vec![batch, chunk, chunks],
         apart,
     })
+}
+
+/// On several devices, the decoder opened as a layer split on `spec` (even shares, each step
+/// whole: the stages one after another) and its decoding steps of [`ALONE_M`] rows timed
+/// and predicted on `cluster` (the profile with its per-node correction and step factors):
+/// the alone speedup at each row count that makes the prediction the measurement. The layer
+/// split's cost with one micro-batch is `scaled / s + rest` for an alone speedup `s` (stages
+/// one at a time: [`Cluster::concurrency_factor`] of one device), so the prediction at
+/// `s = 1` and at `s = 2` give both parts. Empty on one device.
+pub(super) fn measure_stage_steps(
+    decoder: &SmallDecoder,
+    spec: &str,
+    opts: &OpenOptions,
+    cluster: &Cluster,
+) -> Result<Vec<StageStep>> {
+    let n = cluster.n_devices();
+    if n < 2 {
+        return Ok(Vec::new());
+    }
+    let (shape, set, model) = decoder.open(
+        spec,
+        &OpenOptions {
+            split_mode: SplitMode::Layer,
+            ..opts.clone()
+        },
+    )?;
+    // The batched spans shorter: the stages one after another take a batch of 8 through
+    // about 50 ms on the Zen 3 host's cpu:2x1.
+    let batch_steps = STEPS / 4;
+    let measured = [
+        (time_decode(&model, &set)?, STEPS),
+        (time_batched(&model, &set, batch_steps)?, batch_steps),
+    ];
+    drop((set, model));
+    let predict = |rows: usize, steps: usize, speedup: f64| -> Result<f64> {
+        let mut c = cluster.clone();
+        c.alone_speedup = Some(speedup);
+        c.alone_speedup_by_m = Vec::new();
+        let w = Workload::parse(&format!(
+            "pp=1,tg={},batch={rows},ctx={CONTEXT}",
+            SPANS * steps
+        ))?;
+        Ok(evaluate_layer_split_with(&shape, &c, &w, None, MicroBatches::Fixed(1))?.decode_s)
+    };
+    ALONE_M
+        .iter()
+        .zip(measured)
+        .map(|(&rows, (measured_s, steps))| {
+            let (one, two) = (predict(rows, steps, 1.0)?, predict(rows, steps, 2.0)?);
+            let scaled_s = (2.0 * (one - two)).max(0.0);
+            let rest = one - scaled_s;
+            let speedup = match measured_s - rest {
+                left if left > 0.0 => (scaled_s / left).clamp(1.0, n as f64),
+                _ => n as f64,
+            };
+            Ok(StageStep {
+                rows,
+                measured_s,
+                predicted_s: one,
+                scaled_s,
+                speedup,
+            })
+        })
+        .collect()
+}
+
+/// Mean seconds of a decoding step of one sequence (a `Session`), as a generation pays it:
+/// the median span's (see [`median_span`]; the steps that prepare a structure not seen
+/// before included: one generation goes on through [`SPANS`] spans of [`STEPS`] steps, each
+/// reaching new cache sizes). The median, as `bench strategies` and `bench model` report a
+/// run's median: a step as a run typically pays it, the host's other load included. (The
+/// fastest of three spans until 2026-11-28; of five spans, on cpu:2x1 of the shared AVX-512
+/// Xeon in three calibrations, the fastest was 8-27% faster than the median for this step,
+/// 8-21% for the batched step, whose first span attends to the shortest cache, and 1-15% for
+/// the prompts: every prediction was that much too fast.)
+fn time_decode(model: &DecoderModel, set: &DeviceSet) -> Result<f64> {
+    let mut s = Session::new(
+        model,
+        set.backend.clone(),
+        set.buffer_type.as_ref(),
+        CONTEXT,
+    )?;
+    s.eval(&[1], false)?;
+    s.eval(&[2], false)?;
+    median_span(STEPS, |i| s.eval(&[3 + (i % 200) as u32], false).map(drop))
+}
+
+/// Mean seconds of a batched decoding step, one token of each of [`BATCH_ROWS`] sequences (a
+/// `BatchSession`), timed as [`time_decode`] in spans of `steps` steps.
+fn time_batched(model: &DecoderModel, set: &DeviceSet, steps: usize) -> Result<f64> {
+    let mut b = BatchSession::new(
+        model,
+        set.backend.clone(),
+        set.buffer_type.as_ref(),
+        BATCH_ROWS,
+        CONTEXT,
+    )?;
+    let slots: Vec<usize> = (0..BATCH_ROWS).filter_map(|_| b.acquire()).collect();
+    let tokens: Vec<[u32; 1]> = (0..BATCH_ROWS as u32).map(|t| [t + 1]).collect();
+    let mut batched = |_: usize| -> Result<()> {
+        let seqs: Vec<SeqInput> = slots
+            .iter()
+            .zip(&tokens)
+            .map(|(&slot, t)| SeqInput {
+                slot,
+                tokens: t,
+                logits: true,
+            })
+            .collect();
+        b.step(&seqs).map(drop)
+    };
+    batched(0)?;
+    batched(1)?;
+    median_span(steps, batched)
 }
 
 /// Median seconds of a prompt chunk of [`PROMPT_ROWS`] tokens (a `Session`, from the start of

@@ -2,8 +2,10 @@
 //! overheads, links) with progress, and assembles the profile through the planner's
 //! `measured_cluster`, with sources saying how each figure was obtained.
 
-use super::decoder_steps::{DecoderSteps, RowsStep, measure_decoder_steps};
-use super::device_rates::{alone_speedups, measure_devices};
+use super::decoder_steps::{
+    DecoderSteps, RowsStep, SmallDecoder, StageStep, measure_decoder_steps, measure_stage_steps,
+};
+use super::device_rates::measure_devices;
 use super::host::cpu_model;
 use super::links::measure_links;
 use super::options::{
@@ -54,6 +56,9 @@ pub struct Calibration {
     /// The prompt steps again with the decoder mirrored on every device: the profile's
     /// `step_factor_apart_by_m` (empty on one device).
     pub decoder_apart_steps: Vec<RowsStep>,
+    /// The decoder's decoding steps as a layer split (stages one after another), as run and
+    /// as predicted: the profile's `alone_speedup_by_m` (empty on one device).
+    pub decoder_stage_steps: Vec<StageStep>,
     pub links: Vec<LinkFitReport>,
     pub seconds: f64,
 }
@@ -94,9 +99,6 @@ pub fn calibrate_report(
         let mut rig = Rig::new(&devices)?;
         measure_devices(&mut rig, opts, &budget, &step)?
     };
-    // One device alone against all at once (a layer split's stages run alone or a few at once).
-    step("one device alone against all at once");
-    let speedups = alone_speedups(&devices, opts.weight_types[0], &budget)?;
     // Overheads through the backend a run uses.
     step("step and node overheads");
     let over = measure_overheads(spec, opts.precision, &budget)?;
@@ -119,8 +121,9 @@ pub fn calibrate_report(
         mem_bw: rates.mem_bw,
         step_overhead_s: over.step_s,
         node_overhead_s: over.node_s,
-        alone_speedup: speedups.last().map(|&(_, s)| s),
-        alone_speedup_by_m: speedups,
+        // From the layer split's steps below, once the profile prices a step.
+        alone_speedup: None,
+        alone_speedup_by_m: Vec::new(),
     };
     let mut cluster = measured_cluster(
         format!("calibrated {spec}"),
@@ -141,7 +144,8 @@ pub fn calibrate_report(
         precision: opts.precision,
         ..Default::default()
     };
-    let dec = measure_decoder_steps(spec, &open, &cluster)?;
+    let decoder = SmallDecoder::new()?;
+    let dec = measure_decoder_steps(&decoder, spec, &open, &cluster)?;
     for d in &mut cluster.devices {
         d.node_overhead_s += dec.extra_node_s;
     }
@@ -161,9 +165,23 @@ pub fn calibrate_report(
             .chain(dec.apart.iter().map(|r| (r.rows, r.factor)))
             .collect();
     }
+    // The layer split's steps, stages one after another: how much faster a device computes
+    // alone than the rates measured with all of them busy (`decoder_steps.rs`).
+    step("a layer split's stages, one at a time");
+    let stages = measure_stage_steps(&decoder, spec, &open, &cluster)?;
+    cluster.alone_speedup_by_m = stages.iter().map(|s| (s.rows, s.speedup)).collect();
+    cluster.alone_speedup = cluster.alone_speedup_by_m.last().map(|&(_, s)| s);
     progress("done", 1.0);
     let seconds = start.elapsed().as_secs_f64();
-    cluster.sources = sources(spec, opts, &budget, n, (&over, &dec), &links, seconds);
+    cluster.sources = sources(
+        spec,
+        opts,
+        &budget,
+        n,
+        (&over, &dec, &stages),
+        &links,
+        seconds,
+    );
     cluster.validate()?;
     Ok(Calibration {
         spec: spec.to_string(),
@@ -179,6 +197,7 @@ pub fn calibrate_report(
         decoder_step_nodes: dec.nodes,
         decoder_rows_steps: dec.rows.clone(),
         decoder_apart_steps: dec.apart.clone(),
+        decoder_stage_steps: stages,
         links,
         seconds,
     })
@@ -208,7 +227,7 @@ fn sources(
     opts: &CalibrateOptions,
     budget: &Budget,
     n: usize,
-    (over, dec): (&Overheads, &DecoderSteps),
+    (over, dec, stages): (&Overheads, &DecoderSteps, &[StageStep]),
     links: &[LinkFitReport],
     seconds: f64,
 ) -> Vec<String> {
@@ -281,6 +300,27 @@ fn sources(
             "step_factor_apart_by_m: step_factor_by_m's points below the first here, then \
              the small decoder mirrored on every device: its {}",
             steps(&dec.apart)
+        ));
+    }
+    if !stages.is_empty() {
+        let points = stages
+            .iter()
+            .map(|s| {
+                format!(
+                    "step of {} rows ({:.1} us measured, {:.1} us predicted at 1, {:.1} us of \
+                     it divided by the speedup: {:.3})",
+                    s.rows,
+                    s.measured_s * 1e6,
+                    s.predicted_s * 1e6,
+                    s.scaled_s * 1e6,
+                    s.speedup
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        sources.push(format!(
+            "alone_speedup_by_m: the small decoder as a layer split (stages one after another), \
+             its {points}; the speedup that makes each prediction its measurement"
         ));
     }
     for l in links {

@@ -30,8 +30,6 @@
 //!     all of them together;
 //!   - between the two: M = 2 and 8 over the streamed weights, M = 32 over one copy
 //!     (`gemm_flops_by_m`, the points the cost model interpolates through);
-//!   - one device alone against all at once, at M = 1 (streamed) and M = 8, in alternating pairs
-//!     (median of the pairs' ratios): the cluster's `alone_speedup_by_m` and `alone_speedup`;
 //!   - GEMM: M = 128 products over the same shapes, `gemm_flops` = `2 M N K` per second;
 //!   - memory: element-wise adds of large F32 tensors; `mem_bw` = bytes read and written per
 //!     second (two sources and the result: the cost model's "bytes moved");
@@ -54,7 +52,11 @@
 //!   one row, where the per-node correction was fitted). On several devices the two prompt
 //!   steps again with the decoder mirrored on every device (no collective inside the
 //!   layers, whole matrices per device): the cluster's `step_factor_apart_by_m`, for steps
-//!   whose devices do not meet at every layer.
+//!   whose devices do not meet at every layer. Last, on several devices, the decoder as a
+//!   layer split (stages one after another): its decoding steps of 1 and 8 sequences
+//!   against their predictions give the alone speedup (how much faster a device computes
+//!   while the others wait than the rates measured with all busy) that makes them agree:
+//!   the cluster's `alone_speedup_by_m` and `alone_speedup`.
 //! - **Links**: for each group size N = 2..=n,
 //!   [`CpuCommunicator`](crate::collectives::CpuCommunicator) ranks on N workers pinned like
 //!   the meta device's, timing all-reduce, all-gather and reduce-scatter of F32 tensors of
@@ -81,8 +83,7 @@ mod overheads;
 mod rig;
 
 pub use crate::planner::fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
-pub use decoder_steps::{BATCH_ROWS, PROMPT_ROWS, RowsStep};
-pub use device_rates::ALONE_M;
+pub use decoder_steps::{ALONE_M, BATCH_ROWS, PROMPT_ROWS, RowsStep, StageStep};
 pub use driver::{Calibration, calibrate, calibrate_report};
 pub use options::{
     CalibrateOptions, GEMM_M, GEMV_M, MEASURED_TYPES, SHAPES, STEP_GAP, types_of, with_f32,

@@ -265,6 +265,20 @@ pub fn table(r: &Calibration) -> String {
             st.predicted_kernels_s * 1e6
         );
     }
+    for st in &r.decoder_stage_steps {
+        let _ = writeln!(
+            s,
+            "(a device alone at {} row{}: x{:.3}, from the small decoder's layer split, stages \
+             one after another: {:.1} us as run, {:.1} us predicted with all devices' rates, \
+             {:.1} us of it the stages')",
+            st.rows,
+            if st.rows == 1 { "" } else { "s" },
+            st.speedup,
+            st.measured_s * 1e6,
+            st.predicted_s * 1e6,
+            st.scaled_s * 1e6
+        );
+    }
     let types: Vec<&str> = DType::WEIGHT_TYPES
         .iter()
         .map(|t| t.name())

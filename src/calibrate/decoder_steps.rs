@@ -355,6 +355,27 @@ pub(super) fn measure_stage_steps(
         .collect()
 }
 
+/// A session of the decoder on `set` over [`CONTEXT`] positions.
+fn session<'a>(model: &'a DecoderModel, set: &DeviceSet) -> Result<Session<'a>> {
+    Session::new(
+        model,
+        set.backend.clone(),
+        set.buffer_type.as_ref(),
+        CONTEXT,
+    )
+}
+
+/// A batch session of the decoder on `set`: [`BATCH_ROWS`] slots of [`CONTEXT`] positions.
+fn batch_session<'a>(model: &'a DecoderModel, set: &DeviceSet) -> Result<BatchSession<'a>> {
+    BatchSession::new(
+        model,
+        set.backend.clone(),
+        set.buffer_type.as_ref(),
+        BATCH_ROWS,
+        CONTEXT,
+    )
+}
+
 /// Mean seconds of a decoding step of one sequence (a `Session`), as a generation pays it:
 /// the median span's (see [`median_span`]; the steps that prepare a structure not seen
 /// before included: one generation goes on through [`SPANS`] spans of [`STEPS`] steps, each
@@ -365,12 +386,7 @@ pub(super) fn measure_stage_steps(
 /// 8-21% for the batched step, whose first span attends to the shortest cache, and 1-15% for
 /// the prompts: every prediction was that much too fast.)
 fn time_decode(model: &DecoderModel, set: &DeviceSet) -> Result<f64> {
-    let mut s = Session::new(
-        model,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        CONTEXT,
-    )?;
+    let mut s = session(model, set)?;
     s.eval(&[1], false)?;
     s.eval(&[2], false)?;
     median_span(STEPS, |i| s.eval(&[3 + (i % 200) as u32], false).map(drop))
@@ -379,13 +395,7 @@ fn time_decode(model: &DecoderModel, set: &DeviceSet) -> Result<f64> {
 /// Mean seconds of a batched decoding step, one token of each of [`BATCH_ROWS`] sequences (a
 /// `BatchSession`), timed as [`time_decode`] in spans of `steps` steps.
 fn time_batched(model: &DecoderModel, set: &DeviceSet, steps: usize) -> Result<f64> {
-    let mut b = BatchSession::new(
-        model,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        BATCH_ROWS,
-        CONTEXT,
-    )?;
+    let mut b = batch_session(model, set)?;
     let slots: Vec<usize> = (0..BATCH_ROWS).filter_map(|_| b.acquire()).collect();
     let tokens: Vec<[u32; 1]> = (0..BATCH_ROWS as u32).map(|t| [t + 1]).collect();
     let mut batched = |_: usize| -> Result<()> {
@@ -410,12 +420,7 @@ fn time_batched(model: &DecoderModel, set: &DeviceSet, steps: usize) -> Result<f
 /// every sequence from its start each time: the slots released and taken again).
 fn time_prompts(model: &DecoderModel, set: &DeviceSet) -> Result<(f64, f64)> {
     let prompt: Vec<u32> = (0..PROMPT_ROWS as u32).map(|t| 1 + t % 200).collect();
-    let mut s = Session::new(
-        model,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        CONTEXT,
-    )?;
+    let mut s = session(model, set)?;
     let mut prompt_once = |_: usize| -> Result<()> {
         s.reset();
         s.eval(&prompt, false).map(drop)
@@ -423,13 +428,7 @@ fn time_prompts(model: &DecoderModel, set: &DeviceSet) -> Result<(f64, f64)> {
     prompt_once(0)?;
     let chunk_s = median_span(PROMPTS, prompt_once)?;
     drop(s);
-    let mut b = BatchSession::new(
-        model,
-        set.backend.clone(),
-        set.buffer_type.as_ref(),
-        BATCH_ROWS,
-        CONTEXT,
-    )?;
+    let mut b = batch_session(model, set)?;
     let mut prompts_once = |_: usize| -> Result<()> {
         for slot in 0..BATCH_ROWS {
             if b.len(slot).is_some() {

@@ -1055,13 +1055,18 @@ fn summarize(spec: &str, w: &Workload, rows: &[StrategyRow]) -> DeviceSetSummary
                 .collect(),
         )
     };
-    let k = rows.first().map_or(0, |r| r.predicted_by_calibration.len());
+    // The calibrations every row was predicted under (all of them, as `measure` predicts).
+    let k = rows
+        .iter()
+        .map(|r| r.predicted_by_calibration.len())
+        .min()
+        .unwrap_or(0);
     let by_calibration = |f: fn(&(f64, f64)) -> f64, m: &[f64]| -> Vec<f64> {
         (0..k)
             .map(|i| {
                 let p: Vec<f64> = rows
                     .iter()
-                    .map(|r| r.predicted_by_calibration.get(i).map_or(0.0, f))
+                    .map(|r| f(&r.predicted_by_calibration[i]))
                     .collect();
                 err(&p, m)
             })
@@ -1443,6 +1448,8 @@ mod tests {
             row("layer", 250.0, 60.0, vec![(250.0, 60.0)]),
         ];
         let s = summarize("cpu:3x1", &w, &rows);
+        // Only the calibration both rows were predicted under is scored.
+        assert_eq!(s.median_error_by_calibration_tg, vec![0.0]);
         let best = 100.0 / 250.0 + 100.0 / 60.0;
         assert!(
             (s.auto_vs_best_workload - best / 2.5).abs() < 1e-12,

@@ -21,6 +21,12 @@ pub use backend::{MemoryReport, MetaBackend};
 pub use buffer::{MetaBuffer, MetaBufferType, MetaTensor};
 pub use sharding::{Conversion, ConversionKind, Sharding};
 
+/// Whether `METASHARD_STEP_PROFILE` is on (the meta device's step profile and the scheduler's,
+/// `sched/profile.rs`).
+pub(crate) fn step_profile_enabled() -> bool {
+    profile::enabled()
+}
+
 use crate::backend::{Backend, Device, DeviceCaps, DeviceKind, MemoryInfo};
 use crate::buffer::BufferType;
 use crate::graph::{Graph, TensorId};

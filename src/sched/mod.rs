@@ -43,10 +43,14 @@
 //!
 //! The plan (assignment and splits) is cached by graph structure and the set of nodes the eval
 //! callback asks for, so a decode loop plans once per shape.
+//!
+//! `METASHARD_STEP_PROFILE=1` times every split run (in, compute, out) per backend and every
+//! pipeline tick, printed when the scheduler is dropped (`profile.rs`).
 
 mod buffer;
 pub mod compare;
 mod passes;
+mod profile;
 mod split;
 
 pub use buffer::{PlaceFn, Placed, SchedBuffer, SchedBufferType};
@@ -138,6 +142,16 @@ pub struct Sched {
     slots: Vec<Slot>,
     state: Mutex<State>,
     plans_made: AtomicUsize,
+    /// `METASHARD_STEP_PROFILE`'s sums (`profile.rs`).
+    profile: Mutex<profile::SchedProfile>,
+}
+
+impl Drop for Sched {
+    fn drop(&mut self) {
+        if let Some(r) = self.profile.lock().report(&self.backend_names()) {
+            eprintln!("{r}");
+        }
+    }
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -183,6 +197,7 @@ impl Sched {
                 results: Vec::new(),
             }),
             plans_made: AtomicUsize::new(0),
+            profile: Mutex::new(Default::default()),
         }))
     }
 
@@ -285,12 +300,17 @@ impl Sched {
     fn run(&self, st: &mut State, g: &mut Graph, plan: &SchedPlan) -> Result<()> {
         let splits = &plan.splits.splits;
         let mut values: Vec<Option<Arc<[u8]>>> = vec![None; g.len()];
+        let start = profile::now();
+        let mut times = Vec::new();
         for (si, sp) in splits.iter().enumerate() {
             let slot = &self.slots[sp.backend];
             // Outputs stay where they were computed unless this backend runs again in this
             // compute (it may reuse its compute buffer): then they are copied out first.
             let runs_again = splits[si + 1..].iter().any(|s| s.backend == sp.backend);
-            let lg = self.run_split(g, plan, si, &mut values, runs_again, &mut st.results)?;
+            let (lg, t) = self.run_split(g, plan, si, &mut values, runs_again, &mut st.results)?;
+            if start.is_some() {
+                times.push(t);
+            }
             if let Some(cb) = st.eval.as_mut() {
                 for &(u, l) in &sp.asked {
                     let v = lg.read_f32(l)?;
@@ -303,13 +323,18 @@ impl Sched {
                 }
             }
         }
+        if start.is_some() {
+            let mut p = self.profile.lock();
+            p.splits(&times);
+            p.compute(1, profile::since(start));
+        }
         Ok(())
     }
 
     /// Run split `si` of `plan` for `g`: its inputs and copies in (`values`: what earlier
     /// splits captured), its compute, its captures out, its outputs bound into `g` (copied to
     /// host memory with `copy_out`, their buffers noted in `results`). Returns the split's
-    /// computed graph.
+    /// computed graph and, where the step profile is on, its times (zeros where it is off).
     fn run_split(
         &self,
         g: &mut Graph,
@@ -318,9 +343,20 @@ impl Sched {
         values: &mut [Option<Arc<[u8]>>],
         copy_out: bool,
         results: &mut Vec<Weak<dyn Buffer>>,
-    ) -> Result<Graph> {
+    ) -> Result<(Graph, profile::SplitTimes)> {
         let sp = &plan.splits.splits[si];
         let slot = &self.slots[sp.backend];
+        let mut times = profile::SplitTimes {
+            backend: sp.backend,
+            ..Default::default()
+        };
+        let mut clock = profile::now();
+        let mut lap = |into: &mut u64| {
+            if let Some(t) = clock {
+                *into = t.elapsed().as_nanos() as u64;
+                clock = Some(std::time::Instant::now());
+            }
+        };
         let mut lg = sp.graph.clone();
         for &(u, l) in &sp.inputs {
             lg.node_mut(l).data = Some(g.node(u).data.clone().ok_or_else(|| Error::NoStorage {
@@ -342,7 +378,9 @@ impl Sched {
             };
             lg.node_mut(c.local).data = Some(bytes);
         }
+        lap(&mut times.input);
         slot.backend.graph_compute(&mut lg)?;
+        lap(&mut times.compute);
         for &(u, l) in &sp.captures {
             values[u.index()] = Some(lg.read_bytes(l)?.into());
         }
@@ -367,7 +405,8 @@ impl Sched {
             results.push(Arc::downgrade(&storage.buffer));
             g.node_mut(u).storage = Some(storage);
         }
-        Ok(lg)
+        lap(&mut times.output);
+        Ok((lg, times))
     }
 
     /// Forget the storage this scheduler bound `g`'s nodes to in the last compute (so they
@@ -406,7 +445,9 @@ impl Sched {
         let mut values: Vec<Vec<Option<Arc<[u8]>>>> =
             graphs.iter().map(|g| vec![None; g.len()]).collect();
         let m = graphs.len();
+        let start = profile::now();
         for t in 0..m + n_splits - 1 {
+            let tick = profile::now();
             // The tick's tasks (split, graph, its values), grouped by backend.
             let mut by_backend: Vec<Vec<Task>> =
                 (0..self.slots.len()).map(|_| Vec::new()).collect();
@@ -415,17 +456,18 @@ impl Sched {
                     by_backend[backend_of(k)].push((k, &plans[j], g, v));
                 }
             }
-            let outcomes: Vec<Result<Vec<Weak<dyn Buffer>>>> = std::thread::scope(|sc| {
+            type Done = (Vec<Weak<dyn Buffer>>, Vec<profile::SplitTimes>);
+            let outcomes: Vec<Result<Done>> = std::thread::scope(|sc| {
                 let handles: Vec<_> = by_backend
                     .into_iter()
                     .filter(|tasks| !tasks.is_empty())
                     .map(|tasks| {
-                        sc.spawn(move || -> Result<Vec<Weak<dyn Buffer>>> {
-                            let mut results = Vec::new();
+                        sc.spawn(move || -> Result<Done> {
+                            let (mut results, mut times) = (Vec::new(), Vec::new());
                             for (k, plan, g, v) in tasks {
-                                self.run_split(g, plan, k, v, true, &mut results)?;
+                                times.push(self.run_split(g, plan, k, v, true, &mut results)?.1);
                             }
-                            Ok(results)
+                            Ok((results, times))
                         })
                     })
                     .collect();
@@ -441,12 +483,21 @@ impl Sched {
                     })
                     .collect()
             });
+            let mut times = Vec::new();
             for o in outcomes {
-                st.results.extend(o?);
+                let (results, t) = o?;
+                st.results.extend(results);
+                times.extend(t);
+            }
+            if tick.is_some() {
+                self.profile.lock().tick(t, profile::since(tick), &times);
             }
             if let Some(j) = (t + 1).checked_sub(n_splits).filter(|&j| j < m) {
                 done(j, &graphs[j])?;
             }
+        }
+        if start.is_some() {
+            self.profile.lock().compute(m, profile::since(start));
         }
         Ok(())
     }

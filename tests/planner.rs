@@ -425,6 +425,41 @@ fn a_layer_split_step_of_one_micro_batch_is_divided_by_the_alone_speedup() -> Re
     Ok(())
 }
 
+/// A calibrated pipeline factor multiplies a pipelined decoding step (m > 1) and nothing else:
+/// one micro-batch and the prompts keep their cost, and a factor large enough makes one
+/// micro-batch the fastest count.
+#[test]
+fn the_pipeline_factor_prices_pipelined_decoding_steps_only() -> Result<()> {
+    use metashard::planner::{MicroBatches, evaluate_layer_split_with};
+    let s = smol();
+    let base = cluster(2, 8 << 30);
+    let w = Workload::parse("pp=64,tg=8,batch=32,ctx=128")?;
+    let with = |factor: Option<f64>, micro: MicroBatches| {
+        let c = Cluster {
+            pipeline_factor: factor,
+            ..base.clone()
+        };
+        evaluate_layer_split_with(&s, &c, &w, None, micro)
+    };
+    for m in [1, 2, 4] {
+        let micro = MicroBatches::Fixed(m);
+        let (plain, slow) = (with(None, micro)?, with(Some(1.5), micro)?);
+        let want = if m == 1 { 1.0 } else { 1.5 };
+        assert!(
+            (slow.decode_s / plain.decode_s - want).abs() < 1e-9,
+            "{m}: {} against {}",
+            slow.decode_s,
+            plain.decode_s
+        );
+        assert_eq!(slow.prefill_s, plain.prefill_s, "{m}");
+    }
+    assert!(with(None, MicroBatches::Best)?.decode_micro_batches > 1);
+    let slow = with(Some(4.0), MicroBatches::Best)?;
+    assert_eq!(slow.decode_micro_batches, 1);
+    assert_eq!(slow.decode_s, with(None, MicroBatches::Fixed(1))?.decode_s);
+    Ok(())
+}
+
 /// Seconds to stream the weights of the slowest stage of `cost` once at its device's GEMV
 /// bandwidth: no step of a layer split is faster, whatever its micro-batches.
 fn stage_weight_floor(

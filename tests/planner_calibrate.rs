@@ -282,6 +282,28 @@ fn calibrate_quick_gives_a_valid_profile_and_a_second_run_agrees() {
         // A batch of 8 costs more than one sequence's step.
         assert!(m == 1 || st.predicted_s > r.decoder_stage_steps[0].predicted_s);
     }
+    // The pipelined batched step: its factor is its measurement over its prediction (unless
+    // clamped), and the profile's pipeline factor.
+    let p = r
+        .decoder_pipeline_step
+        .as_ref()
+        .expect("a pipelined step on two devices");
+    assert_eq!(
+        (p.rows, p.micro_batches),
+        (
+            metashard::calibrate::BATCH_ROWS,
+            metashard::calibrate::PIPELINE_MICRO_BATCHES
+        )
+    );
+    assert_eq!(c.pipeline_factor, Some(p.factor));
+    assert!(p.measured_s > 0.0 && p.predicted_s > 0.0, "{p:?}");
+    let range = metashard::planner::PIPELINE_FACTOR;
+    assert!(
+        p.factor == *range.start()
+            || p.factor == *range.end()
+            || (p.factor * p.predicted_s / p.measured_s - 1.0).abs() < 1e-9,
+        "{p:?}"
+    );
     // Step factors at the one-token step (1: where the per-node correction was fitted), a
     // batched decoding step, a prompt chunk and a batch's prompt chunks in one step, each
     // what makes its prediction its measurement (unless clamped to the range a profile may

@@ -263,6 +263,8 @@ pub struct ProfileFigures {
     pub alone_speedup_by_m: Vec<(usize, f64)>,
     pub step_factor_by_m: Vec<(usize, f64)>,
     pub step_factor_apart_by_m: Vec<(usize, f64)>,
+    /// `Cluster::pipeline_factor` (absent on one device).
+    pub pipeline_factor: Option<f64>,
     /// The first device's GEMV weight bandwidth by type (bytes/s): what a one-sequence
     /// decoding step's prediction is made of, almost alone.
     pub gemv_bw: std::collections::BTreeMap<String, f64>,
@@ -897,6 +899,7 @@ fn profile_figures(spec: &str, k: usize, cluster: &Cluster) -> ProfileFigures {
         alone_speedup_by_m: cluster.alone_speedup_by_m.clone(),
         step_factor_by_m: cluster.step_factor_by_m.clone(),
         step_factor_apart_by_m: cluster.step_factor_apart_by_m.clone(),
+        pipeline_factor: cluster.pipeline_factor,
         gemv_bw: cluster
             .devices
             .first()

@@ -44,7 +44,12 @@
 //! [`ALONE_M`]. Until 2026-11-29 those points came from products timed on the first device
 //! alone against all at once; on the Zen 3 host (cpu:2x1) that gave 1.38-1.89 at one row,
 //! where SmolLM2's layer split decoded at one device's speed (cpu:1x1 and the layer split both
-//! about 50 tokens/s against a prediction of 62-89 with those figures).
+//! about 50 tokens/s against a prediction of 62-89 with those figures). The same batched step
+//! is then timed cut into [`PIPELINE_MICRO_BATCHES`] micro-batches (pipelined through the
+//! stages, as `BatchSession::micro_batches` runs them), and its measurement over the cost
+//! model's pipelined prediction with those speedups is the profile's `pipeline_factor`: on
+//! the Zen 3 host a stage's micro-batch ran 1.2-1.4x slower than the same rows outside the
+//! pipeline (`docs/sched.md`), where the model priced two micro-batches 9% faster than one.
 
 use crate::models::batch::{BatchSession, SeqInput};
 use crate::models::hparams::DecoderConfig;
@@ -53,10 +58,10 @@ use crate::models::loader::DecoderModel;
 use crate::models::session::Session;
 use crate::models::split::DecoderSplit;
 use crate::models::synthetic::gguf_bytes;
-use crate::planner::STEP_FACTOR;
 use crate::planner::evaluate::{StepCost, Workload};
 use crate::planner::report::evaluate_split;
 use crate::planner::{Cluster, MicroBatches, ModelShape, Strategy, evaluate_layer_split_with};
+use crate::planner::{PIPELINE_FACTOR, STEP_FACTOR};
 use crate::runtime::{OpenOptions, open_decoder};
 use crate::{DType, DeviceSet, Error, Result};
 use std::time::Instant;
@@ -124,6 +129,25 @@ pub struct RowsStep {
 /// Rows of the layer split's steps timed for the cluster's `alone_speedup_by_m`: a decoding
 /// step of one sequence and a batched decoding step of [`BATCH_ROWS`] sequences.
 pub const ALONE_M: [usize; 2] = [1, BATCH_ROWS];
+
+/// Micro-batches of the layer split's pipelined batched step timed for the cluster's
+/// `pipeline_factor`.
+pub const PIPELINE_MICRO_BATCHES: usize = 2;
+
+/// The small decoder's batched decoding step of [`BATCH_ROWS`] sequences under a layer split
+/// cut into [`PIPELINE_MICRO_BATCHES`] micro-batches (pipelined through the stages), timed,
+/// and the factor on the cost model's pipelined step that makes its prediction agree.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PipelineStep {
+    pub rows: usize,
+    pub micro_batches: usize,
+    /// Mean seconds of the step as run (the median span's).
+    pub measured_s: f64,
+    /// The cost model's seconds for it with the alone speedups measured, no pipeline factor.
+    pub predicted_s: f64,
+    /// `measured / predicted`, in [`PIPELINE_FACTOR`]: the cluster's `pipeline_factor`.
+    pub factor: f64,
+}
 
 /// A step of `rows` rows of the small decoder under a layer split (stages one after another),
 /// timed, and the alone speedup that makes the cost model's prediction agree with it.
@@ -237,7 +261,7 @@ pub(super) fn measure_decoder_steps(
             factor,
         })
     };
-    let batch_s = time_batched(&model, &set, STEPS)?;
+    let batch_s = time_batched(&model, &set, STEPS, 1)?;
     let batch = rows_step(
         &split,
         BATCH_ROWS,
@@ -303,10 +327,10 @@ pub(super) fn measure_stage_steps(
     spec: &str,
     opts: &OpenOptions,
     cluster: &Cluster,
-) -> Result<Vec<StageStep>> {
+) -> Result<(Vec<StageStep>, Option<PipelineStep>)> {
     let n = cluster.n_devices();
     if n < 2 {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     }
     let (shape, set, model) = decoder.open(
         spec,
@@ -320,20 +344,24 @@ pub(super) fn measure_stage_steps(
     let batch_steps = STEPS / 4;
     let measured = [
         (time_decode(&model, &set)?, STEPS),
-        (time_batched(&model, &set, batch_steps)?, batch_steps),
+        (time_batched(&model, &set, batch_steps, 1)?, batch_steps),
     ];
+    let piped_s = time_batched(&model, &set, batch_steps, PIPELINE_MICRO_BATCHES)?;
     drop((set, model));
+    let workload = |rows: usize, steps: usize| {
+        Workload::parse(&format!(
+            "pp=1,tg={},batch={rows},ctx={CONTEXT}",
+            SPANS * steps
+        ))
+    };
     let predict = |rows: usize, steps: usize, speedup: f64| -> Result<f64> {
         let mut c = cluster.clone();
         c.alone_speedup = Some(speedup);
         c.alone_speedup_by_m = Vec::new();
-        let w = Workload::parse(&format!(
-            "pp=1,tg={},batch={rows},ctx={CONTEXT}",
-            SPANS * steps
-        ))?;
+        let w = workload(rows, steps)?;
         Ok(evaluate_layer_split_with(&shape, &c, &w, None, MicroBatches::Fixed(1))?.decode_s)
     };
-    ALONE_M
+    let stages = ALONE_M
         .iter()
         .zip(measured)
         .map(|(&rows, (measured_s, steps))| {
@@ -352,7 +380,27 @@ pub(super) fn measure_stage_steps(
                 speedup,
             })
         })
-        .collect()
+        .collect::<Result<Vec<StageStep>>>()?;
+    // The pipelined step against the model's pipeline with those speedups.
+    let mut c = cluster.clone();
+    c.alone_speedup_by_m = stages.iter().map(|s| (s.rows, s.speedup)).collect();
+    c.alone_speedup = c.alone_speedup_by_m.last().map(|&(_, s)| s);
+    c.pipeline_factor = None;
+    let w = workload(BATCH_ROWS, batch_steps)?;
+    let micro = MicroBatches::Fixed(PIPELINE_MICRO_BATCHES);
+    let predicted_s = evaluate_layer_split_with(&shape, &c, &w, None, micro)?.decode_s;
+    let factor = match predicted_s > 0.0 {
+        true => (piped_s / predicted_s).clamp(*PIPELINE_FACTOR.start(), *PIPELINE_FACTOR.end()),
+        false => 1.0,
+    };
+    let piped = PipelineStep {
+        rows: BATCH_ROWS,
+        micro_batches: PIPELINE_MICRO_BATCHES,
+        measured_s: piped_s,
+        predicted_s,
+        factor,
+    };
+    Ok((stages, Some(piped)))
 }
 
 /// A session of the decoder on `set` over [`CONTEXT`] positions.
@@ -394,8 +442,9 @@ fn time_decode(model: &DecoderModel, set: &DeviceSet) -> Result<f64> {
 
 /// Mean seconds of a batched decoding step, one token of each of [`BATCH_ROWS`] sequences (a
 /// `BatchSession`), timed as [`time_decode`] in spans of `steps` steps.
-fn time_batched(model: &DecoderModel, set: &DeviceSet, steps: usize) -> Result<f64> {
+fn time_batched(model: &DecoderModel, set: &DeviceSet, steps: usize, micro: usize) -> Result<f64> {
     let mut b = batch_session(model, set)?;
+    b.micro_batches = micro;
     let slots: Vec<usize> = (0..BATCH_ROWS).filter_map(|_| b.acquire()).collect();
     let tokens: Vec<[u32; 1]> = (0..BATCH_ROWS as u32).map(|t| [t + 1]).collect();
     let mut batched = |_: usize| -> Result<()> {

@@ -3,7 +3,8 @@
 //! `measured_cluster`, with sources saying how each figure was obtained.
 
 use super::decoder_steps::{
-    DecoderSteps, RowsStep, SmallDecoder, StageStep, measure_decoder_steps, measure_stage_steps,
+    DecoderSteps, PipelineStep, RowsStep, SmallDecoder, StageStep, measure_decoder_steps,
+    measure_stage_steps,
 };
 use super::device_rates::measure_devices;
 use super::host::cpu_model;
@@ -59,6 +60,9 @@ pub struct Calibration {
     /// The decoder's decoding steps as a layer split (stages one after another), as run and
     /// as predicted: the profile's `alone_speedup_by_m` (empty on one device).
     pub decoder_stage_steps: Vec<StageStep>,
+    /// The layer split's batched decoding step in micro-batches (pipelined), as run and as
+    /// predicted: the profile's `pipeline_factor` (absent on one device).
+    pub decoder_pipeline_step: Option<PipelineStep>,
     pub links: Vec<LinkFitReport>,
     pub seconds: f64,
 }
@@ -168,9 +172,10 @@ pub fn calibrate_report(
     // The layer split's steps, stages one after another: how much faster a device computes
     // alone than the rates measured with all of them busy (`decoder_steps.rs`).
     step("a layer split's stages, one at a time");
-    let stages = measure_stage_steps(&decoder, spec, &open, &cluster)?;
+    let (stages, piped) = measure_stage_steps(&decoder, spec, &open, &cluster)?;
     cluster.alone_speedup_by_m = stages.iter().map(|s| (s.rows, s.speedup)).collect();
     cluster.alone_speedup = cluster.alone_speedup_by_m.last().map(|&(_, s)| s);
+    cluster.pipeline_factor = piped.as_ref().map(|p| p.factor);
     progress("done", 1.0);
     let seconds = start.elapsed().as_secs_f64();
     cluster.sources = sources(
@@ -178,7 +183,7 @@ pub fn calibrate_report(
         opts,
         &budget,
         n,
-        (&over, &dec, &stages),
+        (&over, &dec, &stages, piped.as_ref()),
         &links,
         seconds,
     );
@@ -198,6 +203,7 @@ pub fn calibrate_report(
         decoder_rows_steps: dec.rows.clone(),
         decoder_apart_steps: dec.apart.clone(),
         decoder_stage_steps: stages,
+        decoder_pipeline_step: piped,
         links,
         seconds,
     })
@@ -227,7 +233,12 @@ fn sources(
     opts: &CalibrateOptions,
     budget: &Budget,
     n: usize,
-    (over, dec, stages): (&Overheads, &DecoderSteps, &[StageStep]),
+    (over, dec, stages, piped): (
+        &Overheads,
+        &DecoderSteps,
+        &[StageStep],
+        Option<&PipelineStep>,
+    ),
     links: &[LinkFitReport],
     seconds: f64,
 ) -> Vec<String> {
@@ -321,6 +332,18 @@ fn sources(
         sources.push(format!(
             "alone_speedup_by_m: the small decoder as a layer split (stages one after another), \
              its {points}; the speedup that makes each prediction its measurement"
+        ));
+    }
+    if let Some(p) = piped {
+        sources.push(format!(
+            "pipeline_factor: the small decoder's layer split, its batched decoding step of {} \
+             rows in {} micro-batches ({:.1} us measured, {:.1} us predicted with the alone \
+             speedups): {:.3}",
+            p.rows,
+            p.micro_batches,
+            p.measured_s * 1e6,
+            p.predicted_s * 1e6,
+            p.factor
         ));
     }
     for l in links {

@@ -56,7 +56,9 @@
 //!   layer split (stages one after another): its decoding steps of 1 and 8 sequences
 //!   against their predictions give the alone speedup (how much faster a device computes
 //!   while the others wait than the rates measured with all busy) that makes them agree:
-//!   the cluster's `alone_speedup_by_m` and `alone_speedup`.
+//!   the cluster's `alone_speedup_by_m` and `alone_speedup`; its batched step in 2
+//!   micro-batches (pipelined through the stages) against its prediction with those gives
+//!   the cluster's `pipeline_factor`.
 //! - **Links**: for each group size N = 2..=n,
 //!   [`CpuCommunicator`](crate::collectives::CpuCommunicator) ranks on N workers pinned like
 //!   the meta device's, timing all-reduce, all-gather and reduce-scatter of F32 tensors of
@@ -83,7 +85,9 @@ mod overheads;
 mod rig;
 
 pub use crate::planner::fit::{LinkFitReport, LinkSample, fit_collective, fit_level};
-pub use decoder_steps::{ALONE_M, BATCH_ROWS, PROMPT_ROWS, RowsStep, StageStep};
+pub use decoder_steps::{
+    ALONE_M, BATCH_ROWS, PIPELINE_MICRO_BATCHES, PROMPT_ROWS, PipelineStep, RowsStep, StageStep,
+};
 pub use driver::{Calibration, calibrate, calibrate_report};
 pub use options::{
     CalibrateOptions, GEMM_M, GEMV_M, MEASURED_TYPES, SHAPES, STEP_GAP, types_of, with_f32,

@@ -279,6 +279,18 @@ pub fn table(r: &Calibration) -> String {
             st.scaled_s * 1e6
         );
     }
+    if let Some(p) = &r.decoder_pipeline_step {
+        let _ = writeln!(
+            s,
+            "(a pipelined decoding step: x{:.3}, the small decoder's layer split, {} rows in {} \
+             micro-batches: {:.1} us as run, {:.1} us predicted with the alone speedups)",
+            p.factor,
+            p.rows,
+            p.micro_batches,
+            p.measured_s * 1e6,
+            p.predicted_s * 1e6
+        );
+    }
     let types: Vec<&str> = DType::WEIGHT_TYPES
         .iter()
         .map(|t| t.name())

@@ -301,6 +301,7 @@ pub fn measured_cluster(
         alone_speedup_by_m: rates.alone_speedup_by_m.clone(),
         step_factor_by_m: Vec::new(),
         step_factor_apart_by_m: Vec::new(),
+        pipeline_factor: None,
     };
     cluster.validate()?;
     Ok(cluster)

@@ -25,6 +25,12 @@
 //! a micro-batch's rows is costed like any step (`evaluate::step_at`), so the cluster's step
 //! factor at those rows (`Cluster::step_factor_at`) is in it too.
 //!
+//! A pipelined decoding step (m > 1) is multiplied by the cluster's measured
+//! [`Cluster::pipeline_factor`] (a calibration's small decoder, 8 sequences in 2
+//! micro-batches, against this model): each micro-batch's stage runs on a thread started for
+//! it, on a device idle since its last one, slower than the same rows outside a pipeline on
+//! the hosts measured; prompts' micro-batches are left as modelled.
+//!
 //! A search costs the hybrid split in groups of s on several counts of devices; each count's
 //! stage is the cluster's first s devices, so a [`StageCache`] evaluates it and its
 //! micro-batches' steps once for all of them (the same numbers: evaluations are deterministic).
@@ -510,8 +516,10 @@ fn evaluate_stages(
     // sequences in the step, each with its logits (a decode step: one per row). One sequence's
     // prompt cut into micro-batches has logits in its last micro-batch only: its output
     // segment is paid once, at the end of the drain.
+    // A pipelined decoding step (m > 1) takes the cluster's measured pipeline factor.
     let pipelined = |step: Option<(usize, usize)>,
                      seqs: usize,
+                     factor: f64,
                      whole: &dyn Fn(&Evaluation) -> Option<&StepCost>|
      -> Result<(f64, usize)> {
         let Some((rows, start)) = step else {
@@ -568,7 +576,11 @@ fn evaluate_stages(
             let alone = cluster.concurrency_factor(per, part);
             let busy = cluster.concurrency_factor(m.min(used) * per, part);
             let slowest = t.iter().copied().fold(0.0, f64::max);
-            let total = (t.iter().sum::<f64>() + output) * alone + (m - 1) as f64 * slowest * busy;
+            let mut total =
+                (t.iter().sum::<f64>() + output) * alone + (m - 1) as f64 * slowest * busy;
+            if m > 1 {
+                total *= factor;
+            }
             if best.is_none_or(|(b, _)| total < b) {
                 best = Some((total, m));
             }
@@ -577,14 +589,16 @@ fn evaluate_stages(
     };
     let e0 = &evals[which[first]].eval;
     let (prefill_s, prefill_micro_batches) =
-        pipelined(w.prefill_step(), w.batch, &|e: &Evaluation| {
+        pipelined(w.prefill_step(), w.batch, 1.0, &|e: &Evaluation| {
             e.prefill.as_ref()
         })?;
     let decode_rows = w.decode_step().map_or(1, |(rows, _)| rows);
-    let (decode_s, decode_micro_batches) =
-        pipelined(w.decode_step(), decode_rows, &|e: &Evaluation| {
-            e.decode.as_ref()
-        })?;
+    let (decode_s, decode_micro_batches) = pipelined(
+        w.decode_step(),
+        decode_rows,
+        cluster.pipeline_factor.unwrap_or(1.0),
+        &|e: &Evaluation| e.decode.as_ref(),
+    )?;
     let total_s = prefill_s * e0.prefill_chunks as f64 + decode_s * w.decode as f64;
     let memory = (0..n)
         .map(|d| {

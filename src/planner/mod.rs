@@ -41,7 +41,7 @@ pub mod virtual_device;
 
 pub use cluster::{
     CALIBRATED_M, Cluster, Collective, CollectiveFit, DeviceProfile, LinkLevel, Links, MAX_DEVICES,
-    STEP_FACTOR,
+    PIPELINE_FACTOR, STEP_FACTOR,
 };
 pub use evaluate::{Evaluation, Placed, Workload, evaluate};
 pub use fit::{LinkFitReport, LinkSample, fit_collective, fit_level};

@@ -362,6 +362,7 @@ impl Cluster {
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
                 step_factor_apart_by_m: Vec::new(),
+                pipeline_factor: None,
             }),
             "h100x16-ib" => Some(Cluster {
                 name: "h100x16-ib".into(),
@@ -396,6 +397,7 @@ impl Cluster {
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
                 step_factor_apart_by_m: Vec::new(),
+                pipeline_factor: None,
             }),
             "rtx4090x4-pcie" => Some(Cluster {
                 name: "rtx4090x4-pcie".into(),
@@ -432,6 +434,7 @@ impl Cluster {
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
                 step_factor_apart_by_m: Vec::new(),
+                pipeline_factor: None,
             }),
             "cpu2x2-netns" => Some(Cluster {
                 name: "cpu2x2-netns".into(),
@@ -464,6 +467,7 @@ impl Cluster {
                 alone_speedup_by_m: Vec::new(),
                 step_factor_by_m: Vec::new(),
                 step_factor_apart_by_m: Vec::new(),
+                pipeline_factor: None,
             }),
             _ => None,
         }

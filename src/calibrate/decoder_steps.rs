@@ -48,7 +48,7 @@
 //! is then timed cut into [`PIPELINE_MICRO_BATCHES`] micro-batches (pipelined through the
 //! stages, as `BatchSession::micro_batches` runs them), and its measurement over the cost
 //! model's pipelined prediction with those speedups is the profile's `pipeline_factor`: on
-//! the Zen 3 host a stage's micro-batch ran 1.2-1.4x slower than the same rows outside the
+//! the Zen 3 host a stage's micro-batch ran 1.2-1.5x slower than the same rows outside the
 //! pipeline (`docs/sched.md`), where the model priced two micro-batches 9% faster than one.
 
 use crate::models::batch::{BatchSession, SeqInput};

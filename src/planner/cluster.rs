@@ -525,7 +525,7 @@ pub struct Cluster {
     /// times the small decoder's decoding step of 8 sequences in 2 micro-batches against its
     /// prediction (with the alone speedups). A pipelined stage runs each micro-batch as a split
     /// of its own, on a thread started for it, on a device idle since its last one: on the
-    /// Zen 3 host's cpu:2x1 a stage's micro-batch of 4 rows took 1.2-1.4x the same rows run
+    /// Zen 3 host's cpu:2x1 a stage's micro-batch of 4 rows took 1.2-1.5x the same rows run
     /// outside the pipeline, even alone (`docs/sched.md`, the scheduler's profile). Applied
     /// to pipelined decoding steps only: prompts' micro-batches (tens of rows, compute-bound)
     /// were predicted within their bounds without it. Absent: 1.

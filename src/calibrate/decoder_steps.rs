@@ -321,7 +321,10 @@ pub(super) fn measure_decoder_steps(
 /// the alone speedup at each row count that makes the prediction the measurement. The layer
 /// split's cost with one micro-batch is `scaled / s + rest` for an alone speedup `s` (stages
 /// one at a time: [`Cluster::concurrency_factor`] of one device), so the prediction at
-/// `s = 1` and at `s = 2` give both parts. Empty on one device.
+/// `s = 1` and at `s = 2` give both parts. Then the batched step again in
+/// [`PIPELINE_MICRO_BATCHES`] micro-batches, pipelined, against its prediction with those
+/// speedups: the [`PipelineStep`] whose factor is the profile's `pipeline_factor`. Empty and
+/// none on one device.
 pub(super) fn measure_stage_steps(
     decoder: &SmallDecoder,
     spec: &str,

@@ -23,13 +23,19 @@
 //!   bytes of 6-bit scales (as `q3k_scale_words` unpacks them, each minus 32), f16 `d`; the
 //!   value is `d * sc * (q - 4)` with `q = low + 4 h`, `h` bit `e / 32` of `hmask[e % 32]`
 //!   (the reference's `low - 4` where that bit is clear), so `mn = 4 sc`, `dm = d`.
+//! - `block_iq4_xs` (136 bytes; likewise, kernel type [`KX`]): f16 `d`, u16 `scales_h` (2 bits
+//!   per 32 elements), 4 bytes `scales_l` (a nibble per 32), 128 bytes of codebook indices
+//!   (elements `32 ib + i` and `32 ib + 16 + i`, i < 16, in the low and high nibble of
+//!   `qs[16 ib + i]`). The one exception to the form above: `q` is the signed codebook value
+//!   (`KVALUES_IQ4NL`, -127..113), multiplied as `|q|` times the activations with q's signs
+//!   (ggml's `mul_add_epi8`); `sc` = the 6-bit scale less 32, no minimum.
 //!
-//! Integer ranges: `q <= 63` times `|y| <= 127` summed in pairs fits i16 (`vpmaddubsw`); times
+//! Integer ranges: `|q| <= 127` times `|y| <= 127` summed in pairs fits i16 (`vpmaddubsw`); times
 //! a scale `|sc| <= 128` summed in pairs fits i32 (`vpmaddwd`), and so does the sum over 256
 //! elements (< 2^28). The minimum term `sum(mn * bsums)` uses the activations' sums of 16.
 //!
 //! Levels: AVX2 (`vpmaddubsw` + `vpmaddwd`, tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise; also
-//! Q2_K and Q3_K, through [`block_low_avx2`]);
+//! Q2_K, Q3_K and IQ4_XS, through [`block_low_avx2`]);
 //! AVX-512 with VNNI in [`super::kquant512`] (64 quants per vector, `vpdpwssd`); scalar: the
 //! same integer sums. Every output's operations are the same whatever
 //! tile it lands in, so results do not depend on the thread count.
@@ -38,7 +44,7 @@ use super::KQuantW as KW;
 use super::Weights;
 use crate::DType;
 use crate::cpu::simd::Isa;
-use crate::dtype::QK_K;
+use crate::dtype::{KVALUES_IQ4NL, QK_K};
 
 #[cfg(target_arch = "x86_64")]
 use super::quant::{PF_ROWS, prefetch};
@@ -52,6 +58,8 @@ pub(super) const K6: u8 = 2;
 /// Q2_K and Q3_K: only this file's AVX2 tiles take them (their other paths are `low*.rs`).
 pub(super) const K2: u8 = 3;
 pub(super) const K3: u8 = 4;
+/// IQ4_XS: likewise (8-bit activations at the AVX2 level only); signed codebook values.
+pub(super) const KX: u8 = 5;
 
 /// Bytes of one super-block of kernel type `t` (the type table's figure).
 pub(super) const fn kblock_bytes(t: u8) -> usize {
@@ -61,6 +69,7 @@ pub(super) const fn kblock_bytes(t: u8) -> usize {
         K6 => Weights::KQuant(KW::Q6_K).dtype(),
         K2 => DType::Q2_K,
         K3 => DType::Q3_K,
+        KX => DType::IQ4_XS,
         _ => panic!("not a K-quant kernel type"),
     };
     dt.type_size()
@@ -76,6 +85,10 @@ pub(super) const K6_D: usize = 208;
 const K2_D: usize = 80;
 pub(super) const K3_SCALES: usize = 96;
 pub(super) const K3_D: usize = 108;
+/// IQ4_XS: f16 `d`, u16 `scales_h` at 2, 4 bytes `scales_l` at 4, the nibbles at 8.
+const KX_SCALES_H: usize = 2;
+const KX_SCALES_L: usize = 4;
+const KX_QS: usize = 8;
 pub(super) const fn qs_off(t: u8) -> usize {
     match t {
         K4 | K2 => 16,
@@ -187,6 +200,15 @@ pub(super) unsafe fn head<const T: u8>(b: *const u8, tab: *const f32) -> Head {
                 h.sc[j] = v as i16 - 32;
                 h.mn[j] = 4 * h.sc[j];
             }
+        } else if T == KX {
+            h.d = f16_at(tab, b);
+            let high = b.add(KX_SCALES_H).cast::<u16>().read_unaligned();
+            for j in 0..16 {
+                let ib = j / 2;
+                let low = (*b.add(KX_SCALES_L + ib / 2) >> (4 * (ib % 2))) & 0x0f;
+                let top = (high >> (2 * ib)) & 3;
+                h.sc[j] = (low as i16 | (top as i16) << 4) - 32;
+            }
         } else {
             h.d = f16_at(tab, b);
             h.dm = f16_at(tab, b.add(2));
@@ -201,7 +223,8 @@ pub(super) unsafe fn head<const T: u8>(b: *const u8, tab: *const f32) -> Head {
     h
 }
 
-/// The 32 unsigned quants of elements `32 c .. 32 c + 32` of the super-block at `b`.
+/// The 32 unsigned quants of elements `32 c .. 32 c + 32` of the super-block at `b` (for
+/// [`KX`], the signed codebook values as bytes).
 ///
 /// # Safety
 /// `b` readable for one super-block of `T`; `c < 8`.
@@ -217,6 +240,12 @@ pub(super) unsafe fn chunk<const T: u8>(b: *const u8, c: usize) -> [u8; 32] {
             for (i, v) in q.iter_mut().enumerate() {
                 let lo = (*ql.add(i) >> (4 * (t / 2))) & 0x0f;
                 *v = lo | (((*qh.add(i) >> (2 * t)) & 3) << 4);
+            }
+        } else if T == KX {
+            let qs = b.add(KX_QS + 16 * c);
+            for i in 0..16 {
+                q[i] = KVALUES_IQ4NL[(*qs.add(i) & 0x0f) as usize] as u8;
+                q[16 + i] = KVALUES_IQ4NL[(*qs.add(i) >> 4) as usize] as u8;
             }
         } else if T == K2 || T == K3 {
             let qs = b.add(qs_off(T) + 32 * (c / 4));
@@ -378,24 +407,20 @@ pub(crate) unsafe fn block(isa: Isa, wt: KW, b: &KQuantBlock) {
     }
 }
 
-/// Q2_K (`low_k3 = false`) or Q3_K weights against Q8_K activations through this file's AVX2
-/// tiles: `lowq8` sends them here at the AVX2 level, where its generic tiles (every quant
-/// decoded into eight vectors, the scales by scalar code) measured 0.66-0.84x ggml's at M = 1
-/// on the Zen 3 host (docs/kernels.md).
+/// Q2_K, Q3_K or IQ4_XS weights (`T`: [`K2`], [`K3`], [`KX`]) against Q8_K activations
+/// through this file's AVX2 tiles: `lowq8` sends them here at the AVX2 level, where its
+/// generic tiles (every quant decoded into eight vectors, the scales by scalar code) measured
+/// 0.66-0.84x ggml's at M = 1 for Q2_K and Q3_K on the Zen 3 host, 0.93x for IQ4_XS
+/// (docs/kernels.md).
 ///
 /// # Safety
-/// As [`block`], the weights of the type named; AVX2 available.
+/// As [`block`], the weights of type `T`; AVX2 available.
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn block_low_avx2(low_k3: bool, b: &KQuantBlock) {
+pub(super) unsafe fn block_low_avx2<const T: u8>(b: &KQuantBlock) {
+    const { assert!(T == K2 || T == K3 || T == KX) };
     let tab = crate::cpu::simd::f16_table().as_ptr();
     // SAFETY: forwarded caller guarantees.
-    unsafe {
-        if low_k3 {
-            avx2::block::<K3>(b, tab)
-        } else {
-            avx2::block::<K2>(b, tab)
-        }
-    }
+    unsafe { avx2::block::<T>(b, tab) }
 }
 
 /// Portable fallback: the same integer sums per super-block, scaled and summed in f32.
@@ -486,6 +511,22 @@ pub(super) unsafe fn head_v<const T: u8>(
             let sc = _mm256_cvtepi8_epi16(q3k_scales_i8(b.add(K3_SCALES)));
             let d = f16_at(tab, b.add(K3_D));
             (sc, _mm256_slli_epi16::<2>(sc), d, d)
+        } else if T == KX {
+            // The 6-bit scale of 32 elements `ib` in i32 lane `ib`: its low nibble at bit
+            // `4 ib` of the four `scales_l` bytes, its top 2 bits at `2 ib` of `scales_h`.
+            let low = _mm256_set1_epi32(b.add(KX_SCALES_L).cast::<i32>().read_unaligned());
+            let low = _mm256_srlv_epi32(low, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+            let top = _mm256_set1_epi32(b.add(KX_SCALES_H).cast::<u16>().read_unaligned() as i32);
+            let top = _mm256_srlv_epi32(top, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+            let ls = _mm256_or_si256(
+                _mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
+                _mm256_slli_epi32::<4>(_mm256_and_si256(top, _mm256_set1_epi32(3))),
+            );
+            let ls = _mm256_sub_epi32(ls, _mm256_set1_epi32(32));
+            // Words [0 1 2 3 0 1 2 3 | 4 5 6 7 4 5 6 7], then each twice (one per 16).
+            let w = _mm256_packs_epi32(ls, ls);
+            let sc = _mm256_unpacklo_epi16(w, w);
+            (sc, _mm256_setzero_si256(), f16_at(tab, b), 0.0)
         } else {
             let w = scales_k4(b.add(K45_SCALES));
             let v = _mm_setr_epi32(w[0] as i32, w[1] as i32, w[2] as i32, w[3] as i32);
@@ -497,7 +538,7 @@ pub(super) unsafe fn head_v<const T: u8>(
     }
 }
 
-/// Quants `32 c .. 32 c + 32` of the super-block at `b` as unsigned bytes.
+/// Quants `32 c .. 32 c + 32` of the super-block at `b` as unsigned bytes ([`KX`]: signed).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -518,6 +559,13 @@ pub(super) unsafe fn chunk_avx2<const T: u8>(b: *const u8, c: usize) -> __m256i 
                 _mm256_set1_epi8(3),
             );
             _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi))
+        } else if T == KX {
+            // The 16 bytes of chunk c in both lanes, the high lane shifted by a nibble: low
+            // nibbles are elements 0-15, high nibbles 16-31; each looked up in the codebook.
+            let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(b.add(KX_QS + 16 * c).cast()));
+            let v = _mm256_blend_epi32::<0xf0>(v, _mm256_srli_epi16::<4>(v));
+            let kv = _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()));
+            _mm256_shuffle_epi8(kv, _mm256_and_si256(v, m4))
         } else if T == K2 || T == K3 {
             let qs = _mm256_loadu_si256(b.add(qs_off(T) + 32 * (c / 4)).cast());
             let lo = _mm256_and_si256(
@@ -602,10 +650,13 @@ macro_rules! k_chunks {
         // SAFETY: chunk $c of the super-block at $wb.
         let q = unsafe { chunk_avx2::<$t>($wb, $c) };
         let sv = chunk_scales(&$halves, $c);
+        // Signed quants (IQ4_XS): `|q|` times the activations with q's signs.
+        let qa = if $t == KX { _mm256_sign_epi8(q, q) } else { q };
         for m in 0..$rm {
             // SAFETY: 32 quants of activation row m.
             let yv = unsafe { _mm256_loadu_si256($y[m].add(32 * $c).cast()) };
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), sv);
+            let yv = if $t == KX { _mm256_sign_epi8(yv, q) } else { yv };
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, yv), sv);
             $isum[m] = _mm256_add_epi32($isum[m], p);
         }
     })+};
@@ -675,12 +726,15 @@ macro_rules! k_q8_kernels {
                         k_chunks!(T, RM, wb, y, halves, isum; 0 1 2 3 4 5 6 7);
                     }
                     for (m, a) in accr.iter_mut().enumerate() {
-                        let mins = _mm256_madd_epi16(mn, sums[m]);
                         *a = _mm256_fmadd_ps(
                             _mm256_cvtepi32_ps(isum[m]),
                             _mm256_set1_ps(dw * dy[m]),
                             *a,
                         );
+                        if T == KX {
+                            continue; // no minimums
+                        }
+                        let mins = _mm256_madd_epi16(mn, sums[m]);
                         *a = _mm256_fnmadd_ps(
                             _mm256_cvtepi32_ps(mins),
                             _mm256_set1_ps(dm * dy[m]),
@@ -808,7 +862,8 @@ mod tests {
                 K5 => head_v::<K5>(b, tab),
                 K6 => head_v::<K6>(b, tab),
                 K2 => head_v::<K2>(b, tab),
-                _ => head_v::<K3>(b, tab),
+                K3 => head_v::<K3>(b, tab),
+                _ => head_v::<KX>(b, tab),
             };
             let c: Vec<[u8; 32]> = (0..8)
                 .map(|c| {
@@ -817,7 +872,8 @@ mod tests {
                         K5 => chunk_avx2::<K5>(b, c),
                         K6 => chunk_avx2::<K6>(b, c),
                         K2 => chunk_avx2::<K2>(b, c),
-                        _ => chunk_avx2::<K3>(b, c),
+                        K3 => chunk_avx2::<K3>(b, c),
+                        _ => chunk_avx2::<KX>(b, c),
                     };
                     std::mem::transmute::<__m256i, [u8; 32]>(v)
                 })
@@ -847,9 +903,16 @@ mod tests {
             (DType::Q6_K, K6),
             (DType::Q2_K, K2),
             (DType::Q3_K, K3),
+            (DType::IQ4_XS, KX),
         ];
         for (dt, t) in types {
-            let bytes = crate::dtype::f32_to_bytes(dt, &x).unwrap();
+            let mut bytes = crate::dtype::f32_to_bytes(dt, &x).unwrap();
+            if t == KX {
+                // Every 6-bit scale's top bits (`scales_h`: 0, 1, 2, 3, 3, 2, 1, 0) and low
+                // nibbles (`scales_l`: 0..7 then 8..15), which the quantizer's scales near -32
+                // leave mostly unset.
+                bytes[2..8].copy_from_slice(&[0xe4, 0x1b, 0x80, 0x91, 0xa2, 0xb3]);
+            }
             let want = crate::dtype::bytes_to_f32(dt, &bytes, QK_K).unwrap();
             // SAFETY: bytes hold one super-block.
             let (h, q) = unsafe {
@@ -858,7 +921,8 @@ mod tests {
                     K5 => head::<K5>(bytes.as_ptr(), tab),
                     K6 => head::<K6>(bytes.as_ptr(), tab),
                     K2 => head::<K2>(bytes.as_ptr(), tab),
-                    _ => head::<K3>(bytes.as_ptr(), tab),
+                    K3 => head::<K3>(bytes.as_ptr(), tab),
+                    _ => head::<KX>(bytes.as_ptr(), tab),
                 };
                 let q: Vec<u8> = (0..8)
                     .flat_map(|c| match t {
@@ -866,7 +930,8 @@ mod tests {
                         K5 => chunk::<K5>(bytes.as_ptr(), c),
                         K6 => chunk::<K6>(bytes.as_ptr(), c),
                         K2 => chunk::<K2>(bytes.as_ptr(), c),
-                        _ => chunk::<K3>(bytes.as_ptr(), c),
+                        K3 => chunk::<K3>(bytes.as_ptr(), c),
+                        _ => chunk::<KX>(bytes.as_ptr(), c),
                     })
                     .collect();
                 (h, q)
@@ -881,8 +946,14 @@ mod tests {
             }
             for e in 0..QK_K {
                 let dl = h.d * h.sc[e / 16] as f32;
-                let got = dl.mul_add(q[e] as f32, -(h.dm * h.mn[e / 16] as f32));
-                let tol = 1e-6 * (dl.abs() * 64.0 + 1e-30);
+                // IQ4_XS's quants are signed codebook values.
+                let qe = if t == KX {
+                    q[e] as i8 as f32
+                } else {
+                    q[e] as f32
+                };
+                let got = dl.mul_add(qe, -(h.dm * h.mn[e / 16] as f32));
+                let tol = 1e-6 * (dl.abs() * if t == KX { 128.0 } else { 64.0 } + 1e-30);
                 assert!(
                     (got - want[e]).abs() <= tol,
                     "{dt} element {e}: {got} vs {}",

@@ -13,10 +13,11 @@
 //! `m * s`) go to a scalar sum per output. Exact integer sums, one f32 order per output:
 //! results do not depend on the tile or the thread count.
 //!
-//! Levels: AVX2 (tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise), except Q2_K and Q3_K, which
-//! take the K-quant tiles of [`super::kquant`] there (each chunk decoded in registers as it is
-//! multiplied, scales and minimums by SIMD: 1.4-2.7x this file's tiles on the Zen 3 host); AVX-512:
-//! this file's code compiled with AVX-512 enabled for all five (wider registers are left for
+//! Levels: AVX2 (tiles 4 x 1 for M = 1, 2 x {2, 1} otherwise), except Q2_K, Q3_K and IQ4_XS,
+//! which take the K-quant tiles of [`super::kquant`] there (each chunk decoded in registers as
+//! it is multiplied, scales and minimums by SIMD: 1.4-2.7x this file's tiles for Q2_K and Q3_K,
+//! 1.3-1.7x for IQ4_XS on the Zen 3 host); AVX-512: this file's code compiled with AVX-512
+//! enabled for all five (wider registers are left for
 //! later); scalar: the same integer sums, one block at a time.
 
 use super::LowW;
@@ -26,6 +27,8 @@ use super::low::{
 use crate::cpu::simd::Isa;
 use crate::dtype::QK_K;
 
+#[cfg(target_arch = "x86_64")]
+use super::kquant;
 #[cfg(target_arch = "x86_64")]
 use super::low::{prefetch, quants_avx2, signed};
 #[cfg(target_arch = "x86_64")]
@@ -76,10 +79,15 @@ pub(crate) unsafe fn block(isa: Isa, b: &LowQ8Block) {
                 (Isa::Avx512, LowW::IQ4_XS) => return wide::block::<LXS>(b, tab),
                 (Isa::Avx512, LowW::Q5_1) => return wide::block::<L51>(b, tab),
                 (Isa::Avx512, LowW::IQ4_NL) => return wide::block::<LNL>(b, tab),
-                (Isa::Avx2, LowW::Q2_K | LowW::Q3_K) => {
-                    return super::kquant::block_low_avx2(b.wt == LowW::Q3_K, &k_block(b));
+                (Isa::Avx2, LowW::Q2_K) => {
+                    return kquant::block_low_avx2::<{ kquant::K2 }>(&k_block(b));
                 }
-                (Isa::Avx2, LowW::IQ4_XS) => return avx2::block::<LXS>(b, tab),
+                (Isa::Avx2, LowW::Q3_K) => {
+                    return kquant::block_low_avx2::<{ kquant::K3 }>(&k_block(b));
+                }
+                (Isa::Avx2, LowW::IQ4_XS) => {
+                    return kquant::block_low_avx2::<{ kquant::KX }>(&k_block(b));
+                }
                 (Isa::Avx2, LowW::Q5_1) => return avx2::block::<L51>(b, tab),
                 (Isa::Avx2, LowW::IQ4_NL) => return avx2::block::<LNL>(b, tab),
                 _ => {}

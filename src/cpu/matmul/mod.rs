@@ -134,7 +134,9 @@ pub fn quantizes_activations(src0: &TensorView, precision: Precision) -> bool {
 /// 1.00-1.16x at 8. Q5_0 after its one-by-two tiles and signed weights (same day): 0.72-0.78x
 /// at 8, 0.92-0.97x at 12, 0.99-1.04x at 16. Q2_K and Q3_K after they took the K-quant tiles
 /// (2026-11-29, Zen 3, the same command at M = 3..32, two runs): 0.39-0.67x at 3-6, 0.50-0.76x
-/// at 8, 0.62-0.93x at 12, 0.73-0.89x at 16, 0.82-1.10x at 32. Gemma 3's K = 640 products are ~2x slower with 8-bit activations at
+/// at 8, 0.62-0.93x at 12, 0.73-0.89x at 16, 0.82-1.10x at 32. IQ4_XS after it took them
+/// (2026-11-29, Zen 3, M = 4..24, two runs): 0.55-0.57x at 4, 0.88-0.90x at 8, 0.90-0.94x at
+/// 12, 0.92-1.10x at 16, 0.99-1.16x at 24. Gemma 3's K = 640 products are ~2x slower with 8-bit activations at
 /// M = 64 (its prompt: 318 vs 520 t/s on cpu:1x2). AVX-512 (VNNI's `vpdpbusd`: one
 /// instruction per 64 byte products) and the scalar level keep 8-bit activations at every M
 /// (not measured against f32 there).
@@ -144,11 +146,11 @@ pub fn q8_max_rows(dtype: DType, isa: Isa) -> usize {
     }
     match kernels_for(dtype) {
         Some(Weights::Quant(QuantW::Q4_0 | QuantW::Q4_1)) | Some(Weights::Low(LowW::IQ4_NL)) => 8,
-        Some(Weights::Quant(QuantW::Q5_0)) => 12,
+        Some(Weights::Quant(QuantW::Q5_0)) | Some(Weights::Low(LowW::IQ4_XS)) => 12,
         Some(Weights::Quant(QuantW::Q8_0))
         | Some(Weights::KQuant(_))
         | Some(Weights::Low(LowW::Q2_K | LowW::Q3_K)) => 16,
-        Some(Weights::Low(LowW::IQ4_XS | LowW::Q5_1)) => 5,
+        Some(Weights::Low(LowW::Q5_1)) => 5,
         Some(Weights::Float(_)) | None => usize::MAX,
     }
 }

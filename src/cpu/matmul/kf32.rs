@@ -17,14 +17,15 @@
 //! from the same row's output at M > 1 by f32 rounding). The AVX2 tiles decode each row's
 //! quants to bytes one super-block ahead and widen them to f32 from memory
 //! (`avx2::decode_ahead`; 1.2-1.8x over widening from registers on Zen 2, docs/kernels.md).
-//! Q3_K matrix-vector products on AVX2 come here too (from `lowf32`, [`gemv_q3k_avx2`]): the
-//! same tile with Q6_K's form (signed quants `q - 4`, scales per 16, no minimum).
+//! Q3_K and IQ4_XS matrix-vector products on AVX2 come here too (from `lowf32`,
+//! [`gemv_low_avx2`]): the same tile with Q6_K's form (signed quants: Q3_K's `q - 4`, IQ4_XS's
+//! codebook values; no minimum), IQ4_XS's scales per 32.
 //! Which tile computes an output depends
 //! only on the whole product's M (`KF32Block::gemv`), never on how threads cut its rows, so
 //! results do not depend on the thread count.
 
 use super::KQuantW as KW;
-use super::kquant::{K3, K4, K5, K6, kblock_bytes};
+use super::kquant::{K3, K4, K5, K6, KX, kblock_bytes};
 #[cfg(target_arch = "x86_64")]
 use super::kquant::{f16_at, head, prefetch_rows_ahead};
 use super::lowf32::LowF32Block;
@@ -497,9 +498,11 @@ mod avx2 {
     ) {
         // drive_tiles calls this tile with RM = 1 only (M = 1 blocks).
         let bs = const { kblock_bytes(T) };
-        // Scales and minimums per 32 with unsigned quants (Q4_K, Q5_K), or scales per 16 with
+        // Scales and minimums per 32 with unsigned quants (Q4_K, Q5_K), scales per 32 with
+        // signed quants and no minimum (IQ4_XS's codebook values), or scales per 16 with
         // signed quants and no minimum (Q6_K's `q - 32`, Q3_K's `q - 4`).
-        let g32 = T == K4 || T == K5;
+        let has_min = T == K4 || T == K5;
+        let g32 = has_min || T == KX;
         let mut acc = [_mm256_setzero_ps(); RN];
         let mut accm = [_mm256_setzero_ps(); RN];
         let mut dl = [[0f32; 16]; RN];
@@ -533,7 +536,7 @@ mod avx2 {
             for c in 0..8 {
                 // SAFETY: 32 activations inside super-block blk.
                 let xv = [0, 1, 2, 3].map(|e| unsafe { _mm256_loadu_ps(xb.add(32 * c + 8 * e)) });
-                let s = if g32 {
+                let s = if has_min {
                     _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]))
                 } else {
                     _mm256_setzero_ps()
@@ -543,7 +546,7 @@ mod avx2 {
                     // SAFETY: 8 bytes inside the row's 256.
                     let f = |e: usize| unsafe {
                         let v = _mm_loadl_epi64(qb[r].as_ptr().add(32 * c + 8 * e).cast());
-                        _mm256_cvtepi32_ps(if g32 {
+                        _mm256_cvtepi32_ps(if has_min {
                             _mm256_cvtepu8_epi32(v)
                         } else {
                             _mm256_cvtepi8_epi32(v)
@@ -554,7 +557,9 @@ mod avx2 {
                     if g32 {
                         let t = _mm256_add_ps(t0, t1);
                         acc[r] = _mm256_fmadd_ps(t, _mm256_set1_ps(dl[r][c]), acc[r]);
-                        accm[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(ml[r][c]), accm[r]);
+                        if has_min {
+                            accm[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(ml[r][c]), accm[r]);
+                        }
                     } else {
                         acc[r] = _mm256_fmadd_ps(t0, _mm256_set1_ps(dl[r][2 * c]), acc[r]);
                         acc[r] = _mm256_fmadd_ps(t1, _mm256_set1_ps(dl[r][2 * c + 1]), acc[r]);
@@ -600,8 +605,8 @@ mod avx2 {
         }
     }
 
-    /// `d * sc[j]` (per 32 for Q4_K / Q5_K in `dl[0..8]`, per 16 for Q6_K and Q3_K) and `dm *
-    /// mn[j]` (Q4_K / Q5_K, in `ml`) of the super-block at `b`.
+    /// `d * sc[j]` (per 32 for Q4_K / Q5_K / IQ4_XS in `dl[0..8]`, per 16 for Q6_K and Q3_K)
+    /// and `dm * mn[j]` (Q4_K / Q5_K, in `ml`) of the super-block at `b`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn scales_gemv<const T: u8>(b: *const u8, dl: &mut [f32; 16], ml: &mut [f32; 8]) {
@@ -613,7 +618,10 @@ mod avx2 {
                 let h = p.cast::<u16>().read_unaligned() as i32;
                 _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))))
             };
-            if T == K6 || T == K3 {
+            if T == KX {
+                let ls = _mm256_cvtepi32_ps(super::super::kquant::kx_scales(b));
+                _mm256_storeu_ps(dl.as_mut_ptr(), _mm256_mul_ps(half(b), ls));
+            } else if T == K6 || T == K3 {
                 // 16 signed 8-bit scales (Q3_K's unpacked, less 32).
                 let (d, sc) = if T == K6 {
                     (half(b.add(K6_D)), _mm_loadu_si128(b.add(K6_SCALES).cast()))
@@ -645,23 +653,27 @@ mod avx2 {
         }
     }
 
-    /// [`gemv_tile`] over a Q3_K block that `lowf32` describes (the same geometry).
+    /// [`gemv_tile`] over a Q3_K or IQ4_XS block that `lowf32` describes (the same
+    /// geometry).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn gemv_q3k(b: &LowF32Block, tab: *const f32) {
-        drive_tiles!(b, gemv_tile, K3, 4, [1], (b.nblk, tab));
+    pub(super) unsafe fn gemv_low<const T: u8>(b: &LowF32Block, tab: *const f32) {
+        drive_tiles!(b, gemv_tile, T, 4, [1], (b.nblk, tab));
     }
 }
 
-/// Q3_K matrix-vector products (`b.gemv`) with f32 activations through this file's AVX2
-/// matrix-vector tile: `lowf32` sends them here, where its own tiles (each block decoded into
-/// eight vectors, the scales formed by scalar code) took 1.5x as long on the Zen 3 host.
-/// Q2_K and the Q3_K products of more rows measured the same either way and stay there.
+/// Q3_K and IQ4_XS matrix-vector products (`b.gemv`; `T`: [`K3`], [`KX`]) with f32
+/// activations through this file's AVX2 matrix-vector tile: `lowf32` sends them here, where
+/// its own tiles (each block decoded into eight vectors, the scales formed by scalar code)
+/// took 1.5x as long for Q3_K on the Zen 3 host (IQ4_XS: docs/kernels.md). Q2_K and the
+/// Q3_K products of more rows measured the same either way and stay there.
 ///
 /// # Safety
-/// As [`super::lowf32::block`], with Q3_K weights, `b.gemv` and `b.m == 1`; AVX2 available.
+/// As [`super::lowf32::block`], with weights of type `T`, `b.gemv` and `b.m == 1`; AVX2
+/// available.
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn gemv_q3k_avx2(b: &LowF32Block) {
+pub(super) unsafe fn gemv_low_avx2<const T: u8>(b: &LowF32Block) {
+    const { assert!(T == K3 || T == KX) };
     let tab = crate::cpu::simd::f16_table().as_ptr();
     // SAFETY: forwarded caller guarantees.
-    unsafe { avx2::gemv_q3k(b, tab) }
+    unsafe { avx2::gemv_low::<T>(b, tab) }
 }

@@ -512,17 +512,7 @@ pub(super) unsafe fn head_v<const T: u8>(
             let d = f16_at(tab, b.add(K3_D));
             (sc, _mm256_slli_epi16::<2>(sc), d, d)
         } else if T == KX {
-            // The 6-bit scale of 32 elements `ib` in i32 lane `ib`: its low nibble at bit
-            // `4 ib` of the four `scales_l` bytes, its top 2 bits at `2 ib` of `scales_h`.
-            let low = _mm256_set1_epi32(b.add(KX_SCALES_L).cast::<i32>().read_unaligned());
-            let low = _mm256_srlv_epi32(low, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-            let top = _mm256_set1_epi32(b.add(KX_SCALES_H).cast::<u16>().read_unaligned() as i32);
-            let top = _mm256_srlv_epi32(top, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-            let ls = _mm256_or_si256(
-                _mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
-                _mm256_slli_epi32::<4>(_mm256_and_si256(top, _mm256_set1_epi32(3))),
-            );
-            let ls = _mm256_sub_epi32(ls, _mm256_set1_epi32(32));
+            let ls = kx_scales(b);
             // Words [0 1 2 3 0 1 2 3 | 4 5 6 7 4 5 6 7], then each twice (one per 16).
             let w = _mm256_packs_epi32(ls, ls);
             let sc = _mm256_unpacklo_epi16(w, w);
@@ -536,6 +526,38 @@ pub(super) unsafe fn head_v<const T: u8>(
             (sc, mn, f16_at(tab, b), f16_at(tab, b.add(2)))
         }
     }
+}
+
+/// IQ4_XS's eight 6-bit scales, each less 32, in i32 lanes 0-7 (32 elements each): the low
+/// nibble of scale `ib` at bit `4 ib` of the four `scales_l` bytes, its top 2 bits at `2 ib`
+/// of `scales_h`.
+///
+/// # Safety
+/// `b` readable for one IQ4_XS super-block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn kx_scales(b: *const u8) -> __m256i {
+    // SAFETY: offsets inside the super-block.
+    let (low, top) = unsafe {
+        (
+            b.add(KX_SCALES_L).cast::<i32>().read_unaligned(),
+            b.add(KX_SCALES_H).cast::<u16>().read_unaligned() as i32,
+        )
+    };
+    let low = _mm256_srlv_epi32(
+        _mm256_set1_epi32(low),
+        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+    );
+    let top = _mm256_srlv_epi32(
+        _mm256_set1_epi32(top),
+        _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14),
+    );
+    let ls = _mm256_or_si256(
+        _mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
+        _mm256_slli_epi32::<4>(_mm256_and_si256(top, _mm256_set1_epi32(3))),
+    );
+    _mm256_sub_epi32(ls, _mm256_set1_epi32(32))
 }
 
 /// Quants `32 c .. 32 c + 32` of the super-block at `b` as unsigned bytes ([`KX`]: signed).

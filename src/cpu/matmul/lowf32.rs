@@ -63,7 +63,12 @@ pub(crate) unsafe fn block(isa: Isa, b: &LowF32Block) {
                 (Isa::Avx512, LowW::IQ4_XS) => return avx512::block::<LXS>(b, tab),
                 (Isa::Avx512, LowW::Q5_1) => return avx512::block::<L51>(b, tab),
                 (Isa::Avx512, LowW::IQ4_NL) => return avx512::block::<LNL>(b, tab),
-                (Isa::Avx2, LowW::Q3_K) if b.gemv => return super::kf32::gemv_q3k_avx2(b),
+                (Isa::Avx2, LowW::Q3_K) if b.gemv => {
+                    return super::kf32::gemv_low_avx2::<{ super::kquant::K3 }>(b);
+                }
+                (Isa::Avx2, LowW::IQ4_XS) if b.gemv => {
+                    return super::kf32::gemv_low_avx2::<{ super::kquant::KX }>(b);
+                }
                 (Isa::Avx2, LowW::Q2_K) => return avx2::block::<L2K>(b, tab),
                 (Isa::Avx2, LowW::Q3_K) => return avx2::block::<L3K>(b, tab),
                 (Isa::Avx2, LowW::IQ4_XS) => return avx2::block::<LXS>(b, tab),

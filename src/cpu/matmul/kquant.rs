@@ -58,7 +58,8 @@ pub(super) const K6: u8 = 2;
 /// Q2_K and Q3_K: only this file's AVX2 tiles take them (their other paths are `low*.rs`).
 pub(super) const K2: u8 = 3;
 pub(super) const K3: u8 = 4;
-/// IQ4_XS: likewise (8-bit activations at the AVX2 level only); signed codebook values.
+/// IQ4_XS: likewise at the AVX2 level (this file's tiles for 8-bit activations, `kf32`'s
+/// matrix-vector tile for f32 ones); signed codebook values.
 pub(super) const KX: u8 = 5;
 
 /// Bytes of one super-block of kernel type `t` (the type table's figure).
@@ -930,9 +931,9 @@ mod tests {
         for (dt, t) in types {
             let mut bytes = crate::dtype::f32_to_bytes(dt, &x).unwrap();
             if t == KX {
-                // Every 6-bit scale's top bits (`scales_h`: 0, 1, 2, 3, 3, 2, 1, 0) and low
-                // nibbles (`scales_l`: 0..7 then 8..15), which the quantizer's scales near -32
-                // leave mostly unset.
+                // Every value of the 6-bit scales' top bits (`scales_h`: 0, 1, 2, 3, 3, 2, 1, 0)
+                // and eight low nibbles (`scales_l`: 0, 8, 1, 9, 2, 10, 3, 11), which the
+                // quantizer's scales near -32 leave mostly unset.
                 bytes[2..8].copy_from_slice(&[0xe4, 0x1b, 0x80, 0x91, 0xa2, 0xb3]);
             }
             let want = crate::dtype::bytes_to_f32(dt, &bytes, QK_K).unwrap();

@@ -9,7 +9,8 @@
 //! Levels: AVX-512 (16 weights per vector, tiles 8 x 1 for M = 1, 4 x {4, 3, 2, 1}
 //! otherwise); AVX2 (8 per vector, tiles 4 x 1 and 2 x {2, 1}; the quants decoded 256
 //! weights a row ahead into bytes and widened from memory, but for Q5_1 and IQ4_NL at
-//! M > 1; Q3_K matrix-vector products go to `kf32`'s tile, 1.5x faster on Zen 3); scalar: the reference
+//! M > 1; Q3_K and IQ4_XS matrix-vector products go to `kf32`'s tile, 1.5x and 1.4x faster
+//! on Zen 3); scalar: the reference
 //! dequantization of a block, then dot products with 8 partial sums. An output's operations
 //! do not depend on the tile it lands in, so results do not depend on the thread count.
 
@@ -41,8 +42,8 @@ pub(crate) struct LowF32Block {
     pub m: usize,
     /// Blocks per row (K / 256 or K / 32).
     pub nblk: usize,
-    /// The whole product has one activation row (as `KF32Block::gemv`): Q3_K takes `kf32`'s
-    /// matrix-vector tile then on AVX2.
+    /// The whole product has one activation row (as `KF32Block::gemv`): Q3_K and IQ4_XS take
+    /// `kf32`'s matrix-vector tile then on AVX2.
     pub gemv: bool,
 }
 

@@ -89,42 +89,96 @@ impl Sampler {
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// The next token from `logits`.
+    /// The next token from `logits`: greedy at temperature 0; otherwise the candidates are
+    /// the `top_k` first in the order "larger logit first, then lower id" (a total order),
+    /// with probabilities `exp((l - max) / temperature)` normalized over them; the nucleus is
+    /// the shortest prefix of that order whose probabilities add up to `top_p` (Holtzman et
+    /// al. 2020, "The curious case of neural text degeneration"; every candidate when
+    /// `top_p` is 1), and the draw walks the nucleus in token id order. Linear in the
+    /// vocabulary (expected): `top_k` and the nucleus by selections ([`nucleus_end`]), no
+    /// sort of the whole order. Sorting the whole vocabulary (262,144 logits for Gemma 3)
+    /// for every token cost as much as a decoding step.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.cfg.temperature <= 0.0 {
+        if self.cfg.temperature <= 0.0 || logits.len() <= 1 {
             return argmax(logits);
         }
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-        idx.truncate(self.cfg.top_k.max(1));
+        let before = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        // The candidates in id order.
+        let n = logits.len();
+        let mut ids: Vec<u32> = (0..n as u32).collect();
+        let k = self.cfg.top_k.clamp(1, n);
+        if k < n {
+            ids.select_nth_unstable_by(k - 1, before);
+            ids.truncate(k);
+            ids.sort_unstable();
+        }
+        let top = *ids.iter().min_by(|a, b| before(a, b)).expect("k >= 1");
         let t = self.cfg.temperature as f64;
-        let m = logits[idx[0]] as f64;
-        let mut p: Vec<f64> = idx
+        let m = logits[top as usize] as f64;
+        let ws: Vec<f64> = ids
             .iter()
-            .map(|&i| ((logits[i] as f64 - m) / t).exp())
+            .map(|&i| ((logits[i as usize] as f64 - m) / t).exp())
             .collect();
-        let sum: f64 = p.iter().sum();
-        p.iter_mut().for_each(|x| *x /= sum);
-        // Smallest prefix with mass >= top_p.
-        let mut acc = 0.0;
-        let mut keep = p.len();
-        for (i, &x) in p.iter().enumerate() {
-            acc += x;
-            if acc >= self.cfg.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-        let total: f64 = p[..keep].iter().sum();
+        let sum: f64 = ws.iter().sum();
+        // The nucleus: the candidates ranked at or before `last`, of probability `total`.
+        let (last, total) = if self.cfg.top_p >= 1.0 {
+            // (The running sum may round to just under 1 before the end.)
+            (None, 1.0)
+        } else {
+            let cands = ids
+                .iter()
+                .zip(&ws)
+                .map(|(&i, &x)| (logits[i as usize], i, x / sum))
+                .collect();
+            nucleus_end(cands, self.cfg.top_p as f64)
+        };
         let mut r = self.next_f64() * total;
-        for i in 0..keep {
-            r -= p[i];
+        let mut seen = top;
+        for (&i, &x) in ids.iter().zip(&ws) {
+            if last.is_some_and(|l| before(&i, &l).is_gt()) {
+                continue;
+            }
+            seen = i;
+            r -= x / sum;
             if r <= 0.0 {
-                return idx[i] as u32;
+                return i;
             }
         }
-        idx[keep - 1] as u32
+        seen
     }
+}
+
+/// The last candidate of the shortest prefix of the order `before` whose probabilities add up
+/// to `top_p`, and that sum, by a weighted quickselect (Hoare's selection with each side's
+/// probability summed: linear expected time); `None` and the sum of all when they do not
+/// reach it (a `top_p` just under 1 and rounding). `cands`: each candidate's logit, id and
+/// probability, in any order (the order is [`Sampler::sample`]'s, on the logits held here).
+fn nucleus_end(mut cands: Vec<(f32, u32, f64)>, top_p: f64) -> (Option<u32>, f64) {
+    let before = |a: &(f32, u32, f64), b: &(f32, u32, f64)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    // `cands[..lo]` are the `lo` first candidates, of probability `acc` (< top_p); the end is
+    // in `cands[lo..hi]`, and `cands[hi..]` come after all of those.
+    let (mut lo, mut hi, mut acc) = (0, cands.len(), 0.0);
+    while lo < hi {
+        let s = &mut cands[lo..hi];
+        let mid = s.len() / 2;
+        s.select_nth_unstable_by(mid, before);
+        let left: f64 = s[..mid].iter().map(|x| x.2).sum();
+        if acc + left >= top_p {
+            hi = lo + mid;
+            continue;
+        }
+        let with = acc + left + s[mid].2;
+        if with >= top_p {
+            return (Some(s[mid].1), with);
+        }
+        acc = with;
+        lo += mid + 1;
+    }
+    (None, acc)
 }
 
 /// Index of the largest value (the first of equals; NaNs are never larger, and a NaN first
@@ -261,7 +315,96 @@ pub fn generate(
 
 #[cfg(test)]
 mod tests {
-    use super::argmax;
+    use super::{Sampler, SamplerConfig, argmax};
+
+    /// The definition [`Sampler::sample`] implements, by sorting every candidate: the order
+    /// (larger logit, then lower id), the first `top_k`, probabilities normalized over them,
+    /// the shortest prefix reaching `top_p`, a draw walking it in id order.
+    fn sample_by_sorting(cfg: &SamplerConfig, u: f64, logits: &[f32]) -> u32 {
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        idx.sort_by(|a, b| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        });
+        idx.truncate(cfg.top_k.max(1));
+        let t = cfg.temperature as f64;
+        let m = logits[idx[0] as usize] as f64;
+        let w = |i: u32| ((logits[i as usize] as f64 - m) / t).exp();
+        let sum: f64 = idx.iter().map(|&i| w(i)).sum();
+        let mut keep = idx.len();
+        let mut total = 1.0;
+        if cfg.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (j, &i) in idx.iter().enumerate() {
+                acc += w(i) / sum;
+                if acc >= cfg.top_p as f64 {
+                    keep = j + 1;
+                    break;
+                }
+            }
+            total = acc;
+        }
+        let mut nucleus = idx[..keep].to_vec();
+        nucleus.sort();
+        let mut r = u * total;
+        for &i in &nucleus {
+            r -= w(i) / sum;
+            if r <= 0.0 {
+                return i;
+            }
+        }
+        *nucleus.last().unwrap()
+    }
+
+    /// Rows of 1 to 5,000 logits (some with many equal values), every kind of setting: the
+    /// sampler picks what sorting every candidate picks, draw for draw (its own random
+    /// numbers, replayed through a second sampler with the same seed).
+    #[test]
+    fn sampling_equals_sorting_every_candidate() {
+        let mut s = 0x1234_5678_9abc_def1u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut cases = 0;
+        for n in [1usize, 2, 3, 63, 64, 65, 200, 1000, 5000] {
+            for spread in [0.5f32, 4.0, 30.0] {
+                let coarse = next() % 2 == 0;
+                let logits: Vec<f32> = (0..n)
+                    .map(|_| {
+                        let v = (next() % 100_000) as f32 / 100_000.0 * spread - spread / 2.0;
+                        if coarse { v.round() } else { v }
+                    })
+                    .collect();
+                for &(temperature, top_k, top_p) in &[
+                    (1.0f32, usize::MAX, 1.0f32),
+                    (0.7, 40, 0.95),
+                    (1.5, usize::MAX, 0.9),
+                    (0.3, 1, 1.0),
+                    (2.0, 100, 0.5),
+                    (1.0, 3, 0.999),
+                ] {
+                    let cfg = SamplerConfig {
+                        temperature,
+                        top_k,
+                        top_p,
+                        seed: next(),
+                    };
+                    let mut a = Sampler::new(cfg).unwrap();
+                    let mut b = Sampler::new(cfg).unwrap();
+                    for _ in 0..20 {
+                        let want = sample_by_sorting(&cfg, b.next_f64(), &logits);
+                        assert_eq!(a.sample(&logits), want, "n {n} {cfg:?}");
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 9 * 3 * 6 * 20);
+    }
 
     /// The definition: the first index that no later value is larger than.
     fn scan(v: &[f32]) -> u32 {

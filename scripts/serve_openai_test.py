@@ -3,8 +3,9 @@
 the server and runs this): completions and chat completions, whole and streamed, from 8 clients
 at once, each text equal to the one `metashard run` gave for the same prompt (--expect, a JSON
 list of {"prompt", "chat", "text"}); clients that close their streams early free their slots
-(`/metrics`); then the 4xx cases: max_tokens 0, a bad temperature, a prompt past the context,
-malformed JSON, a wrong type, a missing and a wrong API key."""
+(`/metrics`); log-probabilities (a streamed chat completion's equal a whole one's); then the
+4xx cases: max_tokens 0, a bad temperature, a prompt past the context, `top_logprobs` without
+`logprobs`, malformed JSON, a wrong type, a missing and a wrong API key."""
 import argparse
 import concurrent.futures
 import json
@@ -57,6 +58,30 @@ with concurrent.futures.ThreadPoolExecutor(8) as pool:
         failed += not ok
 
 
+# Log-probabilities through the client's types: a streamed chat completion gives the entries a
+# whole one gives, and a completion's four lists come with one item per token.
+def entries(content):
+    return [(e.token, e.logprob, e.bytes, [(t.token, t.logprob) for t in e.top_logprobs])
+            for e in content]
+
+
+msgs = [{"role": "user", "content": cases[0]["prompt"]}]
+kw = dict(model=model, max_tokens=args.max_tokens, temperature=0, logprobs=True, top_logprobs=2)
+whole = entries(client.chat.completions.create(messages=msgs, **kw).choices[0].logprobs.content)
+parts = []
+for ch in client.chat.completions.create(messages=msgs, stream=True, **kw):
+    if ch.choices and ch.choices[0].logprobs:
+        parts += entries(ch.choices[0].logprobs.content)
+ok = len(whole) > 0 and whole == parts and all(len(e[3]) == 2 for e in whole)
+print(f"{'ok  ' if ok else 'FAIL'} chat logprobs, whole and streamed: {len(whole)} and {len(parts)} tokens")
+failed += not ok
+lp = client.completions.create(model=model, prompt=cases[0]["prompt"], max_tokens=4, temperature=0,
+                               logprobs=2).choices[0].logprobs
+ok = len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+print(f"{'ok  ' if ok else 'FAIL'} completion logprobs: {lp.tokens} {lp.token_logprobs}")
+failed += not ok
+
+
 def expect_status(status, fn, what):
     global failed
     try:
@@ -97,6 +122,8 @@ expect_status(400, lambda: client.completions.create(model=model, prompt=p, max_
 expect_status(400, lambda: client.completions.create(model=model, prompt=p, temperature=-1), "temperature -1")
 expect_status(400, lambda: client.completions.create(model=model, prompt="word " * 5000), "prompt past the context")
 expect_status(400, lambda: client.chat.completions.create(model=model, messages=[], max_tokens=4), "no messages")
+expect_status(400, lambda: client.chat.completions.create(model=model, messages=msgs, top_logprobs=2),
+              "top_logprobs without logprobs")
 for key, what in [("wrong", "wrong API key")]:
     bad = openai.OpenAI(base_url=args.base_url, api_key=key, max_retries=0)
     expect_status(401, lambda: bad.models.list(), what)

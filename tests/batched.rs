@@ -58,6 +58,8 @@ fn request(prompt: &[u32], max_tokens: usize) -> GenRequest {
         },
         stop: Vec::new(),
         ignore_eos: true,
+        logprobs: None,
+        logit_bias: Vec::new(),
     }
 }
 
@@ -72,7 +74,9 @@ struct Outcome {
 fn collect(events: &[Event], out: &mut HashMap<RequestId, Outcome>) {
     for e in events {
         match e {
-            Event::Token { id, token, text } => {
+            Event::Token {
+                id, token, text, ..
+            } => {
                 let o = out.entry(*id).or_default();
                 o.tokens.push(*token);
                 o.text.push_str(text);

@@ -733,6 +733,22 @@ fn sampling_settings_out_of_range_are_refused() {
             "top_p",
             "NaN",
         ),
+        (
+            SamplerConfig {
+                presence_penalty: 2.5,
+                ..d
+            },
+            "presence_penalty",
+            "2.5",
+        ),
+        (
+            SamplerConfig {
+                frequency_penalty: f32::NAN,
+                ..d
+            },
+            "frequency_penalty",
+            "NaN",
+        ),
     ];
     for (cfg, name, value) in cases {
         let e = Sampler::new(cfg)

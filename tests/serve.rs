@@ -301,3 +301,194 @@ fn a_load_of_200_requests_from_16_clients_loses_nothing() {
         );
     }
 }
+
+/// `logprobs` against the numpy reference (`scripts/reference/smollm2_ref.py`, its own
+/// tokenizer and float64 forward pass): every token of a greedy completion has the reference's
+/// token, its log-probability and its top three log-probabilities (log-softmax of the
+/// reference's logits at that position, within 0.01: the Q4_1 products' f32 rounding moved
+/// them by up to 0.0022); chat entries are ordered, the greedy token first among its
+/// alternatives, and their bytes spell the message. `logit_bias` moves the greedy token;
+/// parameters the server does not implement (`echo`, `best_of`, tools, `response_format`) and
+/// values out of range get a 400 naming them.
+#[test]
+fn logprobs_match_the_numpy_reference() {
+    const STEPS: usize = 8;
+    let prompt = "The capital of France is";
+    let dir = std::env::temp_dir().join(format!("metashard-lp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rows_file = dir.join("logits.f32");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/reference/smollm2_ref.py");
+    let gguf = PathBuf::from(models()).join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg("--model")
+        .arg(&gguf)
+        .args(["--text", prompt, "--steps", &STEPS.to_string()])
+        .arg("--all-logits-out")
+        .arg(&rows_file)
+        .output()
+        .unwrap();
+    if !out.status.success() && std::env::var("METASHARD_SKIP_PYREF").as_deref() == Ok("1") {
+        eprintln!("NOTE: METASHARD_SKIP_PYREF=1: no numpy reference, test skipped");
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let n_vocab = reference["n_vocab"].as_u64().unwrap() as usize;
+    let bytes = std::fs::read(&rows_file).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let logits: Vec<f64> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64)
+        .collect();
+    assert!(logits.len() >= STEPS * n_vocab);
+    // Row j: the distribution the j-th generated token was drawn from, as log-softmax.
+    let log_softmax = |j: usize| -> Vec<f64> {
+        let row = &logits[j * n_vocab..(j + 1) * n_vocab];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+        row.iter().map(|l| l - lse).collect()
+    };
+    let want_tokens: Vec<u64> = reference["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+
+    let (mut server, port) = start(&["--parallel", "2", "--ctx", "128"]);
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": STEPS, "temperature": 0,
+                                  "logprobs": 3, "ignore_eos": true});
+    let (status, _, text) = http(port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        v["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
+        reference["prompt_tokens"].as_array().unwrap().len(),
+        "the same prompt tokens as the reference's tokenizer"
+    );
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), STEPS, "{lp}");
+    let mut offset = prompt.chars().count() as u64;
+    let mut worst = 0f64;
+    for j in 0..STEPS {
+        let want = log_softmax(j);
+        let t = want_tokens[j] as usize;
+        let got = lp["token_logprobs"][j].as_f64().unwrap();
+        worst = worst.max((got - want[t]).abs());
+        assert!(
+            (got - want[t]).abs() < 1e-2,
+            "token {j}: {got} against the reference's {}",
+            want[t]
+        );
+        // The three most likely of the reference, against the values the server names (the
+        // sampled token is the most likely, so the map holds exactly three).
+        let mut top: Vec<f64> = want.clone();
+        top.sort_by(|a, b| b.total_cmp(a));
+        let mut got_top: Vec<f64> = lp["top_logprobs"][j]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        got_top.sort_by(|a, b| b.total_cmp(a));
+        assert_eq!(got_top.len(), 3, "{lp}");
+        for (g, w) in got_top.iter().zip(&top) {
+            worst = worst.max((g - w).abs());
+            assert!(
+                (g - w).abs() < 1e-2,
+                "token {j}: top {got_top:?} against {:?}",
+                &top[..3]
+            );
+        }
+        assert_eq!(lp["text_offset"][j].as_u64().unwrap(), offset);
+        offset += tokens[j].as_str().unwrap().chars().count() as u64;
+    }
+    eprintln!("largest |logprob - reference|: {worst:.2e}");
+
+    let body = serde_json::json!({"messages": [{"role": "user", "content": "Name three colors."}],
+                                  "max_tokens": STEPS, "temperature": 0, "logprobs": true,
+                                  "top_logprobs": 4});
+    let (status, _, text) = http(port, "POST", "/v1/chat/completions", &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let mut spelled = Vec::new();
+    for e in content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 4, "{e}");
+        assert_eq!(
+            top[0]["token"], e["token"],
+            "greedy takes the most likely: {e}"
+        );
+        assert_eq!(top[0]["logprob"], e["logprob"], "{e}");
+        let lps: Vec<f64> = top.iter().map(|x| x["logprob"].as_f64().unwrap()).collect();
+        assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{e}");
+        spelled.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    let message = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!content.is_empty());
+    assert_eq!(String::from_utf8(spelled).unwrap(), message);
+    // `logit_bias` -100 on the greedy first token: another token comes first, less likely
+    // under the model (log-probabilities are the model's, before the bias).
+    let first = run_json(prompt, false, 1)["tokens"][0].as_u64().unwrap();
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                  "logprobs": 1, "logit_bias": {first.to_string(): -100}});
+    let (status, _, text) = http(port, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let biased = &v["choices"][0]["logprobs"];
+    assert_ne!(biased["tokens"][0], lp["tokens"][0], "{biased}");
+    assert!(biased["token_logprobs"][0].as_f64() < lp["token_logprobs"][0].as_f64());
+    // What the server does not do is refused by name, not ignored.
+    for (path, extra, param) in [
+        ("/v1/completions", r#""echo": true"#, "echo"),
+        ("/v1/completions", r#""best_of": 3"#, "best_of"),
+        (
+            "/v1/completions",
+            r#""logit_bias": {"1": 101}"#,
+            "logit_bias",
+        ),
+        (
+            "/v1/chat/completions",
+            r#""tools": [{"type": "function"}]"#,
+            "tools",
+        ),
+        (
+            "/v1/chat/completions",
+            r#""response_format": {"type": "json_object"}"#,
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            r#""presence_penalty": 2.5"#,
+            "presence_penalty",
+        ),
+    ] {
+        let body = format!(
+            r#"{{"prompt": "Hi", "messages": [{{"role": "user", "content": "Hi"}}], {extra}}}"#
+        );
+        let (status, _, text) = http(port, "POST", path, &body);
+        assert_eq!(status, 400, "{extra}: {text}");
+        assert!(text.contains(param), "{extra}: {text}");
+    }
+    // Without `logprobs` the choice says null.
+    let body =
+        serde_json::json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2});
+    let (_, _, text) = http(port, "POST", "/v1/chat/completions", &body.to_string());
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+    server.kill().unwrap();
+    server.wait().unwrap();
+}

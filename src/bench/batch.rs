@@ -93,6 +93,8 @@ pub fn run(a: &BenchBatchArgs) -> Result<()> {
                 },
                 stop: Vec::new(),
                 ignore_eos: true,
+                logprobs: None,
+                logit_bias: Vec::new(),
             })?;
         }
         // The first step evaluates every prompt (the budget holds them) and samples a token.

@@ -225,6 +225,7 @@ impl RunRequest {
             top_k: self.top_k,
             top_p: self.top_p,
             seed: self.seed,
+            ..SamplerConfig::default()
         })
         .map_err(super::sampling_flag)
     }

@@ -8,9 +8,12 @@
 //! produced, text streamed in whole UTF-8 characters with any text that could still become a
 //! stop string held back. How long each request waited for its slot is counted in a
 //! histogram ([`WaitHistogram`], in [`EngineStats`]); [`Engine::waiting`] is what a server bounds.
+//! A request may ask for each generated token's log-probability and the most likely
+//! alternatives ([`GenRequest::logprobs`]), from the logits its token was sampled from.
 
 use super::batch::{BatchSession, SeqInput};
-use super::sampler::{Sampler, SamplerConfig};
+pub use super::sampler::TokenLogprob;
+use super::sampler::{Sampler, SamplerConfig, token_logprobs};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::collections::VecDeque;
@@ -27,7 +30,16 @@ pub struct GenRequest {
     pub stop: Vec<String>,
     /// Keep generating past the end-of-sequence token.
     pub ignore_eos: bool,
+    /// Report each generated token's log-probability and those of this many most likely
+    /// tokens (at most [`MAX_TOP_LOGPROBS`]) in its [`Event::Token`].
+    pub logprobs: Option<usize>,
+    /// Added to these tokens' logits before each draw ([`Sampler::with_logit_bias`]).
+    pub logit_bias: Vec<(u32, f32)>,
 }
+
+/// The most alternatives [`GenRequest::logprobs`] may ask for (the OpenAI API's limit for
+/// `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// A request's number, from [`Engine::submit`].
 pub type RequestId = u64;
@@ -56,6 +68,8 @@ pub enum Event {
         id: RequestId,
         token: u32,
         text: String,
+        /// When the request asked for them ([`GenRequest::logprobs`]).
+        logprob: Option<TokenLogprob>,
     },
     /// The request is done: the last text it releases and the counts.
     Finished {
@@ -178,8 +192,9 @@ impl<'m> Engine<'m> {
     }
 
     /// Queue a request; an error naming the field when it can never run: no prompt, a prompt
-    /// that leaves no room in a slot for a generated token, a token outside the vocabulary,
-    /// `max_tokens` 0, sampling settings out of range. Other requests are not affected.
+    /// that leaves no room in a slot for a generated token, a token outside the vocabulary
+    /// (in the prompt or `logit_bias`), `max_tokens` 0, sampling settings out of range, more
+    /// than [`MAX_TOP_LOGPROBS`] alternatives. Other requests are not affected.
     pub fn submit(&mut self, req: GenRequest) -> Result<RequestId> {
         self.submit_since(req, Instant::now())
     }
@@ -218,7 +233,21 @@ impl<'m> Engine<'m> {
                 "must be at least 1",
             ));
         }
-        req.sampling.validate()?;
+        if let Some(&(t, _)) = req.logit_bias.iter().find(|&&(t, _)| t as usize >= nv) {
+            return Err(Error::invalid_argument(
+                "logit_bias",
+                format!("token {t}"),
+                format!("is outside the vocabulary of {nv} tokens"),
+            ));
+        }
+        Sampler::new(req.sampling)?.with_logit_bias(req.logit_bias.clone())?;
+        if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(Error::invalid_argument(
+                "logprobs",
+                n,
+                format!("asks for more than {MAX_TOP_LOGPROBS} most likely tokens"),
+            ));
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.stats.requests += 1;
@@ -257,7 +286,7 @@ impl<'m> Engine<'m> {
             let (id, req, since) = self.queue.pop_front().expect("the queue is not empty");
             let slot = self.batch.acquire().expect("a slot is free");
             self.stats.queue_wait.observe(since.elapsed().as_secs_f64());
-            let sampler = Sampler::new(req.sampling)?;
+            let sampler = Sampler::new(req.sampling)?.with_logit_bias(req.logit_bias.clone())?;
             self.running.push(Running {
                 id,
                 slot,
@@ -318,11 +347,12 @@ impl<'m> Engine<'m> {
             }
             let Some(l) = l else { continue };
             let t = r.sampler.sample(&l);
+            let logprob = r.req.logprobs.map(|n| token_logprobs(&l, t, n));
             self.stats.generated_tokens += 1;
             r.generated += 1;
             r.next = Some(t);
             let len = self.batch.len(r.slot).unwrap_or(0);
-            if let Some(reason) = advance(r, t, &self.batch, len, &mut events)? {
+            if let Some(reason) = advance(r, t, logprob, &self.batch, len, &mut events)? {
                 done.push((*i, reason));
             }
         }
@@ -358,10 +388,12 @@ fn finish(r: Running, reason: FinishReason, tail: String) -> Event {
 }
 
 /// Take sampled token `t` into `r` (the slot now holding `len` positions): its text, a
-/// `Token` event, and why the request ends here if it does (with the text it still releases).
+/// `Token` event (with `logprob`), and why the request ends here if it does (with the text it
+/// still releases).
 fn advance(
     r: &mut Running,
     t: u32,
+    logprob: Option<TokenLogprob>,
     batch: &BatchSession,
     len: usize,
     events: &mut Vec<Event>,
@@ -416,6 +448,7 @@ fn advance(
         id: r.id,
         token: t,
         text,
+        logprob,
     });
     let reason = if r.generated >= r.req.max_tokens {
         Some(FinishReason::Length)

@@ -1,5 +1,7 @@
-//! Sampling ([`SamplerConfig`], [`Sampler`]: temperature, top-k, top-p, a seeded random
-//! state; settings out of range are refused) and the generation loop ([`generate`]), bounded
+//! Sampling ([`SamplerConfig`], [`Sampler`]: presence and frequency penalties and a logit
+//! bias, then temperature, top-k, top-p, a seeded random state; settings out of range are
+//! refused), tokens' log-probabilities
+//! ([`token_logprobs`]) and the generation loop ([`generate`]), bounded
 //! by the session's context, with its timings and why it stopped.
 
 use super::session::Session;
@@ -18,11 +20,18 @@ pub struct SamplerConfig {
     /// In (0, 1]: then among the fewest tokens whose probability adds up to `top_p`.
     pub top_p: f32,
     pub seed: u64,
+    /// In [-2, 2]: subtracted from the logit of every token this sampler has drawn before
+    /// (the OpenAI API's `presence_penalty`; 0 is none).
+    pub presence_penalty: f32,
+    /// In [-2, 2]: subtracted from a token's logit once per earlier draw of it (the OpenAI
+    /// API's `frequency_penalty`; 0 is none).
+    pub frequency_penalty: f32,
 }
 
 impl SamplerConfig {
     /// An [`Error::InvalidArgument`] naming the first setting out of range: a NaN or infinite
-    /// or negative temperature, `top_k` 0, `top_p` outside (0, 1] or NaN.
+    /// or negative temperature, `top_k` 0, `top_p` outside (0, 1] or NaN, a penalty outside
+    /// [-2, 2] or NaN.
     pub fn validate(&self) -> Result<()> {
         let t = self.temperature;
         if !(t.is_finite() && t >= 0.0) {
@@ -48,6 +57,18 @@ impl SamplerConfig {
                 "must be in (0, 1] (1 keeps every token)",
             ));
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(Error::invalid_argument(
+                    name,
+                    v,
+                    "must be in [-2, 2] (0 is none)",
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -59,14 +80,23 @@ impl Default for SamplerConfig {
             top_k: 40,
             top_p: 0.95,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
 
-/// A token sampler with its own random state (splitmix64).
+/// The most a [`Sampler::with_logit_bias`] value may add or take away (the OpenAI API's
+/// `logit_bias` range: -100 bans a token in practice, 100 forces it).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+
+/// A token sampler with its own random state (splitmix64), the counts of the tokens it drew
+/// (for the penalties) and a fixed logit bias.
 pub struct Sampler {
     cfg: SamplerConfig,
     state: u64,
+    drawn: std::collections::HashMap<u32, u32>,
+    bias: Vec<(u32, f32)>,
 }
 
 impl Sampler {
@@ -77,7 +107,59 @@ impl Sampler {
         Ok(Sampler {
             cfg,
             state: cfg.seed ^ 0x5DEE_CE66_D1CE_4E5B,
+            drawn: Default::default(),
+            bias: Vec::new(),
         })
+    }
+
+    /// Add `bias` to the logits of these tokens before every draw (the OpenAI API's
+    /// `logit_bias`); an error naming `logit_bias` for a value outside
+    /// [-[`MAX_LOGIT_BIAS`], [`MAX_LOGIT_BIAS`]] or not finite. Ids past the vocabulary are
+    /// the caller's to refuse ([`crate::models::engine::Engine::submit`] does).
+    pub fn with_logit_bias(mut self, bias: Vec<(u32, f32)>) -> Result<Self> {
+        if let Some(&(t, b)) = bias
+            .iter()
+            .find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b))
+        {
+            return Err(Error::invalid_argument(
+                "logit_bias",
+                format!("{b} for token {t}"),
+                format!("must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
+            ));
+        }
+        self.bias = bias;
+        Ok(self)
+    }
+
+    /// The next token from `logits` after the penalties and the bias, on a copy (none when
+    /// all are 0): `l - count * frequency_penalty - [count > 0] * presence_penalty + bias`,
+    /// the OpenAI API's formula (its guide's "frequency and presence penalties"), then
+    /// [`Sampler::draw`].
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let (pp, fp) = (self.cfg.presence_penalty, self.cfg.frequency_penalty);
+        let penalize = (pp != 0.0 || fp != 0.0) && !self.drawn.is_empty();
+        let t = if penalize || !self.bias.is_empty() {
+            let mut l = logits.to_vec();
+            if penalize {
+                for (&t, &c) in &self.drawn {
+                    if let Some(x) = l.get_mut(t as usize) {
+                        *x -= c as f32 * fp + pp;
+                    }
+                }
+            }
+            for &(t, b) in &self.bias {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x += b;
+                }
+            }
+            self.draw(&l)
+        } else {
+            self.draw(logits)
+        };
+        if pp != 0.0 || fp != 0.0 {
+            *self.drawn.entry(t).or_default() += 1;
+        }
+        t
     }
 
     fn next_f64(&mut self) -> f64 {
@@ -89,7 +171,8 @@ impl Sampler {
         ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    /// The next token from `logits`: greedy at temperature 0; otherwise the candidates are
+    /// The next token from `logits` as they are: greedy at temperature 0; otherwise the
+    /// candidates are
     /// the `top_k` first in the order "larger logit first, then lower id" (a total order),
     /// with probabilities `exp((l - max) / temperature)` normalized over them; the nucleus is
     /// the shortest prefix of that order whose probabilities add up to `top_p` (Holtzman et
@@ -98,7 +181,7 @@ impl Sampler {
     /// vocabulary (expected): `top_k` and the nucleus by selections ([`nucleus_end`]), no
     /// sort of the whole order. Sorting the whole vocabulary (262,144 logits for Gemma 3)
     /// for every token cost as much as a decoding step.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    pub fn draw(&mut self, logits: &[f32]) -> u32 {
         if self.cfg.temperature <= 0.0 || logits.len() <= 1 {
             return argmax(logits);
         }
@@ -179,6 +262,45 @@ fn nucleus_end(mut cands: Vec<(f32, u32, f64)>, top_p: f64) -> (Option<u32>, f64
         lo += mid + 1;
     }
     (None, acc)
+}
+
+/// A sampled token's log-probability and the most likely tokens' at its position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// `ln p` of the sampled token.
+    pub logprob: f32,
+    /// The most likely tokens and their `ln p`, most likely first (then lower id).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-probabilities under the softmax of `logits`, the model's own distribution (before the
+/// temperature and the top-k / top-p cuts, as the OpenAI API and llama.cpp's server report
+/// them): token `t`'s and the `n` most likely tokens'. Log-sum-exp in f64 from the largest
+/// logit.
+pub fn token_logprobs(logits: &[f32], t: u32, n: usize) -> TokenLogprob {
+    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let lse = m + logits
+        .iter()
+        .map(|&l| (l as f64 - m).exp())
+        .sum::<f64>()
+        .ln();
+    let lp = |i: u32| (logits[i as usize] as f64 - lse) as f32;
+    let before = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let n = n.min(logits.len());
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    if n > 0 && n < ids.len() {
+        ids.select_nth_unstable_by(n - 1, before);
+    }
+    ids.truncate(n);
+    ids.sort_unstable_by(before);
+    TokenLogprob {
+        logprob: lp(t),
+        top: ids.into_iter().map(|i| (i, lp(i))).collect(),
+    }
 }
 
 /// Index of the largest value (the first of equals; NaNs are never larger, and a NaN first
@@ -357,6 +479,59 @@ mod tests {
         *nucleus.last().unwrap()
     }
 
+    /// The penalties and the bias on greedy draws of three logits [1.0, 0.8, 0.0]: a presence
+    /// penalty of 0.5 takes token 0 below 1 once drawn (0.5 < 0.8), then token 1 below 0 (0.3 <
+    /// 0.5), and counts no further; a frequency penalty of 0.3 grows with each draw; a bias of
+    /// -100 bans token 0 and +100 forces token 2.
+    #[test]
+    fn penalties_and_bias_follow_the_openai_formula() {
+        let l = [1.0f32, 0.8, 0.0];
+        let run = |presence_penalty, frequency_penalty, bias: Vec<(u32, f32)>| {
+            let cfg = SamplerConfig {
+                presence_penalty,
+                frequency_penalty,
+                ..SamplerConfig::default()
+            };
+            let mut s = Sampler::new(cfg).unwrap().with_logit_bias(bias).unwrap();
+            (0..5).map(|_| s.sample(&l)).collect::<Vec<u32>>()
+        };
+        assert_eq!(run(0.0, 0.0, vec![]), [0, 0, 0, 0, 0]);
+        assert_eq!(run(0.5, 0.0, vec![]), [0, 1, 0, 0, 0]);
+        assert_eq!(run(0.0, 0.3, vec![]), [0, 1, 0, 1, 0]);
+        assert_eq!(run(0.0, 0.0, vec![(0, -100.0)]), [1, 1, 1, 1, 1]);
+        assert_eq!(run(0.0, 0.0, vec![(2, 100.0)]), [2, 2, 2, 2, 2]);
+        let e = Sampler::new(SamplerConfig::default())
+            .unwrap()
+            .with_logit_bias(vec![(1, f32::NAN)]);
+        assert!(e.is_err_and(|e| e.to_string().contains("logit_bias")));
+    }
+
+    /// Against a direct f64 softmax: the sampled token's and the top tokens' log-probabilities,
+    /// the top in order with ties by id, `n` past the vocabulary clamped.
+    #[test]
+    fn token_logprobs_are_the_log_softmax() {
+        let logits = [1.5f32, -2.0, 3.25, 3.25, 0.0, -40.0, 2.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let want = |i: usize| ((logits[i] as f64).exp() / z).ln() as f32;
+        let r = super::token_logprobs(&logits, 5, 3);
+        assert!((r.logprob - want(5)).abs() < 1e-5, "{r:?}");
+        let ids: Vec<u32> = r.top.iter().map(|x| x.0).collect();
+        assert_eq!(ids, [2, 3, 6]);
+        for &(i, lp) in &r.top {
+            assert!((lp - want(i as usize)).abs() < 1e-6, "{r:?}");
+        }
+        assert_eq!(super::token_logprobs(&logits, 0, 0).top, []);
+        assert_eq!(
+            super::token_logprobs(&logits, 0, 99).top.len(),
+            logits.len()
+        );
+        // Large logits do not overflow: 1000 and 999 are e : 1 apart.
+        let r = super::token_logprobs(&[1000.0, 999.0], 1, 1);
+        let p1 = 1.0 / (1.0 + std::f64::consts::E);
+        assert!((r.logprob as f64 - p1.ln()).abs() < 1e-6, "{r:?}");
+        assert_eq!(r.top[0].0, 0);
+    }
+
     /// Rows of 1 to 5,000 logits (some with many equal values), every kind of setting: the
     /// sampler picks what sorting every candidate picks, draw for draw (its own random
     /// numbers, replayed through a second sampler with the same seed).
@@ -392,12 +567,13 @@ mod tests {
                         top_k,
                         top_p,
                         seed: next(),
+                        ..SamplerConfig::default()
                     };
                     let mut a = Sampler::new(cfg).unwrap();
                     let mut b = Sampler::new(cfg).unwrap();
                     for _ in 0..20 {
                         let want = sample_by_sorting(&cfg, b.next_f64(), &logits);
-                        assert_eq!(a.sample(&logits), want, "n {n} {cfg:?}");
+                        assert_eq!(a.draw(&logits), want, "n {n} {cfg:?}");
                         cases += 1;
                     }
                 }

@@ -1,6 +1,7 @@
 //! The generation endpoints of `metashard serve`: a body checked field by field into a
 //! [`GenRequest`] (400 naming the field), submitted to the engine thread (429 with
-//! `Retry-After` when its queue is full), answered whole or streamed as server-sent events.
+//! `Retry-After` when its queue is full), answered whole or streamed as server-sent events,
+//! with each generated token's log-probabilities when asked (`logprobs`: [`LogprobsOut`]).
 //! Shapes follow the OpenAI API reference (platform.openai.com/docs/api-reference/completions,
 //! .../chat).
 
@@ -11,7 +12,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use metashard::Result;
-use metashard::models::engine::{Event, FinishReason, GenRequest, RequestId};
+use metashard::models::engine::{
+    Event, FinishReason, GenRequest, MAX_TOP_LOGPROBS, RequestId, TokenLogprob,
+};
 use metashard::models::loader::DecoderModel;
 use metashard::models::sampler::SamplerConfig;
 use metashard::tokenizer::ChatMessage;
@@ -56,7 +59,7 @@ fn parse(
     state: &AppState,
     body: &[u8],
     chat: bool,
-) -> std::result::Result<(GenRequest, bool), Response> {
+) -> std::result::Result<(GenRequest, bool, usize), Response> {
     let bad = |msg: String, param: &str| error(StatusCode::BAD_REQUEST, msg, Some(param));
     let v: Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("malformed JSON: {e}"), "body"))?;
@@ -70,6 +73,8 @@ fn parse(
             Some(_) => Err(bad(format!("`{k}` must be a number"), k)),
         }
     };
+    // The completions API's token offsets count from the prompt's start.
+    let mut prompt_chars = 0;
     let prompt = if chat {
         let msgs = obj
             .get("messages")
@@ -98,7 +103,10 @@ fn parse(
         chat_tokens(state.model, &out)
     } else {
         match obj.get("prompt") {
-            Some(Value::String(p)) => state.model.tokenizer.encode_with(p, true, false),
+            Some(Value::String(p)) => {
+                prompt_chars = p.chars().count();
+                state.model.tokenizer.encode_with(p, true, false)
+            }
             _ => return Err(bad("`prompt` must be a string".into(), "prompt")),
         }
     }
@@ -147,6 +155,8 @@ fn parse(
         },
         top_p: num("top_p")?.unwrap_or(1.0) as f32,
         seed: num("seed")?.map_or(0, |s| s as u64),
+        presence_penalty: num("presence_penalty")?.unwrap_or(0.0) as f32,
+        frequency_penalty: num("frequency_penalty")?.unwrap_or(0.0) as f32,
     };
     sampling
         .validate()
@@ -177,14 +187,195 @@ fn parse(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("`ignore_eos` must be a boolean".into(), "ignore_eos")),
     };
+    refuse_unsupported(obj, chat)?;
     let req = GenRequest {
         prompt,
         max_tokens,
         sampling,
         stop,
         ignore_eos,
+        logprobs: parse_logprobs(obj, chat, num)?,
+        logit_bias: parse_logit_bias(obj)?,
     };
-    Ok((req, stream))
+    Ok((req, stream, prompt_chars))
+}
+
+/// `logit_bias`: an object of token ids (as strings) to numbers; the engine checks the ids
+/// against the vocabulary and the values' range.
+fn parse_logit_bias(
+    obj: &serde_json::Map<String, Value>,
+) -> std::result::Result<Vec<(u32, f32)>, Response> {
+    let bad = |msg: String| error(StatusCode::BAD_REQUEST, msg, Some("logit_bias"));
+    let map = match obj.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err(bad("`logit_bias` must be an object".into())),
+    };
+    map.iter()
+        .map(|(k, v)| {
+            let t = k
+                .parse::<u32>()
+                .map_err(|_| bad(format!("`logit_bias` key {k:?} is not a token id")))?;
+            let b = v
+                .as_f64()
+                .ok_or_else(|| bad(format!("`logit_bias` of token {t} must be a number")))?;
+            Ok((t, b as f32))
+        })
+        .collect()
+}
+
+/// A 400 naming the first parameter of the OpenAI API whose value asks for what the server
+/// does not do (rather than answering as if it were not there): `echo`, `suffix` and
+/// `best_of` > 1 (completions), tools and functions, a `response_format` other than text.
+fn refuse_unsupported(
+    obj: &serde_json::Map<String, Value>,
+    chat: bool,
+) -> std::result::Result<(), Response> {
+    let set = |k: &str| !matches!(obj.get(k), None | Some(Value::Null));
+    let refused: &[(&str, bool, &str)] = &[
+        (
+            "echo",
+            obj.get("echo") == Some(&Value::Bool(true)),
+            "echoing the prompt",
+        ),
+        (
+            "suffix",
+            !chat && obj.get("suffix").is_some_and(|v| v.as_str() != Some("")) && set("suffix"),
+            "a suffix",
+        ),
+        (
+            "best_of",
+            obj.get("best_of").is_some_and(|v| v.as_f64() != Some(1.0)) && set("best_of"),
+            "`best_of` other than 1",
+        ),
+        (
+            "tools",
+            obj.get("tools")
+                .is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty()))
+                && set("tools"),
+            "tool calls",
+        ),
+        (
+            "functions",
+            obj.get("functions")
+                .is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty()))
+                && set("functions"),
+            "function calls",
+        ),
+        (
+            "response_format",
+            set("response_format")
+                && obj["response_format"].get("type").and_then(Value::as_str) != Some("text"),
+            "a `response_format` other than text (no constrained decoding)",
+        ),
+    ];
+    match refused.iter().find(|r| r.1) {
+        Some((k, _, what)) => Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("`{k}`: metashard does not support {what}"),
+            Some(k),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// How many most likely tokens a request wants with each token's log-probability, if any.
+/// Chat completions: `logprobs` a boolean, `top_logprobs` 0..=20 (only with `logprobs`);
+/// completions: `logprobs` 0..=5, the OpenAI API's ranges.
+fn parse_logprobs(
+    obj: &serde_json::Map<String, Value>,
+    chat: bool,
+    num: impl Fn(&str) -> std::result::Result<Option<f64>, Response>,
+) -> std::result::Result<Option<usize>, Response> {
+    let bad = |msg: String, param: &str| error(StatusCode::BAD_REQUEST, msg, Some(param));
+    let count = |k: &str, max: usize| -> std::result::Result<Option<usize>, Response> {
+        match num(k)? {
+            None => Ok(None),
+            Some(x) if x >= 0.0 && x.fract() == 0.0 && x <= max as f64 => Ok(Some(x as usize)),
+            Some(x) => Err(bad(
+                format!("`{k}` must be a whole number in 0..={max}, not {x}"),
+                k,
+            )),
+        }
+    };
+    if !chat {
+        return count("logprobs", 5);
+    }
+    let on = match obj.get("logprobs") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("`logprobs` must be a boolean".into(), "logprobs")),
+    };
+    let top = count("top_logprobs", MAX_TOP_LOGPROBS)?;
+    if top.is_some() && !on {
+        return Err(bad(
+            "`top_logprobs` needs `logprobs` true".into(),
+            "top_logprobs",
+        ));
+    }
+    Ok(on.then(|| top.unwrap_or(0)))
+}
+
+/// Log-probabilities of a choice's tokens in its endpoint's shape (the OpenAI API reference:
+/// chat `logprobs.content[]` of `{token, logprob, bytes, top_logprobs}`; completions
+/// `logprobs` of `tokens`, `token_logprobs`, `top_logprobs` (the sampled token's among them,
+/// so up to `logprobs` + 1) and `text_offset`, character offsets from the prompt's start).
+/// A token's text is its bytes, invalid UTF-8 replaced (a character split across tokens).
+/// Tokens gather by [`LogprobsOut::push`]; [`LogprobsOut::take`] gives those since the
+/// last take (all of them for a whole response, one per streamed chunk).
+struct LogprobsOut {
+    chat: bool,
+    model: &'static DecoderModel,
+    /// Characters before the next token (completions).
+    offset: usize,
+    entries: Vec<(u32, TokenLogprob)>,
+}
+
+impl LogprobsOut {
+    fn push(&mut self, token: u32, lp: TokenLogprob) {
+        self.entries.push((token, lp));
+    }
+
+    fn spell(&self, t: u32) -> (String, Vec<u8>) {
+        let mut b = Vec::new();
+        // An id the model sampled is in its vocabulary; an error would leave the text empty.
+        let _ = self.model.tokenizer.token_bytes(t, &mut b);
+        (String::from_utf8_lossy(&b).into_owned(), b)
+    }
+
+    fn take(&mut self) -> Value {
+        let entries = std::mem::take(&mut self.entries);
+        if self.chat {
+            let item = |t: u32, lp: f32| {
+                let (text, bytes) = self.spell(t);
+                json!({"token": text, "logprob": lp, "bytes": bytes})
+            };
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|(t, lp)| {
+                    let mut e = item(*t, lp.logprob);
+                    e["top_logprobs"] = lp.top.iter().map(|&(i, p)| item(i, p)).collect();
+                    e
+                })
+                .collect();
+            return json!({"content": content, "refusal": null});
+        }
+        let (mut tokens, mut lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![]);
+        for (t, lp) in &entries {
+            let text = self.spell(*t).0;
+            let mut top = serde_json::Map::new();
+            for &(i, p) in lp.top.iter().chain([&(*t, lp.logprob)]) {
+                top.insert(self.spell(i).0, json!(p));
+            }
+            offsets.push(self.offset);
+            self.offset += text.chars().count();
+            tokens.push(text);
+            lps.push(lp.logprob);
+            tops.push(Value::Object(top));
+        }
+        json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+               "text_offset": offsets})
+    }
 }
 
 fn finish_name(r: FinishReason) -> &'static str {
@@ -236,11 +427,17 @@ async fn handle(state: Arc<AppState>, headers: HeaderMap, body: Bytes, chat: boo
     if let Err(r) = authorized(&state, &headers) {
         return r;
     }
-    let (req, stream) = match parse(&state, &body, chat) {
+    let (req, stream, prompt_chars) = match parse(&state, &body, chat) {
         Ok(x) => x,
         Err(r) => return r,
     };
     let n_prompt = req.prompt.len();
+    let logprobs = req.logprobs.is_some().then_some(LogprobsOut {
+        chat,
+        model: state.model,
+        offset: prompt_chars,
+        entries: Vec::new(),
+    });
     let (id, rx) = match submit(&state, req).await {
         Ok(x) => x,
         Err(r) => return r,
@@ -261,9 +458,9 @@ async fn handle(state: Arc<AppState>, headers: HeaderMap, body: Bytes, chat: boo
         model: state.model.name.clone(),
     };
     if stream {
-        streamed(reply, rx)
+        streamed(reply, rx, logprobs)
     } else {
-        whole(reply, rx).await
+        whole(reply, rx, logprobs).await
     }
 }
 
@@ -289,17 +486,18 @@ impl Reply {
     }
 
     /// The one choice of a response or chunk.
-    fn choice(&self, text: &str, finish: Option<&str>, first: bool) -> Value {
+    fn choice(&self, text: &str, finish: Option<&str>, first: bool, logprobs: Value) -> Value {
         if self.chat && self.stream {
             let mut delta = json!({"content": text});
             if first {
                 delta["role"] = json!("assistant");
             }
-            json!({"index": 0, "delta": delta, "finish_reason": finish})
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         } else if self.chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish})
+            json!({"index": 0, "message": {"role": "assistant", "content": text},
+                   "logprobs": logprobs, "finish_reason": finish})
         } else {
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish})
         }
     }
 }
@@ -311,21 +509,38 @@ fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 
 /// The events as server-sent events: a chunk per token, the last with the finish reason and
 /// the usage, then `[DONE]`.
-fn streamed(reply: Reply, rx: mpsc::UnboundedReceiver<Msg>) -> Response {
+fn streamed(
+    reply: Reply,
+    rx: mpsc::UnboundedReceiver<Msg>,
+    logprobs: Option<LogprobsOut>,
+) -> Response {
     // Stages: 0 events, 1 the closing `[DONE]`, 2 the end.
-    let s = futures_util::stream::unfold((rx, 0u8, true), move |(mut rx, stage, first)| {
+    let init = (rx, 0u8, true, logprobs);
+    let s = futures_util::stream::unfold(init, move |(mut rx, stage, first, mut lps)| {
         let reply = reply.clone();
         let sse = |d: String| Ok::<_, std::convert::Infallible>(SseEvent::default().data(d));
         async move {
             match stage {
                 0 => {}
-                1 => return Some((sse("[DONE]".into()), (rx, 2, false))),
+                1 => return Some((sse("[DONE]".into()), (rx, 2, false, lps))),
                 _ => return None,
             }
             let mut v = reply.head();
             let stage = match rx.recv().await {
-                Some(Msg::Event(Event::Token { text, .. })) => {
-                    v["choices"] = json!([reply.choice(&text, None, first)]);
+                Some(Msg::Event(Event::Token {
+                    token,
+                    text,
+                    logprob,
+                    ..
+                })) => {
+                    let lp = match (&mut lps, logprob) {
+                        (Some(out), Some(lp)) => {
+                            out.push(token, lp);
+                            out.take()
+                        }
+                        _ => Value::Null,
+                    };
+                    v["choices"] = json!([reply.choice(&text, None, first, lp)]);
                     0
                 }
                 Some(Msg::Event(Event::Finished {
@@ -336,7 +551,7 @@ fn streamed(reply: Reply, rx: mpsc::UnboundedReceiver<Msg>) -> Response {
                     ..
                 })) => {
                     let finish = Some(finish_name(reason));
-                    v["choices"] = json!([reply.choice(&text, finish, first)]);
+                    v["choices"] = json!([reply.choice(&text, finish, first, Value::Null)]);
                     v["usage"] = usage(prompt_tokens, completion_tokens);
                     1
                 }
@@ -346,18 +561,32 @@ fn streamed(reply: Reply, rx: mpsc::UnboundedReceiver<Msg>) -> Response {
                 }
                 None => return None,
             };
-            Some((sse(v.to_string()), (rx, stage, false)))
+            Some((sse(v.to_string()), (rx, stage, false, lps)))
         }
     });
     Sse::new(s).into_response()
 }
 
 /// The events gathered into one response.
-async fn whole(reply: Reply, mut rx: mpsc::UnboundedReceiver<Msg>) -> Response {
+async fn whole(
+    reply: Reply,
+    mut rx: mpsc::UnboundedReceiver<Msg>,
+    mut logprobs: Option<LogprobsOut>,
+) -> Response {
     let mut text = String::new();
     while let Some(m) = rx.recv().await {
         match m {
-            Msg::Event(Event::Token { text: t, .. }) => text.push_str(&t),
+            Msg::Event(Event::Token {
+                token,
+                text: t,
+                logprob,
+                ..
+            }) => {
+                text.push_str(&t);
+                if let (Some(out), Some(lp)) = (&mut logprobs, logprob) {
+                    out.push(token, lp);
+                }
+            }
             Msg::Event(Event::Finished {
                 reason,
                 text: t,
@@ -367,7 +596,9 @@ async fn whole(reply: Reply, mut rx: mpsc::UnboundedReceiver<Msg>) -> Response {
             }) => {
                 text.push_str(&t);
                 let mut body = reply.head();
-                body["choices"] = json!([reply.choice(&text, Some(finish_name(reason)), true)]);
+                let lp = logprobs.as_mut().map_or(Value::Null, LogprobsOut::take);
+                let finish = Some(finish_name(reason));
+                body["choices"] = json!([reply.choice(&text, finish, true, lp)]);
                 body["usage"] = usage(prompt_tokens, completion_tokens);
                 return axum::Json(body).into_response();
             }

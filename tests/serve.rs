@@ -307,7 +307,8 @@ fn a_load_of_200_requests_from_16_clients_loses_nothing() {
 /// token, its log-probability and its top three log-probabilities (log-softmax of the
 /// reference's logits at that position, within 0.01: the Q4_1 products' f32 rounding moved
 /// them by up to 0.0022); chat entries are ordered, the greedy token first among its
-/// alternatives, and their bytes spell the message. `logit_bias` moves the greedy token;
+/// alternatives, and their bytes spell the message; the message as text parts gives the same
+/// text, an image part is refused. `logit_bias` moves the greedy token;
 /// parameters the server does not implement (`echo`, `best_of`, tools, `response_format`) and
 /// values out of range get a 400 naming them.
 #[test]
@@ -440,6 +441,19 @@ fn logprobs_match_the_numpy_reference() {
     let message = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(!content.is_empty());
     assert_eq!(String::from_utf8(spelled).unwrap(), message);
+    // Content as text parts is the same message; an image part is refused by its type.
+    let parts = serde_json::json!([{"type": "text", "text": "Name three "},
+                                   {"type": "text", "text": "colors."}]);
+    let body = serde_json::json!({"messages": [{"role": "user", "content": parts}],
+                                  "max_tokens": STEPS, "temperature": 0});
+    let (status, _, text) = http(port, "POST", "/v1/chat/completions", &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], message);
+    let image = serde_json::json!([{"type": "image_url", "image_url": {"url": "x"}}]);
+    let body = serde_json::json!({"messages": [{"role": "user", "content": image}]});
+    let (status, _, text) = http(port, "POST", "/v1/chat/completions", &body.to_string());
+    assert!(status == 400 && text.contains("image_url"), "{text}");
     // `logit_bias` -100 on the greedy first token: another token comes first, less likely
     // under the model (log-probabilities are the model's, before the bias).
     let first = run_json(prompt, false, 1)["tokens"][0].as_u64().unwrap();

@@ -89,12 +89,14 @@ fn parse(
         let mut out = Vec::new();
         for m in msgs {
             let role = m.get("role").and_then(Value::as_str);
-            let content = m.get("content").and_then(Value::as_str);
-            match (role, content) {
-                (Some(r), Some(c)) => out.push(ChatMessage::new(r, c)),
+            match (role, m.get("content").map(message_text)) {
+                (Some(r), Some(Ok(c))) => out.push(ChatMessage::new(r, c)),
+                (_, Some(Err(e))) => return Err(bad(e, "messages")),
                 _ => {
                     return Err(bad(
-                        "each message needs a string `role` and `content`".into(),
+                        "each message needs a string `role` and a `content` (a string or an \
+                         array of text parts)"
+                            .into(),
                         "messages",
                     ));
                 }
@@ -198,6 +200,33 @@ fn parse(
         logit_bias: parse_logit_bias(obj)?,
     };
     Ok((req, stream, prompt_chars))
+}
+
+/// A message's `content`: a string, or an array of content parts of which only text parts
+/// (`{"type": "text", "text": ...}`, the OpenAI API's form) are taken, joined without a
+/// separator; any other part (an image, audio, a file) is an error naming its type.
+fn message_text(content: &Value) -> std::result::Result<String, String> {
+    let parts = match content {
+        Value::String(s) => return Ok(s.clone()),
+        Value::Array(parts) => parts,
+        _ => return Err("a message's `content` must be a string or an array of parts".into()),
+    };
+    let mut text = String::new();
+    for p in parts {
+        match (
+            p.get("type").and_then(Value::as_str),
+            p.get("text").and_then(Value::as_str),
+        ) {
+            (Some("text"), Some(t)) => text.push_str(t),
+            (Some(kind), _) if kind != "text" => {
+                return Err(format!(
+                    "content parts of type {kind:?} are not supported: metashard takes text"
+                ));
+            }
+            _ => return Err("a text content part needs a string `text`".into()),
+        }
+    }
+    Ok(text)
 }
 
 /// `logit_bias`: an object of token ids (as strings) to numbers; the engine checks the ids

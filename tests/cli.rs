@@ -95,6 +95,8 @@ fn bad_sampling_values_name_the_flag() {
         ("--top-p=2", "--top-p"),
         ("--top-p=NaN", "--top-p"),
         ("--top-k=0", "--top-k"),
+        ("--presence-penalty=2.5", "--presence-penalty"),
+        ("--frequency-penalty=NaN", "--frequency-penalty"),
         ("--ctx=0", "--ctx"),
         ("-n=-1", "--n-predict"),
     ] {

@@ -540,6 +540,14 @@ pub fn parse_top_p(s: &str) -> std::result::Result<f32, String> {
     sampling(s, |c, v| c.top_p = v)
 }
 
+pub fn parse_presence_penalty(s: &str) -> std::result::Result<f32, String> {
+    sampling(s, |c, v| c.presence_penalty = v)
+}
+
+pub fn parse_frequency_penalty(s: &str) -> std::result::Result<f32, String> {
+    sampling(s, |c, v| c.frequency_penalty = v)
+}
+
 /// A library error about a sampling setting, renamed after the flag that gave it.
 pub fn sampling_flag(e: Error) -> Error {
     match e {
@@ -552,6 +560,8 @@ pub fn sampling_flag(e: Error) -> Error {
                 "temperature" => "--temp",
                 "top_k" => "--top-k",
                 "top_p" => "--top-p",
+                "presence_penalty" => "--presence-penalty",
+                "frequency_penalty" => "--frequency-penalty",
                 _ => name.as_str(),
             };
             Error::InvalidArgument {

@@ -52,6 +52,14 @@ pub struct RunArgs {
     /// Seed of the sampler's random numbers.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Subtracted from the logit of every token already generated, in [-2, 2] (the OpenAI
+    /// API's `presence_penalty`).
+    #[arg(long, default_value_t = 0.0, value_parser = super::parse_presence_penalty)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated, in [-2, 2] (the
+    /// OpenAI API's `frequency_penalty`).
+    #[arg(long, default_value_t = 0.0, value_parser = super::parse_frequency_penalty)]
+    pub frequency_penalty: f32,
     /// Quantized weights times 8-bit activations (ggml's CPU behaviour; faster decoding on
     /// some CPUs, less accurate; on AVX2 without VNNI products of more than 4-16 rows, e.g.
     /// prompts, stay in f32, which is faster there). Default: f32 activations.
@@ -213,6 +221,10 @@ struct RunRequest {
     top_p: f32,
     #[serde(rename = "--seed")]
     seed: u64,
+    #[serde(rename = "--presence-penalty")]
+    presence_penalty: f32,
+    #[serde(rename = "--frequency-penalty")]
+    frequency_penalty: f32,
     #[serde(rename = "--ignore-eos")]
     ignore_eos: bool,
     tokens: Vec<u32>,
@@ -225,7 +237,8 @@ impl RunRequest {
             top_k: self.top_k,
             top_p: self.top_p,
             seed: self.seed,
-            ..SamplerConfig::default()
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
         })
         .map_err(super::sampling_flag)
     }
@@ -339,6 +352,8 @@ pub fn run(a: &RunArgs) -> Result<()> {
         top_k: a.top_k,
         top_p: a.top_p,
         seed: a.seed,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
         ignore_eos: a.ignore_eos,
         tokens: Vec::new(),
     };

@@ -172,9 +172,8 @@ impl Sampler {
     }
 
     /// The next token from `logits` as they are: greedy at temperature 0; otherwise the
-    /// candidates are
-    /// the `top_k` first in the order "larger logit first, then lower id" (a total order),
-    /// with probabilities `exp((l - max) / temperature)` normalized over them; the nucleus is
+    /// candidates are the `top_k` first in the order "larger logit first, then lower id" (a
+    /// total order: [`by_rank`]), with probabilities `exp((l - max) / temperature)` normalized over them; the nucleus is
     /// the shortest prefix of that order whose probabilities add up to `top_p` (Holtzman et
     /// al. 2020, "The curious case of neural text degeneration"; every candidate when
     /// `top_p` is 1), and the draw walks the nucleus in token id order. Linear in the
@@ -185,17 +184,13 @@ impl Sampler {
         if self.cfg.temperature <= 0.0 || logits.len() <= 1 {
             return argmax(logits);
         }
-        let before = |a: &u32, b: &u32| {
-            logits[*b as usize]
-                .total_cmp(&logits[*a as usize])
-                .then(a.cmp(b))
-        };
+        let before = by_rank(logits);
         // The candidates in id order.
         let n = logits.len();
         let mut ids: Vec<u32> = (0..n as u32).collect();
         let k = self.cfg.top_k.clamp(1, n);
         if k < n {
-            ids.select_nth_unstable_by(k - 1, before);
+            ids.select_nth_unstable_by(k - 1, &before);
             ids.truncate(k);
             ids.sort_unstable();
         }
@@ -235,11 +230,21 @@ impl Sampler {
     }
 }
 
-/// The last candidate of the shortest prefix of the order `before` whose probabilities add up
+/// Token ids in the sampler's order: the larger logit first (by `total_cmp`), then the lower
+/// id, a total order, so what a selection or a sort picks does not depend on how it works.
+fn by_rank(logits: &[f32]) -> impl Fn(&u32, &u32) -> std::cmp::Ordering + '_ {
+    |a, b| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    }
+}
+
+/// The last candidate of the shortest prefix of the order [`by_rank`] whose probabilities add up
 /// to `top_p`, and that sum, by a weighted quickselect (Hoare's selection with each side's
 /// probability summed: linear expected time); `None` and the sum of all when they do not
 /// reach it (a `top_p` just under 1 and rounding). `cands`: each candidate's logit, id and
-/// probability, in any order (the order is [`Sampler::sample`]'s, on the logits held here).
+/// probability, in any order (the order is [`by_rank`]'s, on the logits held here).
 fn nucleus_end(mut cands: Vec<(f32, u32, f64)>, top_p: f64) -> (Option<u32>, f64) {
     let before = |a: &(f32, u32, f64), b: &(f32, u32, f64)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
     // `cands[..lo]` are the `lo` first candidates, of probability `acc` (< top_p); the end is
@@ -285,18 +290,14 @@ pub fn token_logprobs(logits: &[f32], t: u32, n: usize) -> TokenLogprob {
         .sum::<f64>()
         .ln();
     let lp = |i: u32| (logits[i as usize] as f64 - lse) as f32;
-    let before = |a: &u32, b: &u32| {
-        logits[*b as usize]
-            .total_cmp(&logits[*a as usize])
-            .then(a.cmp(b))
-    };
+    let before = by_rank(logits);
     let n = n.min(logits.len());
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     if n > 0 && n < ids.len() {
-        ids.select_nth_unstable_by(n - 1, before);
+        ids.select_nth_unstable_by(n - 1, &before);
     }
     ids.truncate(n);
-    ids.sort_unstable_by(before);
+    ids.sort_unstable_by(&before);
     TokenLogprob {
         logprob: lp(t),
         top: ids.into_iter().map(|i| (i, lp(i))).collect(),

@@ -6,12 +6,12 @@
 //! and over every gap between two streamed tokens). Without `--url` it starts `metashard serve`
 //! itself on a loopback port (`cli::serve::start`) with `serve`'s model and engine flags; with `--url` it
 //! measures any server speaking the OpenAI completions API (llama.cpp's `llama-server`
-//! included; its `/health` is awaited). Each request asks for `--max-tokens` tokens past the end-of-sequence token
-//! (`ignore_eos`, llama-server's extension, which `metashard serve` also takes) and no prompt
-//! cache (`cache_prompt: false`), so both servers do the same work; the prompts cycle through
-//! a fixed list, and the report gives each prompt's distinct texts (greedy: one each when
-//! nothing is lost) and, from `/metrics` where the server has it, the requests still holding
-//! a slot afterwards.
+//! included; its `/health` is awaited). Each request asks for `--max-tokens` tokens past the
+//! end-of-sequence token (`ignore_eos`, llama-server's extension, which `metashard serve` also
+//! takes) at `--temperature` (0, greedy, by default) and no prompt cache (`cache_prompt:
+//! false`), so both servers do the same work; the prompts cycle through a fixed list, and the
+//! report gives each prompt's distinct texts (greedy: one each when nothing is lost) and, from
+//! `/metrics` where the server has it, the requests still holding a slot afterwards.
 
 mod http;
 
@@ -39,6 +39,11 @@ pub struct BenchServeArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 32, value_parser = parse_positive)]
     pub max_tokens: usize,
+    /// Sampling temperature every request sends: 0 (the default) is greedy; the OpenAI API's
+    /// default, which clients that do not set one get, is 1 (then every token is drawn over
+    /// the whole vocabulary, `top_p` 1).
+    #[arg(long, default_value_t = 0.0, value_parser = crate::cli::parse_temp)]
+    pub temperature: f32,
     /// `Authorization: Bearer KEY` for a server that asks for one (with --url).
     #[arg(long)]
     pub api_key: Option<String>,
@@ -129,7 +134,7 @@ pub fn run(a: &BenchServeArgs) -> Result<()> {
     let model = client.model_name()?;
     // One untimed request: the server is up and its first step paid.
     client
-        .complete(&body(&model, 0, a.max_tokens.min(4)))
+        .complete(&body(&model, 0, a.max_tokens.min(4), a.temperature))
         .map_err(|e| Error::invalid_argument("bench serve", "the first request", e))?;
     let mut rows: Vec<ServeRow> = Vec::new();
     let mut texts: Vec<BTreeMap<String, usize>> = vec![BTreeMap::new(); PROMPTS.len()];
@@ -190,13 +195,13 @@ fn serve_args(a: &BenchServeArgs) -> ServeArgs {
     }
 }
 
-/// The body of request `i`: a streamed completion of `max_tokens` greedy tokens.
-fn body(model: &str, i: usize, max_tokens: usize) -> String {
+/// The body of request `i`: a streamed completion of `max_tokens` tokens at `temperature`.
+fn body(model: &str, i: usize, max_tokens: usize, temperature: f32) -> String {
     json!({
         "model": model,
         "prompt": PROMPTS[i % PROMPTS.len()],
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "stream": true,
         "stream_options": {"include_usage": true},
         "ignore_eos": true,
@@ -226,7 +231,7 @@ fn level(client: &http::Client, model: &str, a: &BenchServeArgs, c: usize) -> (V
                         break;
                     }
                     let result = client
-                        .complete(&body(model, i, a.max_tokens))
+                        .complete(&body(model, i, a.max_tokens, a.temperature))
                         .map_err(|e| format!("request {i}: {e}"));
                     out.lock().push(Outcome {
                         prompt: i % PROMPTS.len(),

@@ -13,7 +13,7 @@
 
 use super::batch::{BatchSession, SeqInput};
 pub use super::sampler::TokenLogprob;
-use super::sampler::{Sampler, SamplerConfig, token_logprobs};
+use super::sampler::{Sampler, SamplerConfig, check_logit_bias, token_logprobs};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::collections::VecDeque;
@@ -240,7 +240,8 @@ impl<'m> Engine<'m> {
                 format!("is outside the vocabulary of {nv} tokens"),
             ));
         }
-        Sampler::new(req.sampling)?.with_logit_bias(req.logit_bias.clone())?;
+        req.sampling.validate()?;
+        check_logit_bias(&req.logit_bias)?;
         if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return Err(Error::invalid_argument(
                 "logprobs",
@@ -283,10 +284,11 @@ impl<'m> Engine<'m> {
     /// Admit queued requests into free slots.
     fn admit(&mut self) -> Result<()> {
         while !self.queue.is_empty() && self.batch.free_slots() > 0 {
-            let (id, req, since) = self.queue.pop_front().expect("the queue is not empty");
+            let (id, mut req, since) = self.queue.pop_front().expect("the queue is not empty");
             let slot = self.batch.acquire().expect("a slot is free");
             self.stats.queue_wait.observe(since.elapsed().as_secs_f64());
-            let sampler = Sampler::new(req.sampling)?.with_logit_bias(req.logit_bias.clone())?;
+            let bias = std::mem::take(&mut req.logit_bias);
+            let sampler = Sampler::new(req.sampling)?.with_logit_bias(bias)?;
             self.running.push(Running {
                 id,
                 slot,

@@ -90,6 +90,22 @@ impl Default for SamplerConfig {
 /// `logit_bias` range: -100 bans a token in practice, 100 forces it).
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
+/// An error naming `logit_bias` for a value outside [-[`MAX_LOGIT_BIAS`], [`MAX_LOGIT_BIAS`]]
+/// or not finite.
+pub fn check_logit_bias(bias: &[(u32, f32)]) -> Result<()> {
+    match bias
+        .iter()
+        .find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b))
+    {
+        Some(&(t, b)) => Err(Error::invalid_argument(
+            "logit_bias",
+            format!("{b} for token {t}"),
+            format!("must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// A token sampler with its own random state (splitmix64), the counts of the tokens it drew
 /// (for the penalties) and a fixed logit bias.
 pub struct Sampler {
@@ -113,20 +129,11 @@ impl Sampler {
     }
 
     /// Add `bias` to the logits of these tokens before every draw (the OpenAI API's
-    /// `logit_bias`); an error naming `logit_bias` for a value outside
-    /// [-[`MAX_LOGIT_BIAS`], [`MAX_LOGIT_BIAS`]] or not finite. Ids past the vocabulary are
-    /// the caller's to refuse ([`crate::models::engine::Engine::submit`] does).
+    /// `logit_bias`); the error of [`check_logit_bias`] for a value out of range. Ids past
+    /// the vocabulary are the caller's to refuse ([`crate::models::engine::Engine::submit`]
+    /// does).
     pub fn with_logit_bias(mut self, bias: Vec<(u32, f32)>) -> Result<Self> {
-        if let Some(&(t, b)) = bias
-            .iter()
-            .find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b))
-        {
-            return Err(Error::invalid_argument(
-                "logit_bias",
-                format!("{b} for token {t}"),
-                format!("must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
-            ));
-        }
+        check_logit_bias(&bias)?;
         self.bias = bias;
         Ok(self)
     }
@@ -292,8 +299,14 @@ pub fn token_logprobs(logits: &[f32], t: u32, n: usize) -> TokenLogprob {
     let lp = |i: u32| (logits[i as usize] as f64 - lse) as f32;
     let before = by_rank(logits);
     let n = n.min(logits.len());
+    if n == 0 {
+        return TokenLogprob {
+            logprob: lp(t),
+            top: Vec::new(),
+        };
+    }
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    if n > 0 && n < ids.len() {
+    if n < ids.len() {
         ids.select_nth_unstable_by(n - 1, &before);
     }
     ids.truncate(n);

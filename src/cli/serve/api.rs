@@ -260,41 +260,33 @@ fn refuse_unsupported(
     obj: &serde_json::Map<String, Value>,
     chat: bool,
 ) -> std::result::Result<(), Response> {
-    let set = |k: &str| !matches!(obj.get(k), None | Some(Value::Null));
+    // A parameter given with a value (null is absent); `asks` whether that value asks for it.
+    let given =
+        |k: &str, asks: fn(&Value) -> bool| obj.get(k).is_some_and(|v| !v.is_null() && asks(v));
+    let any = |v: &Value| v.as_array().is_none_or(|a| !a.is_empty());
     let refused: &[(&str, bool, &str)] = &[
         (
             "echo",
-            obj.get("echo") == Some(&Value::Bool(true)),
+            given("echo", |v| v != &Value::Bool(false)),
             "echoing the prompt",
         ),
         (
             "suffix",
-            !chat && obj.get("suffix").is_some_and(|v| v.as_str() != Some("")) && set("suffix"),
+            !chat && given("suffix", |v| v.as_str() != Some("")),
             "a suffix",
         ),
         (
             "best_of",
-            obj.get("best_of").is_some_and(|v| v.as_f64() != Some(1.0)) && set("best_of"),
+            given("best_of", |v| v.as_f64() != Some(1.0)),
             "`best_of` other than 1",
         ),
-        (
-            "tools",
-            obj.get("tools")
-                .is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty()))
-                && set("tools"),
-            "tool calls",
-        ),
-        (
-            "functions",
-            obj.get("functions")
-                .is_some_and(|v| v.as_array().is_none_or(|a| !a.is_empty()))
-                && set("functions"),
-            "function calls",
-        ),
+        ("tools", given("tools", any), "tool calls"),
+        ("functions", given("functions", any), "function calls"),
         (
             "response_format",
-            set("response_format")
-                && obj["response_format"].get("type").and_then(Value::as_str) != Some("text"),
+            given("response_format", |v| {
+                v.get("type").and_then(Value::as_str) != Some("text")
+            }),
             "a `response_format` other than text (no constrained decoding)",
         ),
     ];
